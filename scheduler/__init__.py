@@ -1,0 +1,1 @@
+"""Scheduler and hybrid KV cache coordinator: pure Python (no torch, no ray)."""

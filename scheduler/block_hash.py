@@ -1,0 +1,51 @@
+"""Chained hashes of full token blocks, the keys of the prefix cache.
+
+`hash_i = H(hash_{i-1} or SEED, tokens of block i, extra keys of block i)`. A request's hashes cover
+only full blocks and grow as tokens are appended. Pure functions; the request keeps the list.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+import xxhash
+
+BlockHash = bytes
+"""16-byte digest of one block and everything before it."""
+
+ExtraKeys = tuple[str, ...]
+"""Strings that make a block's identity more specific (cache salt, adapter name)."""
+
+SEED: BlockHash = xxhash.xxh3_128_digest(b"hybridserve-prefix-cache-seed")
+"""Parent of block 0: fixed, so hashes are reproducible across processes."""
+
+
+def hash_block_tokens(
+    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None
+) -> BlockHash:
+    """Hash one block of tokens chained to its parent's hash."""
+    hasher = xxhash.xxh3_128(parent if parent is not None else SEED)
+    hasher.update(array("q", token_ids).tobytes())
+    if extra_keys:
+        hasher.update("\x00".join(extra_keys).encode())
+    return hasher.digest()
+
+
+def extend_block_hashes(
+    block_hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    cache_salt: str | None = None,
+) -> None:
+    """Append the hashes of every full block of `token_ids` not hashed yet (in place).
+
+    The cache salt is an extra key of block 0 only; chaining carries it to every later block.
+    """
+    num_full_blocks = len(token_ids) // block_size
+    parent = block_hashes[-1] if block_hashes else None
+    for index in range(len(block_hashes), num_full_blocks):
+        start = index * block_size
+        extra = (cache_salt,) if index == 0 and cache_salt is not None else None
+        parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra)
+        block_hashes.append(parent)

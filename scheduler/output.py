@@ -1,0 +1,121 @@
+"""The wire contract between the scheduler, the workers and the engine.
+
+`SchedulerOutput` goes to every worker rank each step (new requests in full, running ones as
+deltas, block IDs as one list per KV cache group); `ModelRunnerOutput` comes back from rank 0;
+`RequestOutput` is what the scheduler hands the engine after each step.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from scheduler.request import SamplingParams
+
+GroupBlockIds = tuple[list[int], ...]
+"""Block IDs of one request, one list per KV cache group (block 0 is the null block)."""
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the workers have not seen: everything they need to run it."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: GroupBlockIds
+    """All current blocks per group, null blocks (0) included."""
+    num_computed_tokens: int
+    """Tokens already in the cache (prefix-cache hit) before this step."""
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """A request the workers already hold, as a delta."""
+
+    req_id: str
+    num_computed_tokens: int
+    """Tokens in the cache before this step."""
+    new_token_ids: list[int]
+    """Tokens appended to the request since the workers last saw it (sampled tokens)."""
+    new_block_ids: GroupBlockIds | None
+    """Blocks allocated this step per group (None: none in any group)."""
+    is_resumed: bool = False
+    """Resumed after preemption: `new_block_ids` are complete lists that replace the worker's, and
+    `new_token_ids` hold every token after the prompt."""
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What every worker rank runs this step."""
+
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    """Tokens computed this step, per request ID."""
+    total_num_scheduled_tokens: int
+    num_common_prefix_blocks: tuple[int, ...]
+    """Leading blocks shared by every running request, per group (cascade attention)."""
+    finished_req_ids: frozenset[str]
+    """Requests that finished or were aborted since the last step: workers drop their state."""
+    preempted_req_ids: frozenset[str] = frozenset()
+    """Requests preempted this step: workers drop their state until they are resumed."""
+
+    @property
+    def is_empty(self) -> bool:
+        """No tokens to compute (workers only drop finished state)."""
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Logprob of one chosen token plus the top-n alternatives at that position."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    """1 for the most likely token."""
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """What rank 0 returns after a step."""
+
+    req_ids: list[str]
+    """Requests scheduled this step, in batch order."""
+    sampled_token_ids: list[list[int]]
+    """Per request: the sampled token, or empty for a prefill chunk that is not the last."""
+    logprobs: dict[str, list[TokenLogprobs]] | None = None
+    """Per request: logprobs of the sampled tokens, when the request asked for them."""
+    prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None
+    """Per request: logprobs of the prompt tokens computed this step (position 0 has none)."""
+
+
+class FinishReason(enum.Enum):
+    """Why a request ended (OpenAI's `finish_reason` values)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """New tokens of one request after a step, for the engine to stream."""
+
+    req_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+    """The stop token (EOS or a stop token ID) that ended the request, if any."""
+    new_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,150 @@
+"""Requests as the scheduler sees them, and their sampling parameters.
+
+`SamplingParams` is frozen and validated at construction; `Request` is the scheduler-owned mutable
+state (tokens, computed tokens, block hashes). Workers receive both through `scheduler.output`.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from scheduler.block_hash import BlockHash, extend_block_hashes
+
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop (OpenAI/vLLM semantics)."""
+
+    temperature: float = 1.0
+    """0 means greedy."""
+    top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 keeps all (vLLM's convention)."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the top token's."""
+    max_tokens: int = 16
+    """Most tokens to generate."""
+    min_tokens: int = 0
+    """Stop conditions (EOS, stop tokens) are ignored until this many tokens exist."""
+    logprobs: int | None = None
+    """Return the sampled token's logprob and this many top logprobs per step (0-20)."""
+    prompt_logprobs: int | None = None
+    """Return this many top logprobs per prompt token (0-20)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Tokens that end generation (besides EOS)."""
+    seed: int | None = None
+    """Per-request seed: the same seed gives the same tokens."""
+    ignore_eos: bool = False
+    """Keep generating past EOS."""
+
+    def __post_init__(self) -> None:
+        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(
+            self.top_k >= -1 and self.top_k != 0,
+            f"top_k must be -1 (disabled) or >= 1, got {self.top_k}",
+        )
+        _check(0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}")
+        _check(self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}")
+        _check(
+            0 <= self.min_tokens <= self.max_tokens,
+            f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
+        )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(
+                value is None or 0 <= value <= MAX_LOGPROBS,
+                f"{name} must be in [0, {MAX_LOGPROBS}], got {value}",
+            )
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            f"stop_token_ids must be non-negative ints, got {self.stop_token_ids}",
+        )
+
+    @property
+    def is_greedy(self) -> bool:
+        """Whether sampling reduces to argmax."""
+        return self.temperature == 0
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+class RequestStatus(enum.Enum):
+    """Life cycle of a request inside the scheduler."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH_CAPPED = "finished_length_capped"
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        """Whether the request left the scheduler for good."""
+        return self.name.startswith("FINISHED")
+
+
+@dataclass(eq=False)
+class Request:
+    """Scheduler-owned state of one request.
+
+    Token layout:  [ prompt_token_ids | output_token_ids ]
+                   [ computed .......... | to compute   ]   num_computed_tokens splits them
+    """
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    hash_block_size: int
+    """Granularity of `block_hashes` (the smallest KV cache group block size)."""
+    eos_token_id: int | None = None
+    priority: int = 0
+    """Lower values are scheduled first under the priority policy."""
+    arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None
+    """Isolates this request's prefix-cache entries from requests with another salt."""
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1
+    """Prefix-cache hit length at first admission; set once."""
+    status: RequestStatus = RequestStatus.WAITING
+    block_hashes: list[BlockHash] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.req_id!r} has an empty prompt")
+        self.all_token_ids = list(self.prompt_token_ids)
+        self._extend_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    def append_output_token_ids(self, token_ids: list[int]) -> None:
+        """Append sampled tokens; block hashes extend as blocks fill."""
+        self.output_token_ids.extend(token_ids)
+        self.all_token_ids.extend(token_ids)
+        self._extend_hashes()
+
+    def _extend_hashes(self) -> None:
+        extend_block_hashes(
+            self.block_hashes, self.all_token_ids, self.hash_block_size, self.cache_salt
+        )

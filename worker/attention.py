@@ -1,0 +1,135 @@
+"""The attention layer and the per-step metadata it reads.
+
+Models build one `Attention` per attention layer; each step the runner passes a `ForwardContext`
+holding, per layer name, the metadata of that layer's attention group and the layer's KV cache.
+No global context: the context is an argument of every forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from scheduler.kv_cache_spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+)
+
+StoreKVCache = Callable[..., None]
+PagedAttention = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Everything a paged-attention call needs for one attention group in one step."""
+
+    query_start_loc: torch.Tensor
+    """[num_reqs + 1] int32: request i owns query rows [qsl[i], qsl[i+1])."""
+    seq_lens: torch.Tensor
+    """[num_reqs] int32: tokens in the cache after this step (context + new)."""
+    block_table: torch.Tensor
+    """[num_reqs, max_blocks] int32: logical block -> cache block, in kernel block units."""
+    slot_mapping: torch.Tensor
+    """[num_tokens] int64: cache slot of each new token (-1: do not store)."""
+    max_query_len: int
+    max_seq_len: int
+    num_actual_tokens: int
+    store_kv_cache: StoreKVCache = field(repr=False)
+    paged_attention: PagedAttention = field(repr=False)
+    query_rows: torch.Tensor | None = None
+    """Rows of the step's hidden states this group computes (truncated prefill); None: all."""
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    """Per-step inputs of the attention layers, found by layer name."""
+
+    metadata: dict[str, AttentionMetadata]
+    kv_caches: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    """Per layer: key and value caches [num_blocks, block_size, num_kv_heads, head_size]."""
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Static description of one attention layer (on this tensor-parallel rank)."""
+
+    layer_name: str
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float
+    sliding_window: int | None = None
+    attention_chunk_size: int | None = None
+    logits_softcap: float | None = None
+    kv_sharing_target: str | None = None
+    """Earlier layer whose KV cache this layer reads; it then owns no KV memory."""
+
+
+class Attention(nn.Module):
+    """Paged causal attention over the KV cache of this layer (or of its sharing target)."""
+
+    def __init__(self, config: AttentionConfig) -> None:
+        super().__init__()
+        if config.num_heads % config.num_kv_heads:
+            raise ValueError(
+                f"{config.layer_name}: {config.num_heads} query heads are not a multiple of "
+                f"{config.num_kv_heads} KV heads"
+            )
+        self.config = config
+
+    @property
+    def layer_name(self) -> str:
+        return self.config.layer_name
+
+    def kv_cache_spec(self, block_size: int, dtype_bytes: int) -> KVCacheSpec | None:
+        """This layer's KV spec; None when it reads another layer's cache."""
+        cfg = self.config
+        if cfg.kv_sharing_target is not None:
+            return None
+        shape = {"num_kv_heads": cfg.num_kv_heads, "head_size": cfg.head_size}
+        if cfg.sliding_window is not None:
+            return SlidingWindowSpec(
+                block_size=block_size, dtype_bytes=dtype_bytes, sliding_window=cfg.sliding_window,
+                **shape,
+            )
+        if cfg.attention_chunk_size is not None:
+            return ChunkedLocalAttentionSpec(
+                block_size=block_size, dtype_bytes=dtype_bytes,
+                attention_chunk_size=cfg.attention_chunk_size, **shape,
+            )
+        return FullAttentionSpec(block_size=block_size, dtype_bytes=dtype_bytes, **shape)
+
+    def forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        """query [T, num_heads * head_size], key/value [T, num_kv_heads * head_size] -> [T, H*D].
+
+        Chunked local attention arrives here already cut into virtual requests by the metadata
+        transform, so the kernel needs no chunk argument.
+        """
+        cfg = self.config
+        meta = ctx.metadata[cfg.layer_name]
+        key_cache, value_cache = ctx.kv_caches[cfg.layer_name]
+        num_tokens = query.shape[0]
+        query = query.view(num_tokens, cfg.num_heads, cfg.head_size)
+        if cfg.kv_sharing_target is None:
+            key = key.view(-1, cfg.num_kv_heads, cfg.head_size)
+            value = value.view(-1, cfg.num_kv_heads, cfg.head_size)
+            meta.store_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        out = meta.paged_attention(
+            query,
+            key_cache,
+            value_cache,
+            meta.block_table,
+            meta.query_start_loc,
+            meta.seq_lens,
+            cfg.scale,
+            sliding_window=cfg.sliding_window,
+            softcap=cfg.logits_softcap,
+        )
+        return out.reshape(num_tokens, cfg.num_heads * cfg.head_size)
