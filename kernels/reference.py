@@ -52,7 +52,7 @@ def store_kv_cache(
     value_cache[block_ids, offsets] = value[is_stored].to(value_cache.dtype)
 
 
-def paged_attention(
+def paged_attention(  # noqa: PLR0913 (the signature shared by every backend)
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -138,7 +138,7 @@ def _attend(query: torch.Tensor, first_pos: int, paged: _PagedKV, rule: _ScoreRu
     keys, values = _gather_keys(paged, key_start, key_end)  # [num_kv_heads, num_keys, head_size]
 
     # [num_kv_heads, group * q_len, head_size]: all query heads of one KV head in one matmul.
-    q = query.float().view(q_len, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
+    q = query.float().reshape(q_len, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
     scores = torch.matmul(q.reshape(num_kv_heads, group * q_len, head_size), keys.mT)
     scores = scores.view(num_kv_heads, group, q_len, -1) * rule.scale
     if rule.softcap is not None:

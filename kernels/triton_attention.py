@@ -1,0 +1,268 @@
+"""Triton paged attention over a mixed batch of prefill chunks and decodes, in one launch.
+
+A program owns one query tile (`BLOCK_Q` tokens of one request x all query heads of one KV
+head, so GQA decode runs on tensor cores), one KV head and one split of the key range:
+
+    grid = (query tiles, num_kv_heads, num_splits)
+    query tile rows:  row r -> token r // GROUP_PAD, query head kv_head * GROUP + r % GROUP_PAD
+
+With more than one split (long decodes, few requests) each split writes an unnormalised
+partial result and a second kernel merges them. Block size is free: keys are walked in tiles
+of `BLOCK_N` positions and each position looks up its block in the block table.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.reference import check_attention_args
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+
+
+class LaunchConfig(NamedTuple):
+    """Tile sizes and KV splits of one launch (`choose_launch_config` picks defaults)."""
+
+    block_q: int
+    """Query tokens per tile; the tile has `block_q * next_pow2(group)` rows (>= 16)."""
+    block_n: int
+    """Key positions per inner-loop step."""
+    num_splits: int
+    """Splits of each key range (a power of two); > 1 adds a merge kernel."""
+    num_warps: int = 4
+
+
+def is_interpreted() -> bool:
+    """Whether Triton runs kernels on the CPU interpreter (TRITON_INTERPRET=1 at import)."""
+    return not isinstance(_paged_attention_kernel, triton.runtime.JITFunction)
+
+
+@triton.jit
+def _find_request(query_start_loc_ptr, num_reqs, tile_idx, BLOCK_Q: tl.constexpr):  # type: ignore[no-untyped-def]
+    # Request i's tiles start at query_start_loc[i] // BLOCK_Q + i, which bounds the tiles of
+    # the requests before it; return the last request whose first tile is <= tile_idx.
+    lo = tl.zeros((), tl.int32)
+    hi = num_reqs + tl.zeros((), tl.int32)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        is_before = first_tile <= tile_idx
+        lo = tl.where(is_before, mid + 1, lo)
+        hi = tl.where(is_before, hi, mid)
+    return lo - 1
+
+
+@triton.jit
+def _tanh(x):  # type: ignore[no-untyped-def]
+    # No libdevice (the interpreter lacks it): tanh(x) = 1 - 2 / (exp(2x) + 1).
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _paged_attention_kernel(  # type: ignore[no-untyped-def]
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
+    scale, softcap, sliding_window, num_reqs, block_size,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr,
+    HEAD_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    tile_idx = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    req = _find_request(query_start_loc_ptr, num_reqs, tile_idx, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + req)
+    q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
+    q_local = (tile_idx - q_start // BLOCK_Q - req) * BLOCK_Q  # first token of the tile
+    if q_local >= q_len:
+        return
+    context_len = tl.load(seq_lens_ptr + req) - q_len
+
+    # Query tile [BLOCK_M, HEAD_PAD]; padding rows and columns load 0 and are never stored.
+    BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
+    rows = tl.arange(0, BLOCK_M)
+    row_token = q_local + rows // GROUP_PAD
+    row_head = kv_head * GROUP + rows % GROUP_PAD
+    row_ok = (rows % GROUP_PAD < GROUP) & (row_token < q_len)
+    row_pos = context_len + row_token
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = dims < HEAD_SIZE
+    q_offs = (q_start + row_token)[:, None] * stride_qt + row_head[:, None] * stride_qh
+    q = tl.load(q_ptr + q_offs + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    # Keys this tile may see: [key_start, key_end); tiles outside the window are not visited.
+    key_end = tl.minimum(context_len + q_local + BLOCK_Q, context_len + q_len)
+    key_start = 0
+    if HAS_WINDOW:
+        key_start = tl.maximum(context_len + q_local - sliding_window + 1, 0)
+    first_tile = key_start // BLOCK_N
+    tiles_per_split = tl.cdiv(tl.cdiv(key_end, BLOCK_N) - first_tile, NUM_SPLITS)
+    tile_begin = first_tile + split * tiles_per_split
+    tile_end = tl.minimum(tile_begin + tiles_per_split, tl.cdiv(key_end, BLOCK_N))
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    block_table_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    for key_tile in range(tile_begin, tile_end):
+        key_pos = key_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        key_ok = (key_pos >= key_start) & (key_pos < key_end)
+        # Masked: block-table entries of positions outside the range are never read.
+        block_ids = tl.load(block_table_row + key_pos // block_size, mask=key_ok, other=0)
+        block_ids = block_ids.to(tl.int64)
+        slot_in_block = key_pos % block_size
+        k_offs = block_ids * stride_kb + slot_in_block * stride_ks + kv_head * stride_kh
+        k_mask = key_ok[None, :] & dim_ok[:, None]
+        k = tl.load(k_cache_ptr + k_offs[None, :] + dims[:, None], mask=k_mask, other=0.0)
+        v_offs = block_ids * stride_vb + slot_in_block * stride_vs + kv_head * stride_vh
+        v_mask = key_ok[:, None] & dim_ok[None, :]
+        v = tl.load(v_cache_ptr + v_offs[:, None] + dims[None, :], mask=v_mask, other=0.0)
+        if DOT_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
+        if HAS_SOFTCAP:
+            scores = softcap * _tanh(scores / softcap)
+        is_visible = row_ok[:, None] & key_ok[None, :] & (key_pos[None, :] <= row_pos[:, None])
+        if HAS_WINDOW:
+            is_visible = is_visible & (row_pos[:, None] - key_pos[None, :] < sliding_window)
+        scores = tl.where(is_visible, scores, float("-inf"))
+
+        # Online softmax; rows that have seen no key yet keep m = -inf, so shift by 0 there.
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        probs = tl.exp2((scores - m_shift[:, None]) * _LOG2E)
+        alpha = tl.exp2((m_i - m_shift) * _LOG2E)
+        l_i = l_i * alpha + tl.sum(probs, 1)
+        acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    out_mask = row_ok[:, None] & dim_ok[None, :]
+    tokens = q_start + row_token
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out_offs = tokens[:, None] * stride_ot + row_head[:, None] * stride_oh + dims[None, :]
+        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # Partials: [num_tokens, num_q_heads, NUM_SPLITS] (+ [HEAD_PAD] for acc), contiguous.
+        part = (tokens * (tl.num_programs(1) * GROUP) + row_head) * NUM_SPLITS + split
+        tl.store(part_max_ptr + part, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + part, l_i, mask=row_ok)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + dims[None, :], acc, mask=out_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(  # type: ignore[no-untyped-def]
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, stride_ot, stride_oh,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    part = (token * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    dims = tl.arange(0, HEAD_PAD)
+    part_max = tl.load(part_max_ptr + part)
+    max_all = tl.max(part_max, 0)
+    max_all = tl.where(max_all == float("-inf"), 0.0, max_all)
+    weight = tl.exp2((part_max - max_all) * _LOG2E)  # 0 for empty splits (max = -inf)
+    total = tl.sum(tl.load(part_sum_ptr + part) * weight, 0)
+    acc = tl.load(part_acc_ptr + part[:, None] * HEAD_PAD + dims[None, :])
+    out = tl.sum(acc * weight[:, None], 0) / tl.where(total == 0.0, 1.0, total)
+    out_offs = token * stride_ot + head * stride_oh + dims
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_SIZE)
+
+
+def choose_launch_config(
+    num_tokens: int, num_reqs: int, num_kv_heads: int, group: int, device: torch.device
+) -> LaunchConfig:
+    """Tile sizes from host-known sizes only (no device sync).
+
+    Batches with one token per request are treated as decodes: small query tiles and, on a
+    GPU with more SMs than (request, KV head) pairs, the key range split across programs.
+    """
+    group_pad = triton.next_power_of_2(group)
+    is_decode = num_tokens <= num_reqs
+    block_m = max(16, group_pad) if is_decode else max(64, group_pad)
+    num_splits = 1
+    if is_decode and device.type == "cuda":
+        num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+        programs = max(1, num_reqs * num_kv_heads)
+        if programs < num_sms:
+            num_splits = min(16, triton.next_power_of_2(math.ceil(2 * num_sms / programs)))
+    return LaunchConfig(block_q=block_m // group_pad, block_n=32, num_splits=num_splits)
+
+
+def paged_attention(  # the signature shared by every backend
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    *,
+    launch: LaunchConfig | None = None,
+) -> torch.Tensor:
+    """Paged attention of a mixed batch; same contract as `kernels.reference.paged_attention`.
+
+    `launch` overrides the tile sizes and KV splits (tests use it to reach every path).
+    """
+    check_attention_args(query, key_cache, value_cache, block_table, sliding_window)
+    assert query.stride(2) == 1 and key_cache.stride(3) == 1 and value_cache.stride(3) == 1
+    assert block_table.stride(1) == 1, "block-table rows must be contiguous"
+    num_tokens, num_q_heads, head_size = query.shape
+    num_kv_heads = key_cache.shape[2]
+    num_reqs = seq_lens.shape[0]
+    group = num_q_heads // num_kv_heads
+    if launch is None:
+        launch = choose_launch_config(num_tokens, num_reqs, num_kv_heads, group, query.device)
+    output = torch.empty_like(query)
+    if num_reqs == 0 or num_tokens == 0:
+        return output
+    head_pad = max(16, triton.next_power_of_2(head_size))
+    partials = _allocate_partials(output, launch.num_splits, head_pad)
+    is_fp32 = query.dtype == torch.float32
+    grid = (num_tokens // launch.block_q + num_reqs, num_kv_heads, launch.num_splits)
+    _paged_attention_kernel[grid](
+        output, *partials,
+        query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
+        scale, softcap or 1.0, sliding_window or 1, num_reqs, key_cache.shape[1],
+        query.stride(0), query.stride(1), output.stride(0), output.stride(1), block_table.stride(0),
+        *key_cache.stride()[:3], *value_cache.stride()[:3],
+        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_SIZE=head_size,
+        HEAD_PAD=head_pad, BLOCK_Q=launch.block_q, BLOCK_N=launch.block_n,
+        NUM_SPLITS=launch.num_splits, HAS_WINDOW=sliding_window is not None,
+        HAS_SOFTCAP=softcap is not None, DOT_FP32=is_interpreted() or is_fp32,
+        DOT_PRECISION="ieee" if is_fp32 else "tf32", num_warps=launch.num_warps,
+    )  # fmt: skip
+    if launch.num_splits > 1:
+        _merge_splits_kernel[(num_tokens, num_q_heads)](
+            output, *partials, output.stride(0), output.stride(1),
+            HEAD_SIZE=head_size, HEAD_PAD=head_pad, NUM_SPLITS=launch.num_splits,
+        )  # fmt: skip
+    return output
+
+
+def _allocate_partials(
+    output: torch.Tensor, num_splits: int, head_pad: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 (acc, running max, running sum) per (token, query head, split); dummies if unsplit."""
+    if num_splits == 1:
+        dummy = torch.empty(1, dtype=torch.float32, device=output.device)
+        return dummy, dummy, dummy
+    num_tokens, num_q_heads, _ = output.shape
+    stats = torch.empty((num_tokens, num_q_heads, num_splits), dtype=torch.float32, device=output.device)
+    acc = torch.empty((*stats.shape, head_pad), dtype=torch.float32, device=output.device)
+    return acc, stats, torch.empty_like(stats)

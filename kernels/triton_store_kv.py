@@ -1,0 +1,65 @@
+"""Triton `store_kv_cache`: scatter new K/V rows into the paged cache through `slot_mapping`.
+
+One program per token copies its `[num_kv_heads, head_size]` key and value rows. The caches
+may be strided views into a shared buffer; only each row of `head_size` must be contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.reference import check_store_args
+
+
+@triton.jit
+def _store_kv_kernel(  # type: ignore[no-untyped-def]
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, block_size,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kcb, stride_kcs, stride_kch, stride_vcb, stride_vcs, stride_vch,
+    NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:  # padding token
+        return
+    block_id = slot // block_size
+    offset = slot % block_size
+    heads = tl.arange(0, HEADS_PAD)[:, None]
+    dims = tl.arange(0, HEAD_PAD)[None, :]
+    mask = (heads < NUM_HEADS) & (dims < HEAD_SIZE)
+
+    key = tl.load(key_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
+    k_dst = k_cache_ptr + block_id * stride_kcb + offset * stride_kcs + heads * stride_kch + dims
+    tl.store(k_dst, key.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    value = tl.load(value_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+    v_dst = v_cache_ptr + block_id * stride_vcb + offset * stride_vcs + heads * stride_vch + dims
+    tl.store(v_dst, value.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write `key`/`value` `[num_tokens, num_kv_heads, head_size]` into the caches in place.
+
+    Same contract as `kernels.reference.store_kv_cache`: slot -1 skips a token.
+    """
+    check_store_args(key, value, key_cache, value_cache, slot_mapping)
+    assert key.stride(2) == 1 and value.stride(2) == 1, "head_size must be contiguous"
+    assert key_cache.stride(3) == 1 and value_cache.stride(3) == 1
+    num_tokens, num_heads, head_size = key.shape
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](
+        key, value, key_cache, value_cache, slot_mapping, key_cache.shape[1],
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        *key_cache.stride()[:3], *value_cache.stride()[:3],
+        NUM_HEADS=num_heads, HEADS_PAD=triton.next_power_of_2(num_heads),
+        HEAD_SIZE=head_size, HEAD_PAD=triton.next_power_of_2(head_size),
+    )  # fmt: skip
