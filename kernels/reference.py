@@ -97,8 +97,10 @@ def check_store_args(
     slot_mapping: torch.Tensor,
 ) -> None:
     """Assert the shapes `store_kv_cache` relies on (shared by every backend)."""
-    assert key.dim() == 3 and key.shape == value.shape, (key.shape, value.shape)
-    assert key_cache.dim() == 4 and key_cache.shape == value_cache.shape
+    assert key.dim() == 3, key.shape
+    assert key.shape == value.shape, (key.shape, value.shape)
+    assert key_cache.dim() == 4, key_cache.shape
+    assert key_cache.shape == value_cache.shape, (key_cache.shape, value_cache.shape)
     assert key_cache.shape[2:] == key.shape[1:], (key_cache.shape, key.shape)
     assert slot_mapping.shape == (key.shape[0],), slot_mapping.shape
 
@@ -111,7 +113,8 @@ def check_attention_args(
     sliding_window: int | None,
 ) -> None:
     """Assert the shapes `paged_attention` relies on (shared by every backend)."""
-    assert query.dim() == 3 and key_cache.dim() == 4, (query.shape, key_cache.shape)
+    assert query.dim() == 3, query.shape
+    assert key_cache.dim() == 4, key_cache.shape
     assert key_cache.shape == value_cache.shape, (key_cache.shape, value_cache.shape)
     assert query.shape[2] == key_cache.shape[3], (query.shape, key_cache.shape)
     assert query.shape[1] % key_cache.shape[2] == 0, "num_q_heads % num_kv_heads != 0"
@@ -154,8 +157,10 @@ def _attend(query: torch.Tensor, first_pos: int, paged: _PagedKV, rule: _ScoreRu
     return out.permute(2, 0, 1, 3).reshape(q_len, num_q_heads, head_size).to(query.dtype)
 
 
-def _gather_keys(paged: _PagedKV, key_start: int, key_end: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values at positions `[key_start, key_end)` as fp32 `[num_kv_heads, n, head_size]`."""
+def _gather_keys(
+    paged: _PagedKV, key_start: int, key_end: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values at positions `[key_start, key_end)`, fp32 `[num_kv_heads, n, head_size]`."""
     block_size = paged.key_cache.shape[1]
     first_block = key_start // block_size
     last_block = (key_end - 1) // block_size

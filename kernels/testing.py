@@ -56,7 +56,9 @@ def allocate_caches(
     return raw[0], raw[1]
 
 
-def make_paged_batch(spec: BatchSpec, seed: int = 0, device: torch.device | str = "cpu") -> PagedBatch:
+def make_paged_batch(
+    spec: BatchSpec, seed: int = 0, device: torch.device | str = "cpu"
+) -> PagedBatch:
     """Random query and K/V for `spec`, with K/V scattered into a paged cache."""
     gen = torch.Generator().manual_seed(seed)
     block_size = spec.block_size
@@ -79,15 +81,15 @@ def make_paged_batch(spec: BatchSpec, seed: int = 0, device: torch.device | str 
         block_table[req_idx, first_live : len(ids)] = ids[first_live:]
         keys.append(key.to(device))
         values.append(value.to(device))
-    lens = torch.tensor([[q_len, seq_len] for q_len, seq_len in spec.requests]).reshape(-1, 2)
+    lens = torch.tensor(spec.requests, dtype=torch.int32).reshape(-1, 2)
+    query_shape = (int(lens[:, 0].sum()), spec.num_q_heads, spec.head_size)
     return PagedBatch(
-        query=_randn((int(lens[:, 0].sum()), spec.num_q_heads, spec.head_size), spec.dtype, gen)
-        .to(device),
+        query=_randn(query_shape, spec.dtype, gen).to(device),
         key_cache=key_cache,
         value_cache=value_cache,
         block_table=block_table.to(torch.int32).to(device),
         query_start_loc=torch.nn.functional.pad(lens[:, 0].cumsum(0), (1, 0)).int().to(device),
-        seq_lens=lens[:, 1].int().to(device),
+        seq_lens=lens[:, 1].contiguous().to(device),
         keys=tuple(keys),
         values=tuple(values),
     )
@@ -102,7 +104,7 @@ def dense_attention(
     """Naive float64 attention over the unpaged K/V, one request at a time."""
     starts = batch.query_start_loc.tolist()
     outputs = []
-    for req_idx, (key, value) in enumerate(zip(batch.keys, batch.values)):
+    for req_idx, (key, value) in enumerate(zip(batch.keys, batch.values, strict=True)):
         query = batch.query[starts[req_idx] : starts[req_idx + 1]].double()
         group = query.shape[1] // key.shape[1]
         key = key.double().repeat_interleave(group, dim=1)  # [seq_len, num_q_heads, head_size]

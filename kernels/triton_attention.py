@@ -42,7 +42,7 @@ def is_interpreted() -> bool:
     return not isinstance(_paged_attention_kernel, triton.runtime.JITFunction)
 
 
-@triton.jit
+@triton.jit  # type: ignore[untyped-decorator]
 def _find_request(query_start_loc_ptr, num_reqs, tile_idx, BLOCK_Q: tl.constexpr):  # type: ignore[no-untyped-def]
     # Request i's tiles start at query_start_loc[i] // BLOCK_Q + i, which bounds the tiles of
     # the requests before it; return the last request whose first tile is <= tile_idx.
@@ -63,7 +63,7 @@ def _tanh(x):  # type: ignore[no-untyped-def]
     return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
 
 
-@triton.jit
+@triton.jit  # type: ignore[untyped-decorator]
 def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
@@ -162,7 +162,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         tl.store(part_acc_ptr + part[:, None] * HEAD_PAD + dims[None, :], acc, mask=out_mask)
 
 
-@triton.jit
+@triton.jit  # type: ignore[untyped-decorator]
 def _merge_splits_kernel(  # type: ignore[no-untyped-def]
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, stride_ot, stride_oh,
     HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
@@ -183,7 +183,12 @@ def _merge_splits_kernel(  # type: ignore[no-untyped-def]
 
 
 def choose_launch_config(
-    num_tokens: int, num_reqs: int, num_kv_heads: int, group: int, device: torch.device
+    num_tokens: int,
+    num_reqs: int,
+    num_kv_heads: int,
+    group: int,
+    head_size: int,
+    device: torch.device,
 ) -> LaunchConfig:
     """Tile sizes from host-known sizes only (no device sync).
 
@@ -193,13 +198,14 @@ def choose_launch_config(
     group_pad = triton.next_power_of_2(group)
     is_decode = num_tokens <= num_reqs
     block_m = max(16, group_pad) if is_decode else max(64, group_pad)
+    block_n = 64 if head_size <= 128 else 32
     num_splits = 1
     if is_decode and device.type == "cuda":
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         programs = max(1, num_reqs * num_kv_heads)
         if programs < num_sms:
             num_splits = min(16, triton.next_power_of_2(math.ceil(2 * num_sms / programs)))
-    return LaunchConfig(block_q=block_m // group_pad, block_n=32, num_splits=num_splits)
+    return LaunchConfig(block_q=block_m // group_pad, block_n=block_n, num_splits=num_splits)
 
 
 def paged_attention(  # the signature shared by every backend
@@ -220,14 +226,18 @@ def paged_attention(  # the signature shared by every backend
     `launch` overrides the tile sizes and KV splits (tests use it to reach every path).
     """
     check_attention_args(query, key_cache, value_cache, block_table, sliding_window)
-    assert query.stride(2) == 1 and key_cache.stride(3) == 1 and value_cache.stride(3) == 1
+    assert query.stride(2) == 1, "head_size must be contiguous"
+    assert key_cache.stride(3) == 1, "head_size must be contiguous"
+    assert value_cache.stride(3) == 1, "head_size must be contiguous"
     assert block_table.stride(1) == 1, "block-table rows must be contiguous"
     num_tokens, num_q_heads, head_size = query.shape
     num_kv_heads = key_cache.shape[2]
     num_reqs = seq_lens.shape[0]
     group = num_q_heads // num_kv_heads
     if launch is None:
-        launch = choose_launch_config(num_tokens, num_reqs, num_kv_heads, group, query.device)
+        launch = choose_launch_config(
+            num_tokens, num_reqs, num_kv_heads, group, head_size, query.device
+        )
     output = torch.empty_like(query)
     if num_reqs == 0 or num_tokens == 0:
         return output
@@ -237,7 +247,8 @@ def paged_attention(  # the signature shared by every backend
     grid = (num_tokens // launch.block_q + num_reqs, num_kv_heads, launch.num_splits)
     _paged_attention_kernel[grid](
         output, *partials,
-        query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
+        query, key_cache, value_cache, block_table, query_start_loc.contiguous(),
+        seq_lens.contiguous(),
         scale, softcap or 1.0, sliding_window or 1, num_reqs, key_cache.shape[1],
         query.stride(0), query.stride(1), output.stride(0), output.stride(1), block_table.stride(0),
         *key_cache.stride()[:3], *value_cache.stride()[:3],
@@ -263,6 +274,7 @@ def _allocate_partials(
         dummy = torch.empty(1, dtype=torch.float32, device=output.device)
         return dummy, dummy, dummy
     num_tokens, num_q_heads, _ = output.shape
-    stats = torch.empty((num_tokens, num_q_heads, num_splits), dtype=torch.float32, device=output.device)
-    acc = torch.empty((*stats.shape, head_pad), dtype=torch.float32, device=output.device)
+    shape = (num_tokens, num_q_heads, num_splits)
+    stats = torch.empty(shape, dtype=torch.float32, device=output.device)
+    acc = torch.empty((*shape, head_pad), dtype=torch.float32, device=output.device)
     return acc, stats, torch.empty_like(stats)

@@ -13,7 +13,7 @@ import triton.language as tl
 from kernels.reference import check_store_args
 
 
-@triton.jit
+@triton.jit  # type: ignore[untyped-decorator]
 def _store_kv_kernel(  # type: ignore[no-untyped-def]
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, block_size,
     stride_kt, stride_kh, stride_vt, stride_vh,
@@ -51,13 +51,13 @@ def store_kv_cache(
     Same contract as `kernels.reference.store_kv_cache`: slot -1 skips a token.
     """
     check_store_args(key, value, key_cache, value_cache, slot_mapping)
-    assert key.stride(2) == 1 and value.stride(2) == 1, "head_size must be contiguous"
-    assert key_cache.stride(3) == 1 and value_cache.stride(3) == 1
+    for tensor in (key, value, key_cache, value_cache):
+        assert tensor.stride(-1) == 1, "head_size must be contiguous"
     num_tokens, num_heads, head_size = key.shape
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping, key_cache.shape[1],
+        key, value, key_cache, value_cache, slot_mapping.contiguous(), key_cache.shape[1],
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         *key_cache.stride()[:3], *value_cache.stride()[:3],
         NUM_HEADS=num_heads, HEADS_PAD=triton.next_power_of_2(num_heads),

@@ -143,7 +143,10 @@ class MambaSpec(KVCacheSpec):
     @property
     def natural_page_bytes(self) -> int:
         """Bytes of all state tensors of one layer, unpadded."""
-        return sum(math.prod(shape) * size for shape, size in zip(self.shapes, self.dtype_bytes))
+        return sum(
+            math.prod(shape) * size
+            for shape, size in zip(self.shapes, self.dtype_bytes, strict=True)
+        )
 
     @property
     def page_size_bytes(self) -> int:
@@ -186,11 +189,85 @@ def merge_specs(specs: list[KVCacheSpec]) -> KVCacheSpec:
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class UniformTypeKVCacheSpecs(KVCacheSpec):
+    """Spec of one group whose layers behave alike but have different page sizes.
+
+    All members have the same type (hence the same manager behaviour: window, chunk, Mamba mode)
+    and the same block size; only their shapes differ (e.g. head sizes). One block ID addresses a
+    page of every member, so a block costs the sum of the member pages.
+    """
+
+    kv_cache_specs: tuple[tuple[str, KVCacheSpec], ...]
+    """(layer name, spec) of every member, in model layer order."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.kv_cache_specs:
+            raise ValueError("UniformTypeKVCacheSpecs needs at least one layer")
+        for name, spec in self.kv_cache_specs:
+            if isinstance(spec, UniformTypeKVCacheSpecs):
+                raise ValueError(f"layer {name!r}: UniformTypeKVCacheSpecs cannot be nested")
+            if spec.block_size != self.block_size:
+                raise ValueError(
+                    f"layer {name!r} has block size {spec.block_size}, the group {self.block_size}"
+                )
+
+    @classmethod
+    def from_layers(cls, specs: dict[str, KVCacheSpec]) -> UniformTypeKVCacheSpecs:
+        """Group spec of `specs` (layer name -> spec, in model order)."""
+        items = tuple(specs.items())
+        if not items:
+            raise ValueError("UniformTypeKVCacheSpecs needs at least one layer")
+        return cls(block_size=items[0][1].block_size, kv_cache_specs=items)
+
+    @property
+    def page_size_bytes(self) -> int:
+        return sum(spec.page_size_bytes for _, spec in self.kv_cache_specs)
+
+    @property
+    def representative(self) -> KVCacheSpec:
+        """The first member: its type and window decide how the group is managed."""
+        return self.kv_cache_specs[0][1]
+
+    def spec_of(self, layer_name: str) -> KVCacheSpec:
+        """The spec of one member layer."""
+        for name, spec in self.kv_cache_specs:
+            if name == layer_name:
+                return spec
+        raise KeyError(layer_name)
+
+    def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
+        return sum(
+            spec.max_memory_usage_bytes(max_model_len, max_num_batched_tokens)
+            for _, spec in self.kv_cache_specs
+        )
+
+    def with_block_size(self, block_size: int) -> KVCacheSpec:
+        members = tuple(
+            (name, spec.with_block_size(block_size)) for name, spec in self.kv_cache_specs
+        )
+        return replace(self, block_size=block_size, kv_cache_specs=members)
+
+
+def manager_spec(spec: KVCacheSpec) -> KVCacheSpec:
+    """The spec whose type decides a group's manager (full, window, chunk, Mamba).
+
+    For `UniformTypeKVCacheSpecs` that is its first member (all members share type, window,
+    chunk, mode and block size); for every other spec it is the spec itself.
+    """
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return spec.representative
+    return spec
+
+
 @dataclass(frozen=True)
 class KVCacheGroupSpec:
     """Layers that share one block table: the same block IDs address each layer's own pages."""
 
     layer_names: tuple[str, ...]
+    """Layers owning KV memory, in model order, then the layers that only read the KV of one of
+    them (KV sharing, also listed in `KVCacheConfig.shared_kv_layers`)."""
     spec: KVCacheSpec
 
 
@@ -200,7 +277,7 @@ class KVCacheTensor:
 
     size_bytes: int
     shared_by: tuple[str, ...]
-    """Layers that view this buffer (at most one per group)."""
+    """Layers that view this buffer (at most one per group; KV-sharing layers never appear)."""
 
 
 @dataclass(frozen=True)
@@ -212,7 +289,8 @@ class KVCacheConfig:
     groups: tuple[KVCacheGroupSpec, ...]
     tensors: tuple[KVCacheTensor, ...]
     shared_kv_layers: tuple[tuple[str, str], ...] = ()
-    """(layer, target) pairs: the layer reads the target's KV and owns no memory."""
+    """(layer, target) pairs in model order: the layer reads the target's KV, owns no memory and
+    belongs to the target's group."""
 
     @property
     def block_sizes(self) -> tuple[int, ...]:

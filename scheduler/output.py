@@ -59,7 +59,9 @@ class SchedulerOutput:
     finished_req_ids: frozenset[str]
     """Requests that finished or were aborted since the last step: workers drop their state."""
     preempted_req_ids: frozenset[str] = frozenset()
-    """Requests preempted this step: workers drop their state until they are resumed."""
+    """Requests preempted this step: workers drop their batch rows, block IDs and output tokens,
+    and keep only the prompt and sampling parameters until the request comes back as a
+    `CachedRequestData` with `is_resumed`."""
 
     @property
     def is_empty(self) -> bool:

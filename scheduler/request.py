@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 from scheduler.block_hash import BlockHash, extend_block_hashes
 
 MAX_LOGPROBS = 20
+SEED_MIN = -(2**63)
+"""Seeds span what a 64-bit generator accepts: signed or unsigned 64-bit values."""
+SEED_MAX = 2**64 - 1
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class SamplingParams:
     """Keep generating past EOS."""
 
     def __post_init__(self) -> None:
+        _check_types(self)
         _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         _check(
@@ -62,8 +66,12 @@ class SamplingParams:
                 f"{name} must be in [0, {MAX_LOGPROBS}], got {value}",
             )
         _check(
-            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
             f"stop_token_ids must be non-negative ints, got {self.stop_token_ids}",
+        )
+        _check(
+            self.seed is None or SEED_MIN <= self.seed <= SEED_MAX,
+            f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}",
         )
 
     @property
@@ -75,6 +83,35 @@ class SamplingParams:
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ValueError(message)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_types(params: SamplingParams) -> None:
+    """Reject wrongly typed fields before the range checks compare them.
+
+    Raises ValueError too (not TypeError), so callers map every invalid parameter to one error.
+    """
+    for name in ("temperature", "top_p", "min_p"):
+        value = getattr(params, name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+    for name in ("top_k", "max_tokens", "min_tokens"):
+        if not _is_int(getattr(params, name)):
+            raise ValueError(f"{name} must be an int, got {getattr(params, name)!r}")
+    for name in ("logprobs", "prompt_logprobs", "seed"):
+        value = getattr(params, name)
+        if value is not None and not _is_int(value):
+            raise ValueError(f"{name} must be an int or None, got {value!r}")
+    if not isinstance(params.stop_token_ids, tuple):
+        raise ValueError(
+            f"stop_token_ids must be a tuple of ints (hashable), got {params.stop_token_ids!r}; "
+            "pass tuple(ids)"
+        )
+    if not isinstance(params.ignore_eos, bool):
+        raise ValueError(f"ignore_eos must be a bool, got {params.ignore_eos!r}")
 
 
 class RequestStatus(enum.Enum):
@@ -114,15 +151,17 @@ class Request:
     """Isolates this request's prefix-cache entries from requests with another salt."""
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = -1
-    """Prefix-cache hit length at first admission; set once."""
+    num_cached_tokens: int | None = None
+    """Prefix-cache hit length at first admission; set once (None until admitted)."""
     status: RequestStatus = RequestStatus.WAITING
     block_hashes: list[BlockHash] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.req_id!r} has an empty prompt")
-        self.all_token_ids = list(self.prompt_token_ids)
+        if self.hash_block_size < 1:
+            raise ValueError(f"hash_block_size must be >= 1, got {self.hash_block_size}")
+        self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
         self._extend_hashes()
 
     @property
@@ -132,10 +171,12 @@ class Request:
 
     @property
     def num_prompt_tokens(self) -> int:
+        """Tokens of the prompt."""
         return len(self.prompt_token_ids)
 
     @property
     def num_output_tokens(self) -> int:
+        """Tokens generated so far."""
         return len(self.output_token_ids)
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:

@@ -1,0 +1,165 @@
+"""Attention backend registry: pick torch, Triton or flash-attn kernels once, at worker start.
+
+`select_backend("auto", ...)` prefers flash-attn, then Triton, on CUDA and the torch
+reference on CPU, and logs why. Kernel modules are imported only when selected.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+BACKEND_NAMES = ("auto", "triton", "flash_attn", "torch")
+
+
+class StoreKVCacheFn(Protocol):
+    """`store_kv_cache(key, value, key_cache, value_cache, slot_mapping)`: writes the caches."""
+
+    def __call__(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None: ...
+
+
+class PagedAttentionFn(Protocol):
+    """`paged_attention(...)` over a mixed batch; see `kernels.reference.paged_attention`."""
+
+    def __call__(  # noqa: PLR0913 (the signature shared by every backend)
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_table: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """The two kernels a worker calls, from one backend."""
+
+    name: str
+    store_kv_cache: StoreKVCacheFn
+    paged_attention: PagedAttentionFn
+
+
+@dataclass(frozen=True)
+class _Request:
+    device: torch.device
+    block_size: int
+    head_size: int
+    dtype: torch.dtype | None
+
+
+@functools.cache
+def triton_import_error() -> str | None:
+    """Why `triton` cannot be imported, or None when it can."""
+    try:
+        importlib.import_module("triton")
+    except Exception as exc:  # missing, or a broken install
+        return f"triton does not import ({type(exc).__name__}: {exc})"
+    return None
+
+
+def select_backend(
+    name: str = "auto",
+    *,
+    device: str | torch.device,
+    block_size: int,
+    head_size: int,
+    dtype: torch.dtype | None = None,
+) -> AttentionBackend:
+    """The backend `name` (one of `BACKEND_NAMES`) for this device and cache layout.
+
+    Raises ValueError naming the reason when an explicitly requested backend is unavailable.
+    """
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKEND_NAMES}")
+    request = _Request(torch.device(device), block_size, head_size, dtype)
+    if name == "auto":
+        return _select_auto(request)
+    reason = _unavailable_reason(name, request)
+    if reason is not None:
+        raise ValueError(f"attention backend {name!r} is unavailable: {reason}")
+    logger.info("attention backend %s (requested explicitly)", name)
+    return _build(name)
+
+
+def _select_auto(request: _Request) -> AttentionBackend:
+    if request.device.type != "cuda":
+        logger.info("attention backend torch: device is %s", request.device.type)
+        return _build("torch")
+    for name in ("flash_attn", "triton"):
+        reason = _unavailable_reason(name, request)
+        if reason is None:
+            logger.info("attention backend %s: available on %s", name, request.device)
+            return _build(name)
+        logger.info("attention backend %s skipped: %s", name, reason)
+    logger.warning("attention backend torch on CUDA: no GPU kernel backend is available")
+    return _build("torch")
+
+
+def _unavailable_reason(name: str, request: _Request) -> str | None:
+    if name == "torch":
+        return None
+    if name == "flash_attn":
+        from kernels import flash_attn
+
+        return flash_attn.unsupported_reason(
+            request.device, request.block_size, request.head_size, request.dtype
+        )
+    return _triton_unavailable_reason(request)
+
+
+def _triton_unavailable_reason(request: _Request) -> str | None:
+    error = triton_import_error()
+    if error is not None:
+        return error
+    if request.head_size > 256:
+        return f"the Triton kernel supports head_size <= 256, got {request.head_size}"
+    if request.device.type == "cuda":
+        return None
+    from kernels import triton_attention
+
+    if request.device.type == "cpu" and triton_attention.is_interpreted():
+        return None
+    return (
+        f"Triton kernels need a CUDA device, not {request.device.type}; on CPU they run only "
+        "when TRITON_INTERPRET=1 is set before triton is imported (slow; meant for tests)"
+    )
+
+
+def _build(name: str) -> AttentionBackend:
+    from kernels import reference
+
+    if name == "torch":
+        return AttentionBackend(name, reference.store_kv_cache, reference.paged_attention)
+    if name == "triton":
+        from kernels import triton_attention, triton_store_kv
+
+        return AttentionBackend(
+            name, triton_store_kv.store_kv_cache, triton_attention.paged_attention
+        )
+    from kernels import flash_attn
+
+    store: StoreKVCacheFn = reference.store_kv_cache  # flash-attn has no cache-store kernel
+    if triton_import_error() is None:
+        from kernels import triton_store_kv
+
+        store = triton_store_kv.store_kv_cache
+    return AttentionBackend(name, store, flash_attn.paged_attention)

@@ -1,0 +1,296 @@
+"""The shared pool of KV cache blocks: free queue, reference counts and the prefix-cache map.
+
+One `BlockPool` serves every KV cache group; the per-type managers call it. Block 0 is the null
+block: a placeholder for "nothing stored here", never handed out, cached or freed.
+
+    free queue:  front [never used | freed unhashed | freed hashed, oldest first ...] tail
+                 pop from the front (evicting a popped block's hash lazily)
+                 unhashed freed blocks go to the front (reused first), hashed ones to the tail
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+
+from scheduler.block_hash import BlockHash
+
+logger = logging.getLogger(__name__)
+
+
+class KVCacheBlock:
+    """One block ID with its bookkeeping; also a node of the free queue."""
+
+    __slots__ = ("block_hash", "block_id", "group_id", "next_free", "prev_free", "ref_cnt")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.block_hash: BlockHash | None = None
+        """Prefix-cache key of the tokens this block holds (None: not registered)."""
+        self.group_id = -1
+        """KV cache group that last allocated the block (the group part of the cache key)."""
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hashed={self.block_hash is not None})"
+
+
+class FreeBlockQueue:
+    """Intrusive doubly linked list of free blocks with O(1) pop, push and unlink."""
+
+    def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
+        self._head = KVCacheBlock(-1)
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free = self._tail
+        self._tail.prev_free = self._head
+        self.num_free_blocks = 0
+        self.append_n(blocks)
+
+    def popleft_n(self, count: int) -> list[KVCacheBlock]:
+        """Unlink and return the first `count` blocks (the caller checked there are enough)."""
+        out = []
+        node = self._head.next_free
+        for _ in range(count):
+            assert node is not None and node is not self._tail, "free queue exhausted"
+            out.append(node)
+            following = node.next_free
+            node.prev_free = node.next_free = None
+            node = following
+        assert node is not None
+        self._head.next_free = node
+        node.prev_free = self._head
+        self.num_free_blocks -= count
+        return out
+
+    def remove(self, block: KVCacheBlock) -> None:
+        """Unlink a block from anywhere in the queue."""
+        prev_node, next_node = block.prev_free, block.next_free
+        assert prev_node is not None and next_node is not None, f"{block} is not in the queue"
+        prev_node.next_free = next_node
+        next_node.prev_free = prev_node
+        block.prev_free = block.next_free = None
+        self.num_free_blocks -= 1
+
+    def append(self, block: KVCacheBlock) -> None:
+        """Put a block at the tail (evicted last)."""
+        last = self._tail.prev_free
+        assert last is not None
+        last.next_free = block
+        block.prev_free = last
+        block.next_free = self._tail
+        self._tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Put blocks at the tail, in order."""
+        for block in blocks:
+            self.append(block)
+
+    def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
+        """Put blocks at the front so that `blocks[0]` is popped first."""
+        node = self._head.next_free
+        assert node is not None
+        for block in reversed(blocks):
+            block.next_free = node
+            node.prev_free = block
+            node = block
+        self._head.next_free = node
+        node.prev_free = self._head
+        self.num_free_blocks += len(blocks)
+
+    def block_ids(self) -> list[int]:
+        """Block IDs from front to tail (tests and invariant checks)."""
+        ids = []
+        node = self._head.next_free
+        while node is not None and node is not self._tail:
+            ids.append(node.block_id)
+            node = node.next_free
+        return ids
+
+
+class BlockPool:
+    """All blocks of the KV cache, shared by every group; see the module docstring for the policy.
+
+    The prefix-cache map is keyed by (block hash, group id): one dict per group maps a hash to the
+    first-registered block still holding it; further blocks with the same key (a block that fills
+    while an identical one is cached) wait in `_duplicates` and are promoted on eviction.
+    """
+
+    def __init__(self, num_blocks: int, num_groups: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1 (the null block), got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
+        self.null_block = self.blocks[0]
+        self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.hash_maps: list[dict[BlockHash, KVCacheBlock]] = [{} for _ in range(num_groups)]
+        """Per group: hash -> first-registered block holding it (what a lookup returns)."""
+        self._duplicates: dict[tuple[int, BlockHash], dict[int, KVCacheBlock]] = {}
+        self._num_used = [0] * num_groups
+        self.num_evictions = 0
+        """Cached blocks whose hash was dropped to reuse them (cumulative)."""
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks with ref count 0 (cached-but-evictable included, null block excluded)."""
+        return self.free_queue.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the usable blocks held by requests."""
+        usable = self.num_blocks - 1
+        return 1.0 - self.num_free_blocks / usable if usable else 0.0
+
+    def usage_per_group(self) -> tuple[float, ...]:
+        """Fraction of the usable blocks each group's requests hold."""
+        usable = max(self.num_blocks - 1, 1)
+        return tuple(used / usable for used in self._num_used)
+
+    def get_cached_block(self, block_hash: BlockHash, group_id: int) -> KVCacheBlock | None:
+        """The block registered under (hash, group), the first-registered one among duplicates."""
+        return self.hash_maps[group_id].get(block_hash)
+
+    def get_new_blocks(self, count: int, group_id: int) -> list[KVCacheBlock]:
+        """Pop `count` blocks from the queue front for `group_id`, evicting their old hashes."""
+        if count > self.free_queue.num_free_blocks:
+            raise ValueError(f"cannot take {count} blocks, only {self.num_free_blocks} are free")
+        blocks = self.free_queue.popleft_n(count)
+        for block in blocks:
+            if block.block_hash is not None:
+                self._drop_hash(block)
+                self.num_evictions += 1
+            block.ref_cnt = 1
+            block.group_id = group_id
+        self._num_used[group_id] += count
+        return blocks
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Take one more reference on each block (a prefix hit); revive free ones."""
+        null = self.null_block
+        for block in blocks:
+            if block is null:
+                continue
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+                self._num_used[block.group_id] += 1
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference on each block, in order; queue those that reach 0.
+
+        Unhashed ones go to the front (the first given is reused first), hashed ones to the tail
+        in the given order, so callers pass a request's blocks tail first.
+        """
+        null = self.null_block
+        to_front: list[KVCacheBlock] = []
+        for block in ordered_blocks:
+            if block is null:
+                continue
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"{block} freed more often than taken"
+            if block.ref_cnt == 0:
+                self._num_used[block.group_id] -= 1
+                if block.block_hash is None:
+                    to_front.append(block)
+                else:
+                    self.free_queue.append(block)
+        if to_front:
+            self.free_queue.prepend_n(to_front)
+
+    def cache_full_blocks(
+        self,
+        block_hashes: Sequence[BlockHash],
+        blocks: Sequence[KVCacheBlock],
+        block_range: range,
+        group_id: int,
+        hash_ratio: int,
+    ) -> None:
+        """Register `blocks[i]` for i in `block_range` (null entries skipped).
+
+        Block i of a group whose block size is `hash_ratio` hash blocks is keyed by the chained
+        hash of its last hash block, which identifies the whole prefix up to its end.
+        """
+        hash_map = self.hash_maps[group_id]
+        null = self.null_block
+        for index in block_range:
+            block = blocks[index]
+            if block is null:
+                continue
+            assert block.block_hash is None, f"{block} is already registered"
+            block_hash = block_hashes[index * hash_ratio + hash_ratio - 1]
+            block.block_hash = block_hash
+            if block_hash in hash_map:
+                self._duplicates.setdefault((group_id, block_hash), {})[block.block_id] = block
+            else:
+                hash_map[block_hash] = block
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        """Forget the hashes of these blocks (their contents can no longer be trusted)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self._drop_hash(block)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every hash; only possible while no request holds a block."""
+        if self.num_free_blocks != self.num_blocks - 1:
+            logger.warning(
+                "cannot reset the prefix cache: %d blocks are in use",
+                self.num_blocks - 1 - self.num_free_blocks,
+            )
+            return False
+        for hash_map in self.hash_maps:
+            hash_map.clear()
+        self._duplicates.clear()
+        for block in self.blocks:
+            block.block_hash = None
+        return True
+
+    def _drop_hash(self, block: KVCacheBlock) -> None:
+        block_hash = block.block_hash
+        assert block_hash is not None
+        hash_map = self.hash_maps[block.group_id]
+        key = (block.group_id, block_hash)
+        if hash_map.get(block_hash) is block:
+            others = self._duplicates.get(key)
+            if others:
+                first_id = next(iter(others))
+                hash_map[block_hash] = others.pop(first_id)
+                if not others:
+                    del self._duplicates[key]
+            else:
+                del hash_map[block_hash]
+        else:
+            others = self._duplicates[key]
+            del others[block.block_id]
+            if not others:
+                del self._duplicates[key]
+        block.block_hash = None
+
+    def check_invariants(self) -> None:
+        """Assert the pool's internal consistency (tests; O(num_blocks))."""
+        queued = self.free_queue.block_ids()
+        assert len(queued) == self.num_free_blocks == len(set(queued))
+        assert 0 not in queued, "the null block is in the free queue"
+        assert self.null_block.block_hash is None
+        queued_set = set(queued)
+        used = [0] * len(self._num_used)
+        for block in self.blocks[1:]:
+            assert (block.ref_cnt == 0) == (block.block_id in queued_set), block
+            if block.ref_cnt > 0:
+                used[block.group_id] += 1
+            if block.block_hash is not None:
+                registered = self.hash_maps[block.group_id].get(block.block_hash)
+                others = self._duplicates.get((block.group_id, block.block_hash), {})
+                assert registered is block or others.get(block.block_id) is block, block
+        assert used == self._num_used, (used, self._num_used)
+        for group_id, hash_map in enumerate(self.hash_maps):
+            for block_hash, block in hash_map.items():
+                assert block.block_hash == block_hash and block.group_id == group_id, block
+        for (group_id, block_hash), others in self._duplicates.items():
+            assert others and block_hash in self.hash_maps[group_id]
+            for block in others.values():
+                assert block.block_hash == block_hash and block.group_id == group_id, block

@@ -1,0 +1,69 @@
+"""Scheduler configuration: one frozen dataclass built once by the engine.
+
+Every field has an attribute docstring; `__post_init__` rejects combinations the scheduler cannot
+honour, with the fix in the message.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class SchedulingPolicy(enum.Enum):
+    """Order of the waiting queue, and which running request is preempted first."""
+
+    FCFS = "fcfs"
+    """First come, first served; the most recently admitted running request is preempted."""
+    PRIORITY = "priority"
+    """Smallest (priority, arrival_time) first; the largest one is preempted."""
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits and policies of one scheduler (one engine)."""
+
+    max_num_seqs: int = 256
+    """Most requests in the running set (and so in one step's batch)."""
+    max_num_batched_tokens: int = 8192
+    """Token budget of one step: prefill chunks plus decode tokens of every scheduled request."""
+    max_model_len: int = 8192
+    """Most tokens (prompt plus output) of one request; prompts must be strictly shorter."""
+    enable_chunked_prefill: bool = True
+    """Split prompts over several steps when the token budget is short. When off, a prompt is
+    scheduled whole or waits for a step with enough budget."""
+    long_prefill_token_threshold: int = 0
+    """Cap on the tokens one prefill may take in a step, so long prompts do not starve decodes;
+    0 disables the cap. Needs chunked prefill."""
+    policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    """Waiting-queue order and preemption victim choice."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of earlier requests that share a prompt prefix."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(
+                "long_prefill_token_threshold must be >= 0 (0 disables it), got "
+                f"{self.long_prefill_token_threshold}"
+            )
+        if not isinstance(self.policy, SchedulingPolicy):
+            raise TypeError(f"policy must be a SchedulingPolicy, got {self.policy!r}")
+        if not self.enable_chunked_prefill:
+            self._check_unchunked()
+
+    def _check_unchunked(self) -> None:
+        if self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill, max_num_batched_tokens ({self.max_num_batched_tokens})"
+                f" must be >= max_model_len ({self.max_model_len}) or long prompts could never "
+                "run; raise it or enable chunked prefill"
+            )
+        if self.long_prefill_token_threshold:
+            raise ValueError(
+                "long_prefill_token_threshold splits prefills and needs enable_chunked_prefill; "
+                "set it to 0 or enable chunked prefill"
+            )

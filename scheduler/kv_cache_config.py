@@ -1,0 +1,267 @@
+"""Build the `KVCacheConfig` of a model: groups, tensor plan, block count, KV sharing, and the
+memory math around it (does a max-length request fit, how long a request could be).
+
+The engine calls `build_kv_cache_config` with the merged per-layer specs of all workers and the
+smallest memory budget they measured; workers allocate and bind tensors from the result.
+
+Tensor plan: buffer i backs the i-th layer of every group; one block ID is used by one group
+at a time, so layers of different groups never overwrite each other's pages.
+
+    group 0 (full): [l1, l2]     buffer 0: l1 | l3 | l4     each buffer = num_blocks pages
+    group 1 (SW)  : [l3, l5]     buffer 1: l2 | l5 | l6
+    group 2 (SW)  : [l4, l6]
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from scheduler.kv_cache_grouping import (
+    attach_sharing,
+    fold_to_full_attention,
+    group_layers,
+    validate_kv_sharing,
+)
+from scheduler.kv_cache_spec import (
+    ChunkedLocalAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    KVCacheTensor,
+    UniformTypeKVCacheSpecs,
+    cdiv,
+    manager_spec,
+)
+
+logger = logging.getLogger(__name__)
+
+MIN_NUM_BLOCKS = 2
+"""The null block plus one usable block."""
+
+
+def build_kv_cache_config(  # noqa: PLR0913 - keyword options of the one public entry point
+    layer_specs: dict[str, KVCacheSpec],
+    memory_bytes: int,
+    *,
+    shared_kv_layers: dict[str, str] | None = None,
+    disable_hybrid: bool = False,
+    num_blocks_override: int | None = None,
+    max_model_len: int | None = None,
+    max_num_batched_tokens: int | None = None,
+) -> KVCacheConfig:
+    """Group the layers, size the pool and plan the buffers for `memory_bytes` of KV memory.
+
+    Args:
+        layer_specs: spec of every layer that owns KV memory, in model order. A KV-sharing
+            layer may also be listed (with the spec it would have alone): it is then checked
+            against its target's attention type and left out of the memory plan.
+        shared_kv_layers: layer -> earlier layer whose KV it reads. Layer names must carry the
+            layer index (`model.layers.7.attn`, `L7`): that index decides "earlier". Sharing
+            layers are appended to their target's group after the owning layers and listed in
+            `KVCacheConfig.shared_kv_layers`; a target must own its KV (no chains).
+        disable_hybrid: fold sliding-window / chunked-local layers into full attention so that
+            the model has one group; ValueError if that is not possible.
+        num_blocks_override: use this many blocks instead of what fits in `memory_bytes`.
+        max_model_len: when given, ValueError unless one request of this length fits.
+        max_num_batched_tokens: step token budget, bounds window layers' worst case; default
+            `max_model_len` (a whole prompt in one step).
+    """
+    if memory_bytes < 0:
+        raise ValueError(f"memory_bytes must be >= 0, got {memory_bytes}")
+    sharing = validate_kv_sharing(layer_specs, shared_kv_layers or {})
+    owners = {name: spec for name, spec in layer_specs.items() if name not in sharing}
+    if disable_hybrid:
+        owners = fold_to_full_attention(owners)
+    groups = group_layers(owners, disable_hybrid=disable_hybrid)
+    if not groups:
+        logger.info("no layer holds KV memory: only the null block is allocated")
+        return KVCacheConfig(num_blocks=1, groups=(), tensors=())
+    _check_block_sizes(groups)
+    buffers = _buffer_layout(groups)
+    num_blocks = _num_blocks(memory_bytes, sum(page for _, page in buffers), num_blocks_override)
+    tensors = tuple(KVCacheTensor(page * num_blocks, layers) for layers, page in buffers)
+    config = KVCacheConfig(num_blocks=num_blocks, groups=groups, tensors=tensors)
+    if max_model_len is not None:
+        _check_request_fits(config, max_model_len, max_num_batched_tokens)
+    logger.info(
+        "KV cache: %d groups (block sizes %s), %d buffers, %d blocks (%d tokens)",
+        len(groups),
+        config.block_sizes,
+        len(tensors),
+        num_blocks,
+        capacity_tokens(config),
+    )
+    return attach_sharing(config, sharing)
+
+
+def group_of_layer(config: KVCacheConfig) -> dict[str, int]:
+    """Group index of every layer, KV-sharing layers included (they use their target's)."""
+    index = {name: gid for gid, group in enumerate(config.groups) for name in group.layer_names}
+    for layer, target in config.shared_kv_layers:
+        index[layer] = index[target]
+    return index
+
+
+def request_blocks(
+    config: KVCacheConfig, max_model_len: int, max_num_batched_tokens: int | None = None
+) -> int:
+    """Blocks (summed over groups) one request of `max_model_len` tokens can hold at worst."""
+    batched = max_model_len if max_num_batched_tokens is None else max_num_batched_tokens
+    return sum(
+        cdiv(group.spec.max_memory_usage_bytes(max_model_len, batched), group.spec.page_size_bytes)
+        for group in config.groups
+    )
+
+
+def block_bytes(config: KVCacheConfig) -> int:
+    """Bytes one block ID costs over all buffers (page x layers per group)."""
+    return sum(tensor.size_bytes for tensor in config.tensors) // config.num_blocks
+
+
+def estimate_max_model_len(
+    config: KVCacheConfig,
+    memory_bytes: int,
+    *,
+    max_num_batched_tokens: int | None = None,
+    limit: int = 1 << 40,
+) -> int:
+    """Largest request length (<= `limit`) whose worst-case KV fits in `memory_bytes` with this
+    config's groups and layers per group; 0 if not even one token fits.
+
+    Like the fit check, this counts bytes and ignores the null block.
+    """
+    if not config.groups:
+        return limit
+    cost = block_bytes(config)
+
+    def fits(length: int) -> bool:
+        return request_blocks(config, length, max_num_batched_tokens) * cost <= memory_bytes
+
+    low, high = 0, limit
+    while low < high:  # invariant: fits(low) or low == 0; not fits(high + 1)
+        mid = (low + high + 1) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid - 1
+    return low
+
+
+def max_concurrency(
+    config: KVCacheConfig, max_model_len: int, max_num_batched_tokens: int | None = None
+) -> float:
+    """How many worst-case requests of `max_model_len` tokens the usable blocks hold at once
+    (the null block excluded)."""
+    needed = request_blocks(config, max_model_len, max_num_batched_tokens)
+    if needed == 0:
+        return math.inf
+    return (config.num_blocks - 1) / needed
+
+
+def capacity_tokens(config: KVCacheConfig) -> int:
+    """Reported pool capacity: blocks per group x the smallest block size (0 without groups)."""
+    if not config.groups:
+        return 0
+    return config.num_blocks // len(config.groups) * min(config.block_sizes)
+
+
+def _member_specs(spec: KVCacheSpec) -> list[KVCacheSpec]:
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return [member for _, member in spec.kv_cache_specs]
+    return [spec]
+
+
+def _check_block_sizes(groups: tuple[KVCacheGroupSpec, ...]) -> None:
+    """Block sizes must be multiples of the smallest (one hash granularity serves all groups);
+    chunks must be whole blocks; a chunked-local group's block must equal the hit alignment."""
+    sizes = [group.spec.block_size for group in groups]
+    smallest = min(sizes)
+    if any(size % smallest for size in sizes):
+        raise ValueError(
+            f"group block sizes {sizes} are not all multiples of the smallest ({smallest}), "
+            "so no hash block size serves every group"
+        )
+    alignment = math.lcm(*sizes)
+    for group in groups:
+        for spec in _member_specs(group.spec):
+            chunk = getattr(spec, "attention_chunk_size", None)
+            if chunk is not None and chunk % spec.block_size:
+                raise ValueError(
+                    f"attention chunk {chunk} of layers {group.layer_names} is not a multiple "
+                    f"of their block size {spec.block_size}"
+                )
+        is_chunked = isinstance(manager_spec(group.spec), ChunkedLocalAttentionSpec)
+        if is_chunked and group.spec.block_size != alignment:
+            raise ValueError(
+                f"chunked-local layers {group.layer_names} have block size "
+                f"{group.spec.block_size}, but prefix hits are aligned to {alignment} tokens "
+                "(groups with different block sizes); use equal page sizes or disable the "
+                "hybrid manager"
+            )
+
+
+def _layer_page(spec: KVCacheSpec, layer: str) -> int:
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return spec.spec_of(layer).page_size_bytes
+    return spec.page_size_bytes
+
+
+def _buffer_layout(groups: tuple[KVCacheGroupSpec, ...]) -> list[tuple[tuple[str, ...], int]]:
+    """(layers, page bytes) of each buffer: buffer i holds the i-th layer of every group."""
+    num_buffers = max(len(group.layer_names) for group in groups)
+    layout = []
+    for i in range(num_buffers):
+        members = [(g.layer_names[i], g.spec) for g in groups if i < len(g.layer_names)]
+        pages = {_layer_page(spec, layer) for layer, spec in members}
+        assert len(pages) == 1, f"buffer {i} mixes page sizes {pages}"
+        layout.append((tuple(layer for layer, _ in members), pages.pop()))
+    return layout
+
+
+def _num_blocks(memory_bytes: int, bytes_per_block: int, override: int | None) -> int:
+    fitting = memory_bytes // bytes_per_block
+    if override is not None:
+        if override < MIN_NUM_BLOCKS:
+            raise ValueError(f"num_blocks_override must be >= {MIN_NUM_BLOCKS}, got {override}")
+        if override > fitting:
+            logger.warning(
+                "num_blocks_override %d exceeds the %d blocks that fit in %d bytes",
+                override,
+                fitting,
+                memory_bytes,
+            )
+        return override
+    if fitting < MIN_NUM_BLOCKS:
+        raise ValueError(
+            f"{memory_bytes} bytes of KV cache memory hold {fitting} block(s) of {bytes_per_block} "
+            f"bytes (one page of every layer of a group); at least {MIN_NUM_BLOCKS} are needed "
+            "(the null block and one usable block)"
+        )
+    return fitting
+
+
+def _check_request_fits(
+    config: KVCacheConfig, max_model_len: int, max_num_batched_tokens: int | None
+) -> None:
+    cost = block_bytes(config)
+    needed = request_blocks(config, max_model_len, max_num_batched_tokens) * cost
+    available = config.num_blocks * cost
+    if needed <= available:
+        return
+    longest = estimate_max_model_len(
+        config, available, max_num_batched_tokens=max_num_batched_tokens, limit=max_model_len
+    )
+    raise ValueError(
+        f"one request of max_model_len={max_model_len} tokens needs {_format_bytes(needed)} of "
+        f"KV cache, more than the {_format_bytes(available)} available ({config.num_blocks} "
+        f"blocks); the largest max_model_len that fits is {longest}. Lower max_model_len or "
+        "give the KV cache more memory"
+    )
+
+
+def _format_bytes(num_bytes: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if num_bytes >= 1 << shift:
+            return f"{num_bytes / (1 << shift):.2f} {unit}"
+    return f"{num_bytes} bytes"

@@ -1,0 +1,321 @@
+"""The scheduler: each step decides which tokens of which requests run, and with which KV blocks.
+
+The engine calls `schedule()`, runs the returned `SchedulerOutput` on every worker rank, and hands
+rank 0's `ModelRunnerOutput` to `update_from_output()`. One token budget covers prefill chunks and
+decode tokens alike: every request's computed tokens catch up with its tokens.
+
+    waiting ──admit (prefix hit + allocate)──► running ──stop / abort──► finished (blocks freed)
+       ▲                                          │
+       └──────── preempt (blocks freed, recompute) ┘
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from scheduler.config import SchedulerConfig, SchedulingPolicy
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.kv_cache_spec import KVCacheConfig
+from scheduler.output import (
+    CachedRequestData,
+    FinishReason,
+    ModelRunnerOutput,
+    NewRequestData,
+    RequestOutput,
+    SchedulerOutput,
+)
+from scheduler.prefill_split import block_aligned_num_tokens
+from scheduler.queue import make_request_queue
+from scheduler.request import Request, RequestStatus
+from scheduler.scheduler_utils import (
+    StepPlan,
+    WorkerView,
+    apply_sampled_tokens,
+    check_request_fits,
+    make_request_output,
+    max_chunk_tokens,
+)
+from scheduler.stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Token-budget scheduler over a hybrid KV cache manager (one per engine)."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache_config: KVCacheConfig) -> None:
+        self.config = config
+        self.kv_cache_config = kv_cache_config
+        self.kv_cache_manager = KVCacheManager(
+            kv_cache_config,
+            max_model_len=config.max_model_len,
+            enable_caching=config.enable_prefix_caching,
+        )
+        self.requests: dict[str, Request] = {}
+        """Unfinished requests (waiting and running) by ID."""
+        self.waiting = make_request_queue(config.policy)
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._worker_view = WorkerView(self.kv_cache_manager)
+        self._junction_tokens: dict[str, int] = {}
+        # Outputs of requests finished inside schedule(), returned by the next update.
+        self._pending_outputs: list[RequestOutput] = []
+        self._max_chunk = max_chunk_tokens(config, self.kv_cache_manager)
+
+    @property
+    def hash_block_size(self) -> int:
+        """Block-hash granularity every `Request` given to `add_request` must use."""
+        return self.kv_cache_manager.hash_block_size
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request; raise ValueError if it could never run."""
+        if request.req_id in self.requests:
+            raise ValueError(f"request {request.req_id!r} is already scheduled")
+        if request.hash_block_size != self.hash_block_size:
+            raise ValueError(
+                f"request {request.req_id!r} hashes blocks of {request.hash_block_size} tokens; "
+                f"this KV cache needs hash_block_size={self.hash_block_size}"
+            )
+        if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {request.req_id!r} is not a fresh waiting request")
+        max_chunk = self._max_chunk if self.config.enable_chunked_prefill else request.num_tokens
+        check_request_fits(request, self.kv_cache_config, self.config.max_model_len, max_chunk)
+        self.requests[request.req_id] = request
+        self.waiting.add(request)
+
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's tokens: running requests first, then admissions from the queue."""
+        plan = StepPlan(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted_req_ids:
+            self._schedule_waiting(plan)
+        return self._make_output(plan)
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> list[RequestOutput]:
+        """Append sampled tokens, stop finished requests and free their blocks."""
+        scheduled = scheduler_output.num_scheduled_tokens
+        logprobs = model_runner_output.logprobs or {}
+        prompt_logprobs = model_runner_output.prompt_logprobs or {}
+        outputs, self._pending_outputs = self._pending_outputs, []
+        finished: list[Request] = []
+        for req_id, token_ids in zip(
+            model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
+        ):
+            request = self.requests.get(req_id)
+            if request is None or req_id not in scheduled:
+                continue  # aborted while the step ran
+            output = apply_sampled_tokens(
+                request,
+                token_ids,
+                self.config.max_model_len,
+                logprobs.get(req_id),
+                prompt_logprobs.get(req_id),
+            )
+            if output is not None:
+                outputs.append(output)
+                if output.finish_reason is not None:
+                    finished.append(request)
+        if finished:
+            for request in finished:
+                self._release(request, holds_blocks=True)
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        return outputs
+
+    def abort(self, req_ids: Iterable[str]) -> list[RequestOutput]:
+        """Abort waiting or running requests at once; unknown IDs are ignored."""
+        outputs: list[RequestOutput] = []
+        waiting_ids: list[str] = []
+        for req_id in dict.fromkeys(req_ids):
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            was_running = request.status is RequestStatus.RUNNING
+            if not was_running:
+                waiting_ids.append(req_id)
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._release(request, holds_blocks=was_running)
+            outputs.append(make_request_output(request, [], (FinishReason.ABORT, None)))
+        if waiting_ids:
+            self.waiting.remove(waiting_ids)
+        if len(waiting_ids) < len(outputs):
+            self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; False when some blocks are still in use."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def make_stats(self) -> SchedulerStats:
+        """Snapshot for metrics."""
+        kv_stats = self.kv_cache_manager.make_stats()
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            kv_cache_usage_per_group=tuple(self.kv_cache_manager.usage_per_group()),
+            prefix_cache_queries=tuple(kv_stats.queries),
+            prefix_cache_hits=tuple(kv_stats.hits),
+            num_preemptions=self.num_preemptions,
+            num_evictions=kv_stats.evictions,
+        )
+
+    # ---- one step -------------------------------------------------------------------------
+
+    def _schedule_running(self, plan: StepPlan) -> None:
+        """Grow running requests in order; preempt when the pool runs out."""
+        index = 0
+        while index < len(self.running) and plan.budget > 0:
+            request = self.running[index]
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, plan.budget)
+            if num_new == 0:
+                index += 1
+                continue
+            num_preempted = len(plan.preempted_req_ids)
+            while (blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
+                if len(self.running) == 1:
+                    self._drop_unfittable(request)  # alone and still no room: it never will be
+                    return
+                victim = self._pick_victim()
+                self._preempt(victim, plan)
+                if victim is request:
+                    return
+            plan.add(request, num_new, blocks)
+            if len(plan.preempted_req_ids) != num_preempted:
+                index = self.running.index(request)  # earlier requests may have left the list
+            index += 1
+
+    def _schedule_waiting(self, plan: StepPlan) -> None:
+        """Admit waiting requests in queue order while budget, seats and blocks last."""
+        manager = self.kv_cache_manager
+        while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            hit = manager.get_computed_blocks(request)
+            if hit.junction_tokens > hit.num_tokens:
+                self._junction_tokens[request.req_id] = hit.junction_tokens
+            num_new = self._num_new_tokens(request, hit.num_tokens, plan.budget)
+            if num_new == 0:
+                return
+            blocks = manager.allocate_slots(request, num_new, hit.num_tokens, hit.blocks)
+            if blocks is None:
+                if not self.running:  # an empty pool cannot hold it: it never will be
+                    self._drop_unfittable(self.waiting.pop())
+                    continue
+                return
+            self.waiting.pop()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = hit.num_tokens
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = hit.num_tokens
+            self.running.append(request)
+            plan.add(request, num_new, blocks)
+
+    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
+        """Tokens to compute this step: capped by the threshold, the budget, block alignment.
+
+        Without chunked prefill, a request whose tokens exceed the budget gets 0 (it waits).
+        """
+        num_remaining = len(request.all_token_ids) - num_computed
+        num_new = num_remaining
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < num_new:
+            num_new = threshold
+        if num_new > budget:
+            if not self.config.enable_chunked_prefill:
+                return 0
+            num_new = budget
+        if num_remaining > 1 and self.kv_cache_manager.needs_block_aligned_prefill:
+            num_new = block_aligned_num_tokens(
+                request.num_tokens,
+                self.kv_cache_manager.alignment_tokens,
+                num_computed,
+                num_new,
+                self._junction_tokens.get(request.req_id, 0),
+            )
+        return num_new
+
+    def _pick_victim(self) -> Request:
+        """FCFS: the last running request; priority: the largest (priority, arrival_time)."""
+        if self.config.policy is SchedulingPolicy.PRIORITY:
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        """Free every block of `request` and queue it for recomputation at the front."""
+        self.running.remove(request)
+        plan.withdraw(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self._junction_tokens.pop(request.req_id, None)
+        self._worker_view.preempted(request.req_id)
+        plan.preempted_req_ids.append(request.req_id)
+        self.waiting.prepend(request)
+        self.num_preemptions += 1
+        logger.debug("preempted %s (%d preemptions so far)", request.req_id, self.num_preemptions)
+
+    def _make_output(self, plan: StepPlan) -> SchedulerOutput:
+        """Build the message (new requests in full, others as deltas) and advance computed."""
+        new_reqs: list[NewRequestData] = []
+        cached_reqs: list[CachedRequestData] = []
+        for request in plan.scheduled:
+            data = self._worker_view.request_data(request, plan.new_blocks[request.req_id])
+            if isinstance(data, NewRequestData):
+                new_reqs.append(data)
+            else:
+                cached_reqs.append(data)
+        output = SchedulerOutput(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_reqs,
+            num_scheduled_tokens=plan.num_scheduled_tokens,
+            total_num_scheduled_tokens=plan.total_num_scheduled_tokens,
+            num_common_prefix_blocks=self._num_common_prefix_blocks(),
+            finished_req_ids=self._worker_view.take_finished(),
+            preempted_req_ids=frozenset(plan.preempted_req_ids),
+        )
+        for request in plan.scheduled:
+            request.num_computed_tokens += plan.num_scheduled_tokens[request.req_id]
+        return output
+
+    def _num_common_prefix_blocks(self) -> tuple[int, ...]:
+        if not self.running:
+            return (0,) * self.kv_cache_manager.num_groups
+        return tuple(
+            self.kv_cache_manager.get_num_common_prefix_blocks(
+                self.running[0].req_id, len(self.running)
+            )
+        )
+
+    # ---- bookkeeping ----------------------------------------------------------------------
+
+    def _release(self, request: Request, *, holds_blocks: bool) -> None:
+        """Forget a finished request: free its blocks, tell the workers next step."""
+        if holds_blocks:
+            self.kv_cache_manager.free(request)
+        del self.requests[request.req_id]
+        self._junction_tokens.pop(request.req_id, None)
+        self._worker_view.finished(request.req_id)
+
+    def _drop_unfittable(self, request: Request) -> None:
+        """Finish a request the whole pool cannot hold, instead of retrying it forever."""
+        logger.warning(
+            "request %s needs more KV cache blocks than the pool holds at %d tokens; "
+            "finishing it (length)",
+            request.req_id,
+            request.num_tokens,
+        )
+        was_running = request.status is RequestStatus.RUNNING
+        if was_running:
+            self.running.remove(request)
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        self._release(request, holds_blocks=was_running)
+        self._pending_outputs.append(make_request_output(request, [], (FinishReason.LENGTH, None)))

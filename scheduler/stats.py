@@ -1,0 +1,31 @@
+"""Scheduler statistics for metrics: one frozen snapshot per `Scheduler.make_stats()` call.
+
+The engine turns these into gauges (requests, KV usage) and counters (prefix-cache queries and
+hits, preemptions, evictions).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot of the scheduler and its KV cache."""
+
+    num_running_reqs: int
+    """Requests holding KV blocks (admitted and not finished)."""
+    num_waiting_reqs: int
+    """Requests queued for admission, preempted ones included."""
+    kv_cache_usage: float
+    """Fraction of the usable pool held by requests, in [0, 1]."""
+    kv_cache_usage_per_group: tuple[float, ...]
+    """Fraction of the pool held by each KV cache group's block tables."""
+    prefix_cache_queries: tuple[int, ...]
+    """Per group: prompt tokens looked up in the prefix cache (cumulative)."""
+    prefix_cache_hits: tuple[int, ...]
+    """Per group: tokens of those lookups served from the cache (cumulative)."""
+    num_preemptions: int
+    """Requests preempted since the scheduler started (cumulative)."""
+    num_evictions: int
+    """Cached blocks evicted to make room since the scheduler started (cumulative)."""

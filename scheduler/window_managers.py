@@ -1,0 +1,111 @@
+"""Managers of the attention types that forget old tokens: sliding window and chunked local.
+
+Both null the table entries of blocks no future query reads, so a request holds a bounded number
+of real blocks; their prefix-cache hits need only the blocks a recomputed token still attends to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from scheduler.block_hash import BlockHash
+from scheduler.block_pool import BlockPool, KVCacheBlock
+from scheduler.kv_cache_spec import ChunkedLocalAttentionSpec, SlidingWindowSpec, cdiv
+from scheduler.single_type_manager import SingleTypeManager, lookup_all
+
+
+class SlidingWindowManager(SingleTypeManager):
+    """Sliding window w: the query at position p reads keys in (p - w, p]."""
+
+    def __init__(
+        self, spec: SlidingWindowSpec, pool: BlockPool, group_id: int, hash_block_size: int
+    ) -> None:
+        super().__init__(spec, pool, group_id, hash_block_size)
+        self.sliding_window = spec.sliding_window
+        self.num_run_blocks = cdiv(spec.sliding_window - 1, spec.block_size)
+        """Cached blocks a hit must end with: the first recomputed token reads the w - 1
+        tokens before it, which fill exactly this many whole blocks before an aligned end."""
+
+    def find_longest_cache_hit(
+        self,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        group_ids: Sequence[int],
+        alignment: int,
+    ) -> list[list[KVCacheBlock]]:
+        """Scanning right to left, the first run of `num_run_blocks` cached blocks with an
+        aligned end fixes the hit; a shorter run that reaches block 0 counts too."""
+        limit = self.limit_blocks(block_hashes, max_length)
+        null = self.pool.null_block
+        if self.num_run_blocks == 0:
+            num_aligned = limit * self.block_size // alignment * alignment
+            return [[null] * (num_aligned // self.block_size) for _ in group_ids]
+        maps = [self.pool.hash_maps[group_id] for group_id in group_ids]
+        per_group = [[null] * limit for _ in group_ids]
+        run = 0
+        for index in range(limit - 1, -1, -1):
+            found = lookup_all(maps, self.hash_of(block_hashes, index))
+            if found is None:
+                run = 0
+                continue
+            if run == 0 and (index + 1) * self.block_size % alignment:
+                continue  # a hit cannot end here
+            for hits, block in zip(per_group, found):
+                hits[index] = block
+            run += 1
+            if run >= self.num_run_blocks:
+                for hits in per_group:
+                    del hits[index + run :]
+                return per_group
+        # Only a run touching block 0 is left (it began at an aligned end, so it is aligned).
+        for hits in per_group:
+            del hits[run:]
+        return per_group
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return max(0, num_computed_tokens - self.sliding_window + 1)
+
+    def min_computed_for_skip(self, num_skipped_tokens: int) -> int:
+        return num_skipped_tokens + self.sliding_window - 1
+
+
+class ChunkedLocalManager(SingleTypeManager):
+    """Chunked local attention C: the query at p reads keys in [floor(p / C) * C, p]."""
+
+    def __init__(
+        self,
+        spec: ChunkedLocalAttentionSpec,
+        pool: BlockPool,
+        group_id: int,
+        hash_block_size: int,
+    ) -> None:
+        super().__init__(spec, pool, group_id, hash_block_size)
+        self.chunk_size = spec.attention_chunk_size
+
+    def find_longest_cache_hit(
+        self,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        group_ids: Sequence[int],
+        alignment: int,
+    ) -> list[list[KVCacheBlock]]:
+        """Blocks of chunks before the one holding position `max_length` count as hit with no
+        lookup (no later token reads them); inside that chunk, cached blocks left to right."""
+        assert alignment == self.block_size, "chunked local hits must align to their block size"
+        start = (max_length // self.chunk_size) * self.chunk_size // self.block_size
+        limit = self.limit_blocks(block_hashes, max_length)
+        maps = [self.pool.hash_maps[group_id] for group_id in group_ids]
+        per_group = [[self.pool.null_block] * start for _ in group_ids]
+        for index in range(start, limit):
+            found = lookup_all(maps, self.hash_of(block_hashes, index))
+            if found is None:
+                break
+            for hits, block in zip(per_group, found):
+                hits.append(block)
+        return per_group
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        return (num_computed_tokens // self.chunk_size) * self.chunk_size
+
+    def min_computed_for_skip(self, num_skipped_tokens: int) -> int:
+        return cdiv(num_skipped_tokens, self.chunk_size) * self.chunk_size

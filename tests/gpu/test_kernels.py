@@ -1,0 +1,124 @@
+"""GPU kernels (Triton, flash-attn) against the torch reference in fp16/bf16 over a shape grid."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from kernels import reference, select_backend
+from kernels.testing import BatchSpec, PagedBatch, allocate_caches, make_paged_batch
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+# decode, fresh prefill, chunked prefill after a prefix, empty query, long decode
+MIXED = ((1, 300), (77, 77), (40, 530), (0, 20), (1, 1), (1, 2049), (129, 200))
+HEADS = [(8, 8), (32, 8), (16, 1)]  # (num_q_heads, num_kv_heads)
+ATOL = {torch.float16: 4e-3, torch.bfloat16: 2e-2}
+SCALE = 0.1
+
+
+def run_backend(
+    name: str, batch: PagedBatch, window: int | None, softcap: float | None
+) -> torch.Tensor:
+    backend = select_backend(
+        name,
+        device="cuda",
+        block_size=batch.key_cache.shape[1],
+        head_size=batch.query.shape[2],
+        dtype=batch.query.dtype,
+    )
+    return backend.paged_attention(
+        batch.query,
+        batch.key_cache,
+        batch.value_cache,
+        batch.block_table,
+        batch.query_start_loc,
+        batch.seq_lens,
+        SCALE,
+        window,
+        softcap,
+    )
+
+
+def assert_matches_reference(
+    name: str, spec: BatchSpec, window: int | None = None, softcap: float | None = None
+) -> None:
+    batch = make_paged_batch(spec, seed=0, device="cuda")
+    got = run_backend(name, batch, window, softcap)
+    want = run_backend("torch", batch, window, softcap)
+    assert got.dtype == spec.dtype
+    torch.testing.assert_close(got, want, atol=ATOL[spec.dtype], rtol=ATOL[spec.dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("heads", "head_size", "block_size"),
+    [*itertools.product(HEADS, [64, 80, 96, 128, 256], [16]), ((32, 8), 128, 1), ((8, 2), 64, 5)],
+)
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (100, 30.0)])
+def test_triton_matches_reference(
+    dtype: torch.dtype,
+    heads: tuple[int, int],
+    head_size: int,
+    block_size: int,
+    window: int | None,
+    softcap: float | None,
+) -> None:
+    num_q_heads, num_kv_heads = heads
+    spec = BatchSpec(
+        MIXED,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        block_size=block_size,
+        dtype=dtype,
+        sliding_window=window,
+        is_interleaved=block_size == 16,
+    )
+    assert_matches_reference("triton", spec, window, softcap)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_reqs", [1, 4, 64])
+def test_triton_decode_with_split_kv_matches_reference(dtype: torch.dtype, num_reqs: int) -> None:
+    spec = BatchSpec(((1, 4100),) * num_reqs, num_q_heads=32, num_kv_heads=8, head_size=128,
+                     block_size=16, dtype=dtype, sliding_window=1000)  # fmt: skip
+    assert_matches_reference("triton", spec, window=1000)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (300, 30.0)])
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+def test_flash_attn_matches_reference(
+    dtype: torch.dtype, window: int | None, softcap: float | None, head_size: int
+) -> None:
+    from kernels import flash_attn
+
+    reason = flash_attn.unsupported_reason(torch.device("cuda"), 256, head_size, dtype)
+    if reason is not None:
+        pytest.skip(reason)
+    spec = BatchSpec(MIXED, num_q_heads=32, num_kv_heads=8, head_size=head_size,
+                     block_size=256, dtype=dtype, sliding_window=window)  # fmt: skip
+    assert_matches_reference("flash_attn", spec, window, softcap)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_triton_store_kv_cache_matches_reference(dtype: torch.dtype) -> None:
+    from kernels import triton_store_kv
+
+    spec = BatchSpec((), num_kv_heads=8, head_size=128, block_size=16, dtype=dtype,
+                     is_interleaved=True)  # fmt: skip
+    caches = allocate_caches(64, spec, device="cuda")
+    want = [cache.clone() for cache in caches]
+    key, value = torch.randn(2, 300, 8, 128, device="cuda", dtype=dtype).unbind(0)
+    slot_mapping = torch.randperm(64 * 16, device="cuda")[:300]
+    slot_mapping[::7] = -1
+    reference.store_kv_cache(key, value, *want, slot_mapping)
+    triton_store_kv.store_kv_cache(key, value, *caches, slot_mapping)
+    for got, expected in zip(caches, want, strict=True):
+        torch.testing.assert_close(got, expected, equal_nan=True, atol=0, rtol=0)

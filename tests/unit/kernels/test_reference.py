@@ -1,0 +1,121 @@
+"""The torch reference kernels against a naive dense attention over unpaged K/V."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kernels import reference
+from kernels.testing import (
+    BatchSpec,
+    PagedBatch,
+    allocate_caches,
+    dense_attention,
+    make_paged_batch,
+)
+
+# decode, fresh prefill, chunked prefill after a prefix, empty query, one-token request,
+# lengths ending mid-block and on a block boundary
+MIXED = ((1, 37), (13, 13), (5, 22), (0, 9), (1, 1), (7, 40), (3, 16))
+GQA = {1: (2, 2), 4: (8, 2), 8: (8, 1)}  # ratio -> (num_q_heads, num_kv_heads)
+SCALE = 0.3
+
+
+def run_reference(batch: PagedBatch, **kwargs: float | int | None) -> torch.Tensor:
+    return reference.paged_attention(
+        batch.query,
+        batch.key_cache,
+        batch.value_cache,
+        batch.block_table,
+        batch.query_start_loc,
+        batch.seq_lens,
+        SCALE,
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def assert_matches_dense(
+    batch: PagedBatch, window: int | None = None, softcap: float | None = None, atol: float = 1e-5
+) -> None:
+    got = run_reference(batch, sliding_window=window, softcap=softcap)
+    want = dense_attention(batch, SCALE, window, softcap)
+    assert got.dtype == batch.query.dtype
+    torch.testing.assert_close(got.double(), want, atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize(
+    ("block_size", "window", "ratio"),
+    list(itertools.product([1, 4, 16], [None, 1, 7], [1, 4, 8])),
+)
+def test_mixed_batch_matches_dense(block_size: int, window: int | None, ratio: int) -> None:
+    num_q_heads, num_kv_heads = GQA[ratio]
+    spec = BatchSpec(
+        MIXED,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        block_size=block_size,
+        sliding_window=window,
+        is_interleaved=ratio == 4,
+    )
+    batch = make_paged_batch(spec, seed=block_size + ratio)
+    assert_matches_dense(batch, window, softcap=None if ratio == 1 else 2.0)
+
+
+@pytest.mark.parametrize("stale_block_id", [-1, 0, 10**6])
+def test_never_reads_block_table_entries_outside_the_window(stale_block_id: int) -> None:
+    spec = BatchSpec(MIXED, block_size=4, sliding_window=6, stale_block_id=stale_block_id)
+    assert_matches_dense(make_paged_batch(spec), window=6)
+
+
+def test_long_prefill_is_split_into_query_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(reference, "_MAX_SCORE_ELEMENTS", 4 * 40)
+    batch = make_paged_batch(BatchSpec(((30, 40), (1, 9)), block_size=4, sliding_window=9))
+    assert_matches_dense(batch, window=9, softcap=3.0)
+
+
+def test_batch_of_empty_queries_returns_empty_output() -> None:
+    batch = make_paged_batch(BatchSpec(((0, 5), (0, 3))))
+    assert run_reference(batch).shape == (0, 4, 16)
+
+
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float16, 2e-3), (torch.bfloat16, 1.6e-2)])
+def test_half_precision_inputs_within_tolerance(dtype: torch.dtype, atol: float) -> None:
+    spec = BatchSpec(MIXED, num_q_heads=8, num_kv_heads=2, block_size=4, dtype=dtype)
+    assert_matches_dense(make_paged_batch(spec, seed=3), window=None, softcap=5.0, atol=atol)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lengths=st.lists(st.tuples(st.integers(0, 12), st.integers(0, 30)), min_size=1, max_size=5),
+    block_size=st.sampled_from([1, 2, 3, 8]),
+    window=st.one_of(st.none(), st.integers(1, 20)),
+    seed=st.integers(0, 1000),
+)
+def test_random_batches_match_dense(
+    lengths: list[tuple[int, int]], block_size: int, window: int | None, seed: int
+) -> None:
+    requests = tuple((min(q_len, seq_len), seq_len) for q_len, seq_len in lengths)
+    spec = BatchSpec(requests, block_size=block_size, sliding_window=window)
+    assert_matches_dense(make_paged_batch(spec, seed=seed), window)
+
+
+@pytest.mark.parametrize("is_interleaved", [False, True])
+def test_store_kv_cache_skips_padding_and_writes_through_views(is_interleaved: bool) -> None:
+    spec = BatchSpec((), num_kv_heads=2, head_size=8, block_size=4, is_interleaved=is_interleaved)
+    key_cache, value_cache = allocate_caches(6, spec)
+    key, value = torch.randn(2, 5, 2, 8).unbind(0)
+    slot_mapping = torch.tensor([9, -1, 0, 23, -1])
+    reference.store_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+
+    flat_keys, flat_values = key_cache.flatten(0, 1), value_cache.flatten(0, 1)
+    for token, slot in [(0, 9), (2, 0), (3, 23)]:
+        torch.testing.assert_close(flat_keys[slot], key[token])
+        torch.testing.assert_close(flat_values[slot], value[token])
+    untouched = torch.ones(24, dtype=torch.bool)
+    untouched[[9, 0, 23]] = False
+    assert flat_keys[untouched].isnan().all()
+    assert flat_values[untouched].isnan().all()

@@ -1,0 +1,124 @@
+"""Triton kernels against the torch reference on CPU, under the Triton interpreter.
+
+Kernels run on CPU only when TRITON_INTERPRET=1 is set before triton is imported, and an
+out-of-bounds access there corrupts memory silently; so every check runs in a fresh
+subprocess. Shapes are tiny: the interpreter costs about 0.1-0.3 ms per Triton op.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from kernels import HAS_TRITON
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+
+# Defines check(spec, launch=None, window=None, softcap=None): Triton vs reference.
+PRELUDE = """
+import torch
+from kernels import reference, triton_attention, triton_store_kv
+from kernels.testing import BatchSpec, allocate_caches, make_paged_batch
+from kernels.triton_attention import LaunchConfig
+
+assert triton_attention.is_interpreted()
+MIXED = ((1, 37), (13, 13), (5, 22), (0, 9), (1, 1), (7, 40), (3, 16))
+DECODES = ((1, 45), (1, 3), (1, 64))
+
+def check(spec, launch=None, window=None, softcap=None, atol=1e-5, seed=0):
+    batch = make_paged_batch(spec, seed=seed)
+    args = (batch.query, batch.key_cache, batch.value_cache, batch.block_table,
+            batch.query_start_loc, batch.seq_lens, 0.3, window, softcap)
+    want = reference.paged_attention(*args)
+    got = triton_attention.paged_attention(*args, launch=launch)
+    assert got.dtype == batch.query.dtype
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
+"""
+
+
+def run_interpreted(code: str, timeout: float = 120.0) -> None:
+    """Run `PRELUDE + code` in a fresh Python with TRITON_INTERPRET=1; fail with its stderr."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", PRELUDE + textwrap.dedent(code)],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-6000:]}"
+
+
+def test_mixed_batch_with_gqa_matches_reference() -> None:
+    run_interpreted("""
+        check(BatchSpec(MIXED, num_q_heads=8, num_kv_heads=2, block_size=4))
+        check(BatchSpec(MIXED, num_q_heads=2, num_kv_heads=2, block_size=16),
+              launch=LaunchConfig(block_q=4, block_n=16, num_splits=1))
+        check(BatchSpec(MIXED, num_q_heads=8, num_kv_heads=1, block_size=1, is_interleaved=True),
+              launch=LaunchConfig(block_q=2, block_n=16, num_splits=1))
+    """)
+
+
+def test_sliding_window_and_softcap_match_reference() -> None:
+    run_interpreted("""
+        for block_size, window in [(3, 7), (16, 1), (1, 20)]:
+            spec = BatchSpec(MIXED, num_q_heads=4, num_kv_heads=2, block_size=block_size,
+                             sliding_window=window)
+            check(spec, LaunchConfig(block_q=4, block_n=16, num_splits=1), window=window,
+                  softcap=2.0)
+    """)
+
+
+def test_split_kv_path_matches_reference() -> None:
+    run_interpreted("""
+        split = LaunchConfig(block_q=4, block_n=16, num_splits=4)
+        check(BatchSpec(DECODES, num_q_heads=8, num_kv_heads=2, block_size=16), split)
+        check(BatchSpec(DECODES, num_q_heads=4, num_kv_heads=2, block_size=4, sliding_window=9),
+              split, window=9, softcap=2.0)
+        check(BatchSpec(MIXED, num_q_heads=8, num_kv_heads=2, block_size=4),
+              LaunchConfig(block_q=2, block_n=16, num_splits=2))
+    """)
+
+
+def test_head_size_not_a_power_of_two_and_half_inputs() -> None:
+    run_interpreted("""
+        spec = BatchSpec(((2, 11), (1, 6)), num_q_heads=2, num_kv_heads=1, head_size=80)
+        check(spec, LaunchConfig(block_q=16, block_n=16, num_splits=1))
+        for dtype in (torch.float16, torch.bfloat16):
+            spec = BatchSpec(((3, 20), (1, 9)), num_q_heads=4, num_kv_heads=2, dtype=dtype)
+            check(spec, LaunchConfig(block_q=4, block_n=16, num_splits=2), atol=2e-2)
+    """)
+
+
+def test_store_kv_cache_matches_reference() -> None:
+    run_interpreted("""
+        for is_interleaved in (False, True):
+            spec = BatchSpec((), num_kv_heads=3, head_size=24, block_size=5,
+                             is_interleaved=is_interleaved)
+            caches = allocate_caches(4, spec)
+            want = [cache.clone() for cache in caches]
+            key, value = torch.randn(2, 6, 3, 24).unbind(0)
+            slot_mapping = torch.tensor([7, -1, 0, 19, -1, 12])
+            reference.store_kv_cache(key, value, *want, slot_mapping)
+            triton_store_kv.store_kv_cache(key, value, *caches, slot_mapping)
+            for got, expected in zip(caches, want):
+                torch.testing.assert_close(got, expected, equal_nan=True)
+    """)
+
+
+def test_registry_selects_triton_on_cpu_under_the_interpreter() -> None:
+    run_interpreted("""
+        from kernels import select_backend
+        backend = select_backend("triton", device="cpu", block_size=4, head_size=16)
+        assert backend.name == "triton"
+        assert select_backend("auto", device="cpu", block_size=4, head_size=16).name == "torch"
+    """)

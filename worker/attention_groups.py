@@ -1,0 +1,253 @@
+"""Attention groups and the per-step attention metadata of the model runner.
+
+An `AttentionGroup` is the layers of one KV cache group that share a backend, a per-layer KV spec
+and a metadata builder. Each step the runner makes one `CommonAttentionMetadata` per KV cache
+group (its block table and slot mapping), every attention group's builder turns that into
+`AttentionMetadata` (applying its transforms: truncated prefill, chunked-local virtual
+batches), and the result is found by layer name in the `ForwardContext`.
+
+    KV cache group 0 (full)  --common 0-->  attention group A (full layers)
+    KV cache group 1 (SW)    --common 1-->  attention group B (SW layers)
+                                            attention group C (SW layers sharing group 1's KV,
+                                                               truncated prefill)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from kernels import AttentionBackend
+from scheduler.kv_cache_spec import (
+    ChunkedLocalAttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+)
+from worker.attention import Attention, AttentionMetadata, ForwardContext
+from worker.block_table import choose_kernel_block_size
+from worker.input_batch import InputBatch
+from worker.kv_sharing import LayerAttentionInfo, plan_attention_groups, resolve_kv_owner
+from worker.metadata_transforms import (
+    ChunkedLocalBatches,
+    MetadataTransform,
+    StepRows,
+    TruncatedPrefill,
+    apply_transforms,
+)
+
+BackendFactory = Callable[[int, int], AttentionBackend]
+"""(kernel block size, head size) -> backend; raises ValueError when it cannot serve them."""
+
+
+@dataclass(frozen=True)
+class CommonAttentionMetadata:
+    """One step's attention inputs for one KV cache group, before any builder transform."""
+
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int32, kernel blocks
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    max_query_len: int
+    max_seq_len: int
+    num_actual_tokens: int
+
+
+def common_metadata(batch: InputBatch) -> list[CommonAttentionMetadata]:
+    """One common metadata per KV cache group for this step's batch."""
+    return [
+        CommonAttentionMetadata(
+            query_start_loc=batch.query_start_loc,
+            seq_lens=batch.seq_lens,
+            block_table=table,
+            slot_mapping=slots,
+            max_query_len=batch.max_query_len,
+            max_seq_len=batch.max_seq_len,
+            num_actual_tokens=batch.num_tokens,
+        )
+        for table, slots in zip(batch.block_tables, batch.slot_mappings)
+    ]
+
+
+@dataclass(frozen=True)
+class MetadataBuilder:
+    """Turns common metadata into one attention group's metadata: backend kernels + transforms."""
+
+    backend: AttentionBackend
+    transforms: tuple[MetadataTransform, ...] = ()
+
+    def build(self, common: CommonAttentionMetadata, step: StepRows) -> AttentionMetadata:
+        meta = AttentionMetadata(
+            query_start_loc=common.query_start_loc,
+            seq_lens=common.seq_lens,
+            block_table=common.block_table,
+            slot_mapping=common.slot_mapping,
+            max_query_len=common.max_query_len,
+            max_seq_len=common.max_seq_len,
+            num_actual_tokens=common.num_actual_tokens,
+            store_kv_cache=self.backend.store_kv_cache,
+            paged_attention=self.backend.paged_attention,
+        )
+        return apply_transforms(meta, self.transforms, step)
+
+    def rebind(
+        self, built: AttentionMetadata, common: CommonAttentionMetadata, step: StepRows
+    ) -> AttentionMetadata:
+        """Reuse metadata built for another KV cache group: only block table and slots differ.
+
+        Transforms may derive other fields from the block table, so then it is rebuilt.
+        """
+        if self.transforms:
+            return self.build(common, step)
+        return replace(built, block_table=common.block_table, slot_mapping=common.slot_mapping)
+
+
+@dataclass(frozen=True)
+class AttentionGroup:
+    """Layers of one KV cache group with one backend, per-layer spec and builder."""
+
+    backend: AttentionBackend
+    kv_cache_spec: KVCacheSpec
+    """The spec of these layers (one member of the group's spec), at the group's block size."""
+    layer_names: tuple[str, ...]
+    kv_cache_group_id: int
+    builder: MetadataBuilder
+    kernel_block_size: int
+
+
+@dataclass
+class MetadataBuildStats:
+    """How many metadata objects were built from scratch vs reused (observable for tests)."""
+
+    built: int = 0
+    reused: int = 0
+
+
+def build_forward_context(
+    groups: Sequence[AttentionGroup],
+    batch: InputBatch,
+    step: StepRows,
+    kv_caches: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    stats: MetadataBuildStats | None = None,
+) -> ForwardContext:
+    """Metadata of every layer for this step, built once per attention group.
+
+    Attention groups of different KV cache groups with equal (spec, builder) reuse the first
+    one's result with their own block table and slot mapping.
+    """
+    commons = common_metadata(batch)
+    stats = stats if stats is not None else MetadataBuildStats()
+    done: dict[tuple[KVCacheSpec, MetadataBuilder], AttentionMetadata] = {}
+    metadata: dict[str, AttentionMetadata] = {}
+    for group in groups:
+        common = commons[group.kv_cache_group_id]
+        key = (group.kv_cache_spec, group.builder)
+        if key in done:
+            meta = group.builder.rebind(done[key], common, step)
+            stats.reused += 1
+        else:
+            meta = done[key] = group.builder.build(common, step)
+            stats.built += 1
+        for name in group.layer_names:
+            metadata[name] = meta
+    return ForwardContext(metadata=metadata, kv_caches=kv_caches)
+
+
+@dataclass(frozen=True)
+class GroupingOptions:
+    """How layers become attention groups."""
+
+    dtype_bytes: int
+    kv_sharing_fast_prefill: bool = False
+    """Run the trailing KV-sharing layers only on the rows that reach the LM head."""
+    extra_transforms: Callable[[Attention], tuple[MetadataTransform, ...]] = field(
+        default=lambda layer: ()
+    )
+    """Further transforms for a layer's attention group, applied after the built-in ones."""
+
+
+def build_attention_groups(
+    layers: Sequence[Attention],
+    config: KVCacheConfig,
+    backend_for: BackendFactory,
+    options: GroupingOptions,
+) -> list[AttentionGroup]:
+    """Attention groups of every KV cache group, in group order (sharing layers included)."""
+    by_name = {layer.layer_name: layer for layer in layers}
+    targets = dict(config.shared_kv_layers)
+    targets.update(
+        {name: layer.config.kv_sharing_target for name, layer in by_name.items()
+         if layer.config.kv_sharing_target is not None}
+    )
+    kernel_sizes = [
+        _group_kernel_block_size(config, gid, by_name, targets, backend_for)
+        for gid in range(len(config.groups))
+    ]
+    spec_of: dict[str, KVCacheSpec] = {}
+    infos = []
+    gid_of = {name: gid for gid, g in enumerate(config.groups) for name in g.layer_names}
+    for name, layer in by_name.items():
+        owner = by_name[resolve_kv_owner(name, targets)]
+        block_size = config.groups[gid_of[owner.layer_name]].spec.block_size
+        spec = owner.kv_cache_spec(block_size, options.dtype_bytes)
+        assert spec is not None, f"{owner.layer_name} owns KV but reports no spec"
+        spec_of[name] = spec
+        infos.append(LayerAttentionInfo(name, spec, targets.get(name)))
+    owners = [[n for n in g.layer_names if n not in targets] for g in config.groups]
+    plans = plan_attention_groups(infos, owners, options.kv_sharing_fast_prefill)
+    groups = []
+    for plan in plans:
+        first = by_name[plan.layer_names[0]]
+        kbs = kernel_sizes[plan.kv_cache_group_id]
+        spec = spec_of[first.layer_name]
+        transforms = _transforms(spec, kbs, plan.is_truncated_prefill) + options.extra_transforms(
+            first
+        )
+        backend = backend_for(kbs, first.config.head_size)
+        groups.append(
+            AttentionGroup(
+                backend=backend,
+                kv_cache_spec=spec,
+                layer_names=plan.layer_names,
+                kv_cache_group_id=plan.kv_cache_group_id,
+                builder=MetadataBuilder(backend, transforms),
+                kernel_block_size=kbs,
+            )
+        )
+    return groups
+
+
+def _transforms(
+    spec: KVCacheSpec, kernel_block_size: int, is_truncated: bool
+) -> tuple[MetadataTransform, ...]:
+    transforms: list[MetadataTransform] = []
+    if is_truncated:
+        transforms.append(TruncatedPrefill())
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        transforms.append(ChunkedLocalBatches(spec.attention_chunk_size, kernel_block_size))
+    return tuple(transforms)
+
+
+def _group_kernel_block_size(
+    config: KVCacheConfig,
+    group_id: int,
+    by_name: dict[str, Attention],
+    targets: dict[str, str],
+    backend_for: BackendFactory,
+) -> int:
+    """Largest divisor of the group's block size that every layer's backend accepts."""
+    group = config.groups[group_id]
+    head_sizes = {
+        by_name[name].config.head_size for name in group.layer_names if name in by_name
+    }
+
+    def accepts(kernel_block_size: int) -> bool:
+        try:
+            for head_size in head_sizes:
+                backend_for(kernel_block_size, head_size)
+        except ValueError:
+            return False
+        return True
+
+    return choose_kernel_block_size(group.spec.block_size, accepts)

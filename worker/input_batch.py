@@ -1,0 +1,243 @@
+"""Persistent per-request state of the model runner, and the per-step input batch.
+
+`RequestStates` is updated from each `SchedulerOutput` (new requests in full, running ones as
+deltas, finished and preempted IDs dropped) and owns the block tables. `build_input_batch`
+turns one step into flat numpy arrays on the host and moves them to the device in one copy.
+
+    request i of the step:  tokens [num_computed ........ | scheduled ...... ]
+                            query rows [query_start_loc[i], query_start_loc[i+1])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from scheduler.request import SamplingParams
+from worker.block_table import MultiGroupBlockTable
+
+
+@dataclass(eq=False)
+class CachedRequestState:
+    """What the runner remembers about one request between steps."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    """Prompt plus the sampled tokens the scheduler has sent back."""
+    num_computed_tokens: int
+    block_ids: tuple[list[int], ...]
+    """Per KV cache group, append-only except on resume."""
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    """Seeded requests draw from their own generator, so their tokens are reproducible."""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+class RequestStates:
+    """Per-request state plus its rows in the per-group block tables."""
+
+    def __init__(self, block_tables: MultiGroupBlockTable, device: torch.device) -> None:
+        self.block_tables = block_tables
+        self.device = device
+        self.requests: dict[str, CachedRequestState] = {}
+        self.rows: dict[str, int] = {}
+        """Requests in the batch (not preempted) -> block-table row."""
+        self._free_rows = list(range(block_tables.max_num_reqs - 1, -1, -1))
+
+    def update(self, scheduler_output: SchedulerOutput) -> None:
+        """Apply one step's deltas: drop finished/preempted, add new, extend running."""
+        for req_id in scheduler_output.finished_req_ids:
+            self._release_row(req_id)
+            self.requests.pop(req_id, None)
+        for req_id in scheduler_output.preempted_req_ids:
+            self._release_row(req_id)
+        for new_req in scheduler_output.scheduled_new_reqs:
+            self._add_new(new_req)
+        for cached in scheduler_output.scheduled_cached_reqs:
+            self._apply_delta(cached)
+
+    def _add_new(self, new_req: NewRequestData) -> None:
+        params = new_req.sampling_params
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        self.requests[new_req.req_id] = CachedRequestState(
+            req_id=new_req.req_id,
+            prompt_token_ids=list(new_req.prompt_token_ids),
+            token_ids=list(new_req.prompt_token_ids),
+            num_computed_tokens=new_req.num_computed_tokens,
+            block_ids=tuple(list(ids) for ids in new_req.block_ids),
+            sampling_params=params,
+            generator=generator,
+        )
+        self._assign_row(new_req.req_id)
+
+    def _apply_delta(self, cached: CachedRequestData) -> None:
+        state = self.requests[cached.req_id]
+        state.num_computed_tokens = cached.num_computed_tokens
+        if cached.is_resumed:
+            state.token_ids = state.prompt_token_ids + list(cached.new_token_ids)
+            new_ids = cached.new_block_ids or tuple([] for _ in state.block_ids)
+            state.block_ids = tuple(list(ids) for ids in new_ids)
+            self._release_row(cached.req_id)
+            self._assign_row(cached.req_id)
+            return
+        state.token_ids.extend(cached.new_token_ids)
+        if cached.new_block_ids is not None:
+            for ids, new_ids in zip(state.block_ids, cached.new_block_ids):
+                ids.extend(new_ids)
+            self.block_tables.append_row(cached.new_block_ids, self.rows[cached.req_id])
+
+    def _assign_row(self, req_id: str) -> None:
+        if not self._free_rows:
+            raise RuntimeError("more running requests than block-table rows (max_num_seqs)")
+        row = self._free_rows.pop()
+        self.rows[req_id] = row
+        self.block_tables.add_row(self.requests[req_id].block_ids, row)
+
+    def _release_row(self, req_id: str) -> None:
+        row = self.rows.pop(req_id, None)
+        if row is not None:
+            self.block_tables.clear_row(row)
+            self._free_rows.append(row)
+
+
+@dataclass(frozen=True)
+class InputBatch:
+    """One step's flat inputs on the device, plus the host values metadata needs."""
+
+    req_ids: list[str]
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32
+    logits_indices: torch.Tensor  # [num_sampled] int64: last query row of each sampling request
+    block_tables: tuple[torch.Tensor, ...]  # per group [num_reqs, max_blocks] int32
+    slot_mappings: tuple[torch.Tensor, ...]  # per group [num_tokens] int64
+    sampled_req_idx: list[int]
+    """Batch index of each request that samples this step (the rows of `logits_indices`)."""
+    query_start_loc_np: np.ndarray
+    seq_lens_np: np.ndarray
+    num_computed_np: np.ndarray
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc_np[-1])
+
+    @property
+    def max_query_len(self) -> int:
+        return int(np.diff(self.query_start_loc_np).max(initial=0))
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.seq_lens_np.max(initial=0))
+
+
+def batch_order(
+    req_ids: Sequence[str], states: RequestStates, num_scheduled: dict[str, int],
+    reorder_threshold: int | None = None,
+) -> list[str]:
+    """The step's request order; with a threshold, decode -> extend -> prefill (stable).
+
+    prefill: nothing computed yet; decode: at most `reorder_threshold` tokens scheduled;
+    extend: the rest.
+    """
+    if reorder_threshold is None:
+        return list(req_ids)
+
+    def region(req_id: str) -> int:
+        if states.requests[req_id].num_computed_tokens == 0:
+            return 2
+        return 0 if num_scheduled[req_id] <= reorder_threshold else 1
+
+    return sorted(req_ids, key=region)
+
+
+def build_input_batch(
+    req_ids: Sequence[str], states: RequestStates, num_scheduled: dict[str, int]
+) -> InputBatch:
+    """Flat inputs of one step (in the order of `req_ids`), built on the host, one copy."""
+    reqs = [states.requests[req_id] for req_id in req_ids]
+    rows = np.array([states.rows[req_id] for req_id in req_ids], dtype=np.int64)
+    num_sched = np.array([num_scheduled[req_id] for req_id in req_ids], dtype=np.int64)
+    num_computed = np.array([req.num_computed_tokens for req in reqs], dtype=np.int64)
+    query_start_loc = np.concatenate([[0], np.cumsum(num_sched)])
+    token_req_idx = np.repeat(np.arange(len(reqs)), num_sched)  # [num_tokens]
+    positions = num_computed[token_req_idx] + np.arange(query_start_loc[-1]) - (
+        query_start_loc[token_req_idx]
+    )
+    input_ids = np.concatenate(
+        [_scheduled_tokens(req, n) for req, n in zip(reqs, num_sched.tolist())] or [[]]
+    ).astype(np.int64)
+    seq_lens = num_computed + num_sched
+    samples = seq_lens >= np.array([req.num_tokens for req in reqs], dtype=np.int64)
+    host = {
+        "input_ids": input_ids,
+        "positions": positions,
+        "query_start_loc": query_start_loc,
+        "seq_lens": seq_lens,
+        "logits_indices": query_start_loc[1:][samples] - 1,
+    }
+    token_rows = rows[token_req_idx]
+    for group_id, table in enumerate(states.block_tables.tables):
+        host[f"block_table_{group_id}"] = table.gather_rows(rows)
+        host[f"slot_mapping_{group_id}"] = table.slot_mapping(token_rows, positions)
+    dev = to_device_packed(host, states.device)
+    num_groups = len(states.block_tables)
+    return InputBatch(
+        req_ids=list(req_ids),
+        input_ids=dev["input_ids"],
+        positions=dev["positions"],
+        query_start_loc=dev["query_start_loc"].to(torch.int32),
+        seq_lens=dev["seq_lens"].to(torch.int32),
+        logits_indices=dev["logits_indices"],
+        block_tables=tuple(dev[f"block_table_{g}"].to(torch.int32) for g in range(num_groups)),
+        slot_mappings=tuple(dev[f"slot_mapping_{g}"] for g in range(num_groups)),
+        sampled_req_idx=np.flatnonzero(samples).tolist(),
+        query_start_loc_np=query_start_loc,
+        seq_lens_np=seq_lens,
+        num_computed_np=num_computed,
+    )
+
+
+def _scheduled_tokens(req: CachedRequestState, num_scheduled: int) -> np.ndarray:
+    start = req.num_computed_tokens
+    end = start + num_scheduled
+    if end > req.num_tokens:
+        raise RuntimeError(
+            f"request {req.req_id}: {num_scheduled} tokens scheduled from {start} but only "
+            f"{req.num_tokens} are known (missing new_token_ids?)"
+        )
+    return np.asarray(req.token_ids[start:end], dtype=np.int64)
+
+
+def to_device_packed(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """Move integer host arrays to the device in one transfer (packed as int64).
+
+    Returns int64 tensors with the original shapes.
+    """
+    flat = [np.ascontiguousarray(array, dtype=np.int64).reshape(-1) for array in arrays.values()]
+    packed = torch.from_numpy(np.concatenate(flat) if flat else np.zeros(0, dtype=np.int64))
+    if device.type == "cuda":
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    else:
+        packed = packed.to(device)
+    out: dict[str, torch.Tensor] = {}
+    offset = 0
+    for name, array in arrays.items():
+        out[name] = packed[offset : offset + array.size].view(array.shape)
+        offset += array.size
+    return out

@@ -1,0 +1,147 @@
+"""KV cache memory of one worker: report layer specs, measure the budget, allocate and bind.
+
+The worker reports each attention layer's spec (layers reading another layer's KV report none),
+the engine turns specs and budget into a `KVCacheConfig`, and `allocate_kv_caches` follows its
+tensor plan: one raw byte buffer per `KVCacheTensor`, viewed by every layer sharing it (one
+layer per KV cache group, so a block ID is only ever in use by one of them).
+
+    buffer (num_blocks pages):  [ K: block 0 | block 1 | ... ][ V: block 0 | block 1 | ... ]
+    layer view:  [2, num_blocks * f, kernel_block_size, num_kv_heads, head_size]
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from scheduler.kv_cache_spec import (
+    AttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    UniformTypeKVCacheSpecs,
+)
+from worker.attention import Attention
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+"""KV budget on CPU when none is configured."""
+
+KVCaches = dict[str, tuple[torch.Tensor, torch.Tensor]]
+"""Layer name -> (key cache, value cache), each [num_kernel_blocks, kbs, num_kv_heads, head]."""
+
+
+@dataclass(frozen=True)
+class KVCacheSpecReport:
+    """What one worker rank needs in KV memory, per layer."""
+
+    layer_specs: dict[str, KVCacheSpec]
+    """Spec of every layer owning KV memory, in model order."""
+    shared_kv_layers: dict[str, str]
+    """Layer -> earlier layer whose KV cache it reads (it owns no memory)."""
+
+
+def attention_layers(model: nn.Module) -> list[Attention]:
+    """The model's attention layers in module order."""
+    return [module for module in model.modules() if isinstance(module, Attention)]
+
+
+def report_kv_cache_specs(
+    layers: Sequence[Attention], block_size: int, dtype_bytes: int
+) -> KVCacheSpecReport:
+    """Per-layer KV specs at `block_size`; layers without a spec read their target's KV."""
+    specs: dict[str, KVCacheSpec] = {}
+    shared: dict[str, str] = {}
+    for layer in layers:
+        spec = layer.kv_cache_spec(block_size, dtype_bytes)
+        if spec is None:
+            target = layer.config.kv_sharing_target
+            assert target is not None, f"{layer.layer_name} reports no spec and shares no KV"
+            shared[layer.layer_name] = target
+        else:
+            specs[layer.layer_name] = spec
+    return KVCacheSpecReport(layer_specs=specs, shared_kv_layers=shared)
+
+
+def available_kv_cache_memory(
+    device: torch.device, gpu_memory_utilization: float, kv_cache_memory_bytes: int | None
+) -> int:
+    """Bytes this rank can give the KV cache.
+
+    A configured `kv_cache_memory_bytes` wins. On CUDA: utilization x total minus what is in use
+    now (weights loaded, other processes included). On CPU: `DEFAULT_CPU_KV_CACHE_BYTES`.
+    """
+    if kv_cache_memory_bytes is not None:
+        if kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {kv_cache_memory_bytes}")
+        return kv_cache_memory_bytes
+    if device.type != "cuda":
+        return DEFAULT_CPU_KV_CACHE_BYTES
+    if not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    budget = int(gpu_memory_utilization * total) - (total - free)
+    logger.info(
+        "GPU memory: %.2f GiB total, %.2f GiB in use, %.2f GiB for the KV cache",
+        total / 2**30, (total - free) / 2**30, budget / 2**30,
+    )
+    if budget <= 0:
+        raise ValueError(
+            f"no GPU memory left for the KV cache at gpu_memory_utilization="
+            f"{gpu_memory_utilization}: raise it or free memory"
+        )
+    return budget
+
+
+def layer_spec(config: KVCacheConfig, group_id: int, layer_name: str) -> AttentionSpec:
+    """The attention spec of one layer of a group (a member of a uniform-type group spec)."""
+    spec = config.groups[group_id].spec
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        spec = spec.spec_of(layer_name)
+    if not isinstance(spec, AttentionSpec):
+        raise ValueError(f"layer {layer_name}: only attention KV caches are supported, got {spec}")
+    return spec
+
+
+def allocate_kv_caches(
+    config: KVCacheConfig,
+    kernel_block_sizes: Sequence[int],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> KVCaches:
+    """Allocate the tensor plan's buffers and view them per layer; sharing layers alias."""
+    group_of = {name: gid for gid, g in enumerate(config.groups) for name in g.layer_names}
+    element_size = torch.tensor([], dtype=dtype).element_size()
+    caches: KVCaches = {}
+    for tensor in config.tensors:
+        buffer = torch.zeros(tensor.size_bytes, dtype=torch.uint8, device=device)
+        for name in tensor.shared_by:
+            gid = group_of[name]
+            spec = layer_spec(config, gid, name)
+            if spec.dtype_bytes != element_size:
+                raise ValueError(f"{name}: spec has {spec.dtype_bytes}-byte elements, {dtype} not")
+            caches[name] = _layer_view(
+                buffer, spec, config.num_blocks, kernel_block_sizes[gid], dtype
+            )
+    for name, target in config.shared_kv_layers:
+        caches[name] = caches[target]
+    missing = [name for g in config.groups for name in g.layer_names if name not in caches]
+    assert not missing, f"layers without a KV cache buffer: {missing}"
+    return caches
+
+
+def _layer_view(
+    buffer: torch.Tensor, spec: AttentionSpec, num_blocks: int, kernel_block_size: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    needed = num_blocks * spec.page_size_bytes
+    assert needed <= buffer.numel(), (needed, buffer.numel())
+    split = spec.block_size // kernel_block_size
+    shape = (2, num_blocks * split, kernel_block_size, spec.num_kv_heads, spec.head_size)
+    view = buffer[:needed].view(dtype).view(shape)
+    return view[0], view[1]

@@ -1,0 +1,1 @@
+"""Tensor-parallel building blocks of the model families: linear, embedding, norm, rotary, activation."""

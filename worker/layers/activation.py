@@ -1,0 +1,47 @@
+"""Gated activations of the MLP: act(gate) * up on the two halves of a merged projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """[..., 2 * d] -> [..., d]: silu(gate) * up."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class GeluTanhAndMul(nn.Module):
+    """[..., 2 * d] -> [..., d]: gelu_tanh(gate) * up."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+class GeluAndMul(nn.Module):
+    """[..., 2 * d] -> [..., d]: gelu(gate) * up with the exact (erf) gelu."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate) * up
+
+
+_GATED: dict[str, type[nn.Module]] = {
+    "silu": SiluAndMul,
+    "swish": SiluAndMul,
+    "gelu_pytorch_tanh": GeluTanhAndMul,
+    "gelu_tanh": GeluTanhAndMul,
+    "gelu": GeluAndMul,
+}
+
+
+def gated_activation(name: str) -> nn.Module:
+    """The gated activation for a transformers `hidden_act` name."""
+    if name not in _GATED:
+        raise ValueError(f"unsupported activation {name!r}; supported: {sorted(_GATED)}")
+    return _GATED[name]()

@@ -1,0 +1,185 @@
+"""Tensor-parallel linear layers with per-parameter weight loaders.
+
+Column-parallel layers split the output features over ranks (no communication); row-parallel
+layers split the input features and sum the partial outputs with an all-reduce. Packed layers
+(merged q/k/v, merged gate/up) hold several checkpoint tensors; their loaders take a `shard_id`
+naming which one is being loaded and copy this rank's rows of it into the right place.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker.config import ParallelConfig
+from worker.distributed import all_gather, all_reduce
+from worker.layers.loading import ShardId, WeightSource, copy_checked, new_parameter, read_full, read_part
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    """Exact division, with a readable error when a size does not split over the ranks."""
+    if numerator % denominator:
+        raise ValueError(f"{what}={numerator} is not divisible by tp_size={denominator}")
+    return numerator // denominator
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output rows split evenly over ranks."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        parallel: ParallelConfig,
+        bias: bool = False,
+        gather_output: bool = False,
+    ) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.gather_output = gather_output
+        self.output_size_per_rank = divide(output_size, parallel.tp_size, "output_size")
+        self.weight = new_parameter((self.output_size_per_rank, input_size), self.weight_loader)
+        self.bias = new_parameter((self.output_size_per_rank,), self.weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: ShardId = None) -> None:
+        """Copy this rank's block of output rows."""
+        if shard_id is not None:
+            raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")
+        size = self.output_size_per_rank
+        copy_checked(param.data, read_part(source, 0, self.parallel.rank * size, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        if self.gather_output and self.parallel.tp_size > 1:
+            out = all_gather(out, dim=-1)
+        return out
+
+
+class _Shard(NamedTuple):
+    """Where one packed checkpoint tensor goes: rows of the parameter and of the source."""
+
+    param_start: int
+    size: int
+    source_start: int
+
+
+class _PackedColumnLinear(ColumnParallelLinear):
+    """A column-parallel layer whose rows concatenate several checkpoint tensors."""
+
+    def __init__(
+        self,
+        input_size: int,
+        shards: dict[str | int, _Shard],
+        parallel: ParallelConfig,
+        bias: bool,
+    ) -> None:
+        total = sum(shard.size for shard in shards.values())
+        super().__init__(input_size, total * parallel.tp_size, parallel, bias=bias)
+        self.shards = shards
+
+    def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: ShardId = None) -> None:
+        """Copy this rank's rows of the checkpoint tensor `shard_id` into its slot."""
+        if shard_id not in self.shards:
+            raise ValueError(f"{type(self).__name__} expects a shard id in {list(self.shards)}")
+        shard = self.shards[shard_id]
+        target = param.data.narrow(0, shard.param_start, shard.size)
+        copy_checked(target, read_part(source, 0, shard.source_start, shard.size))
+
+
+class MergedColumnParallelLinear(_PackedColumnLinear):
+    """Several column-parallel projections of the same input in one matmul (gate and up)."""
+
+    def __init__(
+        self, input_size: int, output_sizes: list[int], parallel: ParallelConfig, bias: bool = False
+    ) -> None:
+        shards: dict[str | int, _Shard] = {}
+        param_start = 0
+        for index, output_size in enumerate(output_sizes):
+            size = divide(output_size, parallel.tp_size, f"output_sizes[{index}]")
+            shards[index] = _Shard(param_start, size, parallel.rank * size)
+            param_start += size
+        super().__init__(input_size, shards, parallel, bias)
+        self.output_sizes_per_rank = [shard.size for shard in shards.values()]
+
+
+class QKVParallelLinear(_PackedColumnLinear):
+    """Query, key and value projections in one matmul; shard ids "q", "k", "v".
+
+    Query heads are split over ranks. KV heads are split too when there are at least as many as
+    ranks; otherwise each rank keeps one KV head, replicated over `tp_size / num_kv_heads` ranks.
+    """
+
+    def __init__(  # noqa: PLR0913 (the head layout is five numbers)
+        self,
+        hidden_size: int,
+        head_size: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        parallel: ParallelConfig,
+        bias: bool = False,
+    ) -> None:
+        tp_size, rank = parallel.tp_size, parallel.rank
+        self.num_heads = divide(total_num_heads, tp_size, "num_attention_heads")
+        if tp_size >= total_num_kv_heads:
+            if tp_size % total_num_kv_heads:
+                raise ValueError(
+                    f"tp_size={tp_size} is not a multiple of num_key_value_heads="
+                    f"{total_num_kv_heads}, so KV heads cannot be replicated evenly"
+                )
+            self.num_kv_heads = 1
+            first_kv_head = rank // (tp_size // total_num_kv_heads)
+        else:
+            self.num_kv_heads = divide(total_num_kv_heads, tp_size, "num_key_value_heads")
+            first_kv_head = rank * self.num_kv_heads
+        self.head_size = head_size
+        q_size, kv_size = self.num_heads * head_size, self.num_kv_heads * head_size
+        kv_start = first_kv_head * head_size
+        shards: dict[str | int, _Shard] = {
+            "q": _Shard(0, q_size, rank * q_size),
+            "k": _Shard(q_size, kv_size, kv_start),
+            "v": _Shard(q_size + kv_size, kv_size, kv_start),
+        }
+        super().__init__(hidden_size, shards, parallel, bias)
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[T, (H + 2 * KV) * D] -> q [T, H * D], k [T, KV * D], v [T, KV * D]."""
+        q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        return q, k, v
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's input columns split over ranks and the partial sums all-reduced."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        parallel: ParallelConfig,
+        bias: bool = False,
+    ) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.input_size_per_rank = divide(input_size, parallel.tp_size, "input_size")
+        self.weight = new_parameter((output_size, self.input_size_per_rank), self.weight_loader)
+        self.bias = new_parameter((output_size,), self.bias_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: ShardId = None) -> None:
+        """Copy this rank's block of input columns."""
+        if shard_id is not None:
+            raise ValueError(f"RowParallelLinear has no shard {shard_id!r}")
+        size = self.input_size_per_rank
+        copy_checked(param.data, read_part(source, 1, self.parallel.rank * size, size))
+
+    def bias_loader(self, param: nn.Parameter, source: WeightSource, shard_id: ShardId = None) -> None:
+        """The bias is replicated: it is added once, after the all-reduce."""
+        copy_checked(param.data, read_full(source))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.parallel.tp_size == 1:
+            return F.linear(x, self.weight, self.bias)
+        out = all_reduce(F.linear(x, self.weight))
+        return out if self.bias is None else out + self.bias

@@ -1,0 +1,110 @@
+"""Rotary position embedding (neox / rotate-half layout) with default, linear and llama3 scaling.
+
+cos/sin are computed from the positions of each step exactly as transformers does (fp32 outer
+product, `cat(freqs, freqs)`, then cast to the activation dtype), so CPU fp32 runs match it
+bit for bit. With `partial_rotary_factor < 1` only the first `rotary_dim` features rotate.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class RopeTables(NamedTuple):
+    """cos and sin of one step, fp32 [num_tokens, rotary_dim]."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def rope_parameters(hf_config: PretrainedConfig, layer_type: str | None = None) -> dict[str, object]:
+    """The rope parameters of a config (per layer type when it has them), in transformers 5 form.
+
+    Older configs keep `rope_theta` and `rope_scaling` as separate keys; they are merged here.
+    """
+    params = getattr(hf_config, "rope_parameters", None)
+    if params and layer_type is not None and layer_type in params:
+        params = params[layer_type]
+    if not params:
+        scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
+        params = {"rope_theta": getattr(hf_config, "rope_theta", 10000.0), **scaling}
+    merged = dict(params)
+    if "rope_type" not in merged:
+        merged["rope_type"] = merged.pop("type", "default")
+    partial = getattr(hf_config, "partial_rotary_factor", None)
+    if partial is not None:
+        merged.setdefault("partial_rotary_factor", partial)
+    return merged
+
+
+def compute_inv_freq(params: dict[str, object], head_size: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (fp32 [rotary_dim / 2]) and the cos/sin scaling factor."""
+    rope_type = str(params.get("rope_type", "default"))
+    if rope_type not in _SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_type {rope_type!r} is not supported; use one of {_SUPPORTED_ROPE_TYPES}")
+    theta = float(params["rope_theta"])  # type: ignore[arg-type]
+    rotary_dim = int(head_size * float(params.get("partial_rotary_factor", 1.0)))  # type: ignore[arg-type]
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
+    inv_freq = 1.0 / (theta**exponents)
+    if rope_type == "linear":
+        inv_freq = inv_freq / float(params["factor"])  # type: ignore[arg-type]
+    elif rope_type == "llama3":
+        inv_freq = _llama3_scale(inv_freq, params)
+    return inv_freq, 1.0
+
+
+def _llama3_scale(inv_freq: torch.Tensor, params: dict[str, object]) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths / factor, short kept, smooth in between."""
+    factor = float(params["factor"])  # type: ignore[arg-type]
+    low_freq_factor = float(params["low_freq_factor"])  # type: ignore[arg-type]
+    high_freq_factor = float(params["high_freq_factor"])  # type: ignore[arg-type]
+    old_context_len = float(params["original_max_position_embeddings"])  # type: ignore[arg-type]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for one rope configuration (one theta and scaling)."""
+
+    def __init__(self, head_size: int, params: dict[str, object]) -> None:
+        super().__init__()
+        inv_freq, self.attention_scaling = compute_inv_freq(params, head_size)
+        self.head_size = head_size
+        self.rotary_dim = 2 * inv_freq.numel()
+        # NOTE: kept in fp32 on purpose; casting the model with `.to(bf16)` would degrade it.
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> RopeTables:
+        """[T] positions -> fp32 cos/sin [T, rotary_dim]."""
+        freqs = positions[:, None].float() * self.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return RopeTables(emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
+    """Rotate `x` [T, num_heads, head_size] by the tables of its tokens' positions."""
+    cos = tables.cos.to(x.dtype)[:, None, :]
+    sin = tables.sin.to(x.dtype)[:, None, :]
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return (x * cos) + (_rotate_half(x) * sin)
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat(((x_rot * cos) + (_rotate_half(x_rot) * sin), x_pass), dim=-1)

@@ -1,0 +1,63 @@
+"""Build a registered model on a device, in the model dtype, and load this rank's weights."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from worker.config import ModelConfig, ParallelConfig
+from worker.models.decoder import DecoderForCausalLM
+from worker.models.registry import get_model_class
+from worker.weights import iterate_weights
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(
+    model_config: ModelConfig, parallel: ParallelConfig, device: str | torch.device
+) -> DecoderForCausalLM:
+    """The model of `model_config`, with this rank's shard of every weight, in eval mode.
+
+    Raises ValueError when the checkpoint leaves any parameter unfilled.
+    """
+    start = time.perf_counter()
+    model_cls = get_model_class(model_config.architecture)
+    with _default_dtype(model_config.dtype), torch.device(device):
+        model = model_cls(model_config, parallel)
+    loaded = model.load_weights(iterate_weights(model_config.model_path, show_progress=True))
+    _check_complete(model, loaded, model_config.model_path)
+    model.eval()
+    num_params = sum(p.numel() for p in model.parameters())
+    logger.info(
+        "loaded %s (rank %d/%d: %.1fM parameters, %s) on %s in %.1f s",
+        model_config.architecture,
+        parallel.rank,
+        parallel.tp_size,
+        num_params / 1e6,
+        model_config.dtype,
+        device,
+        time.perf_counter() - start,
+    )
+    return model
+
+
+def _check_complete(model: nn.Module, loaded: set[str], path: str) -> None:
+    missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
+    if missing:
+        shown = ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "")
+        raise ValueError(f"checkpoint {path} leaves {len(missing)} parameters unloaded: {shown}")

@@ -1,0 +1,249 @@
+"""The decoder-only transformer shared by every family: attention, MLP, layer, model, LM.
+
+A family file subclasses `DecoderForCausalLM` and describes itself through two hooks:
+`decoder_options` (traits such as norm style, biases, softcaps) and `layer_options` (each
+layer's sliding window and rope table). Parameter names follow transformers, except the packed
+`qkv_proj` and `gate_up_proj`, so checkpoints load by name.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from worker.attention import Attention, AttentionConfig, ForwardContext
+from worker.config import ModelConfig, ParallelConfig
+from worker.layers.activation import gated_activation
+from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from worker.layers.loading import WeightSource
+from worker.layers.norm import RMSNorm
+from worker.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary, rope_parameters
+from worker.weights import load_named_weights
+
+DEFAULT_ROPE = "default"
+
+
+@dataclass(frozen=True)
+class DecoderOptions:
+    """Traits of one model family (what differs between Llama, Qwen2, Gemma, ...)."""
+
+    hidden_act: str
+    """transformers activation name of the gated MLP."""
+    attn_scale: float
+    """Multiplier of q.k scores."""
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    gemma_norm: bool = False
+    """RMSNorm scales by (1 + w) in fp32 instead of by w."""
+    sandwich_norm: bool = False
+    """Norms after attention and around the MLP (Gemma 2/3) instead of one pre-MLP norm."""
+    qk_norm: bool = False
+    """Per-head RMSNorm of queries and keys before rope."""
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    embed_scale: float | None = None
+    """Multiplier of token embeddings (Gemma: sqrt(hidden_size))."""
+
+
+@dataclass(frozen=True)
+class LayerOptions:
+    """What one layer's attention does differently from its neighbours."""
+
+    sliding_window: int | None = None
+    rope: str = DEFAULT_ROPE
+    """Key of the rotary table the layer uses."""
+
+
+def head_size_of(hf_config: PretrainedConfig) -> int:
+    """`head_dim` when the config sets it, else hidden_size / num_attention_heads."""
+    head_dim = getattr(hf_config, "head_dim", None)
+    return int(head_dim or hf_config.hidden_size // hf_config.num_attention_heads)
+
+
+class DecoderAttention(nn.Module):
+    """Self-attention: packed qkv projection, optional qk norm, rope, paged attention, o_proj."""
+
+    def __init__(
+        self, hf_config: PretrainedConfig, options: DecoderOptions, layer: LayerOptions,
+        layer_idx: int, parallel: ParallelConfig,
+    ) -> None:
+        super().__init__()
+        hidden, head_size = hf_config.hidden_size, head_size_of(hf_config)
+        num_heads = hf_config.num_attention_heads
+        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+        self.qkv_proj = QKVParallelLinear(
+            hidden, head_size, num_heads, num_kv_heads, parallel, bias=options.qkv_bias
+        )
+        self.o_proj = RowParallelLinear(num_heads * head_size, hidden, parallel, bias=options.o_bias)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if options.qk_norm:
+            eps = hf_config.rms_norm_eps
+            self.q_norm = RMSNorm(head_size, eps, add_unit_offset=options.gemma_norm)
+            self.k_norm = RMSNorm(head_size, eps, add_unit_offset=options.gemma_norm)
+        self.rope = layer.rope
+        self.attn = Attention(
+            AttentionConfig(
+                layer_name=f"model.layers.{layer_idx}.self_attn.attn",
+                num_heads=self.qkv_proj.num_heads,
+                num_kv_heads=self.qkv_proj.num_kv_heads,
+                head_size=head_size,
+                scale=options.attn_scale,
+                sliding_window=layer.sliding_window,
+                logits_softcap=options.attn_softcap,
+            )
+        )
+
+    def forward(self, hidden: torch.Tensor, rope: RopeTables, ctx: ForwardContext) -> torch.Tensor:
+        """[T, hidden] -> [T, hidden]."""
+        num_tokens, head_size = hidden.shape[0], self.qkv_proj.head_size
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q = q.reshape(num_tokens, -1, head_size)  # [T, num_heads, head_size]
+        k = k.reshape(num_tokens, -1, head_size)  # [T, num_kv_heads, head_size]
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v, ctx)
+        return self.o_proj(out)
+
+
+class DecoderMLP(nn.Module):
+    """Gated MLP: down(act(gate(x)) * up(x)) with gate and up in one matmul."""
+
+    def __init__(self, hf_config: PretrainedConfig, options: DecoderOptions, parallel: ParallelConfig) -> None:
+        super().__init__()
+        hidden, inner = hf_config.hidden_size, hf_config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden, [inner, inner], parallel, bias=options.mlp_bias
+        )
+        self.act = gated_activation(options.hidden_act)
+        self.down_proj = RowParallelLinear(inner, hidden, parallel, bias=options.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); sandwich norms when asked."""
+
+    def __init__(
+        self, hf_config: PretrainedConfig, options: DecoderOptions, layer: LayerOptions,
+        layer_idx: int, parallel: ParallelConfig,
+    ) -> None:
+        super().__init__()
+        hidden, eps, gemma = hf_config.hidden_size, hf_config.rms_norm_eps, options.gemma_norm
+        self.self_attn = DecoderAttention(hf_config, options, layer, layer_idx, parallel)
+        self.mlp = DecoderMLP(hf_config, options, parallel)
+        self.input_layernorm = RMSNorm(hidden, eps, add_unit_offset=gemma)
+        self.post_attention_layernorm = RMSNorm(hidden, eps, add_unit_offset=gemma)
+        self.pre_feedforward_layernorm: RMSNorm | None = None
+        self.post_feedforward_layernorm: RMSNorm | None = None
+        if options.sandwich_norm:
+            self.pre_feedforward_layernorm = RMSNorm(hidden, eps, add_unit_offset=gemma)
+            self.post_feedforward_layernorm = RMSNorm(hidden, eps, add_unit_offset=gemma)
+
+    def forward(self, hidden: torch.Tensor, rope: RopeTables, ctx: ForwardContext) -> torch.Tensor:
+        attn_out = self.self_attn(self.input_layernorm(hidden), rope, ctx)
+        if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
+            hidden = hidden + attn_out
+            return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        hidden = hidden + self.post_attention_layernorm(attn_out)
+        mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden))
+        return hidden + self.post_feedforward_layernorm(mlp_out)
+
+
+class DecoderModel(nn.Module):
+    """Embedding, the layer stack and the final norm (transformers' `model.` prefix)."""
+
+    def __init__(
+        self, hf_config: PretrainedConfig, options: DecoderOptions, layers: list[LayerOptions],
+        ropes: dict[str, dict[str, object]], parallel: ParallelConfig,
+    ) -> None:
+        super().__init__()
+        hidden = hf_config.hidden_size
+        self.embed_scale = options.embed_scale
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hidden, parallel)
+        self.layers = nn.ModuleList(
+            DecoderLayer(hf_config, options, layer, idx, parallel) for idx, layer in enumerate(layers)
+        )
+        self.norm = RMSNorm(hidden, hf_config.rms_norm_eps, add_unit_offset=options.gemma_norm)
+        head_size = head_size_of(hf_config)
+        self.rotary_emb = nn.ModuleDict(
+            {key: RotaryEmbedding(head_size, params) for key, params in ropes.items()}
+        )
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        if self.embed_scale is not None:
+            hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        tables = {key: rope(positions) for key, rope in self.rotary_emb.items()}
+        for layer in self.layers:
+            hidden = layer(hidden, tables[layer.self_attn.rope], ctx)
+        return self.norm(hidden)
+
+
+class DecoderForCausalLM(nn.Module, abc.ABC):
+    """A causal LM with the runner's interface: forward, compute_logits, load_weights."""
+
+    def __init__(self, model_config: ModelConfig, parallel: ParallelConfig) -> None:
+        super().__init__()
+        hf_config = model_config.hf_config
+        self.options = self.decoder_options(hf_config)
+        layers = [self.layer_options(hf_config, i) for i in range(hf_config.num_hidden_layers)]
+        self.model = DecoderModel(hf_config, self.options, layers, self.rope_tables(hf_config), parallel)
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, parallel)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    @classmethod
+    @abc.abstractmethod
+    def decoder_options(cls, hf_config: PretrainedConfig) -> DecoderOptions:
+        """The family's traits."""
+
+    def layer_options(self, hf_config: PretrainedConfig, layer_idx: int) -> LayerOptions:
+        """Layer `layer_idx`'s window and rope table; full attention and one rope by default."""
+        return LayerOptions()
+
+    def rope_tables(self, hf_config: PretrainedConfig) -> dict[str, dict[str, object]]:
+        """Rope parameters by table key; one table by default."""
+        return {DEFAULT_ROPE: rope_parameters(hf_config)}
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """[T] token ids and positions -> final hidden states [T, hidden_size]."""
+        hidden: torch.Tensor = self.model(input_ids, positions, ctx)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> fp32 [N, vocab], full vocabulary on every rank, final softcap applied."""
+        logits = self.lm_head.compute_logits(hidden).float()
+        cap = self.options.final_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> set[str]:
+        """Load HF-named checkpoint tensors; returns the names of the parameters filled."""
+        skip = ("lm_head.",) if self.tie_word_embeddings else ()
+        return load_named_weights(self, weights, skip_prefixes=skip)
+
+
+def window_from_layer_types(hf_config: PretrainedConfig, layer_idx: int) -> int | None:
+    """The sliding window of layer `layer_idx` per the config's `layer_types` (None: full)."""
+    layer_types = getattr(hf_config, "layer_types", None)
+    if not layer_types:
+        return None
+    layer_type = layer_types[layer_idx]
+    if layer_type == "full_attention":
+        return None
+    if layer_type == "sliding_attention":
+        window = getattr(hf_config, "sliding_window", None)
+        return int(window) if window is not None else None
+    raise ValueError(f"layer {layer_idx} has layer type {layer_type!r}, which is not supported")

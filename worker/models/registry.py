@@ -1,0 +1,32 @@
+"""Map Hugging Face `architectures` names to our model classes."""
+
+from __future__ import annotations
+
+from worker.models.decoder import DecoderForCausalLM
+from worker.models.gemma2 import Gemma2ForCausalLM
+from worker.models.gemma3 import Gemma3ForCausalLM
+from worker.models.llama import LlamaForCausalLM, MistralForCausalLM
+from worker.models.qwen2 import Qwen2ForCausalLM
+
+_MODELS: dict[str, type[DecoderForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    """Architecture names that `get_model_class` accepts."""
+    return sorted(_MODELS)
+
+
+def get_model_class(architecture: str) -> type[DecoderForCausalLM]:
+    """The class serving `architecture`, e.g. "LlamaForCausalLM"."""
+    if architecture not in _MODELS:
+        raise ValueError(
+            f"architecture {architecture!r} is not supported; "
+            f"supported: {', '.join(supported_architectures())}"
+        )
+    return _MODELS[architecture]

@@ -1,0 +1,126 @@
+"""Read Hugging Face safetensors checkpoints and route each tensor to its parameter's loader.
+
+`iterate_weights` yields `(hf_name, lazy tensor)` over a single-file or sharded checkpoint; a
+lazy tensor reads from disk only the rows or columns a rank's `weight_loader` asks for.
+`load_named_weights` maps HF names onto our packed parameters (q/k/v -> qkv_proj, gate/up ->
+gate_up_proj) and calls the loaders.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm.auto import tqdm
+
+from worker.layers.loading import ShardId, WeightSource, weight_loader_of
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+# (our packed parameter, HF parameter, shard id)
+PACKED_MODULES: tuple[tuple[str, str, ShardId], ...] = (
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+)
+# Checkpoint entries that are buffers recomputed at init, not parameters.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class SafetensorsWeight:
+    """One tensor of an open safetensors file, read lazily (a `LazyWeight`)."""
+
+    def __init__(self, safe_slice: object) -> None:
+        self._slice = safe_slice
+        self.shape = tuple(int(d) for d in safe_slice.get_shape())  # type: ignore[attr-defined]
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Read elements `[start, start + length)` of `dim` (and everything of other dims)."""
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        tensor: torch.Tensor = self._slice[index]  # type: ignore[index]
+        return tensor
+
+
+def checkpoint_files(folder: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint folder, in a stable order."""
+    folder = Path(folder)
+    index = folder / INDEX_FILE
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        return [folder / name for name in sorted(set(weight_map.values()))]
+    if (folder / SINGLE_FILE).is_file():
+        return [folder / SINGLE_FILE]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder} holds no *.safetensors checkpoint")
+    return files
+
+
+def iterate_weights(folder: str | Path, show_progress: bool = False) -> Iterator[tuple[str, SafetensorsWeight]]:
+    """Yield `(name, lazy tensor)` for every tensor of the checkpoint.
+
+    A lazy tensor is valid until the next item is requested (its file may be closed then).
+    """
+    files = checkpoint_files(folder)
+    with tqdm(total=len(files), desc="Loading safetensors files", disable=not show_progress) as bar:
+        for path in files:
+            with safe_open(str(path), framework="pt", device="cpu") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open handles are not mappings)
+                    yield name, SafetensorsWeight(handle.get_slice(name))
+            bar.update(1)
+            logger.debug("read %s", path.name)
+
+
+def _packed_target(name: str) -> tuple[str, ShardId] | None:
+    for packed, original, shard_id in PACKED_MODULES:
+        marker = f".{original}."
+        if marker in name:
+            return name.replace(marker, f".{packed}."), shard_id
+    return None
+
+
+def load_named_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, WeightSource]],
+    skip_prefixes: Sequence[str] = (),
+) -> set[str]:
+    """Load HF-named tensors into `model`; returns the names of the parameters that were filled.
+
+    Names under `skip_prefixes` (e.g. a tied `lm_head.`) and rotary buffers are skipped; names
+    the model does not know are logged and skipped, so the caller should check completeness.
+    """
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    packed_shards: dict[str, set[ShardId]] = {}
+    for name, source in weights:
+        if name.endswith(_IGNORED_SUFFIXES) or name.startswith(tuple(skip_prefixes)):
+            continue
+        target = _packed_target(name)
+        param_name, shard_id = target if target is not None else (name, None)
+        param = params.get(param_name)
+        if param is None:
+            logger.warning("checkpoint tensor %s matches no parameter; skipped", name)
+            continue
+        weight_loader_of(param)(param, source, shard_id)
+        if target is None:
+            loaded.add(param_name)
+        else:
+            packed_shards.setdefault(param_name, set()).add(shard_id)
+    for param_name, shard_ids in packed_shards.items():
+        if shard_ids == _expected_shards(param_name):
+            loaded.add(param_name)
+    return loaded
+
+
+def _expected_shards(param_name: str) -> set[ShardId]:
+    return {shard for packed, _, shard in PACKED_MODULES if f".{packed}." in param_name}
