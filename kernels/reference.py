@@ -68,7 +68,7 @@ def paged_attention(  # noqa: PLR0913 (the signature shared by every backend)
     Request `i` owns `query[query_start_loc[i]:query_start_loc[i + 1]]`, its newest tokens out
     of `seq_lens[i]`. Returns `[num_tokens, num_q_heads, head_size]` in the query dtype.
     """
-    check_attention_args(query, key_cache, value_cache, block_table, sliding_window)
+    check_attention_args(query, key_cache, value_cache, block_table, sliding_window, softcap)
     output = torch.zeros_like(query)
     rule = _ScoreRule(scale, sliding_window, softcap)
     starts = query_start_loc.tolist()
@@ -111,6 +111,7 @@ def check_attention_args(
     value_cache: torch.Tensor,
     block_table: torch.Tensor,
     sliding_window: int | None,
+    softcap: float | None = None,
 ) -> None:
     """Assert the shapes `paged_attention` relies on (shared by every backend)."""
     assert query.dim() == 3, query.shape
@@ -120,6 +121,7 @@ def check_attention_args(
     assert query.shape[1] % key_cache.shape[2] == 0, "num_q_heads % num_kv_heads != 0"
     assert block_table.dim() == 2, block_table.shape
     assert sliding_window is None or sliding_window >= 1, sliding_window
+    assert softcap is None or softcap > 0, softcap
 
 
 def _chunk_rows(num_q_heads: int, seq_len: int) -> int:
@@ -168,8 +170,8 @@ def _gather_keys(
     skip = key_start - first_block * block_size
     num_keys = key_end - key_start
 
-    def gather(cache: torch.Tensor) -> torch.Tensor:
-        pages = cache[block_ids].flatten(0, 1)[skip : skip + num_keys]  # [n, heads, head_size]
+    def gather(cache: torch.Tensor) -> torch.Tensor:  # [n, num_kv_heads, head_size]
+        pages = cache.index_select(0, block_ids).flatten(0, 1)[skip : skip + num_keys]
         return pages.float().transpose(0, 1)
 
     return gather(paged.key_cache), gather(paged.value_cache)

@@ -224,8 +224,9 @@ def paged_attention(  # the signature shared by every backend
     """Paged attention of a mixed batch; same contract as `kernels.reference.paged_attention`.
 
     `launch` overrides the tile sizes and KV splits (tests use it to reach every path).
+    NOTE: output rows past `query_start_loc[-1]` (padding of a captured batch) are not written.
     """
-    check_attention_args(query, key_cache, value_cache, block_table, sliding_window)
+    check_attention_args(query, key_cache, value_cache, block_table, sliding_window, softcap)
     assert query.stride(2) == 1, "head_size must be contiguous"
     assert key_cache.stride(3) == 1, "head_size must be contiguous"
     assert value_cache.stride(3) == 1, "head_size must be contiguous"

@@ -34,7 +34,8 @@ class KVCacheBlock:
         self.next_free: KVCacheBlock | None = None
 
     def __repr__(self) -> str:
-        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hashed={self.block_hash is not None})"
+        hashed = self.block_hash is not None
+        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hashed={hashed})"
 
 
 class FreeBlockQueue:
@@ -53,7 +54,8 @@ class FreeBlockQueue:
         out = []
         node = self._head.next_free
         for _ in range(count):
-            assert node is not None and node is not self._tail, "free queue exhausted"
+            assert node is not None
+            assert node is not self._tail, "free queue exhausted"
             out.append(node)
             following = node.next_free
             node.prev_free = node.next_free = None
@@ -67,7 +69,8 @@ class FreeBlockQueue:
     def remove(self, block: KVCacheBlock) -> None:
         """Unlink a block from anywhere in the queue."""
         prev_node, next_node = block.prev_free, block.next_free
-        assert prev_node is not None and next_node is not None, f"{block} is not in the queue"
+        assert prev_node is not None, f"{block} is not in the queue"
+        assert next_node is not None, f"{block} is not in the queue"
         prev_node.next_free = next_node
         next_node.prev_free = prev_node
         block.prev_free = block.next_free = None
@@ -289,8 +292,11 @@ class BlockPool:
         assert used == self._num_used, (used, self._num_used)
         for group_id, hash_map in enumerate(self.hash_maps):
             for block_hash, block in hash_map.items():
-                assert block.block_hash == block_hash and block.group_id == group_id, block
+                assert block.block_hash == block_hash, block
+                assert block.group_id == group_id, block
         for (group_id, block_hash), others in self._duplicates.items():
-            assert others and block_hash in self.hash_maps[group_id]
+            assert others
+            assert block_hash in self.hash_maps[group_id]
             for block in others.values():
-                assert block.block_hash == block_hash and block.group_id == group_id, block
+                assert block.block_hash == block_hash, block
+                assert block.group_id == group_id, block

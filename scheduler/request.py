@@ -183,7 +183,8 @@ class Request:
         """Append sampled tokens; block hashes extend as blocks fill."""
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
-        self._extend_hashes()
+        if len(self.all_token_ids) >= (len(self.block_hashes) + 1) * self.hash_block_size:
+            self._extend_hashes()
 
     def _extend_hashes(self) -> None:
         extend_block_hashes(

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Iterable
 
 from scheduler.config import SchedulerConfig, SchedulingPolicy
-from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.kv_cache_manager import KVCacheBlocks, KVCacheManager
 from scheduler.kv_cache_spec import KVCacheConfig
 from scheduler.output import (
     CachedRequestData,
@@ -97,22 +97,24 @@ class Scheduler:
     ) -> list[RequestOutput]:
         """Append sampled tokens, stop finished requests and free their blocks."""
         scheduled = scheduler_output.num_scheduled_tokens
-        logprobs = model_runner_output.logprobs or {}
-        prompt_logprobs = model_runner_output.prompt_logprobs or {}
+        requests = self.requests
+        max_model_len = self.config.max_model_len
+        logprobs = model_runner_output.logprobs
+        prompt_logprobs = model_runner_output.prompt_logprobs
         outputs, self._pending_outputs = self._pending_outputs, []
         finished: list[Request] = []
         for req_id, token_ids in zip(
             model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
         ):
-            request = self.requests.get(req_id)
+            request = requests.get(req_id)
             if request is None or req_id not in scheduled:
                 continue  # aborted while the step ran
             output = apply_sampled_tokens(
                 request,
                 token_ids,
-                self.config.max_model_len,
-                logprobs.get(req_id),
-                prompt_logprobs.get(req_id),
+                max_model_len,
+                logprobs.get(req_id) if logprobs else None,
+                prompt_logprobs.get(req_id) if prompt_logprobs else None,
             )
             if output is not None:
                 outputs.append(output)
@@ -149,6 +151,7 @@ class Scheduler:
         return bool(self.requests)
 
     def get_num_unfinished_requests(self) -> int:
+        """Requests waiting or running."""
         return len(self.requests)
 
     def reset_prefix_cache(self) -> bool:
@@ -161,38 +164,52 @@ class Scheduler:
         return SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=self.kv_cache_manager.usage,
-            kv_cache_usage_per_group=tuple(self.kv_cache_manager.usage_per_group()),
-            prefix_cache_queries=tuple(kv_stats.queries),
-            prefix_cache_hits=tuple(kv_stats.hits),
+            kv_cache_usage=kv_stats.usage,
+            kv_cache_usage_per_group=kv_stats.group_usage,
+            prefix_cache_queries=kv_stats.query_tokens,
+            prefix_cache_hits=kv_stats.group_hit_tokens,
+            prefix_cache_hit_tokens=kv_stats.hit_tokens,
             num_preemptions=self.num_preemptions,
-            num_evictions=kv_stats.evictions,
+            num_evictions=kv_stats.num_evictions,
         )
-
-    # ---- one step -------------------------------------------------------------------------
 
     def _schedule_running(self, plan: StepPlan) -> None:
         """Grow running requests in order; preempt when the pool runs out."""
+        running = self.running  # _preempt removes from this same list
+        allocate_slots = self.kv_cache_manager.allocate_slots
         index = 0
-        while index < len(self.running) and plan.budget > 0:
-            request = self.running[index]
-            num_new = self._num_new_tokens(request, request.num_computed_tokens, plan.budget)
-            if num_new == 0:
-                index += 1
-                continue
-            num_preempted = len(plan.preempted_req_ids)
-            while (blocks := self.kv_cache_manager.allocate_slots(request, num_new)) is None:
-                if len(self.running) == 1:
-                    self._drop_unfittable(request)  # alone and still no room: it never will be
-                    return
-                victim = self._pick_victim()
-                self._preempt(victim, plan)
-                if victim is request:
-                    return
+        while index < len(running) and plan.budget > 0:
+            request = running[index]
+            num_new = len(request.all_token_ids) - request.num_computed_tokens
+            if num_new != 1:  # a prefill chunk (a decode token needs no cap nor alignment)
+                num_new = self._num_new_tokens(request, request.num_computed_tokens, plan.budget)
+                if num_new == 0:
+                    index += 1
+                    continue
+            blocks = allocate_slots(request, num_new)
+            if blocks is None:
+                blocks = self._allocate_with_preemption(request, num_new, plan)
+                if blocks is None:
+                    return  # the request itself had to go: nothing behind it fits either
+                index = running.index(request)  # victims before it may have left the list
             plan.add(request, num_new, blocks)
-            if len(plan.preempted_req_ids) != num_preempted:
-                index = self.running.index(request)  # earlier requests may have left the list
             index += 1
+
+    def _allocate_with_preemption(
+        self, request: Request, num_new: int, plan: StepPlan
+    ) -> KVCacheBlocks | None:
+        """Preempt victims until `request` fits; None when `request` itself left the running set."""
+        while True:
+            if len(self.running) == 1:
+                self._drop_unfittable(request)  # alone and still no room: it never will be
+                return None
+            victim = self._pick_victim()
+            self._preempt(victim, plan)
+            if victim is request:
+                return None
+            blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            if blocks is not None:
+                return blocks
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
         """Admit waiting requests in queue order while budget, seats and blocks last."""
@@ -200,7 +217,7 @@ class Scheduler:
         while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             hit = manager.get_computed_blocks(request)
-            if hit.junction_tokens > hit.num_tokens:
+            if manager.needs_block_aligned_prefill:
                 self._junction_tokens[request.req_id] = hit.junction_tokens
             num_new = self._num_new_tokens(request, hit.num_tokens, plan.budget)
             if num_new == 0:
@@ -267,24 +284,25 @@ class Scheduler:
         """Build the message (new requests in full, others as deltas) and advance computed."""
         new_reqs: list[NewRequestData] = []
         cached_reqs: list[CachedRequestData] = []
+        request_data = self._worker_view.request_data
+        counts, new_blocks = plan.num_scheduled_tokens, plan.new_blocks
         for request in plan.scheduled:
-            data = self._worker_view.request_data(request, plan.new_blocks[request.req_id])
-            if isinstance(data, NewRequestData):
-                new_reqs.append(data)
-            else:
+            req_id = request.req_id
+            data = request_data(request, new_blocks[req_id])
+            if isinstance(data, CachedRequestData):
                 cached_reqs.append(data)
-        output = SchedulerOutput(
+            else:
+                new_reqs.append(data)
+            request.num_computed_tokens += counts[req_id]  # the message keeps the old value
+        return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
-            num_scheduled_tokens=plan.num_scheduled_tokens,
+            num_scheduled_tokens=counts,
             total_num_scheduled_tokens=plan.total_num_scheduled_tokens,
             num_common_prefix_blocks=self._num_common_prefix_blocks(),
             finished_req_ids=self._worker_view.take_finished(),
             preempted_req_ids=frozenset(plan.preempted_req_ids),
         )
-        for request in plan.scheduled:
-            request.num_computed_tokens += plan.num_scheduled_tokens[request.req_id]
-        return output
 
     def _num_common_prefix_blocks(self) -> tuple[int, ...]:
         if not self.running:
@@ -294,8 +312,6 @@ class Scheduler:
                 self.running[0].req_id, len(self.running)
             )
         )
-
-    # ---- bookkeeping ----------------------------------------------------------------------
 
     def _release(self, request: Request, *, holds_blocks: bool) -> None:
         """Forget a finished request: free its blocks, tell the workers next step."""

@@ -24,6 +24,8 @@ from scheduler.request import Request, RequestStatus
 if TYPE_CHECKING:
     from scheduler.kv_cache_manager import KVCacheBlocks, KVCacheManager
 
+_NOT_FINISHED: tuple[FinishReason | None, int | None] = (None, None)
+
 
 @dataclass
 class StepPlan:
@@ -83,6 +85,13 @@ class WorkerView:
         req_id = request.req_id
         num_sent = self._num_sent_tokens.get(req_id)
         self._num_sent_tokens[req_id] = len(request.all_token_ids)
+        if num_sent is not None and req_id not in self._resumed_req_ids:
+            return CachedRequestData(  # positional: this runs for every request every step
+                req_id,
+                request.num_computed_tokens,
+                request.all_token_ids[num_sent:],
+                None if new_blocks.is_empty else new_blocks.get_block_ids(),
+            )
         if num_sent is None:
             return NewRequestData(
                 req_id=req_id,
@@ -91,20 +100,13 @@ class WorkerView:
                 block_ids=self._manager.get_block_ids(req_id),
                 num_computed_tokens=request.num_computed_tokens,
             )
-        if req_id in self._resumed_req_ids:
-            self._resumed_req_ids.discard(req_id)
-            return CachedRequestData(
-                req_id=req_id,
-                num_computed_tokens=request.num_computed_tokens,
-                new_token_ids=list(request.output_token_ids),
-                new_block_ids=self._manager.get_block_ids(req_id),
-                is_resumed=True,
-            )
+        self._resumed_req_ids.discard(req_id)
         return CachedRequestData(
             req_id=req_id,
             num_computed_tokens=request.num_computed_tokens,
-            new_token_ids=request.all_token_ids[num_sent:],
-            new_block_ids=new_blocks.get_block_ids() if any(new_blocks.blocks) else None,
+            new_token_ids=list(request.output_token_ids),
+            new_block_ids=self._manager.get_block_ids(req_id),
+            is_resumed=True,
         )
 
     def preempted(self, req_id: str) -> None:
@@ -134,15 +136,15 @@ def make_request_output(
 ) -> RequestOutput:
     """One request's `RequestOutput`; `finish` is (reason or None, stop token or None)."""
     reason, stop_token = finish
-    return RequestOutput(
-        req_id=request.req_id,
-        new_token_ids=new_token_ids,
-        finish_reason=reason,
-        stop_token_id=stop_token,
-        new_logprobs=new_logprobs,
-        prompt_logprobs=prompt_logprobs,
-        num_prompt_tokens=len(request.prompt_token_ids),
-        num_cached_tokens=request.num_cached_tokens or 0,
+    return RequestOutput(  # positional: this runs for every request every step
+        request.req_id,
+        new_token_ids,
+        reason,
+        stop_token,
+        new_logprobs,
+        prompt_logprobs,
+        len(request.prompt_token_ids),
+        request.num_cached_tokens or 0,
     )
 
 
@@ -159,6 +161,12 @@ def apply_sampled_tokens(
     """
     if request.num_computed_tokens < len(request.all_token_ids):
         token_ids = []  # a prefill chunk that is not the last samples nothing
+    elif len(token_ids) == 1:  # the common case: one token per step
+        request.append_output_token_ids(token_ids)
+        finish = check_stop(request, max_model_len)
+        return make_request_output(
+            request, token_ids, finish or _NOT_FINISHED, logprobs, prompt_logprobs
+        )
     finish = None
     num_kept = 0
     for token_id in token_ids:
@@ -173,7 +181,7 @@ def apply_sampled_tokens(
         token_ids = token_ids[:num_kept]
         logprobs = logprobs[:num_kept] if logprobs is not None else None
     return make_request_output(
-        request, token_ids, finish or (None, None), logprobs, prompt_logprobs
+        request, token_ids, finish or _NOT_FINISHED, logprobs, prompt_logprobs
     )
 
 

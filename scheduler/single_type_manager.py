@@ -236,7 +236,7 @@ class FullAttentionManager(SingleTypeManager):
                 found = lookup_all(maps, block_hash)
                 if found is None:
                     break
-                for hits, block in zip(per_group, found):
+                for hits, block in zip(per_group, found, strict=True):
                     hits.append(block)
         num_aligned = len(per_group[0]) * self.block_size // alignment * alignment
         for hits in per_group:

@@ -24,7 +24,10 @@ class SchedulerStats:
     prefix_cache_queries: tuple[int, ...]
     """Per group: prompt tokens looked up in the prefix cache (cumulative)."""
     prefix_cache_hits: tuple[int, ...]
-    """Per group: tokens of those lookups served from the cache (cumulative)."""
+    """Per group: tokens of those lookups the group's own cache could serve, before the groups
+    agree on one hit length (cumulative); shows which group limits reuse."""
+    prefix_cache_hit_tokens: int
+    """Prompt tokens actually served from the cache, all groups agreeing (cumulative)."""
     num_preemptions: int
     """Requests preempted since the scheduler started (cumulative)."""
     num_evictions: int

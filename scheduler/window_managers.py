@@ -22,7 +22,7 @@ class SlidingWindowManager(SingleTypeManager):
     ) -> None:
         super().__init__(spec, pool, group_id, hash_block_size)
         self.sliding_window = spec.sliding_window
-        self.num_run_blocks = cdiv(spec.sliding_window - 1, spec.block_size)
+        self.num_run_blocks = max(cdiv(spec.sliding_window - 1, spec.block_size) - 1, 1)
         """Cached blocks a hit must end with: the first recomputed token reads the w - 1
         tokens before it, which fill exactly this many whole blocks before an aligned end."""
 
@@ -50,7 +50,7 @@ class SlidingWindowManager(SingleTypeManager):
                 continue
             if run == 0 and (index + 1) * self.block_size % alignment:
                 continue  # a hit cannot end here
-            for hits, block in zip(per_group, found):
+            for hits, block in zip(per_group, found, strict=True):
                 hits[index] = block
             run += 1
             if run >= self.num_run_blocks:
@@ -80,6 +80,12 @@ class ChunkedLocalManager(SingleTypeManager):
         hash_block_size: int,
     ) -> None:
         super().__init__(spec, pool, group_id, hash_block_size)
+        if spec.attention_chunk_size % spec.block_size:
+            # Otherwise a hit could end inside a chunk whose first block is not looked up.
+            raise ValueError(
+                f"group {group_id}: attention chunk size {spec.attention_chunk_size} must be a "
+                f"multiple of the block size {spec.block_size}"
+            )
         self.chunk_size = spec.attention_chunk_size
 
     def find_longest_cache_hit(
@@ -100,7 +106,7 @@ class ChunkedLocalManager(SingleTypeManager):
             found = lookup_all(maps, self.hash_of(block_hashes, index))
             if found is None:
                 break
-            for hits, block in zip(per_group, found):
+            for hits, block in zip(per_group, found, strict=True):
                 hits.append(block)
         return per_group
 

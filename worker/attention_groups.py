@@ -66,7 +66,7 @@ def common_metadata(batch: InputBatch) -> list[CommonAttentionMetadata]:
             max_seq_len=batch.max_seq_len,
             num_actual_tokens=batch.num_tokens,
         )
-        for table, slots in zip(batch.block_tables, batch.slot_mappings)
+        for table, slots in zip(batch.block_tables, batch.slot_mappings, strict=True)
     ]
 
 
@@ -162,7 +162,7 @@ class GroupingOptions:
     kv_sharing_fast_prefill: bool = False
     """Run the trailing KV-sharing layers only on the rows that reach the LM head."""
     extra_transforms: Callable[[Attention], tuple[MetadataTransform, ...]] = field(
-        default=lambda layer: ()
+        default=lambda _layer: ()
     )
     """Further transforms for a layer's attention group, applied after the built-in ones."""
 
@@ -176,46 +176,54 @@ def build_attention_groups(
     """Attention groups of every KV cache group, in group order (sharing layers included)."""
     by_name = {layer.layer_name: layer for layer in layers}
     targets = dict(config.shared_kv_layers)
-    targets.update(
-        {name: layer.config.kv_sharing_target for name, layer in by_name.items()
-         if layer.config.kv_sharing_target is not None}
-    )
+    for name, layer in by_name.items():
+        if layer.config.kv_sharing_target is not None:
+            targets[name] = layer.config.kv_sharing_target
+    spec_of = _layer_specs(by_name, targets, config, options.dtype_bytes)
     kernel_sizes = [
-        _group_kernel_block_size(config, gid, by_name, targets, backend_for)
+        _group_kernel_block_size(config, gid, by_name, backend_for)
         for gid in range(len(config.groups))
     ]
-    spec_of: dict[str, KVCacheSpec] = {}
-    infos = []
-    gid_of = {name: gid for gid, g in enumerate(config.groups) for name in g.layer_names}
-    for name, layer in by_name.items():
-        owner = by_name[resolve_kv_owner(name, targets)]
-        block_size = config.groups[gid_of[owner.layer_name]].spec.block_size
-        spec = owner.kv_cache_spec(block_size, options.dtype_bytes)
-        assert spec is not None, f"{owner.layer_name} owns KV but reports no spec"
-        spec_of[name] = spec
-        infos.append(LayerAttentionInfo(name, spec, targets.get(name)))
-    owners = [[n for n in g.layer_names if n not in targets] for g in config.groups]
-    plans = plan_attention_groups(infos, owners, options.kv_sharing_fast_prefill)
+    infos = [LayerAttentionInfo(name, spec_of[name], targets.get(name)) for name in by_name]
+    owners = [[name for name in g.layer_names if name not in targets] for g in config.groups]
     groups = []
-    for plan in plans:
+    for plan in plan_attention_groups(infos, owners, options.kv_sharing_fast_prefill):
         first = by_name[plan.layer_names[0]]
-        kbs = kernel_sizes[plan.kv_cache_group_id]
+        kernel_block_size = kernel_sizes[plan.kv_cache_group_id]
         spec = spec_of[first.layer_name]
-        transforms = _transforms(spec, kbs, plan.is_truncated_prefill) + options.extra_transforms(
-            first
-        )
-        backend = backend_for(kbs, first.config.head_size)
+        transforms = _transforms(spec, kernel_block_size, plan.is_truncated_prefill)
+        backend = backend_for(kernel_block_size, first.config.head_size)
         groups.append(
             AttentionGroup(
                 backend=backend,
                 kv_cache_spec=spec,
                 layer_names=plan.layer_names,
                 kv_cache_group_id=plan.kv_cache_group_id,
-                builder=MetadataBuilder(backend, transforms),
-                kernel_block_size=kbs,
+                builder=MetadataBuilder(backend, transforms + options.extra_transforms(first)),
+                kernel_block_size=kernel_block_size,
             )
         )
     return groups
+
+
+def _layer_specs(
+    by_name: dict[str, Attention],
+    targets: dict[str, str],
+    config: KVCacheConfig,
+    dtype_bytes: int,
+) -> dict[str, KVCacheSpec]:
+    """Each layer's spec at its group's block size; a sharing layer gets its owner's spec."""
+    group_of = {name: gid for gid, g in enumerate(config.groups) for name in g.layer_names}
+    specs: dict[str, KVCacheSpec] = {}
+    for name in by_name:
+        owner = by_name[resolve_kv_owner(name, targets)]
+        if owner.layer_name not in group_of:
+            raise ValueError(f"attention layer {owner.layer_name} is in no KV cache group")
+        block_size = config.groups[group_of[owner.layer_name]].spec.block_size
+        spec = owner.kv_cache_spec(block_size, dtype_bytes)
+        assert spec is not None, f"{owner.layer_name} owns KV but reports no spec"
+        specs[name] = spec
+    return specs
 
 
 def _transforms(
@@ -233,14 +241,11 @@ def _group_kernel_block_size(
     config: KVCacheConfig,
     group_id: int,
     by_name: dict[str, Attention],
-    targets: dict[str, str],
     backend_for: BackendFactory,
 ) -> int:
     """Largest divisor of the group's block size that every layer's backend accepts."""
     group = config.groups[group_id]
-    head_sizes = {
-        by_name[name].config.head_size for name in group.layer_names if name in by_name
-    }
+    head_sizes = {by_name[name].config.head_size for name in group.layer_names if name in by_name}
 
     def accepts(kernel_block_size: int) -> bool:
         try:

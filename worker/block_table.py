@@ -91,7 +91,8 @@ class BlockTable:
         Returns int32 `[len(rows), max_blocks_used]` (at least one column).
         """
         width = max(1, int(self.num_blocks_per_row[rows].max(initial=0)))
-        return self.table_np[rows, :width]
+        gathered: np.ndarray = self.table_np[rows, :width]
+        return gathered
 
     def slot_mapping(self, token_rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Cache slot of each token: `table[row][pos // kbs] * kbs + pos % kbs` (int64).
@@ -102,7 +103,8 @@ class BlockTable:
         """
         kbs = self.kernel_block_size
         block_numbers = self.table_np[token_rows, positions // kbs].astype(np.int64)
-        return block_numbers * kbs + positions % kbs
+        slots: np.ndarray = block_numbers * kbs + positions % kbs
+        return slots
 
 
 class MultiGroupBlockTable:
@@ -120,7 +122,7 @@ class MultiGroupBlockTable:
         self.max_num_reqs = max_num_reqs
         self.tables = [
             BlockTable(size, kernel_size, max_num_reqs, max_model_len)
-            for size, kernel_size in zip(block_sizes, kernel_block_sizes)
+            for size, kernel_size in zip(block_sizes, kernel_block_sizes, strict=True)
         ]
 
     def __len__(self) -> int:
@@ -131,12 +133,12 @@ class MultiGroupBlockTable:
 
     def append_row(self, block_ids: Sequence[Sequence[int]], row: int) -> None:
         self._check_groups(block_ids)
-        for table, ids in zip(self.tables, block_ids):
+        for table, ids in zip(self.tables, block_ids, strict=True):
             table.append_row(ids, row)
 
     def add_row(self, block_ids: Sequence[Sequence[int]], row: int) -> None:
         self._check_groups(block_ids)
-        for table, ids in zip(self.tables, block_ids):
+        for table, ids in zip(self.tables, block_ids, strict=True):
             table.add_row(ids, row)
 
     def clear_row(self, row: int) -> None:

@@ -86,15 +86,15 @@ class RequestStates:
         state.num_computed_tokens = cached.num_computed_tokens
         if cached.is_resumed:
             state.token_ids = state.prompt_token_ids + list(cached.new_token_ids)
-            new_ids = cached.new_block_ids or tuple([] for _ in state.block_ids)
-            state.block_ids = tuple(list(ids) for ids in new_ids)
+            resumed_ids = cached.new_block_ids or tuple([] for _ in state.block_ids)
+            state.block_ids = tuple(list(ids) for ids in resumed_ids)
             self._release_row(cached.req_id)
             self._assign_row(cached.req_id)
             return
         state.token_ids.extend(cached.new_token_ids)
         if cached.new_block_ids is not None:
-            for ids, new_ids in zip(state.block_ids, cached.new_block_ids):
-                ids.extend(new_ids)
+            for ids, added in zip(state.block_ids, cached.new_block_ids, strict=True):
+                ids.extend(added)
             self.block_tables.append_row(cached.new_block_ids, self.rows[cached.req_id])
 
     def _assign_row(self, req_id: str) -> None:
@@ -147,7 +147,9 @@ class InputBatch:
 
 
 def batch_order(
-    req_ids: Sequence[str], states: RequestStates, num_scheduled: dict[str, int],
+    req_ids: Sequence[str],
+    states: RequestStates,
+    num_scheduled: dict[str, int],
     reorder_threshold: int | None = None,
 ) -> list[str]:
     """The step's request order; with a threshold, decode -> extend -> prefill (stable).
@@ -176,12 +178,15 @@ def build_input_batch(
     num_computed = np.array([req.num_computed_tokens for req in reqs], dtype=np.int64)
     query_start_loc = np.concatenate([[0], np.cumsum(num_sched)])
     token_req_idx = np.repeat(np.arange(len(reqs)), num_sched)  # [num_tokens]
-    positions = num_computed[token_req_idx] + np.arange(query_start_loc[-1]) - (
-        query_start_loc[token_req_idx]
+    positions = (
+        num_computed[token_req_idx]
+        + np.arange(query_start_loc[-1])
+        - (query_start_loc[token_req_idx])
     )
     input_ids = np.concatenate(
-        [_scheduled_tokens(req, n) for req, n in zip(reqs, num_sched.tolist())] or [[]]
-    ).astype(np.int64)
+        [np.zeros(0, dtype=np.int64)]
+        + [_scheduled_tokens(req, n) for req, n in zip(reqs, num_sched.tolist(), strict=True)]
+    )
     seq_lens = num_computed + num_sched
     samples = seq_lens >= np.array([req.num_tokens for req in reqs], dtype=np.int64)
     host = {
@@ -224,7 +229,9 @@ def _scheduled_tokens(req: CachedRequestState, num_scheduled: int) -> np.ndarray
     return np.asarray(req.token_ids[start:end], dtype=np.int64)
 
 
-def to_device_packed(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+def to_device_packed(
+    arrays: dict[str, np.ndarray], device: torch.device
+) -> dict[str, torch.Tensor]:
     """Move integer host arrays to the device in one transfer (packed as int64).
 
     Returns int64 tensors with the original shapes.

@@ -12,7 +12,7 @@ layer per KV cache group, so a block ID is only ever in use by one of them).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,9 +45,9 @@ class KVCacheSpecReport:
     """Layer -> earlier layer whose KV cache it reads (it owns no memory)."""
 
 
-def attention_layers(model: nn.Module) -> list[Attention]:
-    """The model's attention layers in module order."""
-    return [module for module in model.modules() if isinstance(module, Attention)]
+def attention_layers(modules: Iterable[nn.Module]) -> list[Attention]:
+    """The attention layers among a model's `modules()`, in module order."""
+    return [module for module in modules if isinstance(module, Attention)]
 
 
 def report_kv_cache_specs(
@@ -88,7 +88,9 @@ def available_kv_cache_memory(
     budget = int(gpu_memory_utilization * total) - (total - free)
     logger.info(
         "GPU memory: %.2f GiB total, %.2f GiB in use, %.2f GiB for the KV cache",
-        total / 2**30, (total - free) / 2**30, budget / 2**30,
+        total / 2**30,
+        (total - free) / 2**30,
+        budget / 2**30,
     )
     if budget <= 0:
         raise ValueError(
@@ -136,7 +138,10 @@ def allocate_kv_caches(
 
 
 def _layer_view(
-    buffer: torch.Tensor, spec: AttentionSpec, num_blocks: int, kernel_block_size: int,
+    buffer: torch.Tensor,
+    spec: AttentionSpec,
+    num_blocks: int,
+    kernel_block_size: int,
     dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     needed = num_blocks * spec.page_size_bytes

@@ -4,13 +4,24 @@ A sharing layer owns no KV memory; it joins its target's KV cache group and read
 cache. With truncated ("fast") prefill on, the trailing run of sharing layers (walking the
 model's attention layers from last to first, stopping at the first layer that owns KV) runs
 only on the rows that reach the LM head, so those layers get attention groups of their own
-whose metadata is truncated. The runner calls `plan_attention_groups` once at KV-cache init.
+whose metadata is truncated. The runner calls `plan_attention_groups` once at KV-cache init;
+models that declare KV sharing run their layer stack through `KVSharingDecoderLoop`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar, Union
+
+import torch
+from transformers import PretrainedConfig
+
+from worker.attention import Attention, ForwardContext
+
+RowData = Union[torch.Tensor, tuple["RowData", ...], Mapping[str, "RowData"]]  # noqa: UP007
+"""Per-token inputs of the layers (tokens on dim 0), possibly nested in tuples and dicts."""
+Inputs = TypeVar("Inputs", bound=RowData)
 
 
 @dataclass(frozen=True)
@@ -63,9 +74,9 @@ def plan_attention_groups(
     """Attention groups per KV cache group, in group order.
 
     Sharing layers are appended (in model order) to the KV cache group of the layer owning their
-    KV, unless the KV cache config already lists them there. Inside a group, layers are bucketed by (kind, truncated prefill) in order of first
-    appearance, so every truncated-prefill layer lands in a bucket of its own kind apart from
-    the untruncated layers.
+    KV, unless the KV cache config already lists them there. Inside a group, layers are bucketed
+    by (kind, truncated prefill) in order of first appearance, so every truncated-prefill layer
+    lands in a bucket of its own kind apart from the untruncated layers.
     """
     kind_of = {layer.name: layer.kind for layer in layers}
     targets = {
@@ -93,3 +104,75 @@ def plan_attention_groups(
             for (kind, is_truncated), bucket in buckets.items()
         )
     return plans
+
+
+def kv_sharing_targets_from_config(hf_config: PretrainedConfig) -> dict[int, int]:
+    """Layer index -> index of the earlier layer whose KV it reads, from the config's extra key
+    `kv_sharing_targets` (JSON object, e.g. `{"7": 5}`); empty when the key is absent."""
+    raw = getattr(hf_config, "kv_sharing_targets", None) or {}
+    targets = {int(layer): int(target) for layer, target in dict(raw).items()}
+    for layer, target in targets.items():
+        if not 0 <= target < layer < hf_config.num_hidden_layers:
+            raise ValueError(f"kv_sharing_targets: layer {layer} cannot read the KV of {target}")
+        if target in targets:
+            raise ValueError(f"kv_sharing_targets: layer {target} shares KV, it cannot be a target")
+    return targets
+
+
+def select_rows(data: Inputs, rows: torch.Tensor) -> Inputs:
+    """The rows `rows` (dim 0) of every tensor in `data`, keeping its structure."""
+    if isinstance(data, torch.Tensor):
+        return data.index_select(0, rows)  # type: ignore[return-value]
+    if isinstance(data, tuple):
+        items = [select_rows(item, rows) for item in data]
+        return type(data)(*items) if hasattr(data, "_fields") else type(data)(items)  # type: ignore[return-value]
+    return {key: select_rows(value, rows) for key, value in data.items()}  # type: ignore[return-value]
+
+
+class KVSharingDecoderLoop:
+    """Runs a model's decoder layers; the trailing KV-sharing run may see only the kept rows.
+
+    When the metadata of the first eligible layer carries `query_rows` (truncated prefill is on
+    and this step has prefill rows), the hidden states and per-token inputs are gathered to
+    those rows before that layer, the remaining layers run on them, and the results are
+    scattered back after the last layer. Rows not kept keep the values of the earlier layers:
+    they are never read by the LM head. Without `query_rows` every layer runs on every row.
+    """
+
+    def __init__(self, layers: Sequence[Attention]) -> None:
+        infos = [
+            LayerAttentionInfo(layer.layer_name, None, layer.config.kv_sharing_target)
+            for layer in layers
+        ]
+        eligible = truncated_prefill_layers(infos)
+        self.num_layers = len(infos)
+        self.first_truncated = self.num_layers - len(eligible)
+        self.probe_layer = eligible[-1] if eligible else None
+        """Attention layer whose metadata says which rows are kept."""
+
+    def kept_rows(self, ctx: ForwardContext) -> torch.Tensor | None:
+        """Rows the truncated layers compute this step; None: all rows."""
+        if self.probe_layer is None or self.probe_layer not in ctx.metadata:
+            return None
+        return ctx.metadata[self.probe_layer].query_rows
+
+    def run(
+        self,
+        run_layer: Callable[[int, torch.Tensor, Inputs], torch.Tensor],
+        hidden: torch.Tensor,
+        inputs: Inputs,
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
+        """`hidden = run_layer(layer_idx, hidden, inputs)` for every layer, in order."""
+        rows = self.kept_rows(ctx)
+        stop = self.num_layers if rows is None else self.first_truncated
+        for idx in range(stop):
+            hidden = run_layer(idx, hidden, inputs)
+        if rows is None:
+            return hidden
+        if rows.numel() == 0:  # no row reaches the LM head this step (partial prefills only)
+            return hidden
+        kept, kept_inputs = select_rows(hidden, rows), select_rows(inputs, rows)
+        for idx in range(stop, self.num_layers):
+            kept = run_layer(idx, kept, kept_inputs)
+        return hidden.index_copy(0, rows, kept)

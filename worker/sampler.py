@@ -59,7 +59,7 @@ class SamplingTensors:
         )
 
 
-def _tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _tensor(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=dtype).to(device)
 
 
@@ -132,8 +132,13 @@ def to_token_logprobs(
         return []
     chosen, rank, top_ids, top_lps = compute_logprobs(logits, token_ids, max(num_tops))
     rows = zip(
-        token_ids.tolist(), chosen.tolist(), rank.tolist(), top_ids.tolist(), top_lps.tolist(),
+        token_ids.tolist(),
+        chosen.tolist(),
+        rank.tolist(),
+        top_ids.tolist(),
+        top_lps.tolist(),
         num_tops,
+        strict=True,
     )
     return [
         TokenLogprobs(
@@ -159,7 +164,8 @@ class Sampler:
             token_ids = torch.where(
                 tensors.is_greedy, greedy_ids, self._random_sample(logits, tensors)
             )
-        return SamplerOutput(token_ids=token_ids, logprobs=self._logprobs(logits, token_ids, tensors))
+        logprobs = self._logprobs(logits, token_ids, tensors)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
     def _random_sample(self, logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
         logits = logits / tensors.temperature[:, None]
@@ -184,6 +190,7 @@ class Sampler:
             return result
         index = torch.tensor(rows, device=logits.device)
         num_tops = [tensors.num_logprobs[row] or 0 for row in rows]
-        for row, entry in zip(rows, to_token_logprobs(logits[index], token_ids[index], num_tops)):
+        entries = to_token_logprobs(logits[index], token_ids[index], num_tops)
+        for row, entry in zip(rows, entries, strict=True):
             result[row] = entry
         return result

@@ -36,8 +36,8 @@ def rope_parameters(hf_config: PretrainedConfig, layer_type: str | None = None) 
         scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
         params = {"rope_theta": getattr(hf_config, "rope_theta", 10000.0), **scaling}
     merged = dict(params)
-    if "rope_type" not in merged:
-        merged["rope_type"] = merged.pop("type", "default")
+    legacy_type = merged.pop("type", None)
+    merged.setdefault("rope_type", legacy_type or "default")
     partial = getattr(hf_config, "partial_rotary_factor", None)
     if partial is not None:
         merged.setdefault("partial_rotary_factor", partial)

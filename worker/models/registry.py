@@ -5,7 +5,9 @@ from __future__ import annotations
 from worker.models.decoder import DecoderForCausalLM
 from worker.models.gemma2 import Gemma2ForCausalLM
 from worker.models.gemma3 import Gemma3ForCausalLM
+from worker.models.gemma3n import Gemma3nForCausalLM
 from worker.models.llama import LlamaForCausalLM, MistralForCausalLM
+from worker.models.llama4 import Llama4ForCausalLM
 from worker.models.qwen2 import Qwen2ForCausalLM
 
 _MODELS: dict[str, type[DecoderForCausalLM]] = {
@@ -14,6 +16,8 @@ _MODELS: dict[str, type[DecoderForCausalLM]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3nForCausalLM": Gemma3nForCausalLM,
+    "Llama4ForCausalLM": Llama4ForCausalLM,
 }
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
+from scheduler.output import NewRequestData, SchedulerOutput
 from scheduler.request import SamplingParams
 from worker.block_table import (
     BlockTable,

@@ -71,7 +71,7 @@ def test_chunked_prefill_then_decode_builds_expected_arrays() -> None:
     )
     states.update(out)
     batch = build_input_batch(["a", "b"], states, out.num_scheduled_tokens)
-    assert batch.input_ids.tolist() == prompt_a[6:] + [55]
+    assert batch.input_ids.tolist() == [*prompt_a[6:], 55]
     assert batch.positions.tolist() == [6, 7, 8, 9, 3]
     assert batch.logits_indices.tolist() == [3, 4]
     assert states.requests["a"].block_ids == ([1, 2, 6], [3])
@@ -81,25 +81,29 @@ def test_chunked_prefill_then_decode_builds_expected_arrays() -> None:
 
 def test_finished_requests_are_dropped_and_rows_reused() -> None:
     states = _states()
-    states.update(_output(new=[NewRequestData("a", [1, 2], GREEDY, ([1], [2]), 0)],
-                          scheduled={"a": 2}))
+    states.update(
+        _output(new=[NewRequestData("a", [1, 2], GREEDY, ([1], [2]), 0)], scheduled={"a": 2})
+    )
     row_a = states.rows["a"]
     states.update(_output(finished=frozenset({"a"})))
     assert "a" not in states.requests
     assert states.block_tables[0].num_blocks_per_row[row_a] == 0
-    states.update(_output(new=[NewRequestData("c", [3], GREEDY, ([7], [8]), 0)],
-                          scheduled={"c": 1}))
+    states.update(
+        _output(new=[NewRequestData("c", [3], GREEDY, ([7], [8]), 0)], scheduled={"c": 1})
+    )
     assert states.rows["c"] == row_a
 
 
 def test_preempted_request_keeps_prompt_and_is_replaced_on_resume() -> None:
     states = _states()
     params = SamplingParams(temperature=0.5, seed=3)
-    states.update(_output(new=[NewRequestData("a", [1, 2, 3], params, ([1], [2]), 0)],
-                          scheduled={"a": 3}))
+    states.update(
+        _output(new=[NewRequestData("a", [1, 2, 3], params, ([1], [2]), 0)], scheduled={"a": 3})
+    )
     states.update(_output(cached=[CachedRequestData("a", 3, [40], None)], scheduled={"a": 1}))
     states.update(_output(preempted=frozenset({"a"})))
-    assert "a" not in states.rows and "a" in states.requests
+    assert "a" not in states.rows
+    assert "a" in states.requests
     resumed = CachedRequestData("a", 0, [40, 41], ([9, 10], [11]), is_resumed=True)
     states.update(_output(cached=[resumed], scheduled={"a": 5}))
     state = states.requests["a"]
@@ -114,19 +118,29 @@ def test_preempted_request_keeps_prompt_and_is_replaced_on_resume() -> None:
 def test_seeded_request_gets_its_own_generator() -> None:
     states = _states()
     seeded = SamplingParams(temperature=1.0, seed=11)
-    states.update(_output(new=[NewRequestData("s", [1], seeded, ([1], [2]), 0),
-                               NewRequestData("u", [1], GREEDY, ([3], [4]), 0)],
-                          scheduled={"s": 1, "u": 1}))
+    states.update(
+        _output(
+            new=[
+                NewRequestData("s", [1], seeded, ([1], [2]), 0),
+                NewRequestData("u", [1], GREEDY, ([3], [4]), 0),
+            ],
+            scheduled={"s": 1, "u": 1},
+        )
+    )
     generator = states.requests["s"].generator
-    assert generator is not None and states.requests["u"].generator is None
-    assert torch.equal(torch.rand(4, generator=generator),
-                       torch.rand(4, generator=torch.Generator().manual_seed(11)))
+    assert generator is not None
+    assert states.requests["u"].generator is None
+    assert torch.equal(
+        torch.rand(4, generator=generator),
+        torch.rand(4, generator=torch.Generator().manual_seed(11)),
+    )
 
 
 def test_missing_tokens_are_reported() -> None:
     states = _states()
-    states.update(_output(new=[NewRequestData("a", [1, 2], GREEDY, ([1], [2]), 0)],
-                          scheduled={"a": 2}))
+    states.update(
+        _output(new=[NewRequestData("a", [1, 2], GREEDY, ([1], [2]), 0)], scheduled={"a": 2})
+    )
     states.update(_output(cached=[CachedRequestData("a", 2, [], None)], scheduled={"a": 1}))
     with pytest.raises(RuntimeError, match="new_token_ids"):
         build_input_batch(["a"], states, {"a": 1})
@@ -137,10 +151,14 @@ def test_missing_tokens_are_reported() -> None:
     [
         # S29: (name, computed, scheduled) -> decode / extend / prefill sets.
         ([("A", 0, 10), ("B", 50, 1), ("C", 20, 8), ("D", 7, 1)], [{"B", "D"}, {"C"}, {"A"}]),
-        ([("A", 0, 5), ("B", 0, 7), ("C", 30, 1), ("D", 9, 4), ("E", 12, 1)],
-         [{"C", "E"}, {"D"}, {"A", "B"}]),
-        ([("A", 5, 4), ("B", 0, 6), ("C", 3, 1), ("D", 0, 2), ("E", 9, 1), ("F", 2, 3)],
-         [{"C", "E"}, {"A", "F"}, {"B", "D"}]),
+        (
+            [("A", 0, 5), ("B", 0, 7), ("C", 30, 1), ("D", 9, 4), ("E", 12, 1)],
+            [{"C", "E"}, {"D"}, {"A", "B"}],
+        ),
+        (
+            [("A", 5, 4), ("B", 0, 6), ("C", 3, 1), ("D", 0, 2), ("E", 9, 1), ("F", 2, 3)],
+            [{"C", "E"}, {"A", "F"}, {"B", "D"}],
+        ),
     ],
 )
 def test_s29_reorder_partitions_decode_extend_prefill(
@@ -148,14 +166,16 @@ def test_s29_reorder_partitions_decode_extend_prefill(
 ) -> None:
     states = _states((4,))
     tables_blocks = ([1],)
-    new = [NewRequestData(name, list(range(computed + sched)), GREEDY, tables_blocks, computed)
-           for name, computed, sched in reqs]
+    new = [
+        NewRequestData(name, list(range(computed + sched)), GREEDY, tables_blocks, computed)
+        for name, computed, sched in reqs
+    ]
     scheduled = {name: sched for name, _, sched in reqs}
     states.update(_output(new=new, scheduled=scheduled))
     order = batch_order([name for name, _, _ in reqs], states, scheduled, reorder_threshold=1)
     sizes = [len(region) for region in regions]
     cut = np.cumsum([0, *sizes])
-    assert [set(order[cut[i]:cut[i + 1]]) for i in range(3)] == regions
+    assert [set(order[cut[i] : cut[i + 1]]) for i in range(3)] == regions
     assert batch_order(list(scheduled), states, scheduled) == list(scheduled)
 
 

@@ -20,16 +20,25 @@ HEADS, HEAD = 2, 16
 
 
 def _layer(index: int, window: int | None = None, target: str | None = None) -> Attention:
-    return Attention(AttentionConfig(
-        layer_name=f"model.layers.{index}.attn", num_heads=4, num_kv_heads=HEADS, head_size=HEAD,
-        scale=0.25, sliding_window=window, kv_sharing_target=target,
-    ))
+    return Attention(
+        AttentionConfig(
+            layer_name=f"model.layers.{index}.attn",
+            num_heads=4,
+            num_kv_heads=HEADS,
+            head_size=HEAD,
+            scale=0.25,
+            sliding_window=window,
+            kv_sharing_target=target,
+        )
+    )
 
 
 def _hybrid_config(layers: list[Attention], num_blocks: int = 12):
     report = report_kv_cache_specs(layers, block_size=4, dtype_bytes=4)
     return report, build_kv_cache_config(
-        report.layer_specs, 1 << 20, shared_kv_layers=report.shared_kv_layers,
+        report.layer_specs,
+        1 << 20,
+        shared_kv_layers=report.shared_kv_layers,
         num_blocks_override=num_blocks,
     )
 
@@ -44,7 +53,8 @@ def test_report_lists_owners_and_sharing_layers() -> None:
 def test_buffers_are_shared_per_tensor_plan_without_cross_group_corruption() -> None:
     layers = [_layer(0), _layer(1, window=8), _layer(2), _layer(3, window=8)]
     _, config = _hybrid_config(layers)
-    assert len(config.groups) == 2 and len(config.tensors) == 2
+    assert len(config.groups) == 2
+    assert len(config.tensors) == 2
     caches = allocate_kv_caches(config, [4, 4], torch.float32, CPU)
     for tensor in config.tensors:
         first, second = tensor.shared_by
@@ -59,13 +69,16 @@ def test_buffers_are_shared_per_tensor_plan_without_cross_group_corruption() -> 
     store_kv_cache(-key, -value, *caches[window], torch.arange(4) + 5 * 4)  # block 5 of group 1
     full_k, full_v = caches[full]
     win_k, win_v = caches[window]
-    assert torch.equal(full_k[3], key) and torch.equal(full_v[3], value)
-    assert torch.equal(win_k[5], -key) and torch.equal(win_v[5], -value)
+    assert torch.equal(full_k[3], key)
+    assert torch.equal(full_v[3], value)
+    assert torch.equal(win_k[5], -key)
+    assert torch.equal(win_v[5], -value)
     others = [b for b in range(config.num_blocks) if b not in (3, 5)]
     for cache in (full_k, full_v, win_k, win_v):
         assert not cache[others].any()
     # The same block ID names the same bytes in both views: the pool never gives it to both.
-    assert torch.equal(win_k[3], key) and torch.equal(full_k[5], -key)
+    assert torch.equal(win_k[3], key)
+    assert torch.equal(full_k[5], -key)
 
 
 def test_sharing_layers_alias_their_target() -> None:
@@ -73,7 +86,10 @@ def test_sharing_layers_alias_their_target() -> None:
     _, config = _hybrid_config(layers)
     caches = allocate_kv_caches(config, [4], torch.float32, CPU)
     assert caches["model.layers.2.attn"][0] is caches["model.layers.0.attn"][0]
-    assert sum(t.size_bytes for t in config.tensors) == 2 * config.num_blocks * 2 * 4 * HEADS * HEAD * 4
+    assert (
+        sum(t.size_bytes for t in config.tensors)
+        == 2 * config.num_blocks * 2 * 4 * HEADS * HEAD * 4
+    )
 
 
 def test_kernel_block_split_views_more_smaller_blocks() -> None:
@@ -82,10 +98,16 @@ def test_kernel_block_split_views_more_smaller_blocks() -> None:
         "model.layers.0.attn"
     ]
     assert key_cache.shape == (10, 2, HEADS, HEAD)
-    store_kv_cache(torch.ones(1, HEADS, HEAD), torch.ones(1, HEADS, HEAD), key_cache,
-                   value_cache, torch.tensor([3 * 2 + 1]))
+    store_kv_cache(
+        torch.ones(1, HEADS, HEAD),
+        torch.ones(1, HEADS, HEAD),
+        key_cache,
+        value_cache,
+        torch.tensor([3 * 2 + 1]),
+    )
     whole = key_cache.reshape(5, 4, HEADS, HEAD)  # scheduler block 1, offset 3
-    assert whole[1, 3].eq(1).all() and whole.sum() == HEADS * HEAD
+    assert whole[1, 3].eq(1).all()
+    assert whole.sum() == HEADS * HEAD
 
 
 def test_budget_on_cpu_is_the_configured_bytes() -> None:

@@ -31,7 +31,7 @@ def _kept_direct(row: torch.Tensor, top_k: int, top_p: float) -> set[int]:
     kept = order[:top_k]
     probs = torch.softmax(row[kept].double(), dim=0).tolist()
     result, mass = [], 0.0
-    for token, prob in zip(kept, probs):
+    for token, prob in zip(kept, probs, strict=True):
         if result and mass >= top_p:
             break
         result.append(token)
@@ -63,10 +63,14 @@ def test_min_p_mask_matches_direct_computation() -> None:
 
 def test_greedy_rows_take_the_argmax_in_a_mixed_batch() -> None:
     logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(1))
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0),
-              SamplingParams(temperature=0)]
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0),
+    ]
     out = Sampler(seed=0, device=CPU).sample(logits, _tensors(params))
-    assert out.token_ids[0] == logits[0].argmax() and out.token_ids[2] == logits[2].argmax()
+    assert out.token_ids[0] == logits[0].argmax()
+    assert out.token_ids[2] == logits[2].argmax()
     assert out.logprobs == [None, None, None]
 
 
@@ -103,8 +107,9 @@ def test_seeded_requests_reproduce_regardless_of_batch_and_global_state() -> Non
 
     def run(rows: list[int], sampler_seed: int, params: list[SamplingParams]) -> list[int]:
         sampler = Sampler(seed=sampler_seed, device=CPU)
-        generators = [torch.Generator().manual_seed(p.seed) if p.seed is not None else None
-                      for p in params]
+        generators = [
+            torch.Generator().manual_seed(p.seed) if p.seed is not None else None for p in params
+        ]
         tensors = _tensors(params, generators)
         picked = []
         for _ in range(8):
@@ -123,7 +128,8 @@ def test_sample_logprobs_match_log_softmax_with_rank() -> None:
     params = [SamplingParams(temperature=1.0, logprobs=3), SamplingParams(temperature=0)]
     out = Sampler(seed=0, device=CPU).sample(logits, _tensors(params))
     entry = out.logprobs[0]
-    assert entry is not None and out.logprobs[1] is None
+    assert entry is not None
+    assert out.logprobs[1] is None
     reference = torch.log_softmax(logits[0].double(), dim=0)
     token = int(out.token_ids[0])
     assert entry.token_id == token
@@ -141,5 +147,6 @@ def test_prompt_logprobs_of_given_targets() -> None:
     for row, entry in enumerate(entries):
         assert entry.token_id == int(targets[row])
         assert math.isclose(entry.logprob, float(reference[row, targets[row]]), abs_tol=1e-5)
-        assert entry.top_token_ids == [] and entry.top_logprobs == []
+        assert entry.top_token_ids == []
+        assert entry.top_logprobs == []
         assert entry.rank == int((reference[row] > reference[row, targets[row]]).sum()) + 1

@@ -1,0 +1,162 @@
+"""CPU cost of one scheduler step: `schedule()` + `update_from_output()`, in microseconds.
+
+Two loads on a full-attention + sliding-window model (block size 16, window 256):
+  decode: 256 running requests, one token each per step;
+  mixed:  up to 256 running requests with a steady stream of new prompts (chunked prefill,
+          prefix sharing, requests finishing), so prefill chunks and decodes share each step.
+The model runner is a stand-in (one fixed token per finished step) and is not timed. A second,
+instrumented pass times the KV cache manager calls alone, so the table shows which side of the
+step costs what (the ratio is manager time / whole step, both from that pass).
+
+    .venv/bin/python benchmarks/bench_scheduler.py [--steps 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from scheduler.config import SchedulerConfig
+from scheduler.kv_cache_spec import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
+from scheduler.output import ModelRunnerOutput, SchedulerOutput
+from scheduler.request import Request, SamplingParams
+from scheduler.scheduler import Scheduler
+
+BLOCK_SIZE = 16
+WINDOW = 256
+NUM_BLOCKS = 40_000
+MANAGER_METHODS = ("allocate_slots", "get_computed_blocks", "free", "get_num_common_prefix_blocks")
+
+
+def _kv_config() -> KVCacheConfig:
+    common = {"block_size": BLOCK_SIZE, "num_kv_heads": 8, "head_size": 128, "dtype_bytes": 2}
+    groups = (
+        KVCacheGroupSpec(("layers.0.attn",), FullAttentionSpec(**common)),
+        KVCacheGroupSpec(("layers.1.attn",), SlidingWindowSpec(sliding_window=WINDOW, **common)),
+    )
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, groups=groups, tensors=())
+
+
+def _runner_output(out: SchedulerOutput, scheduler: Scheduler) -> ModelRunnerOutput:
+    """One token for every request whose step reached its last known token."""
+    sampled = []
+    for req_id in out.num_scheduled_tokens:
+        request = scheduler.requests.get(req_id)
+        done = request is not None and request.num_computed_tokens >= request.num_tokens
+        sampled.append([7] if done else [])
+    return ModelRunnerOutput(req_ids=list(out.num_scheduled_tokens), sampled_token_ids=sampled)
+
+
+@dataclass
+class Load:
+    """A scheduler plus a callback that adds requests before each step."""
+
+    scheduler: Scheduler
+    feed: Callable[[int], None]
+
+
+def _decode_load() -> Load:
+    config = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=8192)
+    scheduler = Scheduler(config, _kv_config())
+    rng = random.Random(0)
+    for i in range(256):
+        prompt = [rng.randrange(1, 32000) for _ in range(128)]
+        params = SamplingParams(temperature=0, max_tokens=4000)
+        scheduler.add_request(Request(f"d{i}", prompt, params, scheduler.hash_block_size))
+    return Load(scheduler, lambda step: None)
+
+
+def _mixed_load() -> Load:
+    config = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=2048, max_model_len=8192)
+    scheduler = Scheduler(config, _kv_config())
+    rng = random.Random(1)
+    prefixes = [[rng.randrange(1, 32000) for _ in range(512)] for _ in range(8)]
+    counter = iter(range(10**9))
+
+    def feed(step: int) -> None:
+        while len(scheduler.waiting) < 8:
+            prefix = rng.choice(prefixes)[: rng.randrange(0, 512)]
+            suffix = [rng.randrange(1, 32000) for _ in range(rng.randint(16, 512))]
+            params = SamplingParams(temperature=0, max_tokens=rng.randint(16, 256))
+            request = Request(f"m{next(counter)}", prefix + suffix, params, 16)
+            scheduler.add_request(request)
+
+    return Load(scheduler, feed)
+
+
+def _run(load: Load, warmup: int, steps: int) -> tuple[list[int], int, int]:
+    """Per-step CPU nanoseconds of schedule + update; total scheduled tokens and running."""
+    scheduler = load.scheduler
+    for step in range(warmup):
+        load.feed(step)
+        out = scheduler.schedule()
+        scheduler.update_from_output(out, _runner_output(out, scheduler))
+    samples, tokens, running = [], 0, 0
+    for step in range(steps):
+        load.feed(step)
+        start = time.process_time_ns()
+        out = scheduler.schedule()
+        mid = time.process_time_ns()
+        runner_output = _runner_output(out, scheduler)
+        resume = time.process_time_ns()
+        scheduler.update_from_output(out, runner_output)
+        samples.append(mid - start + time.process_time_ns() - resume)
+        tokens += out.total_num_scheduled_tokens
+        running += len(scheduler.running)
+    return samples, tokens // max(steps, 1), running // max(steps, 1)
+
+
+def _instrument(scheduler: Scheduler) -> list[int]:
+    """Wrap the manager's methods to add their CPU nanoseconds to the returned counter."""
+    spent = [0]
+    manager = scheduler.kv_cache_manager
+    for name in MANAGER_METHODS:
+        method = getattr(manager, name)
+
+        def timed(*args: Any, _method: Any = method, **kwargs: Any) -> Any:
+            start = time.process_time_ns()
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                spent[0] += time.process_time_ns() - start
+
+        setattr(manager, name, timed)
+    return spent
+
+
+def _measure(name: str, make_load: Callable[[], Load], warmup: int, steps: int) -> None:
+    samples, tokens, running = _run(make_load(), warmup, steps)
+    load = make_load()
+    spent = _instrument(load.scheduler)
+    _run(load, warmup, 0)
+    spent[0] = 0
+    timed_samples, _, _ = _run(load, 0, steps)
+    manager_share = spent[0] / sum(timed_samples)
+    print(
+        f"{name:7s} {statistics.mean(samples) / 1e3:9.0f} {statistics.median(samples) / 1e3:9.0f}"
+        f" {running:8d} {tokens:8d} {statistics.mean(samples) / 1e3 / max(running, 1):9.2f}"
+        f" {manager_share:13.2f}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    args = parser.parse_args()
+    print("load    mean_us  median_us  running  tokens  us/request  manager/step")
+    _measure("decode", _decode_load, warmup=8, steps=args.steps)
+    _measure("mixed", _mixed_load, warmup=200, steps=args.steps)
+
+
+if __name__ == "__main__":
+    main()

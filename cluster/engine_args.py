@@ -1,0 +1,121 @@
+"""Engine arguments in vLLM spelling, turned once into the frozen configs of each package.
+
+The offline `LLM` takes these as keyword arguments; `to_configs` resolves "auto" values
+(device, dtype), reads the checkpoint's config and returns one config per package.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+from scheduler.config import SchedulerConfig
+from worker.config import ModelConfig
+from worker.runner_config import RunnerConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+class EngineConfigs(NamedTuple):
+    """The per-package configs one engine is built from."""
+
+    model: ModelConfig
+    runner: RunnerConfig
+    scheduler: SchedulerConfig
+    tensor_parallel_size: int
+    disable_hybrid_kv_cache_manager: bool
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """What users pass to `LLM(...)` (names follow vLLM's engine arguments)."""
+
+    model: str | None = None
+    """Local Hugging Face model folder; None serves the embedded default model."""
+    dtype: str = "auto"
+    """"auto" (fp32 on CPU, the checkpoint's 16-bit dtype or bf16 on GPU) or a dtype name."""
+    device: str = "auto"
+    """"auto" (cuda when available), "cuda" or "cpu"."""
+    block_size: int = 16
+    """Tokens per KV cache block."""
+    max_model_len: int | None = None
+    """Longest request (prompt + output); default: the model's max_position_embeddings."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of shared prompt prefixes."""
+    disable_hybrid_kv_cache_manager: bool = False
+    """Keep every layer's KV for every token in one group (no per-type groups)."""
+    tensor_parallel_size: int = 1
+    """Ranks (processes) the model is split over."""
+    max_num_batched_tokens: int | None = None
+    """Token budget of one step; default max(8192, max_model_len) with chunked prefill."""
+    max_num_seqs: int = 256
+    """Most requests in one step."""
+    attention_backend: str = "auto"
+    """auto | triton | flash_attn | torch."""
+    kv_cache_memory_bytes: int | None = None
+    """KV cache budget per rank; default measured on GPU, 1 GiB on CPU."""
+    seed: int = 0
+    """Seed of the sampler for requests without their own seed."""
+    gpu_memory_utilization: float = 0.9
+    """Share of each GPU's memory the engine may use."""
+    kv_sharing_fast_prefill: bool = False
+    """Run the trailing KV-sharing layers (Gemma 3n) only on the rows that reach the LM head."""
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was requested but CUDA is not available")
+
+    def resolved_device(self) -> str:
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        return self.device
+
+    def model_path(self) -> Path:
+        """The model folder: the given one, or the embedded default (prepared on first use)."""
+        if self.model is not None:
+            return Path(self.model)
+        from worker.default_model import ensure_default_model
+
+        return ensure_default_model()
+
+    def to_configs(self) -> EngineConfigs:
+        device = self.resolved_device()
+        model = ModelConfig.from_pretrained(
+            self.model_path(), self.dtype, self.max_model_len, device_type=device
+        )
+        runner = RunnerConfig(
+            device=device,
+            block_size=self.block_size,
+            max_num_seqs=self.max_num_seqs,
+            attention_backend=self.attention_backend,
+            seed=self.seed,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+            gpu_memory_utilization=self.gpu_memory_utilization,
+            kv_sharing_fast_prefill=self.kv_sharing_fast_prefill,
+        )
+        batched = self.max_num_batched_tokens or max(
+            DEFAULT_MAX_NUM_BATCHED_TOKENS, model.max_model_len
+        )
+        scheduler = SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=batched,
+            max_model_len=model.max_model_len,
+            enable_prefix_caching=self.enable_prefix_caching,
+        )
+        return EngineConfigs(
+            model,
+            runner,
+            scheduler,
+            self.tensor_parallel_size,
+            self.disable_hybrid_kv_cache_manager,
+        )

@@ -1,0 +1,198 @@
+"""Executors: run the workers of one engine, in-process or one spawned process per rank.
+
+Both offer the same calls (`determine_kv_cache_specs`, `available_kv_cache_memory`,
+`initialize_kv_cache`, `execute`, `shutdown`); every rank receives each call, and rank 0's
+result comes back. The multi-process executor talks to each rank over a pipe:
+
+    parent ──(method, args)──► rank r loop: worker.method(*args) ──(status, result)──► parent
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import traceback
+from dataclasses import replace
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Protocol
+
+import torch
+import torch.multiprocessing as mp
+
+from scheduler.kv_cache_spec import KVCacheConfig
+from scheduler.output import ModelRunnerOutput, SchedulerOutput
+from worker.config import ParallelConfig
+from worker.kv_cache import KVCacheSpecReport
+from worker.worker import Worker, WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+_SHUTDOWN = "shutdown"
+_JOIN_TIMEOUT_S = 10.0
+
+
+class Executor(Protocol):
+    """What the engine core needs from the workers of one model."""
+
+    def determine_kv_cache_specs(self) -> KVCacheSpecReport: ...
+
+    def available_kv_cache_memory(self) -> int: ...
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None: ...
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def shutdown(self) -> None: ...
+
+
+class InProcessExecutor:
+    """A single worker (tp_size 1) in the calling process."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.worker = Worker(spec)
+
+    def determine_kv_cache_specs(self) -> KVCacheSpecReport:
+        return self.worker.determine_kv_cache_specs()
+
+    def available_kv_cache_memory(self) -> int:
+        return self.worker.available_kv_cache_memory()
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        self.worker.initialize_kv_cache(kv_cache_config)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        output = self.worker.execute(scheduler_output)
+        assert output is not None, "rank 0 always returns an output"
+        return output
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+class MultiprocExecutor:
+    """One spawned process per tensor-parallel rank (gloo on CPU, nccl on GPU)."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        tp_size = spec.parallel.tp_size
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        context = mp.get_context("spawn")
+        self._conns: list[Connection] = []
+        self._procs: list[BaseProcess] = []
+        for rank in range(tp_size):
+            rank_spec = replace(
+                spec,
+                parallel=ParallelConfig(tp_size=tp_size, rank=rank),
+                distributed_init_method=init_method,
+            )
+            parent_conn, child_conn = context.Pipe()
+            proc = context.Process(
+                target=_worker_loop,
+                args=(rank_spec, child_conn),
+                name=f"tp-rank-{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child_conn.close()
+            self._conns.append(parent_conn)
+            self._procs.append(proc)
+        try:
+            self._collect()  # every rank reports that its model is loaded
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def determine_kv_cache_specs(self) -> KVCacheSpecReport:
+        report: KVCacheSpecReport = self._call("determine_kv_cache_specs")[0]
+        return report
+
+    def available_kv_cache_memory(self) -> int:
+        return int(min(self._call("available_kv_cache_memory")))
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        self._call("initialize_kv_cache", kv_cache_config)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        output: ModelRunnerOutput = self._call("execute", scheduler_output)[0]
+        return output
+
+    def shutdown(self) -> None:
+        """Ask every rank to leave, then join; ranks that do not leave in time are killed."""
+        for conn in self._conns:
+            with contextlib.suppress(BrokenPipeError, OSError):
+                conn.send((_SHUTDOWN, ()))
+        for proc in self._procs:
+            proc.join(_JOIN_TIMEOUT_S)
+            if proc.is_alive():
+                logger.warning("rank process %s did not exit; terminating it", proc.name)
+                proc.terminate()
+                proc.join(_JOIN_TIMEOUT_S)
+        for conn in self._conns:
+            conn.close()
+        self._conns, self._procs = [], []
+
+    def _call(self, method: str, *args: object) -> list:  # type: ignore[type-arg]
+        if not self._conns:
+            raise RuntimeError("the executor has been shut down")
+        for conn in self._conns:
+            conn.send((method, args))
+        return self._collect()
+
+    def _collect(self) -> list:  # type: ignore[type-arg]
+        """One reply per rank, in rank order; a failed or dead rank raises RuntimeError."""
+        results: list[object] = [None] * len(self._conns)
+        pending = dict(enumerate(self._conns))
+        while pending:
+            ready = wait(list(pending.values()))
+            for rank, conn in list(pending.items()):
+                if conn not in ready:
+                    continue
+                try:
+                    status, value = conn.recv()
+                except EOFError:  # the process exited: its end of the pipe closed
+                    raise RuntimeError(f"tensor-parallel rank {rank} died") from None
+                if status == "error":
+                    raise RuntimeError(f"tensor-parallel rank {rank} failed:\n{value}")
+                results[rank] = value
+                del pending[rank]
+        return results
+
+
+def _worker_loop(spec: WorkerSpec, conn: Connection) -> None:
+    """Body of one rank process: build the worker, then serve calls until shutdown."""
+    if spec.runner.device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.parallel.tp_size))
+    try:
+        worker = Worker(spec)
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ok", None))
+    while True:
+        try:
+            method, args = conn.recv()
+        except EOFError:
+            break
+        if method == _SHUTDOWN:
+            worker.shutdown()
+            break
+        try:
+            conn.send(("ok", getattr(worker, method)(*args)))
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def create_executor(spec: WorkerSpec) -> Executor:
+    """In-process for one rank, one process per rank otherwise."""
+    if spec.parallel.tp_size == 1:
+        return InProcessExecutor(spec)
+    return MultiprocExecutor(spec)

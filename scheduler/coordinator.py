@@ -1,0 +1,279 @@
+"""KV cache coordinators: fan a request's operations out to one manager per KV cache group, and
+reconcile the prefix-cache hit across groups.
+
+  NoPrefixCacheCoordinator  caching off; any number of groups (0 included); hits are always 0.
+  UnitaryCoordinator        one bucket: one group, or several groups with equal specs.
+  HybridCoordinator         several buckets: a fixed point on the hit length (full attention first).
+A bucket is the set of groups with equal specs; they are looked up together (all must hit).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from scheduler.block_hash import BlockHash
+from scheduler.block_pool import BlockPool, KVCacheBlock
+from scheduler.kv_cache_spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    manager_spec,
+)
+from scheduler.mamba_manager import MambaManager
+from scheduler.single_type_manager import NEVER, FullAttentionManager, SingleTypeManager
+from scheduler.window_managers import ChunkedLocalManager, SlidingWindowManager
+
+GroupBlocks = tuple[list[KVCacheBlock], ...]
+"""One block list per KV cache group."""
+
+
+class CoordinatorHit(NamedTuple):
+    """A reconciled prefix-cache hit."""
+
+    blocks: GroupBlocks
+    num_tokens: int
+    group_hit_tokens: tuple[int, ...]
+    """Per group, the longest hit its bucket found on any pass (before reconciliation)."""
+
+
+class Bucket(NamedTuple):
+    """Groups with equal specs, looked up together through the first one's manager."""
+
+    manager: SingleTypeManager
+    group_ids: tuple[int, ...]
+    is_full: bool
+
+
+def make_manager(
+    spec: KVCacheSpec, pool: BlockPool, group_id: int, hash_block_size: int
+) -> SingleTypeManager:
+    """The manager for one group's spec (a uniform-type group is managed as its members)."""
+    spec = manager_spec(spec)
+    if isinstance(spec, FullAttentionSpec):
+        return FullAttentionManager(spec, pool, group_id, hash_block_size)
+    if isinstance(spec, SlidingWindowSpec):
+        return SlidingWindowManager(spec, pool, group_id, hash_block_size)
+    if isinstance(spec, ChunkedLocalAttentionSpec):
+        return ChunkedLocalManager(spec, pool, group_id, hash_block_size)
+    if isinstance(spec, MambaSpec):
+        return MambaManager(spec, pool, group_id, hash_block_size)
+    raise ValueError(f"no KV cache manager for spec type {type(spec).__name__}")
+
+
+class KVCacheCoordinator:
+    """Operations over every group of a request; subclasses decide how hits are found."""
+
+    def __init__(
+        self, groups: Sequence[KVCacheGroupSpec], pool: BlockPool, hash_block_size: int
+    ) -> None:
+        self.pool = pool
+        self.managers = [
+            make_manager(group.spec, pool, group_id, hash_block_size)
+            for group_id, group in enumerate(groups)
+        ]
+        self.num_groups = len(self.managers)
+        self.group_specs = tuple(group.spec for group in groups)
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_length: int
+    ) -> CoordinatorHit:
+        """No caching: nothing is ever hit."""
+        return CoordinatorHit(tuple([] for _ in self.managers), 0, (0,) * self.num_groups)
+
+    def get_num_blocks_to_allocate(
+        self,
+        req_id: str,
+        num_tokens: int,
+        new_computed_blocks: GroupBlocks | None,
+        total_computed: int,
+    ) -> int:
+        """Free blocks an allocation to `num_tokens` slots consumes, over all groups."""
+        if new_computed_blocks is None:
+            new_computed_blocks = tuple([] for _ in self.managers)
+        return sum(
+            manager.get_num_blocks_to_allocate(req_id, num_tokens, hits, total_computed)
+            for manager, hits in zip(self.managers, new_computed_blocks, strict=True)
+        )
+
+    def allocate_new_computed_blocks(
+        self, req_id: str, new_computed_blocks: GroupBlocks | None, num_local_computed: int
+    ) -> None:
+        """Start a new request's tables from its hit (every group touched before any pops)."""
+        for group_id, manager in enumerate(self.managers):
+            hits = new_computed_blocks[group_id] if new_computed_blocks is not None else []
+            manager.allocate_new_computed_blocks(req_id, hits, num_local_computed)
+
+    def allocate_new_blocks(self, req_id: str, num_tokens: int) -> GroupBlocks:
+        """Grow every group's table to `num_tokens` slots, in group order."""
+        return tuple(manager.allocate_new_blocks(req_id, num_tokens) for manager in self.managers)
+
+    def cache_blocks(self, req_id: str, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
+        """Register full blocks of the first `num_tokens` tokens in every group."""
+        for manager in self.managers:
+            manager.cache_blocks(req_id, block_hashes, num_tokens)
+
+    def remove_skipped_blocks(self, req_id: str, total_computed: int) -> None:
+        """Free every group's blocks that no future query reads."""
+        for manager in self.managers:
+            manager.remove_skipped_blocks(req_id, total_computed)
+
+    def free(self, req_id: str) -> None:
+        """Free the request's blocks: group by group, each group's table tail first."""
+        ordered: list[KVCacheBlock] = []
+        for manager in self.managers:
+            ordered.extend(manager.pop_blocks(req_id))
+        self.pool.free_blocks(ordered)
+
+    def get_blocks(self, req_id: str) -> GroupBlocks:
+        """The request's current tables (live lists: do not mutate)."""
+        return tuple(manager.req_to_blocks.get(req_id, []) for manager in self.managers)
+
+    def get_num_common_prefix_blocks(
+        self, req_id: str, num_running_requests: int
+    ) -> tuple[int, ...]:
+        """Per group, leading blocks shared by all running requests."""
+        return tuple(
+            manager.get_num_common_prefix_blocks(req_id, num_running_requests)
+            for manager in self.managers
+        )
+
+    def quiet_limits(self, req_id: str, caching: bool) -> tuple[int, int, int]:
+        """Element-wise minimum of every manager's quiet limits."""
+        if not self.managers:
+            return NEVER, NEVER, NEVER
+        slots, computed, cached = zip(
+            *(manager.quiet_limits(req_id, caching) for manager in self.managers), strict=True
+        )
+        return min(slots), min(computed), min(cached)
+
+    def check_invariants(self) -> None:
+        """Ref count = number of requests listing the block, and each block in one group only."""
+        listed: dict[int, int] = {}
+        null = self.pool.null_block
+        for manager in self.managers:
+            for req_id, blocks in manager.req_to_blocks.items():
+                real = [block for block in blocks if block is not null]
+                assert len({block.block_id for block in real}) == len(real), req_id
+                for block in real:
+                    assert block.group_id == manager.group_id, (req_id, block)
+                    listed[block.block_id] = listed.get(block.block_id, 0) + 1
+        for block in self.pool.blocks[1:]:
+            assert block.ref_cnt == listed.get(block.block_id, 0), block
+        self.pool.check_invariants()
+
+
+class NoPrefixCacheCoordinator(KVCacheCoordinator):
+    """Caching off: allocation and freeing only."""
+
+
+def make_buckets(
+    managers: Sequence[SingleTypeManager], group_specs: Sequence[KVCacheSpec]
+) -> list[Bucket]:
+    """Group managers by equal group spec (first-seen order), full-attention buckets first."""
+    by_spec: dict[KVCacheSpec, list[SingleTypeManager]] = {}
+    for manager, spec in zip(managers, group_specs, strict=True):
+        by_spec.setdefault(spec, []).append(manager)
+    buckets = [
+        Bucket(
+            members[0],
+            tuple(member.group_id for member in members),
+            isinstance(members[0], FullAttentionManager),
+        )
+        for members in by_spec.values()
+    ]
+    return sorted(buckets, key=lambda bucket: not bucket.is_full)
+
+
+class UnitaryCoordinator(KVCacheCoordinator):
+    """One bucket: its own finder, aligned to its block size."""
+
+    def __init__(
+        self, groups: Sequence[KVCacheGroupSpec], pool: BlockPool, hash_block_size: int
+    ) -> None:
+        super().__init__(groups, pool, hash_block_size)
+        (self.bucket,) = make_buckets(self.managers, self.group_specs)
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_length: int
+    ) -> CoordinatorHit:
+        manager = self.bucket.manager
+        hits = manager.find_longest_cache_hit(
+            block_hashes, max_length, self.bucket.group_ids, manager.block_size
+        )
+        num_tokens = len(hits[0]) * manager.block_size
+        return CoordinatorHit(tuple(hits), num_tokens, (num_tokens,) * self.num_groups)
+
+
+class HybridCoordinator(KVCacheCoordinator):
+    """Several buckets: shrink the candidate until every bucket accepts it (a fixed point)."""
+
+    def __init__(
+        self, groups: Sequence[KVCacheGroupSpec], pool: BlockPool, hash_block_size: int
+    ) -> None:
+        super().__init__(groups, pool, hash_block_size)
+        self.buckets = make_buckets(self.managers, self.group_specs)
+        self.alignment = math.lcm(*(manager.block_size for manager in self.managers))
+        for bucket in self.buckets:
+            if isinstance(bucket.manager, ChunkedLocalManager) and (
+                bucket.manager.block_size != self.alignment
+            ):
+                raise ValueError(
+                    f"chunked local attention group block size {bucket.manager.block_size} must "
+                    f"equal the hit alignment {self.alignment} (lcm of the group block sizes)"
+                )
+
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[BlockHash], max_length: int
+    ) -> CoordinatorHit:
+        """Full-attention buckets first (downward closed: looked up once, then trimmed); every
+        other bucket is re-queried each pass until a whole pass leaves the candidate unchanged.
+        Every full-attention group's list is finally truncated to the reconciled length."""
+        lists: list[list[KVCacheBlock]] = [[] for _ in self.managers]
+        best = [0] * self.num_groups
+        looked_up = [False] * len(self.buckets)
+        hit = max_length
+        while True:
+            candidate = hit
+            for index, bucket in enumerate(self.buckets):
+                block_size = bucket.manager.block_size
+                if bucket.is_full and looked_up[index]:
+                    candidate = candidate // block_size * block_size
+                    continue
+                found = bucket.manager.find_longest_cache_hit(
+                    block_hashes, candidate, bucket.group_ids, self.alignment
+                )
+                looked_up[index] = True
+                candidate = len(found[0]) * block_size
+                for group_id, blocks in zip(bucket.group_ids, found, strict=True):
+                    lists[group_id] = blocks
+                    best[group_id] = max(best[group_id], candidate)
+            if candidate >= hit:
+                break
+            hit = candidate
+        for bucket in self.buckets:
+            if bucket.is_full:
+                for group_id in bucket.group_ids:
+                    del lists[group_id][hit // bucket.manager.block_size :]
+        return CoordinatorHit(tuple(lists), hit, tuple(best))
+
+
+def make_coordinator(
+    groups: Sequence[KVCacheGroupSpec],
+    pool: BlockPool,
+    hash_block_size: int,
+    enable_caching: bool,
+) -> KVCacheCoordinator:
+    """The coordinator for these groups: no caching, one bucket, or hybrid."""
+    if not enable_caching or not groups:
+        # Nothing is hashed: any common divisor of the block sizes will do.
+        return NoPrefixCacheCoordinator(
+            groups, pool, math.gcd(*(g.spec.block_size for g in groups))
+        )
+    if len({group.spec for group in groups}) == 1:
+        return UnitaryCoordinator(groups, pool, hash_block_size)
+    return HybridCoordinator(groups, pool, hash_block_size)

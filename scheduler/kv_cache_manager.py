@@ -1,0 +1,279 @@
+"""The KV cache facade the scheduler calls: prefix-cache lookup, slot allocation, freeing, stats.
+
+Layering: `KVCacheManager` -> one coordinator (no caching / unitary / hybrid) -> one manager per
+KV cache group -> one shared `BlockPool`. Block lists are always one per group, in group order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar, NamedTuple
+
+from scheduler.block_pool import BlockPool, KVCacheBlock
+from scheduler.coordinator import make_coordinator
+from scheduler.kv_cache_spec import KVCacheConfig, MambaCacheMode, MambaSpec, manager_spec
+from scheduler.request import Request
+
+
+@dataclass(frozen=True)
+class KVCacheBlocks:
+    """Blocks per KV cache group (hit blocks, or blocks allocated by one call); read-only."""
+
+    blocks: tuple[list[KVCacheBlock], ...]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        """Block IDs per group (the null block is 0)."""
+        return tuple([block.block_id for block in group] for group in self.blocks)
+
+    @property
+    def is_empty(self) -> bool:
+        """No block in any group."""
+        return not any(self.blocks)
+
+    @classmethod
+    def empty(cls, num_groups: int) -> KVCacheBlocks:
+        return cls(tuple([] for _ in range(num_groups)))
+
+
+class CacheHit(NamedTuple):
+    """Result of a prefix-cache lookup for a new request."""
+
+    blocks: KVCacheBlocks
+    num_tokens: int
+    """Hit length: a multiple of every group's block size, at most the prompt length - 1."""
+    junction_tokens: int
+    """The longest hit one bucket of equal specs found alone, if longer than `num_tokens`, else
+    `num_tokens`: where a prefill chunk should end so that a state lands there (Mamba)."""
+
+
+@dataclass(frozen=True)
+class KVCacheStats:
+    """KV cache counters. Prefix-cache and eviction counters are cumulative since construction
+    (never reset on read): rates come from differences between two snapshots."""
+
+    usage: float
+    """Fraction of the usable blocks held by requests."""
+    group_usage: tuple[float, ...]
+    """Per group, fraction of the usable blocks its tables hold."""
+    num_queries: int
+    """Requests looked up."""
+    query_tokens: tuple[int, ...]
+    """Per group, prompt tokens looked up."""
+    group_hit_tokens: tuple[int, ...]
+    """Per group, tokens its own bucket could serve (before reconciliation across groups)."""
+    hit_tokens: int
+    """Tokens actually served from the cache (the reconciled hits)."""
+    num_evictions: int
+    """Cached blocks reused for other data."""
+
+
+class KVCacheManager:
+    """Prefix caching and block allocation for every KV cache group of one model."""
+
+    _use_quiet_path: ClassVar[bool] = True
+    """Skip steps that provably change nothing (decode between block boundaries)."""
+
+    def __init__(
+        self, config: KVCacheConfig, *, max_model_len: int, enable_caching: bool = True
+    ) -> None:
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        sizes = config.block_sizes
+        self.num_groups = len(sizes)
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching and self.num_groups > 0
+        self.alignment_tokens = math.lcm(*sizes) if sizes else max_model_len
+        """Hit lengths and block-aligned prefill chunks are multiples of this (lcm)."""
+        self._hash_block_size = math.gcd(*sizes) if self.enable_caching else self.alignment_tokens
+        self.pool = BlockPool(config.num_blocks, self.num_groups, self.enable_caching)
+        self.coordinator = make_coordinator(
+            config.groups, self.pool, self._hash_block_size, self.enable_caching
+        )
+        self.needs_block_aligned_prefill = self.enable_caching and any(
+            isinstance(spec, MambaSpec) and spec.mamba_cache_mode is MambaCacheMode.ALIGN
+            for spec in (manager_spec(group.spec) for group in config.groups)
+        )
+        """Prefill must end chunks at block boundaries (a Mamba group keeps states only at
+        chunk ends); see `scheduler.prefill_split`."""
+        self._quiet: dict[str, tuple[int, int, int]] = {}
+        """Per request holding tables: (slots, computed, cached) limits below which a step
+        changes nothing (see `SingleTypeManager.quiet_limits`)."""
+        self._no_blocks = KVCacheBlocks.empty(self.num_groups)
+        self._no_hit = CacheHit(self._no_blocks, 0, 0)
+        self._num_queries = 0
+        self._query_tokens = 0
+        self._hit_tokens = 0
+        self._group_hit_tokens = [0] * self.num_groups
+
+    @property
+    def hash_block_size(self) -> int:
+        """Tokens per request block hash: gcd of the group block sizes (lcm when caching off)."""
+        return self._hash_block_size
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def usage_per_group(self) -> tuple[float, ...]:
+        return self.pool.usage_per_group()
+
+    def get_computed_blocks(self, request: Request) -> CacheHit:
+        """Longest prefix-cache hit of a new request (the last prompt token is never a hit)."""
+        if not self.enable_caching:
+            return self._no_hit
+        if request.hash_block_size != self._hash_block_size:
+            raise ValueError(
+                f"request {request.req_id!r} hashes blocks of {request.hash_block_size} tokens, "
+                f"the cache uses {self._hash_block_size}"
+            )
+        found = self.coordinator.find_longest_cache_hit(
+            request.block_hashes, request.num_tokens - 1
+        )
+        self._num_queries += 1
+        self._query_tokens += request.num_tokens
+        self._hit_tokens += found.num_tokens
+        for group_id, tokens in enumerate(found.group_hit_tokens):
+            self._group_hit_tokens[group_id] += tokens
+        junction = max(found.num_tokens, *found.group_hit_tokens)
+        return CacheHit(KVCacheBlocks(found.blocks), found.num_tokens, junction)
+
+    def get_num_blocks_to_allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+    ) -> int:
+        """Free blocks `allocate_slots` would take now (before out-of-window frees); no change."""
+        total_computed = min(
+            request.num_computed_tokens + num_new_computed_tokens, self.max_model_len
+        )
+        num_slots = min(total_computed + num_new_tokens, self.max_model_len)
+        hits = new_computed_blocks.blocks if new_computed_blocks is not None else None
+        return self.coordinator.get_num_blocks_to_allocate(
+            request.req_id, num_slots, hits, total_computed
+        )
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: KVCacheBlocks | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> KVCacheBlocks | None:
+        """Make room for `num_new_tokens` (+ lookahead) after the computed and hit tokens.
+
+        All-or-nothing over groups: None when the pool is short (nothing taken; out-of-window
+        blocks of the request may have been freed). Registers the full blocks among the tokens
+        computed through this step. Returns the blocks this call allocated, per group.
+        """
+        if num_new_tokens < 0 or num_lookahead_tokens < 0 or num_new_computed_tokens < 0:
+            raise ValueError("token counts must be >= 0")
+        limits = self._quiet.get(request.req_id)
+        if limits is not None:
+            if num_new_computed_tokens or (
+                new_computed_blocks is not None and not new_computed_blocks.is_empty
+            ):
+                raise ValueError(f"request {request.req_id!r} already holds blocks: no new hits")
+            if self._use_quiet_path and self._is_quiet(
+                request, num_new_tokens, num_lookahead_tokens, limits
+            ):
+                return self._no_blocks
+        return self._allocate(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+        )
+
+    def _is_quiet(
+        self, request: Request, num_new_tokens: int, num_lookahead: int, limits: tuple[int, ...]
+    ) -> bool:
+        total_computed = min(request.num_computed_tokens, self.max_model_len)
+        main_tokens = total_computed + num_new_tokens
+        return (
+            min(main_tokens + num_lookahead, self.max_model_len) <= limits[0]
+            and total_computed < limits[1]
+            and min(main_tokens, request.num_tokens) < limits[2]
+        )
+
+    def _allocate(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None,
+        num_lookahead_tokens: int,
+    ) -> KVCacheBlocks | None:
+        req_id = request.req_id
+        is_new = req_id not in self._quiet
+        local_computed = request.num_computed_tokens + num_new_computed_tokens
+        total_computed = min(local_computed, self.max_model_len)
+        main_tokens = total_computed + num_new_tokens
+        num_slots = min(main_tokens + num_lookahead_tokens, self.max_model_len)
+        hits = new_computed_blocks.blocks if new_computed_blocks is not None else None
+        coordinator = self.coordinator
+        coordinator.remove_skipped_blocks(req_id, total_computed)
+        needed = coordinator.get_num_blocks_to_allocate(req_id, num_slots, hits, total_computed)
+        if needed > self.pool.num_free_blocks:
+            if not is_new:
+                self._quiet[req_id] = coordinator.quiet_limits(req_id, self.enable_caching)
+            return None
+        if is_new:
+            coordinator.allocate_new_computed_blocks(req_id, hits, local_computed)
+        new_blocks = coordinator.allocate_new_blocks(req_id, num_slots)
+        if self.enable_caching:
+            coordinator.cache_blocks(
+                req_id, request.block_hashes, min(main_tokens, request.num_tokens)
+            )
+        self._quiet[req_id] = coordinator.quiet_limits(req_id, self.enable_caching)
+        if not any(new_blocks):
+            return self._no_blocks
+        return KVCacheBlocks(new_blocks)
+
+    def free(self, request: Request) -> None:
+        """Release every block of a finished or preempted request (cached ones stay hit-able)."""
+        if self._quiet.pop(request.req_id, None) is not None:
+            self.coordinator.free(request.req_id)
+
+    def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        """The request's current table per group (null entries are 0)."""
+        return tuple(
+            [block.block_id for block in blocks] for blocks in self.coordinator.get_blocks(req_id)
+        )
+
+    def get_num_common_prefix_blocks(
+        self, req_id: str, num_running_requests: int
+    ) -> tuple[int, ...]:
+        """Per group, leading blocks of `req_id` that every running request shares."""
+        return self.coordinator.get_num_common_prefix_blocks(req_id, num_running_requests)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; fails (False) while any request holds blocks."""
+        return self.pool.reset_prefix_cache()
+
+    def make_stats(self) -> KVCacheStats:
+        """A snapshot of usage and the cumulative prefix-cache counters."""
+        return KVCacheStats(
+            usage=self.pool.usage,
+            group_usage=self.pool.usage_per_group(),
+            num_queries=self._num_queries,
+            query_tokens=(self._query_tokens,) * self.num_groups,
+            group_hit_tokens=tuple(self._group_hit_tokens),
+            hit_tokens=self._hit_tokens,
+            num_evictions=self.pool.num_evictions,
+        )
+
+    def check_invariants(self) -> None:
+        """Assert pool and table consistency (tests)."""
+        self.coordinator.check_invariants()
+        if self.num_groups:
+            held = set().union(*(manager.req_to_blocks for manager in self.coordinator.managers))
+            assert set(self._quiet) == held, (set(self._quiet), held)

@@ -1,0 +1,93 @@
+"""Manager of recurrent-state (Mamba-style) groups: one block holds the state after its last token.
+
+Modes (`MambaCacheMode`):
+  ALL    a block per table entry, like attention; the kernel writes the state at every block end.
+  ALIGN  only the running-state entry is a real block, earlier entries are null; prefill is split
+         at block boundaries by the scheduler so each chunk's final state lands at a block end.
+  NONE   one state block per request for its whole life; no prefix caching.
+In ALL and ALIGN only the latest state matters: once the next step starts, every block wholly
+before the last computed token is freed (it keeps its hash and stays hit-able until evicted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from scheduler.block_hash import BlockHash
+from scheduler.block_pool import BlockPool, KVCacheBlock
+from scheduler.kv_cache_spec import MambaCacheMode, MambaSpec, cdiv
+from scheduler.single_type_manager import NEVER, NO_BLOCKS, SingleTypeManager, lookup_all
+
+
+class MambaManager(SingleTypeManager):
+    """State blocks of one Mamba group; see the module docstring for the three modes."""
+
+    def __init__(
+        self, spec: MambaSpec, pool: BlockPool, group_id: int, hash_block_size: int
+    ) -> None:
+        super().__init__(spec, pool, group_id, hash_block_size)
+        self.mode = spec.mamba_cache_mode
+
+    def find_longest_cache_hit(
+        self,
+        block_hashes: Sequence[BlockHash],
+        max_length: int,
+        group_ids: Sequence[int],
+        alignment: int,
+    ) -> list[list[KVCacheBlock]]:
+        """The last cached state at an aligned block end, scanning right to left."""
+        if self.mode is MambaCacheMode.NONE:
+            return [[] for _ in group_ids]
+        maps = [self.pool.hash_maps[group_id] for group_id in group_ids]
+        null = self.pool.null_block
+        for index in range(self.limit_blocks(block_hashes, max_length) - 1, -1, -1):
+            if (index + 1) * self.block_size % alignment:
+                continue
+            found = lookup_all(maps, self.hash_of(block_hashes, index))
+            if found is not None:
+                return [[null] * index + [block] for block in found]
+        return [[] for _ in group_ids]
+
+    def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
+        if self.mode is MambaCacheMode.NONE:
+            return 0
+        return max(0, num_computed_tokens - 1)
+
+    def min_computed_for_skip(self, num_skipped_tokens: int) -> int:
+        if self.mode is MambaCacheMode.NONE:
+            return NEVER
+        return num_skipped_tokens + 1
+
+    def _num_fresh_blocks(self, num_entries: int, num_held: int) -> int:
+        if self.mode is MambaCacheMode.ALL:
+            return max(num_entries - num_held, 0)
+        if self.mode is MambaCacheMode.ALIGN:
+            return 1 if num_entries > num_held else 0
+        return 0 if num_held else 1
+
+    def allocate_new_blocks(self, req_id: str, num_tokens: int) -> list[KVCacheBlock]:
+        if self.mode is MambaCacheMode.ALL:
+            return super().allocate_new_blocks(req_id, num_tokens)
+        blocks = self._table(req_id)
+        if self.mode is MambaCacheMode.NONE:
+            if blocks:
+                return NO_BLOCKS
+            new_blocks = self.pool.get_new_blocks(1, self.group_id)
+            blocks.extend(new_blocks)
+            return new_blocks
+        missing = cdiv(num_tokens, self.block_size) - len(blocks)
+        if missing <= 0:
+            return NO_BLOCKS
+        new_blocks = self.pool.get_new_blocks(1, self.group_id)
+        blocks.extend([self.pool.null_block] * (missing - 1))
+        blocks.extend(new_blocks)
+        return new_blocks
+
+    def cache_blocks(self, req_id: str, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
+        if self.mode is not MambaCacheMode.NONE:
+            super().cache_blocks(req_id, block_hashes, num_tokens)
+
+    def quiet_limits(self, req_id: str, caching: bool) -> tuple[int, int, int]:
+        if self.mode is MambaCacheMode.NONE:
+            return (NEVER if self.req_to_blocks.get(req_id) else 0), NEVER, NEVER
+        return super().quiet_limits(req_id, caching)

@@ -1,0 +1,225 @@
+"""Replay KV cache traces without a model: `python -m scheduler.replay FILE.json [FILE.json ...]`.
+
+Each file holds a KV cache configuration and a list of prefill / decode / free operations; the
+tool prints one JSON line per file with one record per operation (hit length, whether the blocks
+could be allocated, free blocks, block tables), or `{"error": ...}` for a file it cannot run, and
+exits with status 2 if any file failed. For capacity planning and for comparing semantics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from scheduler.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from scheduler.kv_cache_spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MambaCacheMode,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from scheduler.prefill_split import block_aligned_num_tokens
+from scheduler.request import Request, SamplingParams
+
+Record = dict[str, Any]
+_ATTENTION = {"num_kv_heads": 1, "head_size": 1, "dtype_bytes": 4}
+"""Page size does not matter to the replay: every group uses this dummy attention shape."""
+
+
+def _get_int(entry: dict[str, Any], key: str, default: int | None = None) -> int:
+    value = entry.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{key!r} must be an integer, got {value!r}")
+    return value
+
+
+def build_spec(entry: dict[str, Any], enable_caching: bool) -> KVCacheSpec:
+    """The spec of one entry of a trace's "groups" list."""
+    kind = entry.get("type")
+    block_size = _get_int(entry, "block_size")
+    if kind == "full":
+        return FullAttentionSpec(block_size=block_size, **_ATTENTION)
+    if kind == "sliding_window":
+        window = _get_int(entry, "sliding_window")
+        return SlidingWindowSpec(block_size=block_size, sliding_window=window, **_ATTENTION)
+    if kind == "chunked_local":
+        chunk = _get_int(entry, "attention_chunk_size")
+        return ChunkedLocalAttentionSpec(
+            block_size=block_size, attention_chunk_size=chunk, **_ATTENTION
+        )
+    if kind == "mamba":
+        mode = MambaCacheMode.ALIGN if enable_caching else MambaCacheMode.NONE
+        return MambaSpec(
+            block_size=block_size, shapes=((1,),), dtype_bytes=(4,), mamba_cache_mode=mode
+        )
+    raise ValueError(f"unknown group type {kind!r}")
+
+
+def build_manager(trace: dict[str, Any]) -> KVCacheManager:
+    """The KV cache manager a trace describes."""
+    enable_caching = trace.get("enable_caching", True)
+    if not isinstance(enable_caching, bool):
+        raise ValueError(f"'enable_caching' must be a boolean, got {enable_caching!r}")
+    groups = []
+    for index, entry in enumerate(trace["groups"]):
+        num_layers = _get_int(entry, "num_layers", 1)
+        names = tuple(f"group{index}.layer{layer}" for layer in range(num_layers))
+        groups.append(KVCacheGroupSpec(names, build_spec(entry, enable_caching)))
+    config = KVCacheConfig(
+        num_blocks=_get_int(trace, "num_blocks"), groups=tuple(groups), tensors=()
+    )
+    return KVCacheManager(
+        config, max_model_len=_get_int(trace, "max_model_len"), enable_caching=enable_caching
+    )
+
+
+class TraceReplayer:
+    """Runs one trace's operations against one manager."""
+
+    def __init__(self, manager: KVCacheManager) -> None:
+        self.manager = manager
+        self.requests: dict[str, Request] = {}
+
+    def run(self, ops: Sequence[dict[str, Any]]) -> list[Record]:
+        records = []
+        handlers = {"prefill": self._prefill, "decode": self._decode, "free": self._free}
+        for index, op in enumerate(ops):
+            name = op.get("op")
+            if name not in handlers:
+                raise ValueError(f"op {index}: unknown op {name!r}")
+            req_id = str(op["id"])
+            evictions = self.manager.pool.num_evictions
+            record: Record = {"op_index": index, "op": name, "id": req_id}
+            record.update(handlers[name](req_id, op))
+            record["free_blocks"] = self.manager.num_free_blocks
+            record["evicted"] = self.manager.pool.num_evictions - evictions
+            records.append(record)
+        return records
+
+    def _table(self, req_id: str) -> list[list[int]]:
+        if req_id not in self.requests:
+            return [[] for _ in range(self.manager.num_groups)]
+        return [
+            [-1 if block_id == 0 else block_id for block_id in group]
+            for group in self.manager.get_block_ids(req_id)
+        ]
+
+    def _prefill(self, req_id: str, op: dict[str, Any]) -> Record:
+        if req_id in self.requests:
+            raise ValueError(f"prefill of {req_id!r}, which is still running")
+        tokens = [int(token) for token in op["tokens"]]
+        request = Request(req_id, tokens, SamplingParams(), self.manager.hash_block_size)
+        hit = self.manager.get_computed_blocks(request)
+        chunks = self._schedule_prompt(request, hit.num_tokens, hit.blocks, hit.junction_tokens)
+        allocated = chunks is not None
+        if allocated:
+            self.requests[req_id] = request
+        return {
+            "hit_tokens": hit.num_tokens,
+            "allocated": allocated,
+            "block_ids": self._table(req_id),
+            "chunks": chunks or [],
+            "shared_prefix_boundary": hit.junction_tokens,
+        }
+
+    def _schedule_prompt(
+        self, request: Request, num_hit: int, hit_blocks: KVCacheBlocks, junction: int
+    ) -> list[int] | None:
+        """Allocate the prompt after the hit, in block-aligned chunks when required.
+
+        Admission needs room for the whole prompt; a later chunk that cannot be allocated
+        drops the request. Returns the chunk sizes, or None when the request was dropped.
+        """
+        manager = self.manager
+        num_prompt = request.num_tokens
+        needed = manager.get_num_blocks_to_allocate(
+            request, num_prompt - num_hit, num_hit, hit_blocks
+        )
+        if needed > manager.num_free_blocks:
+            return None
+        chunks: list[int] = []
+        computed = num_hit
+        while computed < num_prompt:
+            size = num_prompt - computed
+            if manager.needs_block_aligned_prefill:
+                size = block_aligned_num_tokens(
+                    num_prompt, manager.alignment_tokens, computed, size, junction
+                )
+            first = not chunks
+            new_blocks = manager.allocate_slots(
+                request, size, num_hit if first else 0, hit_blocks if first else None
+            )
+            if new_blocks is None:
+                manager.free(request)
+                return None
+            computed += size
+            request.num_computed_tokens = computed
+            chunks.append(size)
+        return chunks
+
+    def _decode(self, req_id: str, op: dict[str, Any]) -> Record:
+        request = self.requests.get(req_id)
+        if request is None:
+            return {"allocated": False, "skipped": True, "block_ids": self._table(req_id)}
+        allocated = True
+        for token in op["tokens"]:
+            request.append_output_token_ids([int(token)])
+            num_new = request.num_tokens - request.num_computed_tokens
+            if self.manager.allocate_slots(request, num_new) is None:
+                allocated = False
+                break
+            request.num_computed_tokens += num_new
+        return {"allocated": allocated, "block_ids": self._table(req_id)}
+
+    def _free(self, req_id: str, op: dict[str, Any]) -> Record:
+        request = self.requests.pop(req_id, None)
+        if request is not None:
+            self.manager.free(request)
+        return {}
+
+
+def replay_trace(trace: dict[str, Any]) -> dict[str, Any]:
+    """The output object of one trace: {"results": [...]}."""
+    if not isinstance(trace, dict):
+        raise ValueError("a trace must be a JSON object")
+    manager = build_manager(trace)
+    return {"results": TraceReplayer(manager).run(trace["ops"])}
+
+
+def replay_file(path: str) -> tuple[dict[str, Any], bool]:
+    """(output object, ok) for one file; errors become {"error": message}."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            trace = json.load(handle)
+        return replay_trace(trace), True
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        kind = type(error).__name__
+        return {"error": f"{path}: {kind}: {error}"}, False
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Replay every file; print one JSON line each; return 2 if any failed."""
+    parser = argparse.ArgumentParser(
+        prog="python -m scheduler.replay", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("files", nargs="+", metavar="FILE.json")
+    args = parser.parse_args(argv)
+    status = 0
+    for path in args.files:
+        output, ok = replay_file(path)
+        sys.stdout.write(json.dumps(output) + "\n")
+        sys.stdout.flush()
+        if not ok:
+            status = 2
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

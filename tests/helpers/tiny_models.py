@@ -1,0 +1,97 @@
+"""Tiny random transformers models, built in-process and saved to a folder (no downloads).
+
+Weights are re-drawn with a larger spread than transformers' init (and norms/biases perturbed)
+so that softcaps, norm weights, biases and windows all change the outputs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import PreTrainedModel
+
+BASE = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "eos_token_id": None,
+    "bos_token_id": None,
+    "pad_token_id": None,
+}
+WINDOW = 6
+
+FAMILIES: dict[str, tuple[str, dict[str, object]]] = {
+    "llama": (
+        "LlamaConfig",
+        {
+            "tie_word_embeddings": True,
+            "rope_parameters": {
+                "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+        },
+    ),
+    "mistral": ("MistralConfig", {"sliding_window": WINDOW, "head_dim": 16}),
+    "qwen2": (
+        "Qwen2Config",
+        {"use_sliding_window": True, "sliding_window": WINDOW, "max_window_layers": 2},
+    ),
+    "gemma2": (
+        "Gemma2Config",
+        {
+            "head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
+            "tie_word_embeddings": False,
+            "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0,
+        },
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
+            "tie_word_embeddings": False,
+            "final_logit_softcapping": 3.0,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},
+            },
+        },
+    ),
+}
+MODEL_CLASSES = {
+    "LlamaConfig": "LlamaForCausalLM",
+    "MistralConfig": "MistralForCausalLM",
+    "Qwen2Config": "Qwen2ForCausalLM",
+    "Gemma2Config": "Gemma2ForCausalLM",
+    "Gemma3TextConfig": "Gemma3ForCausalLM",
+}
+
+
+def build_tiny_model(family: str, seed: int = 0, **overrides: object) -> PreTrainedModel:
+    """A random eager-attention model of `family` in fp32."""
+    config_name, extra = FAMILIES[family]
+    config = getattr(transformers, config_name)(**{**BASE, **extra, **overrides})
+    model_cls = getattr(transformers, MODEL_CLASSES[config_name])
+    torch.manual_seed(seed)
+    model = model_cls._from_config(config, attn_implementation="eager", dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                param.add_(torch.randn_like(param) * 0.1)
+            else:
+                param.normal_(0.0, 0.1)
+    return model.eval()
+
+
+def save_tiny_model(family: str, path: Path, seed: int = 0, **overrides: object) -> PreTrainedModel:
+    """Build a tiny model, save it (config.json + model.safetensors) to `path`, return it."""
+    model = build_tiny_model(family, seed, **overrides)
+    model.save_pretrained(path)
+    return model

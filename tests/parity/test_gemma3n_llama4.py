@@ -1,0 +1,251 @@
+"""Gemma 3n and Llama 4 text against transformers (CPU fp32), and truncated prefill end to end.
+
+Prefill logits must match transformers within 1e-4; greedy tokens through the offline `LLM`
+(chunked prefill, block size 4) must equal transformers' `generate`, with truncated prefill on
+and off and, for Llama 4, with the hybrid KV cache manager on and off. A Llama 4 variant whose
+config adds `kv_sharing_targets` is the 8-layer example of the attention-group placement.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from cluster import LLM, SamplingParams
+from scheduler.kv_cache_config import build_kv_cache_config
+from tests.helpers.paged_driver import PagedDriver
+from worker.attention import Attention, ForwardContext
+from worker.config import ModelConfig, ParallelConfig
+from worker.kv_cache import attention_layers, report_kv_cache_specs
+from worker.metadata_transforms import ChunkedLocalBatches, StepRows, apply_transforms
+from worker.models.registry import get_model_class
+from worker.weights import iterate_weights
+
+pytestmark = pytest.mark.parity
+
+COMMON = {
+    "vocab_size": 256, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "max_position_embeddings": 128,
+    "eos_token_id": None, "bos_token_id": None, "pad_token_id": None,
+}
+GEMMA3N = {
+    **COMMON, "vocab_size_per_layer_input": 128, "intermediate_size": 96,
+    "num_hidden_layers": 6, "layer_types": ["sliding_attention", "full_attention"] * 3,
+    "sliding_window": 6, "num_kv_shared_layers": 3, "hidden_size_per_layer_input": 8,
+    "laurel_rank": 4, "altup_num_inputs": 3, "final_logit_softcapping": 5.0,
+    "activation_sparsity_pattern": [0.95, 0.95, 0.0, 0.0, 0.0, 0.0],
+}
+LLAMA4 = {
+    **COMMON, "intermediate_size": 32, "intermediate_size_mlp": 96, "num_hidden_layers": 4,
+    "attention_chunk_size": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
+    "interleave_moe_layer_step": 2, "no_rope_layer_interval": 2, "floor_scale": 4,
+}
+# L0 full, L1 local, L2 -> L0, L3 -> L1, L4 full, L5 local, L6 -> L4, L7 -> L5.
+LLAMA4_SHARED = {
+    **LLAMA4, "num_hidden_layers": 8, "no_rope_layer_interval": 8,
+    "layer_types": ["full_attention", "chunked_attention"] * 4,
+    "kv_sharing_targets": {"2": 0, "3": 1, "6": 4, "7": 5},
+}
+PROMPTS = [[(7 * i + 3) % 256 for i in range(30)], [(11 * i + 5) % 256 for i in range(5)],
+           [(13 * i + 1) % 256 for i in range(19)]]
+NUM_NEW = 32
+LLM_ARGS = {"block_size": 4, "max_num_batched_tokens": 16, "kv_cache_memory_bytes": 1 << 22}
+
+
+def _save(config_cls: str, model_cls: str, kwargs: dict, path: Path) -> torch.nn.Module:
+    config = getattr(transformers, config_cls)(**kwargs)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)._from_config(
+        config, attn_implementation="eager", dtype=torch.float32
+    )
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+            else:
+                param.normal_(0.0, 0.1)
+    model.eval().save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def gemma3n(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma3n")
+    return path, _save("Gemma3nTextConfig", "Gemma3nForCausalLM", GEMMA3N, path)
+
+
+@pytest.fixture(scope="module")
+def llama4(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama4")
+    return path, _save("Llama4TextConfig", "Llama4ForCausalLM", LLAMA4, path)
+
+
+@pytest.fixture(scope="module")
+def llama4_shared(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama4_shared")
+    _save("Llama4TextConfig", "Llama4ForCausalLM", LLAMA4_SHARED, path)
+    return path
+
+
+def _ours(path: Path) -> torch.nn.Module:
+    model_config = ModelConfig.from_pretrained(path)
+    model = get_model_class(model_config.architecture)(model_config, ParallelConfig())
+    loaded = model.load_weights(iterate_weights(path))
+    assert loaded == {name for name, _ in model.named_parameters()}
+    return model.eval()
+
+
+class _LocalDriver(PagedDriver):
+    """The paged driver with chunked-local layers cut into virtual batches."""
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: list[int]) -> torch.Tensor:
+        meta, ids, positions = self._metadata({"r": token_ids})
+        step = StepRows(logits_indices=torch.tensor([len(ids) - 1]))
+        metadata = {}
+        for layer in self.model.modules():
+            if isinstance(layer, Attention):
+                chunk = layer.config.attention_chunk_size
+                transforms = (ChunkedLocalBatches(chunk, self.block_size),) if chunk else ()
+                metadata[layer.layer_name] = apply_transforms(meta, transforms, step)
+        ctx = ForwardContext(metadata=metadata, kv_caches=self.kv_caches)
+        hidden = self.model(torch.tensor(ids), torch.tensor(positions), ctx)
+        return self.model.compute_logits(hidden)
+
+
+@pytest.mark.parametrize("name", ["gemma3n", "llama4"])
+def test_prefill_logits_match_transformers(name, request):
+    path, hf_model = request.getfixturevalue(name)
+    prompt = PROMPTS[0]
+    with torch.no_grad():
+        expected = hf_model(torch.tensor([prompt])).logits[0]
+    got = _LocalDriver(_ours(path), block_size=4).prefill(prompt)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+def _hf_greedy(hf_model, prompt):
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=NUM_NEW, do_sample=False)
+    return out[0, len(prompt):].tolist()
+
+
+def _generate(path, params, **kwargs):
+    llm = LLM(str(path), **LLM_ARGS, **kwargs)
+    try:
+        results = llm.generate(PROMPTS, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return results
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW)
+
+
+@pytest.mark.parametrize("fast_prefill", [False, True])
+def test_gemma3n_greedy_tokens_match_transformers(gemma3n, fast_prefill):
+    path, hf_model = gemma3n
+    results = _generate(path, GREEDY, kv_sharing_fast_prefill=fast_prefill)
+    assert [r.outputs[0].token_ids for r in results] == [_hf_greedy(hf_model, p) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("disable_hybrid", [False, True])
+def test_llama4_greedy_tokens_match_transformers(llama4, disable_hybrid):
+    path, hf_model = llama4
+    results = _generate(path, GREEDY, disable_hybrid_kv_cache_manager=disable_hybrid)
+    assert [r.outputs[0].token_ids for r in results] == [_hf_greedy(hf_model, p) for p in PROMPTS]
+
+
+def _layer(idx: int) -> str:
+    return f"model.layers.{idx}.self_attn.attn"
+
+
+def test_llama4_kv_sharing_same_tokens_with_truncated_prefill_and_hybrid_on_and_off(
+    llama4_shared,
+):
+    tokens, groups = {}, {}
+    for fast in (False, True):
+        for hybrid_off in (False, True):
+            llm = LLM(str(llama4_shared), **LLM_ARGS, kv_sharing_fast_prefill=fast,
+                      disable_hybrid_kv_cache_manager=hybrid_off)
+            results = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+            runner = llm.engine.executor.worker.model_runner
+            groups[fast, hybrid_off] = {
+                (g.kv_cache_group_id, frozenset(g.layer_names)) for g in runner.attention_groups
+            }
+            tokens[fast, hybrid_off] = [r.outputs[0].token_ids for r in results]
+            llm.shutdown()
+    assert len({str(t) for t in tokens.values()}) == 1
+    full, local = frozenset({_layer(0), _layer(4), _layer(2)}), frozenset({_layer(1), _layer(5), _layer(3)})
+    assert groups[True, True] == {
+        (0, full), (0, local), (0, frozenset({_layer(6)})), (0, frozenset({_layer(7)})),
+    }
+    hybrid = {gid for gid, names in groups[True, False]}
+    assert len(hybrid) == 2
+    assert {names for _, names in groups[True, False]} == {
+        full, local, frozenset({_layer(6)}), frozenset({_layer(7)}),
+    }
+
+
+def test_truncated_prefill_runs_shared_layers_on_fewer_rows(gemma3n):
+    """The last layer sees only the sampled rows in prefill steps (observed with a hook)."""
+    path, _ = gemma3n
+    llm = LLM(str(path), **LLM_ARGS, kv_sharing_fast_prefill=True)
+    model = llm.engine.executor.worker.model_runner.model
+    seen: list[tuple[int, int]] = []
+    first = model.model.layers[0].register_forward_pre_hook(lambda _m, a: seen.append((0, len(a[0]))))
+    last = model.model.layers[-1].register_forward_pre_hook(lambda _m, a: seen.append((1, len(a[0]))))
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    first.remove()
+    last.remove()
+    llm.shutdown()
+    pairs = list(zip(seen[0::2], seen[1::2], strict=True))
+    assert (0, 16) in [(p[0][0], p[0][1]) for p in pairs]
+    assert any(all_rows[1] > kept[1] for all_rows, kept in pairs)
+    assert all(kept[1] <= all_rows[1] for all_rows, kept in pairs)
+
+
+def test_prompt_logprobs_equal_with_truncated_prefill_on_and_off(gemma3n):
+    path, hf_model = gemma3n
+    params = [SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2),
+              SamplingParams(temperature=0, max_tokens=2),
+              SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0)]
+    on = _generate(path, params, kv_sharing_fast_prefill=True)
+    off = _generate(path, params, kv_sharing_fast_prefill=False)
+    for idx in (0, 2):
+        prompt = PROMPTS[idx]
+        with torch.no_grad():
+            logprobs = torch.log_softmax(hf_model(torch.tensor([prompt])).logits[0], -1)
+        expected = [logprobs[pos, prompt[pos + 1]].item() for pos in range(len(prompt) - 1)]
+        for results in (on, off):
+            entries = results[idx].prompt_logprobs
+            assert [e.token_id for e in entries] == prompt[1:]
+            assert [e.logprob for e in entries] == pytest.approx(expected, abs=1e-4)
+        pairs = zip(on[idx].prompt_logprobs, off[idx].prompt_logprobs, strict=True)
+        assert all(a.logprob == pytest.approx(b.logprob, abs=1e-5) for a, b in pairs)
+    assert [r.outputs[0].token_ids for r in on] == [r.outputs[0].token_ids for r in off]
+
+
+def test_gemma3n_kv_capacity_counts_only_owning_layers(gemma3n):
+    """S25 on Gemma 3n: 3 of 6 layers share, so one block costs 3 pages, not 6."""
+    path, _ = gemma3n
+    report = report_kv_cache_specs(attention_layers(_ours(path)), 16, 4)
+    # The last layer of each type before the shared run: full L1, sliding L2.
+    assert report.shared_kv_layers == {_layer(3): _layer(1), _layer(4): _layer(2),
+                                       _layer(5): _layer(1)}
+    page = next(iter(report.layer_specs.values())).page_size_bytes
+    memory = 3 * 6 * page * 100
+    owners = {name: spec for name, spec in report.layer_specs.items()
+              if name not in report.shared_kv_layers}
+    shared = build_kv_cache_config(owners, memory, shared_kv_layers=report.shared_kv_layers,
+                                   disable_hybrid=True)
+    unshared = build_kv_cache_config(
+        {**owners, **{name: owners[target] for name, target in report.shared_kv_layers.items()}},
+        memory, disable_hybrid=True,
+    )
+    assert shared.num_blocks == memory // (3 * page) == 600
+    assert unshared.num_blocks == memory // (6 * page) == 300
+    assert math.isclose(shared.num_blocks / unshared.num_blocks, 2.0)

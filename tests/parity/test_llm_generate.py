@@ -1,0 +1,229 @@
+"""The offline `LLM` end to end (scheduler + runner + kernels) against transformers (CPU fp32).
+
+Greedy tokens of tiny random models must equal transformers' `generate`, whatever the batch,
+chunked prefill, block size, prefix-cache hits, KV cache grouping or tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from cluster import LLM, SamplingParams
+from tests.helpers.tiny_models import WINDOW, save_tiny_model
+
+pytestmark = pytest.mark.parity
+
+NUM_NEW = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW)
+BASE_PROMPTS = [
+    [(7 * i + 3) % 256 for i in range(30)],
+    [(11 * i + 5) % 256 for i in range(5)],
+    [(13 * i + 1) % 256 for i in range(17)],
+]
+# Share 16 and 24 leading tokens (4 and 6 blocks of 4) with the first prompt.
+SHARED_PREFIX_PROMPTS = [
+    [*BASE_PROMPTS[0][:16], 9, 8, 7, 6, 5],
+    [*BASE_PROMPTS[0][:24], 200, 100, 50],
+]
+LLM_ARGS = {"block_size": 4, "max_num_batched_tokens": 16, "kv_cache_memory_bytes": 1 << 22}
+
+
+def _hf_greedy(hf_model: torch.nn.Module, prompt: list[int], num_new: int = NUM_NEW) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=num_new, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+def _tokens(results) -> list[list[int]]:
+    return [result.outputs[0].token_ids for result in results]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    path = tmp_path_factory.mktemp("llama")
+    return path, save_tiny_model("llama", path)
+
+
+def test_batch_with_chunked_prefill_and_prefix_hits_matches_single_runs(llama) -> None:
+    path, hf_model = llama
+    expected = [_hf_greedy(hf_model, p) for p in BASE_PROMPTS + SHARED_PREFIX_PROMPTS]
+    llm = LLM(str(path), **LLM_ARGS)
+    alone = [_tokens(llm.generate([p], GREEDY, use_tqdm=False))[0] for p in BASE_PROMPTS]
+    assert alone == expected[:3]
+    # One batch: prompts of 30, 5, 17 tokens with a 16-token budget (chunked prefill) plus two
+    # prompts that hit the prefix cache (the first prompt's blocks are cached by now).
+    results = llm.generate(BASE_PROMPTS + SHARED_PREFIX_PROMPTS, GREEDY, use_tqdm=False)
+    assert _tokens(results) == expected
+    assert [r.num_cached_tokens for r in results[3:]] == [16, 24]
+    assert results[0].num_cached_tokens > 0  # the whole first prompt was cached too
+    assert all(r.finish_reason == "length" for r in results)
+    assert [r.prompt_token_ids for r in results] == BASE_PROMPTS + SHARED_PREFIX_PROMPTS
+    llm.shutdown()
+
+
+def test_fresh_engine_batch_with_hits_inside_one_call(llama) -> None:
+    """Later prompts of one call hit blocks the earlier ones filled in previous steps."""
+    path, hf_model = llama
+    prompts = [BASE_PROMPTS[0], *SHARED_PREFIX_PROMPTS, BASE_PROMPTS[0][:20]]
+    llm = LLM(str(path), max_num_seqs=1, **LLM_ARGS)  # one at a time: each sees the last's cache
+    results = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert _tokens(results) == [_hf_greedy(hf_model, p) for p in prompts]
+    assert [r.num_cached_tokens for r in results] == [0, 16, 24, 16]
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_hybrid_manager_on_and_off_give_identical_tokens(family: str, tmp_path: Path) -> None:
+    hf_model = save_tiny_model(family, tmp_path)
+    prompts = [[(5 * i + 2) % 256 for i in range(23)], [(3 * i + 7) % 256 for i in range(9)]]
+    assert len(prompts[0]) > 3 * WINDOW
+    params = SamplingParams(temperature=0, max_tokens=12)
+    runs = {}
+    for disable in (False, True):
+        llm = LLM(str(tmp_path), disable_hybrid_kv_cache_manager=disable, **LLM_ARGS)
+        groups = llm.engine.scheduler.kv_cache_config.groups
+        # gemma2: 2 window + 2 full layers -> 2 groups; gemma3: 3 window + 1 full -> 4 groups.
+        assert len(groups) == (1 if disable else {"gemma2": 2, "gemma3": 4}[family])
+        runs[disable] = _tokens(llm.generate(prompts, params, use_tqdm=False))
+        llm.shutdown()
+    assert runs[False] == runs[True]
+    assert runs[False] == [_hf_greedy(hf_model, p, 12) for p in prompts]
+
+
+def test_tensor_parallel_2_matches_tp_1(llama) -> None:
+    path, _ = llama
+    prompts = [BASE_PROMPTS[0], BASE_PROMPTS[2]]
+    single = LLM(str(path), **LLM_ARGS)
+    expected = _tokens(single.generate(prompts, GREEDY, use_tqdm=False))
+    single.shutdown()
+    start = time.perf_counter()
+    llm = LLM(str(path), tensor_parallel_size=2, **LLM_ARGS)
+    try:
+        assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+    finally:
+        llm.shutdown()
+    assert time.perf_counter() - start < 60
+
+
+def test_preemption_and_resume_keep_the_tokens(llama) -> None:
+    path, hf_model = llama
+    # A block costs 4 layers x 1 KiB; 14 blocks hold one request of max_model_len 48 but not
+    # three prompts of 30 tokens plus their outputs at once, so requests get preempted.
+    llm = LLM(str(path), max_model_len=48, **{**LLM_ARGS, "kv_cache_memory_bytes": 14 * 4096})
+    prompts = [[(k * i + k) % 256 for i in range(30)] for k in (3, 5, 7)]
+    results = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert _tokens(results) == [_hf_greedy(hf_model, p) for p in prompts]
+    llm.shutdown()
+
+
+def test_logprobs_and_prompt_logprobs_match_transformers(llama) -> None:
+    path, hf_model = llama
+    prompt = BASE_PROMPTS[2]
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2)
+    llm = LLM(str(path), enable_prefix_caching=False, **LLM_ARGS)
+    (result,) = llm.generate([prompt], params, use_tqdm=False)
+    llm.shutdown()
+    tokens = result.outputs[0].token_ids
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt + tokens])).logits[0].double()
+    reference = torch.log_softmax(logits, dim=-1)
+    num_prompt = len(prompt)
+    prompt_lps = result.prompt_logprobs
+    assert prompt_lps is not None
+    assert [e.token_id for e in prompt_lps] == prompt[1:]
+    for pos, entry in enumerate(prompt_lps, start=1):
+        assert entry.logprob == pytest.approx(float(reference[pos - 1, prompt[pos]]), abs=1e-4)
+        assert entry.top_token_ids == reference[pos - 1].topk(2).indices.tolist()
+    sample_lps = result.outputs[0].logprobs
+    assert sample_lps is not None
+    assert len(sample_lps) == len(tokens)
+    for step, (token, entry) in enumerate(zip(tokens, sample_lps, strict=True)):
+        row = reference[num_prompt - 1 + step]
+        assert entry.token_id == token
+        assert entry.rank == 1  # greedy
+        assert entry.logprob == pytest.approx(float(row[token]), abs=1e-4)
+        assert entry.top_token_ids == row.topk(3).indices.tolist()
+        assert entry.top_logprobs == pytest.approx(row.topk(3).values.tolist(), abs=1e-4)
+
+
+def test_seeded_sampling_is_reproducible_across_batches(llama) -> None:
+    path, _ = llama
+    llm = LLM(str(path), **LLM_ARGS)
+    seeded = SamplingParams(temperature=1.0, max_tokens=8, seed=1234)
+    other = SamplingParams(temperature=1.0, max_tokens=8)
+    alone = _tokens(llm.generate([BASE_PROMPTS[0]], seeded, use_tqdm=False))[0]
+    batched = llm.generate(BASE_PROMPTS, [seeded, other, other], use_tqdm=False)
+    assert batched[0].outputs[0].token_ids == alone
+    reseeded = _tokens(
+        llm.generate([BASE_PROMPTS[1], BASE_PROMPTS[0]], [other, seeded], use_tqdm=False)
+    )
+    assert reseeded[1] == alone
+    different = _tokens(
+        llm.generate(
+            [BASE_PROMPTS[0]],
+            SamplingParams(temperature=1.0, max_tokens=8, seed=99),
+            use_tqdm=False,
+        )
+    )[0]
+    assert different != alone
+    llm.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_bf16_on_gpu_follows_transformers(family: str, tmp_path: Path) -> None:
+    """Greedy tokens equal transformers' in bf16, or at the first divergence each side's token
+    is in the other's top-5 (then comparison stops)."""
+    hf_model = save_tiny_model(family, tmp_path).to("cuda", torch.bfloat16)
+    llm = LLM(str(tmp_path), device="cuda", dtype="bfloat16", kv_cache_memory_bytes=1 << 26)
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=5)
+    prompts = [BASE_PROMPTS[0], BASE_PROMPTS[2]]
+    results = llm.generate(prompts, params, use_tqdm=False)
+    llm.shutdown()
+    for prompt, result in zip(prompts, results, strict=True):
+        with torch.no_grad():
+            out = hf_model.generate(
+                torch.tensor([prompt], device="cuda"),
+                max_new_tokens=16,
+                do_sample=False,
+                output_scores=True,
+                return_dict_in_generate=True,
+            )
+        theirs = out.sequences[0, len(prompt) :].tolist()
+        ours = result.outputs[0].token_ids
+        our_logprobs = result.outputs[0].logprobs
+        assert our_logprobs is not None
+        for step, (mine, hf_token) in enumerate(zip(ours, theirs, strict=True)):
+            if mine != hf_token:
+                assert mine in out.scores[step][0].topk(5).indices.tolist()
+                assert hf_token in our_logprobs[step].top_token_ids
+                break
+
+
+@pytest.mark.slow
+def test_default_model_matches_transformers_on_the_gguf_file(
+    default_model_dir: Path, gguf_reference, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`LLM()` serves the embedded default model token-identically to transformers."""
+    import worker.default_model
+
+    monkeypatch.setattr(worker.default_model, "DEFAULT_CACHE_DIR", default_model_dir)
+    tokenizer, hf_model = gguf_reference
+    prompts = ["The capital of France is", "Hello, my name is"]
+    llm = LLM(max_model_len=256)
+    results = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    llm.shutdown()
+    assert results[0].outputs[0].text.startswith(" Paris")
+    for prompt, result in zip(prompts, results, strict=True):
+        prompt_ids = tokenizer(prompt).input_ids
+        assert result.prompt_token_ids == prompt_ids
+        assert result.outputs[0].token_ids == _hf_greedy(hf_model, prompt_ids, 12)
+        assert result.outputs[0].text == tokenizer.decode(
+            result.outputs[0].token_ids, skip_special_tokens=True
+        )

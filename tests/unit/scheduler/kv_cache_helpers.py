@@ -1,0 +1,179 @@
+"""Builders shared by the KV cache core tests: specs, managers, requests, direct cache entries."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from scheduler.block_pool import BlockPool
+from scheduler.coordinator import make_manager as make_group_manager
+from scheduler.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from scheduler.kv_cache_spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheSpec,
+    MambaCacheMode,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from scheduler.request import Request, SamplingParams
+from scheduler.single_type_manager import SingleTypeManager
+
+P3 = [0] * 16 + [1] * 16 + [2] * 16
+"""Three full blocks of 16 tokens."""
+
+
+def full(block_size: int, dtype_bytes: int = 4) -> FullAttentionSpec:
+    return FullAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=1, dtype_bytes=dtype_bytes
+    )
+
+
+def window(block_size: int, sliding_window: int) -> SlidingWindowSpec:
+    return SlidingWindowSpec(
+        block_size=block_size,
+        num_kv_heads=1,
+        head_size=1,
+        dtype_bytes=4,
+        sliding_window=sliding_window,
+    )
+
+
+def chunked(block_size: int, chunk: int) -> ChunkedLocalAttentionSpec:
+    return ChunkedLocalAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=1,
+        head_size=1,
+        dtype_bytes=4,
+        attention_chunk_size=chunk,
+    )
+
+
+def mamba(block_size: int, mode: MambaCacheMode = MambaCacheMode.ALL) -> MambaSpec:
+    return MambaSpec(block_size=block_size, shapes=((1,),), dtype_bytes=(4,), mamba_cache_mode=mode)
+
+
+def make_config(num_blocks: int, *specs: KVCacheSpec) -> KVCacheConfig:
+    groups = tuple(KVCacheGroupSpec((f"layer{index}",), spec) for index, spec in enumerate(specs))
+    return KVCacheConfig(num_blocks=num_blocks, groups=groups, tensors=())
+
+
+def make_manager(
+    num_blocks: int, *specs: KVCacheSpec, max_model_len: int = 8192, enable_caching: bool = True
+) -> KVCacheManager:
+    return KVCacheManager(
+        make_config(num_blocks, *specs),
+        max_model_len=max_model_len,
+        enable_caching=enable_caching,
+    )
+
+
+def make_request(
+    req_id: str, tokens: Sequence[int], hash_block_size: int, cache_salt: str | None = None
+) -> Request:
+    return Request(
+        req_id,
+        list(tokens),
+        SamplingParams(max_tokens=1000),
+        hash_block_size,
+        cache_salt=cache_salt,
+    )
+
+
+def hit(manager: KVCacheManager, request: Request) -> tuple[tuple[list[int], ...], int]:
+    """(hit block IDs per group, hit tokens) of a new request."""
+    found = manager.get_computed_blocks(request)
+    return found.blocks.get_block_ids(), found.num_tokens
+
+
+def admit(
+    manager: KVCacheManager, request: Request, num_new_tokens: int | None = None
+) -> tuple[list[int], ...] | None:
+    """Look up and allocate a new request (the rest of its prompt by default); mark computed."""
+    found = manager.get_computed_blocks(request)
+    if num_new_tokens is None:
+        num_new_tokens = request.num_tokens - found.num_tokens
+    new_blocks = manager.allocate_slots(request, num_new_tokens, found.num_tokens, found.blocks)
+    if new_blocks is None:
+        return None
+    request.num_computed_tokens = found.num_tokens + num_new_tokens
+    return new_blocks.get_block_ids()
+
+
+def step(manager: KVCacheManager, request: Request, num_new_tokens: int) -> KVCacheBlocks | None:
+    """Allocate the next `num_new_tokens` of a running request and mark them computed."""
+    new_blocks = manager.allocate_slots(request, num_new_tokens)
+    if new_blocks is not None:
+        request.num_computed_tokens += num_new_tokens
+    return new_blocks
+
+
+def decode(manager: KVCacheManager, request: Request, token: int) -> tuple[list[int], ...]:
+    """Append one sampled token and allocate its slot (must succeed)."""
+    request.append_output_token_ids([token])
+    new_blocks = step(manager, request, request.num_tokens - request.num_computed_tokens)
+    assert new_blocks is not None
+    return new_blocks.get_block_ids()
+
+
+def register(
+    pool: BlockPool,
+    block_hashes: Sequence[bytes],
+    index: int,
+    group_id: int,
+    block_id: int,
+    hash_ratio: int = 1,
+) -> None:
+    """Put block `block_id` in the cache as group `group_id`'s block `index` (a free block)."""
+    block = pool.blocks[block_id]
+    block.group_id = group_id
+    blocks = [pool.null_block] * index + [block]
+    pool.cache_full_blocks(block_hashes, blocks, range(index, index + 1), group_id, hash_ratio)
+
+
+def register_pattern(
+    pool: BlockPool, block_hashes: Sequence[bytes], pattern: str, group_id: int, first_id: int
+) -> None:
+    """Cache block i (ID first_id + i) of a group wherever `pattern[i]` (e.g. "TTF") is T."""
+    for index, flag in enumerate(pattern.split() if " " in pattern else pattern):
+        if flag == "T":
+            register(pool, block_hashes, index, group_id, first_id + index)
+
+
+def free_queue(manager: KVCacheManager) -> list[int]:
+    return manager.pool.free_queue.block_ids()
+
+
+def ref_counts(manager: KVCacheManager, block_ids: Sequence[int]) -> list[int]:
+    return [manager.pool.blocks[block_id].ref_cnt for block_id in block_ids]
+
+
+def find_hit(
+    spec: KVCacheSpec,
+    pattern: str,
+    tail: int = 0,
+    max_length: int | None = None,
+    alignment: int | None = None,
+) -> tuple[list[int], int]:
+    """Finder scenario: cache block i of one group as ID 10 + i where `pattern` has T, then
+    look up a prompt of len(pattern) blocks + `tail` tokens. Returns (IDs, hit tokens)."""
+    flags = pattern.split()
+    pool = BlockPool(200, 1)
+    manager = make_single_manager(spec, pool)
+    num_tokens = len(flags) * spec.block_size + tail
+    tokens = list(range(max(num_tokens, len(flags) * spec.block_size)))
+    hashes = make_request("r", tokens, spec.block_size).block_hashes
+    register_pattern(pool, hashes, pattern, 0, 10)
+    length = num_tokens if max_length is None else max_length
+    (found,) = manager.find_longest_cache_hit(
+        hashes, length, [0], spec.block_size if alignment is None else alignment
+    )
+    return [block.block_id for block in found], len(found) * spec.block_size
+
+
+def make_single_manager(
+    spec: KVCacheSpec, pool: BlockPool, hash_block_size: int | None = None
+) -> SingleTypeManager:
+    """The manager of group 0 with `spec` on `pool`."""
+    return make_group_manager(spec, pool, 0, hash_block_size or spec.block_size)

@@ -1,0 +1,104 @@
+"""`python -m scheduler.replay`: the five hand-checked traces and the error path."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+TRACES = sorted((Path(__file__).parent / "replay_traces").glob("H*.json"))
+"""The five hand-checked traces H1-H5 (expected values under "hand_expected")."""
+
+
+def run_replay(*paths: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "scheduler.replay", *map(str, paths)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        check=False,
+    )
+
+
+def test_every_hand_expected_field_of_the_five_traces_matches() -> None:
+    assert len(TRACES) == 5
+    result = run_replay(*TRACES)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert len(lines) == len(TRACES)
+    for path, line in zip(TRACES, lines, strict=True):
+        records = json.loads(line)["results"]
+        trace = json.loads(path.read_text())
+        assert [record["op_index"] for record in records] == list(range(len(trace["ops"])))
+        for index, fields in trace["hand_expected"].items():
+            record = records[int(index)]
+            for name, value in fields.items():
+                assert record[name] == value, (path.name, index, name)
+
+
+def test_bad_config_prints_an_error_line_exits_2_and_runs_the_other_files(
+    tmp_path: Path,
+) -> None:
+    good = {
+        "groups": [{"type": "full", "block_size": 4}],
+        "num_blocks": 5,
+        "max_model_len": 64,
+        "ops": [
+            {"op": "prefill", "id": "a", "tokens": [1, 2, 3, 4, 5]},
+            {"op": "decode", "id": "a", "tokens": [6, 7, 8, 9]},
+            {"op": "prefill", "id": "b", "tokens": list(range(20))},
+            {"op": "decode", "id": "b", "tokens": [1]},
+            {"op": "free", "id": "a"},
+            {"op": "free", "id": "b"},
+        ],
+    }
+    bad_cla = {
+        **good,
+        "groups": [
+            {"type": "full", "block_size": 8},
+            {"type": "chunked_local", "block_size": 4, "attention_chunk_size": 8},
+        ],
+    }
+    bad_type = {**good, "groups": [{"type": "cross", "block_size": 4}]}
+    paths = []
+    for name, trace in [("bad_cla", bad_cla), ("good", good), ("bad_type", bad_type)]:
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(trace))
+        paths.append(path)
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    result = run_replay(*paths, broken, tmp_path / "missing.json")
+    assert result.returncode == 2
+    outputs = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(outputs) == 5
+    assert "chunked local" in outputs[0]["error"]
+    assert "cross" in outputs[2]["error"]
+    assert all("error" in output for output in outputs[3:])
+    records = outputs[1]["results"]
+    assert [r["free_blocks"] for r in records] == [2, 1, 1, 1, 4, 4]
+    assert records[0]["block_ids"] == [[1, 2]]
+    assert records[1]["block_ids"] == [[1, 2, 3]]
+    assert (records[2]["allocated"], records[2]["block_ids"]) == (False, [[]])
+    assert (records[3]["allocated"], records[3]["skipped"]) == (False, True)
+
+
+def test_caching_off_replays_mamba_with_one_state_block(tmp_path: Path) -> None:
+    trace = {
+        "groups": [{"type": "full", "block_size": 4}, {"type": "mamba", "block_size": 4}],
+        "num_blocks": 20,
+        "max_model_len": 64,
+        "enable_caching": False,
+        "ops": [
+            {"op": "prefill", "id": "a", "tokens": list(range(10))},
+            {"op": "prefill", "id": "b", "tokens": list(range(10))},
+        ],
+    }
+    path = tmp_path / "off.json"
+    path.write_text(json.dumps(trace))
+    result = run_replay(path)
+    records = json.loads(result.stdout)["results"]
+    assert [r["hit_tokens"] for r in records] == [0, 0]
+    assert records[0]["block_ids"] == [[1, 2, 3], [4]]
+    assert records[1]["chunks"] == [10]

@@ -1,0 +1,278 @@
+"""The model runner: one step of the model from a `SchedulerOutput` to a `ModelRunnerOutput`.
+
+`execute` reads as: update states from the output -> build the input batch -> build attention
+metadata per attention group -> forward -> logits at the logits indices -> sample -> output.
+Memory planning and process setup live in the worker; this class owns the per-request state,
+the attention groups, the KV cache views and the sampler.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from kernels import AttentionBackend, select_backend
+from scheduler.kv_cache_spec import KVCacheConfig
+from scheduler.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from worker.attention import ForwardContext
+from worker.attention_groups import (
+    AttentionGroup,
+    GroupingOptions,
+    MetadataBuildStats,
+    build_attention_groups,
+    build_forward_context,
+)
+from worker.block_table import MultiGroupBlockTable
+from worker.input_batch import InputBatch, RequestStates, batch_order, build_input_batch
+from worker.kv_cache import (
+    KVCaches,
+    KVCacheSpecReport,
+    allocate_kv_caches,
+    attention_layers,
+    report_kv_cache_specs,
+)
+from worker.metadata_transforms import StepRows
+from worker.runner_config import RunnerConfig
+from worker.sampler import Sampler, SamplingTensors, to_token_logprobs
+
+logger = logging.getLogger(__name__)
+
+
+class CausalLM(Protocol):
+    """The model interface the runner uses (an `nn.Module` holding `Attention` layers)."""
+
+    def __call__(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def modules(self) -> Iterator[nn.Module]: ...
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """What the runner needs to know about the model beyond the module itself."""
+
+    dtype: torch.dtype
+    vocab_size: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class PromptLogprobRows:
+    """Hidden rows whose logits score prompt tokens, grouped by request."""
+
+    req_ids: list[str]
+    counts: list[int]
+    """Rows of each request, in order."""
+    rows: torch.Tensor  # [num_rows] int64
+    targets: torch.Tensor  # [num_rows] int64: the prompt token each row predicts
+    num_tops: list[int]
+    """Per row: alternatives requested."""
+
+
+class ModelRunner:
+    """Runs one worker rank's share of the model for each scheduler step."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        settings: ModelSettings,
+        config: RunnerConfig,
+        device: torch.device,
+        is_driver: bool = True,
+    ) -> None:
+        self.model = model
+        self.settings = settings
+        self.config = config
+        self.device = device
+        self.is_driver = is_driver
+        """Only the driver rank samples and returns outputs; other ranks run the forward."""
+        self.layers = attention_layers(model.modules())
+        self.sampler = Sampler(config.seed, device)
+        self.attention_groups: list[AttentionGroup] = []
+        self.kv_caches: KVCaches = {}
+        self.states: RequestStates | None = None
+        self.build_stats = MetadataBuildStats()
+        self._backends: dict[tuple[int, int], AttentionBackend] = {}
+
+    @property
+    def dtype_bytes(self) -> int:
+        return torch.tensor([], dtype=self.settings.dtype).element_size()
+
+    def kv_cache_specs(self) -> KVCacheSpecReport:
+        """Per-layer KV specs of this rank at the configured block size."""
+        return report_kv_cache_specs(self.layers, self.config.block_size, self.dtype_bytes)
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        """Build attention groups, allocate and bind the KV caches, size the block tables."""
+        options = GroupingOptions(
+            dtype_bytes=self.dtype_bytes,
+            kv_sharing_fast_prefill=self.config.kv_sharing_fast_prefill,
+        )
+        self.attention_groups = build_attention_groups(
+            self.layers, kv_cache_config, self._backend_for, options
+        )
+        kernel_sizes = [group.spec.block_size for group in kv_cache_config.groups]
+        for attn_group in self.attention_groups:
+            kernel_sizes[attn_group.kv_cache_group_id] = attn_group.kernel_block_size
+        self.kv_caches = allocate_kv_caches(
+            kv_cache_config, kernel_sizes, self.settings.dtype, self.device
+        )
+        tables = MultiGroupBlockTable(
+            kv_cache_config.block_sizes,
+            kernel_sizes,
+            self.config.max_num_seqs,
+            self.settings.max_model_len,
+        )
+        self.states = RequestStates(tables, self.device)
+        logger.info(
+            "KV cache bound: %d KV cache groups, %d attention groups, kernel block sizes %s",
+            len(kv_cache_config.groups),
+            len(self.attention_groups),
+            kernel_sizes,
+        )
+
+    def _backend_for(self, kernel_block_size: int, head_size: int) -> AttentionBackend:
+        key = (kernel_block_size, head_size)
+        if key not in self._backends:
+            self._backends[key] = select_backend(
+                self.config.attention_backend,
+                device=self.device,
+                block_size=kernel_block_size,
+                head_size=head_size,
+                dtype=self.settings.dtype,
+            )
+        return self._backends[key]
+
+    @torch.inference_mode()
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step; an output with no scheduled tokens only updates the states."""
+        states = self._require_states()
+        states.update(scheduler_output)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        req_ids = [
+            req_id
+            for req_id in (
+                *(data.req_id for data in scheduler_output.scheduled_new_reqs),
+                *(data.req_id for data in scheduler_output.scheduled_cached_reqs),
+            )
+            if num_scheduled.get(req_id, 0) > 0
+        ]
+        req_ids = batch_order(req_ids, states, num_scheduled, self.config.reorder_batch_threshold)
+        batch = build_input_batch(req_ids, states, num_scheduled)
+        prompt_rows = self._prompt_logprob_rows(batch)
+        step = StepRows(batch.logits_indices, self._full_reqs(batch))
+        ctx = build_forward_context(
+            self.attention_groups, batch, step, self.kv_caches, self.build_stats
+        )
+        hidden = self.model(batch.input_ids, batch.positions, ctx)  # [num_tokens, hidden]
+        rows = batch.logits_indices
+        if prompt_rows is not None:
+            rows = torch.cat([rows, prompt_rows.rows])
+        logits = self.model.compute_logits(hidden[rows])  # [num_rows, vocab] fp32
+        if not self.is_driver:
+            return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
+        num_sampled = len(batch.sampled_req_idx)
+        output = self._sample(batch, logits[:num_sampled])
+        if prompt_rows is None:
+            return output
+        prompt = _prompt_logprobs(logits[num_sampled:], prompt_rows)
+        return ModelRunnerOutput(
+            req_ids=output.req_ids,
+            sampled_token_ids=output.sampled_token_ids,
+            logprobs=output.logprobs,
+            prompt_logprobs=prompt,
+        )
+
+    def _require_states(self) -> RequestStates:
+        if self.states is None:
+            raise RuntimeError("initialize_kv_cache must be called before execute")
+        return self.states
+
+    def _sample(self, batch: InputBatch, logits: torch.Tensor) -> ModelRunnerOutput:
+        states = self._require_states()
+        sampled = [states.requests[batch.req_ids[idx]] for idx in batch.sampled_req_idx]
+        sampled_ids: list[list[int]] = [[] for _ in batch.req_ids]
+        if not sampled:
+            return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled_ids)
+        tensors = SamplingTensors.build(
+            [req.sampling_params for req in sampled],
+            [req.generator for req in sampled],
+            logits.shape[-1],
+            self.device,
+        )
+        out = self.sampler.sample(logits, tensors)
+        logprobs: dict[str, list[TokenLogprobs]] = {}
+        for idx, req, token, entry in zip(
+            batch.sampled_req_idx, sampled, out.token_ids.tolist(), out.logprobs, strict=True
+        ):
+            sampled_ids[idx] = [token]
+            if entry is not None:
+                logprobs[req.req_id] = [entry]
+        return ModelRunnerOutput(
+            req_ids=batch.req_ids,
+            sampled_token_ids=sampled_ids,
+            logprobs=logprobs or None,
+        )
+
+    def _full_reqs(self, batch: InputBatch) -> torch.Tensor | None:
+        """Batch indices of requests whose every row must be computed (prompt logprobs)."""
+        states = self._require_states()
+        wanted = [
+            idx
+            for idx, req_id in enumerate(batch.req_ids)
+            if states.requests[req_id].sampling_params.prompt_logprobs is not None
+        ]
+        return torch.tensor(wanted, dtype=torch.int64, device=self.device) if wanted else None
+
+    def _prompt_logprob_rows(self, batch: InputBatch) -> PromptLogprobRows | None:
+        """Rows at positions p < num_prompt - 1 this step; row p scores prompt token p + 1."""
+        states = self._require_states()
+        req_ids: list[str] = []
+        counts: list[int] = []
+        rows: list[int] = []
+        targets: list[int] = []
+        num_tops: list[int] = []
+        for idx, req_id in enumerate(batch.req_ids):
+            req = states.requests[req_id]
+            num_top = req.sampling_params.prompt_logprobs
+            start = int(batch.num_computed_np[idx])
+            end = min(int(batch.seq_lens_np[idx]), len(req.prompt_token_ids) - 1)
+            if num_top is None or end <= start:
+                continue
+            first_row = int(batch.query_start_loc_np[idx])
+            req_ids.append(req_id)
+            counts.append(end - start)
+            rows.extend(range(first_row, first_row + end - start))
+            targets.extend(req.prompt_token_ids[start + 1 : end + 1])
+            num_tops.extend([num_top] * (end - start))
+        if not rows:
+            return None
+        return PromptLogprobRows(
+            req_ids=req_ids,
+            counts=counts,
+            rows=torch.tensor(rows, dtype=torch.int64, device=self.device),
+            targets=torch.tensor(targets, dtype=torch.int64, device=self.device),
+            num_tops=num_tops,
+        )
+
+
+def _prompt_logprobs(
+    logits: torch.Tensor, prompt_rows: PromptLogprobRows
+) -> dict[str, list[TokenLogprobs]]:
+    entries = to_token_logprobs(logits, prompt_rows.targets, prompt_rows.num_tops)
+    result: dict[str, list[TokenLogprobs]] = {}
+    start = 0
+    for req_id, count in zip(prompt_rows.req_ids, prompt_rows.counts, strict=True):
+        result[req_id] = entries[start : start + count]
+        start += count
+    return result

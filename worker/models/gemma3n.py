@@ -1,0 +1,237 @@
+"""Gemma 3n (text): cross-layer KV sharing, AltUp streams, LAuReL, per-layer inputs, sparsity.
+
+The last `num_kv_shared_layers` layers own no KV: each reads the cache of the last earlier
+layer of its own type (sliding or full). Hidden states are `altup_num_inputs` parallel streams,
+kept tokens-first as `[T, streams, hidden]` so truncated prefill can gather rows on dim 0.
+Numerics follow transformers' `Gemma3nTextModel` (fp32 norms, magnitude-matched streams).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
+
+from worker.attention import Attention, AttentionConfig, ForwardContext
+from worker.config import ModelConfig, ParallelConfig
+from worker.kv_sharing import KVSharingDecoderLoop
+from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from worker.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from worker.layers.loading import WeightSource
+from worker.layers.norm import RMSNorm
+from worker.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary, rope_parameters
+from worker.models.decoder import DecoderForCausalLM, DecoderOptions, window_from_layer_types
+from worker.models.gemma3n_layers import (
+    AltUp,
+    Gemma3nMLP,
+    Laurel,
+    Linear,
+    match_magnitude,
+    unscaled_rms,
+)
+from worker.weights import load_named_weights
+
+Inputs = tuple[dict[str, RopeTables], torch.Tensor]
+"""Per-token layer inputs: rope tables by layer type, per-layer inputs [T, layers, P]."""
+
+
+def kv_sharing_targets(hf_config: PretrainedConfig) -> dict[int, int]:
+    """Shared layer -> the last non-shared layer of the same type before the shared run."""
+    types = list(hf_config.layer_types)
+    first_shared = hf_config.num_hidden_layers - (hf_config.num_kv_shared_layers or 0)
+    targets = {}
+    for idx in range(first_shared, hf_config.num_hidden_layers):
+        owners = [j for j in range(first_shared) if types[j] == types[idx]]
+        if not owners:
+            raise ValueError(f"Gemma 3n layer {idx} ({types[idx]}) has no earlier layer to share")
+        targets[idx] = owners[-1]
+    return targets
+
+
+def _attn_name(layer_idx: int) -> str:
+    return f"model.layers.{layer_idx}.self_attn.attn"
+
+
+class Gemma3nAttention(nn.Module):
+    """q/k norms, unscaled value norm, rope, scale 1; shared layers only project queries."""
+
+    def __init__(
+        self, hf_config: PretrainedConfig, idx: int, target: int | None, parallel: ParallelConfig
+    ) -> None:
+        super().__init__()
+        hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
+        self.head_size = hf_config.head_dim
+        heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
+        self.eps, self.is_shared = eps, target is not None
+        self.q_norm = RMSNorm(self.head_size, eps)
+        if target is None:
+            self.qkv_proj = QKVParallelLinear(hidden, self.head_size, heads, kv_heads, parallel)
+            self.k_norm = RMSNorm(self.head_size, eps)
+        else:  # NOTE: the checkpoint's `q_proj` is renamed here (see `load_weights`)
+            self.query_proj = ColumnParallelLinear(hidden, heads * self.head_size, parallel)
+        self.o_proj = RowParallelLinear(heads * self.head_size, hidden, parallel)
+        self.attn = Attention(AttentionConfig(
+            layer_name=_attn_name(idx), num_heads=heads // parallel.tp_size,
+            num_kv_heads=max(1, kv_heads // parallel.tp_size), head_size=self.head_size, scale=1.0,
+            sliding_window=window_from_layer_types(hf_config, idx),
+            kv_sharing_target=None if target is None else _attn_name(target),
+        ))
+
+    def forward(self, x: torch.Tensor, rope: RopeTables, ctx: ForwardContext) -> torch.Tensor:
+        num_tokens, size = x.shape[0], self.head_size
+        if self.is_shared:
+            q, k, v = self.query_proj(x), x.new_empty(0), x.new_empty(0)
+        else:
+            q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+            k = apply_rotary(self.k_norm(k.reshape(num_tokens, -1, size)), rope)
+            v = unscaled_rms(v.reshape(num_tokens, -1, size), self.eps)
+        q = apply_rotary(self.q_norm(q.reshape(num_tokens, -1, size)), rope)
+        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1),
+                        v.reshape(num_tokens, -1), ctx)
+        return self.o_proj(out)
+
+
+class Gemma3nDecoderLayer(nn.Module):
+    """AltUp predict -> attention + LAuReL + MLP on the active stream -> correct -> per-layer
+    input added to the other streams."""
+
+    def __init__(
+        self, hf_config: PretrainedConfig, idx: int, target: int | None, parallel: ParallelConfig
+    ) -> None:
+        super().__init__()
+        hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
+        per_layer = hf_config.hidden_size_per_layer_input
+        self.self_attn = Gemma3nAttention(hf_config, idx, target, parallel)
+        self.mlp = Gemma3nMLP(hf_config, idx, parallel)
+        for name in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
+            setattr(self, f"{name}_layernorm", RMSNorm(hidden, eps))
+        self.altup, self.laurel = AltUp(hf_config), Laurel(hf_config)
+        self.per_layer_input_gate = Linear(hidden, per_layer)
+        self.per_layer_projection = Linear(per_layer, hidden)
+        self.post_per_layer_input_norm = RMSNorm(hidden, eps)
+        self.act = ACT2FN[hf_config.hidden_activation]
+        self.correct_scale = bool(hf_config.altup_correct_scale)
+
+    def forward(
+        self, streams: torch.Tensor, rope: RopeTables, per_layer_input: torch.Tensor,
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
+        predictions = self.altup.predict(streams)
+        active = predictions[:, self.altup.active]
+        normed = self.input_layernorm(active)
+        attn = self.post_attention_layernorm(self.self_attn(normed, rope, ctx))
+        hidden = (active + attn + self.laurel(normed)) / math.sqrt(2)
+        mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden))
+        hidden = hidden + self.post_feedforward_layernorm(mlp_out)
+        corrected = self.altup.correct(predictions, hidden)
+        first = corrected[:, self.altup.active]
+        if self.correct_scale:
+            first = (first * self.altup.correct_output_scale).type_as(first)
+        first = self.act(self.per_layer_input_gate(first)) * per_layer_input
+        first = self.post_per_layer_input_norm(self.per_layer_projection(first))
+        return torch.cat([corrected[:, :1], corrected[:, 1:] + first[:, None]], dim=1)
+
+
+class Gemma3nModel(nn.Module):
+    """Embeddings, per-layer inputs, AltUp streams, the layer stack and the final norm."""
+
+    def __init__(self, hf_config: PretrainedConfig, parallel: ParallelConfig) -> None:
+        super().__init__()
+        hidden, num_layers = hf_config.hidden_size, hf_config.num_hidden_layers
+        self.per_layer = hf_config.hidden_size_per_layer_input
+        self.vocab_per_layer = hf_config.vocab_size_per_layer_input
+        self.types = list(hf_config.layer_types)
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hidden, parallel)
+        self.embed_tokens_per_layer = VocabParallelEmbedding(
+            self.vocab_per_layer, num_layers * self.per_layer, parallel
+        )
+        self.per_layer_model_projection = Linear(hidden, num_layers * self.per_layer)
+        self.per_layer_projection_norm = RMSNorm(self.per_layer, hf_config.rms_norm_eps)
+        extra = range(1, hf_config.altup_num_inputs)
+        self.altup_projections = nn.ModuleList(Linear(hidden, hidden) for _ in extra)
+        self.altup_unembed_projections = nn.ModuleList(Linear(hidden, hidden) for _ in extra)
+        targets = kv_sharing_targets(hf_config)
+        self.layers = nn.ModuleList(
+            Gemma3nDecoderLayer(hf_config, idx, targets.get(idx), parallel)
+            for idx in range(num_layers)
+        )
+        self.norm = RMSNorm(hidden, hf_config.rms_norm_eps)
+        self.rotary_emb = nn.ModuleDict({
+            kind: RotaryEmbedding(hf_config.head_dim, rope_parameters(hf_config, kind))
+            for kind in sorted(set(self.types))
+        })
+        self.loop = KVSharingDecoderLoop([layer.self_attn.attn for layer in self.layers])
+
+    def _per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """[T] ids, [T, H] embeddings -> [T, layers, P]: token table + projected embedding."""
+        shape, dtype = (embeds.shape[0], len(self.layers), self.per_layer), embeds.dtype
+        ids = torch.where((input_ids >= 0) & (input_ids < self.vocab_per_layer), input_ids, 0)
+        table = self.embed_tokens_per_layer(ids) * torch.tensor(self.per_layer**0.5).to(dtype)
+        scale = torch.tensor(embeds.shape[-1] ** -0.5).to(dtype)
+        projected = self.per_layer_model_projection(embeds) * scale
+        projected = self.per_layer_projection_norm(projected.reshape(shape))
+        return (projected + table.reshape(shape)) * torch.rsqrt(torch.tensor(2.0)).to(dtype)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        embeds = self.embed_tokens(input_ids)
+        embeds = embeds * torch.tensor(embeds.shape[-1] ** 0.5).to(embeds.dtype)  # [T, H]
+        target = torch.mean(embeds**2, dim=-1, keepdim=True) ** 0.5
+        extra = [match_magnitude(proj(embeds), target) for proj in self.altup_projections]
+        streams = torch.stack([embeds, *extra], dim=1)  # [T, S, H]
+        tables = {kind: rope(positions) for kind, rope in self.rotary_emb.items()}
+        inputs: Inputs = (tables, self._per_layer_inputs(input_ids, embeds))
+
+        def run_layer(idx: int, hidden: torch.Tensor, layer_inputs: Inputs) -> torch.Tensor:
+            rope, per_layer = layer_inputs[0][self.types[idx]], layer_inputs[1][:, idx]
+            out: torch.Tensor = self.layers[idx](hidden, rope, per_layer, ctx)
+            return out
+
+        streams = self.loop.run(run_layer, streams, inputs, ctx)
+        target = torch.mean(streams[:, 0] ** 2, dim=-1, keepdim=True) ** 0.5
+        unembedded = [streams[:, 0]] + [
+            match_magnitude(proj(streams[:, idx + 1]), target)
+            for idx, proj in enumerate(self.altup_unembed_projections)
+        ]
+        return self.norm(torch.stack(unembedded, dim=1).mean(dim=1))
+
+
+class Gemma3nForCausalLM(DecoderForCausalLM):
+    """Gemma 3n text-only causal LM (`Gemma3nForCausalLM` / `Gemma3nTextConfig`)."""
+
+    def __init__(self, model_config: ModelConfig, parallel: ParallelConfig) -> None:
+        # NOTE: the shared decoder stack does not fit Gemma 3n; only the LM interface is reused.
+        nn.Module.__init__(self)
+        hf_config = model_config.hf_config
+        self.options = self.decoder_options(hf_config)
+        self.model = Gemma3nModel(hf_config, parallel)  # type: ignore[assignment]
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, parallel)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+        self.shared_layers = set(kv_sharing_targets(hf_config))
+
+    @classmethod
+    def decoder_options(cls, hf_config: PretrainedConfig) -> DecoderOptions:
+        cap = getattr(hf_config, "final_logit_softcapping", None)
+        return DecoderOptions(
+            hidden_act=hf_config.hidden_activation, attn_scale=1.0,
+            final_softcap=float(cap) if cap is not None else None,
+        )
+
+    def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> set[str]:
+        """Shared layers hold only a query projection: their `q_proj` is not packed into qkv."""
+        def rename(name: str) -> str:
+            for idx in self.shared_layers:
+                prefix = f"model.layers.{idx}.self_attn.q_proj."
+                if name.startswith(prefix):
+                    return name.replace(".q_proj.", ".query_proj.")
+            return name
+
+        skip = ("lm_head.",) if self.tie_word_embeddings else ()
+        return load_named_weights(self, ((rename(n), w) for n, w in weights), skip_prefixes=skip)

@@ -1,0 +1,118 @@
+"""Building blocks of Gemma 3n's text decoder: AltUp streams, LAuReL, the sparse gated MLP.
+
+Used by `worker.models.gemma3n`; numerics follow transformers' Gemma 3n modules.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
+
+from worker.config import ParallelConfig
+from worker.distributed import all_reduce
+from worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from worker.layers.loading import default_weight_loader, new_parameter
+from worker.layers.norm import RMSNorm
+
+
+def unscaled_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS normalization without a learned scale (the value norm), in fp32."""
+    xf = x.float()
+    return (xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)).type_as(x)
+
+
+def match_magnitude(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Rescale `x` so each token's RMS equals `target` [T, 1]."""
+    magnitude = torch.sqrt(torch.mean(x**2, dim=-1, keepdim=True).clamp(min=1e-5))
+    return x * target / magnitude
+
+
+class Linear(nn.Module):
+    """A bias-free projection every rank holds and computes in full (small matrices)."""
+
+    def __init__(self, input_size: int, output_size: int) -> None:
+        super().__init__()
+        self.weight = new_parameter((output_size, input_size), default_weight_loader)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class AltUp(nn.Module):
+    """Predicts every stream before a layer and corrects them from the active one after it."""
+
+    def __init__(self, hf_config: PretrainedConfig) -> None:
+        super().__init__()
+        hidden, self.num_streams = hf_config.hidden_size, hf_config.altup_num_inputs
+        self.active = hf_config.altup_active_idx
+        self.correct_output_scale = new_parameter((hidden,), default_weight_loader, fill=0.0)
+        self.correction_coefs = Linear(self.num_streams, self.num_streams)
+        self.prediction_coefs = Linear(self.num_streams, self.num_streams**2)
+        self.modality_router = Linear(hidden, self.num_streams)
+        self.router_norm = RMSNorm(hidden, hf_config.rms_norm_eps)
+        self.router_scale = 1.0 / hidden
+
+    def _modalities(self, x: torch.Tensor) -> torch.Tensor:
+        routed = self.modality_router(self.router_norm(x) * self.router_scale)
+        return torch.tanh(routed.float()).type_as(x)  # [T, streams]
+
+    def predict(self, streams: torch.Tensor) -> torch.Tensor:
+        """[T, S, H] -> predictions [T, S, H]: each stream plus a learned mix of all of them."""
+        num_tokens, num = streams.shape[0], self.num_streams
+        coefs = self.prediction_coefs(self._modalities(streams[:, self.active]))
+        coefs = coefs.reshape(num_tokens, num, num).transpose(1, 2)
+        mixed = torch.matmul(streams.transpose(1, 2), coefs).transpose(1, 2)
+        return (mixed + streams).contiguous().type_as(streams)
+
+    def correct(self, predictions: torch.Tensor, activated: torch.Tensor) -> torch.Tensor:
+        """Spread the active stream's innovation `activated - prediction` to every stream."""
+        innovation = activated - predictions[:, self.active]  # [T, H]
+        coefs = self.correction_coefs(self._modalities(activated)) + 1.0  # [T, S]
+        return (predictions + innovation[:, None, :] * coefs[:, :, None]).type_as(activated)
+
+
+class Laurel(nn.Module):
+    """Learned augmented residual: x + norm(right(left(x))) through a low rank."""
+
+    def __init__(self, hf_config: PretrainedConfig) -> None:
+        super().__init__()
+        self.linear_left = Linear(hf_config.hidden_size, hf_config.laurel_rank)
+        self.linear_right = Linear(hf_config.laurel_rank, hf_config.hidden_size)
+        self.post_laurel_norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.post_laurel_norm(self.linear_right(self.linear_left(x)))
+
+
+class Gemma3nMLP(nn.Module):
+    """Gated MLP whose gate may keep only activations above a Gaussian quantile."""
+
+    def __init__(self, hf_config: PretrainedConfig, idx: int, parallel: ParallelConfig) -> None:
+        super().__init__()
+        hidden, self.inner = hf_config.hidden_size, hf_config.intermediate_size[idx]
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [self.inner] * 2, parallel)
+        self.down_proj = RowParallelLinear(self.inner, hidden, parallel)
+        self.act = ACT2FN[hf_config.hidden_activation]
+        self.sparsity = float(hf_config.activation_sparsity_pattern[idx])
+        self.tp_size = parallel.tp_size
+
+    def _gaussian_topk(self, gate: torch.Tensor) -> torch.Tensor:
+        """relu(gate - (mean + std * Phi^-1(sparsity))) with statistics over the full width."""
+        target = torch.tensor(self.sparsity, dtype=torch.float32, device=gate.device)
+        multiplier = torch.distributions.normal.Normal(0, 1).icdf(target).type(gate.dtype)
+        if self.tp_size == 1:
+            mean = gate.mean(-1, keepdim=True)
+            std = gate.std(-1, keepdim=True, unbiased=False)
+        else:
+            mean = all_reduce(gate.sum(-1, keepdim=True)) / self.inner
+            std = torch.sqrt(all_reduce(((gate - mean) ** 2).sum(-1, keepdim=True)) / self.inner)
+        return F.relu(gate - (mean + std * multiplier))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        if self.sparsity > 0.0:
+            gate = self._gaussian_topk(gate)
+        return self.down_proj(self.act(gate) * up)

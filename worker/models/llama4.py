@@ -1,0 +1,244 @@
+"""Llama 4 (text): chunked local attention, NoPE layers, MoE with a shared expert.
+
+Layers listed as `chunked_attention` attend within chunks of `attention_chunk_size` tokens (the
+runner cuts them into virtual requests); NoPE layers (`no_rope_layers[i] == 0`) skip rope and,
+with `attn_temperature_tuning`, scale queries by `1 + attn_scale * log1p(floor((p + 1) /
+floor_scale))`; rope layers may L2-normalize q and k (`use_qk_norm`). Rope rotates adjacent
+pairs (complex form). MoE layers route each token to its top-k experts, scaling the expert's
+input by sigmoid(router logit), and add a shared expert. The optional extra config key
+`kv_sharing_targets` (`{"7": 5}`) makes layers read an earlier layer's KV.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from worker.attention import Attention, AttentionConfig, ForwardContext
+from worker.config import ModelConfig, ParallelConfig
+from worker.distributed import all_reduce
+from worker.kv_sharing import KVSharingDecoderLoop, kv_sharing_targets_from_config
+from worker.layers.activation import gated_activation
+from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from worker.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    divide,
+)
+from worker.layers.loading import ShardId, WeightSource, copy_checked, new_parameter, read_part
+from worker.layers.loading import default_weight_loader as replicated
+from worker.layers.norm import RMSNorm
+from worker.layers.rotary import RopeTables, RotaryEmbedding, rope_parameters
+from worker.models.decoder import DecoderForCausalLM, DecoderOptions, head_size_of
+
+Inputs = tuple[torch.Tensor, RopeTables]
+"""Per-token layer inputs: positions [T] and the rope tables."""
+
+
+def _attn_name(layer_idx: int) -> str:
+    return f"model.layers.{layer_idx}.self_attn.attn"
+
+
+def _rotate_pairs(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
+    """Rotate adjacent feature pairs of `x` [T, heads, D] (complex-multiply layout)."""
+    half = x.shape[-1] // 2
+    cos, sin = rope.cos[:, None, :half], rope.sin[:, None, :half]
+    pairs = x.float().reshape(*x.shape[:-1], half, 2)
+    real, imag = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+def _l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+
+
+class Llama4Attention(nn.Module):
+    """Grouped-query attention with per-layer rope / NoPE, qk norm and temperature tuning."""
+
+    def __init__(
+        self, hf_config: PretrainedConfig, idx: int, target: int | None, parallel: ParallelConfig
+    ) -> None:
+        super().__init__()
+        hidden, self.head_size = hf_config.hidden_size, head_size_of(hf_config)
+        heads, bias = hf_config.num_attention_heads, bool(hf_config.attention_bias)
+        self.qkv_proj = QKVParallelLinear(
+            hidden, self.head_size, heads, hf_config.num_key_value_heads, parallel, bias=bias
+        )
+        self.o_proj = RowParallelLinear(heads * self.head_size, hidden, parallel, bias=bias)
+        self.use_rope = bool(hf_config.no_rope_layers[idx])
+        self.use_qk_norm = bool(hf_config.use_qk_norm) and self.use_rope
+        self.tune_temperature = bool(hf_config.attn_temperature_tuning) and not self.use_rope
+        self.eps, self.floor_scale = hf_config.rms_norm_eps, hf_config.floor_scale
+        self.temperature_scale = hf_config.attn_scale
+        is_chunked = hf_config.layer_types[idx] == "chunked_attention"
+        self.attn = Attention(AttentionConfig(
+            layer_name=_attn_name(idx), num_heads=self.qkv_proj.num_heads,
+            num_kv_heads=self.qkv_proj.num_kv_heads, head_size=self.head_size,
+            scale=self.head_size**-0.5,
+            attention_chunk_size=hf_config.attention_chunk_size if is_chunked else None,
+            kv_sharing_target=None if target is None else _attn_name(target),
+        ))
+
+    def forward(self, x: torch.Tensor, inputs: Inputs, ctx: ForwardContext) -> torch.Tensor:
+        positions, rope = inputs
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.reshape(num_tokens, -1, self.head_size)
+        k = k.reshape(num_tokens, -1, self.head_size)
+        if self.use_rope:
+            q, k = _rotate_pairs(q, rope), _rotate_pairs(k, rope)
+        if self.use_qk_norm:
+            q, k = _l2_norm(q, self.eps), _l2_norm(k, self.eps)
+        if self.tune_temperature:
+            steps = torch.floor((positions.float() + 1.0) / self.floor_scale)
+            scales = torch.log1p(steps) * self.temperature_scale + 1.0
+            q = (q * scales[:, None, None]).to(q.dtype)
+        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v, ctx)
+        return self.o_proj(out)
+
+
+class Llama4MLP(nn.Module):
+    """Gated MLP (dense layers and the MoE's shared expert)."""
+
+    def __init__(self, hidden: int, inner: int, act: str, parallel: ParallelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inner, inner], parallel)
+        self.act = gated_activation(act)
+        self.down_proj = RowParallelLinear(inner, hidden, parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class Llama4Experts(nn.Module):
+    """Routed experts: `gate_up_proj` [E, H, 2I] and `down_proj` [E, I, H], I split over ranks."""
+
+    def __init__(self, hf_config: PretrainedConfig, parallel: ParallelConfig) -> None:
+        super().__init__()
+        num, hidden = hf_config.num_local_experts, hf_config.hidden_size
+        self.inner = hf_config.intermediate_size
+        self.inner_per_rank = divide(self.inner, parallel.tp_size, "intermediate_size")
+        self.parallel = parallel
+        self.gate_up_proj = new_parameter((num, hidden, 2 * self.inner_per_rank), self.load_gate_up)
+        self.down_proj = new_parameter((num, self.inner_per_rank, hidden), self.load_down)
+        self.act = gated_activation(hf_config.hidden_act)
+
+    def load_gate_up(self, param: nn.Parameter, source: WeightSource, _: ShardId = None) -> None:
+        """This rank's gate columns and up columns of every expert."""
+        start, size = self.parallel.rank * self.inner_per_rank, self.inner_per_rank
+        gate = read_part(source, 2, start, size)
+        up = read_part(source, 2, self.inner + start, size)
+        copy_checked(param.data, torch.cat([gate, up], dim=2))
+
+    def load_down(self, param: nn.Parameter, source: WeightSource, _: ShardId = None) -> None:
+        """This rank's input rows of every expert's down projection."""
+        size = self.inner_per_rank
+        copy_checked(param.data, read_part(source, 1, self.parallel.rank * size, size))
+
+    def forward(self, x: torch.Tensor, scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Sum over each token's chosen experts e of expert_e(x * scores[:, e])."""
+        out = torch.zeros_like(x)
+        for expert in torch.unique(chosen).tolist():
+            tokens = (chosen == expert).any(dim=-1).nonzero().flatten()
+            routed = x[tokens] * scores[tokens, expert : expert + 1]
+            gate_up = routed @ self.gate_up_proj[expert]
+            out.index_add_(0, tokens, self.act(gate_up) @ self.down_proj[expert])
+        return all_reduce(out) if self.parallel.tp_size > 1 else out
+
+
+class Llama4MoE(nn.Module):
+    """Sigmoid-scored top-k routing over the experts, plus a shared expert on every token."""
+
+    def __init__(self, hf_config: PretrainedConfig, parallel: ParallelConfig) -> None:
+        super().__init__()
+        self.top_k = hf_config.num_experts_per_tok
+        self.router = nn.Module()
+        shape = (hf_config.num_local_experts, hf_config.hidden_size)
+        self.router.weight = new_parameter(shape, replicated)
+        self.experts = Llama4Experts(hf_config, parallel)
+        self.shared_expert = Llama4MLP(
+            hf_config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act, parallel
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(x, self.router.weight)  # [T, E]
+        top_logits, chosen = torch.topk(logits, self.top_k, dim=1)
+        scores = torch.full_like(logits, float("-inf")).scatter_(1, chosen, top_logits)
+        scores = torch.sigmoid(scores.float()).to(x.dtype)
+        return self.shared_expert(x) + self.experts(x, scores, chosen)
+
+
+class Llama4DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + feed_forward(norm(.)) (MoE or dense)."""
+
+    def __init__(
+        self, hf_config: PretrainedConfig, idx: int, target: int | None, parallel: ParallelConfig
+    ) -> None:
+        super().__init__()
+        hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
+        self.self_attn = Llama4Attention(hf_config, idx, target, parallel)
+        self.feed_forward: nn.Module
+        if idx in hf_config.moe_layers:
+            self.feed_forward = Llama4MoE(hf_config, parallel)
+        else:
+            inner = hf_config.intermediate_size_mlp
+            self.feed_forward = Llama4MLP(hidden, inner, hf_config.hidden_act, parallel)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+
+    def forward(self, hidden: torch.Tensor, inputs: Inputs, ctx: ForwardContext) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), inputs, ctx)
+        return hidden + self.feed_forward(self.post_attention_layernorm(hidden))
+
+
+class Llama4Model(nn.Module):
+    """Embedding, the layer stack (through the KV-sharing loop) and the final norm."""
+
+    def __init__(self, hf_config: PretrainedConfig, parallel: ParallelConfig) -> None:
+        super().__init__()
+        hidden = hf_config.hidden_size
+        targets = kv_sharing_targets_from_config(hf_config)
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hidden, parallel)
+        self.layers = nn.ModuleList(
+            Llama4DecoderLayer(hf_config, idx, targets.get(idx), parallel)
+            for idx in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hidden, hf_config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(head_size_of(hf_config), rope_parameters(hf_config))
+        self.loop = KVSharingDecoderLoop([layer.self_attn.attn for layer in self.layers])
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        def run_layer(idx: int, hidden: torch.Tensor, inputs: Inputs) -> torch.Tensor:
+            out: torch.Tensor = self.layers[idx](hidden, inputs, ctx)
+            return out
+
+        inputs: Inputs = (positions, self.rotary_emb(positions))
+        hidden = self.loop.run(run_layer, self.embed_tokens(input_ids), inputs, ctx)
+        return self.norm(hidden)
+
+
+class Llama4ForCausalLM(DecoderForCausalLM):
+    """Llama 4 text-only causal LM (`Llama4ForCausalLM` / `Llama4TextConfig`)."""
+
+    def __init__(self, model_config: ModelConfig, parallel: ParallelConfig) -> None:
+        # NOTE: the shared decoder stack does not fit Llama 4; only the LM interface is reused.
+        nn.Module.__init__(self)
+        hf_config = model_config.hf_config
+        self.options = self.decoder_options(hf_config)
+        self.model = Llama4Model(hf_config, parallel)  # type: ignore[assignment]
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, parallel)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+
+    @classmethod
+    def decoder_options(cls, hf_config: PretrainedConfig) -> DecoderOptions:
+        scale = head_size_of(hf_config) ** -0.5
+        return DecoderOptions(hidden_act=hf_config.hidden_act, attn_scale=scale)

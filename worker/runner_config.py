@@ -1,0 +1,51 @@
+"""Frozen settings of the worker and its model runner (everything but the model itself).
+
+`cluster/` builds one `RunnerConfig` from the user's engine arguments; the worker and runner read
+it and never look at environment variables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """How one worker runs the model: device, batch limits, KV cache memory, kernels."""
+
+    device: str = "cpu"
+    """"cpu" or "cuda"; a rank uses cuda:<rank> on a multi-GPU machine."""
+    block_size: int = 16
+    """Tokens per KV cache block before page-size unification."""
+    max_num_seqs: int = 256
+    """Most requests in one step (rows of the block tables)."""
+    attention_backend: str = "auto"
+    """One of kernels.BACKEND_NAMES."""
+    seed: int = 0
+    """Seed of the sampler's generator (requests without their own seed)."""
+    kv_cache_memory_bytes: int | None = None
+    """KV cache budget per rank; None: measured on CUDA, a default on CPU."""
+    gpu_memory_utilization: float = 0.9
+    """Share of the GPU's memory this worker may fill (weights, activations, KV cache)."""
+    kv_sharing_fast_prefill: bool = False
+    """Run trailing KV-sharing layers only on the rows that reach the LM head."""
+    reorder_batch_threshold: int | None = None
+    """Order each step's batch decode -> extend -> prefill; requests with at most this many
+    scheduled tokens count as decodes. None keeps the scheduler's order."""
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if torch.device(self.device).type not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+
+    def device_for_rank(self, rank: int) -> torch.device:
+        """This rank's device: one GPU per rank on CUDA, the CPU otherwise."""
+        device = torch.device(self.device)
+        if device.type == "cuda" and device.index is None:
+            return torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
+        return device

@@ -1,0 +1,84 @@
+"""One worker per tensor-parallel rank: device, process group, model, KV cache, steps.
+
+A plain class (no Ray): `cluster/` drives it in-process, in a spawned process per rank, or as
+an actor. Call order: construct -> `determine_kv_cache_specs` / `available_kv_cache_memory` ->
+`initialize_kv_cache` -> `execute` each step -> `shutdown`.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from scheduler.kv_cache_spec import KVCacheConfig
+from scheduler.output import ModelRunnerOutput, SchedulerOutput
+from worker.config import ModelConfig, ParallelConfig
+from worker.distributed import destroy_distributed, init_distributed
+from worker.kv_cache import KVCacheSpecReport, available_kv_cache_memory
+from worker.model_loader import load_model
+from worker.model_runner import ModelRunner, ModelSettings
+from worker.runner_config import RunnerConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything one rank needs to start (picklable, sent to spawned processes)."""
+
+    model_config: ModelConfig
+    parallel: ParallelConfig
+    runner: RunnerConfig
+    distributed_init_method: str = "tcp://127.0.0.1:29500"
+    """Rendezvous address of the process group (used when tp_size > 1)."""
+
+
+class Worker:
+    """Runs the model of one tensor-parallel rank."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.rank = spec.parallel.rank
+        self.device = spec.runner.device_for_rank(self.rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        init_distributed(
+            self.rank, spec.parallel.tp_size, spec.distributed_init_method, backend=backend
+        )
+        torch.manual_seed(spec.runner.seed)
+        model = load_model(spec.model_config, spec.parallel, self.device)
+        settings = ModelSettings(
+            dtype=spec.model_config.dtype,
+            vocab_size=spec.model_config.vocab_size,
+            max_model_len=spec.model_config.max_model_len,
+        )
+        self.model_runner = ModelRunner(
+            model, settings, spec.runner, self.device, is_driver=self.rank == 0
+        )
+
+    def determine_kv_cache_specs(self) -> KVCacheSpecReport:
+        """Per-layer KV specs of this rank (layers reading another layer's KV own none)."""
+        return self.model_runner.kv_cache_specs()
+
+    def available_kv_cache_memory(self) -> int:
+        """Bytes this rank can give the KV cache (measured on CUDA, configured on CPU)."""
+        runner = self.spec.runner
+        return available_kv_cache_memory(
+            self.device, runner.gpu_memory_utilization, runner.kv_cache_memory_bytes
+        )
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        """Allocate this rank's KV buffers per the engine's plan and bind them to the layers."""
+        self.model_runner.initialize_kv_cache(kv_cache_config)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Run one step; rank 0 returns the output, the other ranks None."""
+        output = self.model_runner.execute(scheduler_output)
+        return output if self.rank == 0 else None
+
+    def shutdown(self) -> None:
+        """Leave the process group (the model is freed with the worker)."""
+        destroy_distributed()
