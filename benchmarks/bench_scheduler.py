@@ -6,7 +6,9 @@ Two loads on a full-attention + sliding-window model (block size 16, window 256)
           prefix sharing, requests finishing), so prefill chunks and decodes share each step.
 The model runner is a stand-in (one fixed token per finished step) and is not timed. A second,
 instrumented pass times the KV cache manager calls alone, so the table shows which side of the
-step costs what (the ratio is manager time / whole step, both from that pass).
+step costs what (the ratio is manager time / whole step, both from that pass). Last, the per-step
+messages (256 `CachedRequestData` + 256 `RequestOutput`) are built with their hand-written
+`__init__` and with the generated frozen-dataclass `__init__` as the baseline.
 
     .venv/bin/python benchmarks/bench_scheduler.py [--steps 300]
 """
@@ -14,6 +16,7 @@ step costs what (the ratio is manager time / whole step, both from that pass).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 import time
@@ -28,7 +31,7 @@ from scheduler.kv_cache_spec import (
     KVCacheGroupSpec,
     SlidingWindowSpec,
 )
-from scheduler.output import ModelRunnerOutput, SchedulerOutput
+from scheduler.output import CachedRequestData, ModelRunnerOutput, RequestOutput, SchedulerOutput
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler
 
@@ -149,6 +152,40 @@ def _measure(name: str, make_load: Callable[[], Load], warmup: int, steps: int) 
     )
 
 
+def _generated_frozen(cls: type) -> type:
+    """The same fields as `cls`, with the `__init__` a frozen dataclass generates."""
+    specs = [
+        (f.name, Any)
+        if f.default is dataclasses.MISSING
+        else (f.name, Any, dataclasses.field(default=f.default))
+        for f in dataclasses.fields(cls)
+    ]
+    return dataclasses.make_dataclass(cls.__name__, specs, frozen=True)
+
+
+def _build_messages(cached_cls: Any, output_cls: Any, repeats: int) -> float:
+    """Best microseconds to build one step's messages for 256 decoding requests."""
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.process_time_ns()
+        for i in range(256):
+            cached_cls("req", i, [7], None)
+            output_cls("req", [7], None, None, None, None, 128, 0)
+        best = min(best, (time.process_time_ns() - start) / 1e3)
+    return best
+
+
+def _measure_messages() -> None:
+    ours = _build_messages(CachedRequestData, RequestOutput, 200)
+    generated = _build_messages(
+        _generated_frozen(CachedRequestData), _generated_frozen(RequestOutput), 200
+    )
+    print(
+        f"messages (256 requests): {ours:.0f} us; generated frozen __init__: {generated:.0f} us "
+        f"({generated / ours:.2f}x)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
@@ -156,6 +193,7 @@ def main() -> None:
     print("load    mean_us  median_us  running  tokens  us/request  manager/step")
     _measure("decode", _decode_load, warmup=8, steps=args.steps)
     _measure("mixed", _mixed_load, warmup=200, steps=args.steps)
+    _measure_messages()
 
 
 if __name__ == "__main__":

@@ -161,8 +161,10 @@ class LLM:
             with tqdm(total=len(trackers), desc="Generating", disable=not use_tqdm) as bar:
                 while self.engine.has_unfinished_requests():
                     for output in self.engine.step():
-                        by_id[output.req_id].update(output)
-                        bar.update(int(output.finished))
+                        tracker = by_id.get(output.req_id)
+                        if tracker is not None:  # else: left over from an interrupted call
+                            tracker.update(output)
+                            bar.update(int(output.finished))
         except BaseException:
             self.engine.abort(by_id)
             raise

@@ -130,7 +130,7 @@ def _chunk_rows(num_q_heads: int, seq_len: int) -> int:
 
 
 def _attend(query: torch.Tensor, first_pos: int, paged: _PagedKV, rule: _ScoreRule) -> torch.Tensor:
-    """Attention of `query` `[q_len, num_q_heads, head_size]` at positions `first_pos`...
+    """Attention of `query` `[q_len, num_q_heads, head_size]`, first token at `first_pos`.
 
     Only blocks that hold keys some query may see are gathered, so block-table entries of
     blocks wholly outside the sliding window are never read.
@@ -170,8 +170,9 @@ def _gather_keys(
     skip = key_start - first_block * block_size
     num_keys = key_end - key_start
 
-    def gather(cache: torch.Tensor) -> torch.Tensor:  # [n, num_kv_heads, head_size]
+    def gather(cache: torch.Tensor) -> torch.Tensor:
+        # index_select (not advanced indexing): several times faster on CPU
         pages = cache.index_select(0, block_ids).flatten(0, 1)[skip : skip + num_keys]
-        return pages.float().transpose(0, 1)
+        return pages.float().transpose(0, 1)  # [n, heads, size] -> [heads, n, size]
 
     return gather(paged.key_cache), gather(paged.value_cache)

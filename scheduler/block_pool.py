@@ -3,8 +3,8 @@
 One `BlockPool` serves every KV cache group; the per-type managers call it. Block 0 is the null
 block: a placeholder for "nothing stored here", never handed out, cached or freed.
 
-    free queue:  front [never used | freed unhashed | freed hashed, oldest first ...] tail
-                 pop from the front (evicting a popped block's hash lazily)
+    free queue:  front [freed unhashed, last freed first | never used | freed hashed, LRU] tail
+                 pop from the front, dropping a popped block's hash then (lazy eviction);
                  unhashed freed blocks go to the front (reused first), hashed ones to the tail
 """
 
@@ -14,103 +14,11 @@ import logging
 from collections.abc import Iterable, Sequence
 
 from scheduler.block_hash import BlockHash
+from scheduler.free_block_queue import FreeBlockQueue, KVCacheBlock
+
+__all__ = ["BlockPool", "FreeBlockQueue", "KVCacheBlock"]
 
 logger = logging.getLogger(__name__)
-
-
-class KVCacheBlock:
-    """One block ID with its bookkeeping; also a node of the free queue."""
-
-    __slots__ = ("block_hash", "block_id", "group_id", "next_free", "prev_free", "ref_cnt")
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref_cnt = 0
-        self.block_hash: BlockHash | None = None
-        """Prefix-cache key of the tokens this block holds (None: not registered)."""
-        self.group_id = -1
-        """KV cache group that last allocated the block (the group part of the cache key)."""
-        self.prev_free: KVCacheBlock | None = None
-        self.next_free: KVCacheBlock | None = None
-
-    def __repr__(self) -> str:
-        hashed = self.block_hash is not None
-        return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hashed={hashed})"
-
-
-class FreeBlockQueue:
-    """Intrusive doubly linked list of free blocks with O(1) pop, push and unlink."""
-
-    def __init__(self, blocks: Sequence[KVCacheBlock]) -> None:
-        self._head = KVCacheBlock(-1)
-        self._tail = KVCacheBlock(-1)
-        self._head.next_free = self._tail
-        self._tail.prev_free = self._head
-        self.num_free_blocks = 0
-        self.append_n(blocks)
-
-    def popleft_n(self, count: int) -> list[KVCacheBlock]:
-        """Unlink and return the first `count` blocks (the caller checked there are enough)."""
-        out = []
-        node = self._head.next_free
-        for _ in range(count):
-            assert node is not None
-            assert node is not self._tail, "free queue exhausted"
-            out.append(node)
-            following = node.next_free
-            node.prev_free = node.next_free = None
-            node = following
-        assert node is not None
-        self._head.next_free = node
-        node.prev_free = self._head
-        self.num_free_blocks -= count
-        return out
-
-    def remove(self, block: KVCacheBlock) -> None:
-        """Unlink a block from anywhere in the queue."""
-        prev_node, next_node = block.prev_free, block.next_free
-        assert prev_node is not None, f"{block} is not in the queue"
-        assert next_node is not None, f"{block} is not in the queue"
-        prev_node.next_free = next_node
-        next_node.prev_free = prev_node
-        block.prev_free = block.next_free = None
-        self.num_free_blocks -= 1
-
-    def append(self, block: KVCacheBlock) -> None:
-        """Put a block at the tail (evicted last)."""
-        last = self._tail.prev_free
-        assert last is not None
-        last.next_free = block
-        block.prev_free = last
-        block.next_free = self._tail
-        self._tail.prev_free = block
-        self.num_free_blocks += 1
-
-    def append_n(self, blocks: Iterable[KVCacheBlock]) -> None:
-        """Put blocks at the tail, in order."""
-        for block in blocks:
-            self.append(block)
-
-    def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
-        """Put blocks at the front so that `blocks[0]` is popped first."""
-        node = self._head.next_free
-        assert node is not None
-        for block in reversed(blocks):
-            block.next_free = node
-            node.prev_free = block
-            node = block
-        self._head.next_free = node
-        node.prev_free = self._head
-        self.num_free_blocks += len(blocks)
-
-    def block_ids(self) -> list[int]:
-        """Block IDs from front to tail (tests and invariant checks)."""
-        ids = []
-        node = self._head.next_free
-        while node is not None and node is not self._tail:
-            ids.append(node.block_id)
-            node = node.next_free
-        return ids
 
 
 class BlockPool:
@@ -121,11 +29,10 @@ class BlockPool:
     while an identical one is cached) wait in `_duplicates` and are promoted on eviction.
     """
 
-    def __init__(self, num_blocks: int, num_groups: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, num_groups: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1 (the null block), got {num_blocks}")
         self.num_blocks = num_blocks
-        self.enable_caching = enable_caching
         self.blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.free_queue = FreeBlockQueue(self.blocks[1:])
@@ -161,9 +68,16 @@ class BlockPool:
         if count > self.free_queue.num_free_blocks:
             raise ValueError(f"cannot take {count} blocks, only {self.num_free_blocks} are free")
         blocks = self.free_queue.popleft_n(count)
+        maps = self.hash_maps
         for block in blocks:
-            if block.block_hash is not None:
-                self._drop_hash(block)
+            block_hash = block.block_hash
+            if block_hash is not None:
+                hash_map = maps[block.group_id]
+                if not self._duplicates and hash_map.get(block_hash) is block:
+                    del hash_map[block_hash]  # the common case of _drop_hash, inlined
+                    block.block_hash = None
+                else:
+                    self._drop_hash(block)
                 self.num_evictions += 1
             block.ref_cnt = 1
             block.group_id = group_id
@@ -173,13 +87,22 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference on each block (a prefix hit); revive free ones."""
         null = self.null_block
+        num_revived = 0
         for block in blocks:
             if block is null:
                 continue
             if block.ref_cnt == 0:
-                self.free_queue.remove(block)
+                # Unlink from the free queue (FreeBlockQueue.remove, inlined: hot on long hits).
+                prev_node, next_node = block.prev_free, block.next_free
+                assert prev_node is not None, f"{block} is not in the queue"
+                assert next_node is not None, f"{block} is not in the queue"
+                prev_node.next_free = next_node
+                next_node.prev_free = prev_node
+                block.prev_free = block.next_free = None
                 self._num_used[block.group_id] += 1
+                num_revived += 1
             block.ref_cnt += 1
+        self.free_queue.num_free_blocks -= num_revived
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference on each block, in order; queue those that reach 0.
@@ -189,17 +112,17 @@ class BlockPool:
         """
         null = self.null_block
         to_front: list[KVCacheBlock] = []
+        to_tail: list[KVCacheBlock] = []
+        num_used = self._num_used
         for block in ordered_blocks:
             if block is null:
                 continue
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, f"{block} freed more often than taken"
             if block.ref_cnt == 0:
-                self._num_used[block.group_id] -= 1
-                if block.block_hash is None:
-                    to_front.append(block)
-                else:
-                    self.free_queue.append(block)
+                num_used[block.group_id] -= 1
+                (to_front if block.block_hash is None else to_tail).append(block)
+        self.free_queue.append_n(to_tail)
         if to_front:
             self.free_queue.prepend_n(to_front)
 

@@ -231,27 +231,31 @@ class HybridCoordinator(KVCacheCoordinator):
         self, block_hashes: Sequence[BlockHash], max_length: int
     ) -> CoordinatorHit:
         """Full-attention buckets first (downward closed: looked up once, then trimmed); every
-        other bucket is re-queried each pass until a whole pass leaves the candidate unchanged.
-        Every full-attention group's list is finally truncated to the reconciled length."""
+        other bucket is re-queried each pass, unless its last query had the same candidate,
+        until a whole pass leaves the candidate unchanged. Every full-attention group's list is
+        finally truncated to the reconciled length."""
         lists: list[list[KVCacheBlock]] = [[] for _ in self.managers]
         best = [0] * self.num_groups
-        looked_up = [False] * len(self.buckets)
+        queried: list[int | None] = [None] * len(self.buckets)
+        """Per bucket, the candidate of its last lookup (its lists hold that answer)."""
         hit = max_length
         while True:
             candidate = hit
             for index, bucket in enumerate(self.buckets):
                 block_size = bucket.manager.block_size
-                if bucket.is_full and looked_up[index]:
+                if bucket.is_full and queried[index] is not None:
                     candidate = candidate // block_size * block_size
-                    continue
-                found = bucket.manager.find_longest_cache_hit(
-                    block_hashes, candidate, bucket.group_ids, self.alignment
-                )
-                looked_up[index] = True
-                candidate = len(found[0]) * block_size
-                for group_id, blocks in zip(bucket.group_ids, found, strict=True):
-                    lists[group_id] = blocks
-                    best[group_id] = max(best[group_id], candidate)
+                elif queried[index] == candidate:
+                    candidate = len(lists[bucket.group_ids[0]]) * block_size
+                else:
+                    queried[index] = candidate
+                    found = bucket.manager.find_longest_cache_hit(
+                        block_hashes, candidate, bucket.group_ids, self.alignment
+                    )
+                    candidate = len(found[0]) * block_size
+                    for group_id, blocks in zip(bucket.group_ids, found, strict=True):
+                        lists[group_id] = blocks
+                        best[group_id] = max(best[group_id], candidate)
             if candidate >= hit:
                 break
             hit = candidate

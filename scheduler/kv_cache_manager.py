@@ -86,7 +86,7 @@ class KVCacheManager:
         self.alignment_tokens = math.lcm(*sizes) if sizes else max_model_len
         """Hit lengths and block-aligned prefill chunks are multiples of this (lcm)."""
         self._hash_block_size = math.gcd(*sizes) if self.enable_caching else self.alignment_tokens
-        self.pool = BlockPool(config.num_blocks, self.num_groups, self.enable_caching)
+        self.pool = BlockPool(config.num_blocks, self.num_groups)
         self.coordinator = make_coordinator(
             config.groups, self.pool, self._hash_block_size, self.enable_caching
         )
@@ -176,13 +176,20 @@ class KVCacheManager:
         if num_new_tokens < 0 or num_lookahead_tokens < 0 or num_new_computed_tokens < 0:
             raise ValueError("token counts must be >= 0")
         limits = self._quiet.get(request.req_id)
-        if limits is not None:
-            if num_new_computed_tokens or (
-                new_computed_blocks is not None and not new_computed_blocks.is_empty
-            ):
-                raise ValueError(f"request {request.req_id!r} already holds blocks: no new hits")
-            if self._use_quiet_path and self._is_quiet(
-                request, num_new_tokens, num_lookahead_tokens, limits
+        if (
+            limits is not None
+            and self._use_quiet_path
+            and new_computed_blocks is None
+            and not num_new_computed_tokens
+        ):
+            # Decode fast path: provably nothing to free, allocate or register (see limits).
+            computed = request.num_computed_tokens
+            main_tokens = computed + num_new_tokens
+            if (
+                computed < limits[1]
+                and computed <= self.max_model_len
+                and main_tokens + num_lookahead_tokens <= limits[0]
+                and (main_tokens < limits[2] or request.num_tokens < limits[2])
             ):
                 return self._no_blocks
         return self._allocate(
@@ -191,17 +198,6 @@ class KVCacheManager:
             num_new_computed_tokens,
             new_computed_blocks,
             num_lookahead_tokens,
-        )
-
-    def _is_quiet(
-        self, request: Request, num_new_tokens: int, num_lookahead: int, limits: tuple[int, ...]
-    ) -> bool:
-        total_computed = min(request.num_computed_tokens, self.max_model_len)
-        main_tokens = total_computed + num_new_tokens
-        return (
-            min(main_tokens + num_lookahead, self.max_model_len) <= limits[0]
-            and total_computed < limits[1]
-            and min(main_tokens, request.num_tokens) < limits[2]
         )
 
     def _allocate(
@@ -214,6 +210,11 @@ class KVCacheManager:
     ) -> KVCacheBlocks | None:
         req_id = request.req_id
         is_new = req_id not in self._quiet
+        if not is_new and (
+            num_new_computed_tokens
+            or (new_computed_blocks is not None and not new_computed_blocks.is_empty)
+        ):
+            raise ValueError(f"request {req_id!r} already holds blocks: no new hits")
         local_computed = request.num_computed_tokens + num_new_computed_tokens
         total_computed = min(local_computed, self.max_model_len)
         main_tokens = total_computed + num_new_tokens

@@ -103,6 +103,13 @@ class TraceReplayer:
             records.append(record)
         return records
 
+    def _check_length(self, req_id: str, num_tokens: int) -> None:
+        if num_tokens > self.manager.max_model_len:
+            raise ValueError(
+                f"request {req_id!r} would hold {num_tokens} tokens, more than max_model_len "
+                f"{self.manager.max_model_len}"
+            )
+
     def _table(self, req_id: str) -> list[list[int]]:
         if req_id not in self.requests:
             return [[] for _ in range(self.manager.num_groups)]
@@ -115,6 +122,7 @@ class TraceReplayer:
         if req_id in self.requests:
             raise ValueError(f"prefill of {req_id!r}, which is still running")
         tokens = [int(token) for token in op["tokens"]]
+        self._check_length(req_id, len(tokens))
         request = Request(req_id, tokens, SamplingParams(), self.manager.hash_block_size)
         hit = self.manager.get_computed_blocks(request)
         chunks = self._schedule_prompt(request, hit.num_tokens, hit.blocks, hit.junction_tokens)
@@ -169,6 +177,7 @@ class TraceReplayer:
         if request is None:
             return {"allocated": False, "skipped": True, "block_ids": self._table(req_id)}
         allocated = True
+        self._check_length(req_id, request.num_tokens + len(op["tokens"]))
         for token in op["tokens"]:
             request.append_output_token_ids([int(token)])
             num_new = request.num_tokens - request.num_computed_tokens

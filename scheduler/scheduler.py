@@ -25,16 +25,16 @@ from scheduler.output import (
     RequestOutput,
     SchedulerOutput,
 )
-from scheduler.prefill_split import block_aligned_num_tokens
 from scheduler.queue import make_request_queue
 from scheduler.request import Request, RequestStatus
 from scheduler.scheduler_utils import (
     StepPlan,
     WorkerView,
     apply_sampled_tokens,
-    check_request_fits,
+    check_new_request,
     make_request_output,
     max_chunk_tokens,
+    num_new_tokens,
 )
 from scheduler.stats import SchedulerStats
 
@@ -72,15 +72,14 @@ class Scheduler:
         """Queue a new request; raise ValueError if it could never run."""
         if request.req_id in self.requests:
             raise ValueError(f"request {request.req_id!r} is already scheduled")
-        if request.hash_block_size != self.hash_block_size:
-            raise ValueError(
-                f"request {request.req_id!r} hashes blocks of {request.hash_block_size} tokens; "
-                f"this KV cache needs hash_block_size={self.hash_block_size}"
-            )
-        if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
-            raise ValueError(f"request {request.req_id!r} is not a fresh waiting request")
         max_chunk = self._max_chunk if self.config.enable_chunked_prefill else request.num_tokens
-        check_request_fits(request, self.kv_cache_config, self.config.max_model_len, max_chunk)
+        check_new_request(
+            request,
+            self.hash_block_size,
+            self.kv_cache_config,
+            self.config.max_model_len,
+            max_chunk,
+        )
         self.requests[request.req_id] = request
         self.waiting.add(request)
 
@@ -160,17 +159,11 @@ class Scheduler:
 
     def make_stats(self) -> SchedulerStats:
         """Snapshot for metrics."""
-        kv_stats = self.kv_cache_manager.make_stats()
-        return SchedulerStats(
+        return SchedulerStats.from_kv_stats(
+            self.kv_cache_manager.make_stats(),
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting),
-            kv_cache_usage=kv_stats.usage,
-            kv_cache_usage_per_group=kv_stats.group_usage,
-            prefix_cache_queries=kv_stats.query_tokens,
-            prefix_cache_hits=kv_stats.group_hit_tokens,
-            prefix_cache_hit_tokens=kv_stats.hit_tokens,
             num_preemptions=self.num_preemptions,
-            num_evictions=kv_stats.num_evictions,
         )
 
     def _schedule_running(self, plan: StepPlan) -> None:
@@ -237,28 +230,11 @@ class Scheduler:
             plan.add(request, num_new, blocks)
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
-        """Tokens to compute this step: capped by the threshold, the budget, block alignment.
-
-        Without chunked prefill, a request whose tokens exceed the budget gets 0 (it waits).
-        """
-        num_remaining = len(request.all_token_ids) - num_computed
-        num_new = num_remaining
-        threshold = self.config.long_prefill_token_threshold
-        if 0 < threshold < num_new:
-            num_new = threshold
-        if num_new > budget:
-            if not self.config.enable_chunked_prefill:
-                return 0
-            num_new = budget
-        if num_remaining > 1 and self.kv_cache_manager.needs_block_aligned_prefill:
-            num_new = block_aligned_num_tokens(
-                request.num_tokens,
-                self.kv_cache_manager.alignment_tokens,
-                num_computed,
-                num_new,
-                self._junction_tokens.get(request.req_id, 0),
-            )
-        return num_new
+        """Tokens to compute this step (0: wait); see `scheduler_utils.num_new_tokens`."""
+        junction = self._junction_tokens.get(request.req_id, 0)
+        return num_new_tokens(
+            request, num_computed, budget, self.config, self.kv_cache_manager, junction
+        )
 
     def _pick_victim(self) -> Request:
         """FCFS: the last running request; priority: the largest (priority, arrival_time)."""
@@ -307,11 +283,8 @@ class Scheduler:
     def _num_common_prefix_blocks(self) -> tuple[int, ...]:
         if not self.running:
             return (0,) * self.kv_cache_manager.num_groups
-        return tuple(
-            self.kv_cache_manager.get_num_common_prefix_blocks(
-                self.running[0].req_id, len(self.running)
-            )
-        )
+        first = self.running[0].req_id
+        return self.kv_cache_manager.get_num_common_prefix_blocks(first, len(self.running))
 
     def _release(self, request: Request, *, holds_blocks: bool) -> None:
         """Forget a finished request: free its blocks, tell the workers next step."""
@@ -323,12 +296,8 @@ class Scheduler:
 
     def _drop_unfittable(self, request: Request) -> None:
         """Finish a request the whole pool cannot hold, instead of retrying it forever."""
-        logger.warning(
-            "request %s needs more KV cache blocks than the pool holds at %d tokens; "
-            "finishing it (length)",
-            request.req_id,
-            request.num_tokens,
-        )
+        message = "request %s at %d tokens needs more KV blocks than the pool has: finished"
+        logger.warning(message, request.req_id, request.num_tokens)
         was_running = request.status is RequestStatus.RUNNING
         if was_running:
             self.running.remove(request)

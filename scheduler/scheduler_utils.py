@@ -2,7 +2,7 @@
 
 `Scheduler.schedule()` fills a `StepPlan` and turns it into messages through `WorkerView` (which
 knows what every worker already holds); `update_from_output` calls `check_stop` after each appended
-token; `add_request` calls `check_request_fits`.
+token; `add_request` calls `check_new_request`.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from scheduler.output import (
     RequestOutput,
     TokenLogprobs,
 )
+from scheduler.prefill_split import block_aligned_num_tokens
 from scheduler.request import Request, RequestStatus
 
 if TYPE_CHECKING:
@@ -228,11 +229,22 @@ def max_blocks_per_request(
     return total
 
 
-def check_request_fits(
-    request: Request, kv_cache_config: KVCacheConfig, max_model_len: int, max_chunk_tokens: int
+def check_new_request(
+    request: Request,
+    hash_block_size: int,
+    kv_cache_config: KVCacheConfig,
+    max_model_len: int,
+    max_chunk_tokens: int,
 ) -> None:
-    """Raise ValueError for a prompt that could never run: too long for the model, or for the
-    whole pool together with one generated token."""
+    """Raise ValueError for a request that could never run: not fresh, hashed at another block
+    size, a prompt too long for the model, or for the whole pool with one generated token."""
+    if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
+        raise ValueError(f"request {request.req_id!r} is not a fresh waiting request")
+    if request.hash_block_size != hash_block_size:
+        raise ValueError(
+            f"request {request.req_id!r} hashes blocks of {request.hash_block_size} tokens; "
+            f"this KV cache needs hash_block_size={hash_block_size}"
+        )
     num_tokens = len(request.all_token_ids)
     if num_tokens >= max_model_len:
         raise ValueError(
@@ -262,3 +274,36 @@ def max_chunk_tokens(config: SchedulerConfig, kv_cache_manager: KVCacheManager) 
             f"max_num_batched_tokens and long_prefill_token_threshold must be >= {alignment}"
         )
     return max_chunk
+
+
+def num_new_tokens(
+    request: Request,
+    num_computed: int,
+    budget: int,
+    config: SchedulerConfig,
+    kv_cache_manager: KVCacheManager,
+    junction_tokens: int,
+) -> int:
+    """Tokens of `request` to compute this step, from `num_computed` on: capped by the long-prefill
+    threshold and the budget, then cut at a block boundary when recurrent-state groups need it.
+
+    Without chunked prefill, a request whose tokens exceed the budget gets 0 (it waits).
+    """
+    num_remaining = len(request.all_token_ids) - num_computed
+    num_new = num_remaining
+    threshold = config.long_prefill_token_threshold
+    if 0 < threshold < num_new:
+        num_new = threshold
+    if num_new > budget:
+        if not config.enable_chunked_prefill:
+            return 0
+        num_new = budget
+    if num_remaining > 1 and kv_cache_manager.needs_block_aligned_prefill:
+        num_new = block_aligned_num_tokens(
+            len(request.all_token_ids),
+            kv_cache_manager.alignment_tokens,
+            num_computed,
+            num_new,
+            junction_tokens,
+        )
+    return num_new

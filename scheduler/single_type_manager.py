@@ -59,8 +59,6 @@ class SingleTypeManager(abc.ABC):
         self.num_dropped_block: dict[str, int] = {}
         """Leading table entries already nulled (nothing before them is live)."""
 
-    # ---- prefix-cache lookup -------------------------------------------------------------
-
     @abc.abstractmethod
     def find_longest_cache_hit(
         self,
@@ -80,8 +78,6 @@ class SingleTypeManager(abc.ABC):
     def hash_of(self, block_hashes: Sequence[BlockHash], index: int) -> BlockHash:
         """Key of this group's block `index`: the chained hash of its last hash block."""
         return block_hashes[index * self.hash_ratio + self.hash_ratio - 1]
-
-    # ---- what a request may drop ----------------------------------------------------------
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Leading tokens no future query of the request reads (0: all stay visible)."""
@@ -110,8 +106,6 @@ class SingleTypeManager(abc.ABC):
         self.num_dropped_block[req_id] = stop
         if freed:
             self.pool.free_blocks(freed)
-
-    # ---- allocation -------------------------------------------------------------------------
 
     def get_num_blocks_to_allocate(
         self,
@@ -188,8 +182,6 @@ class SingleTypeManager(abc.ABC):
         self.num_dropped_block.pop(req_id, None)
         blocks = self.req_to_blocks.pop(req_id, None)
         return blocks[::-1] if blocks else NO_BLOCKS
-
-    # ---- quiet limits (the manager's decode fast path) --------------------------------------
 
     def quiet_limits(self, req_id: str, caching: bool) -> tuple[int, int, int]:
         """(slots, computed, cached) below which a step of this request changes nothing here:

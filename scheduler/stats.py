@@ -7,6 +7,10 @@ hits, preemptions, evictions).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scheduler.kv_cache_manager import KVCacheStats
 
 
 @dataclass(frozen=True)
@@ -32,3 +36,25 @@ class SchedulerStats:
     """Requests preempted since the scheduler started (cumulative)."""
     num_evictions: int
     """Cached blocks evicted to make room since the scheduler started (cumulative)."""
+
+    @classmethod
+    def from_kv_stats(
+        cls,
+        kv_stats: KVCacheStats,
+        *,
+        num_running_reqs: int,
+        num_waiting_reqs: int,
+        num_preemptions: int,
+    ) -> SchedulerStats:
+        """Combine the scheduler's counts with a KV cache manager snapshot."""
+        return cls(
+            num_running_reqs=num_running_reqs,
+            num_waiting_reqs=num_waiting_reqs,
+            kv_cache_usage=kv_stats.usage,
+            kv_cache_usage_per_group=kv_stats.group_usage,
+            prefix_cache_queries=kv_stats.query_tokens,
+            prefix_cache_hits=kv_stats.group_hit_tokens,
+            prefix_cache_hit_tokens=kv_stats.hit_tokens,
+            num_preemptions=num_preemptions,
+            num_evictions=kv_stats.num_evictions,
+        )

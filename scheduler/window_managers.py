@@ -22,7 +22,7 @@ class SlidingWindowManager(SingleTypeManager):
     ) -> None:
         super().__init__(spec, pool, group_id, hash_block_size)
         self.sliding_window = spec.sliding_window
-        self.num_run_blocks = max(cdiv(spec.sliding_window - 1, spec.block_size) - 1, 1)
+        self.num_run_blocks = cdiv(spec.sliding_window - 1, spec.block_size)
         """Cached blocks a hit must end with: the first recomputed token reads the w - 1
         tokens before it, which fill exactly this many whole blocks before an aligned end."""
 

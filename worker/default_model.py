@@ -83,7 +83,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
         delattr(config, "quantization_config")
     config.architectures = [type(quantized).__name__]
     with torch.device("meta"):
-        model = type(quantized)._from_config(config, dtype=torch.float32)
+        model = type(quantized)._from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     model.load_state_dict(quantized.state_dict(), assign=True)
     model.tie_weights()
     model.generation_config = quantized.generation_config

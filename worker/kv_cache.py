@@ -12,8 +12,9 @@ layer per KV cache group, so a block ID is only ever in use by one of them).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -45,9 +46,15 @@ class KVCacheSpecReport:
     """Layer -> earlier layer whose KV cache it reads (it owns no memory)."""
 
 
-def attention_layers(modules: Iterable[nn.Module]) -> list[Attention]:
-    """The attention layers among a model's `modules()`, in module order."""
-    return [module for module in modules if isinstance(module, Attention)]
+class HasModules(Protocol):
+    """Anything with `nn.Module.modules()` (a model)."""
+
+    def modules(self) -> Iterator[nn.Module]: ...
+
+
+def attention_layers(model: HasModules) -> list[Attention]:
+    """The model's attention layers in module order."""
+    return [module for module in model.modules() if isinstance(module, Attention)]
 
 
 def report_kv_cache_specs(

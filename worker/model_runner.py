@@ -28,7 +28,13 @@ from worker.attention_groups import (
     build_forward_context,
 )
 from worker.block_table import MultiGroupBlockTable
-from worker.input_batch import InputBatch, RequestStates, batch_order, build_input_batch
+from worker.input_batch import (
+    CachedRequestState,
+    InputBatch,
+    RequestStates,
+    batch_order,
+    build_input_batch,
+)
 from worker.kv_cache import (
     KVCaches,
     KVCacheSpecReport,
@@ -62,6 +68,8 @@ class ModelSettings:
     dtype: torch.dtype
     vocab_size: int
     max_model_len: int
+    eos_token_ids: tuple[int, ...] = ()
+    """Tokens that end generation unless a request ignores EOS (masked before min_tokens)."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +102,7 @@ class ModelRunner:
         self.device = device
         self.is_driver = is_driver
         """Only the driver rank samples and returns outputs; other ranks run the forward."""
-        self.layers = attention_layers(model.modules())
+        self.layers = attention_layers(model)
         self.sampler = Sampler(config.seed, device)
         self.attention_groups: list[AttentionGroup] = []
         self.kv_caches: KVCaches = {}
@@ -209,6 +217,7 @@ class ModelRunner:
             [req.generator for req in sampled],
             logits.shape[-1],
             self.device,
+            [self._banned_tokens(req) for req in sampled],
         )
         out = self.sampler.sample(logits, tensors)
         logprobs: dict[str, list[TokenLogprobs]] = {}
@@ -223,6 +232,14 @@ class ModelRunner:
             sampled_token_ids=sampled_ids,
             logprobs=logprobs or None,
         )
+
+    def _banned_tokens(self, req: CachedRequestState) -> tuple[int, ...]:
+        """Stop tokens may not be drawn before the request has `min_tokens` output tokens."""
+        params = req.sampling_params
+        if req.num_tokens - len(req.prompt_token_ids) >= params.min_tokens:
+            return ()
+        eos = () if params.ignore_eos else self.settings.eos_token_ids
+        return tuple(dict.fromkeys(params.stop_token_ids + eos))
 
     def _full_reqs(self, batch: InputBatch) -> torch.Tensor | None:
         """Batch indices of requests whose every row must be computed (prompt logprobs)."""

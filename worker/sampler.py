@@ -33,6 +33,8 @@ class SamplingTensors:
     uses_top_k: bool
     uses_top_p: bool
     uses_min_p: bool
+    banned: tuple[torch.Tensor, torch.Tensor] | None = None
+    """(rows, token ids) that may not be drawn this step (stop tokens before min_tokens)."""
 
     @classmethod
     def build(
@@ -41,9 +43,22 @@ class SamplingTensors:
         generators: Sequence[torch.Generator | None],
         vocab_size: int,
         device: torch.device,
+        banned_token_ids: Sequence[Sequence[int]] = (),
     ) -> SamplingTensors:
-        """Gather the parameters of the sampling rows (one host list per field, one copy each)."""
+        """Gather the parameters of the sampling rows (one host list per field, one copy each).
+
+        Args:
+            banned_token_ids: per row, tokens to mask out (empty or one list per row).
+        """
         top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        banned_rows = [row for row, ids in enumerate(banned_token_ids) for _ in ids]
+        banned_ids = [token for ids in banned_token_ids for token in ids]
+        banned = None
+        if banned_ids:
+            banned = (
+                _tensor(banned_rows, torch.int64, device),
+                _tensor(banned_ids, torch.int64, device),
+            )
         return cls(
             temperature=_tensor([p.temperature or 1.0 for p in params], torch.float32, device),
             is_greedy=_tensor([p.is_greedy for p in params], torch.bool, device),
@@ -56,6 +71,7 @@ class SamplingTensors:
             uses_top_k=any(k < vocab_size for k in top_k),
             uses_top_p=any(p.top_p < 1.0 for p in params),
             uses_min_p=any(p.min_p > 0.0 for p in params),
+            banned=banned,
         )
 
 
@@ -157,12 +173,16 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def sample(self, logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutput:
-        greedy_ids = logits.argmax(dim=-1)
+        """Draw one token per row; logprobs (when asked) are those of the raw `logits`."""
+        allowed = logits
+        if tensors.banned is not None:
+            allowed = logits.index_put(tensors.banned, torch.tensor(float("-inf")))
+        greedy_ids = allowed.argmax(dim=-1)
         if tensors.all_greedy:
             token_ids = greedy_ids
         else:
             token_ids = torch.where(
-                tensors.is_greedy, greedy_ids, self._random_sample(logits, tensors)
+                tensors.is_greedy, greedy_ids, self._random_sample(allowed, tensors)
             )
         logprobs = self._logprobs(logits, token_ids, tensors)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)

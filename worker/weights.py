@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
-from tqdm.auto import tqdm
+from tqdm.auto import tqdm  # type: ignore[import-untyped]
 
 from worker.layers.loading import ShardId, WeightSource, weight_loader_of
 
@@ -66,7 +66,9 @@ def checkpoint_files(folder: str | Path) -> list[Path]:
     return files
 
 
-def iterate_weights(folder: str | Path, show_progress: bool = False) -> Iterator[tuple[str, SafetensorsWeight]]:
+def iterate_weights(
+    folder: str | Path, show_progress: bool = False
+) -> Iterator[tuple[str, SafetensorsWeight]]:
     """Yield `(name, lazy tensor)` for every tensor of the checkpoint.
 
     A lazy tensor is valid until the next item is requested (its file may be closed then).

@@ -54,6 +54,7 @@ class Worker:
             dtype=spec.model_config.dtype,
             vocab_size=spec.model_config.vocab_size,
             max_model_len=spec.model_config.max_model_len,
+            eos_token_ids=spec.model_config.eos_token_ids,
         )
         self.model_runner = ModelRunner(
             model, settings, spec.runner, self.device, is_driver=self.rank == 0

@@ -27,7 +27,9 @@ class _RequestState:
 class PagedDriver:
     """Runs prefill and decode steps of several requests through a paged cache."""
 
-    def __init__(self, model: nn.Module, block_size: int = 4, num_blocks: int = 64, seed: int = 0) -> None:
+    def __init__(
+        self, model: nn.Module, block_size: int = 4, num_blocks: int = 64, seed: int = 0
+    ) -> None:
         self.model = model
         self.block_size = block_size
         param = next(model.parameters())
@@ -37,7 +39,9 @@ class PagedDriver:
         random.Random(seed).shuffle(self.free_blocks)
         self.requests: dict[str, _RequestState] = {}
 
-    def _allocate(self, dtype: torch.dtype, num_blocks: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    def _allocate(
+        self, dtype: torch.dtype, num_blocks: int
+    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         dtype_bytes = torch.tensor([], dtype=dtype).element_size()
         caches: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -63,17 +67,24 @@ class PagedDriver:
             for pos in range(start, end)
         ]
 
-    def _metadata(self, batch: dict[str, list[int]]) -> tuple[AttentionMetadata, list[int], list[int]]:
+    def _metadata(
+        self, batch: dict[str, list[int]]
+    ) -> tuple[AttentionMetadata, list[int], list[int]]:
         token_ids, positions, slots, starts, seq_lens = [], [], [], [0], []
         for req_id, new_tokens in batch.items():
             state = self.requests.setdefault(req_id, _RequestState())
             slots += self._slots(state, len(new_tokens))
             token_ids += new_tokens
-            positions += range(state.num_computed_tokens, state.num_computed_tokens + len(new_tokens))
+            positions += range(
+                state.num_computed_tokens, state.num_computed_tokens + len(new_tokens)
+            )
             starts.append(starts[-1] + len(new_tokens))
             seq_lens.append(state.num_computed_tokens + len(new_tokens))
         max_blocks = max(len(self.requests[r].block_ids) for r in batch)
-        table = [self.requests[r].block_ids + [0] * (max_blocks - len(self.requests[r].block_ids)) for r in batch]
+        table = [
+            self.requests[r].block_ids + [0] * (max_blocks - len(self.requests[r].block_ids))
+            for r in batch
+        ]
         as_tensor = lambda data, dtype: torch.tensor(data, dtype=dtype, device=self.device)  # noqa: E731
         meta = AttentionMetadata(
             query_start_loc=as_tensor(starts, torch.int32),
@@ -92,9 +103,7 @@ class PagedDriver:
     def step(self, batch: dict[str, list[int]]) -> dict[str, torch.Tensor]:
         """Append `batch[req_id]` tokens to each request; returns fp32 logits [num_new, vocab]."""
         meta, token_ids, positions = self._metadata(batch)
-        ctx = ForwardContext(
-            metadata={name: meta for name in self.kv_caches}, kv_caches=self.kv_caches
-        )
+        ctx = ForwardContext(metadata=dict.fromkeys(self.kv_caches, meta), kv_caches=self.kv_caches)
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         logits = self.model.compute_logits(self.model(ids, pos, ctx))

@@ -32,8 +32,11 @@ FAMILIES: dict[str, tuple[str, dict[str, object]]] = {
         {
             "tie_word_embeddings": True,
             "rope_parameters": {
-                "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
-                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 16,
             },
         },
@@ -46,18 +49,28 @@ FAMILIES: dict[str, tuple[str, dict[str, object]]] = {
     "gemma2": (
         "Gemma2Config",
         {
-            "head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
+            "head_dim": 16,
+            "sliding_window": WINDOW,
+            "query_pre_attn_scalar": 24,
             "tie_word_embeddings": False,
-            "attn_logit_softcapping": 2.0, "final_logit_softcapping": 3.0,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 3.0,
         },
     ),
     "gemma3": (
         "Gemma3TextConfig",
         {
-            "head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 24,
+            "head_dim": 16,
+            "sliding_window": WINDOW,
+            "query_pre_attn_scalar": 24,
             "tie_word_embeddings": False,
             "final_logit_softcapping": 3.0,
-            "layer_types": ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            "layer_types": [
+                "sliding_attention",
+                "sliding_attention",
+                "full_attention",
+                "sliding_attention",
+            ],
             "rope_parameters": {
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                 "full_attention": {"rope_type": "linear", "rope_theta": 1000000.0, "factor": 2.0},

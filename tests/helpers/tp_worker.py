@@ -56,7 +56,11 @@ def _run_model(model_dir: str, parallel: ParallelConfig, prompt: list[int]) -> d
 
 
 def run_rank(
-    rank: int, world_size: int, init_method: str, model_dirs: list[str], out_dir: str,
+    rank: int,
+    world_size: int,
+    init_method: str,
+    model_dirs: list[str],
+    out_dir: str,
     prompt: list[int],
 ) -> None:
     """Entry point of `torch.multiprocessing.spawn`; writes `out_dir/rank{rank}.pt`."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import PreTrainedModel
 
 from tests.helpers.paged_driver import PagedDriver
 from tests.helpers.tiny_models import FAMILIES, WINDOW, build_tiny_model, save_tiny_model
@@ -21,25 +22,33 @@ OTHER_PROMPT = [(11 * i + 5) % 256 for i in range(9)]
 NUM_NEW_TOKENS = 32
 
 
+class Pair:
+    """A transformers model and ours, sharing one checkpoint; transformers' greedy runs cached."""
+
+    def __init__(self, hf_model: PreTrainedModel, model: torch.nn.Module) -> None:
+        self.hf_model, self.model = hf_model, model
+        self._greedy: dict[tuple[int, ...], list[int]] = {}
+
+    def hf_greedy(self, prompt: list[int]) -> list[int]:
+        if tuple(prompt) not in self._greedy:
+            with torch.no_grad():
+                out = self.hf_model.generate(
+                    torch.tensor([prompt]), max_new_tokens=NUM_NEW_TOKENS, do_sample=False
+                )
+            self._greedy[tuple(prompt)] = out[0, len(prompt) :].tolist()
+        return self._greedy[tuple(prompt)]
+
+
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
-def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
-    """(transformers model, our model) sharing one checkpoint."""
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Pair:
     path = tmp_path_factory.mktemp(request.param)
     hf_model = save_tiny_model(request.param, path)
     config = ModelConfig.from_pretrained(path, dtype="float32")
-    return hf_model, load_model(config, ParallelConfig(), "cpu")
+    return Pair(hf_model, load_model(config, ParallelConfig(), "cpu"))
 
 
-def _hf_greedy(hf_model, prompt: list[int]) -> list[int]:
-    with torch.no_grad():
-        out = hf_model.generate(
-            torch.tensor([prompt]), max_new_tokens=NUM_NEW_TOKENS, do_sample=False
-        )
-    return out[0, len(prompt) :].tolist()
-
-
-def test_prefill_logits_match_transformers(pair) -> None:
-    hf_model, model = pair
+def test_prefill_logits_match_transformers(pair: Pair) -> None:
+    hf_model, model = pair.hf_model, pair.model
     assert len(PROMPT) > 2 * WINDOW
     with torch.no_grad():
         expected = hf_model(torch.tensor([PROMPT])).logits[0]
@@ -48,26 +57,26 @@ def test_prefill_logits_match_transformers(pair) -> None:
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
-def test_chunked_prefill_matches_one_shot(pair) -> None:
-    hf_model, model = pair
+def test_chunked_prefill_matches_one_shot(pair: Pair) -> None:
+    hf_model, model = pair.hf_model, pair.model
     with torch.no_grad():
         expected = hf_model(torch.tensor([PROMPT])).logits[0]
     driver = PagedDriver(model, seed=3)
-    chunks = [driver.step({"req": PROMPT[start : start + 7]})["req"] for start in range(0, len(PROMPT), 7)]
+    chunks = [
+        driver.step({"req": PROMPT[start : start + 7]})["req"] for start in range(0, len(PROMPT), 7)
+    ]
     torch.testing.assert_close(torch.cat(chunks), expected, atol=1e-4, rtol=0)
 
 
-def test_greedy_decode_matches_transformers(pair) -> None:
-    hf_model, model = pair
-    expected = _hf_greedy(hf_model, PROMPT)
-    got = PagedDriver(model, seed=1).generate({"req": PROMPT}, NUM_NEW_TOKENS)["req"]
+def test_greedy_decode_matches_transformers(pair: Pair) -> None:
+    expected = pair.hf_greedy(PROMPT)
+    got = PagedDriver(pair.model, seed=1).generate({"req": PROMPT}, NUM_NEW_TOKENS)["req"]
     assert got == expected
 
 
-def test_batched_decode_matches_transformers_per_request(pair) -> None:
-    hf_model, model = pair
-    expected = {"a": _hf_greedy(hf_model, PROMPT), "b": _hf_greedy(hf_model, OTHER_PROMPT)}
-    got = PagedDriver(model, seed=2).generate({"a": PROMPT, "b": OTHER_PROMPT}, NUM_NEW_TOKENS)
+def test_batched_decode_matches_transformers_per_request(pair: Pair) -> None:
+    expected = {"a": pair.hf_greedy(PROMPT), "b": pair.hf_greedy(OTHER_PROMPT)}
+    got = PagedDriver(pair.model, seed=2).generate({"a": PROMPT, "b": OTHER_PROMPT}, NUM_NEW_TOKENS)
     assert got == expected
 
 
@@ -91,4 +100,3 @@ def test_tiny_configs_exercise_each_feature(family: str, switch: dict[str, objec
         on = build_tiny_model(family)(prompt).logits[0]
         off = build_tiny_model(family, **switch)(prompt).logits[0]
     assert (on - off).abs().max() > 1e-2
-

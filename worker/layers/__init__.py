@@ -1,1 +1,4 @@
-"""Tensor-parallel building blocks of the model families: linear, embedding, norm, rotary, activation."""
+"""Tensor-parallel building blocks of the model families.
+
+Linear, embedding, norm, rotary and activation layers, each parameter with its weight loader.
+"""

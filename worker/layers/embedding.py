@@ -26,9 +26,13 @@ class VocabParallelEmbedding(nn.Module):
         self.rows_per_rank = -(-num_embeddings // parallel.tp_size)
         self.vocab_start = parallel.rank * self.rows_per_rank
         self.vocab_end = min(self.vocab_start + self.rows_per_rank, num_embeddings)
-        self.weight = new_parameter((self.rows_per_rank, embedding_dim), self.weight_loader, fill=0.0)
+        self.weight = new_parameter(
+            (self.rows_per_rank, embedding_dim), self.weight_loader, fill=0.0
+        )
 
-    def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: ShardId = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, source: WeightSource, shard_id: ShardId = None
+    ) -> None:
         """Copy this rank's rows; padding rows stay zero."""
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")

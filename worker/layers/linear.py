@@ -16,7 +16,14 @@ from torch import nn
 
 from worker.config import ParallelConfig
 from worker.distributed import all_gather, all_reduce
-from worker.layers.loading import ShardId, WeightSource, copy_checked, new_parameter, read_full, read_part
+from worker.layers.loading import (
+    ShardId,
+    WeightSource,
+    copy_checked,
+    new_parameter,
+    read_full,
+    read_part,
+)
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -42,9 +49,13 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
         self.output_size_per_rank = divide(output_size, parallel.tp_size, "output_size")
         self.weight = new_parameter((self.output_size_per_rank, input_size), self.weight_loader)
-        self.bias = new_parameter((self.output_size_per_rank,), self.weight_loader) if bias else None
+        self.bias = (
+            new_parameter((self.output_size_per_rank,), self.weight_loader) if bias else None
+        )
 
-    def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: ShardId = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, source: WeightSource, shard_id: ShardId = None
+    ) -> None:
         """Copy this rank's block of output rows."""
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")
@@ -80,7 +91,9 @@ class _PackedColumnLinear(ColumnParallelLinear):
         super().__init__(input_size, total * parallel.tp_size, parallel, bias=bias)
         self.shards = shards
 
-    def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: ShardId = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, source: WeightSource, shard_id: ShardId = None
+    ) -> None:
         """Copy this rank's rows of the checkpoint tensor `shard_id` into its slot."""
         if shard_id not in self.shards:
             raise ValueError(f"{type(self).__name__} expects a shard id in {list(self.shards)}")
@@ -112,7 +125,7 @@ class QKVParallelLinear(_PackedColumnLinear):
     ranks; otherwise each rank keeps one KV head, replicated over `tp_size / num_kv_heads` ranks.
     """
 
-    def __init__(  # noqa: PLR0913 (the head layout is five numbers)
+    def __init__(
         self,
         hidden_size: int,
         head_size: int,
@@ -147,7 +160,7 @@ class QKVParallelLinear(_PackedColumnLinear):
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[T, (H + 2 * KV) * D] -> q [T, H * D], k [T, KV * D], v [T, KV * D]."""
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = torch.split(qkv, [q_size, kv_size, kv_size], dim=-1)
         return q, k, v
 
 
@@ -167,14 +180,18 @@ class RowParallelLinear(nn.Module):
         self.weight = new_parameter((output_size, self.input_size_per_rank), self.weight_loader)
         self.bias = new_parameter((output_size,), self.bias_loader) if bias else None
 
-    def weight_loader(self, param: nn.Parameter, source: WeightSource, shard_id: ShardId = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, source: WeightSource, shard_id: ShardId = None
+    ) -> None:
         """Copy this rank's block of input columns."""
         if shard_id is not None:
             raise ValueError(f"RowParallelLinear has no shard {shard_id!r}")
         size = self.input_size_per_rank
         copy_checked(param.data, read_part(source, 1, self.parallel.rank * size, size))
 
-    def bias_loader(self, param: nn.Parameter, source: WeightSource, shard_id: ShardId = None) -> None:
+    def bias_loader(
+        self, param: nn.Parameter, source: WeightSource, shard_id: ShardId = None
+    ) -> None:
         """The bias is replicated: it is added once, after the all-reduce."""
         copy_checked(param.data, read_full(source))
 

@@ -52,14 +52,18 @@ def copy_checked(target: torch.Tensor, loaded: torch.Tensor) -> None:
         target.copy_(loaded)
 
 
-def default_weight_loader(param: nn.Parameter, source: WeightSource, shard_id: ShardId = None) -> None:
+def default_weight_loader(
+    param: nn.Parameter, source: WeightSource, shard_id: ShardId = None
+) -> None:
     """Loader of replicated parameters: the whole checkpoint tensor, unsplit."""
     if shard_id is not None:
         raise ValueError(f"a replicated parameter has no shard {shard_id!r}")
     copy_checked(param.data, read_full(source))
 
 
-def new_parameter(shape: Sequence[int], loader: WeightLoader, fill: float | None = None) -> nn.Parameter:
+def new_parameter(
+    shape: Sequence[int], loader: WeightLoader, fill: float | None = None
+) -> nn.Parameter:
     """An inference-only parameter (default dtype and device) that knows its `weight_loader`."""
     data = torch.empty(*shape) if fill is None else torch.full(tuple(shape), fill)
     param = nn.Parameter(data, requires_grad=False)

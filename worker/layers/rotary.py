@@ -24,7 +24,9 @@ class RopeTables(NamedTuple):
     sin: torch.Tensor
 
 
-def rope_parameters(hf_config: PretrainedConfig, layer_type: str | None = None) -> dict[str, object]:
+def rope_parameters(
+    hf_config: PretrainedConfig, layer_type: str | None = None
+) -> dict[str, object]:
     """The rope parameters of a config (per layer type when it has them), in transformers 5 form.
 
     Older configs keep `rope_theta` and `rope_scaling` as separate keys; they are merged here.
@@ -48,10 +50,13 @@ def compute_inv_freq(params: dict[str, object], head_size: int) -> tuple[torch.T
     """Inverse frequencies (fp32 [rotary_dim / 2]) and the cos/sin scaling factor."""
     rope_type = str(params.get("rope_type", "default"))
     if rope_type not in _SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope_type {rope_type!r} is not supported; use one of {_SUPPORTED_ROPE_TYPES}")
+        raise ValueError(
+            f"rope_type {rope_type!r} is not supported; use one of {_SUPPORTED_ROPE_TYPES}"
+        )
     theta = float(params["rope_theta"])  # type: ignore[arg-type]
     rotary_dim = int(head_size * float(params.get("partial_rotary_factor", 1.0)))  # type: ignore[arg-type]
-    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64).to(torch.float32) / rotary_dim
+    # On the CPU, as transformers does, whatever device the model is built on.
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim
     inv_freq = 1.0 / (theta**exponents)
     if rope_type == "linear":
         inv_freq = inv_freq / float(params["factor"])  # type: ignore[arg-type]
@@ -79,13 +84,15 @@ def _llama3_scale(inv_freq: torch.Tensor, params: dict[str, object]) -> torch.Te
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for one rope configuration (one theta and scaling)."""
 
+    inv_freq: torch.Tensor
+
     def __init__(self, head_size: int, params: dict[str, object]) -> None:
         super().__init__()
         inv_freq, self.attention_scaling = compute_inv_freq(params, head_size)
         self.head_size = head_size
         self.rotary_dim = 2 * inv_freq.numel()
         # NOTE: kept in fp32 on purpose; casting the model with `.to(bf16)` would degrade it.
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", inv_freq.to(torch.get_default_device()), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> RopeTables:
         """[T] positions -> fp32 cos/sin [T, rotary_dim]."""

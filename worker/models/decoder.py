@@ -71,8 +71,12 @@ class DecoderAttention(nn.Module):
     """Self-attention: packed qkv projection, optional qk norm, rope, paged attention, o_proj."""
 
     def __init__(
-        self, hf_config: PretrainedConfig, options: DecoderOptions, layer: LayerOptions,
-        layer_idx: int, parallel: ParallelConfig,
+        self,
+        hf_config: PretrainedConfig,
+        options: DecoderOptions,
+        layer: LayerOptions,
+        layer_idx: int,
+        parallel: ParallelConfig,
     ) -> None:
         super().__init__()
         hidden, head_size = hf_config.hidden_size, head_size_of(hf_config)
@@ -81,14 +85,15 @@ class DecoderAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(
             hidden, head_size, num_heads, num_kv_heads, parallel, bias=options.qkv_bias
         )
-        self.o_proj = RowParallelLinear(num_heads * head_size, hidden, parallel, bias=options.o_bias)
+        self.o_proj = RowParallelLinear(
+            num_heads * head_size, hidden, parallel, bias=options.o_bias
+        )
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if options.qk_norm:
             eps = hf_config.rms_norm_eps
             self.q_norm = RMSNorm(head_size, eps, add_unit_offset=options.gemma_norm)
             self.k_norm = RMSNorm(head_size, eps, add_unit_offset=options.gemma_norm)
-        self.rope = layer.rope
         self.attn = Attention(
             AttentionConfig(
                 layer_name=f"model.layers.{layer_idx}.self_attn.attn",
@@ -111,13 +116,16 @@ class DecoderAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v, ctx)
-        return self.o_proj(out)
+        projected: torch.Tensor = self.o_proj(out)
+        return projected
 
 
 class DecoderMLP(nn.Module):
     """Gated MLP: down(act(gate(x)) * up(x)) with gate and up in one matmul."""
 
-    def __init__(self, hf_config: PretrainedConfig, options: DecoderOptions, parallel: ParallelConfig) -> None:
+    def __init__(
+        self, hf_config: PretrainedConfig, options: DecoderOptions, parallel: ParallelConfig
+    ) -> None:
         super().__init__()
         hidden, inner = hf_config.hidden_size, hf_config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
@@ -127,15 +135,20 @@ class DecoderMLP(nn.Module):
         self.down_proj = RowParallelLinear(inner, hidden, parallel, bias=options.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        out: torch.Tensor = self.down_proj(self.act(self.gate_up_proj(x)))
+        return out
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(.)); sandwich norms when asked."""
 
     def __init__(
-        self, hf_config: PretrainedConfig, options: DecoderOptions, layer: LayerOptions,
-        layer_idx: int, parallel: ParallelConfig,
+        self,
+        hf_config: PretrainedConfig,
+        options: DecoderOptions,
+        layer: LayerOptions,
+        layer_idx: int,
+        parallel: ParallelConfig,
     ) -> None:
         super().__init__()
         hidden, eps, gemma = hf_config.hidden_size, hf_config.rms_norm_eps, options.gemma_norm
@@ -150,43 +163,53 @@ class DecoderLayer(nn.Module):
             self.post_feedforward_layernorm = RMSNorm(hidden, eps, add_unit_offset=gemma)
 
     def forward(self, hidden: torch.Tensor, rope: RopeTables, ctx: ForwardContext) -> torch.Tensor:
-        attn_out = self.self_attn(self.input_layernorm(hidden), rope, ctx)
+        attn_out: torch.Tensor = self.self_attn(self.input_layernorm(hidden), rope, ctx)
         if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
             hidden = hidden + attn_out
-            return hidden + self.mlp(self.post_attention_layernorm(hidden))
+            mlp_out: torch.Tensor = self.mlp(self.post_attention_layernorm(hidden))
+            return hidden + mlp_out
         hidden = hidden + self.post_attention_layernorm(attn_out)
-        mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden))
-        return hidden + self.post_feedforward_layernorm(mlp_out)
+        mlp_out = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+        return hidden + mlp_out
 
 
 class DecoderModel(nn.Module):
     """Embedding, the layer stack and the final norm (transformers' `model.` prefix)."""
 
     def __init__(
-        self, hf_config: PretrainedConfig, options: DecoderOptions, layers: list[LayerOptions],
-        ropes: dict[str, dict[str, object]], parallel: ParallelConfig,
+        self,
+        hf_config: PretrainedConfig,
+        options: DecoderOptions,
+        layers: list[LayerOptions],
+        ropes: dict[str, dict[str, object]],
+        parallel: ParallelConfig,
     ) -> None:
         super().__init__()
         hidden = hf_config.hidden_size
         self.embed_scale = options.embed_scale
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hidden, parallel)
         self.layers = nn.ModuleList(
-            DecoderLayer(hf_config, options, layer, idx, parallel) for idx, layer in enumerate(layers)
+            DecoderLayer(hf_config, options, layer, idx, parallel)
+            for idx, layer in enumerate(layers)
         )
+        self.layer_ropes = [layer.rope for layer in layers]
         self.norm = RMSNorm(hidden, hf_config.rms_norm_eps, add_unit_offset=options.gemma_norm)
         head_size = head_size_of(hf_config)
         self.rotary_emb = nn.ModuleDict(
             {key: RotaryEmbedding(head_size, params) for key, params in ropes.items()}
         )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        hidden: torch.Tensor = self.embed_tokens(input_ids)  # [T, hidden]
         if self.embed_scale is not None:
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         tables = {key: rope(positions) for key, rope in self.rotary_emb.items()}
-        for layer in self.layers:
-            hidden = layer(hidden, tables[layer.self_attn.rope], ctx)
-        return self.norm(hidden)
+        for layer, rope_key in zip(self.layers, self.layer_ropes, strict=True):
+            hidden = layer(hidden, tables[rope_key], ctx)
+        normed: torch.Tensor = self.norm(hidden)
+        return normed
 
 
 class DecoderForCausalLM(nn.Module, abc.ABC):
@@ -197,7 +220,9 @@ class DecoderForCausalLM(nn.Module, abc.ABC):
         hf_config = model_config.hf_config
         self.options = self.decoder_options(hf_config)
         layers = [self.layer_options(hf_config, i) for i in range(hf_config.num_hidden_layers)]
-        self.model = DecoderModel(hf_config, self.options, layers, self.rope_tables(hf_config), parallel)
+        self.model = DecoderModel(
+            hf_config, self.options, layers, self.rope_tables(hf_config), parallel
+        )
         self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, parallel)
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -216,7 +241,9 @@ class DecoderForCausalLM(nn.Module, abc.ABC):
         """Rope parameters by table key; one table by default."""
         return {DEFAULT_ROPE: rope_parameters(hf_config)}
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
         """[T] token ids and positions -> final hidden states [T, hidden_size]."""
         hidden: torch.Tensor = self.model(input_ids, positions, ctx)
         return hidden

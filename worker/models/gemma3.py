@@ -28,7 +28,9 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     @classmethod
     def decoder_options(cls, hf_config: PretrainedConfig) -> DecoderOptions:
         if getattr(hf_config, "use_bidirectional_attention", False):
-            raise ValueError("Gemma 3 with bidirectional attention is an encoder; it cannot be served")
+            raise ValueError(
+                "Gemma 3 with bidirectional attention is an encoder; it cannot be served"
+            )
         options = super().decoder_options(hf_config)
         return replace(options, qk_norm=True, attn_softcap=None)
 

@@ -72,3 +72,17 @@ def test_hashes_are_identical_across_processes() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     ).stdout.strip()
     assert out == hash_block_tokens(None, [1, 2, 3], ("s",)).hex()
+
+
+def test_extend_equals_hashing_block_by_block_with_and_without_salt() -> None:
+    tokens = list(range(-5, 70))
+    for salt in (None, "s"):
+        expected: list[bytes] = []
+        for index in range(len(tokens) // 8):
+            extra = (salt,) if index == 0 and salt is not None else None
+            parent = expected[-1] if expected else None
+            expected.append(hash_block_tokens(parent, tokens[index * 8 : index * 8 + 8], extra))
+        hashes: list[bytes] = []
+        for end in (3, 8, 20, 75):
+            extend_block_hashes(hashes, tokens[:end], 8, salt)
+        assert hashes == expected

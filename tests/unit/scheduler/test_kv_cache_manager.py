@@ -3,6 +3,7 @@
 ID-exact expectations follow the free-queue policy of our replay semantics, which differs from
 vLLM 0.15.1 in one point: blocks freed without a hash (a request's partial last block) go to the
 queue front instead of the tail. Where that changes a 0.15.1 number, the test says so.
+S07 (EAGLE's dropped last block) is not tested: EAGLE is not a feature of this cache.
 """
 
 from __future__ import annotations
@@ -116,14 +117,14 @@ def test_s05_failed_allocation_leaves_state_untouched() -> None:
 def test_s06_null_block_usage_and_reset() -> None:
     manager = make_manager(11, full(16))
     assert (manager.num_free_blocks, manager.usage) == (10, 0.0)
-    r0 = make_request("r0", P3 + [1], 16)
+    r0 = make_request("r0", [*P3, 1], 16)
     admit(manager, r0)
     assert manager.usage == pytest.approx(0.4)
     assert manager.usage_per_group() == (pytest.approx(0.4),)
     assert manager.reset_prefix_cache() is False
     manager.free(r0)
     assert manager.reset_prefix_cache() is True
-    assert hit(manager, make_request("r1", P3 + [1], 16)) == (([],), 0)
+    assert hit(manager, make_request("r1", [*P3, 1], 16)) == (([],), 0)
     assert 0 not in free_queue(manager)
 
 
@@ -136,8 +137,8 @@ def test_hash_block_size_is_gcd_with_caching_and_lcm_without() -> None:
 
 def test_caching_off_never_hits_nor_registers() -> None:
     manager = make_manager(11, full(16), enable_caching=False)
-    admit(manager, make_request("r0", P3 + [1], 16))
-    found = manager.get_computed_blocks(make_request("r1", P3 + [1], 16))
+    admit(manager, make_request("r0", [*P3, 1], 16))
+    found = manager.get_computed_blocks(make_request("r1", [*P3, 1], 16))
     assert (found.num_tokens, found.junction_tokens, found.blocks.is_empty) == (0, 0, True)
     assert all(block.block_hash is None for block in manager.pool.blocks)
 
@@ -215,8 +216,8 @@ def test_preempted_request_frees_everything_and_hits_its_own_blocks_again() -> N
 
 def test_stats_are_cumulative_per_group_counters() -> None:
     manager = make_manager(11, full(16))
-    admit(manager, make_request("r0", P3 + [3], 16))
-    admit(manager, make_request("r1", P3 + [4], 16))
+    admit(manager, make_request("r0", [*P3, 3], 16))
+    admit(manager, make_request("r1", [*P3, 4], 16))
     stats = manager.make_stats()
     assert (stats.num_queries, stats.query_tokens, stats.group_hit_tokens) == (2, (98,), (48,))
     assert stats.hit_tokens == 48

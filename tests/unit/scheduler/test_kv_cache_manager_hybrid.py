@@ -3,6 +3,8 @@ coarse hashes S32.
 
 Where vLLM 0.15.1's IDs depend on where *unhashed* freed blocks go, our policy (front of the
 queue, the replay semantics) gives other IDs; each such test names the 0.15.1 value.
+S32's page-size unification and its error for non-integral page ratios belong to the KV cache
+grouping code and are tested with it; here only the coarse hashes and the lcm hits are.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
-from kv_cache_helpers import chunked, full, make_config, mamba, make_request, window
+from kv_cache_helpers import chunked, full, make_config, make_request, mamba, window
 
 from scheduler.kv_cache_manager import CacheHit, KVCacheManager
 from scheduler.kv_cache_spec import (
@@ -43,7 +43,8 @@ def configs(draw: st.DrawFn) -> tuple[list[KVCacheSpec], int, bool]:
     sizes = draw(st.lists(st.sampled_from([2, 4, 8]), min_size=num_groups, max_size=num_groups))
     caching = draw(st.sampled_from([True, True, True, False]))
     if "C" in kinds:
-        sizes = [max(sizes) if kind == "C" else size for kind, size in zip(kinds, sizes)]
+        largest = max(sizes)
+        sizes = [largest if kind == "C" else size for kind, size in zip(kinds, sizes, strict=True)]
     specs: list[KVCacheSpec] = []
     for kind, size in zip(kinds, sizes, strict=True):
         if kind == "F":
@@ -57,19 +58,10 @@ def configs(draw: st.DrawFn) -> tuple[list[KVCacheSpec], int, bool]:
     return specs, draw(st.integers(num_groups + 1, 30)), caching
 
 
-ADD = st.tuples(
-    st.just("add"),
-    st.sampled_from([0, 3, 8, 16, 17, 24, 32, 40, 48]),
-    st.lists(st.integers(0, 2), max_size=4),
-)
-OPS = st.lists(
-    st.one_of(
-        ADD,
-        st.tuples(st.sampled_from(["step"] * 3 + ["free", "preempt"]), st.integers(0, 99)),
-    ),
-    min_size=10,
-    max_size=50,
-)
+PREFIXES = st.sampled_from([0, 3, 8, 16, 17, 24, 32, 40, 48])
+ADD = st.tuples(st.just("add"), PREFIXES, st.lists(st.integers(0, 2), max_size=4))
+OTHER = st.tuples(st.sampled_from(["step"] * 3 + ["free", "preempt"]), st.integers(0, 99))
+OPS = st.lists(st.one_of(ADD, OTHER), min_size=10, max_size=50)
 
 
 @dataclass
@@ -83,7 +75,7 @@ class Model:
     running: list[Request] = field(default_factory=list)
     content: dict[int, tuple[int, ...]] = field(default_factory=dict)
     prefix_of: dict[bytes, tuple[int, ...]] = field(default_factory=dict)
-    count: int = 0
+    junction: dict[str, int] = field(default_factory=dict)
     slow_hit: CacheHit | None = None
 
     def both(self, method: str, *args: object) -> object:
@@ -102,15 +94,19 @@ class Model:
         size = min(request.num_tokens - start, 1 + budget % 24)
         if self.fast.needs_block_aligned_prefill and start < request.num_tokens:
             size = block_aligned_num_tokens(
-                request.num_tokens, self.fast.alignment_tokens, start, size, request.junction
+                request.num_tokens,
+                self.fast.alignment_tokens,
+                start,
+                size,
+                self.junction[request.req_id],
             )
         return size
 
     def add(self, prefix_len: int, tail: list[int]) -> None:
         tokens = BASE[:prefix_len] + tail or [7]
-        request = make_request(f"r{self.count}", tokens, self.fast.hash_block_size)
-        self.count += 1
-        self.waiting.append(request)
+        req_id = f"r{len(self.junction)}"
+        self.junction[req_id] = 0
+        self.waiting.append(make_request(req_id, tokens, self.fast.hash_block_size))
 
     def step(self, budget: int) -> None:
         """One scheduler step: every running request advances, then waiting ones are admitted
@@ -129,7 +125,7 @@ class Model:
         assert isinstance(found, CacheHit)
         self.check_hit(request, found)
         event("hit" if found.num_tokens else "miss")
-        request.junction = found.junction_tokens  # type: ignore[attr-defined]
+        self.junction[request.req_id] = found.junction_tokens
         size = self.chunk_size(request, found.num_tokens, budget)
         if size == 0:
             return False
@@ -196,6 +192,7 @@ class Model:
             assert hit == 0
             return
         assert hit % self.fast.alignment_tokens == 0
+        assert hit == longest_valid_hit(self.fast, self.specs, request)
         tokens = request.all_token_ids
         for spec, blocks in zip(self.specs, found.blocks.blocks, strict=True):
             bs = spec.block_size
@@ -215,7 +212,8 @@ class Model:
             assert self.fast.get_block_ids(request.req_id) == self.slow.get_block_ids(
                 request.req_id
             )
-        for fast_block, slow_block in zip(self.fast.pool.blocks, self.slow.pool.blocks):
+        blocks = zip(self.fast.pool.blocks, self.slow.pool.blocks, strict=True)
+        for fast_block, slow_block in blocks:
             assert fast_block.block_hash == slow_block.block_hash
             if fast_block.block_hash is not None:
                 expected = self.prefix_of[fast_block.block_hash]
@@ -229,6 +227,32 @@ def summary(result: object) -> object:
     if result is None:
         return None
     return result.get_block_ids()  # type: ignore[attr-defined]
+
+
+def longest_valid_hit(manager: KVCacheManager, specs: list[KVCacheSpec], request: Request) -> int:
+    """Brute force: the longest aligned length every group can serve from its own cache."""
+    best = 0
+    for length in range(0, request.num_tokens, manager.alignment_tokens):
+        if all(
+            is_servable(manager, group_id, spec, request, length)
+            for group_id, spec in enumerate(specs)
+        ):
+            best = length
+    return best
+
+
+def is_servable(
+    manager: KVCacheManager, group_id: int, spec: KVCacheSpec, request: Request, length: int
+) -> bool:
+    """Whether group `group_id` caches every block a token recomputed at `length` reads."""
+    if length and isinstance(spec, MambaSpec) and spec.mamba_cache_mode is MambaCacheMode.NONE:
+        return False
+    ratio = spec.block_size // request.hash_block_size
+    for index in required_indices(spec, length):
+        block_hash = request.block_hashes[index * ratio + ratio - 1]
+        if manager.pool.get_cached_block(block_hash, group_id) is None:
+            return False
+    return True
 
 
 def required_indices(spec: KVCacheSpec, hit: int) -> range:

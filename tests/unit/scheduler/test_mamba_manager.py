@@ -7,6 +7,7 @@ from kv_cache_helpers import find_hit, make_request, make_single_manager, mamba,
 
 from scheduler.block_pool import BlockPool
 from scheduler.kv_cache_spec import MambaCacheMode
+from scheduler.single_type_manager import SingleTypeManager
 
 
 @pytest.mark.parametrize(
@@ -46,7 +47,7 @@ def test_s21_only_blocks_before_the_last_computed_token_are_freed(mode: MambaCac
     assert manager.get_num_skipped_tokens(9) == 8
 
 
-def ids(manager, req_id: str = "r") -> list[int]:  # noqa: ANN001
+def ids(manager: SingleTypeManager, req_id: str = "r") -> list[int]:
     return [block.block_id for block in manager.req_to_blocks[req_id]]
 
 

@@ -7,7 +7,9 @@ import pytest
 from scheduler.prefill_split import block_aligned_num_tokens
 
 
-def chunks(num_prompt: int, block_size: int, budget: int, start: int = 0, junction: int = 0):  # noqa: ANN201
+def chunks(
+    num_prompt: int, block_size: int, budget: int, start: int = 0, junction: int = 0
+) -> list[int]:
     """Split a prompt from `start` with a fixed per-step budget."""
     sizes = []
     computed = start
@@ -15,7 +17,7 @@ def chunks(num_prompt: int, block_size: int, budget: int, start: int = 0, juncti
         proposed = min(budget, num_prompt - computed)
         size = block_aligned_num_tokens(num_prompt, block_size, computed, proposed, junction)
         if size == 0:
-            return sizes + [0]
+            return [*sizes, 0]
         sizes.append(size)
         computed += size
     return sizes

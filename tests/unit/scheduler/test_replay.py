@@ -102,3 +102,17 @@ def test_caching_off_replays_mamba_with_one_state_block(tmp_path: Path) -> None:
     assert [r["hit_tokens"] for r in records] == [0, 0]
     assert records[0]["block_ids"] == [[1, 2, 3], [4]]
     assert records[1]["chunks"] == [10]
+
+
+def test_request_longer_than_max_model_len_is_an_error(tmp_path: Path) -> None:
+    trace = {
+        "groups": [{"type": "full", "block_size": 4}],
+        "num_blocks": 20,
+        "max_model_len": 8,
+        "ops": [{"op": "prefill", "id": "a", "tokens": list(range(9))}],
+    }
+    path = tmp_path / "long.json"
+    path.write_text(json.dumps(trace))
+    result = run_replay(path)
+    assert result.returncode == 2
+    assert "max_model_len" in json.loads(result.stdout)["error"]

@@ -54,8 +54,11 @@ def tp_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     variants = {
         "kv_split": {"vocab_size": VOCAB},
         "kv_replicated": {
-            "vocab_size": VOCAB, "num_key_value_heads": 1, "tie_word_embeddings": False,
-            "attention_bias": True, "mlp_bias": True,
+            "vocab_size": VOCAB,
+            "num_key_value_heads": 1,
+            "tie_word_embeddings": False,
+            "attention_bias": True,
+            "mlp_bias": True,
         },
     }
     dirs = {}
@@ -65,12 +68,12 @@ def tp_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     out_dir = root / "out"
     out_dir.mkdir()
     init_method = f"tcp://127.0.0.1:{_free_port()}"
-    mp.spawn(
-        run_rank, args=(TP, init_method, list(dirs.values()), str(out_dir), PROMPT), nprocs=TP
-    )
+    mp.spawn(run_rank, args=(TP, init_method, list(dirs.values()), str(out_dir), PROMPT), nprocs=TP)
     single = {}
     for label, path in dirs.items():
-        model = load_model(ModelConfig.from_pretrained(path, dtype="float32"), ParallelConfig(), "cpu")
+        model = load_model(
+            ModelConfig.from_pretrained(path, dtype="float32"), ParallelConfig(), "cpu"
+        )
         single[label] = PagedDriver(model).step({"req": PROMPT})["req"]
     ranks = [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(TP)]
     return {"dirs": dirs, "single": single, "ranks": ranks}
@@ -94,7 +97,9 @@ def test_each_rank_reads_and_holds_only_its_shard(tp_results: dict, label: str) 
         result = rank_result[path]
         assert rank_result["group"] == {"rank": rank, "size": TP}
         for name, tensor in checkpoint.items():
-            assert result["reads"][name] == _expected_read(name, tensor.numel(), rank, num_kv_heads), name
+            assert result["reads"][name] == _expected_read(
+                name, tensor.numel(), rank, num_kv_heads
+            ), name
         shapes = result["shapes"]
         local_kv = max(1, num_kv_heads // TP)
         qkv_rows = (4 // TP + 2 * local_kv) * HEAD_SIZE

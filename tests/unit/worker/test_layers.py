@@ -50,8 +50,12 @@ ROPES = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
     "linear": {"rope_type": "linear", "rope_theta": 500000.0, "factor": 4.0},
     "llama3": {
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
     },
 }
 
@@ -60,7 +64,10 @@ ROPES = {
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_matches_transformers_bitwise(rope: str, dtype: torch.dtype) -> None:
     config = transformers.LlamaConfig(
-        hidden_size=256, num_attention_heads=4, head_dim=64, rope_parameters=dict(ROPES[rope]),
+        hidden_size=256,
+        num_attention_heads=4,
+        head_dim=64,
+        rope_parameters=dict(ROPES[rope]),
         max_position_embeddings=4096,
     )
     positions = torch.tensor([0, 1, 7, 63, 64, 1000, 4095])
@@ -76,12 +83,17 @@ def test_rotary_matches_transformers_bitwise(rope: str, dtype: torch.dtype) -> N
 
 def test_partial_rotary_rotates_only_the_leading_features() -> None:
     config = transformers.PhiConfig(
-        hidden_size=128, num_attention_heads=2, partial_rotary_factor=0.5, max_position_embeddings=64
+        hidden_size=128,
+        num_attention_heads=2,
+        partial_rotary_factor=0.5,
+        max_position_embeddings=64,
     )
     positions = torch.arange(9)
     q = torch.randn(9, 2, 64)
     cos, sin = PhiRotaryEmbedding(config)(q, positions[None])
-    rotated, _ = apply_rotary_pos_emb(q[..., :32].transpose(0, 1)[None], q[..., :32].transpose(0, 1)[None], cos, sin)
+    rotated, _ = apply_rotary_pos_emb(
+        q[..., :32].transpose(0, 1)[None], q[..., :32].transpose(0, 1)[None], cos, sin
+    )
     expected = torch.cat((rotated[0].transpose(0, 1), q[..., 32:]), dim=-1)
     rope = RotaryEmbedding(64, rope_parameters(config))
     assert rope.rotary_dim == 32

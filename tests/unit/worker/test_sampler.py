@@ -150,3 +150,22 @@ def test_prompt_logprobs_of_given_targets() -> None:
         assert entry.top_token_ids == []
         assert entry.top_logprobs == []
         assert entry.rank == int((reference[row] > reference[row, targets[row]]).sum()) + 1
+
+
+def test_banned_tokens_are_never_drawn_but_keep_raw_logprobs() -> None:
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(6))
+    best = logits.argmax(dim=-1).tolist()
+    params = [SamplingParams(temperature=0, logprobs=1), SamplingParams(temperature=1.0, top_k=2)]
+    tensors = SamplingTensors.build(params, [None, None], VOCAB, CPU, [[best[0]], [best[1]]])
+    second_and_third = set(logits[1].topk(3).indices.tolist()[1:])
+    sampler = Sampler(seed=0, device=CPU)
+    drawn = set()
+    for _ in range(20):
+        out = sampler.sample(logits, tensors)
+        assert out.token_ids[0] == logits[0].topk(2).indices[1]
+        drawn.add(int(out.token_ids[1]))
+    assert drawn == second_and_third  # top-2 of what is allowed: the banned best is gone
+    entry = out.logprobs[0]
+    assert entry is not None
+    assert entry.rank == 2
+    assert entry.top_token_ids == [best[0]]

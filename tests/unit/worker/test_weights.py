@@ -30,7 +30,9 @@ def test_sharded_checkpoint_loads_like_single_file(tmp_path: Path) -> None:
     names_sharded = {name for name, _ in iterate_weights(tmp_path / "sharded")}
     assert names_single == names_sharded
     models = [
-        load_model(ModelConfig.from_pretrained(tmp_path / sub, dtype="float32"), ParallelConfig(), "cpu")
+        load_model(
+            ModelConfig.from_pretrained(tmp_path / sub, dtype="float32"), ParallelConfig(), "cpu"
+        )
         for sub in ("single", "sharded")
     ]
     single, sharded = (_state(model) for model in models)
@@ -41,12 +43,16 @@ def test_sharded_checkpoint_loads_like_single_file(tmp_path: Path) -> None:
 
 def test_hf_names_route_to_packed_parameters(tmp_path: Path) -> None:
     hf_model = save_tiny_model("mistral", tmp_path)
-    model = load_model(ModelConfig.from_pretrained(tmp_path, dtype="float32"), ParallelConfig(), "cpu")
+    model = load_model(
+        ModelConfig.from_pretrained(tmp_path, dtype="float32"), ParallelConfig(), "cpu"
+    )
     hf = dict(hf_model.named_parameters())
     ours = dict(model.named_parameters())
     expected_qkv = torch.cat([hf[f"model.layers.2.self_attn.{p}_proj.weight"] for p in "qkv"])
     assert torch.equal(ours["model.layers.2.self_attn.qkv_proj.weight"], expected_qkv)
-    expected_gate_up = torch.cat([hf[f"model.layers.1.mlp.{p}_proj.weight"] for p in ("gate", "up")])
+    expected_gate_up = torch.cat(
+        [hf[f"model.layers.1.mlp.{p}_proj.weight"] for p in ("gate", "up")]
+    )
     assert torch.equal(ours["model.layers.1.mlp.gate_up_proj.weight"], expected_gate_up)
     assert torch.equal(ours["lm_head.weight"], hf["lm_head.weight"])
 
@@ -54,7 +60,9 @@ def test_hf_names_route_to_packed_parameters(tmp_path: Path) -> None:
 def test_tied_embeddings_share_one_parameter(tmp_path: Path) -> None:
     save_tiny_model("llama", tmp_path)
     assert "lm_head.weight" not in load_file(tmp_path / "model.safetensors")
-    model = load_model(ModelConfig.from_pretrained(tmp_path, dtype="float32"), ParallelConfig(), "cpu")
+    model = load_model(
+        ModelConfig.from_pretrained(tmp_path, dtype="float32"), ParallelConfig(), "cpu"
+    )
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert "lm_head.weight" not in dict(model.named_parameters())
 
@@ -82,7 +90,7 @@ def test_model_config_reads_the_folder(tmp_path: Path) -> None:
     assert config.tokenizer_path == str(tmp_path)
     with pytest.raises(ValueError, match="max_position_embeddings=128"):
         ModelConfig.from_pretrained(tmp_path, max_model_len=129)
-    with pytest.raises(ValueError, match="config.json"):
+    with pytest.raises(ValueError, match=r"config\.json"):
         ModelConfig.from_pretrained(tmp_path / "missing")
 
 
@@ -102,6 +110,9 @@ def test_registry_lists_supported_architectures() -> None:
         get_model_class("GPT2LMHeadModel")
     assert "GPT2LMHeadModel" in str(excinfo.value)
     assert set(supported_architectures()) >= {
-        "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-        "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
     }

@@ -1,0 +1,116 @@
+"""Truncated ("fast") prefill on a Gemma-3n-shaped model: prefill time with it off and on.
+
+A random-weight model with Gemma 3n E4B's layer layout (35 layers, the last 15 sharing KV, four
+sliding layers then one full layer, AltUp, LAuReL, per-layer inputs, sparse MLPs in the first
+10 layers) but CPU-sized widths is served by the offline `LLM` twice in the same run, with
+`kv_sharing_fast_prefill` off and on (prefix caching off). Each prompt is prefilled in one step
+(`max_tokens=1`); the best of `--repeats` runs is reported. The bound is what skipping the
+shared layers could give at most: total layer time / time of the layers still run on every
+row, from per-layer timings of the "off" run.
+
+    .venv/bin/python benchmarks/bench_truncated_prefill.py [--lengths 2048 8192] [--repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
+
+from cluster import LLM, SamplingParams
+
+NUM_LAYERS, NUM_SHARED = 35, 15
+
+
+def model_config(max_len: int, hidden: int) -> Gemma3nTextConfig:
+    """E4B's layout at CPU size (widths scaled down, head count and ratios kept)."""
+    return Gemma3nTextConfig(
+        vocab_size=2048, vocab_size_per_layer_input=2048, hidden_size=hidden,
+        intermediate_size=4 * hidden, num_hidden_layers=NUM_LAYERS,
+        num_kv_shared_layers=NUM_SHARED, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=hidden // 4, sliding_window=512, hidden_size_per_layer_input=hidden // 8,
+        laurel_rank=hidden // 32, altup_num_inputs=4, max_position_embeddings=max_len,
+        eos_token_id=None, bos_token_id=None, pad_token_id=None,
+    )
+
+
+def save_model(path: Path, max_len: int, hidden: int) -> None:
+    torch.manual_seed(0)
+    model = Gemma3nForCausalLM(model_config(max_len, hidden))
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.05)
+    model.save_pretrained(path)
+
+
+def prefill_seconds(llm: LLM, prompt: list[int], repeats: int) -> float:
+    """Best wall time of a one-token generation (prefill plus one sampling step)."""
+    params = SamplingParams(temperature=0, max_tokens=1)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        llm.generate([prompt], params, use_tqdm=False)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def layer_seconds(llm: LLM, prompt: list[int]) -> dict[int, float]:
+    """Wall time of each decoder layer during one prefill (hooks around every layer)."""
+    layers = llm.engine.executor.worker.model_runner.model.model.layers
+    spent: dict[int, float] = defaultdict(float)
+    starts: dict[int, float] = {}
+    hooks = []
+    for idx, layer in enumerate(layers):
+        hooks.append(layer.register_forward_pre_hook(
+            lambda _m, _a, idx=idx: starts.__setitem__(idx, time.perf_counter())))
+        hooks.append(layer.register_forward_hook(
+            lambda _m, _a, _o, idx=idx: spent.__setitem__(
+                idx, spent[idx] + time.perf_counter() - starts[idx])))
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    for hook in hooks:
+        hook.remove()
+    return dict(spent)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 8192])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=256)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    max_len = max(args.lengths) + 16
+    engine = {
+        "block_size": 16, "max_model_len": max_len, "max_num_batched_tokens": max_len,
+        "enable_prefix_caching": False, "kv_cache_memory_bytes": 1 << 30,
+    }
+    print(f"torch threads: {torch.get_num_threads()}; hidden {args.hidden}, "
+          f"{NUM_LAYERS} layers of which {NUM_SHARED} share KV")
+    print(f"{'tokens':>7} {'off s':>8} {'on s':>8} {'speedup':>8} {'bound':>6}")
+    with tempfile.TemporaryDirectory() as folder:
+        save_model(Path(folder), max_len, args.hidden)
+        llms = {
+            fast: LLM(folder, kv_sharing_fast_prefill=fast, **engine) for fast in (False, True)
+        }
+        for length in args.lengths:
+            prompt = [(31 * i + 7) % 2048 for i in range(length)]
+            for llm in llms.values():  # warm up at this length
+                prefill_seconds(llm, prompt, 1)
+            off = prefill_seconds(llms[False], prompt, args.repeats)
+            on = prefill_seconds(llms[True], prompt, args.repeats)
+            spent = layer_seconds(llms[False], prompt)
+            kept = sum(t for idx, t in spent.items() if idx < NUM_LAYERS - NUM_SHARED)
+            bound = sum(spent.values()) / kept
+            print(f"{length:>7} {off:>8.3f} {on:>8.3f} {off / on:>7.2f}x {bound:>5.2f}x")
+        for llm in llms.values():
+            llm.shutdown()
+
+
+if __name__ == "__main__":
+    main()
