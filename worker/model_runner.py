@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -166,17 +166,9 @@ class ModelRunner:
         states.update(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        num_scheduled = scheduler_output.num_scheduled_tokens
-        req_ids = [
-            req_id
-            for req_id in (
-                *(data.req_id for data in scheduler_output.scheduled_new_reqs),
-                *(data.req_id for data in scheduler_output.scheduled_cached_reqs),
-            )
-            if num_scheduled.get(req_id, 0) > 0
-        ]
-        req_ids = batch_order(req_ids, states, num_scheduled, self.config.reorder_batch_threshold)
-        batch = build_input_batch(req_ids, states, num_scheduled)
+        batch = build_input_batch(
+            self._batch_req_ids(scheduler_output), states, scheduler_output.num_scheduled_tokens
+        )
         prompt_rows = self._prompt_logprob_rows(batch)
         step = StepRows(batch.logits_indices, self._full_reqs(batch))
         ctx = build_forward_context(
@@ -193,12 +185,21 @@ class ModelRunner:
         output = self._sample(batch, logits[:num_sampled])
         if prompt_rows is None:
             return output
-        prompt = _prompt_logprobs(logits[num_sampled:], prompt_rows)
-        return ModelRunnerOutput(
-            req_ids=output.req_ids,
-            sampled_token_ids=output.sampled_token_ids,
-            logprobs=output.logprobs,
-            prompt_logprobs=prompt,
+        return replace(output, prompt_logprobs=_prompt_logprobs(logits[num_sampled:], prompt_rows))
+
+    def _batch_req_ids(self, scheduler_output: SchedulerOutput) -> list[str]:
+        """Scheduled requests in batch order (reordered when the config asks for it)."""
+        num_scheduled = scheduler_output.num_scheduled_tokens
+        req_ids = [
+            req_id
+            for req_id in (
+                *(data.req_id for data in scheduler_output.scheduled_new_reqs),
+                *(data.req_id for data in scheduler_output.scheduled_cached_reqs),
+            )
+            if num_scheduled.get(req_id, 0) > 0
+        ]
+        return batch_order(
+            req_ids, self._require_states(), num_scheduled, self.config.reorder_batch_threshold
         )
 
     def _require_states(self) -> RequestStates:

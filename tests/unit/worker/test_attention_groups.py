@@ -196,3 +196,31 @@ def test_runner_step_on_tiny_gemma2_builds_each_group_once_and_samples_hf_token(
     assert runner.execute(empty) == ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
     assert runner.states is not None
     assert "r" not in runner.states.requests
+
+
+def test_kernel_block_split_gives_the_same_attention_output() -> None:
+    """A backend that only takes 2-token blocks: 4-token scheduler blocks are split in two."""
+    layers = [_layer(0), _layer(1, window=3)]
+    outputs = {}
+    for kernel_size in (4, 2):
+
+        def backend_for(kbs: int, head_size: int, kernel_size: int = kernel_size):
+            if kbs > kernel_size:
+                raise ValueError("block size not supported")
+            return _backend_for(kbs, head_size)
+
+        report = report_kv_cache_specs(layers, block_size=4, dtype_bytes=4)
+        config = build_kv_cache_config(report.layer_specs, 1 << 20, num_blocks_override=16)
+        groups = build_attention_groups(layers, config, backend_for, GroupingOptions(4))
+        assert {g.kernel_block_size for g in groups} == {kernel_size}
+        caches = allocate_kv_caches(config, [kernel_size] * 2, torch.float32, CPU)
+        tables = MultiGroupBlockTable([4, 4], [kernel_size] * 2, 4, 64)
+        states = RequestStates(tables, CPU)
+        batch = _one_request(states, ([3, 1, 5], [2, 6, 4]), 10)
+        assert batch.block_tables[0].shape[1] == 3 * 4 // kernel_size
+        ctx = build_forward_context(groups, batch, StepRows(batch.logits_indices), caches)
+        gen = torch.Generator().manual_seed(1)
+        qkv = [torch.randn(10, size, generator=gen) for size in (64, 32, 32)]
+        outputs[kernel_size] = [layer(*qkv, ctx) for layer in layers]
+    for split, whole in zip(outputs[2], outputs[4], strict=True):
+        torch.testing.assert_close(split, whole)
