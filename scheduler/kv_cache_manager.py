@@ -123,8 +123,12 @@ class KVCacheManager:
         return self.pool.usage_per_group()
 
     def get_computed_blocks(self, request: Request) -> CacheHit:
-        """Longest prefix-cache hit of a new request (the last prompt token is never a hit)."""
-        if not self.enable_caching:
+        """Longest prefix-cache hit of a new request (the last prompt token is never a hit).
+
+        A request that asks for prompt logprobs reads nothing from the cache (every prompt token
+        must be computed to score it); its blocks are still registered for later requests.
+        """
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return self._no_hit
         if request.hash_block_size != self._hash_block_size:
             raise ValueError(

@@ -25,6 +25,7 @@ from kv_cache_helpers import (
 )
 
 from scheduler.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from scheduler.request import Request, SamplingParams
 
 
 def test_s02_allocation_hit_free_and_eviction_order() -> None:
@@ -246,3 +247,17 @@ def test_quiet_path_matches_the_full_path() -> None:
         tables = [decode(manager, request, 100 + index) for index in range(13)]
         results.append((tables, manager.get_block_ids("r"), free_queue(manager)))
     assert results[0] == results[1]
+
+
+def test_prompt_logprobs_request_reads_no_hit_but_registers_its_blocks() -> None:
+    """Scoring every prompt token needs every token computed: no cache read, but writes stay."""
+    manager = make_manager(11, full(16))
+    r0 = make_request("r0", P3 + [3] * 7, 16)
+    admit(manager, r0)
+    scored = Request("scored", P3 + [3] * 5, SamplingParams(prompt_logprobs=1), 16)
+    assert hit(manager, scored) == (([],), 0)
+    assert admit(manager, scored) == ([5, 6, 7, 8],)
+    manager.free(r0)
+    manager.free(scored)
+    again = make_request("again", P3 + [3] * 5, 16)
+    assert hit(manager, again)[1] == 48
