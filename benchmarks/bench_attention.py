@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels import BACKEND_NAMES, select_backend
+from kernels import BACKEND_NAMES, AttentionBackend, select_backend
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,7 @@ def workloads(is_small: bool) -> list[Workload]:
 def make_inputs(work: Workload, dtype: torch.dtype, device: torch.device) -> Inputs:
     """Random K/V in randomly placed cache blocks, and the same K/V unpaged."""
     blocks_per_req = -(-work.seq_len // work.block_size)
+    padding = blocks_per_req * work.block_size - work.seq_len
     num_blocks = work.num_reqs * blocks_per_req
     kv_shape = (work.num_reqs, work.num_kv_heads, work.seq_len, work.head_size)
     keys = torch.randn(kv_shape, dtype=dtype, device=device)
@@ -67,10 +68,11 @@ def make_inputs(work: Workload, dtype: torch.dtype, device: torch.device) -> Inp
     block_table = torch.randperm(num_blocks, device=device).view(work.num_reqs, -1)
 
     def paged(dense: torch.Tensor) -> torch.Tensor:
-        padded = F.pad(dense, (0, 0, 0, blocks_per_req * work.block_size - work.seq_len))
-        pages = padded.view(work.num_reqs, work.num_kv_heads, blocks_per_req, work.block_size, -1)
-        cache = torch.empty_like(pages.permute(0, 2, 3, 1, 4).flatten(0, 1))
-        cache[block_table.flatten()] = pages.permute(0, 2, 3, 1, 4).flatten(0, 1)
+        page = (work.block_size, work.num_kv_heads, work.head_size)
+        cache = torch.empty((num_blocks, *page), dtype=dtype, device=device)
+        for req_idx in range(work.num_reqs):  # one request at a time bounds the extra memory
+            tokens = F.pad(dense[req_idx].transpose(0, 1), (0, 0, 0, 0, 0, padding))
+            cache[block_table[req_idx]] = tokens.reshape(blocks_per_req, *page)
         return cache  # [num_blocks, block_size, num_kv_heads, head_size]
 
     num_tokens = work.num_reqs * work.q_len
@@ -117,23 +119,31 @@ def copy_bandwidth(device: torch.device, num_bytes: int, repeats: int) -> float:
     return 2 * num_bytes / seconds / 1e9
 
 
-def kernel_calls(
-    inputs: Inputs, work: Workload, names: list[str]
-) -> dict[str, Callable[[], object]]:
-    """Each runnable backend, torch SDPA and flash-attn's API, as zero-argument calls."""
-    scale = work.head_size**-0.5
-    device, dtype = inputs.query.device, inputs.query.dtype
-    calls: dict[str, Callable[[], object]] = {}
+def select_backends(
+    names: list[str], work: Workload, dtype: torch.dtype, device: torch.device
+) -> list[AttentionBackend]:
+    """The requested backends that can run here; prints why the others cannot."""
+    backends = []
     for name in names:
         try:
-            backend = select_backend(name, device=device, block_size=work.block_size,
-                                     head_size=work.head_size, dtype=dtype)  # fmt: skip
+            backends.append(select_backend(name, device=device, block_size=work.block_size,
+                                           head_size=work.head_size, dtype=dtype))  # fmt: skip
         except ValueError as exc:
-            print(f"  {name}: skipped ({exc})")
-            continue
-        args = (inputs.query, inputs.key_cache, inputs.value_cache, inputs.block_table,
-                inputs.query_start_loc, inputs.seq_lens, scale)  # fmt: skip
-        calls[f"{name} (paged)"] = lambda fn=backend.paged_attention, a=args: fn(*a)
+            print(f"- {name} not measured: {exc}")
+    return backends
+
+
+def kernel_calls(
+    inputs: Inputs, work: Workload, backends: list[AttentionBackend]
+) -> dict[str, Callable[[], object]]:
+    """Each backend, torch SDPA and flash-attn's API, as zero-argument calls."""
+    scale = work.head_size**-0.5
+    args = (inputs.query, inputs.key_cache, inputs.value_cache, inputs.block_table,
+            inputs.query_start_loc, inputs.seq_lens, scale)  # fmt: skip
+    calls: dict[str, Callable[[], object]] = {
+        f"{backend.name} (paged)": lambda fn=backend.paged_attention: fn(*args)
+        for backend in backends
+    }
     query = inputs.query.view(work.num_reqs, work.q_len, work.num_q_heads, -1).transpose(1, 2)
     is_causal = work.kind == "prefill"
     calls["torch SDPA (unpaged)"] = lambda: F.scaled_dot_product_attention(
@@ -183,12 +193,13 @@ def main() -> None:
     names = [name for name in args.backends.split(",") if name in BACKEND_NAMES]
     copy_gbs = copy_bandwidth(device, (1 << 30) if device.type == "cuda" else (1 << 28), 10)
     print(f"device {device} ({_device_name(device)}), {dtype}, copy bandwidth {copy_gbs:.1f} GB/s")
+    backends = select_backends(names, workloads(is_small)[0], dtype, device)
     print("| workload | kernel | time (ms) | achieved | % of copy BW |")
     print("|---|---|---|---|---|")
     for work in workloads(is_small):
         inputs = make_inputs(work, dtype, device)
         label = f"{work.kind} {work.num_reqs}x{work.seq_len}"
-        for kernel, call in kernel_calls(inputs, work, names).items():
+        for kernel, call in kernel_calls(inputs, work, backends).items():
             seconds = time_call(call, device, args.repeats)
             achieved = figure(work, inputs, seconds)
             share = f"{float(achieved.split()[0]) / copy_gbs:.0%}" if "GB/s" in achieved else "-"

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 # Upper bound on the fp32 score elements of one matmul; long prefills are cut into query
 # chunks so that a CPU prefill of thousands of tokens does not allocate gigabytes of scores.
@@ -135,28 +136,47 @@ def _attend(query: torch.Tensor, first_pos: int, paged: _PagedKV, rule: _ScoreRu
     Only blocks that hold keys some query may see are gathered, so block-table entries of
     blocks wholly outside the sliding window are never read.
     """
-    q_len, num_q_heads, head_size = query.shape
-    num_kv_heads = paged.key_cache.shape[2]
-    group = num_q_heads // num_kv_heads
+    q_len = query.shape[0]
     key_start = 0 if rule.sliding_window is None else max(0, first_pos - rule.sliding_window + 1)
     key_end = first_pos + q_len
     keys, values = _gather_keys(paged, key_start, key_end)  # [num_kv_heads, num_keys, head_size]
-
-    # [num_kv_heads, group * q_len, head_size]: all query heads of one KV head in one matmul.
-    q = query.float().reshape(q_len, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
-    scores = torch.matmul(q.reshape(num_kv_heads, group * q_len, head_size), keys.mT)
-    scores = scores.view(num_kv_heads, group, q_len, -1) * rule.scale
-    if rule.softcap is not None:
-        scores = torch.tanh(scores / rule.softcap) * rule.softcap
-    query_pos = torch.arange(first_pos, key_end, device=query.device)
-    key_pos = torch.arange(key_start, key_end, device=query.device)
-    is_visible = key_pos[None, :] <= query_pos[:, None]
+    query_pos = torch.arange(first_pos, key_end, device=query.device)[:, None]
+    key_pos = torch.arange(key_start, key_end, device=query.device)[None, :]
+    is_visible = key_pos <= query_pos  # [q_len, num_keys]
     if rule.sliding_window is not None:
-        is_visible &= query_pos[:, None] - key_pos[None, :] < rule.sliding_window
-    scores = scores.masked_fill(~is_visible, float("-inf"))
-    probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * q_len, -1)
-    out = torch.matmul(probs, values).view(num_kv_heads, group, q_len, head_size)
-    return out.permute(2, 0, 1, 3).reshape(q_len, num_q_heads, head_size).to(query.dtype)
+        is_visible &= query_pos - key_pos < rule.sliding_window
+    q = query.float().transpose(0, 1)  # [num_q_heads, q_len, head_size]
+    if rule.softcap is None and q_len > 1:
+        # Fused masked attention: on CPU about 2x faster than the explicit form for several
+        # query rows, and it never materialises the scores.
+        out = F.scaled_dot_product_attention(
+            q[None], keys[None], values[None], is_visible, scale=rule.scale, enable_gqa=True
+        )[0]
+    else:  # single-token decodes (faster explicit) and softcap (SDPA cannot express it)
+        out = _explicit_attention(q, keys, values, is_visible, rule.scale, rule.softcap)
+    return out.transpose(0, 1).to(query.dtype)
+
+
+def _explicit_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    is_visible: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Masked attention as two matmuls, with optional `softcap * tanh(scores / softcap)`."""
+    num_q_heads, q_len, head_size = q.shape
+    num_kv_heads = keys.shape[0]
+    group = num_q_heads // num_kv_heads
+    # [num_kv_heads, group * q_len, head_size]: all query heads of one KV head in one matmul.
+    scores = torch.matmul(q.reshape(num_kv_heads, group * q_len, head_size), keys.mT)
+    scores = scores.view(num_kv_heads, group, q_len, -1) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    probs = scores.masked_fill(~is_visible, float("-inf")).softmax(dim=-1)
+    out = torch.matmul(probs.view(num_kv_heads, group * q_len, -1), values)
+    return out.view(num_q_heads, q_len, head_size)
 
 
 def _gather_keys(

@@ -267,3 +267,23 @@ def test_gemma3n_kv_capacity_counts_only_owning_layers(gemma3n):
     assert shared.num_blocks == memory // (3 * page) == 600
     assert unshared.num_blocks == memory // (6 * page) == 300
     assert math.isclose(shared.num_blocks / unshared.num_blocks, 2.0)
+
+
+def test_llama_family_kv_sharing_option_same_tokens_with_truncated_prefill(tmp_path):
+    """The shared decoder (here Qwen2, L0 full, L1 sliding, ...) reads `kv_sharing_targets`."""
+    config = {
+        **COMMON, "intermediate_size": 96, "num_hidden_layers": 8, "use_sliding_window": True,
+        "sliding_window": 6, "layer_types": ["full_attention", "sliding_attention"] * 4,
+        "kv_sharing_targets": LLAMA4_SHARED["kv_sharing_targets"],
+    }
+    _save("Qwen2Config", "Qwen2ForCausalLM", config, tmp_path)
+    report = report_kv_cache_specs(attention_layers(_ours(tmp_path)), 16, 4)
+    assert report.shared_kv_layers == {_layer(i): _layer(t) for i, t in [(2, 0), (3, 1), (6, 4),
+                                                                          (7, 5)]}
+    runs = [
+        _generate(tmp_path, GREEDY, kv_sharing_fast_prefill=fast,
+                  disable_hybrid_kv_cache_manager=hybrid_off)
+        for fast, hybrid_off in [(False, False), (True, False), (True, True)]
+    ]
+    tokens = [[r.outputs[0].token_ids for r in results] for results in runs]
+    assert tokens[0] == tokens[1] == tokens[2]

@@ -205,7 +205,6 @@ def test_bf16_on_gpu_follows_transformers(family: str, tmp_path: Path) -> None:
                 break
 
 
-@pytest.mark.slow
 def test_default_model_matches_transformers_on_the_gguf_file(
     default_model_dir: Path, gguf_reference, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -18,6 +18,11 @@ from transformers import PretrainedConfig
 
 from worker.attention import Attention, AttentionConfig, ForwardContext
 from worker.config import ModelConfig, ParallelConfig
+from worker.kv_sharing import (
+    KVSharingDecoderLoop,
+    attention_modules,
+    kv_sharing_targets_from_config,
+)
 from worker.layers.activation import gated_activation
 from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -59,6 +64,8 @@ class LayerOptions:
     sliding_window: int | None = None
     rope: str = DEFAULT_ROPE
     """Key of the rotary table the layer uses."""
+    kv_sharing_target: int | None = None
+    """Earlier layer whose KV cache this layer reads (config key `kv_sharing_targets`)."""
 
 
 def head_size_of(hf_config: PretrainedConfig) -> int:
@@ -103,6 +110,11 @@ class DecoderAttention(nn.Module):
                 scale=options.attn_scale,
                 sliding_window=layer.sliding_window,
                 logits_softcap=options.attn_softcap,
+                kv_sharing_target=(
+                    None
+                    if layer.kv_sharing_target is None
+                    else f"model.layers.{layer.kv_sharing_target}.self_attn.attn"
+                ),
             )
         )
 
@@ -198,6 +210,7 @@ class DecoderModel(nn.Module):
         self.rotary_emb = nn.ModuleDict(
             {key: RotaryEmbedding(head_size, params) for key, params in ropes.items()}
         )
+        self.loop = KVSharingDecoderLoop(attention_modules(self.layers))
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
@@ -206,8 +219,12 @@ class DecoderModel(nn.Module):
         if self.embed_scale is not None:
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
         tables = {key: rope(positions) for key, rope in self.rotary_emb.items()}
-        for layer, rope_key in zip(self.layers, self.layer_ropes, strict=True):
-            hidden = layer(hidden, tables[rope_key], ctx)
+
+        def run_layer(idx: int, hidden: torch.Tensor, rope: dict[str, RopeTables]) -> torch.Tensor:
+            out: torch.Tensor = self.layers[idx](hidden, rope[self.layer_ropes[idx]], ctx)
+            return out
+
+        hidden = self.loop.run(run_layer, hidden, tables, ctx)
         normed: torch.Tensor = self.norm(hidden)
         return normed
 
@@ -219,7 +236,11 @@ class DecoderForCausalLM(nn.Module, abc.ABC):
         super().__init__()
         hf_config = model_config.hf_config
         self.options = self.decoder_options(hf_config)
-        layers = [self.layer_options(hf_config, i) for i in range(hf_config.num_hidden_layers)]
+        targets = kv_sharing_targets_from_config(hf_config)
+        layers = [
+            replace(self.layer_options(hf_config, i), kv_sharing_target=targets.get(i))
+            for i in range(hf_config.num_hidden_layers)
+        ]
         self.model = DecoderModel(
             hf_config, self.options, layers, self.rope_tables(hf_config), parallel
         )

@@ -18,7 +18,7 @@ from transformers.activations import ACT2FN
 
 from worker.attention import Attention, AttentionConfig, ForwardContext
 from worker.config import ModelConfig, ParallelConfig
-from worker.kv_sharing import KVSharingDecoderLoop
+from worker.kv_sharing import KVSharingDecoderLoop, attention_modules
 from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from worker.layers.loading import WeightSource
@@ -92,7 +92,8 @@ class Gemma3nAttention(nn.Module):
         q = apply_rotary(self.q_norm(q.reshape(num_tokens, -1, size)), rope)
         out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1),
                         v.reshape(num_tokens, -1), ctx)
-        return self.o_proj(out)
+        projected: torch.Tensor = self.o_proj(out)
+        return projected
 
 
 class Gemma3nDecoderLayer(nn.Module):
@@ -107,8 +108,10 @@ class Gemma3nDecoderLayer(nn.Module):
         per_layer = hf_config.hidden_size_per_layer_input
         self.self_attn = Gemma3nAttention(hf_config, idx, target, parallel)
         self.mlp = Gemma3nMLP(hf_config, idx, parallel)
-        for name in ("input", "post_attention", "pre_feedforward", "post_feedforward"):
-            setattr(self, f"{name}_layernorm", RMSNorm(hidden, eps))
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps)
         self.altup, self.laurel = AltUp(hf_config), Laurel(hf_config)
         self.per_layer_input_gate = Linear(hidden, per_layer)
         self.per_layer_projection = Linear(per_layer, hidden)
@@ -164,7 +167,7 @@ class Gemma3nModel(nn.Module):
             kind: RotaryEmbedding(hf_config.head_dim, rope_parameters(hf_config, kind))
             for kind in sorted(set(self.types))
         })
-        self.loop = KVSharingDecoderLoop([layer.self_attn.attn for layer in self.layers])
+        self.loop = KVSharingDecoderLoop(attention_modules(self.layers))
 
     def _per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """[T] ids, [T, H] embeddings -> [T, layers, P]: token table + projected embedding."""
@@ -174,7 +177,8 @@ class Gemma3nModel(nn.Module):
         scale = torch.tensor(embeds.shape[-1] ** -0.5).to(dtype)
         projected = self.per_layer_model_projection(embeds) * scale
         projected = self.per_layer_projection_norm(projected.reshape(shape))
-        return (projected + table.reshape(shape)) * torch.rsqrt(torch.tensor(2.0)).to(dtype)
+        summed: torch.Tensor = projected + table.reshape(shape)
+        return summed * torch.rsqrt(torch.tensor(2.0)).to(dtype)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
@@ -198,7 +202,8 @@ class Gemma3nModel(nn.Module):
             match_magnitude(proj(streams[:, idx + 1]), target)
             for idx, proj in enumerate(self.altup_unembed_projections)
         ]
-        return self.norm(torch.stack(unembedded, dim=1).mean(dim=1))
+        normed: torch.Tensor = self.norm(torch.stack(unembedded, dim=1).mean(dim=1))
+        return normed
 
 
 class Gemma3nForCausalLM(DecoderForCausalLM):

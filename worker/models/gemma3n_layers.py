@@ -5,6 +5,8 @@ Used by `worker.models.gemma3n`; numerics follow transformers' Gemma 3n modules.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -71,7 +73,8 @@ class AltUp(nn.Module):
         """Spread the active stream's innovation `activated - prediction` to every stream."""
         innovation = activated - predictions[:, self.active]  # [T, H]
         coefs = self.correction_coefs(self._modalities(activated)) + 1.0  # [T, S]
-        return (predictions + innovation[:, None, :] * coefs[:, :, None]).type_as(activated)
+        corrected: torch.Tensor = predictions + innovation[:, None, :] * coefs[:, :, None]
+        return corrected.type_as(activated)
 
 
 class Laurel(nn.Module):
@@ -84,7 +87,8 @@ class Laurel(nn.Module):
         self.post_laurel_norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.post_laurel_norm(self.linear_right(self.linear_left(x)))
+        out: torch.Tensor = x + self.post_laurel_norm(self.linear_right(self.linear_left(x)))
+        return out
 
 
 class Gemma3nMLP(nn.Module):
@@ -102,7 +106,8 @@ class Gemma3nMLP(nn.Module):
     def _gaussian_topk(self, gate: torch.Tensor) -> torch.Tensor:
         """relu(gate - (mean + std * Phi^-1(sparsity))) with statistics over the full width."""
         target = torch.tensor(self.sparsity, dtype=torch.float32, device=gate.device)
-        multiplier = torch.distributions.normal.Normal(0, 1).icdf(target).type(gate.dtype)
+        # Phi^-1(p) = sqrt(2) * erfinv(2p - 1), the standard normal quantile
+        multiplier = (math.sqrt(2.0) * torch.erfinv(2.0 * target - 1.0)).type(gate.dtype)
         if self.tp_size == 1:
             mean = gate.mean(-1, keepdim=True)
             std = gate.std(-1, keepdim=True, unbiased=False)
@@ -115,4 +120,5 @@ class Gemma3nMLP(nn.Module):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         if self.sparsity > 0.0:
             gate = self._gaussian_topk(gate)
-        return self.down_proj(self.act(gate) * up)
+        out: torch.Tensor = self.down_proj(self.act(gate) * up)
+        return out

@@ -19,7 +19,11 @@ from transformers import PretrainedConfig
 from worker.attention import Attention, AttentionConfig, ForwardContext
 from worker.config import ModelConfig, ParallelConfig
 from worker.distributed import all_reduce
-from worker.kv_sharing import KVSharingDecoderLoop, kv_sharing_targets_from_config
+from worker.kv_sharing import (
+    KVSharingDecoderLoop,
+    attention_modules,
+    kv_sharing_targets_from_config,
+)
 from worker.layers.activation import gated_activation
 from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.layers.linear import (
@@ -99,7 +103,8 @@ class Llama4Attention(nn.Module):
             scales = torch.log1p(steps) * self.temperature_scale + 1.0
             q = (q * scales[:, None, None]).to(q.dtype)
         out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v, ctx)
-        return self.o_proj(out)
+        projected: torch.Tensor = self.o_proj(out)
+        return projected
 
 
 class Llama4MLP(nn.Module):
@@ -112,7 +117,8 @@ class Llama4MLP(nn.Module):
         self.down_proj = RowParallelLinear(inner, hidden, parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        out: torch.Tensor = self.down_proj(self.act(self.gate_up_proj(x)))
+        return out
 
 
 class Llama4Experts(nn.Module):
@@ -151,26 +157,36 @@ class Llama4Experts(nn.Module):
         return all_reduce(out) if self.parallel.tp_size > 1 else out
 
 
+class Llama4Router(nn.Module):
+    """Router logits [T, experts]; every rank holds the whole matrix."""
+
+    def __init__(self, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.weight = new_parameter((num_experts, hidden), replicated)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
 class Llama4MoE(nn.Module):
     """Sigmoid-scored top-k routing over the experts, plus a shared expert on every token."""
 
     def __init__(self, hf_config: PretrainedConfig, parallel: ParallelConfig) -> None:
         super().__init__()
         self.top_k = hf_config.num_experts_per_tok
-        self.router = nn.Module()
-        shape = (hf_config.num_local_experts, hf_config.hidden_size)
-        self.router.weight = new_parameter(shape, replicated)
+        self.router = Llama4Router(hf_config.hidden_size, hf_config.num_local_experts)
         self.experts = Llama4Experts(hf_config, parallel)
         self.shared_expert = Llama4MLP(
             hf_config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act, parallel
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(x, self.router.weight)  # [T, E]
+        logits = self.router(x)  # [T, E]
         top_logits, chosen = torch.topk(logits, self.top_k, dim=1)
         scores = torch.full_like(logits, float("-inf")).scatter_(1, chosen, top_logits)
         scores = torch.sigmoid(scores.float()).to(x.dtype)
-        return self.shared_expert(x) + self.experts(x, scores, chosen)
+        out: torch.Tensor = self.shared_expert(x) + self.experts(x, scores, chosen)
+        return out
 
 
 class Llama4DecoderLayer(nn.Module):
@@ -193,7 +209,8 @@ class Llama4DecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, inputs: Inputs, ctx: ForwardContext) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), inputs, ctx)
-        return hidden + self.feed_forward(self.post_attention_layernorm(hidden))
+        out: torch.Tensor = hidden + self.feed_forward(self.post_attention_layernorm(hidden))
+        return out
 
 
 class Llama4Model(nn.Module):
@@ -210,7 +227,7 @@ class Llama4Model(nn.Module):
         )
         self.norm = RMSNorm(hidden, hf_config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(head_size_of(hf_config), rope_parameters(hf_config))
-        self.loop = KVSharingDecoderLoop([layer.self_attn.attn for layer in self.layers])
+        self.loop = KVSharingDecoderLoop(attention_modules(self.layers))
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
@@ -221,7 +238,8 @@ class Llama4Model(nn.Module):
 
         inputs: Inputs = (positions, self.rotary_emb(positions))
         hidden = self.loop.run(run_layer, self.embed_tokens(input_ids), inputs, ctx)
-        return self.norm(hidden)
+        normed: torch.Tensor = self.norm(hidden)
+        return normed
 
 
 class Llama4ForCausalLM(DecoderForCausalLM):

@@ -116,10 +116,98 @@ def test_placement_from_built_kv_cache_config(disable_hybrid):
     assert len(config.groups) == (1 if disable_hybrid else 2)
     plans = plan_attention_groups(EIGHT, [g.layer_names for g in config.groups], True)
     expected = {
-        ("full", False, frozenset({"L0", "L4", "L2"})), ("local", False, frozenset({"L1", "L5", "L3"})),
+        ("full", False, frozenset({"L0", "L4", "L2"})),
+        ("local", False, frozenset({"L1", "L5", "L3"})),
         ("full", True, frozenset({"L6"})), ("local", True, frozenset({"L7"})),
     }
     assert {(p.kind, p.is_truncated_prefill, frozenset(p.layer_names)) for p in plans} == expected
     if not disable_hybrid:
         group_of = {name: gid for gid, g in enumerate(config.groups) for name in g.layer_names}
         assert all(group_of[name] == p.kv_cache_group_id for p in plans for name in p.layer_names)
+
+
+# ---- the decoder loop and the config option ----
+
+
+def _attention(idx: int, target: int | None = None):
+    from worker.attention import Attention, AttentionConfig
+
+    return Attention(AttentionConfig(
+        layer_name=f"L{idx}", num_heads=2, num_kv_heads=1, head_size=4, scale=1.0,
+        kv_sharing_target=None if target is None else f"L{target}",
+    ))
+
+
+def _context(query_rows):
+    import torch
+
+    from kernels.reference import paged_attention, store_kv_cache
+    from worker.attention import AttentionMetadata, ForwardContext
+
+    meta = AttentionMetadata(
+        query_start_loc=torch.tensor([0, 6]), seq_lens=torch.tensor([6]),
+        block_table=torch.zeros(1, 2, dtype=torch.int32), slot_mapping=torch.arange(6),
+        max_query_len=6, max_seq_len=6, num_actual_tokens=6, store_kv_cache=store_kv_cache,
+        paged_attention=paged_attention, query_rows=query_rows,
+    )
+    return ForwardContext(metadata={"L2": meta, "L3": meta}, kv_caches={})
+
+
+def test_decoder_loop_runs_trailing_sharing_layers_on_kept_rows_only():
+    import torch
+
+    from worker.kv_sharing import KVSharingDecoderLoop
+
+    loop = KVSharingDecoderLoop([_attention(0), _attention(1), _attention(2, 0), _attention(3, 1)])
+    assert (loop.first_truncated, loop.probe_layer) == (2, "L2")
+    calls = []
+
+    def run_layer(idx, hidden, inputs):
+        calls.append((idx, len(hidden)))
+        positions, per_layer = inputs  # [T], [T, layers]
+        return hidden * per_layer[:, idx : idx + 1] + positions[:, None]
+
+    hidden = torch.arange(12.0).view(6, 2)
+    positions = torch.arange(6.0)
+    per_layer = torch.tensor([2.0, 3.0, 5.0, 7.0]).repeat(6, 1) + positions[:, None]
+    inputs = (positions, per_layer)
+    full = loop.run(run_layer, hidden, inputs, _context(None))
+    assert calls == [(0, 6), (1, 6), (2, 6), (3, 6)]
+    calls.clear()
+    rows = torch.tensor([1, 5])
+    out = loop.run(run_layer, hidden, inputs, _context(rows))
+    assert calls == [(0, 6), (1, 6), (2, 2), (3, 2)]
+    torch.testing.assert_close(out[rows], full[rows])
+    after_two = hidden
+    for idx in range(2):
+        after_two = after_two * per_layer[:, idx : idx + 1] + positions[:, None]
+    torch.testing.assert_close(out[[0, 2, 3, 4]], after_two[[0, 2, 3, 4]])
+    calls.clear()
+    loop.run(run_layer, hidden, inputs, _context(torch.tensor([], dtype=torch.int64)))
+    assert calls == [(0, 6), (1, 6)]
+
+
+def test_decoder_loop_without_trailing_sharing_layers_never_truncates():
+    from worker.kv_sharing import KVSharingDecoderLoop
+
+    loop = KVSharingDecoderLoop([_attention(0), _attention(1, 0), _attention(2)])
+    assert loop.probe_layer is None
+    assert loop.first_truncated == 3
+
+
+def test_kv_sharing_targets_from_config_extra_key():
+    from transformers import LlamaConfig
+
+    from worker.kv_sharing import kv_sharing_targets_from_config
+
+    config = LlamaConfig(num_hidden_layers=8, kv_sharing_targets={"7": 5, "6": 4})
+    assert kv_sharing_targets_from_config(config) == {7: 5, 6: 4}
+    assert kv_sharing_targets_from_config(LlamaConfig(num_hidden_layers=2)) == {}
+    with pytest.raises(ValueError, match="cannot read"):
+        kv_sharing_targets_from_config(
+            LlamaConfig(num_hidden_layers=8, kv_sharing_targets={"3": 3})
+        )
+    with pytest.raises(ValueError, match="cannot be a target"):
+        kv_sharing_targets_from_config(
+            LlamaConfig(num_hidden_layers=8, kv_sharing_targets={"3": 1, "5": 3})
+        )
