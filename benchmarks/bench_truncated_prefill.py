@@ -4,9 +4,9 @@ A random-weight model with Gemma 3n E4B's layer layout (35 layers, the last 15 s
 sliding layers then one full layer, AltUp, LAuReL, per-layer inputs, sparse MLPs in the first
 10 layers) but CPU-sized widths is served by the offline `LLM` twice in the same run, with
 `kv_sharing_fast_prefill` off and on (prefix caching off). Each prompt is prefilled in one step
-(`max_tokens=1`); the best of `--repeats` runs, alternating modes, is reported. The bound is what skipping the
-shared layers could give at most: total layer time / time of the layers still run on every
-row, from per-layer timings of the "off" run.
+(`max_tokens=1`); the best of `--repeats` runs, alternating modes, is reported. The bound is
+what skipping the shared layers could give at most: total layer time / time of the layers still
+run on every row, from per-layer timings of the "off" run.
 
     .venv/bin/python benchmarks/bench_truncated_prefill.py [--lengths 2048 8192] [--repeats 2]
 """

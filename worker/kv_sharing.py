@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypeVar, Union
+from typing import TypeVar, Union, cast
 
 import torch
+from torch import nn
 from transformers import PretrainedConfig
 
 from worker.attention import Attention, ForwardContext
@@ -119,14 +120,20 @@ def kv_sharing_targets_from_config(hf_config: PretrainedConfig) -> dict[int, int
     return targets
 
 
+def attention_modules(module: nn.Module) -> list[Attention]:
+    """The attention layers under `module`, in module order."""
+    return [child for child in module.modules() if isinstance(child, Attention)]
+
+
 def select_rows(data: Inputs, rows: torch.Tensor) -> Inputs:
     """The rows `rows` (dim 0) of every tensor in `data`, keeping its structure."""
     if isinstance(data, torch.Tensor):
-        return data.index_select(0, rows)  # type: ignore[return-value]
+        return cast(Inputs, data.index_select(0, rows))
     if isinstance(data, tuple):
-        items = [select_rows(item, rows) for item in data]
-        return type(data)(*items) if hasattr(data, "_fields") else type(data)(items)  # type: ignore[return-value]
-    return {key: select_rows(value, rows) for key, value in data.items()}  # type: ignore[return-value]
+        items = tuple(select_rows(item, rows) for item in data)
+        rebuild = getattr(data, "_make", None)  # a NamedTuple keeps its type
+        return cast(Inputs, rebuild(items) if rebuild is not None else items)
+    return cast(Inputs, {key: select_rows(value, rows) for key, value in data.items()})
 
 
 class KVSharingDecoderLoop:
