@@ -158,9 +158,11 @@ def _generate(path, params, **kwargs):
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW)
 
 
-@pytest.mark.parametrize("fast_prefill", [False, True])
-def test_gemma3n_greedy_tokens_match_transformers(gemma3n, fast_prefill):
-    results = _generate(gemma3n.path, GREEDY, kv_sharing_fast_prefill=fast_prefill)
+@pytest.mark.parametrize(("fast_prefill", "disable_hybrid"), [(False, False), (True, False),
+                                                             (True, True)])
+def test_gemma3n_greedy_tokens_match_transformers(gemma3n, fast_prefill, disable_hybrid):
+    results = _generate(gemma3n.path, GREEDY, kv_sharing_fast_prefill=fast_prefill,
+                        disable_hybrid_kv_cache_manager=disable_hybrid)
     assert [r.outputs[0].token_ids for r in results] == gemma3n.greedy
 
 
@@ -287,3 +289,12 @@ def test_llama_family_kv_sharing_option_same_tokens_with_truncated_prefill(tmp_p
     ]
     tokens = [[r.outputs[0].token_ids for r in results] for results in runs]
     assert tokens[0] == tokens[1] == tokens[2]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["gemma3n", "llama4"])
+def test_tensor_parallel_2_with_truncated_prefill_matches_transformers(name, request):
+    """Two gloo ranks: KV heads, MLP/expert widths and per-layer tables split over ranks."""
+    saved = request.getfixturevalue(name)
+    results = _generate(saved.path, GREEDY, tensor_parallel_size=2, kv_sharing_fast_prefill=True)
+    assert [r.outputs[0].token_ids for r in results] == saved.greedy
