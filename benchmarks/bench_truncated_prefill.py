@@ -31,12 +31,23 @@ NUM_LAYERS, NUM_SHARED = 35, 15
 def model_config(max_len: int, hidden: int) -> Gemma3nTextConfig:
     """E4B's layout at CPU size (widths scaled down, head count and ratios kept)."""
     return Gemma3nTextConfig(
-        vocab_size=2048, vocab_size_per_layer_input=2048, hidden_size=hidden,
-        intermediate_size=4 * hidden, num_hidden_layers=NUM_LAYERS,
-        num_kv_shared_layers=NUM_SHARED, num_attention_heads=8, num_key_value_heads=2,
-        head_dim=hidden // 4, sliding_window=512, hidden_size_per_layer_input=hidden // 8,
-        laurel_rank=hidden // 32, altup_num_inputs=4, max_position_embeddings=max_len,
-        eos_token_id=None, bos_token_id=None, pad_token_id=None,
+        vocab_size=2048,
+        vocab_size_per_layer_input=2048,
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_hidden_layers=NUM_LAYERS,
+        num_kv_shared_layers=NUM_SHARED,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=hidden // 4,
+        sliding_window=512,
+        hidden_size_per_layer_input=hidden // 8,
+        laurel_rank=hidden // 32,
+        altup_num_inputs=4,
+        max_position_embeddings=max_len,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
     )
 
 
@@ -71,11 +82,18 @@ def layer_seconds(llm: LLM, prompt: list[int]) -> dict[int, float]:
     starts: dict[int, float] = {}
     hooks = []
     for idx, layer in enumerate(layers):
-        hooks.append(layer.register_forward_pre_hook(
-            lambda _m, _a, idx=idx: starts.__setitem__(idx, time.perf_counter())))
-        hooks.append(layer.register_forward_hook(
-            lambda _m, _a, _o, idx=idx: spent.__setitem__(
-                idx, spent[idx] + time.perf_counter() - starts[idx])))
+        hooks.append(
+            layer.register_forward_pre_hook(
+                lambda _m, _a, idx=idx: starts.__setitem__(idx, time.perf_counter())
+            )
+        )
+        hooks.append(
+            layer.register_forward_hook(
+                lambda _m, _a, _o, idx=idx: spent.__setitem__(
+                    idx, spent[idx] + time.perf_counter() - starts[idx]
+                )
+            )
+        )
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     for hook in hooks:
         hook.remove()
@@ -91,17 +109,20 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     max_len = max(args.lengths) + 16
     engine = {
-        "block_size": 16, "max_model_len": max_len, "max_num_batched_tokens": max_len,
-        "enable_prefix_caching": False, "kv_cache_memory_bytes": 1 << 30,
+        "block_size": 16,
+        "max_model_len": max_len,
+        "max_num_batched_tokens": max_len,
+        "enable_prefix_caching": False,
+        "kv_cache_memory_bytes": 1 << 30,
     }
-    print(f"torch threads: {torch.get_num_threads()}; hidden {args.hidden}, "
-          f"{NUM_LAYERS} layers of which {NUM_SHARED} share KV")
+    print(
+        f"torch threads: {torch.get_num_threads()}; hidden {args.hidden}, "
+        f"{NUM_LAYERS} layers of which {NUM_SHARED} share KV"
+    )
     print(f"{'tokens':>7} {'off s':>8} {'on s':>8} {'speedup':>8} {'bound':>6}")
     with tempfile.TemporaryDirectory() as folder:
         save_model(Path(folder), max_len, args.hidden)
-        llms = {
-            fast: LLM(folder, kv_sharing_fast_prefill=fast, **engine) for fast in (False, True)
-        }
+        llms = {fast: LLM(folder, kv_sharing_fast_prefill=fast, **engine) for fast in (False, True)}
         for length in args.lengths:
             prompt = [(31 * i + 7) % 2048 for i in range(length)]
             prefill_seconds(llms, prompt[:256], 1)  # warm up

@@ -94,13 +94,17 @@ class Attention(nn.Module):
         shape = {"num_kv_heads": cfg.num_kv_heads, "head_size": cfg.head_size}
         if cfg.sliding_window is not None:
             return SlidingWindowSpec(
-                block_size=block_size, dtype_bytes=dtype_bytes, sliding_window=cfg.sliding_window,
+                block_size=block_size,
+                dtype_bytes=dtype_bytes,
+                sliding_window=cfg.sliding_window,
                 **shape,
             )
         if cfg.attention_chunk_size is not None:
             return ChunkedLocalAttentionSpec(
-                block_size=block_size, dtype_bytes=dtype_bytes,
-                attention_chunk_size=cfg.attention_chunk_size, **shape,
+                block_size=block_size,
+                dtype_bytes=dtype_bytes,
+                attention_chunk_size=cfg.attention_chunk_size,
+                **shape,
             )
         return FullAttentionSpec(block_size=block_size, dtype_bytes=dtype_bytes, **shape)
 

@@ -80,9 +80,7 @@ def plan_attention_groups(
     lands in a bucket of its own kind apart from the untruncated layers.
     """
     kind_of = {layer.name: layer.kind for layer in layers}
-    targets = {
-        layer.name: layer.kv_sharing_target for layer in layers if layer.kv_sharing_target
-    }
+    targets = {layer.name: layer.kv_sharing_target for layer in layers if layer.kv_sharing_target}
     members = [list(names) for names in kv_cache_groups]
     group_of = {name: gid for gid, names in enumerate(kv_cache_groups) for name in names}
     for layer in layers:

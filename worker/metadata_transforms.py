@@ -185,7 +185,10 @@ class ChunkedLocalBatches:
 
     def __call__(self, meta: AttentionMetadata, step: StepRows) -> AttentionMetadata:
         virtual = make_virtual_batches(
-            meta.query_start_loc, meta.seq_lens, meta.block_table, self.chunk_size,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_table,
+            self.chunk_size,
             self.block_size,
         )
         return replace(

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
-from tqdm.auto import tqdm  # type: ignore[import-untyped]
+from tqdm.auto import tqdm
 
 from worker.layers.loading import ShardId, WeightSource, weight_loader_of
 

@@ -29,30 +29,55 @@ from worker.weights import iterate_weights
 pytestmark = pytest.mark.parity
 
 COMMON = {
-    "vocab_size": 256, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 16, "max_position_embeddings": 128,
-    "eos_token_id": None, "bos_token_id": None, "pad_token_id": None,
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 128,
+    "eos_token_id": None,
+    "bos_token_id": None,
+    "pad_token_id": None,
 }
 GEMMA3N = {
-    **COMMON, "vocab_size_per_layer_input": 128, "intermediate_size": 96,
-    "num_hidden_layers": 6, "layer_types": ["sliding_attention", "full_attention"] * 3,
-    "sliding_window": 6, "num_kv_shared_layers": 3, "hidden_size_per_layer_input": 8,
-    "laurel_rank": 4, "altup_num_inputs": 3, "final_logit_softcapping": 5.0,
+    **COMMON,
+    "vocab_size_per_layer_input": 128,
+    "intermediate_size": 96,
+    "num_hidden_layers": 6,
+    "layer_types": ["sliding_attention", "full_attention"] * 3,
+    "sliding_window": 6,
+    "num_kv_shared_layers": 3,
+    "hidden_size_per_layer_input": 8,
+    "laurel_rank": 4,
+    "altup_num_inputs": 3,
+    "final_logit_softcapping": 5.0,
     "activation_sparsity_pattern": [0.95, 0.95, 0.0, 0.0, 0.0, 0.0],
 }
 LLAMA4 = {
-    **COMMON, "intermediate_size": 32, "intermediate_size_mlp": 96, "num_hidden_layers": 4,
-    "attention_chunk_size": 8, "num_local_experts": 4, "num_experts_per_tok": 2,
-    "interleave_moe_layer_step": 2, "no_rope_layer_interval": 2, "floor_scale": 4,
+    **COMMON,
+    "intermediate_size": 32,
+    "intermediate_size_mlp": 96,
+    "num_hidden_layers": 4,
+    "attention_chunk_size": 8,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "interleave_moe_layer_step": 2,
+    "no_rope_layer_interval": 2,
+    "floor_scale": 4,
 }
 # L0 full, L1 local, L2 -> L0, L3 -> L1, L4 full, L5 local, L6 -> L4, L7 -> L5.
 LLAMA4_SHARED = {
-    **LLAMA4, "num_hidden_layers": 8, "no_rope_layer_interval": 8,
+    **LLAMA4,
+    "num_hidden_layers": 8,
+    "no_rope_layer_interval": 8,
     "layer_types": ["full_attention", "chunked_attention"] * 4,
     "kv_sharing_targets": {"2": 0, "3": 1, "6": 4, "7": 5},
 }
-PROMPTS = [[(7 * i + 3) % 256 for i in range(30)], [(11 * i + 5) % 256 for i in range(5)],
-           [(13 * i + 1) % 256 for i in range(19)]]
+PROMPTS = [
+    [(7 * i + 3) % 256 for i in range(30)],
+    [(11 * i + 5) % 256 for i in range(5)],
+    [(13 * i + 1) % 256 for i in range(19)],
+]
 NUM_NEW = 32
 LLM_ARGS = {"block_size": 4, "max_num_batched_tokens": 16, "kv_cache_memory_bytes": 1 << 22}
 
@@ -158,11 +183,16 @@ def _generate(path, params, **kwargs):
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW)
 
 
-@pytest.mark.parametrize(("fast_prefill", "disable_hybrid"), [(False, False), (True, False),
-                                                             (True, True)])
+@pytest.mark.parametrize(
+    ("fast_prefill", "disable_hybrid"), [(False, False), (True, False), (True, True)]
+)
 def test_gemma3n_greedy_tokens_match_transformers(gemma3n, fast_prefill, disable_hybrid):
-    results = _generate(gemma3n.path, GREEDY, kv_sharing_fast_prefill=fast_prefill,
-                        disable_hybrid_kv_cache_manager=disable_hybrid)
+    results = _generate(
+        gemma3n.path,
+        GREEDY,
+        kv_sharing_fast_prefill=fast_prefill,
+        disable_hybrid_kv_cache_manager=disable_hybrid,
+    )
     assert [r.outputs[0].token_ids for r in results] == gemma3n.greedy
 
 
@@ -182,8 +212,12 @@ def test_llama4_kv_sharing_same_tokens_with_truncated_prefill_and_hybrid_on_and_
     tokens, groups = {}, {}
     for fast in (False, True):
         for hybrid_off in (False, True):
-            llm = LLM(str(llama4_shared), **LLM_ARGS, kv_sharing_fast_prefill=fast,
-                      disable_hybrid_kv_cache_manager=hybrid_off)
+            llm = LLM(
+                str(llama4_shared),
+                **LLM_ARGS,
+                kv_sharing_fast_prefill=fast,
+                disable_hybrid_kv_cache_manager=hybrid_off,
+            )
             results = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
             runner = llm.engine.executor.worker.model_runner
             groups[fast, hybrid_off] = {
@@ -195,12 +229,18 @@ def test_llama4_kv_sharing_same_tokens_with_truncated_prefill_and_hybrid_on_and_
     full = frozenset({_layer(0), _layer(4), _layer(2)})
     local = frozenset({_layer(1), _layer(5), _layer(3)})
     assert groups[True, True] == {
-        (0, full), (0, local), (0, frozenset({_layer(6)})), (0, frozenset({_layer(7)})),
+        (0, full),
+        (0, local),
+        (0, frozenset({_layer(6)})),
+        (0, frozenset({_layer(7)})),
     }
     hybrid = {gid for gid, names in groups[True, False]}
     assert len(hybrid) == 2
     assert {names for _, names in groups[True, False]} == {
-        full, local, frozenset({_layer(6)}), frozenset({_layer(7)}),
+        full,
+        local,
+        frozenset({_layer(6)}),
+        frozenset({_layer(7)}),
     }
 
 
@@ -231,9 +271,11 @@ def test_truncated_prefill_runs_shared_layers_on_fewer_rows(gemma3n):
 
 def test_prompt_logprobs_equal_with_truncated_prefill_on_and_off(gemma3n):
     path, hf_model, _ = gemma3n
-    params = [SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2),
-              SamplingParams(temperature=0, max_tokens=2),
-              SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2),
+        SamplingParams(temperature=0, max_tokens=2),
+        SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0),
+    ]
     on = _generate(path, params, kv_sharing_fast_prefill=True)
     off = _generate(path, params, kv_sharing_fast_prefill=False)
     for idx in (0, 2):
@@ -254,17 +296,25 @@ def test_gemma3n_kv_capacity_counts_only_owning_layers(gemma3n):
     """S25 on Gemma 3n: 3 of 6 layers share, so one block costs 3 pages, not 6."""
     report = report_kv_cache_specs(attention_layers(_ours(gemma3n.path)), 16, 4)
     # The last layer of each type before the shared run: full L1, sliding L2.
-    assert report.shared_kv_layers == {_layer(3): _layer(1), _layer(4): _layer(2),
-                                       _layer(5): _layer(1)}
+    assert report.shared_kv_layers == {
+        _layer(3): _layer(1),
+        _layer(4): _layer(2),
+        _layer(5): _layer(1),
+    }
     page = next(iter(report.layer_specs.values())).page_size_bytes
     memory = 3 * 6 * page * 100
-    owners = {name: spec for name, spec in report.layer_specs.items()
-              if name not in report.shared_kv_layers}
-    shared = build_kv_cache_config(owners, memory, shared_kv_layers=report.shared_kv_layers,
-                                   disable_hybrid=True)
+    owners = {
+        name: spec
+        for name, spec in report.layer_specs.items()
+        if name not in report.shared_kv_layers
+    }
+    shared = build_kv_cache_config(
+        owners, memory, shared_kv_layers=report.shared_kv_layers, disable_hybrid=True
+    )
     unshared = build_kv_cache_config(
         {**owners, **{name: owners[target] for name, target in report.shared_kv_layers.items()}},
-        memory, disable_hybrid=True,
+        memory,
+        disable_hybrid=True,
     )
     assert shared.num_blocks == memory // (3 * page) == 600
     assert unshared.num_blocks == memory // (6 * page) == 300
@@ -274,17 +324,26 @@ def test_gemma3n_kv_capacity_counts_only_owning_layers(gemma3n):
 def test_llama_family_kv_sharing_option_same_tokens_with_truncated_prefill(tmp_path):
     """The shared decoder (here Qwen2, L0 full, L1 sliding, ...) reads `kv_sharing_targets`."""
     config = {
-        **COMMON, "intermediate_size": 96, "num_hidden_layers": 8, "use_sliding_window": True,
-        "sliding_window": 6, "layer_types": ["full_attention", "sliding_attention"] * 4,
+        **COMMON,
+        "intermediate_size": 96,
+        "num_hidden_layers": 8,
+        "use_sliding_window": True,
+        "sliding_window": 6,
+        "layer_types": ["full_attention", "sliding_attention"] * 4,
         "kv_sharing_targets": LLAMA4_SHARED["kv_sharing_targets"],
     }
     _save("Qwen2Config", "Qwen2ForCausalLM", config, tmp_path)
     report = report_kv_cache_specs(attention_layers(_ours(tmp_path)), 16, 4)
-    assert report.shared_kv_layers == {_layer(i): _layer(t) for i, t in [(2, 0), (3, 1), (6, 4),
-                                                                          (7, 5)]}
+    assert report.shared_kv_layers == {
+        _layer(i): _layer(t) for i, t in [(2, 0), (3, 1), (6, 4), (7, 5)]
+    }
     runs = [
-        _generate(tmp_path, GREEDY, kv_sharing_fast_prefill=fast,
-                  disable_hybrid_kv_cache_manager=hybrid_off)
+        _generate(
+            tmp_path,
+            GREEDY,
+            kv_sharing_fast_prefill=fast,
+            disable_hybrid_kv_cache_manager=hybrid_off,
+        )
         for fast, hybrid_off in [(False, False), (True, False), (True, True)]
     ]
     tokens = [[r.outputs[0].token_ids for r in results] for results in runs]

@@ -74,12 +74,17 @@ class Gemma3nAttention(nn.Module):
         else:  # NOTE: the checkpoint's `q_proj` is renamed here (see `load_weights`)
             self.query_proj = ColumnParallelLinear(hidden, heads * self.head_size, parallel)
         self.o_proj = RowParallelLinear(heads * self.head_size, hidden, parallel)
-        self.attn = Attention(AttentionConfig(
-            layer_name=_attn_name(idx), num_heads=heads // parallel.tp_size,
-            num_kv_heads=max(1, kv_heads // parallel.tp_size), head_size=self.head_size, scale=1.0,
-            sliding_window=window_from_layer_types(hf_config, idx),
-            kv_sharing_target=None if target is None else _attn_name(target),
-        ))
+        self.attn = Attention(
+            AttentionConfig(
+                layer_name=_attn_name(idx),
+                num_heads=heads // parallel.tp_size,
+                num_kv_heads=max(1, kv_heads // parallel.tp_size),
+                head_size=self.head_size,
+                scale=1.0,
+                sliding_window=window_from_layer_types(hf_config, idx),
+                kv_sharing_target=None if target is None else _attn_name(target),
+            )
+        )
 
     def forward(self, x: torch.Tensor, rope: RopeTables, ctx: ForwardContext) -> torch.Tensor:
         num_tokens, size = x.shape[0], self.head_size
@@ -90,8 +95,9 @@ class Gemma3nAttention(nn.Module):
             k = apply_rotary(self.k_norm(k.reshape(num_tokens, -1, size)), rope)
             v = unscaled_rms(v.reshape(num_tokens, -1, size), self.eps)
         q = apply_rotary(self.q_norm(q.reshape(num_tokens, -1, size)), rope)
-        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1),
-                        v.reshape(num_tokens, -1), ctx)
+        out = self.attn(
+            q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.reshape(num_tokens, -1), ctx
+        )
         projected: torch.Tensor = self.o_proj(out)
         return projected
 
@@ -120,7 +126,10 @@ class Gemma3nDecoderLayer(nn.Module):
         self.correct_scale = bool(hf_config.altup_correct_scale)
 
     def forward(
-        self, streams: torch.Tensor, rope: RopeTables, per_layer_input: torch.Tensor,
+        self,
+        streams: torch.Tensor,
+        rope: RopeTables,
+        per_layer_input: torch.Tensor,
         ctx: ForwardContext,
     ) -> torch.Tensor:
         predictions = self.altup.predict(streams)
@@ -163,10 +172,12 @@ class Gemma3nModel(nn.Module):
             for idx in range(num_layers)
         )
         self.norm = RMSNorm(hidden, hf_config.rms_norm_eps)
-        self.rotary_emb = nn.ModuleDict({
-            kind: RotaryEmbedding(hf_config.head_dim, rope_parameters(hf_config, kind))
-            for kind in sorted(set(self.types))
-        })
+        self.rotary_emb = nn.ModuleDict(
+            {
+                kind: RotaryEmbedding(hf_config.head_dim, rope_parameters(hf_config, kind))
+                for kind in sorted(set(self.types))
+            }
+        )
         self.loop = KVSharingDecoderLoop(attention_modules(self.layers))
 
     def _per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
@@ -225,12 +236,14 @@ class Gemma3nForCausalLM(DecoderForCausalLM):
     def decoder_options(cls, hf_config: PretrainedConfig) -> DecoderOptions:
         cap = getattr(hf_config, "final_logit_softcapping", None)
         return DecoderOptions(
-            hidden_act=hf_config.hidden_activation, attn_scale=1.0,
+            hidden_act=hf_config.hidden_activation,
+            attn_scale=1.0,
             final_softcap=float(cap) if cap is not None else None,
         )
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> set[str]:
         """Shared layers hold only a query projection: their `q_proj` is not packed into qkv."""
+
         def rename(name: str) -> str:
             for idx in self.shared_layers:
                 prefix = f"model.layers.{idx}.self_attn.q_proj."

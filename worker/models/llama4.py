@@ -71,13 +71,17 @@ class Llama4Attention(nn.Module):
         self.eps, self.floor_scale = hf_config.rms_norm_eps, hf_config.floor_scale
         self.temperature_scale = hf_config.attn_scale
         is_chunked = hf_config.layer_types[idx] == "chunked_attention"
-        self.attn = Attention(AttentionConfig(
-            layer_name=_attn_name(idx), num_heads=self.qkv_proj.num_heads,
-            num_kv_heads=self.qkv_proj.num_kv_heads, head_size=self.head_size,
-            scale=self.head_size**-0.5,
-            attention_chunk_size=hf_config.attention_chunk_size if is_chunked else None,
-            kv_sharing_target=None if target is None else _attn_name(target),
-        ))
+        self.attn = Attention(
+            AttentionConfig(
+                layer_name=_attn_name(idx),
+                num_heads=self.qkv_proj.num_heads,
+                num_kv_heads=self.qkv_proj.num_kv_heads,
+                head_size=self.head_size,
+                scale=self.head_size**-0.5,
+                attention_chunk_size=hf_config.attention_chunk_size if is_chunked else None,
+                kv_sharing_target=None if target is None else _attn_name(target),
+            )
+        )
 
     def forward(self, x: torch.Tensor, inputs: Inputs, ctx: ForwardContext) -> torch.Tensor:
         positions, rope = inputs

@@ -19,11 +19,14 @@ def _layers(kinds: list[str], shares: dict[int, int]) -> list[LayerAttentionInfo
     ]
 
 
-@pytest.mark.parametrize(("shares", "eligible"), [
-    ({3: 1, 4: 0, 5: 1}, {"L5", "L4", "L3"}),
-    ({3: 1, 5: 1}, {"L5"}),
-    ({2: 0, 3: 1}, set()),
-])
+@pytest.mark.parametrize(
+    ("shares", "eligible"),
+    [
+        ({3: 1, 4: 0, 5: 1}, {"L5", "L4", "L3"}),
+        ({3: 1, 5: 1}, {"L5"}),
+        ({2: 0, 3: 1}, set()),
+    ],
+)
 def test_eligibility_is_the_trailing_run_of_sharing_layers(shares, eligible):
     assert set(truncated_prefill_layers(_layers(["full"] * 6, shares))) == eligible
 
@@ -41,8 +44,12 @@ def _as_sets(plans: list[AttentionGroupPlan]) -> set[tuple[int, str, bool, froze
 
 def test_placement_with_one_kv_cache_group():
     plans = plan_attention_groups(EIGHT, [["L0", "L1", "L4", "L5"]], is_fast_prefill=True)
-    assert [p.layer_names for p in plans] == [("L0", "L4", "L2"), ("L1", "L5", "L3"), ("L6",),
-                                             ("L7",)]
+    assert [p.layer_names for p in plans] == [
+        ("L0", "L4", "L2"),
+        ("L1", "L5", "L3"),
+        ("L6",),
+        ("L7",),
+    ]
     assert _as_sets(plans) == {
         (0, "full", False, frozenset({"L0", "L4", "L2"})),
         (0, "local", False, frozenset({"L1", "L5", "L3"})),
@@ -64,7 +71,8 @@ def test_placement_with_hybrid_groups_splits_inside_each_group():
 def test_placement_without_fast_prefill_joins_every_sharing_layer_to_its_target():
     plans = plan_attention_groups(EIGHT, [["L0", "L4"], ["L1", "L5"]], is_fast_prefill=False)
     assert [(p.kv_cache_group_id, p.layer_names) for p in plans] == [
-        (0, ("L0", "L4", "L2", "L6")), (1, ("L1", "L5", "L3", "L7")),
+        (0, ("L0", "L4", "L2", "L6")),
+        (1, ("L1", "L5", "L3", "L7")),
     ]
 
 
@@ -99,7 +107,8 @@ def test_s25_sharing_doubles_the_tokens_that_fit():
     assert estimate_max_model_len(shared, 5 * GIB) == 2_621_440
     plans = plan_attention_groups(
         [LayerAttentionInfo("L0", "full"), LayerAttentionInfo("L1", "full", "L0")],
-        [g.layer_names for g in shared.groups], is_fast_prefill=False,
+        [g.layer_names for g in shared.groups],
+        is_fast_prefill=False,
     )
     assert [p.layer_names for p in plans] == [("L0", "L1")]
 
@@ -110,7 +119,9 @@ def test_placement_from_built_kv_cache_config(disable_hybrid):
 
     owners = {f"L{i}": _spec() if i % 2 == 0 else _spec(sliding_window=32) for i in (0, 1, 4, 5)}
     config = build_kv_cache_config(
-        owners, GIB, shared_kv_layers={"L2": "L0", "L3": "L1", "L6": "L4", "L7": "L5"},
+        owners,
+        GIB,
+        shared_kv_layers={"L2": "L0", "L3": "L1", "L6": "L4", "L7": "L5"},
         disable_hybrid=disable_hybrid,
     )
     assert len(config.groups) == (1 if disable_hybrid else 2)
@@ -118,7 +129,8 @@ def test_placement_from_built_kv_cache_config(disable_hybrid):
     expected = {
         ("full", False, frozenset({"L0", "L4", "L2"})),
         ("local", False, frozenset({"L1", "L5", "L3"})),
-        ("full", True, frozenset({"L6"})), ("local", True, frozenset({"L7"})),
+        ("full", True, frozenset({"L6"})),
+        ("local", True, frozenset({"L7"})),
     }
     assert {(p.kind, p.is_truncated_prefill, frozenset(p.layer_names)) for p in plans} == expected
     if not disable_hybrid:
@@ -132,10 +144,16 @@ def test_placement_from_built_kv_cache_config(disable_hybrid):
 def _attention(idx: int, target: int | None = None):
     from worker.attention import Attention, AttentionConfig
 
-    return Attention(AttentionConfig(
-        layer_name=f"L{idx}", num_heads=2, num_kv_heads=1, head_size=4, scale=1.0,
-        kv_sharing_target=None if target is None else f"L{target}",
-    ))
+    return Attention(
+        AttentionConfig(
+            layer_name=f"L{idx}",
+            num_heads=2,
+            num_kv_heads=1,
+            head_size=4,
+            scale=1.0,
+            kv_sharing_target=None if target is None else f"L{target}",
+        )
+    )
 
 
 def _context(query_rows):
@@ -145,10 +163,16 @@ def _context(query_rows):
     from worker.attention import AttentionMetadata, ForwardContext
 
     meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0, 6]), seq_lens=torch.tensor([6]),
-        block_table=torch.zeros(1, 2, dtype=torch.int32), slot_mapping=torch.arange(6),
-        max_query_len=6, max_seq_len=6, num_actual_tokens=6, store_kv_cache=store_kv_cache,
-        paged_attention=paged_attention, query_rows=query_rows,
+        query_start_loc=torch.tensor([0, 6]),
+        seq_lens=torch.tensor([6]),
+        block_table=torch.zeros(1, 2, dtype=torch.int32),
+        slot_mapping=torch.arange(6),
+        max_query_len=6,
+        max_seq_len=6,
+        num_actual_tokens=6,
+        store_kv_cache=store_kv_cache,
+        paged_attention=paged_attention,
+        query_rows=query_rows,
     )
     return ForwardContext(metadata={"L2": meta, "L3": meta}, kv_caches={})
 

@@ -32,8 +32,15 @@ def _qsl(lens: list[int]) -> torch.Tensor:
 
 # S26: (C, bs, query lens, seq lens, virtual q, virtual k, virtual block table)
 S26 = [
-    (4, 2, [4, 10, 5], [6, 17, 9], [2, 2, 1, 4, 4, 1, 4, 1], [4, 2, 4, 4, 4, 1, 4, 1],
-     [[0, 1], [2, 3], [11, 12], [13, 14], [15, 16], [17, 17], [20, 21], [22, 23]]),
+    (
+        4,
+        2,
+        [4, 10, 5],
+        [6, 17, 9],
+        [2, 2, 1, 4, 4, 1, 4, 1],
+        [4, 2, 4, 4, 4, 1, 4, 1],
+        [[0, 1], [2, 3], [11, 12], [13, 14], [15, 16], [17, 17], [20, 21], [22, 23]],
+    ),
     (4, 2, [8], [12], [4, 4], [4, 4], [[2, 3], [4, 5]]),
     (4, 2, [7], [10], [1, 4, 2], [4, 4, 2], [[0, 1], [2, 3], [4, 4]]),
     (10, 2, [4], [6], [4], [6], [[0, 1, 2, 2, 2]]),
@@ -116,7 +123,7 @@ def _paged_batch(q_lens, k_lens, block_size, seed=0):
     gen = torch.Generator().manual_seed(seed)
     cols = -(-max(k_lens) // block_size)
     num_blocks = len(k_lens) * cols + 1
-    table = (torch.randperm(num_blocks - 1, generator=gen)[: len(k_lens) * cols] + 1)
+    table = torch.randperm(num_blocks - 1, generator=gen)[: len(k_lens) * cols] + 1
     table = table.view(len(k_lens), cols).to(torch.int32)
     shape = (num_blocks, block_size, KV_HEADS, HEAD)
     key_cache, value_cache = torch.zeros(shape), torch.zeros(shape)
@@ -128,10 +135,15 @@ def _paged_batch(q_lens, k_lens, block_size, seed=0):
         store_kv_cache(keys[req], values[req], key_cache, value_cache, slots)
     query = torch.randn(sum(q_lens), HEADS, HEAD, generator=gen)
     meta = AttentionMetadata(
-        query_start_loc=_qsl(q_lens), seq_lens=torch.tensor(k_lens, dtype=torch.int32),
-        block_table=table, slot_mapping=torch.full((sum(q_lens),), -1, dtype=torch.int64),
-        max_query_len=max(q_lens), max_seq_len=max(k_lens), num_actual_tokens=sum(q_lens),
-        store_kv_cache=store_kv_cache, paged_attention=paged_attention,
+        query_start_loc=_qsl(q_lens),
+        seq_lens=torch.tensor(k_lens, dtype=torch.int32),
+        block_table=table,
+        slot_mapping=torch.full((sum(q_lens),), -1, dtype=torch.int64),
+        max_query_len=max(q_lens),
+        max_seq_len=max(k_lens),
+        num_actual_tokens=sum(q_lens),
+        store_kv_cache=store_kv_cache,
+        paged_attention=paged_attention,
     )
     return meta, query, (key_cache, value_cache), keys, values
 
@@ -157,9 +169,14 @@ def _run(meta, query, caches):
     )
 
 
-@pytest.mark.parametrize(("chunk", "bs", "q_lens", "k_lens"), [
-    (4, 2, [4, 10, 5], [6, 17, 9]), (8, 4, [13, 1, 20], [13, 30, 41]), (4, 4, [1, 1], [4, 5]),
-])
+@pytest.mark.parametrize(
+    ("chunk", "bs", "q_lens", "k_lens"),
+    [
+        (4, 2, [4, 10, 5], [6, 17, 9]),
+        (8, 4, [13, 1, 20], [13, 30, 41]),
+        (4, 4, [1, 1], [4, 5]),
+    ],
+)
 def test_virtual_batches_attention_equals_dense_chunked_attention(chunk, bs, q_lens, k_lens):
     meta, query, caches, keys, values = _paged_batch(q_lens, k_lens, bs)
     step = StepRows(logits_indices=meta.query_start_loc[1:].long() - 1)
@@ -190,7 +207,9 @@ def test_truncate_then_virtual_batches_composition():
     assert out.seq_lens.tolist() == [4, 2, 1]
     assert out.query_rows.tolist() == [0, 1, 2, 3, 4, 5, 8]
     assert out.block_table.tolist() == [
-        table[0, :2].tolist(), table[0, 2:4].tolist(), [int(table[1, 4])] * 2,
+        table[0, :2].tolist(),
+        table[0, 2:4].tolist(),
+        [int(table[1, 4])] * 2,
     ]
     assert (out.max_query_len, out.max_seq_len, out.num_actual_tokens) == (4, 4, 7)
     assert torch.equal(out.slot_mapping, meta.slot_mapping)
