@@ -23,7 +23,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
-test: install
+test: lint
 	$(BIN)/python -m pytest -m "not gpu and not distributed and not slow" -q $(PYTEST_ARGS)
 
 test-all: install
@@ -34,7 +34,9 @@ test-gpu: install
 
 lint: install
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
+	$(BIN)/mypy
 
 serve: install
 	$(BIN)/hybridserve serve $(ARGS)
