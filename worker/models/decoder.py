@@ -232,22 +232,31 @@ class DecoderModel(nn.Module):
 class DecoderForCausalLM(nn.Module, abc.ABC):
     """A causal LM with the runner's interface: forward, compute_logits, load_weights."""
 
+    tie_word_embeddings_default = False
+    """Whether the LM head reuses the embedding when the config does not say."""
+
     def __init__(self, model_config: ModelConfig, parallel: ParallelConfig) -> None:
         super().__init__()
         hf_config = model_config.hf_config
         self.options = self.decoder_options(hf_config)
+        self.model = self.build_model(hf_config, parallel)
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, parallel)
+        self.tie_word_embeddings = bool(
+            getattr(hf_config, "tie_word_embeddings", self.tie_word_embeddings_default)
+        )
+        if self.tie_word_embeddings:
+            embedding = self.model.embed_tokens
+            assert isinstance(embedding, VocabParallelEmbedding)
+            self.lm_head.tie_to(embedding)
+
+    def build_model(self, hf_config: PretrainedConfig, parallel: ParallelConfig) -> nn.Module:
+        """The decoder stack (embedding, layers, final norm); the shared stack by default."""
         targets = kv_sharing_targets_from_config(hf_config)
         layers = [
             replace(self.layer_options(hf_config, i), kv_sharing_target=targets.get(i))
             for i in range(hf_config.num_hidden_layers)
         ]
-        self.model = DecoderModel(
-            hf_config, self.options, layers, self.rope_tables(hf_config), parallel
-        )
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, parallel)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        return DecoderModel(hf_config, self.options, layers, self.rope_tables(hf_config), parallel)
 
     @classmethod
     @abc.abstractmethod

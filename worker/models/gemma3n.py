@@ -19,7 +19,7 @@ from transformers.activations import ACT2FN
 from worker.attention import Attention, AttentionConfig, ForwardContext
 from worker.config import ModelConfig, ParallelConfig
 from worker.kv_sharing import KVSharingDecoderLoop, attention_modules
-from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from worker.layers.embedding import VocabParallelEmbedding
 from worker.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from worker.layers.loading import WeightSource
 from worker.layers.norm import RMSNorm
@@ -220,17 +220,14 @@ class Gemma3nModel(nn.Module):
 class Gemma3nForCausalLM(DecoderForCausalLM):
     """Gemma 3n text-only causal LM (`Gemma3nForCausalLM` / `Gemma3nTextConfig`)."""
 
+    tie_word_embeddings_default = True
+
     def __init__(self, model_config: ModelConfig, parallel: ParallelConfig) -> None:
-        # NOTE: the shared decoder stack does not fit Gemma 3n; only the LM interface is reused.
-        nn.Module.__init__(self)
-        hf_config = model_config.hf_config
-        self.options = self.decoder_options(hf_config)
-        self.model = Gemma3nModel(hf_config, parallel)  # type: ignore[assignment]
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, parallel)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", True))
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
-        self.shared_layers = set(kv_sharing_targets(hf_config))
+        super().__init__(model_config, parallel)
+        self.shared_layers = set(kv_sharing_targets(model_config.hf_config))
+
+    def build_model(self, hf_config: PretrainedConfig, parallel: ParallelConfig) -> nn.Module:
+        return Gemma3nModel(hf_config, parallel)
 
     @classmethod
     def decoder_options(cls, hf_config: PretrainedConfig) -> DecoderOptions:

@@ -16,13 +16,13 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from worker.attention import Attention, AttentionConfig, ForwardContext
-from worker.config import ModelConfig, ParallelConfig
+from worker.config import ParallelConfig
 from worker.kv_sharing import (
     KVSharingDecoderLoop,
     attention_modules,
     kv_sharing_targets_from_config,
 )
-from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from worker.layers.embedding import VocabParallelEmbedding
 from worker.layers.linear import QKVParallelLinear, RowParallelLinear
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RopeTables, RotaryEmbedding, rope_parameters
@@ -158,16 +158,8 @@ class Llama4Model(nn.Module):
 class Llama4ForCausalLM(DecoderForCausalLM):
     """Llama 4 text-only causal LM (`Llama4ForCausalLM` / `Llama4TextConfig`)."""
 
-    def __init__(self, model_config: ModelConfig, parallel: ParallelConfig) -> None:
-        # NOTE: the shared decoder stack does not fit Llama 4; only the LM interface is reused.
-        nn.Module.__init__(self)
-        hf_config = model_config.hf_config
-        self.options = self.decoder_options(hf_config)
-        self.model = Llama4Model(hf_config, parallel)  # type: ignore[assignment]
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, parallel)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+    def build_model(self, hf_config: PretrainedConfig, parallel: ParallelConfig) -> nn.Module:
+        return Llama4Model(hf_config, parallel)
 
     @classmethod
     def decoder_options(cls, hf_config: PretrainedConfig) -> DecoderOptions:
