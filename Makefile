@@ -1,11 +1,11 @@
-# hybridserve: `make test` and `make serve` do all the set-up on a fresh machine.
+# hybridserve: `make test` does all the set-up on a fresh machine, then runs the default suite.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-all test-gpu lint serve bench clean
+.PHONY: install test test-all test-gpu lint generate bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,11 +38,13 @@ lint: install
 	$(BIN)/lint-imports
 	$(BIN)/mypy
 
-serve: install
-	$(BIN)/hybridserve serve $(ARGS)
+generate: install
+	$(BIN)/hybridserve generate --prompt "$(or $(PROMPT),The capital of France is)"
 
 bench: install
 	$(BIN)/python benchmarks/bench_kv_cache.py
+	$(BIN)/python benchmarks/bench_scheduler.py
+	$(BIN)/python benchmarks/bench_attention.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
