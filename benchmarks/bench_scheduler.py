@@ -91,7 +91,9 @@ def _mixed_load() -> Load:
             prefix = rng.choice(prefixes)[: rng.randrange(0, 512)]
             suffix = [rng.randrange(1, 32000) for _ in range(rng.randint(16, 512))]
             params = SamplingParams(temperature=0, max_tokens=rng.randint(16, 256))
-            request = Request(f"m{next(counter)}", prefix + suffix, params, 16)
+            request = Request(
+                f"m{next(counter)}", prefix + suffix, params, scheduler.hash_block_size
+            )
             scheduler.add_request(request)
 
     return Load(scheduler, feed)

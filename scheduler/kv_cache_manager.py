@@ -45,6 +45,9 @@ class CacheHit(NamedTuple):
     junction_tokens: int
     """The longest hit one bucket of equal specs found alone, if longer than `num_tokens`, else
     `num_tokens`: where a prefill chunk should end so that a state lands there (Mamba)."""
+    group_hit_tokens: tuple[int, ...]
+    """Per group, the hit its own bucket found before the groups agreed; empty when nothing was
+    looked up (caching off, or a request that reads no hit)."""
 
 
 @dataclass(frozen=True)
@@ -57,9 +60,9 @@ class KVCacheStats:
     group_usage: tuple[float, ...]
     """Per group, fraction of the usable blocks its tables hold."""
     num_queries: int
-    """Requests looked up."""
+    """Lookups of admitted requests (a resumed request counts again)."""
     query_tokens: tuple[int, ...]
-    """Per group, prompt tokens looked up."""
+    """Per group, tokens of those requests when looked up."""
     group_hit_tokens: tuple[int, ...]
     """Per group, tokens its own bucket could serve (before reconciliation across groups)."""
     hit_tokens: int
@@ -100,7 +103,7 @@ class KVCacheManager:
         """Per request holding tables: (slots, computed, cached) limits below which a step
         changes nothing (see `SingleTypeManager.quiet_limits`)."""
         self._no_blocks = KVCacheBlocks.empty(self.num_groups)
-        self._no_hit = CacheHit(self._no_blocks, 0, 0)
+        self._no_hit = CacheHit(self._no_blocks, 0, 0, ())
         self._num_queries = 0
         self._query_tokens = 0
         self._hit_tokens = 0
@@ -127,6 +130,7 @@ class KVCacheManager:
 
         A request that asks for prompt logprobs reads nothing from the cache (every prompt token
         must be computed to score it); its blocks are still registered for later requests.
+        Counts nothing: `record_lookup` counts the lookup once the request is admitted.
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return self._no_hit
@@ -138,13 +142,24 @@ class KVCacheManager:
         found = self.coordinator.find_longest_cache_hit(
             request.block_hashes, request.num_tokens - 1
         )
+        junction = max(found.num_tokens, *found.group_hit_tokens)
+        return CacheHit(
+            KVCacheBlocks(found.blocks), found.num_tokens, junction, found.group_hit_tokens
+        )
+
+    def record_lookup(self, request: Request, hit: CacheHit) -> None:
+        """Count an admitted request's lookup in the prefix-cache counters.
+
+        Called on admission rather than on lookup, so that a request waiting for room several
+        steps is counted once.
+        """
+        if not hit.group_hit_tokens:
+            return
         self._num_queries += 1
         self._query_tokens += request.num_tokens
-        self._hit_tokens += found.num_tokens
-        for group_id, tokens in enumerate(found.group_hit_tokens):
+        self._hit_tokens += hit.num_tokens
+        for group_id, tokens in enumerate(hit.group_hit_tokens):
             self._group_hit_tokens[group_id] += tokens
-        junction = max(found.num_tokens, *found.group_hit_tokens)
-        return CacheHit(KVCacheBlocks(found.blocks), found.num_tokens, junction)
 
     def get_num_blocks_to_allocate(
         self,
@@ -175,7 +190,8 @@ class KVCacheManager:
 
         All-or-nothing over groups: None when the pool is short (nothing taken; out-of-window
         blocks of the request may have been freed). Registers the full blocks among the tokens
-        computed through this step. Returns the blocks this call allocated, per group.
+        computed through this step. Returns the table entries this call appended, per group
+        (new blocks, and the null entries a Mamba group puts before its new state block).
         """
         if num_new_tokens < 0 or num_lookahead_tokens < 0 or num_new_computed_tokens < 0:
             raise ValueError("token counts must be >= 0")

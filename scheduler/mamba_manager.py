@@ -75,17 +75,31 @@ class MambaManager(SingleTypeManager):
             new_blocks = self.pool.get_new_blocks(1, self.group_id)
             blocks.extend(new_blocks)
             return new_blocks
-        missing = cdiv(num_tokens, self.block_size) - len(blocks)
+        num_held = len(blocks)
+        missing = cdiv(num_tokens, self.block_size) - num_held
         if missing <= 0:
             return NO_BLOCKS
-        new_blocks = self.pool.get_new_blocks(1, self.group_id)
         blocks.extend([self.pool.null_block] * (missing - 1))
-        blocks.extend(new_blocks)
-        return new_blocks
+        blocks.extend(self.pool.get_new_blocks(1, self.group_id))
+        # The null padding is part of the delta: workers append it to keep table indices right.
+        return blocks[num_held:]
 
     def cache_blocks(self, req_id: str, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
-        if self.mode is not MambaCacheMode.NONE:
+        """ALL: every full block (the kernel writes a state at each block end). ALIGN: only a
+        block ending exactly at `num_tokens`, the end of this step; a block the step runs past
+        keeps the state of an earlier token (a prompt's tail can be computed in several steps
+        when a larger block size sets the split). NONE: nothing."""
+        if self.mode is MambaCacheMode.ALL:
             super().cache_blocks(req_id, block_hashes, num_tokens)
+            return
+        num_full = num_tokens // self.block_size
+        if self.mode is MambaCacheMode.NONE or num_full <= self.num_cached_block[req_id]:
+            return
+        if num_tokens % self.block_size == 0:
+            blocks = self.req_to_blocks[req_id]
+            last = range(num_full - 1, num_full)
+            self.pool.cache_full_blocks(block_hashes, blocks, last, self.group_id, self.hash_ratio)
+        self.num_cached_block[req_id] = num_full
 
     def quiet_limits(self, req_id: str, caching: bool) -> tuple[int, int, int]:
         if self.mode is MambaCacheMode.NONE:

@@ -39,7 +39,8 @@ class CachedRequestData:
     new_token_ids: list[int]
     """Tokens appended to the request since the workers last saw it (sampled tokens)."""
     new_block_ids: GroupBlockIds | None
-    """Blocks allocated this step per group (None: none in any group)."""
+    """Entries to append to each group's table: blocks allocated this step, and the null blocks
+    (0) a Mamba group puts before a new state block (None: nothing in any group)."""
     is_resumed: bool = False
     """Resumed after preemption: `new_block_ids` are complete lists that replace the worker's, and
     `new_token_ids` hold every token after the prompt."""

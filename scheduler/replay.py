@@ -40,6 +40,22 @@ def _get_int(entry: dict[str, Any], key: str, default: int | None = None) -> int
     return value
 
 
+def _get_objects(trace: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    entries = trace[key]
+    if not isinstance(entries, list) or not all(isinstance(entry, dict) for entry in entries):
+        raise ValueError(f"{key!r} must be a list of objects")
+    return entries
+
+
+def _get_tokens(op: dict[str, Any]) -> list[int]:
+    tokens = op.get("tokens")
+    if not isinstance(tokens, list) or not all(
+        isinstance(token, int) and not isinstance(token, bool) for token in tokens
+    ):
+        raise ValueError(f"'tokens' must be a list of integers, got {tokens!r}")
+    return tokens
+
+
 def build_spec(entry: dict[str, Any], enable_caching: bool) -> KVCacheSpec:
     """The spec of one entry of a trace's "groups" list."""
     kind = entry.get("type")
@@ -68,7 +84,7 @@ def build_manager(trace: dict[str, Any]) -> KVCacheManager:
     if not isinstance(enable_caching, bool):
         raise ValueError(f"'enable_caching' must be a boolean, got {enable_caching!r}")
     groups = []
-    for index, entry in enumerate(trace["groups"]):
+    for index, entry in enumerate(_get_objects(trace, "groups")):
         num_layers = _get_int(entry, "num_layers", 1)
         names = tuple(f"group{index}.layer{layer}" for layer in range(num_layers))
         groups.append(KVCacheGroupSpec(names, build_spec(entry, enable_caching)))
@@ -88,20 +104,28 @@ class TraceReplayer:
         self.requests: dict[str, Request] = {}
 
     def run(self, ops: Sequence[dict[str, Any]]) -> list[Record]:
+        """One record per op, in order; an invalid op raises ValueError naming its index."""
         records = []
-        handlers = {"prefill": self._prefill, "decode": self._decode, "free": self._free}
         for index, op in enumerate(ops):
-            name = op.get("op")
-            if name not in handlers:
-                raise ValueError(f"op {index}: unknown op {name!r}")
-            req_id = str(op["id"])
-            evictions = self.manager.pool.num_evictions
-            record: Record = {"op_index": index, "op": name, "id": req_id}
-            record.update(handlers[name](req_id, op))
-            record["free_blocks"] = self.manager.num_free_blocks
-            record["evicted"] = self.manager.pool.num_evictions - evictions
-            records.append(record)
+            try:
+                records.append(self._run_op(index, op))
+            except (KeyError, TypeError, ValueError) as error:
+                detail = str(error) if isinstance(error, ValueError) else repr(error)
+                raise ValueError(f"op {index}: {detail}") from error
         return records
+
+    def _run_op(self, index: int, op: dict[str, Any]) -> Record:
+        handlers = {"prefill": self._prefill, "decode": self._decode, "free": self._free}
+        name = op.get("op")
+        if name not in handlers:
+            raise ValueError(f"unknown op {name!r}")
+        req_id = str(op["id"])
+        evictions = self.manager.pool.num_evictions
+        record: Record = {"op_index": index, "op": name, "id": req_id}
+        record.update(handlers[name](req_id, op))
+        record["free_blocks"] = self.manager.num_free_blocks
+        record["evicted"] = self.manager.pool.num_evictions - evictions
+        return record
 
     def _check_length(self, req_id: str, num_tokens: int) -> None:
         if num_tokens > self.manager.max_model_len:
@@ -121,7 +145,7 @@ class TraceReplayer:
     def _prefill(self, req_id: str, op: dict[str, Any]) -> Record:
         if req_id in self.requests:
             raise ValueError(f"prefill of {req_id!r}, which is still running")
-        tokens = [int(token) for token in op["tokens"]]
+        tokens = _get_tokens(op)
         self._check_length(req_id, len(tokens))
         request = Request(req_id, tokens, SamplingParams(), self.manager.hash_block_size)
         hit = self.manager.get_computed_blocks(request)
@@ -177,9 +201,10 @@ class TraceReplayer:
         if request is None:
             return {"allocated": False, "skipped": True, "block_ids": self._table(req_id)}
         allocated = True
-        self._check_length(req_id, request.num_tokens + len(op["tokens"]))
-        for token in op["tokens"]:
-            request.append_output_token_ids([int(token)])
+        tokens = _get_tokens(op)
+        self._check_length(req_id, request.num_tokens + len(tokens))
+        for token in tokens:
+            request.append_output_token_ids([token])
             num_new = request.num_tokens - request.num_computed_tokens
             if self.manager.allocate_slots(request, num_new) is None:
                 allocated = False
@@ -199,7 +224,7 @@ def replay_trace(trace: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(trace, dict):
         raise ValueError("a trace must be a JSON object")
     manager = build_manager(trace)
-    return {"results": TraceReplayer(manager).run(trace["ops"])}
+    return {"results": TraceReplayer(manager).run(_get_objects(trace, "ops"))}
 
 
 def replay_file(path: str) -> tuple[dict[str, Any], bool]:

@@ -7,6 +7,7 @@ state (tokens, computed tokens, block hashes). Workers receive both through `sch
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -47,7 +48,10 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check_types(self)
-        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        _check(
+            0 <= self.temperature < math.inf,
+            f"temperature must be >= 0 and finite, got {self.temperature}",
+        )
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         _check(
             self.top_k >= -1 and self.top_k != 0,

@@ -14,8 +14,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 
+from scheduler.admission import check_chunk_limits, check_new_request, num_new_tokens
 from scheduler.config import SchedulerConfig, SchedulingPolicy
-from scheduler.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from scheduler.kv_cache_manager import CacheHit, KVCacheBlocks, KVCacheManager
 from scheduler.kv_cache_spec import KVCacheConfig
 from scheduler.output import (
     CachedRequestData,
@@ -27,16 +28,9 @@ from scheduler.output import (
 )
 from scheduler.queue import make_request_queue
 from scheduler.request import Request, RequestStatus
-from scheduler.scheduler_utils import (
-    StepPlan,
-    WorkerView,
-    apply_sampled_tokens,
-    check_new_request,
-    make_request_output,
-    max_chunk_tokens,
-    num_new_tokens,
-)
+from scheduler.sampled_tokens import apply_sampled_tokens, make_request_output
 from scheduler.stats import SchedulerStats
+from scheduler.step_output import StepPlan, WorkerView
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +55,7 @@ class Scheduler:
         self._junction_tokens: dict[str, int] = {}
         # Outputs of requests finished inside schedule(), returned by the next update.
         self._pending_outputs: list[RequestOutput] = []
-        self._max_chunk = max_chunk_tokens(config, self.kv_cache_manager)
+        check_chunk_limits(config, self.kv_cache_manager)
 
     @property
     def hash_block_size(self) -> int:
@@ -72,14 +66,7 @@ class Scheduler:
         """Queue a new request; raise ValueError if it could never run."""
         if request.req_id in self.requests:
             raise ValueError(f"request {request.req_id!r} is already scheduled")
-        max_chunk = self._max_chunk if self.config.enable_chunked_prefill else request.num_tokens
-        check_new_request(
-            request,
-            self.hash_block_size,
-            self.kv_cache_config,
-            self.config.max_model_len,
-            max_chunk,
-        )
+        check_new_request(request, self.config, self.kv_cache_manager, self.kv_cache_config)
         self.requests[request.req_id] = request
         self.waiting.add(request)
 
@@ -216,21 +203,27 @@ class Scheduler:
             if num_new == 0:
                 return
             blocks = manager.allocate_slots(request, num_new, hit.num_tokens, hit.blocks)
-            if blocks is None:
-                if not self.running:  # an empty pool cannot hold it: it never will be
-                    self._drop_unfittable(self.waiting.pop())
-                    continue
-                return
-            self.waiting.pop()
-            request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = hit.num_tokens
-            if request.num_cached_tokens is None:
-                request.num_cached_tokens = hit.num_tokens
-            self.running.append(request)
-            plan.add(request, num_new, blocks)
+            if blocks is not None:
+                self._start_running(self.waiting.pop(), hit, num_new, blocks, plan)
+            elif self.running:
+                return  # room comes back as running requests finish
+            else:
+                self._drop_unfittable(self.waiting.pop())  # the whole pool cannot hold it
+
+    def _start_running(
+        self, request: Request, hit: CacheHit, num_new: int, blocks: KVCacheBlocks, plan: StepPlan
+    ) -> None:
+        """Move an admitted request to the running set, starting from its prefix-cache hit."""
+        self.kv_cache_manager.record_lookup(request, hit)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = hit.num_tokens
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = hit.num_tokens
+        self.running.append(request)
+        plan.add(request, num_new, blocks)
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
-        """Tokens to compute this step (0: wait); see `scheduler_utils.num_new_tokens`."""
+        """Tokens to compute this step (0: wait); see `admission.num_new_tokens`."""
         junction = self._junction_tokens.get(request.req_id, 0)
         return num_new_tokens(
             request, num_computed, budget, self.config, self.kv_cache_manager, junction

@@ -144,7 +144,8 @@ class SingleTypeManager(abc.ABC):
         self.num_dropped_block[req_id] = skipped
 
     def allocate_new_blocks(self, req_id: str, num_tokens: int) -> list[KVCacheBlock]:
-        """Grow the table to cover `num_tokens`; return only the new blocks."""
+        """Grow the table to cover `num_tokens`; return the entries appended (what a worker
+        appends to its copy of the table)."""
         blocks = self._table(req_id)
         missing = cdiv(num_tokens, self.block_size) - len(blocks)
         if missing <= 0:

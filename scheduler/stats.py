@@ -26,7 +26,8 @@ class SchedulerStats:
     kv_cache_usage_per_group: tuple[float, ...]
     """Fraction of the pool held by each KV cache group's block tables."""
     prefix_cache_queries: tuple[int, ...]
-    """Per group: prompt tokens looked up in the prefix cache (cumulative)."""
+    """Per group: tokens of admitted requests looked up in the prefix cache, counted once per
+    admission (cumulative)."""
     prefix_cache_hits: tuple[int, ...]
     """Per group: tokens of those lookups the group's own cache could serve, before the groups
     agree on one hit length (cumulative); shows which group limits reuse."""

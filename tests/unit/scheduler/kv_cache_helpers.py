@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from hypothesis import strategies as st
+
 from scheduler.block_pool import BlockPool
 from scheduler.coordinator import make_manager as make_group_manager
 from scheduler.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -97,6 +99,7 @@ def admit(
     new_blocks = manager.allocate_slots(request, num_new_tokens, found.num_tokens, found.blocks)
     if new_blocks is None:
         return None
+    manager.record_lookup(request, found)
     request.num_computed_tokens = found.num_tokens + num_new_tokens
     return new_blocks.get_block_ids()
 
@@ -177,3 +180,25 @@ def make_single_manager(
 ) -> SingleTypeManager:
     """The manager of group 0 with `spec` on `pool`."""
     return make_group_manager(spec, pool, 0, hash_block_size or spec.block_size)
+
+
+@st.composite
+def model_specs(draw: st.DrawFn, max_groups: int = 4) -> list[KVCacheSpec]:
+    """A random layer mix: 1 to `max_groups` groups of any type, block sizes 2, 4 or 8 (a
+    chunked-local group takes the largest, as it must equal the hit alignment)."""
+    kinds = draw(st.lists(st.sampled_from("FSCM"), min_size=1, max_size=max_groups))
+    sizes = [draw(st.sampled_from([2, 4, 8])) for _ in kinds]
+    if "C" in kinds:
+        largest = max(sizes)
+        sizes = [largest if kind == "C" else size for kind, size in zip(kinds, sizes, strict=True)]
+    specs: list[KVCacheSpec] = []
+    for kind, size in zip(kinds, sizes, strict=True):
+        if kind == "F":
+            specs.append(full(size))
+        elif kind == "S":
+            specs.append(window(size, draw(st.integers(1, 20))))
+        elif kind == "C":
+            specs.append(chunked(size, size * draw(st.integers(1, 4))))
+        else:
+            specs.append(mamba(size, draw(st.sampled_from(list(MambaCacheMode)))))
+    return specs

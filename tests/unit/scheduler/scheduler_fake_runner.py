@@ -1,28 +1,25 @@
 """A deterministic stand-in for the workers, for scheduler tests.
 
 `FakeModelRunner` keeps per-request state from `SchedulerOutput` deltas exactly as a worker must
-(new requests in full, appended tokens and blocks, replaced lists on resume), checks every delta
+(new requests in full, appended tokens and blocks, padded or replaced lists), checks every delta
 against what it sampled itself, and simulates each KV cache group's memory: every computed token
 writes an identity of its whole prefix into its slot, and every read of a visible position (full,
-sliding window, chunked local) must find the identity of that position's prefix. A wrong block ID,
-a stale table or a block handed to two requests at once therefore fails an assertion. The next
-token is a hash of all tokens so far (read back from the cache), modulo the vocabulary.
-
-`drive` runs a scheduler with this runner to completion and checks the step invariants.
+sliding window, chunked local) must find the identity of that position's prefix; a recurrent-state
+group reads the state after the previous token and writes the state after the last one. A wrong
+block ID, a stale table or a block handed to two requests at once therefore fails an assertion.
+The next token is a hash of all tokens so far (read back from the cache), modulo the vocabulary;
+`reference_tokens` computes what a request must therefore generate, without any cache.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from scheduler.config import SchedulerConfig
 from scheduler.kv_cache_spec import (
     ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
     KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheSpec,
+    MambaCacheMode,
+    MambaSpec,
     SlidingWindowSpec,
     manager_spec,
 )
@@ -33,62 +30,34 @@ from scheduler.output import (
     NewRequestData,
     SchedulerOutput,
 )
-from scheduler.request import Request, SamplingParams
-from scheduler.scheduler import Scheduler
+from scheduler.request import SamplingParams
 
 VOCAB_SIZE = 97
 EOS = 0
 
 
-def full_spec(block_size: int) -> FullAttentionSpec:
-    return FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=1, dtype_bytes=4)
+def prefix_identity(parent: int, token: int) -> int:
+    """Identity of a prefix, from its parent prefix's identity and its last token."""
+    return hash((parent, token))
 
 
-def sw_spec(block_size: int, window: int) -> SlidingWindowSpec:
-    return SlidingWindowSpec(
-        block_size=block_size, num_kv_heads=1, head_size=1, dtype_bytes=4, sliding_window=window
-    )
-
-
-def cla_spec(block_size: int, chunk: int) -> ChunkedLocalAttentionSpec:
-    return ChunkedLocalAttentionSpec(
-        block_size=block_size,
-        num_kv_heads=1,
-        head_size=1,
-        dtype_bytes=4,
-        attention_chunk_size=chunk,
-    )
-
-
-def kv_config(num_blocks: int, *specs: KVCacheSpec) -> KVCacheConfig:
-    """A pool of `num_blocks` (null block included) with one group per spec."""
-    groups = tuple(KVCacheGroupSpec((f"layers.{i}.attn",), spec) for i, spec in enumerate(specs))
-    return KVCacheConfig(num_blocks=num_blocks, groups=groups, tensors=())
-
-
-def make_scheduler(kv_cache_config: KVCacheConfig, **config: object) -> Scheduler:
-    return Scheduler(SchedulerConfig(**config), kv_cache_config)  # type: ignore[arg-type]
-
-
-def make_request(
-    scheduler: Scheduler,
-    req_id: str,
-    prompt: list[int],
-    max_tokens: int = 8,
-    eos: int | None = EOS,
-    priority: int = 0,
-    arrival_time: float = 0.0,
-    **params: object,
-) -> Request:
-    return Request(
-        req_id=req_id,
-        prompt_token_ids=list(prompt),
-        sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens, **params),  # type: ignore[arg-type]
-        hash_block_size=scheduler.hash_block_size,
-        eos_token_id=eos,
-        priority=priority,
-        arrival_time=arrival_time,
-    )
+def reference_tokens(
+    prompt: list[int], params: SamplingParams, eos: int | None, max_model_len: int
+) -> tuple[list[int], FinishReason]:
+    """The tokens and finish reason a request gets from this runner, computed without a cache."""
+    identity = 0
+    for token in prompt:
+        identity = prefix_identity(identity, token)
+    outputs: list[int] = []
+    while True:
+        token = identity % VOCAB_SIZE
+        outputs.append(token)
+        identity = prefix_identity(identity, token)
+        is_stop = (token == eos and not params.ignore_eos) or token in params.stop_token_ids
+        if is_stop and len(outputs) >= params.min_tokens:
+            return outputs, FinishReason.STOP
+        if len(outputs) >= params.max_tokens or len(prompt) + len(outputs) >= max_model_len:
+            return outputs, FinishReason.LENGTH
 
 
 @dataclass
@@ -106,7 +75,7 @@ class _WorkerRequest:
     def prefix_id(self, position: int) -> int:
         while len(self.prefix_ids) <= position:
             parent = self.prefix_ids[-1] if self.prefix_ids else 0
-            self.prefix_ids.append(hash((parent, self.tokens[len(self.prefix_ids)])))
+            self.prefix_ids.append(prefix_identity(parent, self.tokens[len(self.prefix_ids)]))
         return self.prefix_ids[position]
 
 
@@ -188,14 +157,39 @@ class FakeModelRunner:
         assert block_id != 0, f"group {group} position {position} maps to the null block"
         return block_id * block_size + position % block_size
 
+    def _state_slot(self, state: _WorkerRequest, group: int, position: int) -> int:
+        """Slot of the recurrent state after `position` (one per block; NONE: one per request)."""
+        spec = self.groups[group]
+        assert isinstance(spec, MambaSpec)
+        if spec.mamba_cache_mode is MambaCacheMode.NONE:
+            position = 0
+        return self._slot(state, group, position // spec.block_size * spec.block_size)
+
+    def _advance_state(self, state: _WorkerRequest, group: int, start: int, end: int) -> None:
+        """Read the state after `start - 1`, then write the states this chunk produces: at its
+        end, and (mode ALL) at every block end inside it."""
+        if start:
+            found = self.kv[group].get(self._state_slot(state, group, start - 1))
+            assert found == state.prefix_id(start - 1), (group, start, "stale state")
+        spec = self.groups[group]
+        if spec.mamba_cache_mode is MambaCacheMode.ALL:
+            bs = spec.block_size
+            for boundary in range(start // bs * bs + bs, end, bs):
+                self.kv[group][self._state_slot(state, group, boundary - 1)] = state.prefix_id(
+                    boundary - 1
+                )
+        self.kv[group][self._state_slot(state, group, end - 1)] = state.prefix_id(end - 1)
+
     def _write(self, state: _WorkerRequest, num_tokens: int) -> None:
         start = state.num_computed
         assert num_tokens >= 1
         assert start + num_tokens <= len(state.tokens)
-        for position in range(start, start + num_tokens):
-            identity = state.prefix_id(position)
-            for group in range(len(self.groups)):
-                self.kv[group][self._slot(state, group, position)] = identity
+        for group, spec in enumerate(self.groups):
+            if isinstance(spec, MambaSpec):
+                self._advance_state(state, group, start, start + num_tokens)
+                continue
+            for position in range(start, start + num_tokens):
+                self.kv[group][self._slot(state, group, position)] = state.prefix_id(position)
 
     def _visible_start(self, group: int, start: int) -> int:
         """First position any query in [start, ...) of this step attends to, in `group`."""
@@ -209,93 +203,18 @@ class FakeModelRunner:
     def _read_and_sample(self, req_id: str, num_tokens: int) -> list[int]:
         state = self.requests[req_id]
         start, end = state.num_computed, state.num_computed + num_tokens
-        for group in range(len(self.groups)):
+        for group, spec in enumerate(self.groups):
+            if isinstance(spec, MambaSpec):
+                continue  # read in _write, before the chunk overwrote it
             for position in range(self._visible_start(group, start), end):
                 found = self.kv[group].get(self._slot(state, group, position))
                 assert found == state.prefix_id(position), (req_id, group, position)
         state.num_computed = end
         if end < len(state.tokens):
             return []
-        token = self.kv[0][self._slot(state, 0, end - 1)] % VOCAB_SIZE
+        if isinstance(self.groups[0], MambaSpec):
+            token = self.kv[0][self._state_slot(state, 0, end - 1)] % VOCAB_SIZE
+        else:
+            token = self.kv[0][self._slot(state, 0, end - 1)] % VOCAB_SIZE
         state.sampled.append(token)
         return [token]
-
-
-@dataclass
-class RunResult:
-    tokens: dict[str, list[int]] = field(default_factory=dict)
-    finish: dict[str, FinishReason] = field(default_factory=dict)
-    num_steps: int = 0
-    max_batch_tokens: int = 0
-    max_running: int = 0
-
-
-StepHook = Callable[[int, Scheduler], list[str]]
-"""Called before each step with the step index; returns request IDs to abort."""
-
-
-def drive(
-    scheduler: Scheduler,
-    runner: FakeModelRunner,
-    arrivals: dict[int, list[Request]] | None = None,
-    hook: StepHook | None = None,
-    max_steps: int = 100_000,
-    check_pool: bool = True,
-) -> RunResult:
-    """Run until every request finished, checking budget, seats and pool invariants per step."""
-    arrivals = dict(arrivals or {})
-    result = RunResult()
-    step = 0
-    while scheduler.has_unfinished_requests() or arrivals:
-        assert step < max_steps, "scheduler made no progress"
-        for request in arrivals.pop(step, []):
-            scheduler.add_request(request)
-        if hook is not None:
-            for output in scheduler.abort(hook(step, scheduler)):
-                result.finish[output.req_id] = output.finish_reason  # type: ignore[assignment]
-        out = scheduler.schedule()
-        check_step(scheduler, out)
-        result.max_batch_tokens = max(result.max_batch_tokens, out.total_num_scheduled_tokens)
-        result.max_running = max(result.max_running, len(scheduler.running))
-        for output in scheduler.update_from_output(out, runner.execute(out)):
-            result.tokens.setdefault(output.req_id, []).extend(output.new_token_ids)
-            if output.finish_reason is not None:
-                result.finish[output.req_id] = output.finish_reason
-        if check_pool:
-            scheduler.kv_cache_manager.check_invariants()
-        step += 1
-    result.num_steps = step
-    return result
-
-
-def check_step(scheduler: Scheduler, out: SchedulerOutput) -> None:
-    """Invariants of every step's message."""
-    config = scheduler.config
-    counts = out.num_scheduled_tokens
-    assert out.total_num_scheduled_tokens == sum(counts.values())
-    assert out.total_num_scheduled_tokens <= config.max_num_batched_tokens
-    assert len(counts) <= config.max_num_seqs
-    assert len(scheduler.running) <= config.max_num_seqs
-    assert all(n >= 1 for n in counts.values())
-    assert not (out.preempted_req_ids & set(counts))
-    if out.preempted_req_ids:  # no admission in a step that preempted
-        assert not out.scheduled_new_reqs
-        assert not any(r.is_resumed for r in out.scheduled_cached_reqs)
-    for request in scheduler.running:
-        assert request.num_computed_tokens <= request.num_tokens
-
-
-class ScriptedRunner:
-    """Returns scripted tokens for requests whose step reaches their last known token."""
-
-    def __init__(self, scheduler: Scheduler, script: dict[str, list[int]]) -> None:
-        self.scheduler = scheduler
-        self.script = {req_id: list(tokens) for req_id, tokens in script.items()}
-
-    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        sampled = []
-        for req_id in out.num_scheduled_tokens:
-            request = self.scheduler.requests[req_id]
-            done = request.num_computed_tokens >= request.num_tokens
-            sampled.append([self.script[req_id].pop(0)] if done else [])
-        return ModelRunnerOutput(req_ids=list(out.num_scheduled_tokens), sampled_token_ids=sampled)

@@ -1,6 +1,7 @@
 """Coordinators: hybrid hits by fixed point (S13, S15-S17, S33, S34), buckets, the junction.
 
-EAGLE variants (S14, the EAGLE row of S33) are not tested: EAGLE drops are not a feature here.
+EAGLE variants (S14, the EAGLE row of S33) are adapted, without the drop, with the other EAGLE
+scenarios.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ID-exact expectations follow the free-queue policy of our replay semantics, which differs from
 vLLM 0.15.1 in one point: blocks freed without a hash (a request's partial last block) go to the
 queue front instead of the tail. Where that changes a 0.15.1 number, the test says so.
-S07 (EAGLE's dropped last block) is not tested: EAGLE is not a feature of this cache.
+S07 (EAGLE's dropped last block) is adapted, without the drop, with the other EAGLE scenarios.
 """
 
 from __future__ import annotations
@@ -223,6 +223,12 @@ def test_stats_are_cumulative_per_group_counters() -> None:
     assert (stats.num_queries, stats.query_tokens, stats.group_hit_tokens) == (2, (98,), (48,))
     assert stats.hit_tokens == 48
     assert stats.usage == pytest.approx(0.5)
+    assert manager.make_stats() == stats
+    # A lookup counts only once its request is admitted (a waiting request is looked up again
+    # every step); a request that reads no hit is no lookup at all.
+    manager.get_computed_blocks(make_request("waiting", [*P3, 5], 16))
+    scored = Request("scored", [*P3, 6], SamplingParams(prompt_logprobs=1), 16)
+    manager.record_lookup(scored, manager.get_computed_blocks(scored))
     assert manager.make_stats() == stats
 
 

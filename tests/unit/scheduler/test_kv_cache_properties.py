@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from hypothesis import event, given, settings
+from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
-from kv_cache_helpers import chunked, full, make_config, make_request, mamba, window
+from kv_cache_helpers import full, make_config, make_request, mamba, model_specs
 
 from scheduler.kv_cache_manager import CacheHit, KVCacheManager
 from scheduler.kv_cache_spec import (
@@ -38,24 +38,9 @@ class SlowManager(KVCacheManager):
 
 @st.composite
 def configs(draw: st.DrawFn) -> tuple[list[KVCacheSpec], int, bool]:
-    num_groups = draw(st.integers(1, 4))
-    kinds = draw(st.lists(st.sampled_from("FSCM"), min_size=num_groups, max_size=num_groups))
-    sizes = draw(st.lists(st.sampled_from([2, 4, 8]), min_size=num_groups, max_size=num_groups))
+    specs = draw(model_specs())
     caching = draw(st.sampled_from([True, True, True, False]))
-    if "C" in kinds:
-        largest = max(sizes)
-        sizes = [largest if kind == "C" else size for kind, size in zip(kinds, sizes, strict=True)]
-    specs: list[KVCacheSpec] = []
-    for kind, size in zip(kinds, sizes, strict=True):
-        if kind == "F":
-            specs.append(full(size))
-        elif kind == "S":
-            specs.append(window(size, draw(st.integers(1, 20))))
-        elif kind == "C":
-            specs.append(chunked(size, size * draw(st.integers(1, 4))))
-        else:
-            specs.append(mamba(size, draw(st.sampled_from(list(MambaCacheMode)))))
-    return specs, draw(st.integers(num_groups + 1, 30)), caching
+    return specs, draw(st.integers(len(specs) + 1, 30)), caching
 
 
 PREFIXES = st.sampled_from([0, 3, 8, 16, 17, 24, 32, 40, 48])
@@ -270,6 +255,10 @@ def required_indices(spec: KVCacheSpec, hit: int) -> range:
 
 @settings(max_examples=100, deadline=None)
 @given(config=configs(), ops=OPS)
+@example(  # a Mamba tail computed in two steps across a block end (a state was misregistered)
+    config=([full(2), mamba(2, MambaCacheMode.ALIGN), full(4)], 8, True),
+    ops=[("add", 3, []), ("step", 0), ("step", 1)],
+)
 def test_random_histories_keep_every_invariant(
     config: tuple[list[KVCacheSpec], int, bool], ops: list[tuple]
 ) -> None:

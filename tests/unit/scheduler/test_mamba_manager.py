@@ -56,7 +56,7 @@ def test_align_mode_allocates_only_the_running_state_block() -> None:
     manager = make_single_manager(mamba(4, MambaCacheMode.ALIGN), pool)
     assert manager.get_num_blocks_to_allocate("r", 8, [], 0) == 1
     manager.allocate_new_computed_blocks("r", [], 0)
-    assert [b.block_id for b in manager.allocate_new_blocks("r", 8)] == [1]
+    assert [b.block_id for b in manager.allocate_new_blocks("r", 8)] == [0, 1]
     assert ids(manager) == [0, 1]
     assert manager.allocate_new_blocks("r", 8) == []
     assert manager.get_num_blocks_to_allocate("r", 10, [], 8) == 1
@@ -72,7 +72,8 @@ def test_align_mode_frees_states_behind_nulls() -> None:
     manager = make_single_manager(mamba(16, MambaCacheMode.ALIGN), pool)
     manager.allocate_new_computed_blocks("r", [], 0)
     manager.allocate_new_blocks("r", 32)
-    manager.allocate_new_blocks("r", 64)
+    # The delta a worker appends: the null padding, then the new state block.
+    assert [b.block_id for b in manager.allocate_new_blocks("r", 64)] == [0, 2]
     assert ids(manager) == [0, 1, 0, 2]
     manager.remove_skipped_blocks("r", 64)
     assert ids(manager) == [0, 0, 0, 2]
@@ -90,6 +91,22 @@ def test_align_mode_registers_a_state_only_at_its_block_end() -> None:
     assert pool.get_cached_block(hashes[2], 0) is None  # block 1 holds the state at 10
     manager.cache_blocks("r", hashes, 12)
     assert pool.get_cached_block(hashes[2], 0) is pool.blocks[1]
+
+
+def test_align_mode_registers_a_state_only_where_a_step_ends() -> None:
+    """Mamba bs 2 next to a bs-4 group: the tail steps [0, 1) and [1, 3) run past the block end 2,
+    so entry 0 keeps the state after one token, not two: it must not be cached (it once was,
+    under the hash of the first two tokens). The step [3, 4) ends with entry 1: cached."""
+    pool = BlockPool(20, 1)
+    manager = make_single_manager(mamba(2, MambaCacheMode.ALIGN), pool)
+    hashes = make_request("x", list(range(8)), 2).block_hashes
+    manager.allocate_new_computed_blocks("r", [], 0)
+    for start, end in ((0, 1), (1, 3), (3, 4)):
+        manager.remove_skipped_blocks("r", start)
+        manager.allocate_new_blocks("r", end)
+        manager.cache_blocks("r", hashes, end)
+    assert pool.get_cached_block(hashes[0], 0) is None
+    assert pool.get_cached_block(hashes[1], 0) is manager.req_to_blocks["r"][1]
 
 
 def test_none_mode_keeps_one_state_block_for_life() -> None:

@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from scheduler.replay import replay_trace
 
 ROOT = Path(__file__).resolve().parents[3]
 TRACES = sorted((Path(__file__).parent / "replay_traces").glob("H*.json"))
@@ -116,3 +121,72 @@ def test_request_longer_than_max_model_len_is_an_error(tmp_path: Path) -> None:
     result = run_replay(path)
     assert result.returncode == 2
     assert "max_model_len" in json.loads(result.stdout)["error"]
+
+
+def _trace(groups: list[dict[str, object]], ops: list[dict[str, object]], **top: object) -> dict:
+    return {"groups": groups, "num_blocks": 20, "max_model_len": 32, "ops": ops, **top}
+
+
+def test_records_carry_chunks_boundary_evictions_and_skips() -> None:
+    full4 = {"type": "full", "block_size": 4}
+    ops = [
+        {"op": "prefill", "id": 1, "tokens": list(range(10))},
+        {"op": "free", "id": 1},
+        {"op": "prefill", "id": "b", "tokens": list(range(100, 132))},
+        {"op": "decode", "id": "never", "tokens": [1]},
+    ]
+    groups = [full4, {"type": "mamba", "block_size": 4}]
+    records = replay_trace(_trace(groups, ops, num_blocks=12))["results"]
+    assert (records[0]["id"], records[0]["chunks"], records[0]["shared_prefix_boundary"]) == (
+        "1",
+        [8, 2],
+        0,
+    )
+    # Queue after the free: a's unhashed 4, 5 first, never used 6-11, a's hashed 2, 1, 3 last.
+    # b's second step takes 2 and 1 from the prefix cache: two evictions.
+    assert [r["evicted"] for r in records] == [0, 0, 2, 0]
+    assert records[2]["chunks"] == [28, 4]
+    assert records[2]["block_ids"] == [[4, 5, 6, 7, 8, 9, 10, 2], [-1] * 6 + [11, 1]]
+    assert records[3] == {
+        "op_index": 3,
+        "op": "decode",
+        "id": "never",
+        "allocated": False,
+        "skipped": True,
+        "block_ids": [[], []],
+        "free_blocks": 1,
+        "evicted": 0,
+    }
+
+
+def test_a_failed_decode_step_keeps_the_request_and_retries_its_token() -> None:
+    ops = [
+        {"op": "prefill", "id": "a", "tokens": [1, 2, 3, 4]},
+        {"op": "prefill", "id": "b", "tokens": [5, 6, 7, 8]},
+        {"op": "decode", "id": "a", "tokens": [9, 10]},  # token 9 needs a third block: none
+        {"op": "free", "id": "b"},
+        {"op": "decode", "id": "a", "tokens": [11]},  # 9 and 11 are allocated together
+    ]
+    trace = _trace([{"type": "full", "block_size": 4}], ops, num_blocks=3)
+    records = replay_trace(trace)["results"]
+    assert (records[2]["allocated"], records[2]["block_ids"]) == (False, [[1]])
+    assert (records[4]["allocated"], records[4]["block_ids"]) == (True, [[1, 2]])
+
+
+@pytest.mark.parametrize(
+    ("op", "message"),
+    [
+        ({"op": "evict", "id": "a"}, "op 1: unknown op 'evict'"),
+        ({"op": "prefill", "id": "a", "tokens": [1]}, "op 1: prefill of 'a', which is still"),
+        ({"op": "prefill", "id": "b", "tokens": [1.5]}, "op 1: 'tokens' must be a list of int"),
+        ({"op": "prefill", "id": "b", "tokens": []}, "op 1: request 'b' has an empty prompt"),
+        ({"op": "decode", "id": "a", "tokens": [0] * 30}, "op 1: request 'a' would hold 33"),
+        ({"op": "free"}, "op 1: KeyError"),
+    ],
+)
+def test_an_invalid_op_fails_its_file_with_the_op_index(op: dict, message: str) -> None:
+    trace = _trace(
+        [{"type": "full", "block_size": 4}], [{"op": "prefill", "id": "a", "tokens": [1, 2, 3]}, op]
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        replay_trace(trace)

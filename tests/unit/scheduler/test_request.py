@@ -22,8 +22,9 @@ def test_default_sampling_params_are_valid_and_frozen() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"temperature": -0.1}, "temperature must be >= 0"),
-        ({"temperature": float("nan")}, "temperature must be >= 0"),
+        ({"temperature": -0.1}, "temperature must be >= 0 and finite"),
+        ({"temperature": float("nan")}, "temperature must be >= 0 and finite"),
+        ({"temperature": float("inf")}, "temperature must be >= 0 and finite"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
         ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
         ({"top_k": 0}, "top_k must be -1"),

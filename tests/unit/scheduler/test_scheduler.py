@@ -6,31 +6,17 @@ from __future__ import annotations
 import random
 
 import pytest
-from scheduler_fake_runner import (
-    EOS,
-    FakeModelRunner,
-    ScriptedRunner,
-    drive,
-    full_spec,
-    kv_config,
-    make_request,
-    make_scheduler,
-    sw_spec,
-)
+from kv_cache_helpers import full, make_config, window
+from scheduler_drive import ScriptedRunner, drive, make_request, make_scheduler, run_step
+from scheduler_fake_runner import FakeModelRunner
 
 from scheduler.kv_cache_spec import MambaCacheMode, MambaSpec
-from scheduler.output import FinishReason, RequestOutput
+from scheduler.output import FinishReason
 from scheduler.scheduler import Scheduler
 
 
-def _step(scheduler: Scheduler, runner: object) -> tuple[dict[str, int], list[RequestOutput]]:
-    out = scheduler.schedule()
-    outputs = scheduler.update_from_output(out, runner.execute(out))  # type: ignore[attr-defined]
-    return dict(out.num_scheduled_tokens), outputs
-
-
 def test_budget_and_max_num_seqs_hold_every_step() -> None:
-    config = kv_config(200, full_spec(4))
+    config = make_config(200, full(4))
     scheduler = make_scheduler(config, max_num_seqs=3, max_num_batched_tokens=20, max_model_len=64)
     rng = random.Random(0)
     requests = [
@@ -52,25 +38,25 @@ def test_budget_and_max_num_seqs_hold_every_step() -> None:
 
 
 def test_chunked_prefill_splits_by_budget() -> None:
-    config = kv_config(100, full_spec(4))
+    config = make_config(100, full(4))
     scheduler = make_scheduler(config, max_num_batched_tokens=16, max_model_len=128)
     scheduler.add_request(make_request(scheduler, "a", list(range(1, 51)), max_tokens=3, eos=None))
     runner = FakeModelRunner(config)
     chunks = []
     while scheduler.has_unfinished_requests():
-        chunks.append(_step(scheduler, runner)[0]["a"])
+        chunks.append(run_step(scheduler, runner)[0]["a"])
     assert chunks == [16, 16, 16, 2, 1, 1]
 
 
 def test_long_prefill_threshold_caps_chunks_and_decodes_share_the_step() -> None:
-    config = kv_config(100, full_spec(4))
+    config = make_config(100, full(4))
     scheduler = make_scheduler(
         config, max_num_batched_tokens=32, long_prefill_token_threshold=8, max_model_len=128
     )
     scheduler.add_request(make_request(scheduler, "a", list(range(1, 21)), max_tokens=2, eos=None))
     scheduler.add_request(make_request(scheduler, "b", [7, 8, 9], max_tokens=5, eos=None))
     runner = FakeModelRunner(config)
-    steps = [_step(scheduler, runner)[0] for _ in range(5)]
+    steps = [run_step(scheduler, runner)[0] for _ in range(5)]
     assert steps == [
         {"a": 8, "b": 3},
         {"a": 8, "b": 1},
@@ -82,7 +68,7 @@ def test_long_prefill_threshold_caps_chunks_and_decodes_share_the_step() -> None
 
 @pytest.mark.parametrize("chunked", [False, True])
 def test_prompt_longer_than_the_remaining_budget_waits_without_chunking(chunked: bool) -> None:
-    config = kv_config(100, full_spec(4))
+    config = make_config(100, full(4))
     scheduler = make_scheduler(
         config, enable_chunked_prefill=chunked, max_num_batched_tokens=64, max_model_len=64
     )
@@ -90,7 +76,7 @@ def test_prompt_longer_than_the_remaining_budget_waits_without_chunking(chunked:
         prompt = list(range(first, first + length))  # no shared prefix
         scheduler.add_request(make_request(scheduler, req_id, prompt, max_tokens=3, eos=None))
     runner = FakeModelRunner(config)
-    first, second = _step(scheduler, runner)[0], _step(scheduler, runner)[0]
+    first, second = run_step(scheduler, runner)[0], run_step(scheduler, runner)[0]
     if chunked:
         assert first == {"a": 60, "b": 4}
         assert second == {"a": 1, "b": 6, "c": 2}
@@ -101,12 +87,12 @@ def test_prompt_longer_than_the_remaining_budget_waits_without_chunking(chunked:
 
 @pytest.mark.parametrize("caching", [True, False])
 def test_prefix_hit_at_admission(caching: bool) -> None:
-    config = kv_config(100, full_spec(4))
+    config = make_config(100, full(4))
     scheduler = make_scheduler(config, max_model_len=128, enable_prefix_caching=caching)
     shared = list(range(1, 25))  # 6 full blocks
     scheduler.add_request(make_request(scheduler, "a", [*shared, 50, 51], max_tokens=4, eos=None))
     runner = FakeModelRunner(config)
-    assert _step(scheduler, runner)[0] == {"a": 26}
+    assert run_step(scheduler, runner)[0] == {"a": 26}
     scheduler.add_request(make_request(scheduler, "b", [*shared, 60, 61, 62], max_tokens=2))
     out = scheduler.schedule()
     (new,) = out.scheduled_new_reqs
@@ -123,12 +109,12 @@ def test_prefix_hit_at_admission(caching: bool) -> None:
 
 
 def test_admission_waits_until_the_pool_has_room() -> None:
-    config = kv_config(11, full_spec(4))  # 10 usable blocks
+    config = make_config(11, full(4))  # 10 usable blocks
     scheduler = make_scheduler(config, max_model_len=40)
     scheduler.add_request(make_request(scheduler, "a", list(range(1, 31)), max_tokens=4, eos=None))
     scheduler.add_request(make_request(scheduler, "b", list(range(31, 43)), max_tokens=2, eos=None))
     runner = FakeModelRunner(config)
-    steps = [_step(scheduler, runner) for _ in range(6)]
+    steps = [run_step(scheduler, runner) for _ in range(6)]
     assert [counts for counts, _ in steps] == [
         {"a": 30},
         {"a": 1},
@@ -139,11 +125,13 @@ def test_admission_waits_until_the_pool_has_room() -> None:
     ]
     assert steps[3][1][0].finish_reason is FinishReason.LENGTH
     assert scheduler.num_preemptions == 0
+    # b was looked up in each of the five steps it waited or was admitted: counted once.
+    assert scheduler.make_stats().prefix_cache_queries == (30 + 12,)
 
 
 def test_s30_block_ids_of_new_and_running_requests() -> None:
     """Scenario S30: full + 2 x SW(32), bs 16, pool 21, r0 holding its blocks."""
-    config = kv_config(21, full_spec(16), sw_spec(16, 32), sw_spec(16, 32))
+    config = make_config(21, full(16), window(16, 32), window(16, 32))
     scheduler = make_scheduler(config, max_model_len=96, max_num_batched_tokens=96)
     p3 = [0] * 16 + [1] * 16 + [2] * 16
     manager = scheduler.kv_cache_manager
@@ -173,12 +161,33 @@ def test_s30_block_ids_of_new_and_running_requests() -> None:
         scheduler.update_from_output(out, runner.execute(out))
 
 
+def test_common_prefix_blocks_per_group_follow_the_running_set() -> None:
+    """Scenario S23 through the scheduler: b hits a's three blocks in the step that admits both
+    (a registers them when allocated); the window group never reports a common prefix."""
+    config = make_config(30, full(4), window(4, 8))
+    scheduler = make_scheduler(config, max_model_len=64)
+    shared = list(range(1, 13))
+    for req_id, last in (("a", 40), ("b", 41)):
+        scheduler.add_request(make_request(scheduler, req_id, [*shared, last], eos=None))
+    runner = FakeModelRunner(config)
+    out = scheduler.schedule()
+    assert out.num_scheduled_tokens == {"a": 13, "b": 1}
+    assert out.num_common_prefix_blocks == (3, 0)
+    scheduler.update_from_output(out, runner.execute(out))
+    scheduler.add_request(make_request(scheduler, "c", [90, 91], eos=None))
+    out = scheduler.schedule()
+    assert out.num_common_prefix_blocks == (0, 0)
+    scheduler.update_from_output(out, runner.execute(out))
+    scheduler.abort(["c"])
+    assert scheduler.schedule().num_common_prefix_blocks == (3, 0)
+
+
 def _mamba_scheduler(budget: int, threshold: int = 0) -> Scheduler:
     mamba = MambaSpec(
         block_size=4, shapes=((8,),), dtype_bytes=(4,), mamba_cache_mode=MambaCacheMode.ALIGN
     )
     return make_scheduler(
-        kv_config(40, full_spec(4), mamba),
+        make_config(40, full(4), mamba),
         max_model_len=64,
         max_num_batched_tokens=budget,
         long_prefill_token_threshold=threshold,
@@ -198,19 +207,36 @@ def test_mamba_prefill_splits_at_block_boundaries(
         make_request(scheduler, "r", list(range(1, prompt_len + 1)), max_tokens=3)
     )
     runner = ScriptedRunner(scheduler, {"r": [50, 51, 52]})
-    seen = [_step(scheduler, runner)[0]["r"] for _ in range(len(chunks) + 2)]
+    seen = [run_step(scheduler, runner)[0]["r"] for _ in range(len(chunks) + 2)]
     assert seen == [*chunks, 1, 1]
 
 
-def test_mamba_prefill_block_ids_match_s20() -> None:
-    scheduler = _mamba_scheduler(100)
-    scheduler.add_request(make_request(scheduler, "r", list(range(100, 110)), max_tokens=3))
+@pytest.mark.parametrize(
+    ("budget", "prompt_len", "first", "second", "table"),
+    [
+        (100, 10, ([1, 2], [0, 3]), ([4], [5]), ([1, 2, 4], [0, 3, 5])),  # S20: chunks 8, 2
+        # Chunks of two blocks: the Mamba delta carries its null padding, so a worker appending
+        # it keeps the state at index 3 (the padding was once left out: [6] landed at index 2).
+        (8, 20, ([1, 2], [0, 3]), ([4, 5], [0, 6]), ([1, 2, 4, 5], [0, 3, 0, 6])),
+    ],
+)
+def test_mamba_prefill_block_ids(
+    budget: int,
+    prompt_len: int,
+    first: tuple[list[int], ...],
+    second: tuple[list[int], ...],
+    table: tuple[list[int], ...],
+) -> None:
+    scheduler = _mamba_scheduler(budget)
+    prompt = list(range(1, prompt_len + 1))
+    scheduler.add_request(make_request(scheduler, "r", prompt, max_tokens=3))
     runner = ScriptedRunner(scheduler, {"r": [50, 51, 52]})
     out = scheduler.schedule()
-    assert out.scheduled_new_reqs[0].block_ids == ([1, 2], [0, 3])
+    assert out.scheduled_new_reqs[0].block_ids == first
     scheduler.update_from_output(out, runner.execute(out))
     out = scheduler.schedule()
-    assert out.scheduled_cached_reqs[0].new_block_ids == ([4], [5])
+    assert out.scheduled_cached_reqs[0].new_block_ids == second
+    assert scheduler.kv_cache_manager.get_block_ids("r") == table
 
 
 def test_mamba_split_needs_chunks_of_a_block() -> None:
@@ -220,109 +246,14 @@ def test_mamba_split_needs_chunks_of_a_block() -> None:
         _mamba_scheduler(100, threshold=2)
 
 
-@pytest.mark.parametrize(
-    ("params", "script", "tokens", "reason", "stop_token"),
-    [
-        ({"max_tokens": 3}, [5, 6, 7, 8], [5, 6, 7], FinishReason.LENGTH, None),
-        ({}, [5, EOS, 6], [5, EOS], FinishReason.STOP, EOS),
-        (
-            {"max_tokens": 3, "ignore_eos": True},
-            [5, EOS, 6],
-            [5, EOS, 6],
-            FinishReason.LENGTH,
-            None,
-        ),
-        ({"min_tokens": 3}, [EOS, EOS, EOS, 5], [EOS, EOS, EOS], FinishReason.STOP, EOS),
-        ({"stop_token_ids": (9,)}, [5, 9, 6], [5, 9], FinishReason.STOP, 9),
-        ({"max_tokens": 2}, [5, EOS], [5, EOS], FinishReason.STOP, EOS),
-        ({"max_tokens": 50}, [1] * 50, [1] * 6, FinishReason.LENGTH, None),  # max_model_len
-    ],
-)
-def test_stop_conditions(
-    params: dict, script: list[int], tokens: list[int], reason: FinishReason, stop_token: int | None
-) -> None:
-    scheduler = make_scheduler(kv_config(20, full_spec(4)), max_model_len=12)
-    params = {"max_tokens": 8, **params}
-    scheduler.add_request(make_request(scheduler, "r", [1, 2, 3, 4, 5, 6], **params))
-    runner = ScriptedRunner(scheduler, {"r": script})
-    outputs: list[RequestOutput] = []
-    while scheduler.has_unfinished_requests():
-        outputs.extend(_step(scheduler, runner)[1])
-    assert [t for o in outputs for t in o.new_token_ids] == tokens
-    assert [o.finish_reason for o in outputs] == [None] * (len(outputs) - 1) + [reason]
-    assert outputs[-1].stop_token_id == stop_token
-    assert scheduler.kv_cache_manager.num_free_blocks == 19
-    assert scheduler.schedule().finished_req_ids == {"r"}
-
-
-def test_abort_frees_blocks_at_once() -> None:
-    config = kv_config(30, full_spec(4))
-    scheduler = make_scheduler(config, max_num_seqs=1, max_model_len=64)
-    scheduler.add_request(make_request(scheduler, "run", list(range(1, 20)), max_tokens=9))
-    scheduler.add_request(make_request(scheduler, "wait", [1, 2, 3], max_tokens=9))
-    runner = FakeModelRunner(config)
-    _step(scheduler, runner)
-    assert scheduler.kv_cache_manager.num_free_blocks == 29 - 5
-    outputs = scheduler.abort(["run", "wait", "unknown", "run"])
-    assert [(o.req_id, o.finish_reason, o.new_token_ids) for o in outputs] == [
-        ("run", FinishReason.ABORT, []),
-        ("wait", FinishReason.ABORT, []),
-    ]
-    assert scheduler.kv_cache_manager.num_free_blocks == 29
-    assert not scheduler.has_unfinished_requests()
-    assert scheduler.get_num_unfinished_requests() == 0
-    out = scheduler.schedule()
-    assert out.finished_req_ids == {"run", "wait"}
-    assert out.is_empty
-    assert scheduler.abort(["run"]) == []
-
-
-def test_abort_between_schedule_and_update_drops_the_tokens() -> None:
-    config = kv_config(30, full_spec(4))
-    scheduler = make_scheduler(config, max_model_len=64)
-    for req_id in ("a", "b"):
-        scheduler.add_request(make_request(scheduler, req_id, [1, 2, 3], max_tokens=4, eos=None))
-    runner = FakeModelRunner(config)
-    out = scheduler.schedule()
-    scheduler.abort(["a"])
-    outputs = scheduler.update_from_output(out, runner.execute(out))
-    assert [o.req_id for o in outputs] == ["b"]
-    assert scheduler.get_num_unfinished_requests() == 1
-    result = drive(scheduler, runner)
-    assert result.finish == {"b": FinishReason.LENGTH}
-    assert scheduler.kv_cache_manager.num_free_blocks == 29
-
-
-def test_rejects_prompts_that_could_never_run() -> None:
-    scheduler = make_scheduler(kv_config(5, full_spec(4)), max_model_len=100)
-    with pytest.raises(ValueError, match="max_model_len=100"):
-        scheduler.add_request(make_request(scheduler, "long", list(range(100))))
-    with pytest.raises(ValueError, match="needs up to 5 KV cache blocks, but the pool holds 4"):
-        scheduler.add_request(make_request(scheduler, "big", list(range(16))))
-    scheduler.add_request(make_request(scheduler, "fits", list(range(15))))
-    with pytest.raises(ValueError, match="already scheduled"):
-        scheduler.add_request(make_request(scheduler, "fits", [1]))
-    other = make_scheduler(kv_config(5, full_spec(8)), max_model_len=100)
-    with pytest.raises(ValueError, match="hash_block_size=4"):
-        scheduler.add_request(make_request(other, "wrong-hash", [1]))
-    assert scheduler.get_num_unfinished_requests() == 1
-
-
-def test_rejects_at_max_model_len_boundary() -> None:
-    scheduler = make_scheduler(kv_config(50, full_spec(4)), max_model_len=16)
-    with pytest.raises(ValueError, match="send at most 15 prompt tokens"):
-        scheduler.add_request(make_request(scheduler, "a", list(range(16))))
-    scheduler.add_request(make_request(scheduler, "b", list(range(15))))
-
-
 def test_stats_report_usage_hits_and_queues() -> None:
-    config = kv_config(30, full_spec(4), sw_spec(4, 8))
+    config = make_config(30, full(4), window(4, 8))
     scheduler = make_scheduler(config, max_num_seqs=1, max_model_len=64)
     shared = list(range(1, 13))
     scheduler.add_request(make_request(scheduler, "a", [*shared, 40], max_tokens=2, eos=None))
     scheduler.add_request(make_request(scheduler, "b", [*shared, 41], max_tokens=2, eos=None))
     runner = FakeModelRunner(config)
-    _step(scheduler, runner)
+    run_step(scheduler, runner)
     stats = scheduler.make_stats()
     assert (stats.num_running_reqs, stats.num_waiting_reqs) == (1, 1)
     assert stats.kv_cache_usage == pytest.approx(8 / 29)  # 4 blocks per group

@@ -8,16 +8,9 @@ import random
 import time
 
 import pytest
-from scheduler_fake_runner import (
-    FakeModelRunner,
-    cla_spec,
-    drive,
-    full_spec,
-    kv_config,
-    make_request,
-    make_scheduler,
-    sw_spec,
-)
+from kv_cache_helpers import chunked, full, make_config, window
+from scheduler_drive import drive, make_request, make_scheduler
+from scheduler_fake_runner import FakeModelRunner
 
 from scheduler.config import SchedulingPolicy
 from scheduler.kv_cache_spec import KVCacheConfig
@@ -37,7 +30,7 @@ def _run_steps(scheduler: Scheduler, runner: FakeModelRunner, count: int) -> lis
 
 def test_fcfs_preempts_the_last_request_and_resumes_it_with_complete_lists() -> None:
     """Full attention, bs 4, 8 usable blocks: every block ID below follows the pool policy."""
-    config = kv_config(9, full_spec(4))
+    config = make_config(9, full(4))
     scheduler = make_scheduler(config, max_model_len=32)
     scheduler.add_request(make_request(scheduler, "a", list(range(1, 9)), max_tokens=10, eos=None))
     scheduler.add_request(
@@ -89,7 +82,7 @@ def _three_small_requests(scheduler: Scheduler) -> None:
 def test_preemption_victim_by_policy(
     policy: SchedulingPolicy, victim: str, scheduled: dict[str, int]
 ) -> None:
-    config = kv_config(9, full_spec(4))  # a, b, c take 2 blocks each by position 8
+    config = make_config(9, full(4))  # a, b, c take 2 blocks each by position 8
     scheduler = make_scheduler(config, max_model_len=32, policy=policy)
     _three_small_requests(scheduler)
     runner = FakeModelRunner(config)
@@ -139,7 +132,7 @@ def _random_requests(
 
 
 def _hybrid_config(num_blocks: int) -> KVCacheConfig:
-    return kv_config(num_blocks, full_spec(4), sw_spec(4, 8))
+    return make_config(num_blocks, full(4), window(4, 8))
 
 
 @pytest.mark.parametrize("policy", list(SchedulingPolicy))
@@ -168,7 +161,7 @@ def test_preemption_and_resume_give_the_tokens_of_an_unconstrained_run(
 
 
 def test_thousand_random_requests_with_aborts_leak_no_block() -> None:
-    config = kv_config(120, full_spec(4), sw_spec(4, 8), cla_spec(4, 8))
+    config = make_config(120, full(4), window(4, 8), chunked(4, 8))
     scheduler = make_scheduler(config, max_model_len=64, max_num_batched_tokens=48, max_num_seqs=16)
     rng = random.Random(1234)
     requests = _random_requests(scheduler, rng, 1000, 40, 20)

@@ -1,7 +1,7 @@
 """Sliding-window and chunked-local managers: hit rules (S08-S11), skipped blocks (S21) and the
 block-count prediction (S22).
 
-S10's EAGLE variants are not tested: EAGLE drops are not a feature of this cache.
+S10's EAGLE variants are adapted, without the drop, with the other EAGLE scenarios.
 """
 
 from __future__ import annotations

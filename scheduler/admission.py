@@ -1,0 +1,138 @@
+"""Admission rules: which new requests can ever run, and how many tokens a request computes a step.
+
+`Scheduler.add_request` calls `check_new_request` (reject now what could never run, rather than
+leave it waiting forever); each step calls `num_new_tokens` for every prefill chunk.
+"""
+
+from __future__ import annotations
+
+from scheduler.config import SchedulerConfig
+from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.kv_cache_spec import KVCacheConfig, cdiv
+from scheduler.prefill_split import block_aligned_num_tokens
+from scheduler.request import Request, RequestStatus
+
+
+def check_new_request(
+    request: Request,
+    config: SchedulerConfig,
+    kv_cache_manager: KVCacheManager,
+    kv_cache_config: KVCacheConfig,
+) -> None:
+    """Raise ValueError for a request that could never run: not fresh, hashed at another block
+    size, a prompt too long for the model, or too large for the whole pool.
+
+    "Too large": the prompt's steps (and the first decode step, when a second token may follow)
+    can need more blocks than the pool holds, by the worst-case rule of `worst_case_blocks`.
+    A request that grows past the pool later is finished by the scheduler then.
+    """
+    req_id = request.req_id
+    if request.status is not RequestStatus.WAITING or request.num_computed_tokens:
+        raise ValueError(f"request {req_id!r} is not a fresh waiting request")
+    hash_block_size = kv_cache_manager.hash_block_size
+    if request.hash_block_size != hash_block_size:
+        raise ValueError(
+            f"request {req_id!r} hashes blocks of {request.hash_block_size} tokens; "
+            f"this KV cache needs hash_block_size={hash_block_size}"
+        )
+    num_tokens = request.num_tokens
+    max_model_len = config.max_model_len
+    if num_tokens >= max_model_len:
+        raise ValueError(
+            f"request {req_id!r}: prompt of {num_tokens} tokens leaves no room to "
+            f"generate within max_model_len={max_model_len}; send at most "
+            f"{max_model_len - 1} prompt tokens"
+        )
+    _check_fits_pool(request, config, kv_cache_config)
+
+
+def _check_fits_pool(
+    request: Request, config: SchedulerConfig, kv_cache_config: KVCacheConfig
+) -> None:
+    num_first_tokens = tokens_of_first_steps(request, config.max_model_len)
+    needed = worst_case_blocks(kv_cache_config, num_first_tokens, max_chunk_tokens(config))
+    usable = kv_cache_config.num_blocks - 1
+    if needed > usable:
+        what = f"a prompt of {request.num_tokens} tokens"
+        if num_first_tokens > request.num_tokens:
+            what += " and its first generated token"
+        raise ValueError(
+            f"request {request.req_id!r}: {what} can need {needed} KV cache blocks at once, "
+            f"but the pool holds {usable}; send a shorter prompt or give the KV cache more memory"
+        )
+
+
+def tokens_of_first_steps(request: Request, max_model_len: int) -> int:
+    """Tokens a fresh request must compute to finish or grow: its prompt, plus the first sampled
+    token when a second one may follow (that token is computed by the step sampling the second)."""
+    may_decode = request.sampling_params.max_tokens > 1
+    return min(request.num_tokens + may_decode, max_model_len - 1)
+
+
+def worst_case_blocks(kv_cache_config: KVCacheConfig, num_tokens: int, max_chunk: int) -> int:
+    """Most blocks one request of `num_tokens` tokens can hold at once, all groups together.
+
+    Each group's spec gives its worst case over every way of computing those tokens in chunks of
+    at most `max_chunk` (any prefix-cache hit, any budget share, a recompute after preemption);
+    it is the rule memory planning uses, capped by one block per `block_size` tokens.
+    """
+    total = 0
+    for group in kv_cache_config.groups:
+        spec = group.spec
+        num_entries = cdiv(num_tokens, spec.block_size)
+        page = spec.page_size_bytes
+        if page:
+            worst = cdiv(spec.max_memory_usage_bytes(num_tokens, max_chunk), page)
+            num_entries = min(num_entries, worst)
+        total += num_entries
+    return total
+
+
+def max_chunk_tokens(config: SchedulerConfig) -> int:
+    """Largest prefill chunk of one step."""
+    if config.long_prefill_token_threshold:  # only set with chunked prefill
+        return min(config.max_num_batched_tokens, config.long_prefill_token_threshold)
+    return config.max_num_batched_tokens
+
+
+def check_chunk_limits(config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    """Raise ValueError when block-aligned prefill splits could never make progress."""
+    alignment = kv_cache_manager.alignment_tokens
+    if kv_cache_manager.needs_block_aligned_prefill and max_chunk_tokens(config) < alignment:
+        raise ValueError(
+            f"recurrent-state groups split prefills at {alignment}-token boundaries: "
+            f"max_num_batched_tokens and long_prefill_token_threshold must be >= {alignment}"
+        )
+
+
+def num_new_tokens(
+    request: Request,
+    num_computed: int,
+    budget: int,
+    config: SchedulerConfig,
+    kv_cache_manager: KVCacheManager,
+    junction_tokens: int,
+) -> int:
+    """Tokens of `request` to compute this step, from `num_computed` on: capped by the long-prefill
+    threshold and the budget, then cut at a block boundary when recurrent-state groups need it.
+
+    Without chunked prefill, a request whose tokens exceed the budget gets 0 (it waits).
+    """
+    num_remaining = len(request.all_token_ids) - num_computed
+    num_new = num_remaining
+    threshold = config.long_prefill_token_threshold
+    if 0 < threshold < num_new:
+        num_new = threshold
+    if num_new > budget:
+        if not config.enable_chunked_prefill:
+            return 0
+        num_new = budget
+    if num_remaining > 1 and kv_cache_manager.needs_block_aligned_prefill:
+        num_new = block_aligned_num_tokens(
+            len(request.all_token_ids),
+            kv_cache_manager.alignment_tokens,
+            num_computed,
+            num_new,
+            junction_tokens,
+        )
+    return num_new

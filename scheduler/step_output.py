@@ -1,0 +1,113 @@
+"""What one step sends the workers: the step plan and the workers' view of every request.
+
+`Scheduler.schedule()` fills a `StepPlan` and turns it into messages through `WorkerView`, which
+knows what every worker already holds, so that each step sends only deltas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from scheduler.output import CachedRequestData, NewRequestData
+from scheduler.request import Request
+
+
+@dataclass
+class StepPlan:
+    """What one `schedule()` call has decided so far.
+
+    The token budget shrinks as requests are scheduled and grows back when an already scheduled
+    request is preempted later in the same step (priority policy).
+    """
+
+    budget: int
+    scheduled: list[Request] = field(default_factory=list)
+    """Scheduled requests in scheduling order (the batch order sent to workers)."""
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    new_blocks: dict[str, KVCacheBlocks] = field(default_factory=dict)
+    """Blocks newly allocated this step, per scheduled request."""
+    preempted_req_ids: list[str] = field(default_factory=list)
+
+    def add(self, request: Request, num_tokens: int, new_blocks: KVCacheBlocks) -> None:
+        """Schedule `num_tokens` of `request` with the blocks just allocated for them."""
+        self.scheduled.append(request)
+        self.num_scheduled_tokens[request.req_id] = num_tokens
+        self.new_blocks[request.req_id] = new_blocks
+        self.budget -= num_tokens
+
+    def withdraw(self, request: Request) -> None:
+        """Undo `add` for a request preempted after it was scheduled (no-op otherwise)."""
+        num_tokens = self.num_scheduled_tokens.pop(request.req_id, None)
+        if num_tokens is None:
+            return
+        self.budget += num_tokens
+        del self.new_blocks[request.req_id]
+        self.scheduled.remove(request)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+class WorkerView:
+    """What the workers hold of each request, so that each step sends only deltas.
+
+    A request unknown here is sent in full (`NewRequestData`); a known one as a delta of tokens
+    and blocks; one preempted after the workers saw it as a resumed delta with complete lists.
+    """
+
+    def __init__(self, kv_cache_manager: KVCacheManager) -> None:
+        self._manager = kv_cache_manager
+        self._num_sent_tokens: dict[str, int] = {}
+        self._resumed_req_ids: set[str] = set()
+        self.finished_req_ids: set[str] = set()
+        """Requests finished since the last step's message."""
+
+    def request_data(
+        self, request: Request, new_blocks: KVCacheBlocks
+    ) -> NewRequestData | CachedRequestData:
+        """The message part for one scheduled request (before its computed tokens advance)."""
+        req_id = request.req_id
+        num_sent = self._num_sent_tokens.get(req_id)
+        self._num_sent_tokens[req_id] = len(request.all_token_ids)
+        if num_sent is not None and req_id not in self._resumed_req_ids:
+            return CachedRequestData(  # positional: this runs for every request every step
+                req_id,
+                request.num_computed_tokens,
+                request.all_token_ids[num_sent:],
+                None if new_blocks.is_empty else new_blocks.get_block_ids(),
+            )
+        if num_sent is None:
+            return NewRequestData(
+                req_id=req_id,
+                prompt_token_ids=list(request.prompt_token_ids),
+                sampling_params=request.sampling_params,
+                block_ids=self._manager.get_block_ids(req_id),
+                num_computed_tokens=request.num_computed_tokens,
+            )
+        self._resumed_req_ids.discard(req_id)
+        return CachedRequestData(
+            req_id=req_id,
+            num_computed_tokens=request.num_computed_tokens,
+            new_token_ids=list(request.output_token_ids),
+            new_block_ids=self._manager.get_block_ids(req_id),
+            is_resumed=True,
+        )
+
+    def preempted(self, req_id: str) -> None:
+        """The workers drop the request's blocks; its next schedule replaces them."""
+        if req_id in self._num_sent_tokens:
+            self._resumed_req_ids.add(req_id)
+
+    def finished(self, req_id: str) -> None:
+        """The workers drop the request at the next step."""
+        self._num_sent_tokens.pop(req_id, None)
+        self._resumed_req_ids.discard(req_id)
+        self.finished_req_ids.add(req_id)
+
+    def take_finished(self) -> frozenset[str]:
+        """Finished IDs for this step's message; the set starts over."""
+        finished = frozenset(self.finished_req_ids)
+        self.finished_req_ids.clear()
+        return finished

@@ -1,0 +1,168 @@
+"""Random workloads through the scheduler, checked against an exact oracle.
+
+Each seed draws a model (one to three groups of full, sliding-window, chunked-local and Mamba
+layers, every Mamba cache mode), a tiny pool, limits (seats, token budget, long-prefill threshold,
+chunked prefill on or off, FCFS or priority, prefix caching on or off) and up to 25 requests with
+shared prefixes, stop conditions, prompt logprobs and aborts. Every step the fake runner checks
+each delta, block table and KV read, and its tables must match the scheduler's (but for entries
+the scheduler nulled). At the end no block is held, and every request has exactly the tokens
+`reference_tokens` gives: a prefix of them if it was aborted, or finished because the pool could
+not hold it (never before its second token: admission guarantees the first steps).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from kv_cache_helpers import chunked, full, make_config, mamba, window
+from scheduler_drive import check_step, check_worker_tables
+from scheduler_fake_runner import VOCAB_SIZE, FakeModelRunner, reference_tokens
+
+from scheduler.config import SchedulerConfig, SchedulingPolicy
+from scheduler.kv_cache_spec import KVCacheConfig, KVCacheSpec, MambaCacheMode
+from scheduler.output import FinishReason
+from scheduler.request import Request, SamplingParams
+from scheduler.scheduler import Scheduler
+
+
+def _random_model(rng: random.Random) -> list[KVCacheSpec]:
+    kinds = [rng.choice("FFSCM") for _ in range(rng.randint(1, 3))]
+    sizes = [rng.choice([2, 4, 8]) for _ in kinds]
+    if "C" in kinds:  # chunked local blocks must equal the hit alignment
+        sizes = [
+            max(sizes) if kind == "C" else size for kind, size in zip(kinds, sizes, strict=True)
+        ]
+    specs: list[KVCacheSpec] = []
+    for kind, size in zip(kinds, sizes, strict=True):
+        if kind == "F":
+            specs.append(full(size))
+        elif kind == "S":
+            specs.append(window(size, rng.randint(1, 20)))
+        elif kind == "C":
+            specs.append(chunked(size, size * rng.randint(1, 3)))
+        else:
+            specs.append(mamba(size, rng.choice(list(MambaCacheMode))))
+    return specs
+
+
+def _random_config(rng: random.Random) -> SchedulerConfig:
+    max_model_len = rng.randint(8, 80)
+    chunked_prefill = rng.random() < 0.8
+    return SchedulerConfig(
+        max_num_seqs=rng.randint(1, 4),
+        max_num_batched_tokens=(
+            rng.randint(1, 40) if chunked_prefill else max_model_len + rng.randint(0, 20)
+        ),
+        max_model_len=max_model_len,
+        enable_chunked_prefill=chunked_prefill,
+        long_prefill_token_threshold=rng.choice([0, rng.randint(1, 20)]) if chunked_prefill else 0,
+        policy=rng.choice(list(SchedulingPolicy)),
+        enable_prefix_caching=rng.random() < 0.8,
+    )
+
+
+def _random_scheduler(rng: random.Random, kv_cache_config: KVCacheConfig) -> Scheduler:
+    while True:
+        try:
+            return Scheduler(_random_config(rng), kv_cache_config)
+        except ValueError:  # a budget below the block-aligned split's minimum chunk
+            continue
+
+
+def _random_request(
+    rng: random.Random, index: int, prefix: list[int], max_len: int, hash_block_size: int
+) -> Request:
+    prompt = prefix + [rng.randrange(1, VOCAB_SIZE) for _ in range(rng.randint(1, 10))]
+    max_tokens = rng.randint(1, 30)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=max_tokens,
+        min_tokens=rng.choice([0, rng.randint(0, max_tokens)]),
+        ignore_eos=rng.random() < 0.2,
+        stop_token_ids=tuple(rng.sample(range(VOCAB_SIZE), rng.choice([0, 3]))),
+        prompt_logprobs=rng.choice([None, None, 1]),
+    )
+    return Request(
+        f"r{index}",
+        prompt[: rng.randint(1, max_len + 3)],
+        params,
+        hash_block_size,
+        eos_token_id=rng.choice([None, 0, 5]),
+        priority=rng.randint(0, 3),
+        arrival_time=float(index),
+    )
+
+
+class Workload:
+    """One seed's scheduler, runner, arrivals and aborts, and what every request received."""
+
+    def __init__(self, seed: int) -> None:
+        rng = random.Random(seed)
+        kv_cache_config: KVCacheConfig = make_config(rng.randint(2, 60), *_random_model(rng))
+        self.scheduler = _random_scheduler(rng, kv_cache_config)
+        self.runner = FakeModelRunner(kv_cache_config)
+        self.arrivals: dict[int, list[Request]] = {}
+        self.aborts: dict[int, list[str]] = {}
+        max_len = self.scheduler.config.max_model_len
+        prefixes = [
+            [rng.randrange(1, VOCAB_SIZE) for _ in range(rng.randint(0, max_len))] for _ in range(3)
+        ]
+        for index in range(rng.randint(1, 25)):
+            prefix = rng.choice([*prefixes, []])
+            hash_block_size = self.scheduler.hash_block_size
+            request = _random_request(rng, index, prefix, max_len, hash_block_size)
+            step = rng.randrange(30)
+            self.arrivals.setdefault(step, []).append(request)
+            if rng.random() < 0.1:
+                self.aborts.setdefault(step + rng.randrange(20), []).append(request.req_id)
+        self.accepted: dict[str, Request] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.finish: dict[str, FinishReason] = {}
+
+    def run(self) -> None:
+        scheduler = self.scheduler
+        step = 0
+        while scheduler.has_unfinished_requests() or self.arrivals:
+            assert step < 5000, "no progress"
+            for request in self.arrivals.pop(step, []):
+                try:
+                    scheduler.add_request(request)
+                except ValueError:
+                    continue  # never fits: checked in test_admission
+                self.accepted[request.req_id] = request
+            for output in scheduler.abort(self.aborts.pop(step, [])):
+                self.finish[output.req_id] = output.finish_reason  # type: ignore[assignment]
+            out = scheduler.schedule()
+            check_step(scheduler, out)
+            for output in scheduler.update_from_output(out, self.runner.execute(out)):
+                self.tokens.setdefault(output.req_id, []).extend(output.new_token_ids)
+                if output.finish_reason is not None:
+                    assert output.req_id not in self.finish
+                    self.finish[output.req_id] = output.finish_reason
+            scheduler.kv_cache_manager.check_invariants()
+            check_worker_tables(scheduler, self.runner)
+            step += 1
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_random_workload_gives_every_request_its_reference_tokens(seed: int) -> None:
+    workload = Workload(seed)
+    workload.run()
+    scheduler = workload.scheduler
+    assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_config.num_blocks - 1
+    assert set(workload.finish) == set(workload.accepted)
+    for req_id, request in workload.accepted.items():
+        expected = reference_tokens(
+            request.prompt_token_ids,
+            request.sampling_params,
+            request.eos_token_id,
+            scheduler.config.max_model_len,
+        )
+        tokens = workload.tokens.get(req_id, [])
+        if workload.finish[req_id] is FinishReason.ABORT:
+            assert tokens == expected[0][: len(tokens)]
+        elif (tokens, workload.finish[req_id]) != expected:  # the pool could not hold it
+            assert workload.finish[req_id] is FinishReason.LENGTH
+            assert tokens == expected[0][: len(tokens)]
+            assert len(tokens) >= min(2, len(expected[0]))
