@@ -10,15 +10,16 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from cluster.llm import LLM, CompletionOutput, CompletionResult
+    from cluster.llm import LLM
+    from cluster.llm_outputs import CompletionOutput, CompletionResult
     from scheduler.request import SamplingParams
 
 __all__ = ["LLM", "CompletionOutput", "CompletionResult", "SamplingParams"]
 
 _LAZY = {
     "LLM": "cluster.llm",
-    "CompletionOutput": "cluster.llm",
-    "CompletionResult": "cluster.llm",
+    "CompletionOutput": "cluster.llm_outputs",
+    "CompletionResult": "cluster.llm_outputs",
     "SamplingParams": "scheduler.request",
 }
 

@@ -18,6 +18,7 @@ from scheduler.output import RequestOutput
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
 from worker.config import ParallelConfig
+from worker.model_loader import check_parallel_layout
 from worker.worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -56,6 +57,8 @@ def build_engine_core(configs: EngineConfigs) -> EngineCore:
         parallel=ParallelConfig(tp_size=configs.tensor_parallel_size, rank=0),
         runner=configs.runner,
     )
+    if spec.parallel.tp_size > 1:  # reject a layout before starting the rank processes
+        _check_layout(spec)
     executor = create_executor(spec)
     try:
         kv_cache_config = _plan_kv_cache(executor, configs)
@@ -65,6 +68,16 @@ def build_engine_core(configs: EngineConfigs) -> EngineCore:
         executor.shutdown()
         raise
     return EngineCore(scheduler, executor)
+
+
+def _check_layout(spec: WorkerSpec) -> None:
+    try:
+        check_parallel_layout(spec.model_config, spec.parallel)
+    except ValueError as exc:
+        raise ValueError(
+            f"tensor_parallel_size={spec.parallel.tp_size} cannot split "
+            f"{spec.model_config.architecture}: {exc}"
+        ) from None
 
 
 def _plan_kv_cache(executor: Executor, configs: EngineConfigs) -> KVCacheConfig:

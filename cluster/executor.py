@@ -4,7 +4,7 @@ Both offer the same calls (`determine_kv_cache_specs`, `available_kv_cache_memor
 `initialize_kv_cache`, `execute`, `shutdown`); every rank receives each call, and rank 0's
 result comes back. The multi-process executor talks to each rank over a pipe:
 
-    parent ──(method, args)──► rank r loop: worker.method(*args) ──(status, result)──► parent
+    parent ──(method, args)──► rank r loop: worker.method(*args) ──result | RankFailure──► parent
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import logging
 import os
 import socket
 import traceback
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Protocol
@@ -32,6 +32,27 @@ logger = logging.getLogger(__name__)
 
 _SHUTDOWN = "shutdown"
 _JOIN_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What a rank process reports when a call raised."""
+
+    message: str
+    traceback: str
+    is_value_error: bool
+    """The call rejected its input or configuration (raised again as ValueError)."""
+
+    @classmethod
+    def from_exception(cls, exc: Exception) -> RankFailure:
+        return cls(str(exc), traceback.format_exc(), isinstance(exc, ValueError))
+
+    def to_exception(self, rank: int) -> Exception:
+        """ValueError with the message for bad input, else RuntimeError with the traceback."""
+        if self.is_value_error:
+            logger.debug("tensor-parallel rank %d raised:\n%s", rank, self.traceback)
+            return ValueError(f"tensor-parallel rank {rank}: {self.message}")
+        return RuntimeError(f"tensor-parallel rank {rank} failed:\n{self.traceback}")
 
 
 class Executor(Protocol):
@@ -81,6 +102,8 @@ class MultiprocExecutor:
         context = mp.get_context("spawn")
         self._conns: list[Connection] = []
         self._procs: list[BaseProcess] = []
+        self._unread: set[int] = set(range(tp_size))
+        """Ranks whose reply to the last call has not been read (first: the load report)."""
         for rank in range(tp_size):
             rank_spec = replace(
                 spec,
@@ -99,7 +122,7 @@ class MultiprocExecutor:
             self._conns.append(parent_conn)
             self._procs.append(proc)
         try:
-            self._collect()  # every rank reports that its model is loaded
+            _raise_failures(self._read_replies())  # every rank reports that its model is loaded
         except BaseException:
             self.shutdown()
             raise
@@ -134,30 +157,43 @@ class MultiprocExecutor:
         self._conns, self._procs = [], []
 
     def _call(self, method: str, *args: object) -> list:  # type: ignore[type-arg]
+        """Send `method(*args)` to every rank; their results in rank order.
+
+        Replies still owed by an interrupted earlier call (Ctrl-C while waiting) are read and
+        dropped first, so a reply is never taken for the answer to a later call.
+        """
         if not self._conns:
             raise RuntimeError("the executor has been shut down")
+        if self._unread:
+            logger.warning("dropping the replies of an interrupted call")
+            self._read_replies()
         for conn in self._conns:
             conn.send((method, args))
-        return self._collect()
+        self._unread = set(range(len(self._conns)))
+        return _raise_failures(self._read_replies())
 
-    def _collect(self) -> list:  # type: ignore[type-arg]
-        """One reply per rank, in rank order; a failed or dead rank raises RuntimeError."""
+    def _read_replies(self) -> list[object]:
+        """Read every reply still owed, by rank; a dead rank raises RuntimeError at once."""
         results: list[object] = [None] * len(self._conns)
-        pending = dict(enumerate(self._conns))
-        while pending:
-            ready = wait(list(pending.values()))
-            for rank, conn in list(pending.items()):
-                if conn not in ready:
+        while self._unread:
+            ready = wait([self._conns[rank] for rank in self._unread])
+            for rank in sorted(self._unread):
+                if self._conns[rank] not in ready:
                     continue
                 try:
-                    status, value = conn.recv()
+                    results[rank] = self._conns[rank].recv()
                 except EOFError:  # the process exited: its end of the pipe closed
                     raise RuntimeError(f"tensor-parallel rank {rank} died") from None
-                if status == "error":
-                    raise RuntimeError(f"tensor-parallel rank {rank} failed:\n{value}")
-                results[rank] = value
-                del pending[rank]
+                self._unread.discard(rank)
         return results
+
+
+def _raise_failures(results: list[object]) -> list[object]:
+    """`results`, unless a rank failed: then the failure of the lowest such rank is raised."""
+    for rank, value in enumerate(results):
+        if isinstance(value, RankFailure):
+            raise value.to_exception(rank)
+    return results
 
 
 def _worker_loop(spec: WorkerSpec, conn: Connection) -> None:
@@ -166,10 +202,10 @@ def _worker_loop(spec: WorkerSpec, conn: Connection) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.parallel.tp_size))
     try:
         worker = Worker(spec)
-    except Exception:
-        conn.send(("error", traceback.format_exc()))
+    except Exception as exc:
+        conn.send(RankFailure.from_exception(exc))
         return
-    conn.send(("ok", None))
+    conn.send(None)
     while True:
         try:
             method, args = conn.recv()
@@ -179,9 +215,9 @@ def _worker_loop(spec: WorkerSpec, conn: Connection) -> None:
             worker.shutdown()
             break
         try:
-            conn.send(("ok", getattr(worker, method)(*args)))
-        except Exception:
-            conn.send(("error", traceback.format_exc()))
+            conn.send(getattr(worker, method)(*args))
+        except Exception as exc:
+            conn.send(RankFailure.from_exception(exc))
 
 
 def _free_port() -> int:

@@ -2,6 +2,9 @@
 
 No Ray: the engine core and its executor (one process per tensor-parallel rank when
 `tensor_parallel_size > 1`) live in the caller's process tree. Results come back in input order.
+`chat(messages)` renders conversations with the tokenizer's chat template first. A call's
+prompts are all checked (`cluster.llm_inputs`) before any is queued, and a failing call aborts
+what it queued, so an error never leaves work behind in the engine.
 """
 
 from __future__ import annotations
@@ -10,94 +13,27 @@ import itertools
 import logging
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
+from typing import cast
 
 from tqdm.auto import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from cluster.engine_args import EngineArgs
 from cluster.engine_core import EngineCore, build_engine_core
-from scheduler.output import RequestOutput, TokenLogprobs
+from cluster.llm_inputs import (
+    ChatMessage,
+    PromptInput,
+    as_conversation_list,
+    as_params_list,
+    as_prompt_list,
+    check_token_ids,
+)
+from cluster.llm_outputs import CompletionResult, RequestTracker
 from scheduler.request import Request, SamplingParams
 from worker.config import ModelConfig
 
 logger = logging.getLogger(__name__)
-
-PromptInput = str | Sequence[int]
-
-
-@dataclass(frozen=True)
-class CompletionOutput:
-    """One generated sequence."""
-
-    index: int
-    text: str
-    """Decoded text (special tokens skipped); empty when the model has no tokenizer."""
-    token_ids: list[int]
-    finish_reason: str | None
-    """"stop", "length" or "abort"."""
-    stop_token_id: int | None = None
-    logprobs: list[TokenLogprobs] | None = None
-
-
-@dataclass(frozen=True)
-class CompletionResult:
-    """The result of one prompt."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    prompt_logprobs: list[TokenLogprobs] | None = None
-    """Logprobs of prompt tokens 1..n-1 (token 0 has none), when asked for."""
-    num_cached_tokens: int = 0
-    """Prompt tokens served from the prefix cache."""
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.outputs[0].finish_reason
-
-
-@dataclass
-class _Tracker:
-    """Accumulates one request's step outputs."""
-
-    req_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    last: RequestOutput | None = None
-
-    def update(self, output: RequestOutput) -> None:
-        self.token_ids.extend(output.new_token_ids)
-        self.logprobs.extend(output.new_logprobs or [])
-        self.prompt_logprobs.extend(output.prompt_logprobs or [])
-        self.last = output
-
-    def result(self, tokenizer: PreTrainedTokenizerBase | None) -> CompletionResult:
-        last = self.last
-        text = str(tokenizer.decode(self.token_ids, skip_special_tokens=True)) if tokenizer else ""
-        output = CompletionOutput(
-            index=0,
-            text=text,
-            token_ids=list(self.token_ids),
-            finish_reason=last.finish_reason.value if last and last.finish_reason else None,
-            stop_token_id=last.stop_token_id if last else None,
-            logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
-        )
-        return CompletionResult(
-            request_id=self.req_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=[output],
-            prompt_logprobs=(
-                list(self.prompt_logprobs) if self.params.prompt_logprobs is not None else None
-            ),
-            num_cached_tokens=last.num_cached_tokens if last else 0,
-        )
 
 
 class LLM:
@@ -118,6 +54,7 @@ class LLM:
         max_num_seqs: int = 256,
         attention_backend: str = "auto",
         kv_cache_memory_bytes: int | None = None,
+        gpu_memory_utilization: float = 0.9,
         seed: int = 0,
         kv_sharing_fast_prefill: bool = False,
     ) -> None:
@@ -134,6 +71,7 @@ class LLM:
             max_num_seqs=max_num_seqs,
             attention_backend=attention_backend,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
+            gpu_memory_utilization=gpu_memory_utilization,
             seed=seed,
             kv_sharing_fast_prefill=kv_sharing_fast_prefill,
         )
@@ -150,58 +88,135 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[CompletionResult]:
-        """Generate for every prompt (strings or token-ID lists); results in input order."""
-        prompt_list = _as_prompt_list(prompts)
-        params_list = _as_params_list(sampling_params, len(prompt_list))
-        trackers = [
-            self._add_request(p, sp) for p, sp in zip(prompt_list, params_list, strict=True)
+        """Generate for every prompt (strings or token-ID lists); results in input order.
+
+        Invalid input raises TypeError or ValueError naming the prompt before any of the
+        prompts is queued; the LLM stays usable.
+        """
+        self._check_open()
+        prompt_list = as_prompt_list(prompts)
+        params_list = as_params_list(sampling_params, len(prompt_list))
+        tokenized = [
+            (prompt if isinstance(prompt, str) else None, self._tokenize(index, prompt))
+            for index, prompt in enumerate(prompt_list)
         ]
-        by_id = {tracker.req_id: tracker for tracker in trackers}
-        try:
-            with tqdm(total=len(trackers), desc="Generating", disable=not use_tqdm) as bar:
-                while self.engine.has_unfinished_requests():
-                    for output in self.engine.step():
-                        tracker = by_id.get(output.req_id)
-                        if tracker is not None:  # else: left over from an interrupted call
-                            tracker.update(output)
-                            bar.update(int(output.finished))
-        except BaseException:
-            self.engine.abort(by_id)
-            raise
-        return [tracker.result(self.tokenizer) for tracker in trackers]
+        return self._run(tokenized, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[ChatMessage] | Sequence[Sequence[ChatMessage]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[CompletionResult]:
+        """The assistant's reply to one conversation, or to each of a list of conversations.
+
+        A conversation is a list of `{"role": ..., "content": ...}` messages, rendered with the
+        tokenizer's chat template and its generation prompt; `.prompt` holds the rendered text.
+        """
+        self._check_open()
+        conversations = as_conversation_list(messages)
+        params_list = as_params_list(sampling_params, len(conversations))
+        rendered = [self._render_chat(index, conv) for index, conv in enumerate(conversations)]
+        return self._run(rendered, params_list, use_tqdm)
 
     def shutdown(self) -> None:
         """Stop the workers (also done when the LLM is garbage-collected)."""
         self._finalizer()
 
-    def _add_request(self, prompt: PromptInput, params: SamplingParams) -> _Tracker:
-        text = prompt if isinstance(prompt, str) else None
-        token_ids = self._tokenize(prompt)
+    @property
+    def _is_shut_down(self) -> bool:
+        return not self._finalizer.alive
+
+    def _check_open(self) -> None:
+        if self._is_shut_down:
+            raise RuntimeError("this LLM has been shut down; create a new one")
+
+    def _run(
+        self,
+        prompts: Sequence[tuple[str | None, Sequence[object]]],
+        params_list: Sequence[SamplingParams],
+        use_tqdm: bool,
+    ) -> list[CompletionResult]:
+        """Queue every (text, token IDs) prompt, step the engine until all finish."""
+        pairs = zip(prompts, params_list, strict=True)
+        requests = [
+            self._make_request(index, text, token_ids, params)
+            for index, ((text, token_ids), params) in enumerate(pairs)
+        ]
+        self._add_requests([request for request, _ in requests])
+        trackers = {tracker.req_id: tracker for _, tracker in requests}
+        try:
+            with tqdm(total=len(trackers), desc="Generating", disable=not use_tqdm) as bar:
+                while self.engine.has_unfinished_requests():
+                    for output in self.engine.step():
+                        tracker = trackers.get(output.req_id)
+                        if tracker is not None:  # else: left over from an interrupted call
+                            tracker.update(output)
+                            bar.update(int(output.finished))
+        except BaseException:
+            self.engine.abort(trackers)
+            raise
+        return [tracker.result(self.tokenizer) for tracker in trackers.values()]
+
+    def _make_request(
+        self, index: int, text: str | None, token_ids: Sequence[object], params: SamplingParams
+    ) -> tuple[Request, RequestTracker]:
+        """The engine request of prompt `index` (validated, not yet queued) and its tracker."""
+        checked_ids = check_token_ids(index, token_ids, self.model_config.vocab_size)
         eos_ids = self.model_config.eos_token_ids
         if len(eos_ids) > 1 and not params.ignore_eos:
             extra = tuple(t for t in eos_ids[1:] if t not in params.stop_token_ids)
             params = replace(params, stop_token_ids=params.stop_token_ids + extra)
-        req_id = str(next(self._req_counter))
-        self.engine.add_request(
-            Request(
-                req_id=req_id,
-                prompt_token_ids=token_ids,
-                sampling_params=params,
-                hash_block_size=self.engine.scheduler.hash_block_size,
-                eos_token_id=eos_ids[0] if eos_ids else None,
-            )
+        request = Request(
+            req_id=str(next(self._req_counter)),
+            prompt_token_ids=checked_ids,
+            sampling_params=params,
+            hash_block_size=self.engine.scheduler.hash_block_size,
+            eos_token_id=eos_ids[0] if eos_ids else None,
         )
-        return _Tracker(req_id, text, token_ids, params)
+        return request, RequestTracker(request.req_id, text, checked_ids, params)
 
-    def _tokenize(self, prompt: PromptInput) -> list[int]:
+    def _add_requests(self, requests: Sequence[Request]) -> None:
+        """Queue all of `requests` or, when the scheduler refuses one, none of them."""
+        added: list[str] = []
+        for index, request in enumerate(requests):
+            try:
+                self.engine.add_request(request)
+            except ValueError as exc:
+                self.engine.abort(added)
+                raise ValueError(f"prompt {index}: {exc}") from None
+            added.append(request.req_id)
+
+    def _tokenize(self, index: int, prompt: PromptInput) -> Sequence[object]:
         if not isinstance(prompt, str):
-            return [int(token) for token in prompt]
+            return prompt
+        tokenizer = self._require_tokenizer(f"prompt {index} is text")
+        token_ids: list[int] = tokenizer(prompt).input_ids
+        return token_ids
+
+    def _render_chat(
+        self, index: int, conversation: Sequence[ChatMessage]
+    ) -> tuple[str, list[int]]:
+        """Conversation `index` as template text and its token IDs (the template adds BOS)."""
+        tokenizer = self._require_tokenizer("chat messages are rendered by the tokenizer")
+        if not tokenizer.chat_template:
+            raise ValueError(
+                f"the tokenizer of {self.model_config.model_path} has no chat template"
+            )
+        messages = cast("list[dict[str, str]]", [dict(message) for message in conversation])
+        text = str(
+            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        )
+        token_ids: list[int] = tokenizer(text, add_special_tokens=False).input_ids
+        return text, token_ids
+
+    def _require_tokenizer(self, why: str) -> PreTrainedTokenizerBase:
         if self.tokenizer is None:
             raise ValueError(
-                f"{self.model_config.model_path} has no tokenizer: pass prompts as token IDs"
+                f"{why}, but {self.model_config.model_path} has no tokenizer; "
+                "pass prompts as token IDs"
             )
-        token_ids: list[int] = self.tokenizer(prompt).input_ids
-        return token_ids
+        return self.tokenizer
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
@@ -214,25 +229,3 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerBase | None:
         logger.info("no tokenizer in %s (%s): prompts must be token IDs", path, exc)
         return None
     return tokenizer
-
-
-def _as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
-    if isinstance(prompts, str):
-        return [prompts]
-    items = list(prompts)
-    if items and all(isinstance(item, int) for item in items):
-        return [items]  # type: ignore[list-item]  # one prompt given as token IDs
-    return items  # type: ignore[return-value]
-
-
-def _as_params_list(
-    sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
-) -> list[SamplingParams]:
-    if sampling_params is None:
-        return [SamplingParams()] * num_prompts
-    if isinstance(sampling_params, SamplingParams):
-        return [sampling_params] * num_prompts
-    params = list(sampling_params)
-    if len(params) != num_prompts:
-        raise ValueError(f"got {len(params)} sampling params for {num_prompts} prompts")
-    return params

@@ -1,10 +1,18 @@
-"""Shared test fixtures (markers are declared in pyproject.toml)."""
+"""Shared test fixtures (markers are declared in pyproject.toml).
+
+Tests run torch on one intra-op thread (set before torch is imported, inherited by the rank
+and interpreter subprocesses): the tiny test models gain nothing from more, and several busy
+OpenMP threads on a shared 2-core machine slow small-op workloads down many times over.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

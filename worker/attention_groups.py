@@ -243,16 +243,24 @@ def _group_kernel_block_size(
     by_name: dict[str, Attention],
     backend_for: BackendFactory,
 ) -> int:
-    """Largest divisor of the group's block size that every layer's backend accepts."""
+    """Largest divisor of the group's block size that every layer's backend accepts.
+
+    When none is accepted, the error carries the backend's reason for the group's own size.
+    """
     group = config.groups[group_id]
     head_sizes = {by_name[name].config.head_size for name in group.layer_names if name in by_name}
+    refusals: list[str] = []
 
     def accepts(kernel_block_size: int) -> bool:
         try:
             for head_size in head_sizes:
                 backend_for(kernel_block_size, head_size)
-        except ValueError:
+        except ValueError as exc:
+            refusals.append(str(exc))
             return False
         return True
 
-    return choose_kernel_block_size(group.spec.block_size, accepts)
+    try:
+        return choose_kernel_block_size(group.spec.block_size, accepts)
+    except ValueError as exc:
+        raise ValueError(f"{exc} ({refusals[0]})") from None

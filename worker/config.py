@@ -84,6 +84,11 @@ class ModelConfig:
             device_type: "cpu" or "cuda" for resolving "auto"; None means cuda when available.
         """
         folder = Path(path)
+        if not folder.is_dir():
+            raise ValueError(
+                f"model path {str(folder)!r} is not a folder: pass a local Hugging Face model "
+                "folder (nothing is downloaded)"
+            )
         if not (folder / "config.json").is_file():
             raise ValueError(f"{folder} has no config.json: pass a local Hugging Face model folder")
         hf_config = AutoConfig.from_pretrained(str(folder), local_files_only=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -172,6 +173,37 @@ def build_input_batch(
     req_ids: Sequence[str], states: RequestStates, num_scheduled: dict[str, int]
 ) -> InputBatch:
     """Flat inputs of one step (in the order of `req_ids`), built on the host, one copy."""
+    host = _host_batch(req_ids, states, num_scheduled)
+    dev = to_device_packed(host.arrays, states.device)
+    num_groups = len(states.block_tables)
+    return InputBatch(
+        req_ids=list(req_ids),
+        input_ids=dev["input_ids"],
+        positions=dev["positions"],
+        query_start_loc=dev["query_start_loc"].to(torch.int32),
+        seq_lens=dev["seq_lens"].to(torch.int32),
+        logits_indices=dev["logits_indices"],
+        block_tables=tuple(dev[f"block_table_{g}"].to(torch.int32) for g in range(num_groups)),
+        slot_mappings=tuple(dev[f"slot_mapping_{g}"] for g in range(num_groups)),
+        sampled_req_idx=np.flatnonzero(host.samples).tolist(),
+        query_start_loc_np=host.arrays["query_start_loc"],
+        seq_lens_np=host.arrays["seq_lens"],
+        num_computed_np=host.num_computed,
+    )
+
+
+class _HostBatch(NamedTuple):
+    arrays: dict[str, np.ndarray]
+    """Named int arrays, copied to the device together."""
+    samples: np.ndarray
+    """[num_reqs] bool: the request reaches its last known token this step and samples."""
+    num_computed: np.ndarray
+
+
+def _host_batch(
+    req_ids: Sequence[str], states: RequestStates, num_scheduled: dict[str, int]
+) -> _HostBatch:
+    """The step's arrays in numpy: per token (ids, positions, slots), per request, per group."""
     reqs = [states.requests[req_id] for req_id in req_ids]
     rows = np.array([states.rows[req_id] for req_id in req_ids], dtype=np.int64)
     num_sched = np.array([num_scheduled[req_id] for req_id in req_ids], dtype=np.int64)
@@ -189,7 +221,7 @@ def build_input_batch(
     )
     seq_lens = num_computed + num_sched
     samples = seq_lens >= np.array([req.num_tokens for req in reqs], dtype=np.int64)
-    host = {
+    arrays = {
         "input_ids": input_ids,
         "positions": positions,
         "query_start_loc": query_start_loc,
@@ -198,24 +230,9 @@ def build_input_batch(
     }
     token_rows = rows[token_req_idx]
     for group_id, table in enumerate(states.block_tables.tables):
-        host[f"block_table_{group_id}"] = table.gather_rows(rows)
-        host[f"slot_mapping_{group_id}"] = table.slot_mapping(token_rows, positions)
-    dev = to_device_packed(host, states.device)
-    num_groups = len(states.block_tables)
-    return InputBatch(
-        req_ids=list(req_ids),
-        input_ids=dev["input_ids"],
-        positions=dev["positions"],
-        query_start_loc=dev["query_start_loc"].to(torch.int32),
-        seq_lens=dev["seq_lens"].to(torch.int32),
-        logits_indices=dev["logits_indices"],
-        block_tables=tuple(dev[f"block_table_{g}"].to(torch.int32) for g in range(num_groups)),
-        slot_mappings=tuple(dev[f"slot_mapping_{g}"] for g in range(num_groups)),
-        sampled_req_idx=np.flatnonzero(samples).tolist(),
-        query_start_loc_np=query_start_loc,
-        seq_lens_np=seq_lens,
-        num_computed_np=num_computed,
-    )
+        arrays[f"block_table_{group_id}"] = table.gather_rows(rows)
+        arrays[f"slot_mapping_{group_id}"] = table.slot_mapping(token_rows, positions)
+    return _HostBatch(arrays, samples, num_computed)
 
 
 def _scheduled_tokens(req: CachedRequestState, num_scheduled: int) -> np.ndarray:

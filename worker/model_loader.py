@@ -56,6 +56,17 @@ def load_model(
     return model
 
 
+def check_parallel_layout(model_config: ModelConfig, parallel: ParallelConfig) -> None:
+    """Raise the model's own ValueError when its layers do not split over `parallel.tp_size`.
+
+    Builds rank `parallel.rank`'s model on the meta device (no memory, no weights read), so a
+    launcher can reject a layout before it starts any rank process.
+    """
+    model_cls = get_model_class(model_config.architecture)
+    with _default_dtype(model_config.dtype), torch.device("meta"):
+        model_cls(model_config, parallel)
+
+
 def _check_complete(model: nn.Module, loaded: set[str], path: str) -> None:
     missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
     if missing:

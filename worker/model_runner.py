@@ -66,8 +66,9 @@ class ModelSettings:
     """What the runner needs to know about the model beyond the module itself."""
 
     dtype: torch.dtype
-    vocab_size: int
+    """Dtype of activations and of the KV cache."""
     max_model_len: int
+    """Longest request; sizes the block-table rows."""
     eos_token_ids: tuple[int, ...] = ()
     """Tokens that end generation unless a request ignores EOS (masked before min_tokens)."""
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels import BACKEND_NAMES
+
 
 @dataclass(frozen=True)
 class RunnerConfig:
@@ -22,7 +24,7 @@ class RunnerConfig:
     max_num_seqs: int = 256
     """Most requests in one step (rows of the block tables)."""
     attention_backend: str = "auto"
-    """One of kernels.BACKEND_NAMES."""
+    """One of kernels.BACKEND_NAMES (auto, triton, flash_attn, torch)."""
     seed: int = 0
     """Seed of the sampler's generator (requests without their own seed)."""
     kv_cache_memory_bytes: int | None = None
@@ -40,6 +42,11 @@ class RunnerConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.attention_backend not in BACKEND_NAMES:
+            raise ValueError(
+                f"unknown attention_backend {self.attention_backend!r}; "
+                f"choose one of {', '.join(BACKEND_NAMES)}"
+            )
         if torch.device(self.device).type not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
 

@@ -1,10 +1,11 @@
 """Token sampling and logprobs for one step, batched on the device.
 
 The model runner calls `Sampler.sample` with the logits of the requests that sample this step.
-Order of operations per row: temperature -> min-p -> top-k -> top-p -> draw. Greedy rows take
-the argmax of the raw logits; logprobs are those of the raw logits (log-softmax), as OpenAI and
-vLLM report them. Draws use the exponential-race trick (argmax of p / Exp(1) noise), so a seeded
-request only needs its own generator for its noise row.
+Order of operations per row: temperature -> min-p -> top-k -> top-p -> draw. Greedy rows
+(temperature below `MIN_TEMPERATURE`, 0 included) take the argmax of the raw logits; logprobs
+are those of the raw logits (log-softmax), as OpenAI and vLLM report them. Draws use the
+exponential-race trick (argmax of p / Exp(1) noise), so a seeded request only needs its own
+generator for its noise row.
 """
 
 from __future__ import annotations
@@ -16,6 +17,14 @@ import torch
 
 from scheduler.output import TokenLogprobs
 from scheduler.request import SamplingParams
+
+MIN_TEMPERATURE = 1e-5
+"""Lower temperatures sample greedily: dividing by them would overflow fp32 logits to inf."""
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    """Whether a request's draw reduces to the argmax."""
+    return params.temperature < MIN_TEMPERATURE
 
 
 @dataclass(frozen=True)
@@ -60,14 +69,16 @@ class SamplingTensors:
                 _tensor(banned_ids, torch.int64, device),
             )
         return cls(
-            temperature=_tensor([p.temperature or 1.0 for p in params], torch.float32, device),
-            is_greedy=_tensor([p.is_greedy for p in params], torch.bool, device),
+            temperature=_tensor(
+                [1.0 if is_greedy(p) else p.temperature for p in params], torch.float32, device
+            ),
+            is_greedy=_tensor([is_greedy(p) for p in params], torch.bool, device),
             top_k=_tensor(top_k, torch.int64, device),
             top_p=_tensor([p.top_p for p in params], torch.float32, device),
             min_p=_tensor([p.min_p for p in params], torch.float32, device),
             generators=tuple(generators),
             num_logprobs=tuple(p.logprobs for p in params),
-            all_greedy=all(p.is_greedy for p in params),
+            all_greedy=all(is_greedy(p) for p in params),
             uses_top_k=any(k < vocab_size for k in top_k),
             uses_top_p=any(p.top_p < 1.0 for p in params),
             uses_min_p=any(p.min_p > 0.0 for p in params),
@@ -131,12 +142,13 @@ def compute_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logprob and rank (1 = best) of `token_ids`, plus the `num_top` best per row.
 
-    Returns (logprob [N], rank [N], top ids [N, num_top], top logprobs [N, num_top]).
+    Returns (logprob [N], rank [N], top ids [N, k], top logprobs [N, k]) with
+    k = min(num_top, vocab size): a vocabulary smaller than the request yields all of it.
     """
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(-1, token_ids[:, None].long())  # [N, 1]
     rank = (logprobs > chosen).sum(dim=-1) + 1
-    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)
+    top_logprobs, top_ids = logprobs.topk(min(num_top, logprobs.shape[-1]), dim=-1)
     return chosen[:, 0], rank, top_ids, top_logprobs
 
 

@@ -52,7 +52,6 @@ class Worker:
         model = load_model(spec.model_config, spec.parallel, self.device)
         settings = ModelSettings(
             dtype=spec.model_config.dtype,
-            vocab_size=spec.model_config.vocab_size,
             max_model_len=spec.model_config.max_model_len,
             eos_token_ids=spec.model_config.eos_token_ids,
         )

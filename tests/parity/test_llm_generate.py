@@ -6,15 +6,23 @@ chunked prefill, block size, prefix-cache hits, KV cache grouping or tensor para
 
 from __future__ import annotations
 
+import itertools
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from cluster import LLM, SamplingParams
+import kernels
+from cluster import LLM, SamplingParams, executor
 from tests.helpers.tiny_models import WINDOW, save_tiny_model
 
 pytestmark = pytest.mark.parity
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 NUM_NEW = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW)
@@ -93,19 +101,45 @@ def test_hybrid_manager_on_and_off_give_identical_tokens(family: str, tmp_path: 
     assert runs[False] == [_hf_greedy(hf_model, p, 12) for p in prompts]
 
 
-@pytest.mark.timeout(60)
-def test_tensor_parallel_2_matches_tp_1(llama) -> None:
-    """Two spawned rank processes (gloo) give the tokens of one in-process rank."""
-    path, _ = llama
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "family",
+    ["llama", pytest.param("gemma2", marks=pytest.mark.slow)],  # gemma2: softcaps, windows
+)
+def test_tensor_parallel_2_matches_tp_1(
+    family: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two spawned rank processes (gloo) give the tokens of one in-process rank, also after a
+    call interrupted (Ctrl-C) while the ranks were computing."""
+    hf_model = save_tiny_model(family, tmp_path)
     prompts = [BASE_PROMPTS[0], BASE_PROMPTS[2]]
-    single = LLM(str(path), **LLM_ARGS)
+    single = LLM(str(tmp_path), **LLM_ARGS)
     expected = _tokens(single.generate(prompts, GREEDY, use_tqdm=False))
     single.shutdown()
-    llm = LLM(str(path), tensor_parallel_size=2, **LLM_ARGS)
+    assert expected == [_hf_greedy(hf_model, p) for p in prompts]
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, **LLM_ARGS)
     try:
+        assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
+        with monkeypatch.context() as patch:
+            patch.setattr(executor, "wait", _interrupt_on_call(3, executor.wait))
+            with pytest.raises(KeyboardInterrupt):
+                llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert not llm.engine.has_unfinished_requests()
         assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
     finally:
         llm.shutdown()
+
+
+def _interrupt_on_call(number: int, wait: Callable[..., list]) -> Callable[..., list]:
+    """`wait` that raises KeyboardInterrupt on its `number`-th call (replies still owed)."""
+    calls = itertools.count(1)
+
+    def interrupting_wait(*args: object, **kwargs: object) -> list:
+        if next(calls) == number:
+            raise KeyboardInterrupt
+        return wait(*args, **kwargs)
+
+    return interrupting_wait
 
 
 def test_preemption_and_resume_keep_the_tokens(llama) -> None:
@@ -117,13 +151,21 @@ def test_preemption_and_resume_keep_the_tokens(llama) -> None:
     results = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert llm.engine.scheduler.num_preemptions > 0
     assert _tokens(results) == [_hf_greedy(hf_model, p) for p in prompts]
+    # Seeded sampling: a request preempted and recomputed draws what it draws alone.
+    seeded = SamplingParams(temperature=1.0, top_k=40, top_p=0.9, max_tokens=NUM_NEW, seed=5)
+    alone = _tokens(llm.generate([prompts[2]], seeded, use_tqdm=False))[0]
+    before = llm.engine.scheduler.num_preemptions
+    others = SamplingParams(temperature=1.0, max_tokens=NUM_NEW)
+    batched = llm.generate(prompts, [others, others, seeded], use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > before
+    assert batched[2].outputs[0].token_ids == alone
     llm.shutdown()
 
 
 def test_logprobs_and_prompt_logprobs_match_transformers(llama) -> None:
     path, hf_model = llama
     prompt = BASE_PROMPTS[2]
-    params = SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2)
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=20, prompt_logprobs=20)
     llm = LLM(str(path), enable_prefix_caching=False, **LLM_ARGS)
     (result,) = llm.generate([prompt], params, use_tqdm=False)
     llm.shutdown()
@@ -137,7 +179,7 @@ def test_logprobs_and_prompt_logprobs_match_transformers(llama) -> None:
     assert [e.token_id for e in prompt_lps] == prompt[1:]
     for pos, entry in enumerate(prompt_lps, start=1):
         assert entry.logprob == pytest.approx(float(reference[pos - 1, prompt[pos]]), abs=1e-4)
-        assert entry.top_token_ids == reference[pos - 1].topk(2).indices.tolist()
+        assert entry.top_token_ids == reference[pos - 1].topk(20).indices.tolist()
     sample_lps = result.outputs[0].logprobs
     assert sample_lps is not None
     assert len(sample_lps) == len(tokens)
@@ -146,8 +188,29 @@ def test_logprobs_and_prompt_logprobs_match_transformers(llama) -> None:
         assert entry.token_id == token
         assert entry.rank == 1  # greedy
         assert entry.logprob == pytest.approx(float(row[token]), abs=1e-4)
-        assert entry.top_token_ids == row.topk(3).indices.tolist()
-        assert entry.top_logprobs == pytest.approx(row.topk(3).values.tolist(), abs=1e-4)
+        assert entry.top_token_ids == row.topk(20).indices.tolist()
+        assert entry.top_logprobs == pytest.approx(row.topk(20).values.tolist(), abs=1e-4)
+
+
+def test_block_aligned_prompts_shared_prefixes_and_single_token_outputs(llama) -> None:
+    """Prompts of exactly 1, 2 and 4 blocks (block size 4), asked for one token each, then many
+    prompts sharing a 13-token prefix through two sequence slots: transformers' tokens, and
+    the later prompts read the shared blocks from the prefix cache."""
+    path, hf_model = llama
+    llm = LLM(str(path), max_num_seqs=2, **LLM_ARGS)
+    aligned = [BASE_PROMPTS[0][:4], BASE_PROMPTS[1][:4] * 2, BASE_PROMPTS[0][:16]]
+    one_token = SamplingParams(temperature=0, max_tokens=1)
+    for _ in range(2):  # the second time every block but the last token's is cached
+        results = llm.generate(aligned, one_token, use_tqdm=False)
+        assert _tokens(results) == [_hf_greedy(hf_model, p, 1) for p in aligned]
+        assert all(r.finish_reason == "length" for r in results)
+    assert [r.num_cached_tokens for r in results] == [0, 4, 12]
+    prefix = BASE_PROMPTS[2][:13]
+    shared = [prefix + [k] * (k % 3) for k in range(7)]
+    results = llm.generate(shared, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert _tokens(results) == [_hf_greedy(hf_model, p, 4) for p in shared]
+    assert all(r.num_cached_tokens == 12 for r in results[2:])
+    llm.shutdown()
 
 
 def test_seeded_sampling_is_reproducible_across_batches(llama) -> None:
@@ -171,6 +234,36 @@ def test_seeded_sampling_is_reproducible_across_batches(llama) -> None:
     )[0]
     assert different != alone
     llm.shutdown()
+
+
+TRITON_GENERATE = """
+import json, sys
+from cluster import LLM, SamplingParams
+from kernels import triton_attention
+assert triton_attention.is_interpreted()
+llm = LLM(sys.argv[1], attention_backend="triton", device="cpu", block_size=4,
+          max_num_batched_tokens=8, kv_cache_memory_bytes=1 << 20)
+prompts = json.loads(sys.argv[2])
+results = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+print(json.dumps([r.outputs[0].token_ids for r in results]))
+llm.shutdown()
+"""
+
+
+@pytest.mark.skipif(not kernels.HAS_TRITON, reason="triton is not installed")
+def test_triton_backend_on_the_interpreter_gives_transformers_tokens(tmp_path: Path) -> None:
+    """The Triton store and attention kernels inside the real runner (Gemma 2: window and full
+    groups viewing shared KV buffers, softcap, chunked prefill), on CPU under TRITON_INTERPRET."""
+    hf_model = save_tiny_model("gemma2", tmp_path, num_hidden_layers=2)
+    prompts = [BASE_PROMPTS[2][:13], BASE_PROMPTS[1]]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", TRITON_GENERATE, str(tmp_path), json.dumps(prompts)],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    tokens = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert tokens == [_hf_greedy(hf_model, p, 6) for p in prompts]
 
 
 @pytest.mark.gpu
@@ -208,16 +301,39 @@ def test_bf16_on_gpu_follows_transformers(family: str, tmp_path: Path) -> None:
 def test_default_model_matches_transformers_on_the_gguf_file(
     default_model_dir: Path, gguf_reference, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`LLM()` serves the embedded default model token-identically to transformers."""
+    """`LLM()` serves the embedded default model token-identically to transformers, for plain
+    prompts and for a conversation rendered with its chat template."""
     import worker.default_model
 
     monkeypatch.setattr(worker.default_model, "DEFAULT_CACHE_DIR", default_model_dir)
     tokenizer, hf_model = gguf_reference
     prompts = ["The capital of France is", "Hello, my name is"]
+    conversation = [{"role": "user", "content": "What is the capital of France?"}]
     llm = LLM(max_model_len=256)
-    results = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
-    llm.shutdown()
+    try:
+        results = llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False
+        )
+        (chat,) = llm.chat(
+            conversation, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False
+        )
+    finally:
+        llm.shutdown()
     assert results[0].outputs[0].text.startswith(" Paris")
+    chat_ids = tokenizer.apply_chat_template(
+        conversation, add_generation_prompt=True, tokenize=True
+    )["input_ids"]
+    assert chat.prompt_token_ids == chat_ids
+    assert chat.prompt is not None
+    assert chat.prompt.endswith("<|im_start|>assistant\n")
+    with torch.no_grad():
+        out = hf_model.generate(
+            torch.tensor([chat_ids]),
+            attention_mask=torch.ones(1, len(chat_ids), dtype=torch.long),  # pad = <|im_end|>
+            max_new_tokens=8,
+            do_sample=False,
+        )
+    assert chat.outputs[0].token_ids == out[0, len(chat_ids) :].tolist()
     for prompt, result in zip(prompts, results, strict=True):
         prompt_ids = tokenizer(prompt).input_ids
         assert result.prompt_token_ids == prompt_ids

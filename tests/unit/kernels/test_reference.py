@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -63,6 +64,15 @@ def test_mixed_batch_matches_dense(block_size: int, window: int | None, ratio: i
     )
     batch = make_paged_batch(spec, seed=block_size + ratio)
     assert_matches_dense(batch, window, softcap=None if ratio == 1 else 2.0)
+
+
+@pytest.mark.parametrize("head_size", [32, 64, 80, 96, 128, 256])
+def test_every_supported_head_size_matches_dense(head_size: int) -> None:
+    spec = BatchSpec(MIXED, num_q_heads=8, num_kv_heads=2, head_size=head_size, block_size=16)
+    batch = make_paged_batch(spec, seed=head_size)
+    assert_matches_dense(batch)
+    windowed = make_paged_batch(replace(spec, sliding_window=9), seed=head_size)
+    assert_matches_dense(windowed, window=9, softcap=4.0)
 
 
 @pytest.mark.parametrize("stale_block_id", [-1, 0, 10**6])

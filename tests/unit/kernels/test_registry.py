@@ -77,6 +77,15 @@ def test_flash_attn_reports_unsupported_layouts(
     assert expected in reason
 
 
+@pytest.mark.skipif(kernels.HAS_FLASH_ATTN, reason="flash-attn is installed")
+def test_flash_attn_without_the_package_says_so_for_a_supported_layout() -> None:
+    reason = flash_attn_adapter.unsupported_reason(torch.device("cuda"), 256, 128, torch.bfloat16)
+    assert reason is not None
+    assert reason.startswith("flash-attn does not import (")
+    with pytest.raises(ValueError, match=r"'flash_attn' is unavailable: flash-attn does not"):
+        select_backend("flash_attn", device="cuda", block_size=256, head_size=128)
+
+
 def test_availability_flags_are_booleans() -> None:
     assert isinstance(kernels.HAS_TRITON, bool)
     assert isinstance(kernels.HAS_FLASH_ATTN, bool)

@@ -89,10 +89,15 @@ def test_split_kv_path_matches_reference() -> None:
     """)
 
 
-def test_head_size_not_a_power_of_two_and_half_inputs() -> None:
+def test_head_sizes_80_96_256_and_half_inputs() -> None:
     run_interpreted("""
         spec = BatchSpec(((2, 11), (1, 6)), num_q_heads=2, num_kv_heads=1, head_size=80)
         check(spec, LaunchConfig(block_q=16, block_n=16, num_splits=1))
+        spec = BatchSpec(((3, 9), (1, 5)), num_q_heads=4, num_kv_heads=1, head_size=96,
+                         block_size=4, sliding_window=4)
+        check(spec, LaunchConfig(block_q=4, block_n=16, num_splits=1), window=4, softcap=2.0)
+        spec = BatchSpec(((2, 7), (1, 20)), num_q_heads=2, num_kv_heads=2, head_size=256)
+        check(spec, LaunchConfig(block_q=8, block_n=16, num_splits=2))
         for dtype in (torch.float16, torch.bfloat16):
             spec = BatchSpec(((3, 20), (1, 9)), num_q_heads=4, num_kv_heads=2, dtype=dtype)
             check(spec, LaunchConfig(block_q=4, block_n=16, num_splits=2), atol=2e-2)

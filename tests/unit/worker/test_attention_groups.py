@@ -161,7 +161,7 @@ def test_runner_step_on_tiny_gemma2_builds_each_group_once_and_samples_hf_token(
     hf_model = save_tiny_model("gemma2", tmp_path)  # layers alternate sliding (window 6) / full
     model_config = ModelConfig.from_pretrained(tmp_path, dtype="float32", device_type="cpu")
     model = load_model(model_config, ParallelConfig(), CPU)
-    settings = ModelSettings(torch.float32, model_config.vocab_size, model_config.max_model_len)
+    settings = ModelSettings(torch.float32, model_config.max_model_len)
     runner = ModelRunner(model, settings, RunnerConfig(block_size=4, max_num_seqs=4), CPU)
     report = runner.kv_cache_specs()
     config = build_kv_cache_config(report.layer_specs, 1 << 20, num_blocks_override=32)

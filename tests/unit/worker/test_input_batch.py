@@ -77,6 +77,9 @@ def test_chunked_prefill_then_decode_builds_expected_arrays() -> None:
     assert states.requests["a"].block_ids == ([1, 2, 6], [3])
     assert batch.slot_mappings[0].tolist() == [10, 11, 24, 25, 19]
     assert batch.block_tables[0].tolist() == [[1, 2, 6], [4, 0, 0]]
+    # One host-to-device transfer: every int64 field is a view of one packed buffer.
+    int64_fields = [batch.input_ids, batch.positions, batch.logits_indices, *batch.slot_mappings]
+    assert len({field.untyped_storage().data_ptr() for field in int64_fields}) == 1
 
 
 def test_finished_requests_are_dropped_and_rows_reused() -> None:

@@ -169,3 +169,24 @@ def test_banned_tokens_are_never_drawn_but_keep_raw_logprobs() -> None:
     assert entry is not None
     assert entry.rank == 2
     assert entry.top_token_ids == [best[0]]
+
+
+def test_more_logprobs_than_the_vocabulary_returns_the_whole_vocabulary() -> None:
+    """logprobs=20 on a 16-token vocabulary (tiny test models) gives all 16, best first."""
+    logits = torch.randn(1, 16, generator=torch.Generator().manual_seed(7))
+    params = [SamplingParams(temperature=0, logprobs=20)]
+    tensors = SamplingTensors.build(params, [None], 16, CPU)
+    entry = Sampler(seed=0, device=CPU).sample(logits, tensors).logprobs[0]
+    assert entry is not None
+    reference = torch.log_softmax(logits[0].double(), dim=0)
+    assert entry.top_token_ids == reference.argsort(descending=True).tolist()
+    assert entry.top_logprobs == pytest.approx(reference.sort(descending=True).values.tolist())
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-30, 1e-40])
+def test_tiny_temperatures_are_greedy_instead_of_overflowing(temperature: float) -> None:
+    """Dividing logits by 1e-40 overflows fp32 to inf and the softmax to NaN."""
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(8)) * 5
+    params = [SamplingParams(temperature=temperature), SamplingParams(temperature=1.0)]
+    out = Sampler(seed=0, device=CPU).sample(logits, _tensors(params))
+    assert out.token_ids[0] == logits[0].argmax()

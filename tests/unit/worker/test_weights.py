@@ -90,8 +90,11 @@ def test_model_config_reads_the_folder(tmp_path: Path) -> None:
     assert config.tokenizer_path == str(tmp_path)
     with pytest.raises(ValueError, match="max_position_embeddings=128"):
         ModelConfig.from_pretrained(tmp_path, max_model_len=129)
-    with pytest.raises(ValueError, match=r"config\.json"):
+    with pytest.raises(ValueError, match="is not a folder"):
         ModelConfig.from_pretrained(tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"has no config\.json"):
+        ModelConfig.from_pretrained(tmp_path / "empty")
 
 
 def test_auto_dtype_is_fp32_on_cpu_and_16_bit_on_gpu() -> None:

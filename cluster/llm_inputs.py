@@ -1,0 +1,114 @@
+"""What `LLM.generate` and `LLM.chat` accept, checked before anything runs.
+
+Prompts are strings or token-ID lists, alone or in a list; conversations are lists of
+role/content messages, alone or in a list; sampling parameters are one
+`SamplingParams` for every prompt or a list with one per prompt. Wrong types raise TypeError,
+bad values ValueError, both naming the prompt's index, so a caller can fix the input and call
+again on the same engine.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping, Sequence
+
+from scheduler.request import SamplingParams
+
+PromptInput = str | Sequence[int]
+ChatMessage = Mapping[str, object]
+"""One chat message: {"role": "user" | "assistant" | "system", "content": ...}."""
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
+    """One prompt or a list of prompts -> a list of prompts (a flat ID list is one prompt)."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
+        raise TypeError(
+            "prompts must be a string, a list of token IDs, or a list of those; got "
+            f"{type(prompts).__name__}"
+        )
+    items = list(prompts)
+    if items and all(_is_token_id(item) for item in items):
+        return [items]  # type: ignore[list-item]  # one prompt given as token IDs
+    for index, item in enumerate(items):
+        if not isinstance(item, (str, Sequence)):
+            raise TypeError(
+                f"prompt {index} must be a string or a list of token IDs, got {type(item).__name__}"
+            )
+    return items  # type: ignore[return-value]
+
+
+def as_params_list(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    """One `SamplingParams` per prompt (None means the defaults for every prompt)."""
+    if sampling_params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    if not isinstance(sampling_params, Sequence) or isinstance(sampling_params, str):
+        raise TypeError(
+            "sampling_params must be a SamplingParams, a list with one per prompt, or None; "
+            f"got {type(sampling_params).__name__} (build one with SamplingParams(...))"
+        )
+    params = list(sampling_params)
+    if len(params) != num_prompts:
+        raise ValueError(
+            f"got {len(params)} sampling params for {num_prompts} prompts: pass one per prompt, "
+            "or a single SamplingParams for all of them"
+        )
+    for index, item in enumerate(params):
+        if not isinstance(item, SamplingParams):
+            raise TypeError(
+                f"sampling_params[{index}] must be a SamplingParams, got {type(item).__name__}"
+            )
+    return params
+
+
+def check_token_ids(index: int, token_ids: Sequence[object], vocab_size: int) -> list[int]:
+    """Prompt `index` as a list of ints, each a token of the model's vocabulary."""
+    if len(token_ids) == 0:
+        raise ValueError(f"prompt {index} is empty: send at least one token")
+    for token in token_ids:
+        if not _is_token_id(token):
+            raise TypeError(f"prompt {index}: token IDs must be ints, got {token!r}")
+    ids = [int(token) for token in token_ids]  # type: ignore[call-overload]
+    outside = [token for token in ids if not 0 <= token < vocab_size]
+    if outside:
+        raise ValueError(
+            f"prompt {index}: token ID {outside[0]} is outside the model's vocabulary "
+            f"[0, {vocab_size})"
+        )
+    return ids
+
+
+def as_conversation_list(
+    messages: Sequence[ChatMessage] | Sequence[Sequence[ChatMessage]],
+) -> list[Sequence[ChatMessage]]:
+    """One conversation (a list of messages) or a list of them -> a list of conversations."""
+    if not isinstance(messages, Sequence) or isinstance(messages, str):
+        raise TypeError(
+            "messages must be a list of {'role': ..., 'content': ...} dicts, or a list of such "
+            f"conversations; got {type(messages).__name__}"
+        )
+    items = list(messages)
+    conversations = [items] if items and isinstance(items[0], Mapping) else items
+    for index, conversation in enumerate(conversations):
+        _check_conversation(index, conversation)
+    return conversations  # type: ignore[return-value]
+
+
+def _check_conversation(index: int, conversation: object) -> None:
+    if not isinstance(conversation, Sequence) or isinstance(conversation, str) or not conversation:
+        raise TypeError(f"conversation {index} must be a non-empty list of messages")
+    for message in conversation:
+        if not isinstance(message, Mapping) or not {"role", "content"} <= message.keys():
+            raise TypeError(
+                f"conversation {index}: every message must be a dict with 'role' and 'content', "
+                f"got {message!r}"
+            )
