@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from scheduler.block_hash import BlockHash, extend_block_hashes
 
 MAX_LOGPROBS = 20
+MIN_TEMPERATURE = 1e-5
+"""Lower temperatures sample greedily: dividing by them would overflow fp32 logits to inf."""
 SEED_MIN = -(2**63)
 """Seeds span what a 64-bit generator accepts: signed or unsigned 64-bit values."""
 SEED_MAX = 2**64 - 1
@@ -80,8 +82,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        """Whether sampling reduces to argmax."""
-        return self.temperature == 0
+        """Whether sampling reduces to argmax (temperatures too small to divide by included)."""
+        return self.temperature < MIN_TEMPERATURE
 
 
 def _check(condition: bool, message: str) -> None:

@@ -2,8 +2,8 @@
 
 The model runner calls `Sampler.sample` with the logits of the requests that sample this step.
 Order of operations per row: temperature -> min-p -> top-k -> top-p -> draw. Greedy rows
-(temperature below `MIN_TEMPERATURE`, 0 included) take the argmax of the raw logits; logprobs
-are those of the raw logits (log-softmax), as OpenAI and vLLM report them. Draws use the
+(`SamplingParams.is_greedy`: temperature below 1e-5, 0 included) take the argmax of the raw
+logits; logprobs are those of the raw logits (log-softmax), as OpenAI and vLLM report them. Draws use the
 exponential-race trick (argmax of p / Exp(1) noise), so a seeded request only needs its own
 generator for its noise row.
 """
@@ -17,14 +17,6 @@ import torch
 
 from scheduler.output import TokenLogprobs
 from scheduler.request import SamplingParams
-
-MIN_TEMPERATURE = 1e-5
-"""Lower temperatures sample greedily: dividing by them would overflow fp32 logits to inf."""
-
-
-def is_greedy(params: SamplingParams) -> bool:
-    """Whether a request's draw reduces to the argmax."""
-    return params.temperature < MIN_TEMPERATURE
 
 
 @dataclass(frozen=True)
@@ -70,15 +62,15 @@ class SamplingTensors:
             )
         return cls(
             temperature=_tensor(
-                [1.0 if is_greedy(p) else p.temperature for p in params], torch.float32, device
+                [1.0 if p.is_greedy else p.temperature for p in params], torch.float32, device
             ),
-            is_greedy=_tensor([is_greedy(p) for p in params], torch.bool, device),
+            is_greedy=_tensor([p.is_greedy for p in params], torch.bool, device),
             top_k=_tensor(top_k, torch.int64, device),
             top_p=_tensor([p.top_p for p in params], torch.float32, device),
             min_p=_tensor([p.min_p for p in params], torch.float32, device),
             generators=tuple(generators),
             num_logprobs=tuple(p.logprobs for p in params),
-            all_greedy=all(is_greedy(p) for p in params),
+            all_greedy=all(p.is_greedy for p in params),
             uses_top_k=any(k < vocab_size for k in top_k),
             uses_top_p=any(p.top_p < 1.0 for p in params),
             uses_min_p=any(p.min_p > 0.0 for p in params),
