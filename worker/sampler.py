@@ -3,9 +3,9 @@
 The model runner calls `Sampler.sample` with the logits of the requests that sample this step.
 Order of operations per row: temperature -> min-p -> top-k -> top-p -> draw. Greedy rows
 (`SamplingParams.is_greedy`: temperature below 1e-5, 0 included) take the argmax of the raw
-logits; logprobs are those of the raw logits (log-softmax), as OpenAI and vLLM report them. Draws use the
-exponential-race trick (argmax of p / Exp(1) noise), so a seeded request only needs its own
-generator for its noise row.
+logits; logprobs are those of the raw logits (log-softmax), as OpenAI and vLLM report them.
+Draws use the exponential-race trick (argmax of p / Exp(1) noise), so a seeded request only
+needs its own generator for its noise row.
 """
 
 from __future__ import annotations
