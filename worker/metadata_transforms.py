@@ -4,8 +4,9 @@ Two transforms, applied by the metadata builder of an attention group whose laye
 
 - **truncated prefill** keeps only the query rows whose hidden states matter after the layer
   (the rows whose logits are sampled, plus every row of a request that asked for prompt
-  logprobs). The kept rows are the last rows of each request and causal masks are bottom-right
-  aligned, so `seq_lens`, block table and slot mapping stay as they are.
+  logprobs; a prompt chunk that samples nothing keeps no row). The kept rows are the last rows
+  of each request and causal masks are bottom-right aligned, so `seq_lens`, block table and
+  slot mapping stay as they are.
 - **chunked-local virtual batches** cut each request's query span at chunk boundaries into
   "virtual requests", each a plain causal attention over at most `chunk_size` keys, so a
   chunked-local layer runs on the ordinary paged-attention kernel.
@@ -59,37 +60,22 @@ def make_virtual_batches(
     tokens finish the chunk the context ends in. Virtual j (r = nv - 1 - j counted from the
     end) has keys `[k - r*C - last, ...)`: C of them, except `last` for the final one.
     `block_size` is the block table's (kernel) block size and must divide `chunk_size`.
+    A request with no query rows (dropped by truncated prefill) becomes one empty virtual request.
     """
-    if chunk_size % block_size:
-        raise ValueError(f"chunk size {chunk_size} is not a multiple of block size {block_size}")
-    device = seq_lens.device
+    check_chunk_size(chunk_size, block_size)
     query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
     total_lens = seq_lens.long()
     assert bool((total_lens >= 1).all()), "every request must hold at least one token"
-    first_lens = torch.minimum(chunk_size - (total_lens - query_lens) % chunk_size, query_lens)
-    last_lens = (total_lens - 1) % chunk_size + 1
-    num_virtual = 1 + _cdiv(query_lens - first_lens, chunk_size)
-
-    reqs = torch.arange(len(num_virtual), device=device)
-    req_indices = torch.repeat_interleave(reqs, num_virtual)
-    first_virtual = torch.cumsum(num_virtual, 0) - num_virtual
-    index = torch.arange(len(req_indices), device=device) - first_virtual[req_indices]
-    from_end = num_virtual[req_indices] - 1 - index
-    later_lens = query_lens[req_indices] - first_lens[req_indices] - chunk_size * (index - 1)
-    virtual_q = torch.where(
-        index == 0, first_lens[req_indices], torch.clamp(later_lens, max=chunk_size)
+    req_indices, virtual_q, virtual_k, key_starts = _virtual_spans(
+        query_lens, total_lens, chunk_size
     )
-    virtual_k = torch.where(
-        from_end == 0, last_lens[req_indices], torch.full_like(from_end, chunk_size)
-    )
-    key_starts = total_lens[req_indices] - (from_end * chunk_size + last_lens[req_indices])
-
     columns = key_starts[:, None] // block_size + torch.arange(
-        chunk_size // block_size, device=device
+        chunk_size // block_size, device=key_starts.device
     )
+    # Columns past the table only hold keys past seq_len, which are never read.
     columns = columns.clamp(max=block_table.shape[1] - 1)
     virtual_table = block_table[req_indices[:, None], columns]
-    qsl = torch.zeros(len(virtual_q) + 1, dtype=torch.int32, device=device)
+    qsl = torch.zeros(len(virtual_q) + 1, dtype=torch.int32, device=key_starts.device)
     qsl[1:] = torch.cumsum(virtual_q, 0)
     return VirtualBatches(
         query_start_loc=qsl,
@@ -102,6 +88,40 @@ def make_virtual_batches(
     )
 
 
+def _virtual_spans(
+    query_lens: torch.Tensor, total_lens: torch.Tensor, chunk_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per virtual request: its real request, query length, key length, first key position."""
+    first_lens = torch.minimum(chunk_size - (total_lens - query_lens) % chunk_size, query_lens)
+    last_lens = (total_lens - 1) % chunk_size + 1
+    num_virtual = 1 + _cdiv(query_lens - first_lens, chunk_size)
+    req_indices = torch.repeat_interleave(
+        torch.arange(len(num_virtual), device=query_lens.device), num_virtual
+    )
+    first_virtual = torch.cumsum(num_virtual, 0) - num_virtual
+    index = torch.arange(len(req_indices), device=query_lens.device) - first_virtual[req_indices]
+    from_end = num_virtual[req_indices] - 1 - index
+    later_lens = query_lens[req_indices] - first_lens[req_indices] - chunk_size * (index - 1)
+    virtual_q = torch.where(
+        index == 0, first_lens[req_indices], torch.clamp(later_lens, max=chunk_size)
+    )
+    virtual_k = torch.where(
+        from_end == 0, last_lens[req_indices], torch.full_like(from_end, chunk_size)
+    )
+    key_starts = total_lens[req_indices] - (from_end * chunk_size + last_lens[req_indices])
+    return req_indices, virtual_q, virtual_k, key_starts
+
+
+def check_chunk_size(chunk_size: int, block_size: int) -> None:
+    """Virtual requests start at chunk boundaries, which must be block boundaries."""
+    if chunk_size < 1 or chunk_size % block_size:
+        raise ValueError(
+            f"attention chunk size {chunk_size} is not a multiple of the KV cache block size "
+            f"{block_size} used by the attention kernel; choose a block_size that divides "
+            f"{chunk_size}"
+        )
+
+
 def truncate_prefill(
     query_start_loc: torch.Tensor,
     logits_indices: torch.Tensor,
@@ -110,7 +130,8 @@ def truncate_prefill(
     """Keep only the rows in `logits_indices`, plus every row of the requests in `full_reqs`.
 
     Pure decode (one row per request) passes through unchanged. Each request's kept rows must be
-    its last rows (they are: sampled rows end a request's span), which this asserts.
+    its last rows (they are: sampled rows end a request's span), which this asserts. A request
+    with no kept row (a prompt chunk that samples nothing) keeps its place with query length 0.
     """
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
     num_tokens = int(query_start_loc[-1])
@@ -182,6 +203,9 @@ class ChunkedLocalBatches:
     chunk_size: int
     block_size: int
     """Block size of the block table in the metadata (the kernel block size)."""
+
+    def __post_init__(self) -> None:
+        check_chunk_size(self.chunk_size, self.block_size)
 
     def __call__(self, meta: AttentionMetadata, step: StepRows) -> AttentionMetadata:
         virtual = make_virtual_batches(

@@ -52,6 +52,7 @@ GEMMA3N = {
     "altup_num_inputs": 3,
     "final_logit_softcapping": 5.0,
     "activation_sparsity_pattern": [0.95, 0.95, 0.0, 0.0, 0.0, 0.0],
+    "attention_bias": True,  # False in released checkpoints; True exercises every projection
 }
 LLAMA4 = {
     **COMMON,
@@ -64,8 +65,17 @@ LLAMA4 = {
     "interleave_moe_layer_step": 2,
     "no_rope_layer_interval": 2,
     "floor_scale": 4,
+    "rope_parameters": {  # Llama 4's llama3-style scaling, with a short original context
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32,
+    },
 }
-# L0 full, L1 local, L2 -> L0, L3 -> L1, L4 full, L5 local, L6 -> L4, L7 -> L5.
+# L0 full, L1 local, L2 -> L0, L3 -> L1, L4 full, L5 local, L6 -> L4, L7 -> L5. L7 is the one
+# NoPE layer, so with truncated prefill its temperature tuning reads the gathered positions.
 LLAMA4_SHARED = {
     **LLAMA4,
     "num_hidden_layers": 8,
@@ -73,10 +83,12 @@ LLAMA4_SHARED = {
     "layer_types": ["full_attention", "chunked_attention"] * 4,
     "kv_sharing_targets": {"2": 0, "3": 1, "6": 4, "7": 5},
 }
+# The last prompt ends exactly at a chunk boundary of LLAMA4 (two chunks of 8) and at the step
+# budget, so its first decode token starts a new chunk.
 PROMPTS = [
     [(7 * i + 3) % 256 for i in range(30)],
     [(11 * i + 5) % 256 for i in range(5)],
-    [(13 * i + 1) % 256 for i in range(19)],
+    [(13 * i + 1) % 256 for i in range(16)],
 ]
 NUM_NEW = 32
 LLM_ARGS = {"block_size": 4, "max_num_batched_tokens": 16, "kv_cache_memory_bytes": 1 << 22}
@@ -246,7 +258,10 @@ def test_llama4_kv_sharing_same_tokens_with_truncated_prefill_and_hybrid_on_and_
 
 def test_truncated_prefill_runs_shared_layers_on_fewer_rows(gemma3n):
     """Observed with hooks: in prefill steps the last layer sees only the sampled rows (or does
-    not run when no request finishes its prompt); decode steps keep every row."""
+    not run when no request finishes its prompt); decode steps keep every row.
+
+    With a 16-token budget the third step mixes all three cases: request 0 decodes, request 1
+    finishes its prompt (3 tokens) and request 2 prefills 12 of its 16 prompt tokens."""
     llm = LLM(str(gemma3n.path), **LLM_ARGS, kv_sharing_fast_prefill=True)
     model = llm.engine.executor.worker.model_runner.model.model
     steps: list[dict[str, int]] = []
@@ -264,6 +279,7 @@ def test_truncated_prefill_runs_shared_layers_on_fewer_rows(gemma3n):
         hook.remove()
     llm.shutdown()
     assert steps[0] == {"first": 16}  # 16 prompt tokens, no prompt finished: layer 5 skipped
+    assert steps[2] == {"first": 16, "last": 2}  # the mixed step: two rows reach the LM head
     assert any(step.get("last", 0) < step["first"] for step in steps)
     assert all(step.get("last", 0) <= step["first"] for step in steps)
     assert {"first": 3, "last": 3} in steps  # a decode step of all three requests
@@ -321,6 +337,23 @@ def test_gemma3n_kv_capacity_counts_only_owning_layers(gemma3n):
     assert math.isclose(shared.num_blocks / unshared.num_blocks, 2.0)
 
 
+def test_gemma3n_loads_released_checkpoints_with_kv_tensors_on_shared_layers(gemma3n, caplog):
+    """Released checkpoints still hold k/v projections and norms for the shared layers; they
+    are skipped on purpose (no "matches no parameter" warning) and leave nothing unloaded."""
+    model = get_model_class("Gemma3nForCausalLM")(
+        ModelConfig.from_pretrained(gemma3n.path), ParallelConfig()
+    )
+    extra = [
+        (f"model.layers.{idx}.self_attn.{name}.weight", torch.zeros(1))
+        for idx in (3, 4, 5)
+        for name in ("k_proj", "v_proj", "k_norm")
+    ]
+    with caplog.at_level("WARNING"):
+        loaded = model.load_weights([*iterate_weights(gemma3n.path), *extra])
+    assert loaded == {name for name, _ in model.named_parameters()}
+    assert "matches no parameter" not in caplog.text
+
+
 def test_llama_family_kv_sharing_option_same_tokens_with_truncated_prefill(tmp_path):
     """The shared decoder (here Qwen2, L0 full, L1 sliding, ...) reads `kv_sharing_targets`."""
     config = {
@@ -348,6 +381,13 @@ def test_llama_family_kv_sharing_option_same_tokens_with_truncated_prefill(tmp_p
     ]
     tokens = [[r.outputs[0].token_ids for r in results] for results in runs]
     assert tokens[0] == tokens[1] == tokens[2]
+
+
+@pytest.mark.parametrize("disable_hybrid", [False, True])
+def test_chunk_size_not_a_multiple_of_the_block_size_fails_at_startup(tmp_path, disable_hybrid):
+    _save("Llama4TextConfig", "Llama4ForCausalLM", {**LLAMA4, "attention_chunk_size": 6}, tmp_path)
+    with pytest.raises(ValueError, match=r"chunk (size )?6 .*not a multiple of .*block size 4"):
+        LLM(str(tmp_path), **LLM_ARGS, disable_hybrid_kv_cache_manager=disable_hybrid)
 
 
 @pytest.mark.timeout(120)

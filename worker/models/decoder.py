@@ -20,7 +20,6 @@ from worker.attention import Attention, AttentionConfig, ForwardContext
 from worker.config import ModelConfig, ParallelConfig
 from worker.kv_sharing import (
     KVSharingDecoderLoop,
-    attention_modules,
     kv_sharing_targets_from_config,
 )
 from worker.layers.activation import gated_activation
@@ -210,7 +209,7 @@ class DecoderModel(nn.Module):
         self.rotary_emb = nn.ModuleDict(
             {key: RotaryEmbedding(head_size, params) for key, params in ropes.items()}
         )
-        self.loop = KVSharingDecoderLoop(attention_modules(self.layers))
+        self.loop = KVSharingDecoderLoop(self.layers)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext

@@ -16,22 +16,21 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from worker.attention import Attention, AttentionConfig, ForwardContext
+from worker.attention import ForwardContext
 from worker.config import ModelConfig, ParallelConfig
-from worker.kv_sharing import KVSharingDecoderLoop, attention_modules
+from worker.kv_sharing import KVSharingDecoderLoop
 from worker.layers.embedding import VocabParallelEmbedding
-from worker.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from worker.layers.loading import WeightSource
 from worker.layers.norm import RMSNorm
-from worker.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary, rope_parameters
-from worker.models.decoder import DecoderForCausalLM, DecoderOptions, window_from_layer_types
+from worker.layers.rotary import RopeTables, RotaryEmbedding, rope_parameters
+from worker.models.decoder import DecoderForCausalLM, DecoderOptions
 from worker.models.gemma3n_layers import (
     AltUp,
+    Gemma3nAttention,
     Gemma3nMLP,
     Laurel,
     Linear,
     match_magnitude,
-    unscaled_rms,
 )
 from worker.weights import load_named_weights
 
@@ -50,56 +49,6 @@ def kv_sharing_targets(hf_config: PretrainedConfig) -> dict[int, int]:
             raise ValueError(f"Gemma 3n layer {idx} ({types[idx]}) has no earlier layer to share")
         targets[idx] = owners[-1]
     return targets
-
-
-def _attn_name(layer_idx: int) -> str:
-    return f"model.layers.{layer_idx}.self_attn.attn"
-
-
-class Gemma3nAttention(nn.Module):
-    """q/k norms, unscaled value norm, rope, scale 1; shared layers only project queries."""
-
-    def __init__(
-        self, hf_config: PretrainedConfig, idx: int, target: int | None, parallel: ParallelConfig
-    ) -> None:
-        super().__init__()
-        hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
-        self.head_size = hf_config.head_dim
-        heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
-        self.eps, self.is_shared = eps, target is not None
-        self.q_norm = RMSNorm(self.head_size, eps)
-        if target is None:
-            self.qkv_proj = QKVParallelLinear(hidden, self.head_size, heads, kv_heads, parallel)
-            self.k_norm = RMSNorm(self.head_size, eps)
-        else:  # NOTE: the checkpoint's `q_proj` is renamed here (see `load_weights`)
-            self.query_proj = ColumnParallelLinear(hidden, heads * self.head_size, parallel)
-        self.o_proj = RowParallelLinear(heads * self.head_size, hidden, parallel)
-        self.attn = Attention(
-            AttentionConfig(
-                layer_name=_attn_name(idx),
-                num_heads=heads // parallel.tp_size,
-                num_kv_heads=max(1, kv_heads // parallel.tp_size),
-                head_size=self.head_size,
-                scale=1.0,
-                sliding_window=window_from_layer_types(hf_config, idx),
-                kv_sharing_target=None if target is None else _attn_name(target),
-            )
-        )
-
-    def forward(self, x: torch.Tensor, rope: RopeTables, ctx: ForwardContext) -> torch.Tensor:
-        num_tokens, size = x.shape[0], self.head_size
-        if self.is_shared:
-            q, k, v = self.query_proj(x), x.new_empty(0), x.new_empty(0)
-        else:
-            q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-            k = apply_rotary(self.k_norm(k.reshape(num_tokens, -1, size)), rope)
-            v = unscaled_rms(v.reshape(num_tokens, -1, size), self.eps)
-        q = apply_rotary(self.q_norm(q.reshape(num_tokens, -1, size)), rope)
-        out = self.attn(
-            q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.reshape(num_tokens, -1), ctx
-        )
-        projected: torch.Tensor = self.o_proj(out)
-        return projected
 
 
 class Gemma3nDecoderLayer(nn.Module):
@@ -178,7 +127,7 @@ class Gemma3nModel(nn.Module):
                 for kind in sorted(set(self.types))
             }
         )
-        self.loop = KVSharingDecoderLoop(attention_modules(self.layers))
+        self.loop = KVSharingDecoderLoop(self.layers)
 
     def _per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """[T] ids, [T, H] embeddings -> [T, layers, P]: token table + projected embedding."""
@@ -239,14 +188,15 @@ class Gemma3nForCausalLM(DecoderForCausalLM):
         )
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> set[str]:
-        """Shared layers hold only a query projection: their `q_proj` is not packed into qkv."""
-
-        def rename(name: str) -> str:
-            for idx in self.shared_layers:
-                prefix = f"model.layers.{idx}.self_attn.q_proj."
-                if name.startswith(prefix):
-                    return name.replace(".q_proj.", ".query_proj.")
-            return name
-
-        skip = ("lm_head.",) if self.tie_word_embeddings else ()
-        return load_named_weights(self, ((rename(n), w) for n, w in weights), skip_prefixes=skip)
+        """Shared layers hold only a query projection: their `q_proj` is not packed into qkv,
+        and the K/V tensors some checkpoints still carry for them are not loaded."""
+        shared = [f"model.layers.{idx}.self_attn." for idx in sorted(self.shared_layers)]
+        skip = [f"{p}{part}." for p in shared for part in ("k_proj", "v_proj", "k_norm", "v_norm")]
+        if self.tie_word_embeddings:
+            skip.append("lm_head.")
+        queries = tuple(f"{p}q_proj." for p in shared)
+        renamed = (
+            (name.replace(".q_proj.", ".query_proj.") if name.startswith(queries) else name, w)
+            for name, w in weights
+        )
+        return load_named_weights(self, renamed, skip_prefixes=skip)

@@ -17,11 +17,7 @@ from transformers import PretrainedConfig
 
 from worker.attention import Attention, AttentionConfig, ForwardContext
 from worker.config import ParallelConfig
-from worker.kv_sharing import (
-    KVSharingDecoderLoop,
-    attention_modules,
-    kv_sharing_targets_from_config,
-)
+from worker.kv_sharing import KVSharingDecoderLoop, kv_sharing_targets_from_config
 from worker.layers.embedding import VocabParallelEmbedding
 from worker.layers.linear import QKVParallelLinear, RowParallelLinear
 from worker.layers.norm import RMSNorm
@@ -140,7 +136,7 @@ class Llama4Model(nn.Module):
         )
         self.norm = RMSNorm(hidden, hf_config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(head_size_of(hf_config), rope_parameters(hf_config))
-        self.loop = KVSharingDecoderLoop(attention_modules(self.layers))
+        self.loop = KVSharingDecoderLoop(self.layers)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext

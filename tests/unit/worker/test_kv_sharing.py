@@ -235,3 +235,126 @@ def test_kv_sharing_targets_from_config_extra_key():
         kv_sharing_targets_from_config(
             LlamaConfig(num_hidden_layers=8, kv_sharing_targets={"3": 1, "5": 3})
         )
+
+
+# ---- validation: in the runner's plan, in the model's decoder loop, from a config ----
+
+INVALID = [
+    ({1: 1}, "cannot share the KV cache of itself"),
+    ({1: 9}, "not an attention layer of the model"),
+    ({1: 2}, "must come before"),
+    ({2: 0, 3: 2}, "itself reads 'L0'; point 'L3' at 'L0' directly"),
+    ({3: 0}, r"different attention type \(local vs full\)"),
+]
+
+
+@pytest.mark.parametrize(("shares", "message"), INVALID)
+def test_plan_rejects_invalid_sharing_targets(shares, message):
+    layers = _layers(["full", "local"] * 2, shares)
+    with pytest.raises(ValueError, match=message):
+        plan_attention_groups(layers, [["L0", "L1", "L2", "L3"]], is_fast_prefill=True)
+
+
+def _typed_attention(idx: int, target: int | None = None, **extra):
+    from worker.attention import Attention, AttentionConfig
+
+    return Attention(
+        AttentionConfig(
+            layer_name=f"L{idx}",
+            num_heads=extra.pop("num_heads", 2),
+            num_kv_heads=extra.pop("num_kv_heads", 1),
+            head_size=4,
+            scale=1.0,
+            kv_sharing_target=None if target is None else f"L{target}",
+            **extra,
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    ("target_extra", "sharer_extra", "message"),
+    [
+        ({}, {"sliding_window": 8}, "sliding window 8, 1 KV heads of size 4 vs full attention"),
+        ({"attention_chunk_size": 8}, {}, "full attention, .* vs chunked local attention, chunk 8"),
+        ({"sliding_window": 8}, {"sliding_window": 4}, "sliding window 4, .* vs sliding window 8"),
+        ({"num_kv_heads": 2, "num_heads": 4}, {}, "full attention, 1 KV heads .* vs .* 2 KV heads"),
+    ],
+)
+def test_decoder_loop_rejects_a_target_of_another_attention_type(
+    target_extra, sharer_extra, message
+):
+    from worker.kv_sharing import KVSharingDecoderLoop
+
+    layers = [_typed_attention(0, **target_extra), _typed_attention(1, 0, **sharer_extra)]
+    prefix = r"'L1' reads the KV cache of 'L0': different attention type \("
+    with pytest.raises(ValueError, match=prefix + message):
+        KVSharingDecoderLoop(layers)
+
+
+def test_decoder_loop_rejects_a_later_or_unknown_target():
+    from worker.kv_sharing import KVSharingDecoderLoop
+
+    with pytest.raises(ValueError, match="must come before"):
+        KVSharingDecoderLoop([_typed_attention(0, 1), _typed_attention(1)])
+    with pytest.raises(ValueError, match="not an attention layer"):
+        KVSharingDecoderLoop([_typed_attention(0), _typed_attention(1, 5)])
+
+
+@pytest.mark.parametrize(
+    ("family", "local", "extra"),
+    [
+        ("Qwen2", "sliding_attention", {"use_sliding_window": True, "sliding_window": 6}),
+        ("Llama4Text", "chunked_attention", {"attention_chunk_size": 8}),
+    ],
+)
+def test_model_with_a_cross_type_sharing_target_fails_to_build(tmp_path, family, local, extra):
+    """Layer 3 (local) names layer 0 (full) in the config's `kv_sharing_targets`."""
+    import transformers
+
+    from worker.config import ModelConfig, ParallelConfig
+    from worker.models.registry import get_model_class
+
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_hidden_layers=4,
+        layer_types=["full_attention", local] * 2,
+        kv_sharing_targets={"3": 0},
+        **extra,
+    )
+    config.architectures = [family.replace("Text", "") + "ForCausalLM"]
+    config.save_pretrained(tmp_path)
+    model_config = ModelConfig.from_pretrained(tmp_path)
+    message = (
+        "'model.layers.3.self_attn.attn' reads the KV cache of 'model.layers.0.self_attn.attn': "
+        "different attention type"
+    )
+    with pytest.raises(ValueError, match=message):
+        get_model_class(model_config.architecture)(model_config, ParallelConfig())
+
+
+def test_decoder_loop_takes_decoder_layers_and_rejects_runs_it_cannot_truncate():
+    from torch import nn
+
+    from worker.kv_sharing import KVSharingDecoderLoop
+
+    def block(*attentions):
+        module = nn.Module()
+        module.attns = nn.ModuleList(attentions)
+        return module
+
+    layers = [block(_attention(0)), block(_attention(1)), block(_attention(2, 0), _attention(3, 1))]
+    loop = KVSharingDecoderLoop(layers)
+    assert (loop.num_layers, loop.first_truncated, loop.probe_layer) == (3, 2, "L2")
+    mixed = [block(_attention(0)), block(_attention(1, 0), _attention(2))]
+    assert KVSharingDecoderLoop(mixed).first_truncated == 2  # its last attention owns KV
+    for invalid in (
+        [block(_attention(0)), block(_attention(1, 0)), block()],  # a last layer without attention
+        [block(_attention(0)), block(_attention(1), _attention(2, 0))],  # L2 next to an owner
+    ):
+        with pytest.raises(ValueError, match="truncated prefill cannot run them on fewer rows"):
+            KVSharingDecoderLoop(invalid)
+    assert KVSharingDecoderLoop([block(_attention(0)), block()]).probe_layer is None

@@ -6,9 +6,15 @@ and compare with dense attention under the chunked-local causal mask.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
+from kernels import HAS_TRITON
 from kernels.reference import paged_attention, store_kv_cache
 from worker.attention import AttentionMetadata
 from worker.metadata_transforms import (
@@ -73,9 +79,50 @@ def test_virtual_batches_s26_case1_offsets():
     assert out.req_indices.tolist() == [0, 0, 1, 1, 1, 1, 2, 2]
 
 
-def test_virtual_batches_reject_chunk_not_multiple_of_block():
-    with pytest.raises(ValueError, match="multiple of block size"):
+def test_chunk_not_multiple_of_block_is_rejected_when_the_transform_is_built():
+    with pytest.raises(ValueError, match="chunk size 6 is not a multiple of the KV cache block"):
         make_virtual_batches(_qsl([1]), torch.tensor([5]), _arange_table(1, 5, 4), 6, 4)
+    with pytest.raises(ValueError, match="choose a block_size that divides 8"):
+        ChunkedLocalBatches(8, 16)
+
+
+def _brute_force_virtual(q_len, k_len, chunk):
+    """Group the request's query positions by chunk: (q, k, key start, table row) per group."""
+    positions = list(range(k_len - q_len, k_len))
+    if not positions:  # no query rows: one empty virtual request over the last chunk
+        start = (k_len - 1) // chunk * chunk
+        return [(0, k_len - start, start)]
+    spans = []
+    for chunk_idx in sorted({pos // chunk for pos in positions}):
+        rows = [pos for pos in positions if pos // chunk == chunk_idx]
+        spans.append((len(rows), rows[-1] - chunk_idx * chunk + 1, chunk_idx * chunk))
+    return spans
+
+
+@pytest.mark.parametrize(("chunk", "bs"), [(4, 2), (4, 4), (8, 2), (6, 3)])
+def test_virtual_batches_match_a_brute_force_split_at_and_around_chunk_boundaries(chunk, bs):
+    """Every single request with k <= 3 chunks + 1 and 0 <= q <= k, then all of them at once."""
+    cases = [(q, k) for k in range(1, 3 * chunk + 2) for q in range(k + 1)]
+    table = _arange_table(len(cases), 3 * chunk + 1, bs)
+    expected = []
+    for req, (q, k) in enumerate(cases):
+        for vq, vk, start in _brute_force_virtual(q, k, chunk):
+            cols = [min(start // bs + j, table.shape[1] - 1) for j in range(chunk // bs)]
+            expected.append((req, vq, vk, start, table[req, cols].tolist()))
+    out = make_virtual_batches(
+        _qsl([q for q, _ in cases]), torch.tensor([k for _, k in cases]), table, chunk, bs
+    )
+    got = list(
+        zip(
+            out.req_indices.tolist(),
+            torch.diff(out.query_start_loc).tolist(),
+            out.seq_lens.tolist(),
+            out.key_starts.tolist(),
+            out.block_table.tolist(),
+            strict=True,
+        )
+    )
+    assert got == [tuple(row) for row in expected]
 
 
 # S27: (query_start_loc, logits indices, new query_start_loc or None for pass-through, max_q, n)
@@ -222,3 +269,76 @@ def test_truncated_prefill_transform_passes_pure_decode_through():
     meta, _, _, _, _ = _paged_batch([1, 1, 1], [9, 9, 9], 4)
     step = StepRows(logits_indices=torch.tensor([0, 1, 2]))
     assert apply_transforms(meta, (TruncatedPrefill(),), step) is meta
+
+
+# A mixed step (C = 4, kernel bs = 2): A is a prompt chunk that samples nothing (q 6, k 6), B
+# decodes (q 1, k 9), C finishes its prompt (q 5, k 13), D is a prompt chunk of a request asking
+# for prompt logprobs (q 4, k 8). Rows: A 0-5, B 6, C 7-11, D 12-15; sampled rows 6 and 11.
+MIXED_Q, MIXED_K = [6, 1, 5, 4], [6, 9, 13, 8]
+MIXED_STEP = StepRows(logits_indices=torch.tensor([6, 11]), full_reqs=torch.tensor([3]))
+
+
+def test_truncated_prefill_of_a_mixed_step_drops_chunks_that_sample_nothing():
+    meta, query, caches, keys, values = _paged_batch(MIXED_Q, MIXED_K, 2)
+    out = apply_transforms(meta, (TruncatedPrefill(),), MIXED_STEP)
+    assert out.query_rows.tolist() == [6, 11, 12, 13, 14, 15]
+    assert out.query_start_loc.tolist() == [0, 0, 1, 2, 6]
+    assert (out.max_query_len, out.num_actual_tokens) == (4, 6)
+    assert out.seq_lens is meta.seq_lens
+    assert out.block_table is meta.block_table
+    assert out.slot_mapping is meta.slot_mapping
+    dense = _dense_chunked(query, MIXED_Q, keys, values, chunk=0)
+    got = _run(out, query[out.query_rows], caches)
+    torch.testing.assert_close(got, dense[out.query_rows], atol=1e-5, rtol=1e-5)
+
+
+def test_truncate_then_virtual_batches_on_a_mixed_step():
+    """A keeps one empty virtual request over its last chunk (keys 4..5); B's row 8, C's row 12
+    and D's rows 4..7 each sit in one chunk: virtual q [0, 1, 1, 4], k [2, 1, 1, 4]."""
+    meta, query, caches, keys, values = _paged_batch(MIXED_Q, MIXED_K, 2)
+    out = apply_transforms(meta, (TruncatedPrefill(), ChunkedLocalBatches(4, 2)), MIXED_STEP)
+    assert out.query_start_loc.tolist() == [0, 0, 1, 2, 6]
+    assert out.seq_lens.tolist() == [2, 1, 1, 4]
+    table = meta.block_table.tolist()
+    last = table[2][6]  # C's columns 6..7: 7 is past its table (7 columns) and clipped to 6
+    assert out.block_table.tolist() == [table[0][2:4], table[1][4:6], [last, last], table[3][2:4]]
+    dense = _dense_chunked(query, MIXED_Q, keys, values, chunk=4)
+    got = _run(out, query[out.query_rows], caches)
+    torch.testing.assert_close(got, dense[out.query_rows], atol=1e-5, rtol=1e-5)
+
+
+TRITON_CHECK = """
+import torch
+from kernels import triton_attention
+from tests.unit.worker import test_metadata_transforms as t
+from worker.metadata_transforms import ChunkedLocalBatches, TruncatedPrefill, apply_transforms
+
+assert triton_attention.is_interpreted()
+meta, query, caches, keys, values = t._paged_batch(t.MIXED_Q, t.MIXED_K, 2)
+for chunk in (0, 4):
+    transforms = (TruncatedPrefill(),) + ((ChunkedLocalBatches(chunk, 2),) if chunk else ())
+    out = apply_transforms(meta, transforms, t.MIXED_STEP)
+    got = triton_attention.paged_attention(
+        query[out.query_rows], *caches, out.block_table, out.query_start_loc, out.seq_lens,
+        t.HEAD**-0.5,
+    )
+    dense = t._dense_chunked(query, t.MIXED_Q, keys, values, chunk)
+    torch.testing.assert_close(got, dense[out.query_rows], atol=1e-5, rtol=1e-5)
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_transformed_metadata_runs_on_the_triton_kernel():
+    """The same mixed step through the Triton kernel (CPU interpreter, fresh process)."""
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    proc = subprocess.run(
+        [sys.executable, "-c", TRITON_CHECK],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
