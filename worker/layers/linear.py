@@ -20,10 +20,22 @@ from worker.layers.loading import (
     ShardId,
     WeightSource,
     copy_checked,
+    default_weight_loader,
     new_parameter,
     read_full,
     read_part,
 )
+
+
+class ReplicatedLinear(nn.Module):
+    """A bias-free projection every rank holds and computes in full (small matrices)."""
+
+    def __init__(self, input_size: int, output_size: int) -> None:
+        super().__init__()
+        self.weight = new_parameter((output_size, input_size), default_weight_loader)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:

@@ -20,6 +20,7 @@ from worker.attention import ForwardContext
 from worker.config import ModelConfig, ParallelConfig
 from worker.kv_sharing import KVSharingDecoderLoop
 from worker.layers.embedding import VocabParallelEmbedding
+from worker.layers.linear import ReplicatedLinear
 from worker.layers.loading import WeightSource
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RopeTables, RotaryEmbedding, rope_parameters
@@ -29,7 +30,6 @@ from worker.models.gemma3n_layers import (
     Gemma3nAttention,
     Gemma3nMLP,
     Laurel,
-    Linear,
     match_magnitude,
 )
 from worker.weights import load_named_weights
@@ -68,8 +68,8 @@ class Gemma3nDecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
         self.post_feedforward_layernorm = RMSNorm(hidden, eps)
         self.altup, self.laurel = AltUp(hf_config), Laurel(hf_config)
-        self.per_layer_input_gate = Linear(hidden, per_layer)
-        self.per_layer_projection = Linear(per_layer, hidden)
+        self.per_layer_input_gate = ReplicatedLinear(hidden, per_layer)
+        self.per_layer_projection = ReplicatedLinear(per_layer, hidden)
         self.post_per_layer_input_norm = RMSNorm(hidden, eps)
         self.act = ACT2FN[hf_config.hidden_activation]
         self.correct_scale = bool(hf_config.altup_correct_scale)
@@ -110,11 +110,13 @@ class Gemma3nModel(nn.Module):
         self.embed_tokens_per_layer = VocabParallelEmbedding(
             self.vocab_per_layer, num_layers * self.per_layer, parallel
         )
-        self.per_layer_model_projection = Linear(hidden, num_layers * self.per_layer)
+        self.per_layer_model_projection = ReplicatedLinear(hidden, num_layers * self.per_layer)
         self.per_layer_projection_norm = RMSNorm(self.per_layer, hf_config.rms_norm_eps)
         extra = range(1, hf_config.altup_num_inputs)
-        self.altup_projections = nn.ModuleList(Linear(hidden, hidden) for _ in extra)
-        self.altup_unembed_projections = nn.ModuleList(Linear(hidden, hidden) for _ in extra)
+        self.altup_projections = nn.ModuleList(ReplicatedLinear(hidden, hidden) for _ in extra)
+        self.altup_unembed_projections = nn.ModuleList(
+            ReplicatedLinear(hidden, hidden) for _ in extra
+        )
         targets = kv_sharing_targets(hf_config)
         self.layers = nn.ModuleList(
             Gemma3nDecoderLayer(hf_config, idx, targets.get(idx), parallel)

@@ -20,6 +20,7 @@ from worker.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
     QKVParallelLinear,
+    ReplicatedLinear,
     RowParallelLinear,
 )
 from worker.layers.loading import default_weight_loader, new_parameter
@@ -40,17 +41,6 @@ def match_magnitude(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return x * target / magnitude
 
 
-class Linear(nn.Module):
-    """A bias-free projection every rank holds and computes in full (small matrices)."""
-
-    def __init__(self, input_size: int, output_size: int) -> None:
-        super().__init__()
-        self.weight = new_parameter((output_size, input_size), default_weight_loader)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
-
-
 class AltUp(nn.Module):
     """Predicts every stream before a layer and corrects them from the active one after it."""
 
@@ -59,9 +49,9 @@ class AltUp(nn.Module):
         hidden, self.num_streams = hf_config.hidden_size, hf_config.altup_num_inputs
         self.active = hf_config.altup_active_idx
         self.correct_output_scale = new_parameter((hidden,), default_weight_loader, fill=0.0)
-        self.correction_coefs = Linear(self.num_streams, self.num_streams)
-        self.prediction_coefs = Linear(self.num_streams, self.num_streams**2)
-        self.modality_router = Linear(hidden, self.num_streams)
+        self.correction_coefs = ReplicatedLinear(self.num_streams, self.num_streams)
+        self.prediction_coefs = ReplicatedLinear(self.num_streams, self.num_streams**2)
+        self.modality_router = ReplicatedLinear(hidden, self.num_streams)
         self.router_norm = RMSNorm(hidden, hf_config.rms_norm_eps)
         self.router_scale = 1.0 / hidden
 
@@ -90,8 +80,8 @@ class Laurel(nn.Module):
 
     def __init__(self, hf_config: PretrainedConfig) -> None:
         super().__init__()
-        self.linear_left = Linear(hf_config.hidden_size, hf_config.laurel_rank)
-        self.linear_right = Linear(hf_config.laurel_rank, hf_config.hidden_size)
+        self.linear_left = ReplicatedLinear(hf_config.hidden_size, hf_config.laurel_rank)
+        self.linear_right = ReplicatedLinear(hf_config.laurel_rank, hf_config.hidden_size)
         self.post_laurel_norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -8,16 +8,19 @@ Expert weights are stacked `[E, ...]` tensors; their intermediate size is split 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
 from worker.config import ParallelConfig
 from worker.distributed import all_reduce
 from worker.layers.activation import gated_activation
-from worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear, divide
+from worker.layers.linear import (
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    divide,
+)
 from worker.layers.loading import ShardId, WeightSource, copy_checked, new_parameter, read_part
-from worker.layers.loading import default_weight_loader as replicated
 
 
 class Llama4MLP(nn.Module):
@@ -70,24 +73,13 @@ class Llama4Experts(nn.Module):
         return all_reduce(out) if self.parallel.tp_size > 1 else out
 
 
-class Llama4Router(nn.Module):
-    """Router logits [T, experts]; every rank holds the whole matrix."""
-
-    def __init__(self, hidden: int, num_experts: int) -> None:
-        super().__init__()
-        self.weight = new_parameter((num_experts, hidden), replicated)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
-
-
 class Llama4MoE(nn.Module):
     """Sigmoid-scored top-k routing over the experts, plus a shared expert on every token."""
 
     def __init__(self, hf_config: PretrainedConfig, parallel: ParallelConfig) -> None:
         super().__init__()
         self.top_k = hf_config.num_experts_per_tok
-        self.router = Llama4Router(hf_config.hidden_size, hf_config.num_local_experts)
+        self.router = ReplicatedLinear(hf_config.hidden_size, hf_config.num_local_experts)
         self.experts = Llama4Experts(hf_config, parallel)
         self.shared_expert = Llama4MLP(
             hf_config.hidden_size, hf_config.intermediate_size, hf_config.hidden_act, parallel
