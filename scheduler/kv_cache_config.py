@@ -189,7 +189,8 @@ def _check_block_sizes(groups: tuple[KVCacheGroupSpec, ...]) -> None:
             if chunk is not None and chunk % spec.block_size:
                 raise ValueError(
                     f"attention chunk {chunk} of layers {group.layer_names} is not a multiple "
-                    f"of their block size {spec.block_size}"
+                    f"of their block size {spec.block_size}; choose a block_size that divides "
+                    f"{chunk}"
                 )
         is_chunked = isinstance(manager_spec(group.spec), ChunkedLocalAttentionSpec)
         if is_chunked and group.spec.block_size != alignment:

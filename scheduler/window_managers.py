@@ -84,7 +84,8 @@ class ChunkedLocalManager(SingleTypeManager):
             # Otherwise a hit could end inside a chunk whose first block is not looked up.
             raise ValueError(
                 f"group {group_id}: attention chunk size {spec.attention_chunk_size} must be a "
-                f"multiple of the block size {spec.block_size}"
+                f"multiple of the block size {spec.block_size}; choose a block_size that "
+                f"divides {spec.attention_chunk_size}"
             )
         self.chunk_size = spec.attention_chunk_size
 
