@@ -14,7 +14,9 @@ from collections.abc import Sequence
 from scheduler import replay
 
 
-def _generate_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _generate_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("generate", help="generate completions in-process")
     parser.add_argument("--model", help="local Hugging Face model folder (default: embedded)")
     parser.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
@@ -25,8 +27,11 @@ def _generate_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPar
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument(
+        "--attention-backend", default="auto", choices=["auto", "triton", "flash_attn", "torch"]
+    )
     parser.add_argument("--disable-hybrid-kv-cache-manager", action="store_true")
+    return parser
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -45,7 +50,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
     )
     try:
-        for prompt, result in zip(args.prompt, llm.generate(args.prompt, params), strict=True):
+        results = llm.generate(args.prompt, params, use_tqdm=sys.stderr.isatty())
+        for prompt, result in zip(args.prompt, results, strict=True):
             sys.stdout.write(f"{prompt}{result.outputs[0].text}\n")
     finally:
         llm.shutdown()
@@ -55,19 +61,24 @@ def _run_generate(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `hybridserve` console script."""
     parser = argparse.ArgumentParser(prog="hybridserve", description=__doc__.splitlines()[0])
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument(
+        "--log-level",
+        default="WARNING",
+        type=str.upper,
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+    )
     subparsers = parser.add_subparsers(dest="command", required=True)
-    _generate_parser(subparsers)
+    generate_parser = _generate_parser(subparsers)
     replay_parser = subparsers.add_parser("replay", help="replay KV cache traces (no model)")
     replay_parser.add_argument("files", nargs="+", metavar="FILE.json")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper())
+    logging.basicConfig(level=args.log_level)
+    if args.command == "replay":
+        return replay.main(args.files)
     try:
-        if args.command == "replay":
-            return replay.main(args.files)
         return _run_generate(args)
     except ValueError as error:
-        parser.error(str(error))
+        generate_parser.error(str(error))
     return 2
 
 

@@ -35,6 +35,8 @@ _ATTENTION = {"num_kv_heads": 1, "head_size": 1, "dtype_bytes": 4}
 
 def _get_int(entry: dict[str, Any], key: str, default: int | None = None) -> int:
     value = entry.get(key, default)
+    if value is None:
+        raise ValueError(f"{key!r} is missing")
     if not isinstance(value, int) or isinstance(value, bool):
         raise ValueError(f"{key!r} must be an integer, got {value!r}")
     return value
@@ -84,7 +86,10 @@ def build_manager(trace: dict[str, Any]) -> KVCacheManager:
     if not isinstance(enable_caching, bool):
         raise ValueError(f"'enable_caching' must be a boolean, got {enable_caching!r}")
     groups = []
-    for index, entry in enumerate(_get_objects(trace, "groups")):
+    entries = _get_objects(trace, "groups")
+    if not entries:
+        raise ValueError("'groups' must list at least one KV cache group")
+    for index, entry in enumerate(entries):
         num_layers = _get_int(entry, "num_layers", 1)
         names = tuple(f"group{index}.layer{layer}" for layer in range(num_layers))
         groups.append(KVCacheGroupSpec(names, build_spec(entry, enable_caching)))
@@ -119,6 +124,8 @@ class TraceReplayer:
         name = op.get("op")
         if name not in handlers:
             raise ValueError(f"unknown op {name!r}")
+        if "id" not in op:
+            raise ValueError("'id' is missing")
         req_id = str(op["id"])
         evictions = self.manager.pool.num_evictions
         record: Record = {"op_index": index, "op": name, "id": req_id}
@@ -197,11 +204,11 @@ class TraceReplayer:
         return chunks
 
     def _decode(self, req_id: str, op: dict[str, Any]) -> Record:
+        tokens = _get_tokens(op)
         request = self.requests.get(req_id)
         if request is None:
             return {"allocated": False, "skipped": True, "block_ids": self._table(req_id)}
         allocated = True
-        tokens = _get_tokens(op)
         self._check_length(req_id, request.num_tokens + len(tokens))
         for token in tokens:
             request.append_output_token_ids([token])

@@ -71,7 +71,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
 
     start = time.perf_counter()
     source = {"gguf_file": gguf_path.name, "local_files_only": True}
-    logger.info("converting %s into %s (once)", gguf_path.name, out_dir)
+    logger.warning("converting %s into %s (once, about half a minute)", gguf_path.name, out_dir)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), **source)
     tokenizer.save_pretrained(str(out_dir))
     quantized = AutoModelForCausalLM.from_pretrained(

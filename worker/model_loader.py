@@ -39,7 +39,9 @@ def load_model(
     model_cls = get_model_class(model_config.architecture)
     with _default_dtype(model_config.dtype), torch.device(device):
         model = model_cls(model_config, parallel)
-    loaded = model.load_weights(iterate_weights(model_config.model_path, show_progress=True))
+    loaded = model.load_weights(
+        iterate_weights(model_config.model_path, show_progress=parallel.rank == 0)
+    )
     _check_complete(model, loaded, model_config.model_path)
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())

@@ -79,3 +79,16 @@ def test_bad_sampling_argument_is_a_usage_error(capsys: pytest.CaptureFixture[st
         main(["generate", "--prompt", "hi", "--temperature", "-1"])
     assert exit_info.value.code == 2
     assert "temperature must be >= 0" in capsys.readouterr().err
+
+
+def test_generate_error_shows_the_generate_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompt", "hi", "--top-p", "0"])
+    assert "usage: hybridserve generate" in capsys.readouterr().err
+
+
+def test_unknown_log_level_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--log-level", "chatty", "replay", "x.json"])
+    assert exit_info.value.code == 2
+    assert "--log-level" in capsys.readouterr().err

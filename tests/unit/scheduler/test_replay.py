@@ -181,12 +181,28 @@ def test_a_failed_decode_step_keeps_the_request_and_retries_its_token() -> None:
         ({"op": "prefill", "id": "b", "tokens": [1.5]}, "op 1: 'tokens' must be a list of int"),
         ({"op": "prefill", "id": "b", "tokens": []}, "op 1: request 'b' has an empty prompt"),
         ({"op": "decode", "id": "a", "tokens": [0] * 30}, "op 1: request 'a' would hold 33"),
-        ({"op": "free"}, "op 1: KeyError"),
+        ({"op": "free"}, "op 1: 'id' is missing"),
+        ({"op": "decode", "id": "never"}, "op 1: 'tokens' must be a list of int"),
     ],
 )
 def test_an_invalid_op_fails_its_file_with_the_op_index(op: dict, message: str) -> None:
     trace = _trace(
         [{"type": "full", "block_size": 4}], [{"op": "prefill", "id": "a", "tokens": [1, 2, 3]}, op]
     )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        replay_trace(trace)
+
+
+@pytest.mark.parametrize(
+    ("trace", "message"),
+    [
+        ({"groups": [], "num_blocks": 20, "max_model_len": 32, "ops": []}, "at least one"),
+        (
+            {"groups": [{"type": "full", "block_size": 4}], "num_blocks": 20, "ops": []},
+            "'max_model_len' is missing",
+        ),
+    ],
+)
+def test_an_invalid_configuration_names_the_problem(trace: dict, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         replay_trace(trace)
