@@ -51,4 +51,3 @@ def test_package_import_rules(package: str) -> None:
         for path in (ROOT / package).rglob("*.py")
     }
     assert not {k: v for k, v in offenders.items() if v}
-
