@@ -111,7 +111,7 @@ class ModelConfig:
     @property
     def dtype_bytes(self) -> int:
         """Bytes per element of `dtype` (what KV cache specs carry)."""
-        return torch.tensor([], dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
 
 def resolve_dtype(

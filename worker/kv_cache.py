@@ -125,7 +125,7 @@ def allocate_kv_caches(
 ) -> KVCaches:
     """Allocate the tensor plan's buffers and view them per layer; sharing layers alias."""
     group_of = {name: gid for gid, g in enumerate(config.groups) for name in g.layer_names}
-    element_size = torch.tensor([], dtype=dtype).element_size()
+    element_size = dtype.itemsize
     caches: KVCaches = {}
     for tensor in config.tensors:
         buffer = torch.zeros(tensor.size_bytes, dtype=torch.uint8, device=device)

@@ -113,7 +113,7 @@ class ModelRunner:
 
     @property
     def dtype_bytes(self) -> int:
-        return torch.tensor([], dtype=self.settings.dtype).element_size()
+        return self.settings.dtype.itemsize
 
     def kv_cache_specs(self) -> KVCacheSpecReport:
         """Per-layer KV specs of this rank at the configured block size."""
