@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import subprocess
 import sys
@@ -86,11 +87,10 @@ def test_flash_attn_without_the_package_says_so_for_a_supported_layout() -> None
         select_backend("flash_attn", device="cuda", block_size=256, head_size=128)
 
 
-def test_availability_flags_are_booleans() -> None:
-    assert isinstance(kernels.HAS_TRITON, bool)
-    assert isinstance(kernels.HAS_FLASH_ATTN, bool)
-    imports_cleanly = flash_attn_adapter.import_error() is None
-    assert kernels.HAS_FLASH_ATTN is imports_cleanly
+def test_availability_flags_say_whether_each_package_imports() -> None:
+    assert kernels.HAS_TRITON is (importlib.util.find_spec("triton") is not None)
+    assert kernels.HAS_TRITON  # a core dependency on Linux: the project pins it
+    assert kernels.HAS_FLASH_ATTN is (flash_attn_adapter.import_error() is None)
 
 
 def test_importing_kernels_loads_neither_triton_nor_flash_attn() -> None:
