@@ -82,7 +82,7 @@ def layer_seconds(llm: LLM, prompt: list[int], repeats: int) -> dict[int, float]
     The least of several runs, layer by layer, keeps a burst of load from other processes
     during one layer from skewing the bound.
     """
-    layers = llm.engine.executor.worker.model_runner.model.model.layers
+    layers = llm.client.core.executor.worker.model_runner.model.model.layers
     starts: dict[int, float] = {}
     runs: list[dict[int, float]] = []
 

@@ -1,4 +1,4 @@
-"""The cluster layer: offline `LLM` API, engine loop and executors (Ray-based serving to come).
+"""The cluster layer: the engine and its clients, the offline `LLM` API, Ray executors and serving.
 
 Imports are lazy so that `import cluster` stays light and starts nothing (no Ray, no torch):
 `from cluster import LLM, SamplingParams` loads the offline engine on first access.
@@ -10,16 +10,17 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from cluster.engine.outputs import CompletionOutput, Logprob, RequestOutput
     from cluster.llm import LLM
-    from cluster.llm_outputs import CompletionOutput, CompletionResult
     from scheduler.request import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "CompletionResult", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
 
 _LAZY = {
     "LLM": "cluster.llm",
-    "CompletionOutput": "cluster.llm_outputs",
-    "CompletionResult": "cluster.llm_outputs",
+    "CompletionOutput": "cluster.engine.outputs",
+    "Logprob": "cluster.engine.outputs",
+    "RequestOutput": "cluster.engine.outputs",
     "SamplingParams": "scheduler.request",
 }
 

@@ -6,8 +6,10 @@ The offline `LLM` takes these as keyword arguments; `to_configs` resolves "auto"
 
 from __future__ import annotations
 
+import difflib
 import logging
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import NamedTuple
 
@@ -20,6 +22,13 @@ from worker.runner_config import RunnerConfig
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
+def _inside_ray() -> bool:
+    """Whether this process is a Ray driver or worker (Ray already imported and initialized)."""
+    ray = sys.modules.get("ray")
+    return ray is not None and bool(ray.is_initialized())
 
 
 class EngineConfigs(NamedTuple):
@@ -66,6 +75,9 @@ class EngineArgs:
     """Share of each GPU's memory the engine may use."""
     kv_sharing_fast_prefill: bool = False
     """Run the trailing KV-sharing layers (Gemma 3n) only on the rows that reach the LM head."""
+    distributed_executor_backend: str | None = None
+    """uni (one rank in-process) | mp (a process per rank) | ray (an actor per rank); default:
+    ray inside a Ray job or actor, else mp when tensor_parallel_size > 1, else uni."""
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -76,10 +88,24 @@ class EngineArgs:
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' was requested but CUDA is not available")
+        if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
+            raise ValueError(
+                f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+                f"got {self.distributed_executor_backend!r}"
+            )
+
+    def resolved_executor_backend(self) -> str:
+        """The executor to use: the one asked for, else ray inside Ray, mp or uni by TP size."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        if _inside_ray():
+            return "ray"
+        return "mp" if self.tensor_parallel_size > 1 else "uni"
 
     def resolved_device(self) -> str:
+        """The device of this machine: call it where the workers run."""
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was requested but CUDA is not available")
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
         return self.device
@@ -123,3 +149,14 @@ class EngineArgs:
             self.tensor_parallel_size,
             self.disable_hybrid_kv_cache_manager,
         )
+
+
+def engine_args_from_kwargs(kwargs: dict[str, object]) -> EngineArgs:
+    """`EngineArgs(**kwargs)`, with an unknown name reported with the closest valid one."""
+    names = [f.name for f in fields(EngineArgs)]
+    for key in kwargs:
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"unknown engine argument {key!r}{hint}")
+    return EngineArgs(**kwargs)  # type: ignore[arg-type]

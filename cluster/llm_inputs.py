@@ -14,7 +14,8 @@ from collections.abc import Mapping, Sequence
 
 from scheduler.request import SamplingParams
 
-PromptInput = str | Sequence[int]
+PromptInput = str | Sequence[int] | Mapping[str, object]
+"""A prompt: text, token IDs, or vLLM's `{"prompt": text}` / `{"prompt_token_ids": ids}` dicts."""
 ChatMessage = Mapping[str, object]
 """One chat message: {"role": "user" | "assistant" | "system", "content": ...}."""
 
@@ -25,7 +26,7 @@ def _is_token_id(value: object) -> bool:
 
 def as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
     """One prompt or a list of prompts -> a list of prompts (a flat ID list is one prompt)."""
-    if isinstance(prompts, str):
+    if isinstance(prompts, (str, Mapping)):
         return [prompts]
     if not isinstance(prompts, Sequence) or isinstance(prompts, (bytes, bytearray)):
         raise TypeError(
@@ -36,11 +37,23 @@ def as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptI
     if items and all(_is_token_id(item) for item in items):
         return [items]  # type: ignore[list-item]  # one prompt given as token IDs
     for index, item in enumerate(items):
-        if not isinstance(item, (str, Sequence)):
-            raise TypeError(
-                f"prompt {index} must be a string or a list of token IDs, got {type(item).__name__}"
-            )
+        _check_prompt(index, item)
     return items  # type: ignore[return-value]
+
+
+def _check_prompt(index: int, item: object) -> None:
+    if isinstance(item, Mapping):
+        if not ({"prompt", "prompt_token_ids"} & item.keys()):
+            raise TypeError(f"prompt {index}: a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        unknown = set(item) - {"prompt", "prompt_token_ids", "multi_modal_data"}
+        if unknown:
+            raise TypeError(f"prompt {index}: unknown prompt dict keys {sorted(unknown)}")
+        return
+    if not isinstance(item, (str, Sequence)):
+        raise TypeError(
+            f"prompt {index} must be a string, a list of token IDs or a prompt dict, "
+            f"got {type(item).__name__}"
+        )
 
 
 def as_params_list(

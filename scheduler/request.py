@@ -25,6 +25,8 @@ SEED_MAX = 2**64 - 1
 class SamplingParams:
     """How to pick tokens and when to stop (OpenAI/vLLM semantics)."""
 
+    n: int = 1
+    """Sequences to generate for the prompt (they share its KV blocks through the prefix cache)."""
     temperature: float = 1.0
     """0 means greedy."""
     top_p: float = 1.0
@@ -50,6 +52,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         _check_types(self)
+        _check(_is_int(self.n) and self.n >= 1, f"n must be an int >= 1, got {self.n!r}")
         _check(
             0 <= self.temperature < math.inf,
             f"temperature must be >= 0 and finite, got {self.temperature}",

@@ -36,18 +36,33 @@ class WorkerSpec:
 
 
 class Worker:
-    """Runs the model of one tensor-parallel rank."""
+    """Runs the model of one tensor-parallel rank.
+
+    Start-up is split so that an executor can drive every rank through each phase together:
+    construct (nothing heavy) -> `init_device` (device and process group; every rank needs rank
+    0's rendezvous address first) -> `load_model` -> KV specs and memory -> `initialize_kv_cache`.
+    `start_worker` runs the first three phases for a single process.
+    """
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
         self.rank = spec.parallel.rank
         self.device = spec.runner.device_for_rank(self.rank)
+        self._model_runner: ModelRunner | None = None
+
+    def init_device(self) -> None:
+        """Select the device and join the tensor-parallel process group."""
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
+        spec = self.spec
         init_distributed(
             self.rank, spec.parallel.tp_size, spec.distributed_init_method, backend=backend
         )
+
+    def load_model(self) -> None:
+        """Build the model and read this rank's shard of the weights."""
+        spec = self.spec
         torch.manual_seed(spec.runner.seed)
         model = load_model(spec.model_config, spec.parallel, self.device)
         settings = ModelSettings(
@@ -55,9 +70,15 @@ class Worker:
             max_model_len=spec.model_config.max_model_len,
             eos_token_ids=spec.model_config.eos_token_ids,
         )
-        self.model_runner = ModelRunner(
+        self._model_runner = ModelRunner(
             model, settings, spec.runner, self.device, is_driver=self.rank == 0
         )
+
+    @property
+    def model_runner(self) -> ModelRunner:
+        if self._model_runner is None:
+            raise RuntimeError("the worker's model is not loaded: call load_model() first")
+        return self._model_runner
 
     def determine_kv_cache_specs(self) -> KVCacheSpecReport:
         """Per-layer KV specs of this rank (layers reading another layer's KV own none)."""
@@ -82,3 +103,11 @@ class Worker:
     def shutdown(self) -> None:
         """Leave the process group (the model is freed with the worker)."""
         destroy_distributed()
+
+
+def start_worker(spec: WorkerSpec) -> Worker:
+    """A worker with its device, process group and model ready (all start-up phases but KV)."""
+    worker = Worker(spec)
+    worker.init_device()
+    worker.load_model()
+    return worker

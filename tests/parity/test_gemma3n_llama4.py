@@ -231,7 +231,7 @@ def test_llama4_kv_sharing_same_tokens_with_truncated_prefill_and_hybrid_on_and_
                 disable_hybrid_kv_cache_manager=hybrid_off,
             )
             results = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-            runner = llm.engine.executor.worker.model_runner
+            runner = llm.client.core.executor.worker.model_runner
             groups[fast, hybrid_off] = {
                 (g.kv_cache_group_id, frozenset(g.layer_names)) for g in runner.attention_groups
             }
@@ -263,7 +263,7 @@ def test_truncated_prefill_runs_shared_layers_on_fewer_rows(gemma3n):
     With a 16-token budget the third step mixes all three cases: request 0 decodes, request 1
     finishes its prompt (3 tokens) and request 2 prefills 12 of its 16 prompt tokens."""
     llm = LLM(str(gemma3n.path), **LLM_ARGS, kv_sharing_fast_prefill=True)
-    model = llm.engine.executor.worker.model_runner.model.model
+    model = llm.client.core.executor.worker.model_runner.model.model
     steps: list[dict[str, int]] = []
 
     def record(key: str):
@@ -301,10 +301,15 @@ def test_prompt_logprobs_equal_with_truncated_prefill_on_and_off(gemma3n):
         expected = [logprobs[pos, prompt[pos + 1]].item() for pos in range(len(prompt) - 1)]
         for results in (on, off):
             entries = results[idx].prompt_logprobs
-            assert [e.token_id for e in entries] == prompt[1:]
-            assert [e.logprob for e in entries] == pytest.approx(expected, abs=1e-4)
-        pairs = zip(on[idx].prompt_logprobs, off[idx].prompt_logprobs, strict=True)
-        assert all(a.logprob == pytest.approx(b.logprob, abs=1e-5) for a, b in pairs)
+            assert entries[0] is None
+            assert [next(iter(e)) for e in entries[1:]] == prompt[1:]
+            chosen = [e[t].logprob for e, t in zip(entries[1:], prompt[1:], strict=True)]
+            assert chosen == pytest.approx(expected, abs=1e-4)
+        pairs = zip(on[idx].prompt_logprobs[1:], off[idx].prompt_logprobs[1:], strict=True)
+        assert all(
+            a[t].logprob == pytest.approx(b[t].logprob, abs=1e-5)
+            for (a, b), t in zip(pairs, prompt[1:], strict=True)
+        )
     assert [r.outputs[0].token_ids for r in on] == [r.outputs[0].token_ids for r in off]
 
 

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import kernels
-from cluster import LLM, SamplingParams, executor
+from cluster import LLM, SamplingParams
+from cluster.engine import executor
 from tests.helpers.tiny_models import WINDOW, save_tiny_model
 
 pytestmark = pytest.mark.parity
@@ -92,7 +93,7 @@ def test_hybrid_manager_on_and_off_give_identical_tokens(family: str, tmp_path: 
     runs = {}
     for disable in (False, True):
         llm = LLM(str(tmp_path), disable_hybrid_kv_cache_manager=disable, **LLM_ARGS)
-        groups = llm.engine.scheduler.kv_cache_config.groups
+        groups = llm.client.core.scheduler.kv_cache_config.groups
         # gemma2: 2 window + 2 full layers -> 2 groups; gemma3: 3 window + 1 full -> 4 groups.
         assert len(groups) == (1 if disable else {"gemma2": 2, "gemma3": 4}[family])
         runs[disable] = _tokens(llm.generate(prompts, params, use_tqdm=False))
@@ -124,7 +125,7 @@ def test_tensor_parallel_2_matches_tp_1(
             patch.setattr(executor, "wait", _interrupt_on_call(3, executor.wait))
             with pytest.raises(KeyboardInterrupt):
                 llm.generate(prompts, GREEDY, use_tqdm=False)
-        assert not llm.engine.has_unfinished_requests()
+        assert not llm.client.core.has_unfinished_requests()
         assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
     finally:
         llm.shutdown()
@@ -149,15 +150,15 @@ def test_preemption_and_resume_keep_the_tokens(llama) -> None:
     llm = LLM(str(path), max_model_len=48, **{**LLM_ARGS, "kv_cache_memory_bytes": 14 * 4096})
     prompts = [[(k * i + k) % 256 for i in range(30)] for k in (3, 5, 7)]
     results = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.client.core.scheduler.num_preemptions > 0
     assert _tokens(results) == [_hf_greedy(hf_model, p) for p in prompts]
     # Seeded sampling: a request preempted and recomputed draws what it draws alone.
     seeded = SamplingParams(temperature=1.0, top_k=40, top_p=0.9, max_tokens=NUM_NEW, seed=5)
     alone = _tokens(llm.generate([prompts[2]], seeded, use_tqdm=False))[0]
-    before = llm.engine.scheduler.num_preemptions
+    before = llm.client.core.scheduler.num_preemptions
     others = SamplingParams(temperature=1.0, max_tokens=NUM_NEW)
     batched = llm.generate(prompts, [others, others, seeded], use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions > before
+    assert llm.client.core.scheduler.num_preemptions > before
     assert batched[2].outputs[0].token_ids == alone
     llm.shutdown()
 
@@ -176,20 +177,34 @@ def test_logprobs_and_prompt_logprobs_match_transformers(llama) -> None:
     num_prompt = len(prompt)
     prompt_lps = result.prompt_logprobs
     assert prompt_lps is not None
-    assert [e.token_id for e in prompt_lps] == prompt[1:]
-    for pos, entry in enumerate(prompt_lps, start=1):
-        assert entry.logprob == pytest.approx(float(reference[pos - 1, prompt[pos]]), abs=1e-4)
-        assert entry.top_token_ids == reference[pos - 1].topk(20).indices.tolist()
+    assert prompt_lps[0] is None  # vLLM's convention: the first prompt token has no context
+    assert len(prompt_lps) == num_prompt
+    for pos in range(1, num_prompt):
+        position = prompt_lps[pos]
+        assert position is not None
+        assert next(iter(position)) == prompt[pos]  # the prompt's own token comes first
+        chosen = float(reference[pos - 1, prompt[pos]])
+        assert position[prompt[pos]].logprob == pytest.approx(chosen, abs=1e-4)
+        assert _top_ids(position, 20) == reference[pos - 1].topk(20).indices.tolist()
     sample_lps = result.outputs[0].logprobs
     assert sample_lps is not None
     assert len(sample_lps) == len(tokens)
-    for step, (token, entry) in enumerate(zip(tokens, sample_lps, strict=True)):
+    for step, (token, position) in enumerate(zip(tokens, sample_lps, strict=True)):
         row = reference[num_prompt - 1 + step]
-        assert entry.token_id == token
-        assert entry.rank == 1  # greedy
-        assert entry.logprob == pytest.approx(float(row[token]), abs=1e-4)
-        assert entry.top_token_ids == row.topk(20).indices.tolist()
-        assert entry.top_logprobs == pytest.approx(row.topk(20).values.tolist(), abs=1e-4)
+        assert next(iter(position)) == token
+        assert position[token].rank == 1  # greedy
+        assert position[token].logprob == pytest.approx(float(row[token]), abs=1e-4)
+        assert _top_ids(position, 20) == row.topk(20).indices.tolist()
+        top = [position[t].logprob for t in _top_ids(position, 20)]
+        assert top == pytest.approx(row.topk(20).values.tolist(), abs=1e-4)
+    expected_sum = sum(position[t].logprob for t, position in zip(tokens, sample_lps))
+    assert result.outputs[0].cumulative_logprob == pytest.approx(expected_sum)
+
+
+def _top_ids(position, k: int) -> list[int]:
+    """Token IDs of one position's logprobs by rank, the top k."""
+    ranked = sorted(position.items(), key=lambda item: item[1].rank)
+    return [token for token, lp in ranked if lp.rank <= k]
 
 
 def test_block_aligned_prompts_shared_prefixes_and_single_token_outputs(llama) -> None:
@@ -294,7 +309,7 @@ def test_bf16_on_gpu_follows_transformers(family: str, tmp_path: Path) -> None:
         for step, (mine, hf_token) in enumerate(zip(ours, theirs, strict=True)):
             if mine != hf_token:
                 assert mine in out.scores[step][0].topk(5).indices.tolist()
-                assert hf_token in our_logprobs[step].top_token_ids
+                assert hf_token in our_logprobs[step]
                 break
 
 

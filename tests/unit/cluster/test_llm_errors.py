@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cluster import LLM, SamplingParams
-from cluster.executor import RankFailure
+from cluster.engine.executor import RankFailure
 from tests.helpers.tiny_models import save_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
@@ -98,10 +98,10 @@ def test_bad_generate_call_raises_and_leaves_the_llm_usable(
 ) -> None:
     with pytest.raises(error, match=match):
         llm.generate(prompts, params, use_tqdm=False)
-    assert not llm.engine.has_unfinished_requests()  # no prompt of the call was queued
+    assert not llm.client.core.has_unfinished_requests()  # no prompt of the call was queued
     again = llm.generate([PROMPT, PROMPT[:5]], GREEDY, use_tqdm=False)
     assert again[0].outputs[0].token_ids == baseline
-    assert not llm.engine.has_unfinished_requests()
+    assert not llm.client.core.has_unfinished_requests()
 
 
 @pytest.mark.parametrize(
@@ -118,7 +118,7 @@ def test_bad_chat_call_raises_and_leaves_the_llm_usable(
 ) -> None:
     with pytest.raises(error, match=match):
         llm.chat(messages, GREEDY, use_tqdm=False)
-    assert not llm.engine.has_unfinished_requests()
+    assert not llm.client.core.has_unfinished_requests()
     assert llm.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == baseline
 
 

@@ -1,8 +1,10 @@
 """Executors: run the workers of one engine, in-process or one spawned process per rank.
 
-Both offer the same calls (`determine_kv_cache_specs`, `available_kv_cache_memory`,
-`initialize_kv_cache`, `execute`, `shutdown`); every rank receives each call, and rank 0's
-result comes back. The multi-process executor talks to each rank over a pipe:
+`distributed_executor_backend` picks one: `uni` (one rank, in this process), `mp` (one spawned
+process per rank) or `ray` (one actor per rank, `cluster.engine.ray_executor`). Every executor
+offers `collective_rpc(method, *args)` (the call runs on every rank, results in rank order), on
+which the start-up phases and the KV cache set-up are built, and `execute` (rank 0's output).
+The multi-process executor talks to each rank over a pipe:
 
     parent ──(method, args)──► rank r loop: worker.method(*args) ──result | RankFailure──► parent
 """
@@ -14,19 +16,21 @@ import logging
 import os
 import socket
 import traceback
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Protocol
 
 import torch
 import torch.multiprocessing as mp
+from transformers import PreTrainedTokenizerBase
 
-from scheduler.kv_cache_spec import KVCacheConfig
+from cluster.engine.tokenizer import load_tokenizer
+from cluster.engine_args import EngineArgs, EngineConfigs
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from worker.config import ParallelConfig
-from worker.kv_cache import KVCacheSpecReport
-from worker.worker import Worker, WorkerSpec
+from worker.model_loader import check_parallel_layout
+from worker.worker import Worker, WorkerSpec, start_worker
 
 logger = logging.getLogger(__name__)
 
@@ -58,46 +62,63 @@ class RankFailure:
 class Executor(Protocol):
     """What the engine core needs from the workers of one model."""
 
-    def determine_kv_cache_specs(self) -> KVCacheSpecReport: ...
+    configs: EngineConfigs
+    """The engine's configs, resolved where the workers run (device, dtype, model folder)."""
 
-    def available_kv_cache_memory(self) -> int: ...
-
-    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None: ...
+    def collective_rpc(self, method: str, *args: object) -> list[object]:
+        """Call `Worker.method(*args)` on every rank; the results in rank order."""
+        ...
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def check_health(self) -> None:
+        """Raise RuntimeError when a rank is dead or stuck."""
+        ...
+
+    def load_tokenizer(self) -> PreTrainedTokenizerBase | None:
+        """The model's tokenizer, read where the workers run (None when it has none)."""
+        ...
 
     def shutdown(self) -> None: ...
 
 
-class InProcessExecutor:
+class _LocalTokenizer:
+    """Executors whose ranks run on this machine read the tokenizer here."""
+
+    configs: EngineConfigs
+
+    def load_tokenizer(self) -> PreTrainedTokenizerBase | None:
+        return load_tokenizer(self.configs.model.tokenizer_path)
+
+
+class InProcessExecutor(_LocalTokenizer):
     """A single worker (tp_size 1) in the calling process."""
 
-    def __init__(self, spec: WorkerSpec) -> None:
-        self.worker = Worker(spec)
+    def __init__(self, configs: EngineConfigs) -> None:
+        self.configs = configs
+        self.worker = start_worker(worker_spec(configs, rank=0))
 
-    def determine_kv_cache_specs(self) -> KVCacheSpecReport:
-        return self.worker.determine_kv_cache_specs()
-
-    def available_kv_cache_memory(self) -> int:
-        return self.worker.available_kv_cache_memory()
-
-    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
-        self.worker.initialize_kv_cache(kv_cache_config)
+    def collective_rpc(self, method: str, *args: object) -> list[object]:
+        return [getattr(self.worker, method)(*args)]
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         output = self.worker.execute(scheduler_output)
         assert output is not None, "rank 0 always returns an output"
         return output
 
+    def check_health(self) -> None:
+        return None  # the worker runs in this very process
+
     def shutdown(self) -> None:
         self.worker.shutdown()
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(_LocalTokenizer):
     """One spawned process per tensor-parallel rank (gloo on CPU, nccl on GPU)."""
 
-    def __init__(self, spec: WorkerSpec) -> None:
-        tp_size = spec.parallel.tp_size
+    def __init__(self, configs: EngineConfigs) -> None:
+        self.configs = configs
+        tp_size = configs.tensor_parallel_size
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         context = mp.get_context("spawn")
         self._conns: list[Connection] = []
@@ -105,11 +126,7 @@ class MultiprocExecutor:
         self._unread: set[int] = set(range(tp_size))
         """Ranks whose reply to the last call has not been read (first: the load report)."""
         for rank in range(tp_size):
-            rank_spec = replace(
-                spec,
-                parallel=ParallelConfig(tp_size=tp_size, rank=rank),
-                distributed_init_method=init_method,
-            )
+            rank_spec = worker_spec(configs, rank, init_method)
             parent_conn, child_conn = context.Pipe()
             proc = context.Process(
                 target=_worker_loop,
@@ -122,24 +139,24 @@ class MultiprocExecutor:
             self._conns.append(parent_conn)
             self._procs.append(proc)
         try:
-            _raise_failures(self._read_replies())  # every rank reports that its model is loaded
+            _raise_failures(self._read_replies())  # every rank reports that it is constructed
+            self.collective_rpc("init_device")
+            self.collective_rpc("load_model")
         except BaseException:
             self.shutdown()
             raise
 
-    def determine_kv_cache_specs(self) -> KVCacheSpecReport:
-        report: KVCacheSpecReport = self._call("determine_kv_cache_specs")[0]
-        return report
-
-    def available_kv_cache_memory(self) -> int:
-        return int(min(self._call("available_kv_cache_memory")))
-
-    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
-        self._call("initialize_kv_cache", kv_cache_config)
+    def collective_rpc(self, method: str, *args: object) -> list[object]:
+        return self._call(method, *args)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         output: ModelRunnerOutput = self._call("execute", scheduler_output)[0]
         return output
+
+    def check_health(self) -> None:
+        for rank, proc in enumerate(self._procs):
+            if not proc.is_alive():
+                raise RuntimeError(f"tensor-parallel rank {rank} died (exit code {proc.exitcode})")
 
     def shutdown(self) -> None:
         """Ask every rank to leave, then join; ranks that do not leave in time are killed."""
@@ -156,7 +173,7 @@ class MultiprocExecutor:
             conn.close()
         self._conns, self._procs = [], []
 
-    def _call(self, method: str, *args: object) -> list:  # type: ignore[type-arg]
+    def _call(self, method: str, *args: object) -> list[object]:
         """Send `method(*args)` to every rank; their results in rank order.
 
         Replies still owed by an interrupted earlier call (Ctrl-C while waiting) are read and
@@ -227,8 +244,39 @@ def _free_port() -> int:
         return port
 
 
-def create_executor(spec: WorkerSpec) -> Executor:
-    """In-process for one rank, one process per rank otherwise."""
-    if spec.parallel.tp_size == 1:
-        return InProcessExecutor(spec)
-    return MultiprocExecutor(spec)
+def worker_spec(
+    configs: EngineConfigs, rank: int, init_method: str = "tcp://127.0.0.1:29500"
+) -> WorkerSpec:
+    """The start-up description of tensor-parallel rank `rank`."""
+    return WorkerSpec(
+        model_config=configs.model,
+        parallel=ParallelConfig(tp_size=configs.tensor_parallel_size, rank=rank),
+        runner=configs.runner,
+        distributed_init_method=init_method,
+    )
+
+
+def create_executor(args: EngineArgs) -> Executor:
+    """The executor `args.distributed_executor_backend` names (resolved: uni, mp or ray)."""
+    backend = args.resolved_executor_backend()
+    if backend == "ray":
+        from cluster.engine.ray_executor import RayExecutor
+
+        return RayExecutor(args)
+    configs = args.to_configs()  # this machine runs the workers: resolve here
+    if configs.tensor_parallel_size > 1:
+        check_layout(configs)  # reject a layout before starting the rank processes
+        return MultiprocExecutor(configs)
+    return InProcessExecutor(configs)
+
+
+def check_layout(configs: EngineConfigs) -> None:
+    """ValueError when the model's heads (or experts) do not split over the TP ranks."""
+    parallel = ParallelConfig(tp_size=configs.tensor_parallel_size, rank=0)
+    try:
+        check_parallel_layout(configs.model, parallel)
+    except ValueError as exc:
+        raise ValueError(
+            f"tensor_parallel_size={parallel.tp_size} cannot split "
+            f"{configs.model.architecture}: {exc}"
+        ) from None

@@ -1,0 +1,131 @@
+"""`AsyncEngine`: an engine core behind an asyncio step loop (the async `EngineClient`).
+
+The loop runs each step in a worker thread, so the event loop keeps streaming the previous
+step's outputs to callers (and accepting requests) while the next step computes. Core calls
+from the event loop (add, abort, stats) wait for the step in flight through one asyncio lock, so
+the core is never used by two threads at once.
+
+    add_request ─► core.add_request ─► wake loop ─► step (thread) ─► deltas ─► request queues
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from cluster.engine.client import EngineInfo, engine_info
+from cluster.engine.core import EngineCore
+from cluster.engine.outputs import RequestOutput
+from cluster.engine.request import EngineRequest
+from scheduler.stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+_StreamItem = RequestOutput | BaseException
+
+
+class EngineDeadError(RuntimeError):
+    """The engine's step failed; requests in flight at that moment end with this error."""
+
+
+class AsyncEngine:
+    """An asyncio `EngineClient` over an engine core in this process."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+        self._lock = asyncio.Lock()
+        self._has_work = asyncio.Event()
+        self._queues: dict[str, asyncio.Queue[_StreamItem]] = {}
+        self._loop_task: asyncio.Task[None] | None = None
+        self.num_steps = 0
+
+    async def add_request(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        self._ensure_loop()
+        async with self._lock:
+            self.core.add_request(request)  # ValueError here: nothing was queued
+        self._queues[request.request_id] = asyncio.Queue()
+        self._has_work.set()
+        return self._stream(request.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        async with self._lock:
+            deltas = self.core.abort([request_id])
+        self._publish(deltas)
+
+    async def check_health(self) -> None:
+        self.core.check_health()
+        if self._loop_task is not None and self._loop_task.done():
+            raise EngineDeadError("the engine's step loop has stopped")
+
+    async def get_stats(self) -> SchedulerStats:
+        return self.core.get_stats()
+
+    async def get_info(self) -> EngineInfo:
+        return engine_info(self.core)
+
+    async def get_tokenizer(self) -> Any:
+        return self.core.tokenizer
+
+    async def shutdown(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        self.core.shutdown()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self) -> None:
+        """Step while there is work; sleep on the event otherwise."""
+        while True:
+            await self._has_work.wait()
+            async with self._lock:
+                if not self.core.has_unfinished_requests():
+                    self._has_work.clear()
+                    continue
+                try:
+                    deltas = await asyncio.to_thread(self.core.step)
+                except Exception as exc:
+                    self._fail_in_flight(exc)
+                    continue
+            self.num_steps += 1
+            self._publish(deltas)
+
+    def _fail_in_flight(self, exc: Exception) -> None:
+        """A failed step ends every request in flight with an error; the engine keeps going."""
+        logger.error("engine step failed; failing %d requests: %s", len(self._queues), exc)
+        error = EngineDeadError(f"the engine failed while running this request: {exc}")
+        self.core.abort(list(self._queues))
+        for queue in self._queues.values():
+            queue.put_nowait(error)
+
+    def _publish(self, deltas: list[RequestOutput]) -> None:
+        for delta in deltas:
+            queue = self._queues.get(delta.request_id)
+            if queue is not None:
+                queue.put_nowait(delta)
+
+    async def _stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
+        queue = self._queues[request_id]
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:  # the caller went away: free the request's blocks
+                await asyncio.shield(self.abort(request_id))

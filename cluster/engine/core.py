@@ -1,0 +1,157 @@
+"""The engine core: schedule -> execute on the workers -> update -> outputs, one step at a time.
+
+`EngineCore` owns the scheduler (with the hybrid KV coordinator), an executor and the output
+processor; callers reach it only through `EngineRequest`s and the outputs it returns (the
+clients in `cluster.engine.client` wrap it). `build_engine_core` starts the workers, which
+resolve the machine-dependent settings where they run, then sizes the KV cache from what they
+report and creates the scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import replace
+from typing import Any
+
+from cluster.engine.executor import Executor, create_executor
+from cluster.engine.output_processor import OutputProcessor, child_request_id, now
+from cluster.engine.outputs import RequestOutput
+from cluster.engine.request import EngineRequest
+from cluster.engine_args import EngineArgs
+from cluster.llm_inputs import check_token_ids
+from scheduler.kv_cache_config import build_kv_cache_config
+from scheduler.kv_cache_spec import KVCacheConfig
+from scheduler.request import Request, SamplingParams
+from scheduler.scheduler import Scheduler
+from scheduler.stats import SchedulerStats
+from worker.config import ModelConfig
+from worker.kv_cache import KVCacheSpecReport
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """One scheduler driving one group of workers."""
+
+    def __init__(self, scheduler: Scheduler, executor: Executor, tokenizer: Any) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.output_processor = OutputProcessor(tokenizer)
+
+    @property
+    def model_config(self) -> ModelConfig:
+        return self.executor.configs.model
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request (all of its `n` samples, or none); ValueError if it can never run."""
+        if self.output_processor.has_request(request.request_id):
+            raise ValueError(f"request {request.request_id!r} is already running")
+        children = self._scheduler_requests(request)
+        added: list[str] = []
+        try:
+            for child in children:
+                self.scheduler.add_request(child)
+                added.append(child.req_id)
+        except ValueError:
+            self.scheduler.abort(added)
+            raise
+        self.output_processor.add(request, added)
+
+    def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
+        """Abort requests (unknown IDs are ignored); their final outputs."""
+        child_ids = [c for rid in request_ids for c in self.output_processor.child_ids(rid)]
+        step_outputs = self.scheduler.abort(child_ids)
+        deltas, _ = self.output_processor.process(step_outputs, now())
+        return deltas
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one step; the output deltas of the requests it advanced."""
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.executor.execute(scheduler_output)
+        step_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        step_time = now()
+        self.output_processor.mark_scheduled(scheduler_output.num_scheduled_tokens, step_time)
+        deltas, stopped = self.output_processor.process(step_outputs, step_time)
+        if stopped:  # ended by a stop string: free their blocks now
+            self.scheduler.abort(stopped)
+        return deltas
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
+
+    def check_health(self) -> None:
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+    def _scheduler_requests(self, request: EngineRequest) -> list[Request]:
+        """The scheduler requests of `request`: one per sample, prompt checked first."""
+        model = self.model_config
+        prompt_ids = check_token_ids(0, request.prompt_token_ids, model.vocab_size)
+        eos_ids = model.eos_token_ids if request.eos_token_ids is None else request.eos_token_ids
+        params = _with_extra_eos(request.sampling_params, eos_ids)
+        num_samples = params.n
+        return [
+            Request(
+                req_id=child_request_id(request.request_id, index, num_samples),
+                prompt_token_ids=prompt_ids,
+                sampling_params=_sample_params(params, index),
+                hash_block_size=self.scheduler.hash_block_size,
+                eos_token_id=eos_ids[0] if eos_ids else None,
+                priority=request.priority,
+                cache_salt=request.cache_salt,
+            )
+            for index in range(num_samples)
+        ]
+
+
+def _with_extra_eos(params: SamplingParams, eos_ids: tuple[int, ...]) -> SamplingParams:
+    """Models with several EOS tokens: the ones after the first stop generation too."""
+    if len(eos_ids) <= 1 or params.ignore_eos:
+        return params
+    extra = tuple(t for t in eos_ids[1:] if t not in params.stop_token_ids)
+    return replace(params, stop_token_ids=tuple(params.stop_token_ids) + extra)
+
+
+def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
+    """Sample `index` of a request: one sequence, its own seed (seed + index) when seeded."""
+    if params.n == 1:
+        return params
+    seed = None if params.seed is None else params.seed + index
+    return replace(params, n=1, seed=seed)
+
+
+def build_engine_core(args: EngineArgs) -> EngineCore:
+    """Start the workers, size and allocate the KV cache, and create the scheduler."""
+    executor = create_executor(args)
+    try:
+        configs = executor.configs
+        kv_cache_config = _plan_kv_cache(executor, args)
+        executor.collective_rpc("initialize_kv_cache", kv_cache_config)
+        scheduler = Scheduler(configs.scheduler, kv_cache_config)
+        tokenizer = executor.load_tokenizer()
+    except BaseException:
+        executor.shutdown()
+        raise
+    return EngineCore(scheduler, executor, tokenizer)
+
+
+def _plan_kv_cache(executor: Executor, args: EngineArgs) -> KVCacheConfig:
+    configs = executor.configs
+    report = executor.collective_rpc("determine_kv_cache_specs")[0]
+    assert isinstance(report, KVCacheSpecReport)
+    memory = min(int(m) for m in executor.collective_rpc("available_kv_cache_memory"))  # type: ignore[call-overload]
+    return build_kv_cache_config(
+        report.layer_specs,
+        memory,
+        shared_kv_layers=report.shared_kv_layers,
+        disable_hybrid=args.disable_hybrid_kv_cache_manager,
+        max_model_len=configs.model.max_model_len,
+        max_num_batched_tokens=configs.scheduler.max_num_batched_tokens,
+    )
