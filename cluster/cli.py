@@ -1,7 +1,8 @@
 """The `hybridserve` command: offline generation and KV trace replay.
 
 `hybridserve generate --prompt "..."` runs the in-process engine (the embedded default model when
-no `--model` is given); `hybridserve replay TRACE.json ...` is `python -m scheduler.replay`.
+no `--model` is given); `hybridserve replay TRACE.json ...` is `python -m scheduler.replay`;
+`hybridserve config validate FILE.yaml` checks a serving config without starting anything.
 """
 
 from __future__ import annotations
@@ -58,6 +59,27 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    config_commands = subparsers.add_parser("config", help="check serving config files")
+    actions = config_commands.add_subparsers(dest="action", required=True)
+    validate = actions.add_parser(
+        "validate", help="validate an LLMConfig, LLMServingArgs or Serve config YAML file"
+    )
+    validate.add_argument("file", metavar="FILE.yaml")
+
+
+def _run_config_validate(path: str) -> int:
+    from cluster.config import validate_config_file
+
+    try:
+        model_ids = validate_config_file(path)
+    except ValueError as error:
+        sys.stderr.write(f"error: {path}: {error}\n")
+        return 2
+    sys.stdout.write(f"ok: {len(model_ids)} model(s): {', '.join(model_ids)}\n")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `hybridserve` console script."""
     parser = argparse.ArgumentParser(prog="hybridserve", description=__doc__.splitlines()[0])
@@ -71,10 +93,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     generate_parser = _generate_parser(subparsers)
     replay_parser = subparsers.add_parser("replay", help="replay KV cache traces (no model)")
     replay_parser.add_argument("files", nargs="+", metavar="FILE.json")
+    _config_parser(subparsers)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level)
     if args.command == "replay":
         return replay.main(args.files)
+    if args.command == "config":
+        return _run_config_validate(args.file)
     try:
         return _run_generate(args)
     except ValueError as error:
