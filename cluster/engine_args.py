@@ -6,10 +6,9 @@ The offline `LLM` takes these as keyword arguments; `to_configs` resolves "auto"
 
 from __future__ import annotations
 
-import difflib
 import logging
 import sys
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -150,13 +149,3 @@ class EngineArgs:
             self.disable_hybrid_kv_cache_manager,
         )
 
-
-def engine_args_from_kwargs(kwargs: dict[str, object]) -> EngineArgs:
-    """`EngineArgs(**kwargs)`, with an unknown name reported with the closest valid one."""
-    names = [f.name for f in fields(EngineArgs)]
-    for key in kwargs:
-        if key not in names:
-            close = difflib.get_close_matches(key, names, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise TypeError(f"unknown engine argument {key!r}{hint}")
-    return EngineArgs(**kwargs)  # type: ignore[arg-type]

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from cluster.engine.client import EngineClient, EngineInfo, collect
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
-from cluster.engine_args import engine_args_from_kwargs
+from cluster.config.engine_kwargs import validate_engine_kwargs
 from cluster.llm_inputs import (
     ChatMessage,
     PromptInput,
@@ -39,7 +39,7 @@ class LLM:
     """An offline engine for one model; keyword arguments are vLLM's engine arguments."""
 
     def __init__(self, model: str | None = None, *, address: str | None = None, **kwargs: Any):
-        args = engine_args_from_kwargs({"model": model, **kwargs})
+        args = validate_engine_kwargs({"model": model, **kwargs})
         self.client: EngineClient
         if address is None:
             from cluster.engine.local import InProcessEngineClient
