@@ -18,10 +18,10 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from cluster.config.engine_kwargs import validate_engine_kwargs
 from cluster.engine.client import EngineClient, EngineInfo, collect
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
-from cluster.config.engine_kwargs import validate_engine_kwargs
 from cluster.llm_inputs import (
     ChatMessage,
     PromptInput,
