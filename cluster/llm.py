@@ -150,10 +150,12 @@ class LLM:
     def _tokenize(self, index: int, prompt: PromptInput) -> tuple[str | None, list[int]]:
         """(text or None, checked token IDs) of prompt `index`."""
         text: str | None = None
+        token_ids: Any
         if isinstance(prompt, Mapping):
-            text, token_ids = prompt.get("prompt"), prompt.get("prompt_token_ids")
+            token_ids = prompt.get("prompt_token_ids")
             if token_ids is None:
-                return self._tokenize(index, str(text))
+                return self._tokenize(index, str(prompt.get("prompt")))
+            text = None if prompt.get("prompt") is None else str(prompt.get("prompt"))
         elif isinstance(prompt, str):
             text = prompt
             tokenizer = self._require_tokenizer(f"prompt {index} is text")
