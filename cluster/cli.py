@@ -1,8 +1,10 @@
-"""The `hybridserve` command: offline generation and KV trace replay.
+"""The `hybridserve` command: generation and chat, KV trace replay, config checks.
 
-`hybridserve generate --prompt "..."` runs the in-process engine (the embedded default model when
-no `--model` is given); `hybridserve replay TRACE.json ...` is `python -m scheduler.replay`;
-`hybridserve config validate FILE.yaml` checks a serving config without starting anything.
+`hybridserve generate --prompt "..."` streams a completion (the embedded default model when no
+`--model` is given; in-process, or through a Ray cluster with `--address`); `hybridserve chat`
+talks with the model's chat template; `hybridserve replay TRACE.json ...` is
+`python -m scheduler.replay`; `hybridserve config validate FILE.yaml` checks a serving config
+without starting anything. Errors are one line on stderr (exit 2); Ctrl-C exits 130.
 """
 
 from __future__ import annotations
@@ -11,100 +13,101 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from scheduler import replay
 
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
 
-def _generate_parser(
-    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
-) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("generate", help="generate completions in-process")
-    parser.add_argument("--model", help="local Hugging Face model folder (default: embedded)")
-    parser.add_argument("--prompt", action="append", required=True, help="repeat for a batch")
-    parser.add_argument("--max-tokens", type=int, default=32)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-model-len", type=int, default=None)
+
+class _Parser(argparse.ArgumentParser):
+    """Usage errors as one line, without the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _add_common(parser: argparse.ArgumentParser, *, top: bool) -> None:
+    """`--log-level` is accepted before or after the subcommand."""
     parser.add_argument(
-        "--attention-backend", default="auto", choices=["auto", "triton", "flash_attn", "torch"]
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        default="WARNING" if top else argparse.SUPPRESS,
+        help="logging level (default: WARNING)",
     )
-    parser.add_argument("--disable-hybrid-kv-cache-manager", action="store_true")
-    return parser
 
 
-def _run_generate(args: argparse.Namespace) -> int:
-    from cluster.llm import LLM
-    from scheduler.request import SamplingParams
+def _add_model_commands(subparsers: argparse._SubParsersAction[_Parser]) -> None:
+    from cluster.cli_flags import add_engine_flags
+    from cluster.cli_generate import add_sampling_flags
 
-    params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.seed
-    )
-    llm = LLM(
-        model=args.model,
-        tensor_parallel_size=args.tensor_parallel_size,
-        block_size=args.block_size,
-        max_model_len=args.max_model_len,
-        attention_backend=args.attention_backend,
-        disable_hybrid_kv_cache_manager=args.disable_hybrid_kv_cache_manager,
-    )
-    try:
-        results = llm.generate(args.prompt, params, use_tqdm=sys.stderr.isatty())
-        for prompt, result in zip(args.prompt, results, strict=True):
-            sys.stdout.write(f"{prompt}{result.outputs[0].text}\n")
-    finally:
-        llm.shutdown()
-    return 0
+    generate = subparsers.add_parser("generate", help="stream completions of prompts")
+    generate.add_argument("--prompt", action="append", required=True, help="repeat for several")
+    chat = subparsers.add_parser("chat", help="chat with the model (interactive, or --message)")
+    chat.add_argument("--message", help="send one message, print the reply and exit")
+    chat.add_argument("--system", help="a system message to start the conversation with")
+    for parser in (generate, chat):
+        _add_common(parser, top=False)
+        parser.add_argument("--model", help="model folder or cached HF ID (default: embedded)")
+        parser.add_argument("--address", help="run on a Ray cluster: auto, local or ray://...")
+        add_sampling_flags(parser)
+        add_engine_flags(parser)
 
 
-def _config_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hybridserve", description=__doc__.splitlines()[0])
+    _add_common(parser, top=True)
+    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    _add_model_commands(subparsers)
+    replay_parser = subparsers.add_parser("replay", help="replay KV cache traces (no model)")
+    replay_parser.add_argument("files", nargs="+", metavar="FILE.json")
     config_commands = subparsers.add_parser("config", help="check serving config files")
-    actions = config_commands.add_subparsers(dest="action", required=True)
+    actions = config_commands.add_subparsers(dest="action", required=True, parser_class=_Parser)
     validate = actions.add_parser(
         "validate", help="validate an LLMConfig, LLMServingArgs or Serve config YAML file"
     )
     validate.add_argument("file", metavar="FILE.yaml")
+    for sub in (replay_parser, config_commands, validate):
+        _add_common(sub, top=False)
+    return parser
 
 
 def _run_config_validate(path: str) -> int:
     from cluster.config import validate_config_file
 
-    try:
-        model_ids = validate_config_file(path)
-    except ValueError as error:
-        sys.stderr.write(f"error: {path}: {error}\n")
-        return 2
+    model_ids = validate_config_file(path)
     sys.stdout.write(f"ok: {len(model_ids)} model(s): {', '.join(model_ids)}\n")
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `hybridserve` console script."""
-    parser = argparse.ArgumentParser(prog="hybridserve", description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--log-level",
-        default="WARNING",
-        type=str.upper,
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
-    )
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    generate_parser = _generate_parser(subparsers)
-    replay_parser = subparsers.add_parser("replay", help="replay KV cache traces (no model)")
-    replay_parser.add_argument("files", nargs="+", metavar="FILE.json")
-    _config_parser(subparsers)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level)
+def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "replay":
         return replay.main(args.files)
     if args.command == "config":
         return _run_config_validate(args.file)
+    from cluster import cli_generate
+
+    runner = cli_generate.run_chat if args.command == "chat" else cli_generate.run_generate
+    return runner(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `hybridserve` console script."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level)
     try:
-        return _run_generate(args)
-    except ValueError as error:
-        generate_parser.error(str(error))
-    return 2
+        return _dispatch(args)
+    except (ValueError, TypeError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
+        sys.stderr.write(f"hybridserve {args.command}: error: {first_line}\n")
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        sys.stderr.write("\ninterrupted\n")
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

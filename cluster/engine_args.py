@@ -112,7 +112,7 @@ class EngineArgs:
     def model_path(self) -> Path:
         """The model folder: the given one, or the embedded default (prepared on first use)."""
         if self.model is not None:
-            return Path(self.model)
+            return resolve_model_folder(self.model)
         from worker.default_model import ensure_default_model
 
         return ensure_default_model()
@@ -148,3 +148,21 @@ class EngineArgs:
             self.tensor_parallel_size,
             self.disable_hybrid_kv_cache_manager,
         )
+
+
+def resolve_model_folder(model: str, cache_dir: str | None = None) -> Path:
+    """A local folder as is; a Hugging Face model ID from the local hub cache (no download)."""
+    folder = Path(model).expanduser()
+    if folder.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
+        return folder
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(model, local_files_only=True, cache_dir=cache_dir))
+    except LocalEntryNotFoundError:
+        raise ValueError(
+            f"model {model!r} is neither a local folder nor in the Hugging Face cache "
+            "(nothing is downloaded): download it first, e.g. `hf download "
+            f"{model}`, or pass a folder"
+        ) from None

@@ -97,6 +97,28 @@ class LLM:
         ]
         return self._run(rendered, params_list, use_tqdm)
 
+    def stream(
+        self, prompt: PromptInput, sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
+        """One prompt's output deltas as they are generated (closing the stream aborts it)."""
+        self._check_open()
+        (params,) = as_params_list(sampling_params, 1)
+        (request,) = self._requests([self._tokenize(0, prompt)], [params])
+        return self.client.add_request(request)
+
+    def stream_chat(
+        self,
+        conversation: Sequence[ChatMessage],
+        sampling_params: SamplingParams | None = None,
+        chat_template: str | None = None,
+    ) -> Iterator[RequestOutput]:
+        """The reply to one conversation as it is generated."""
+        self._check_open()
+        (params,) = as_params_list(sampling_params, 1)
+        (conv,) = as_conversation_list([conversation])
+        (request,) = self._requests([self._render_chat(0, conv, chat_template, True)], [params])
+        return self.client.add_request(request)
+
     def shutdown(self) -> None:
         """Stop the engine and its workers (also done when the LLM is garbage-collected)."""
         self._finalizer()
@@ -112,15 +134,7 @@ class LLM:
         use_tqdm: bool | None,
     ) -> list[RequestOutput]:
         """Queue every (text, token IDs) prompt, read every stream to its end."""
-        requests = [
-            EngineRequest(
-                request_id=str(next(self._req_counter)),
-                prompt_token_ids=tuple(token_ids),
-                sampling_params=params,
-                prompt=text,
-            )
-            for (text, token_ids), params in zip(prompts, params_list, strict=True)
-        ]
+        requests = self._requests(prompts, params_list)
         streams = self._add_requests(requests)
         show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
         results: list[RequestOutput] = []
@@ -134,6 +148,37 @@ class LLM:
                 self.client.abort(request.request_id)
             raise
         return results
+
+    def _requests(
+        self,
+        prompts: Sequence[tuple[str | None, list[int]]],
+        params_list: Sequence[SamplingParams],
+    ) -> list[EngineRequest]:
+        requests = []
+        for index, ((text, token_ids), params) in enumerate(zip(prompts, params_list, strict=True)):
+            self._warn_if_capped(index, len(token_ids), params.max_tokens)
+            requests.append(
+                EngineRequest(
+                    request_id=str(next(self._req_counter)),
+                    prompt_token_ids=tuple(token_ids),
+                    sampling_params=params,
+                    prompt=text,
+                )
+            )
+        return requests
+
+    def _warn_if_capped(self, index: int, num_prompt_tokens: int, max_tokens: int) -> None:
+        room = self.info.max_model_len - num_prompt_tokens
+        if 0 < room < max_tokens:
+            logger.warning(
+                "prompt %d: max_tokens=%d exceeds what max_model_len=%d leaves after its %d "
+                "prompt tokens; it stops after at most %d tokens",
+                index,
+                max_tokens,
+                self.info.max_model_len,
+                num_prompt_tokens,
+                room,
+            )
 
     def _add_requests(self, requests: Sequence[EngineRequest]) -> list[Iterator[RequestOutput]]:
         """Queue all of `requests` or, when the engine refuses one, none of them."""

@@ -91,7 +91,10 @@ class ModelConfig:
             )
         if not (folder / "config.json").is_file():
             raise ValueError(f"{folder} has no config.json: pass a local Hugging Face model folder")
-        hf_config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        try:
+            hf_config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ValueError(f"{folder / 'config.json'} cannot be read: {exc}") from None
         architectures = getattr(hf_config, "architectures", None) or []
         if not architectures:
             raise ValueError(f"{folder}/config.json lists no `architectures`")

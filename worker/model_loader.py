@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import Iterator
 
@@ -40,7 +41,9 @@ def load_model(
     with _default_dtype(model_config.dtype), torch.device(device):
         model = model_cls(model_config, parallel)
     loaded = model.load_weights(
-        iterate_weights(model_config.model_path, show_progress=parallel.rank == 0)
+        iterate_weights(
+            model_config.model_path, show_progress=parallel.rank == 0 and sys.stderr.isatty()
+        )
     )
     _check_complete(model, loaded, model_config.model_path)
     model.eval()

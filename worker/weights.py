@@ -12,6 +12,7 @@ import json
 import logging
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -76,11 +77,19 @@ def iterate_weights(
     files = checkpoint_files(folder)
     with tqdm(total=len(files), desc="Loading safetensors files", disable=not show_progress) as bar:
         for path in files:
-            with safe_open(str(path), framework="pt", device="cpu") as handle:
+            with _open_checkpoint(path) as handle:
                 for name in handle.keys():  # noqa: SIM118 (safe_open handles are not mappings)
                     yield name, SafetensorsWeight(handle.get_slice(name))
             bar.update(1)
             logger.debug("read %s", path.name)
+
+
+def _open_checkpoint(path: Path) -> Any:
+    """`safe_open` of one checkpoint file; a corrupt file is a ValueError naming it."""
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except Exception as exc:  # safetensors raises its own SafetensorError or OSError
+        raise ValueError(f"{path} is not a readable safetensors file: {exc}") from None
 
 
 def _packed_target(name: str) -> tuple[str, ShardId] | None:

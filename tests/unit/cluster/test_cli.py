@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import subprocess
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -14,10 +18,13 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import PreTrainedTokenizerFast
 
-from cluster.cli import main
+from cluster.cli import build_parser, main
+from cluster.cli_flags import engine_kwargs, field_docs
+from cluster.engine_args import EngineArgs, resolve_model_folder
 from tests.helpers.tiny_models import save_tiny_model
 
 TRACES = Path(__file__).resolve().parents[1] / "scheduler" / "replay_traces"
+REPO = Path(__file__).resolve().parents[3]
 
 
 def test_replay_command_prints_one_line_per_trace(capsys: pytest.CaptureFixture[str]) -> None:
@@ -69,22 +76,27 @@ def test_generate_command_prints_the_greedy_continuation(tmp_path: Path) -> None
         capture_output=True,
         text=True,
         check=True,
-        cwd=Path(__file__).resolve().parents[3],
+        cwd=REPO,
     )
     assert run.stdout == f"{prompt}{expected}\n"
 
 
-def test_bad_sampling_argument_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_sampling_argument_is_one_error_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--prompt", "hi", "--temperature", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err == "hybridserve generate: error: temperature must be >= 0 and finite, got -1.0\n"
+
+
+def test_usage_errors_are_one_line_without_the_usage_block(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        main(["generate", "--prompt", "hi", "--temperature", "-1"])
+        main(["generate", "--prompt", "hi", "--tensor-parallel-size", "two"])
     assert exit_info.value.code == 2
-    assert "temperature must be >= 0" in capsys.readouterr().err
-
-
-def test_generate_error_shows_the_generate_usage(capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit):
-        main(["generate", "--prompt", "hi", "--top-p", "0"])
-    assert "usage: hybridserve generate" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "usage:" not in err
+    assert "--tensor-parallel-size: invalid int value" in err
 
 
 def test_unknown_log_level_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -92,3 +104,126 @@ def test_unknown_log_level_is_a_usage_error(capsys: pytest.CaptureFixture[str]) 
         main(["--log-level", "chatty", "replay", "x.json"])
     assert exit_info.value.code == 2
     assert "--log-level" in capsys.readouterr().err
+
+
+def test_log_level_is_accepted_before_or_after_the_subcommand() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["--log-level", "info", "replay", "t.json"]).log_level == "INFO"
+    assert parser.parse_args(["replay", "t.json", "--log-level", "debug"]).log_level == "DEBUG"
+    assert parser.parse_args(["replay", "t.json"]).log_level == "WARNING"
+
+
+def test_every_engine_argument_is_a_flag_with_its_documentation() -> None:
+    parser = build_parser()
+    args = parser.parse_args(
+        ["generate", "--prompt", "x", "--max-num-seqs", "3", "--no-enable-prefix-caching"]
+    )
+    assert engine_kwargs(args) == {"max_num_seqs": 3, "enable_prefix_caching": False}
+    docs = field_docs()
+    assert set(docs) == {f.name for f in fields(EngineArgs)}
+    help_text = parser._subparsers._group_actions[0].choices["generate"].format_help()  # type: ignore[union-attr]
+    for field in fields(EngineArgs):
+        if field.name != "model":
+            assert "--" + field.name.replace("_", "-") in help_text
+
+
+def test_malformed_config_json_is_one_line_naming_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.json").write_text("{not json")
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert f"{tmp_path / 'config.json'} cannot be read" in err
+
+
+def test_corrupt_checkpoint_is_one_line_naming_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    save_tiny_model("llama", tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"\x00garbage" * 10)
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert f"{tmp_path / 'model.safetensors'} is not a readable safetensors file" in err
+
+
+@pytest.fixture(scope="module")
+def word_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("word-model")
+    hf_model = save_tiny_model("llama", path)
+    tokenizer = _save_word_tokenizer(path, hf_model.config.vocab_size)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}t1 {% endif %}"
+    )
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "cluster.cli", *args]
+
+
+def test_generate_streams_text_before_the_end(word_model: Path) -> None:
+    """Read the output pipe as it arrives: the continuation comes in several pieces, the
+    first of them while the process still runs."""
+    proc = subprocess.Popen(
+        _command("generate", "--model", str(word_model), "--prompt", "t5 t7", "--max-tokens", "48"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        cwd=REPO,
+    )
+    assert proc.stdout is not None
+    chunks: list[tuple[bytes, bool]] = []
+    while chunk := os.read(proc.stdout.fileno(), 1 << 16):
+        chunks.append((chunk, proc.poll() is None))
+    assert proc.wait() == 0
+    text = b"".join(chunk for chunk, _ in chunks).decode()
+    assert text.startswith("t5 t7")
+    assert len(re.findall(r"t\d+", text)) == 2 + 48
+    assert len(chunks) > 2
+    assert chunks[1][1]  # a continuation piece arrived while the process was running
+
+
+def test_sigint_exits_130_without_a_traceback(word_model: Path) -> None:
+    proc = subprocess.Popen(
+        _command("chat", "--model", str(word_model), "--max-tokens", "4"),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=REPO,
+        text=True,
+    )
+    assert proc.stdin is not None
+    assert proc.stdout is not None
+    proc.stdin.write("t3 t4\n")
+    proc.stdin.flush()
+    reply = proc.stdout.readline()  # the model is loaded and waits for the next turn
+    assert len(re.findall(r"t\d+", reply)) == 4
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert "Traceback" not in err
+
+
+def test_chat_message_answers_one_turn(word_model: Path) -> None:
+    run = subprocess.run(
+        _command("chat", "--model", str(word_model), "--message", "t3 t4", "--max-tokens", "3"),
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+    )
+    assert len(re.findall(r"t\d+", run.stdout)) == 3
+
+
+def test_a_cached_hub_model_id_resolves_offline(tmp_path: Path) -> None:
+    snapshot = tmp_path / "models--org--tiny" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (tmp_path / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "models--org--tiny" / "refs" / "main").write_text("abc123")
+    assert resolve_model_folder("org/tiny", cache_dir=str(tmp_path)) == snapshot
+    with pytest.raises(ValueError, match="nothing is downloaded"):
+        resolve_model_folder("org/absent", cache_dir=str(tmp_path))
