@@ -11,17 +11,22 @@ import copy
 import functools
 import json
 import os
+import platform
+import sys
 from pathlib import Path
 from typing import Any
 
+import jsonschema
+import kubernetes_validate
 import pytest
 import yaml
 
 from cluster.config import PVC_MOUNT_ROOT, LLMConfig, LLMServingArgs, validate_engine_kwargs
 
-helm = pytest.importorskip("helm_python")
-kubernetes_validate = pytest.importorskip("kubernetes_validate")
-jsonschema = pytest.importorskip("jsonschema")
+if sys.platform == "linux" and platform.machine() == "x86_64":
+    import helm_python as helm  # a dev dependency wherever its wheel exists
+else:
+    helm = pytest.importorskip("helm_python", reason="helm-python-sdk ships linux x86-64 only")
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "hybridserve"
@@ -118,12 +123,17 @@ def test_chart_lints_clean() -> None:
 def test_rendered_objects_match_their_schemas(case: str) -> None:
     objects = _render(CASES[case])
     assert ("RayJob" if case.startswith("batch") else "RayService") in objects
-    for obj in objects.values():
+    # Built-in kinds first: the CRD check skips when KubeRay's CRDs are absent.
+    for obj in sorted(objects.values(), key=lambda obj: obj["kind"] in CRD_FILES):
         _validate_object(obj)
 
 
 def test_schema_checks_catch_unknown_fields_and_wrong_types() -> None:
     objects = _render({})
+    config_map = copy.deepcopy(objects["ConfigMap/dashboard"])
+    config_map["datum"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        _validate_object(config_map)
     rayservice = copy.deepcopy(objects["RayService"])
     rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParam"] = {}
     with pytest.raises(AssertionError, match="'rayStartParam' was unexpected"):
@@ -132,10 +142,6 @@ def test_schema_checks_catch_unknown_fields_and_wrong_types() -> None:
     rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["replicas"] = "one"
     with pytest.raises(AssertionError, match="'one' is not of type 'integer'"):
         _validate_object(rayservice)
-    config_map = copy.deepcopy(objects["ConfigMap/dashboard"])
-    config_map["datum"] = {}
-    with pytest.raises(kubernetes_validate.ValidationError):
-        _validate_object(config_map)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.startswith("service")])
