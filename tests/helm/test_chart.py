@@ -21,7 +21,13 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from cluster.config import PVC_MOUNT_ROOT, LLMConfig, LLMServingArgs, validate_engine_kwargs
+from cluster.config import (
+    PVC_MOUNT_ROOT,
+    LLMConfig,
+    LLMServingArgs,
+    validate_config_file,
+    validate_engine_kwargs,
+)
 
 if sys.platform == "linux" and platform.machine() == "x86_64":
     import helm_python as helm  # a dev dependency wherever its wheel exists
@@ -145,14 +151,17 @@ def test_schema_checks_catch_unknown_fields_and_wrong_types() -> None:
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.startswith("service")])
-def test_serve_config_passes_our_own_validation(case: str) -> None:
+def test_serve_config_passes_our_own_validation(case: str, tmp_path: Path) -> None:
     rayservice = _render(CASES[case])["RayService"]
+    serve_config = tmp_path / "serve.yaml"
+    serve_config.write_text(rayservice["spec"]["serveConfigV2"])
+    assert validate_config_file(serve_config) == ["smollm2-135m"]
     (config,) = _serving_args(rayservice).llm_configs
     validate_engine_kwargs(config.engine_kwargs)
+    assert config.model_id == "smollm2-135m"
     tp_size = CASES[case].get("engine", {}).get("tensorParallelSize", 1)
     assert config.engine_args().tensor_parallel_size == tp_size
     assert len(config.placement_bundles(use_gpu=True)) == tp_size
-    assert config.model_id == "smollm2-135m"
 
 
 def test_tp2_values_reach_engine_kwargs_and_gpu_requests() -> None:

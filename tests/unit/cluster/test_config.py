@@ -137,6 +137,8 @@ def test_serving_args_accept_dict_object_and_yaml_path(tmp_path: Path) -> None:
         (_llm(deployment_config={"max_ongoing_request": 4}),
          "deployment_config: unknown key 'max_ongoing_request' "
          "(did you mean 'max_ongoing_requests'?)"),
+        (_llm(deployment_config={"num_replicas": "x"}),
+         "deployment_config: num_replicas: must be an integer >= 0 or 'auto', got 'x'"),
         (_llm(deployment_config={"max_ongoing_requests": "many"}),
          "max_ongoing_requests: Input should be a valid integer, got 'many'"),
         (_llm(placement_group_config={"bundles": [{"GPU": 1}], "strategy": "TIGHT"}),
