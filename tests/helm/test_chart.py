@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from cluster.config import (
+    API_KEY_ENV,
     PVC_MOUNT_ROOT,
     LLMConfig,
     LLMServingArgs,
@@ -203,7 +204,7 @@ def test_full_values_wire_secrets_volumes_grpc_and_accelerator() -> None:
             for e in container["env"]
         }
         assert env["HF_TOKEN"] == {"name": "hf-token", "key": "hf_token"}
-        assert env["HYBRIDSERVE_API_KEY"] == {"name": "api-key", "key": "api_key"}
+        assert env[API_KEY_ENV] == {"name": "api-key", "key": "api_key"}
         assert env["HF_HOME"] == "/models"
         mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
         volumes = {v["name"]: v for v in pod["volumes"]}
