@@ -46,7 +46,8 @@ FULL = {
     "engine": {"extraKwargs": {"max_num_seqs": 64, "block_size": 32}},
     "serve": {"grpc": {"enabled": True}, "apiKey": {"secretName": "api-key"},
               "replicas": {"min": 1, "max": 3, "targetOngoingRequests": 16}},
-    "worker": {"acceleratorType": "H100", "minReplicas": 1, "maxReplicas": 3},
+    "worker": {"acceleratorType": "H100", "minReplicas": 1, "maxReplicas": 3,
+               "env": [{"name": "HF_HOME", "value": "/override"}]},
     "modelCache": {"enabled": True, "storageClass": "fast"},
 }  # fmt: skip
 BATCH = {"mode": "batch", "batch": {"replicas": 2, "extraArgs": ["--continue-on-error"],
@@ -196,7 +197,8 @@ def test_full_values_wire_secrets_volumes_grpc_and_accelerator() -> None:
     assert config.accelerator_type == "H100"
     assert config.deployment_config["autoscaling_config"]["max_replicas"] == 3
     grace = config.deployment_config["graceful_shutdown_timeout_s"]
-    for pod in _pods(rayservice["spec"]["rayClusterConfig"]):
+    head, *_ = pods = _pods(rayservice["spec"]["rayClusterConfig"])
+    for pod in pods:
         assert pod["terminationGracePeriodSeconds"] > grace
         (container,) = pod["containers"]
         env = {
@@ -205,7 +207,8 @@ def test_full_values_wire_secrets_volumes_grpc_and_accelerator() -> None:
         }
         assert env["HF_TOKEN"] == {"name": "hf-token", "key": "hf_token"}
         assert env[API_KEY_ENV] == {"name": "api-key", "key": "api_key"}
-        assert env["HF_HOME"] == "/models"
+        # worker.env comes last, so that it overrides the chart's own variables
+        assert env["HF_HOME"] == ("/models" if pod is head else "/override")
         mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
         volumes = {v["name"]: v for v in pod["volumes"]}
         assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"

@@ -182,7 +182,8 @@ spec:
   - name: {{ printf "ray-%s" .role }}
     image: {{ include "hybridserve.image" $root | quote }}
     imagePullPolicy: {{ $root.Values.image.pullPolicy }}
-    {{- $env := include "hybridserve.env" $root | fromYamlArray | concat ($values.env | default list) }}
+    {{- /* The chart's variables first, so that an entry of head.env / worker.env overrides them. */}}
+    {{- $env := concat (include "hybridserve.env" $root | fromYamlArray) ($values.env | default list) }}
     {{- with $env }}
     env:
       {{- toYaml . | nindent 6 }}
