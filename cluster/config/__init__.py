@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from cluster.config.deployment import DeploymentOptions, PlacementGroupConfig
 from cluster.config.engine_kwargs import validate_engine_kwargs
+from cluster.config.env import API_KEY_ENV, api_key_from_env
 from cluster.config.errors import format_validation_error
 from cluster.config.llm_config import (
     PVC_MOUNT_ROOT,
@@ -18,12 +19,14 @@ from cluster.config.llm_config import (
 from cluster.config.serving_args import LLMServingArgs, validate_config_file
 
 __all__ = [
+    "API_KEY_ENV",
     "PVC_MOUNT_ROOT",
     "DeploymentOptions",
     "LLMConfig",
     "LLMServingArgs",
     "ModelLoadingConfig",
     "PlacementGroupConfig",
+    "api_key_from_env",
     "format_validation_error",
     "resolve_source",
     "validate_config_file",

@@ -66,6 +66,14 @@ class DeploymentOptions(StrictModel):
         None, description="request_router_class and request_router_kwargs (prefix-aware routing)."
     )
 
+    @field_validator("num_replicas", mode="before")
+    @classmethod
+    def _check_num_replicas(cls, value: Any) -> Any:
+        is_count = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        if value is None or value == "auto" or is_count:
+            return value
+        raise ValueError(f"must be an integer >= 0 or 'auto', got {value!r}")
+
 
 def check_deployment_config(options: dict[str, Any]) -> dict[str, Any]:
     """Validate a deployment_config dict and return it unchanged (ValueError on a bad key)."""

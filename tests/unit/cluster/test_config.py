@@ -13,9 +13,11 @@ from pydantic import BaseModel, ValidationError
 
 from cluster.cli import main
 from cluster.config import (
+    API_KEY_ENV,
     PVC_MOUNT_ROOT,
     LLMConfig,
     LLMServingArgs,
+    api_key_from_env,
     format_validation_error,
     validate_engine_kwargs,
 )
@@ -137,6 +139,8 @@ def test_serving_args_accept_dict_object_and_yaml_path(tmp_path: Path) -> None:
         (_llm(deployment_config={"max_ongoing_request": 4}),
          "deployment_config: unknown key 'max_ongoing_request' "
          "(did you mean 'max_ongoing_requests'?)"),
+        (_llm(deployment_config={"num_replicas": "x"}),
+         "deployment_config: num_replicas: must be an integer >= 0 or 'auto', got 'x'"),
         (_llm(deployment_config={"max_ongoing_requests": "many"}),
          "max_ongoing_requests: Input should be a valid integer, got 'many'"),
         (_llm(placement_group_config={"bundles": [{"GPU": 1}], "strategy": "TIGHT"}),
@@ -276,3 +280,9 @@ def test_every_config_field_has_a_description() -> None:
     ):
         missing = [name for name, field in model.model_fields.items() if not field.description]
         assert not missing, f"{model.__name__}: {missing}"
+
+
+def test_api_key_comes_from_its_environment_variable() -> None:
+    assert api_key_from_env({API_KEY_ENV: " secret\n"}) == "secret"
+    assert api_key_from_env({API_KEY_ENV: ""}) is None
+    assert api_key_from_env({}) is None

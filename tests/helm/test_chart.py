@@ -1,0 +1,302 @@
+"""The Helm chart, rendered and linted by the Helm library (helm-python-sdk, no CLI or cluster).
+
+Rendered RayService/RayJob objects are checked against KubeRay's CRD schemas (from the shared
+folder next to the repository; skipped when absent), built-in kinds with kubernetes-validate, and
+the serve config inside against our own `LLMServingArgs`.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from cluster.config import (
+    API_KEY_ENV,
+    PVC_MOUNT_ROOT,
+    LLMConfig,
+    LLMServingArgs,
+    validate_config_file,
+    validate_engine_kwargs,
+)
+
+if sys.platform == "linux" and platform.machine() == "x86_64":
+    import helm_python as helm  # a dev dependency wherever its wheel exists
+else:
+    helm = pytest.importorskip("helm_python", reason="helm-python-sdk ships linux x86-64 only")
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "hybridserve"
+CRDS = Path(os.environ.get("HYBRIDSERVE_KUBERAY_CRDS", ROOT.parent / "shared" / "kuberay-crds"))
+CRD_FILES = {"RayService": "ray.io_rayservices.yaml", "RayJob": "ray.io_rayjobs.yaml"}
+
+TP2 = {"engine": {"tensorParallelSize": 2, "maxModelLen": 8192}, "worker": {"gpusPerPod": 2}}
+FULL = {
+    "model": {"source": "pvc://weights/qwen/0.5b", "hfToken": {"secretName": "hf-token"}},
+    "engine": {"extraKwargs": {"max_num_seqs": 64, "block_size": 32}},
+    "serve": {"grpc": {"enabled": True}, "apiKey": {"secretName": "api-key"},
+              "replicas": {"min": 1, "max": 3, "targetOngoingRequests": 16}},
+    "worker": {"acceleratorType": "H100", "minReplicas": 1, "maxReplicas": 3,
+               "env": [{"name": "HF_HOME", "value": "/override"}]},
+    "modelCache": {"enabled": True, "storageClass": "fast"},
+}  # fmt: skip
+BATCH = {"mode": "batch", "batch": {"replicas": 2, "extraArgs": ["--continue-on-error"],
+                                    "dataVolume": {"claimName": "batch-data"}}}  # fmt: skip
+CASES = {
+    "service-default": {},
+    "service-tp2": TP2,
+    "service-full": FULL,
+    "batch-default": {"mode": "batch"},
+    "batch-tp2": {**TP2, **BATCH},
+}
+
+
+@functools.cache
+def _chart() -> Any:
+    return helm.Chart.load(str(CHART))
+
+
+def _render_files(values: dict[str, Any]) -> dict[str, str]:
+    return _chart().render(copy.deepcopy(values), name="demo", namespace="llm")  # type: ignore[no-any-return]
+
+
+def _render(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The rendered objects by kind and name suffix: `RayService`, `ConfigMap/dashboard`, ..."""
+    objects = {}
+    for path, text in _render_files(values).items():
+        if path.endswith(".txt"):
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                suffix = doc["metadata"]["name"].removeprefix("demo-hybridserve").lstrip("-")
+                objects[f"{doc['kind']}/{suffix}" if suffix else doc["kind"]] = doc
+    return objects
+
+
+def _strict(schema: Any) -> Any:
+    """kubeconform --strict for CRD schemas: objects with listed properties accept no others."""
+    if isinstance(schema, dict):
+        schema = {key: _strict(value) for key, value in schema.items()}
+        if "properties" in schema and not schema.get("x-kubernetes-preserve-unknown-fields"):
+            schema.setdefault("additionalProperties", False)
+    elif isinstance(schema, list):
+        schema = [_strict(item) for item in schema]
+    return schema
+
+
+@functools.cache
+def _crd_validator(kind: str) -> Any:
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    crd = yaml.load((CRDS / CRD_FILES[kind]).read_text(), Loader=loader)
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+    return jsonschema.Draft7Validator(_strict(version["schema"]["openAPIV3Schema"]))
+
+
+def _validate_object(obj: dict[str, Any]) -> None:
+    if obj["kind"] in CRD_FILES:
+        if not CRDS.is_dir():
+            pytest.skip(f"KubeRay CRDs not found at {CRDS}")
+        errors = [
+            f"{list(e.path)}: {e.message}" for e in _crd_validator(obj["kind"]).iter_errors(obj)
+        ]
+        assert not errors, errors
+    else:
+        kubernetes_validate.validate(obj, kubernetes_validate.latest_version(), strict=True)
+
+
+def _serving_args(rayservice: dict[str, Any]) -> LLMServingArgs:
+    serve_config = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+    (app,) = serve_config["applications"]
+    assert app["import_path"] == "cluster.serve:build_openai_app"
+    return LLMServingArgs.model_validate(app["args"])
+
+
+def test_chart_lints_clean() -> None:
+    report = helm.lint(str(CHART), strict=True)
+    assert report["errors"] == []
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_rendered_objects_match_their_schemas(case: str) -> None:
+    objects = _render(CASES[case])
+    assert ("RayJob" if case.startswith("batch") else "RayService") in objects
+    # Built-in kinds first: the CRD check skips when KubeRay's CRDs are absent.
+    for obj in sorted(objects.values(), key=lambda obj: obj["kind"] in CRD_FILES):
+        _validate_object(obj)
+
+
+def test_schema_checks_catch_unknown_fields_and_wrong_types() -> None:
+    objects = _render({})
+    config_map = copy.deepcopy(objects["ConfigMap/dashboard"])
+    config_map["datum"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        _validate_object(config_map)
+    rayservice = copy.deepcopy(objects["RayService"])
+    rayservice["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParam"] = {}
+    with pytest.raises(AssertionError, match="'rayStartParam' was unexpected"):
+        _validate_object(rayservice)
+    rayservice = copy.deepcopy(objects["RayService"])
+    rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["replicas"] = "one"
+    with pytest.raises(AssertionError, match="'one' is not of type 'integer'"):
+        _validate_object(rayservice)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.startswith("service")])
+def test_serve_config_passes_our_own_validation(case: str, tmp_path: Path) -> None:
+    rayservice = _render(CASES[case])["RayService"]
+    serve_config = tmp_path / "serve.yaml"
+    serve_config.write_text(rayservice["spec"]["serveConfigV2"])
+    assert validate_config_file(serve_config) == ["smollm2-135m"]
+    (config,) = _serving_args(rayservice).llm_configs
+    validate_engine_kwargs(config.engine_kwargs)
+    assert config.model_id == "smollm2-135m"
+    tp_size = CASES[case].get("engine", {}).get("tensorParallelSize", 1)
+    assert config.engine_args().tensor_parallel_size == tp_size
+    assert len(config.placement_bundles(use_gpu=True)) == tp_size
+
+
+def test_tp2_values_reach_engine_kwargs_and_gpu_requests() -> None:
+    rayservice = _render(TP2)["RayService"]
+    (config,) = _serving_args(rayservice).llm_configs
+    assert config.engine_kwargs["max_model_len"] == 8192
+    worker = rayservice["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    assert worker["rayStartParams"]["num-gpus"] == "2"
+    (container,) = worker["template"]["spec"]["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+
+
+def _pods(cluster_spec: dict[str, Any]) -> list[dict[str, Any]]:
+    groups = [cluster_spec["headGroupSpec"], *cluster_spec["workerGroupSpecs"]]
+    return [group["template"]["spec"] for group in groups]
+
+
+def test_full_values_wire_secrets_volumes_grpc_and_accelerator() -> None:
+    rayservice = _render(FULL)["RayService"]
+    serve_config = yaml.safe_load(rayservice["spec"]["serveConfigV2"])
+    assert serve_config["grpc_options"] == {
+        "port": 9000,
+        "grpc_servicer_functions": [
+            "cluster.serve.grpc.llm_pb2_grpc.add_LLMServiceServicer_to_server"
+        ],
+    }
+    assert serve_config["http_options"]["port"] == 8000
+    (config,) = _serving_args(rayservice).llm_configs
+    assert config.engine_args().model == f"{PVC_MOUNT_ROOT}/weights/qwen/0.5b"
+    assert config.engine_kwargs["max_num_seqs"] == 64
+    assert config.accelerator_type == "H100"
+    assert config.deployment_config["autoscaling_config"]["max_replicas"] == 3
+    grace = config.deployment_config["graceful_shutdown_timeout_s"]
+    head, *_ = pods = _pods(rayservice["spec"]["rayClusterConfig"])
+    for pod in pods:
+        assert pod["terminationGracePeriodSeconds"] > grace
+        (container,) = pod["containers"]
+        env = {
+            e["name"]: e.get("valueFrom", {}).get("secretKeyRef") or e["value"]
+            for e in container["env"]
+        }
+        assert env["HF_TOKEN"] == {"name": "hf-token", "key": "hf_token"}
+        assert env[API_KEY_ENV] == {"name": "api-key", "key": "api_key"}
+        # worker.env comes last, so that it overrides the chart's own variables
+        assert env["HF_HOME"] == ("/models" if pod is head else "/override")
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+        assert (
+            volumes[mounts["/models"]]["persistentVolumeClaim"]["claimName"]
+            == "demo-hybridserve-model-cache"
+        )
+        assert (
+            volumes[mounts[f"{PVC_MOUNT_ROOT}/weights"]]["persistentVolumeClaim"]["claimName"]
+            == "weights"
+        )
+        assert {"name": "grpc", "containerPort": 9000} in container["ports"]
+    assert rayservice["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is True
+
+
+def test_batch_mode_renders_a_rayjob_running_the_batch_entry_point() -> None:
+    objects = _render({**TP2, **BATCH})
+    assert "RayService" not in objects
+    job = objects["RayJob"]
+    assert job["spec"]["entrypoint"] == (
+        "python -m cluster.batch --input '/data/in.jsonl' --output '/data/out' "
+        "--config /etc/hybridserve/llm.yaml --replicas 2 '--continue-on-error'"
+    )
+    config = LLMConfig.model_validate(
+        yaml.safe_load(objects["ConfigMap/llm-config"]["data"]["llm.yaml"])
+    )
+    assert config.tensor_parallel_size == 2
+    head, worker = _pods(job["spec"]["rayClusterSpec"])
+    head_mounts = {m["mountPath"] for m in head["containers"][0]["volumeMounts"]}
+    assert {"/etc/hybridserve", "/data", "/dev/shm"} <= head_mounts
+    assert "/data" in {m["mountPath"] for m in worker["containers"][0]["volumeMounts"]}
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"engine": {"tensorParallelSize": 0}},
+         "at '/engine/tensorParallelSize': minimum: got 0, want 1"),
+        ({"mode": "foo"}, "at '/mode': value must be one of 'service', 'batch'"),
+        ({"model": {"source": None}}, "at '/model': missing property 'source'"),
+        ({"model": {"source": "s3://bucket/model"}},
+         "at '/model/source': 's3://bucket/model' does not match"),
+        ({"worker": {"gpusPerPod": "two"}}, "at '/worker/gpusPerPod': got string, want integer"),
+        ({"engnie": {}}, "additional properties 'engnie' not allowed"),
+        ({"engine": {"tensorParallelSize": 4}},
+         "engine.tensorParallelSize=4 needs 4 GPUs but "
+         "worker.gpusPerPod x worker.maxReplicas gives 1"),
+        ({"engine": {"extraKwargs": {"tensor_parallel_size": 2}}},
+         "engine.extraKwargs.tensor_parallel_size: set it through its own engine value"),
+        ({"serve": {"replicas": {"min": 3, "max": 2, "targetOngoingRequests": 1}}},
+         "serve.replicas.max=2 is below serve.replicas.min=3"),
+    ],
+)  # fmt: skip
+def test_bad_values_fail_rendering_naming_the_value(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(helm.HelmError) as info:
+        _render_files(values)
+    assert message in str(info.value)
+
+
+def test_misspelt_engine_kwarg_renders_but_fails_our_validation() -> None:
+    rayservice = _render({"engine": {"extraKwargs": {"max_num_seq": 8}}})["RayService"]
+    with pytest.raises(ValueError, match=r"did you mean 'max_num_seqs'\?"):
+        _serving_args(rayservice)
+
+
+SERIES = [
+    "ray_vllm_num_requests_running", "ray_vllm_num_requests_waiting",
+    "ray_vllm_kv_cache_usage_perc",
+    "ray_vllm_prefix_cache_queries_total", "ray_vllm_prefix_cache_hits_total",
+    "ray_vllm_time_to_first_token_seconds_bucket", "ray_vllm_inter_token_latency_seconds_bucket",
+    "ray_vllm_e2e_request_latency_seconds_bucket", "ray_vllm_request_queue_time_seconds_bucket",
+    "ray_vllm_prompt_tokens_total", "ray_vllm_generation_tokens_total",
+    "ray_vllm_num_preemptions_total", "ray_vllm_request_success_total",
+    "ray_hybridserve_kv_cache_group_usage_perc", "ray_hybridserve_prefix_cache_group_hits",
+    "ray_hybridserve_worker_alive",
+]  # fmt: skip
+
+
+def test_dashboard_charts_every_series_per_model_and_ships_in_the_chart() -> None:
+    text = (CHART / "dashboards" / "hybridserve.json").read_text()
+    dashboard = json.loads(text)
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+    for series in SERIES:
+        assert any(series in expr for expr in exprs), f"{series} is not charted"
+    for expr in exprs:
+        selectors = expr.count("{") - expr.count("{{")
+        assert expr.count('model_name=~"$model_name"') == selectors, expr
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
+    shipped = _render({})["ConfigMap/dashboard"]["data"]["hybridserve.json"]
+    assert json.loads(shipped) == dashboard
