@@ -78,7 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _run_config_validate(path: str) -> int:
     from cluster.config import validate_config_file
 
-    model_ids = validate_config_file(path)
+    try:
+        model_ids = validate_config_file(path)
+    except ValueError as error:
+        raise ValueError(f"{path}: {error}") from None
     sys.stdout.write(f"ok: {len(model_ids)} model(s): {', '.join(model_ids)}\n")
     return 0
 

@@ -10,13 +10,13 @@ import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, NamedTuple
 
 from scheduler.config import SchedulerConfig
-from worker.config import ModelConfig
-from worker.runner_config import RunnerConfig
+
+if TYPE_CHECKING:  # torch-heavy: imported where the workers run (`to_configs`), not by callers
+    from worker.config import ModelConfig
+    from worker.runner_config import RunnerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +103,8 @@ class EngineArgs:
 
     def resolved_device(self) -> str:
         """The device of this machine: call it where the workers run."""
+        import torch
+
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' was requested but CUDA is not available")
         if self.device == "auto":
@@ -118,6 +120,10 @@ class EngineArgs:
         return ensure_default_model()
 
     def to_configs(self) -> EngineConfigs:
+        """Resolve the machine-dependent settings here (call it where the workers run)."""
+        from worker.config import ModelConfig
+        from worker.runner_config import RunnerConfig
+
         device = self.resolved_device()
         model = ModelConfig.from_pretrained(
             self.model_path(), self.dtype, self.max_model_len, device_type=device

@@ -236,7 +236,7 @@ def test_config_validate_command_fails_with_one_line(
     assert main(["config", "validate", str(path)]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err.startswith(f"error: {path}: ")
+    assert captured.err.startswith(f"hybridserve config: error: {path}: ")
     assert message in captured.err
     assert captured.err.count("\n") == 1
 
