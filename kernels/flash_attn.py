@@ -80,9 +80,7 @@ def paged_attention(  # noqa: PLR0913 (the signature shared by every backend)
     flash-attn's varlen API needs them. flash-attn starts its key loop at the window's first
     block, so stale block-table entries before the window are not dereferenced.
     """
-    check_attention_args(
-        query, key_cache, value_cache, block_table, sliding_window, softcap, sinks
-    )
+    check_attention_args(query, key_cache, value_cache, block_table, sliding_window, softcap, sinks)
     reason = unsupported_reason(
         query.device,
         key_cache.shape[1],

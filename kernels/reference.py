@@ -75,9 +75,7 @@ def paged_attention(  # noqa: PLR0913 (the signature shared by every backend)
     the keys then sum to less than one. Returns `[num_tokens, num_q_heads, head_size]` in the
     query dtype.
     """
-    check_attention_args(
-        query, key_cache, value_cache, block_table, sliding_window, softcap, sinks
-    )
+    check_attention_args(query, key_cache, value_cache, block_table, sliding_window, softcap, sinks)
     output = torch.zeros_like(query)
     rule = _ScoreRule(scale, sliding_window, softcap, None if sinks is None else sinks.float())
     starts = query_start_loc.tolist()

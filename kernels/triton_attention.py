@@ -234,9 +234,7 @@ def paged_attention(  # the signature shared by every backend
     `launch` overrides the tile sizes and KV splits (tests use it to reach every path).
     NOTE: output rows past `query_start_loc[-1]` (padding of a captured batch) are not written.
     """
-    check_attention_args(
-        query, key_cache, value_cache, block_table, sliding_window, softcap, sinks
-    )
+    check_attention_args(query, key_cache, value_cache, block_table, sliding_window, softcap, sinks)
     assert query.stride(2) == 1, "head_size must be contiguous"
     assert key_cache.stride(3) == 1, "head_size must be contiguous"
     assert value_cache.stride(3) == 1, "head_size must be contiguous"
@@ -266,7 +264,8 @@ def paged_attention(  # the signature shared by every backend
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_SIZE=head_size,
         HEAD_PAD=head_pad, BLOCK_Q=launch.block_q, BLOCK_N=launch.block_n,
         NUM_SPLITS=launch.num_splits, HAS_WINDOW=sliding_window is not None,
-        HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None, DOT_FP32=is_interpreted() or is_fp32,
+        HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
+        DOT_FP32=is_interpreted() or is_fp32,
         DOT_PRECISION="ieee" if is_fp32 else "tf32", num_warps=launch.num_warps,
     )  # fmt: skip
     if launch.num_splits > 1:

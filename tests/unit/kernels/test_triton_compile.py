@@ -53,7 +53,8 @@ def attention_constexprs(group, head_size, block_q, block_n, num_splits, dot_pre
     return dict(GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_SIZE=head_size,
                 HEAD_PAD=max(16, triton.next_power_of_2(head_size)), BLOCK_Q=block_q,
                 BLOCK_N=block_n, NUM_SPLITS=num_splits, HAS_WINDOW=has_extras,
-                HAS_SOFTCAP=has_extras, HAS_SINKS=has_extras, DOT_FP32=False, DOT_PRECISION=dot_precision)
+                HAS_SOFTCAP=has_extras, HAS_SINKS=has_extras, DOT_FP32=False,
+                DOT_PRECISION=dot_precision)
 """
 
 

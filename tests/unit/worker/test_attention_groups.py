@@ -204,9 +204,7 @@ def test_kernel_block_split_gives_the_same_attention_output() -> None:
     outputs = {}
     for kernel_size in (4, 2):
 
-        def backend_for(
-            kbs: int, head_size: int, has_sinks: bool, kernel_size: int = kernel_size
-        ):
+        def backend_for(kbs: int, head_size: int, has_sinks: bool, kernel_size: int = kernel_size):
             if kbs > kernel_size:
                 raise ValueError("block size not supported")
             return _backend_for(kbs, head_size)
