@@ -75,9 +75,9 @@ def _proportional_inv_freq(params: dict[str, object], theta: float, head_size: i
     whole head size; the others get frequency 0 (cos 1, sin 0: they pass unrotated)."""
     factor = float(params.get("factor", 1.0))  # type: ignore[arg-type]
     num_rotated = int(float(params.get("partial_rotary_factor", 1.0)) * head_size // 2)  # type: ignore[arg-type]
-    exponents = torch.arange(0, 2 * num_rotated, 2, dtype=torch.int64).float() / head_size
-    rotated = 1.0 / (theta**exponents)
-    zeros = torch.zeros(head_size // 2 - num_rotated, dtype=torch.float32)
+    exponents = torch.arange(0, 2 * num_rotated, 2, dtype=torch.int64, device="cpu").float()
+    rotated = 1.0 / (theta ** (exponents / head_size))
+    zeros = torch.zeros(head_size // 2 - num_rotated, dtype=torch.float32, device="cpu")
     return torch.cat((rotated, zeros)) / factor
 
 
@@ -115,7 +115,9 @@ def _yarn_scale(
     low, high = max(low, 0), min(high, rotary_dim - 1)
     if low == high:
         high += 0.001  # as transformers: avoid a zero-width ramp
-    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = (
+        (torch.arange(rotary_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)
+    ).clamp(0, 1)
     extrapolation = 1 - ramp  # weight of the unscaled frequency
     scaled = inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
     return scaled, float(attention_factor)  # type: ignore[arg-type]
