@@ -38,9 +38,16 @@ def import_error() -> str | None:
 
 
 def unsupported_reason(
-    device: torch.device, block_size: int, head_size: int, dtype: torch.dtype | None = None
+    device: torch.device,
+    block_size: int,
+    head_size: int,
+    dtype: torch.dtype | None = None,
+    *,
+    has_sinks: bool = False,
 ) -> str | None:
     """Why flash-attn cannot run this configuration, or None when it can."""
+    if has_sinks:
+        return "flash-attn 2 has no attention sinks (per-head logits in the softmax denominator)"
     if device.type != "cuda":
         return f"flash-attn needs a CUDA device, not {device.type}"
     if block_size % _PAGED_BLOCK_MULTIPLE != 0:
@@ -65,6 +72,7 @@ def paged_attention(  # noqa: PLR0913 (the signature shared by every backend)
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged attention of a mixed batch; same contract as `kernels.reference.paged_attention`.
 
@@ -72,8 +80,14 @@ def paged_attention(  # noqa: PLR0913 (the signature shared by every backend)
     flash-attn's varlen API needs them. flash-attn starts its key loop at the window's first
     block, so stale block-table entries before the window are not dereferenced.
     """
-    check_attention_args(query, key_cache, value_cache, block_table, sliding_window, softcap)
-    reason = unsupported_reason(query.device, key_cache.shape[1], query.shape[2], query.dtype)
+    check_attention_args(query, key_cache, value_cache, block_table, sliding_window, softcap, sinks)
+    reason = unsupported_reason(
+        query.device,
+        key_cache.shape[1],
+        query.shape[2],
+        query.dtype,
+        has_sinks=sinks is not None,
+    )
     if reason is not None:
         raise ValueError(reason)
     if seq_lens.numel() == 0 or query.shape[0] == 0:

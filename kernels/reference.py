@@ -25,11 +25,13 @@ class _PagedKV(NamedTuple):
 
 
 class _ScoreRule(NamedTuple):
-    """How raw scores become logits: scale, then optional softcap, then causal/window mask."""
+    """How raw scores become logits: scale, then optional softcap, then causal/window mask;
+    optional per-query-head sink logits join the softmax denominator only."""
 
     scale: float
     sliding_window: int | None
     softcap: float | None
+    sinks: torch.Tensor | None = None  # fp32 [num_q_heads]
 
 
 def store_kv_cache(
@@ -63,15 +65,19 @@ def paged_attention(  # noqa: PLR0913 (the signature shared by every backend)
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch (prefill chunks and decodes) over a paged KV cache.
 
     Request `i` owns `query[query_start_loc[i]:query_start_loc[i + 1]]`, its newest tokens out
-    of `seq_lens[i]`. Returns `[num_tokens, num_q_heads, head_size]` in the query dtype.
+    of `seq_lens[i]`. `sinks` [num_q_heads] are learned logits that take part in each query
+    head's softmax denominator but have no value (attention sinks, gpt-oss): the weights of
+    the keys then sum to less than one. Returns `[num_tokens, num_q_heads, head_size]` in the
+    query dtype.
     """
-    check_attention_args(query, key_cache, value_cache, block_table, sliding_window, softcap)
+    check_attention_args(query, key_cache, value_cache, block_table, sliding_window, softcap, sinks)
     output = torch.zeros_like(query)
-    rule = _ScoreRule(scale, sliding_window, softcap)
+    rule = _ScoreRule(scale, sliding_window, softcap, None if sinks is None else sinks.float())
     starts = query_start_loc.tolist()
     lengths = seq_lens.tolist()
     for req_idx, seq_len in enumerate(lengths):
@@ -106,13 +112,14 @@ def check_store_args(
     assert slot_mapping.shape == (key.shape[0],), slot_mapping.shape
 
 
-def check_attention_args(
+def check_attention_args(  # noqa: PLR0913 (every argument of the kernel signature)
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     block_table: torch.Tensor,
     sliding_window: int | None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Assert the shapes `paged_attention` relies on (shared by every backend)."""
     assert query.dim() == 3, query.shape
@@ -123,6 +130,7 @@ def check_attention_args(
     assert block_table.dim() == 2, block_table.shape
     assert sliding_window is None or sliding_window >= 1, sliding_window
     assert softcap is None or softcap > 0, softcap
+    assert sinks is None or sinks.shape == (query.shape[1],), "sinks: one logit per query head"
 
 
 def _chunk_rows(num_q_heads: int, seq_len: int) -> int:
@@ -146,14 +154,14 @@ def _attend(query: torch.Tensor, first_pos: int, paged: _PagedKV, rule: _ScoreRu
     if rule.sliding_window is not None:
         is_visible &= query_pos - key_pos < rule.sliding_window
     q = query.float().transpose(0, 1)  # [num_q_heads, q_len, head_size]
-    if rule.softcap is None and q_len > 1:
+    if rule.softcap is None and rule.sinks is None and q_len > 1:
         # Fused masked attention: on CPU about 2x faster than the explicit form for several
         # query rows, and it never materialises the scores.
         out = F.scaled_dot_product_attention(
             q[None], keys[None], values[None], is_visible, scale=rule.scale, enable_gqa=True
         )[0]
-    else:  # single-token decodes (faster explicit) and softcap (SDPA cannot express it)
-        out = _explicit_attention(q, keys, values, is_visible, rule.scale, rule.softcap)
+    else:  # single-token decodes (faster explicit), softcap and sinks (SDPA cannot express them)
+        out = _explicit_attention(q, keys, values, is_visible, rule)
     return out.transpose(0, 1).to(query.dtype)
 
 
@@ -162,20 +170,26 @@ def _explicit_attention(
     keys: torch.Tensor,
     values: torch.Tensor,
     is_visible: torch.Tensor,
-    scale: float,
-    softcap: float | None,
+    rule: _ScoreRule,
 ) -> torch.Tensor:
-    """Masked attention as two matmuls, with optional `softcap * tanh(scores / softcap)`."""
+    """Masked attention as two matmuls, with optional `softcap * tanh(scores / softcap)` and
+    sink logits (an extra softmax column per query head whose weight is dropped)."""
     num_q_heads, q_len, head_size = q.shape
     num_kv_heads = keys.shape[0]
     group = num_q_heads // num_kv_heads
     # [num_kv_heads, group * q_len, head_size]: all query heads of one KV head in one matmul.
     scores = torch.matmul(q.reshape(num_kv_heads, group * q_len, head_size), keys.mT)
-    scores = scores.view(num_kv_heads, group, q_len, -1) * scale
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    probs = scores.masked_fill(~is_visible, float("-inf")).softmax(dim=-1)
-    out = torch.matmul(probs.view(num_kv_heads, group * q_len, -1), values)
+    scores = scores.view(num_kv_heads, group, q_len, -1) * rule.scale
+    if rule.softcap is not None:
+        scores = torch.tanh(scores / rule.softcap) * rule.softcap
+    scores = scores.masked_fill(~is_visible, float("-inf"))
+    if rule.sinks is None:
+        probs = scores.softmax(dim=-1)
+    else:
+        sinks = rule.sinks.to(scores.device).view(num_kv_heads, group, 1, 1)
+        sink_column = sinks.expand(num_kv_heads, group, q_len, 1)
+        probs = torch.cat([scores, sink_column], dim=-1).softmax(dim=-1)[..., :-1]
+    out = torch.matmul(probs.reshape(num_kv_heads, group * q_len, -1), values)
     return out.view(num_q_heads, q_len, head_size)
 
 

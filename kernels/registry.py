@@ -46,6 +46,7 @@ class PagedAttentionFn(Protocol):
         scale: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -64,6 +65,7 @@ class _Request:
     block_size: int
     head_size: int
     dtype: torch.dtype | None
+    has_sinks: bool = False
 
 
 @functools.cache
@@ -83,14 +85,16 @@ def select_backend(
     block_size: int,
     head_size: int,
     dtype: torch.dtype | None = None,
+    has_sinks: bool = False,
 ) -> AttentionBackend:
     """The backend `name` (one of `BACKEND_NAMES`) for this device and cache layout.
 
+    `has_sinks`: the layers pass per-head sink logits, which not every backend supports.
     Raises ValueError naming the reason when an explicitly requested backend is unavailable.
     """
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKEND_NAMES}")
-    request = _Request(torch.device(device), block_size, head_size, dtype)
+    request = _Request(torch.device(device), block_size, head_size, dtype, has_sinks)
     if name == "auto":
         return _select_auto(request)
     reason = _unavailable_reason(name, request)
@@ -121,7 +125,11 @@ def _unavailable_reason(name: str, request: _Request) -> str | None:
         from kernels import flash_attn
 
         return flash_attn.unsupported_reason(
-            request.device, request.block_size, request.head_size, request.dtype
+            request.device,
+            request.block_size,
+            request.head_size,
+            request.dtype,
+            has_sinks=request.has_sinks,
         )
     return _triton_unavailable_reason(request)
 

@@ -100,8 +100,10 @@ def dense_attention(
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Naive float64 attention over the unpaged K/V, one request at a time."""
+    """Naive float64 attention over the unpaged K/V, one request at a time; `sinks`
+    [num_q_heads] add exp(sink) to each head's softmax denominator."""
     starts = batch.query_start_loc.tolist()
     outputs = []
     for req_idx, (key, value) in enumerate(zip(batch.keys, batch.values, strict=True)):
@@ -118,7 +120,11 @@ def dense_attention(
         if sliding_window is not None:
             allowed &= query_pos - key_pos < sliding_window
         scores = scores.masked_fill(~allowed.to(scores.device), float("-inf"))
-        outputs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), value))
+        weights = scores.exp()
+        denominator = weights.sum(-1, keepdim=True)
+        if sinks is not None:
+            denominator = denominator + sinks.double().exp().to(scores.device)[:, None, None]
+        outputs.append(torch.einsum("hqk,khd->qhd", weights / denominator, value))
     if not outputs:
         return batch.query.double()
     return torch.cat(outputs)

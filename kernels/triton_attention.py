@@ -67,13 +67,13 @@ def _tanh(x):  # type: ignore[no-untyped-def]
 def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
-    scale, softcap, sliding_window, num_reqs, block_size,
+    sinks_ptr, scale, softcap, sliding_window, num_reqs, block_size,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -112,6 +112,13 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:
+        # The sink is one more softmax term with no value: start the running max at the sink
+        # logit and the running sum at exp(0) = 1. Only split 0 counts it (merged once).
+        has_sink = row_ok & (split == 0)
+        sink = tl.load(sinks_ptr + row_head, mask=has_sink, other=float("-inf")).to(tl.float32)
+        m_i = tl.where(has_sink, sink, m_i)
+        l_i = tl.where(has_sink, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
     block_table_row = block_table_ptr + req.to(tl.int64) * stride_bt
     for key_tile in range(tile_begin, tile_end):
@@ -218,6 +225,7 @@ def paged_attention(  # the signature shared by every backend
     scale: float,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     *,
     launch: LaunchConfig | None = None,
 ) -> torch.Tensor:
@@ -226,7 +234,7 @@ def paged_attention(  # the signature shared by every backend
     `launch` overrides the tile sizes and KV splits (tests use it to reach every path).
     NOTE: output rows past `query_start_loc[-1]` (padding of a captured batch) are not written.
     """
-    check_attention_args(query, key_cache, value_cache, block_table, sliding_window, softcap)
+    check_attention_args(query, key_cache, value_cache, block_table, sliding_window, softcap, sinks)
     assert query.stride(2) == 1, "head_size must be contiguous"
     assert key_cache.stride(3) == 1, "head_size must be contiguous"
     assert value_cache.stride(3) == 1, "head_size must be contiguous"
@@ -249,14 +257,15 @@ def paged_attention(  # the signature shared by every backend
     _paged_attention_kernel[grid](
         output, *partials,
         query, key_cache, value_cache, block_table, query_start_loc.contiguous(),
-        seq_lens.contiguous(),
+        seq_lens.contiguous(), output if sinks is None else sinks.float().contiguous(),
         scale, softcap or 1.0, sliding_window or 1, num_reqs, key_cache.shape[1],
         query.stride(0), query.stride(1), output.stride(0), output.stride(1), block_table.stride(0),
         *key_cache.stride()[:3], *value_cache.stride()[:3],
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_SIZE=head_size,
         HEAD_PAD=head_pad, BLOCK_Q=launch.block_q, BLOCK_N=launch.block_n,
         NUM_SPLITS=launch.num_splits, HAS_WINDOW=sliding_window is not None,
-        HAS_SOFTCAP=softcap is not None, DOT_FP32=is_interpreted() or is_fp32,
+        HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
+        DOT_FP32=is_interpreted() or is_fp32,
         DOT_PRECISION="ieee" if is_fp32 else "tf32", num_warps=launch.num_warps,
     )  # fmt: skip
     if launch.num_splits > 1:

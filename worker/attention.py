@@ -68,6 +68,9 @@ class AttentionConfig:
     logits_softcap: float | None = None
     kv_sharing_target: str | None = None
     """Earlier layer whose KV cache this layer reads; it then owns no KV memory."""
+    has_sinks: bool = False
+    """The layer passes per-head sink logits to the kernel (gpt-oss); backends without sinks
+    are not chosen for it."""
 
 
 class Attention(nn.Module):
@@ -109,14 +112,21 @@ class Attention(nn.Module):
         return FullAttentionSpec(block_size=block_size, dtype_bytes=dtype_bytes, **shape)
 
     def forward(
-        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: ForwardContext
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        ctx: ForwardContext,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """query [T, num_heads * head_size], key/value [T, num_kv_heads * head_size] -> [T, H*D].
 
+        `sinks` [num_heads] (this rank's heads) are given exactly when `config.has_sinks`.
         Chunked local attention arrives here already cut into virtual requests by the metadata
         transform, so the kernel needs no chunk argument.
         """
         cfg = self.config
+        assert (sinks is not None) == cfg.has_sinks, f"{cfg.layer_name}: sinks vs has_sinks"
         meta = ctx.metadata[cfg.layer_name]
         key_cache, value_cache = ctx.kv_caches[cfg.layer_name]
         num_tokens = query.shape[0]
@@ -135,5 +145,6 @@ class Attention(nn.Module):
             cfg.scale,
             sliding_window=cfg.sliding_window,
             softcap=cfg.logits_softcap,
+            **({} if sinks is None else {"sinks": sinks}),
         )
         return out.reshape(num_tokens, cfg.num_heads * cfg.head_size)

@@ -37,8 +37,8 @@ from worker.metadata_transforms import (
     apply_transforms,
 )
 
-BackendFactory = Callable[[int, int], AttentionBackend]
-"""(kernel block size, head size) -> backend; raises ValueError when it cannot serve them."""
+BackendFactory = Callable[[int, int, bool], AttentionBackend]
+"""(kernel block size, head size, has sinks) -> backend; ValueError when it cannot serve them."""
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,7 @@ def build_attention_groups(
         kernel_block_size = kernel_sizes[plan.kv_cache_group_id]
         spec = spec_of[first.layer_name]
         transforms = _transforms(spec, kernel_block_size, plan.is_truncated_prefill)
-        backend = backend_for(kernel_block_size, first.config.head_size)
+        backend = backend_for(kernel_block_size, first.config.head_size, first.config.has_sinks)
         groups.append(
             AttentionGroup(
                 backend=backend,
@@ -248,13 +248,17 @@ def _group_kernel_block_size(
     When none is accepted, the error carries the backend's reason for the group's own size.
     """
     group = config.groups[group_id]
-    head_sizes = {by_name[name].config.head_size for name in group.layer_names if name in by_name}
+    needs = {
+        (by_name[name].config.head_size, by_name[name].config.has_sinks)
+        for name in group.layer_names
+        if name in by_name
+    }
     refusals: list[str] = []
 
     def accepts(kernel_block_size: int) -> bool:
         try:
-            for head_size in head_sizes:
-                backend_for(kernel_block_size, head_size)
+            for head_size, has_sinks in needs:
+                backend_for(kernel_block_size, head_size, has_sinks)
         except ValueError as exc:
             refusals.append(str(exc))
             return False

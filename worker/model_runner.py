@@ -109,7 +109,7 @@ class ModelRunner:
         self.kv_caches: KVCaches = {}
         self.states: RequestStates | None = None
         self.build_stats = MetadataBuildStats()
-        self._backends: dict[tuple[int, int], AttentionBackend] = {}
+        self._backends: dict[tuple[int, int, bool], AttentionBackend] = {}
 
     @property
     def dtype_bytes(self) -> int:
@@ -148,8 +148,10 @@ class ModelRunner:
             kernel_sizes,
         )
 
-    def _backend_for(self, kernel_block_size: int, head_size: int) -> AttentionBackend:
-        key = (kernel_block_size, head_size)
+    def _backend_for(
+        self, kernel_block_size: int, head_size: int, has_sinks: bool
+    ) -> AttentionBackend:
+        key = (kernel_block_size, head_size, has_sinks)
         if key not in self._backends:
             self._backends[key] = select_backend(
                 self.config.attention_backend,
@@ -157,6 +159,7 @@ class ModelRunner:
                 block_size=kernel_block_size,
                 head_size=head_size,
                 dtype=self.settings.dtype,
+                has_sinks=has_sinks,
             )
         return self._backends[key]
 

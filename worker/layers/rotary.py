@@ -1,4 +1,5 @@
-"""Rotary position embedding (neox / rotate-half layout) with default, linear and llama3 scaling.
+"""Rotary position embedding (neox / rotate-half layout): default, linear, llama3, YaRN and
+proportional (Gemma 4: a fraction of the frequencies rotate, the rest are zero) variants.
 
 cos/sin are computed from the positions of each step exactly as transformers does (fp32 outer
 product, `cat(freqs, freqs)`, then cast to the activation dtype), so CPU fp32 runs match it
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
 
 class RopeTables(NamedTuple):
@@ -54,6 +55,8 @@ def compute_inv_freq(params: dict[str, object], head_size: int) -> tuple[torch.T
             f"rope_type {rope_type!r} is not supported; use one of {_SUPPORTED_ROPE_TYPES}"
         )
     theta = float(params["rope_theta"])  # type: ignore[arg-type]
+    if rope_type == "proportional":
+        return _proportional_inv_freq(params, theta, head_size), 1.0
     rotary_dim = int(head_size * float(params.get("partial_rotary_factor", 1.0)))  # type: ignore[arg-type]
     # On the CPU, as transformers does, whatever device the model is built on.
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").float() / rotary_dim
@@ -62,7 +65,62 @@ def compute_inv_freq(params: dict[str, object], head_size: int) -> tuple[torch.T
         inv_freq = inv_freq / float(params["factor"])  # type: ignore[arg-type]
     elif rope_type == "llama3":
         inv_freq = _llama3_scale(inv_freq, params)
+    elif rope_type == "yarn":
+        return _yarn_scale(inv_freq, params, theta, rotary_dim)
     return inv_freq, 1.0
+
+
+def _proportional_inv_freq(params: dict[str, object], theta: float, head_size: int) -> torch.Tensor:
+    """The first `partial_rotary_factor` of the frequency pairs rotate with exponents over the
+    whole head size; the others get frequency 0 (cos 1, sin 0: they pass unrotated)."""
+    factor = float(params.get("factor", 1.0))  # type: ignore[arg-type]
+    num_rotated = int(float(params.get("partial_rotary_factor", 1.0)) * head_size // 2)  # type: ignore[arg-type]
+    exponents = torch.arange(0, 2 * num_rotated, 2, dtype=torch.int64, device="cpu").float()
+    rotated = 1.0 / (theta ** (exponents / head_size))
+    zeros = torch.zeros(head_size // 2 - num_rotated, dtype=torch.float32, device="cpu")
+    return torch.cat((rotated, zeros)) / factor
+
+
+def _yarn_scale(
+    inv_freq: torch.Tensor, params: dict[str, object], theta: float, rotary_dim: int
+) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate low frequencies by `factor`, keep high ones, ramp linearly between
+    the dimensions that turn `beta_fast` and `beta_slow` times over the original context; cos
+    and sin are scaled by 0.1 ln(factor) + 1 unless `attention_factor` is given."""
+    factor = float(params["factor"])  # type: ignore[arg-type]
+    original = float(params["original_max_position_embeddings"])  # type: ignore[arg-type]
+    attention_factor = params.get("attention_factor")
+    mscale = params.get("mscale")
+    mscale_all_dim = params.get("mscale_all_dim")
+
+    def get_mscale(scale: float, coefficient: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * coefficient * math.log(scale) + 1.0
+
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = get_mscale(factor, float(mscale)) / get_mscale(  # type: ignore[arg-type]
+                factor,
+                float(mscale_all_dim),  # type: ignore[arg-type]
+            )
+        else:
+            attention_factor = get_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = correction_dim(float(params.get("beta_fast") or 32))  # type: ignore[arg-type]
+    high = correction_dim(float(params.get("beta_slow") or 1))  # type: ignore[arg-type]
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: avoid a zero-width ramp
+    ramp = (
+        (torch.arange(rotary_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)
+    ).clamp(0, 1)
+    extrapolation = 1 - ramp  # weight of the unscaled frequency
+    scaled = inv_freq / factor * (1 - extrapolation) + inv_freq * extrapolation
+    return scaled, float(attention_factor)  # type: ignore[arg-type]
 
 
 def _llama3_scale(inv_freq: torch.Tensor, params: dict[str, object]) -> torch.Tensor:

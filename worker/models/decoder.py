@@ -1,9 +1,10 @@
 """The decoder-only transformer shared by every family: attention, MLP, layer, model, LM.
 
-A family file subclasses `DecoderForCausalLM` and describes itself through two hooks:
-`decoder_options` (traits such as norm style, biases, softcaps) and `layer_options` (each
-layer's sliding window and rope table). Parameter names follow transformers, except the packed
-`qkv_proj` and `gate_up_proj`, so checkpoints load by name.
+A family file subclasses `DecoderForCausalLM` and describes itself through hooks:
+`decoder_options` (traits such as norm style, biases, softcaps, attention sinks),
+`layer_options` (each layer's sliding window and rope table) and `build_mlp` (the feed-forward
+block of a layer, a gated MLP unless the family routes to experts). Parameter names follow
+transformers, except the packed `qkv_proj` and `gate_up_proj`, so checkpoints load by name.
 """
 
 from __future__ import annotations
@@ -24,8 +25,12 @@ from worker.kv_sharing import (
 )
 from worker.layers.activation import gated_activation
 from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from worker.layers.loading import WeightSource
+from worker.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from worker.layers.loading import ShardId, WeightSource, copy_checked, new_parameter, read_part
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary, rope_parameters
 from worker.weights import load_named_weights
@@ -54,6 +59,8 @@ class DecoderOptions:
     final_softcap: float | None = None
     embed_scale: float | None = None
     """Multiplier of token embeddings (Gemma: sqrt(hidden_size))."""
+    attention_sinks: bool = False
+    """Each attention layer has learned per-head sink logits `self_attn.sinks` (gpt-oss)."""
 
 
 @dataclass(frozen=True)
@@ -114,8 +121,18 @@ class DecoderAttention(nn.Module):
                     if layer.kv_sharing_target is None
                     else f"model.layers.{layer.kv_sharing_target}.self_attn.attn"
                 ),
+                has_sinks=options.attention_sinks,
             )
         )
+        self.sinks: nn.Parameter | None = None
+        if options.attention_sinks:
+            self.rank = parallel.rank
+            self.sinks = new_parameter((self.qkv_proj.num_heads,), self.load_sinks)
+
+    def load_sinks(self, param: nn.Parameter, source: WeightSource, _: ShardId = None) -> None:
+        """This rank's query heads' sink logits."""
+        size = param.shape[0]
+        copy_checked(param.data, read_part(source, 0, self.rank * size, size))
 
     def forward(self, hidden: torch.Tensor, rope: RopeTables, ctx: ForwardContext) -> torch.Tensor:
         """[T, hidden] -> [T, hidden]."""
@@ -126,7 +143,7 @@ class DecoderAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v, ctx)
+        out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v, ctx, self.sinks)
         projected: torch.Tensor = self.o_proj(out)
         return projected
 
@@ -160,11 +177,12 @@ class DecoderLayer(nn.Module):
         layer: LayerOptions,
         layer_idx: int,
         parallel: ParallelConfig,
+        mlp: nn.Module | None = None,
     ) -> None:
         super().__init__()
         hidden, eps, gemma = hf_config.hidden_size, hf_config.rms_norm_eps, options.gemma_norm
         self.self_attn = DecoderAttention(hf_config, options, layer, layer_idx, parallel)
-        self.mlp = DecoderMLP(hf_config, options, parallel)
+        self.mlp = mlp if mlp is not None else DecoderMLP(hf_config, options, parallel)
         self.input_layernorm = RMSNorm(hidden, eps, add_unit_offset=gemma)
         self.post_attention_layernorm = RMSNorm(hidden, eps, add_unit_offset=gemma)
         self.pre_feedforward_layernorm: RMSNorm | None = None
@@ -194,13 +212,15 @@ class DecoderModel(nn.Module):
         layers: list[LayerOptions],
         ropes: dict[str, dict[str, object]],
         parallel: ParallelConfig,
+        mlps: list[nn.Module | None] | None = None,
     ) -> None:
         super().__init__()
         hidden = hf_config.hidden_size
         self.embed_scale = options.embed_scale
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hidden, parallel)
+        mlps = mlps if mlps is not None else [None] * len(layers)
         self.layers = nn.ModuleList(
-            DecoderLayer(hf_config, options, layer, idx, parallel)
+            DecoderLayer(hf_config, options, layer, idx, parallel, mlps[idx])
             for idx, layer in enumerate(layers)
         )
         self.layer_ropes = [layer.rope for layer in layers]
@@ -255,7 +275,9 @@ class DecoderForCausalLM(nn.Module, abc.ABC):
             replace(self.layer_options(hf_config, i), kv_sharing_target=targets.get(i))
             for i in range(hf_config.num_hidden_layers)
         ]
-        return DecoderModel(hf_config, self.options, layers, self.rope_tables(hf_config), parallel)
+        mlps = [self.build_mlp(hf_config, i, parallel) for i in range(len(layers))]
+        ropes = self.rope_tables(hf_config)
+        return DecoderModel(hf_config, self.options, layers, ropes, parallel, mlps)
 
     @classmethod
     @abc.abstractmethod
@@ -269,6 +291,12 @@ class DecoderForCausalLM(nn.Module, abc.ABC):
     def rope_tables(self, hf_config: PretrainedConfig) -> dict[str, dict[str, object]]:
         """Rope parameters by table key; one table by default."""
         return {DEFAULT_ROPE: rope_parameters(hf_config)}
+
+    def build_mlp(
+        self, hf_config: PretrainedConfig, layer_idx: int, parallel: ParallelConfig
+    ) -> nn.Module | None:
+        """Layer `layer_idx`'s feed-forward block; None: the shared gated `DecoderMLP`."""
+        return None
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext

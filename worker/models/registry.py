@@ -6,6 +6,8 @@ from worker.models.decoder import DecoderForCausalLM
 from worker.models.gemma2 import Gemma2ForCausalLM
 from worker.models.gemma3 import Gemma3ForCausalLM
 from worker.models.gemma3n import Gemma3nForCausalLM
+from worker.models.gemma4 import Gemma4ForCausalLM
+from worker.models.gpt_oss import GptOssForCausalLM
 from worker.models.llama import LlamaForCausalLM, MistralForCausalLM
 from worker.models.llama4 import Llama4ForCausalLM
 from worker.models.qwen2 import Qwen2ForCausalLM
@@ -18,6 +20,8 @@ _MODELS: dict[str, type[DecoderForCausalLM]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3nForCausalLM": Gemma3nForCausalLM,
     "Llama4ForCausalLM": Llama4ForCausalLM,
+    "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 

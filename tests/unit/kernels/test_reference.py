@@ -129,3 +129,23 @@ def test_store_kv_cache_skips_padding_and_writes_through_views(is_interleaved: b
     untouched[[9, 0, 23]] = False
     assert flat_keys[untouched].isnan().all()
     assert flat_values[untouched].isnan().all()
+
+
+@pytest.mark.parametrize(("window", "ratio"), list(itertools.product([None, 1, 7], [1, 4, 8])))
+def test_sinks_over_a_mixed_batch_match_dense(window: int | None, ratio: int) -> None:
+    """Sink logits join each query head's softmax denominator, for decodes and prefills."""
+    num_q_heads, num_kv_heads = GQA[ratio]
+    spec = BatchSpec(
+        MIXED,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        block_size=4,
+        sliding_window=window,
+    )
+    batch = make_paged_batch(spec, seed=ratio)
+    sinks = torch.linspace(-2.0, 3.0, num_q_heads)
+    got = run_reference(batch, sliding_window=window, sinks=sinks)  # type: ignore[arg-type]
+    want = dense_attention(batch, SCALE, window, sinks=sinks)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    without = dense_attention(batch, SCALE, window)
+    assert not torch.allclose(want[batch.query_start_loc[1] :], without[batch.query_start_loc[1] :])

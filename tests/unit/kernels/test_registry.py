@@ -78,6 +78,24 @@ def test_flash_attn_reports_unsupported_layouts(
     assert expected in reason
 
 
+def test_flash_attn_cannot_serve_sinks_and_auto_picks_another_backend(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    reason = flash_attn_adapter.unsupported_reason(
+        torch.device("cuda"), 256, 64, torch.bfloat16, has_sinks=True
+    )
+    assert reason is not None
+    assert "attention sinks" in reason
+    with pytest.raises(ValueError, match=r"'flash_attn' is unavailable: .*attention sinks"):
+        select_backend("flash_attn", device="cuda", block_size=256, head_size=64, has_sinks=True)
+    with caplog.at_level(logging.INFO, logger="kernels.registry"):
+        backend = select_backend(
+            "auto", device="cuda", block_size=256, head_size=64, has_sinks=True
+        )
+    assert backend.name in ("triton", "torch")
+    assert "flash_attn skipped: flash-attn 2 has no attention sinks" in caplog.text
+
+
 @pytest.mark.skipif(kernels.HAS_FLASH_ATTN, reason="flash-attn is installed")
 def test_flash_attn_without_the_package_says_so_for_a_supported_layout() -> None:
     reason = flash_attn_adapter.unsupported_reason(torch.device("cuda"), 256, 128, torch.bfloat16)

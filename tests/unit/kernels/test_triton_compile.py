@@ -42,7 +42,8 @@ def compile_for(kernel, pointer_types, constexprs, capability=90):
 def attention_pointers(dtype):
     names = ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")
     types = {name: dtype for name in names}
-    types.update({name: "*fp32" for name in ("part_acc_ptr", "part_max_ptr", "part_sum_ptr")})
+    types.update({name: "*fp32" for name in
+                  ("part_acc_ptr", "part_max_ptr", "part_sum_ptr", "sinks_ptr")})
     types.update({name: "*i32" for name in
                   ("block_table_ptr", "query_start_loc_ptr", "seq_lens_ptr")})
     return types
@@ -52,7 +53,8 @@ def attention_constexprs(group, head_size, block_q, block_n, num_splits, dot_pre
     return dict(GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_SIZE=head_size,
                 HEAD_PAD=max(16, triton.next_power_of_2(head_size)), BLOCK_Q=block_q,
                 BLOCK_N=block_n, NUM_SPLITS=num_splits, HAS_WINDOW=has_extras,
-                HAS_SOFTCAP=has_extras, DOT_FP32=False, DOT_PRECISION=dot_precision)
+                HAS_SOFTCAP=has_extras, HAS_SINKS=has_extras, DOT_FP32=False,
+                DOT_PRECISION=dot_precision)
 """
 
 

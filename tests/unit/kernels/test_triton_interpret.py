@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed"
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
-# Defines check(spec, launch=None, window=None, softcap=None): Triton vs reference.
+# Defines check(spec, launch=None, window=None, softcap=None, sinks=None): Triton vs reference.
 PRELUDE = """
 import torch
 from kernels import reference, triton_attention, triton_store_kv
@@ -32,10 +32,10 @@ assert triton_attention.is_interpreted()
 MIXED = ((1, 37), (13, 13), (5, 22), (0, 9), (1, 1), (7, 40), (3, 16))
 DECODES = ((1, 45), (1, 3), (1, 64))
 
-def check(spec, launch=None, window=None, softcap=None, atol=1e-5, seed=0):
+def check(spec, launch=None, window=None, softcap=None, atol=1e-5, seed=0, sinks=None):
     batch = make_paged_batch(spec, seed=seed)
     args = (batch.query, batch.key_cache, batch.value_cache, batch.block_table,
-            batch.query_start_loc, batch.seq_lens, 0.3, window, softcap)
+            batch.query_start_loc, batch.seq_lens, 0.3, window, softcap, sinks)
     want = reference.paged_attention(*args)
     got = triton_attention.paged_attention(*args, launch=launch)
     assert got.dtype == batch.query.dtype
@@ -126,4 +126,19 @@ def test_registry_selects_triton_on_cpu_under_the_interpreter() -> None:
         backend = select_backend("triton", device="cpu", block_size=4, head_size=16)
         assert backend.name == "triton"
         assert select_backend("auto", device="cpu", block_size=4, head_size=16).name == "torch"
+    """)
+
+
+def test_sinks_over_mixed_batches_windows_gqa_and_splits_match_reference() -> None:
+    """The reference itself is checked against a dense oracle with sinks (test_reference)."""
+    run_interpreted("""
+        sinks8 = torch.linspace(-1.5, 2.5, 8)
+        check(BatchSpec(MIXED, num_q_heads=8, num_kv_heads=2, block_size=4), sinks=sinks8)
+        check(BatchSpec(MIXED, num_q_heads=8, num_kv_heads=1, block_size=4, sliding_window=5),
+              window=5, sinks=sinks8)
+        check(BatchSpec(MIXED, num_q_heads=2, num_kv_heads=2, block_size=16),
+              sinks=torch.tensor([4.0, -3.0]),
+              launch=LaunchConfig(block_q=4, block_n=16, num_splits=1))
+        check(BatchSpec(DECODES, num_q_heads=8, num_kv_heads=2, block_size=4, sliding_window=20),
+              window=20, sinks=sinks8, launch=LaunchConfig(block_q=2, block_n=16, num_splits=4))
     """)

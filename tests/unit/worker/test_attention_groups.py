@@ -47,7 +47,7 @@ def _layer(index: int, window: int | None = None, target: str | None = None) -> 
     )
 
 
-def _backend_for(kernel_block_size: int, head_size: int):
+def _backend_for(kernel_block_size: int, head_size: int, has_sinks: bool = False):
     return select_backend("torch", device=CPU, block_size=kernel_block_size, head_size=head_size)
 
 
@@ -204,7 +204,7 @@ def test_kernel_block_split_gives_the_same_attention_output() -> None:
     outputs = {}
     for kernel_size in (4, 2):
 
-        def backend_for(kbs: int, head_size: int, kernel_size: int = kernel_size):
+        def backend_for(kbs: int, head_size: int, has_sinks: bool, kernel_size: int = kernel_size):
             if kbs > kernel_size:
                 raise ValueError("block size not supported")
             return _backend_for(kbs, head_size)

@@ -1,0 +1,224 @@
+"""Gemma 4 text and gpt-oss against transformers (CPU fp32), through the paged driver and the
+offline `LLM` (chunked prefill with block size 4 and a 24-token budget).
+
+Prefill logits must match transformers within 1e-4 and 32 greedy tokens must equal its
+`generate`: with prefix-cache hits, the hybrid KV cache manager on and off, truncated prefill
+on and off (Gemma 4's KV-sharing layers) and tensor parallelism 2. The tiny Gemma 4 has global
+layers with a larger head (64 vs 16) and fewer KV heads (1 vs 2), so its two layer types have
+different page sizes, K = V on global layers, two KV-sharing layers and, in one variant, MoE.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+import transformers
+
+from cluster import LLM, SamplingParams
+from scheduler.kv_cache_spec import UniformTypeKVCacheSpecs
+from tests.helpers.paged_driver import PagedDriver
+from worker.config import ModelConfig, ParallelConfig
+from worker.models.registry import get_model_class
+from worker.weights import iterate_weights
+
+pytestmark = pytest.mark.parity
+
+COMMON = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 256,
+    "sliding_window": 6,
+    "eos_token_id": None,
+    "bos_token_id": None,
+    "pad_token_id": None,
+}
+GEMMA4 = {
+    **COMMON,
+    "intermediate_size": 96,
+    "num_hidden_layers": 6,
+    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+    "global_head_dim": 64,
+    "num_global_key_value_heads": 1,
+    "attention_k_eq_v": True,
+    "num_kv_shared_layers": 2,
+    "use_double_wide_mlp": True,
+    "hidden_size_per_layer_input": 8,
+    "vocab_size_per_layer_input": 256,
+    "final_logit_softcapping": 5.0,
+    "attention_bias": True,  # False in released checkpoints; True exercises every projection
+}
+GEMMA4_MOE = {
+    **GEMMA4,
+    "enable_moe_block": True,
+    "num_experts": 4,
+    "top_k_experts": 2,
+    "moe_intermediate_size": 16,
+}
+GPT_OSS = {
+    **COMMON,
+    "intermediate_size": 32,
+    "num_hidden_layers": 4,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+    "rope_parameters": {  # YaRN with a short original context, so the ramp matters
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 32,
+    },
+}
+PROMPTS = [
+    [(7 * i + 3) % 256 for i in range(30)],
+    [(11 * i + 5) % 256 for i in range(5)],
+    [(13 * i + 1) % 256 for i in range(17)],
+]
+# Share 16 and 24 leading tokens with the first prompt: prefix-cache hits once it has run.
+PREFIX_PROMPTS = [[*PROMPTS[0][:16], 9, 8, 7, 6, 5], [*PROMPTS[0][:24], 200, 100, 50]]
+NUM_NEW = 32
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW)
+LLM_ARGS = {"block_size": 4, "max_num_batched_tokens": 24, "kv_cache_memory_bytes": 1 << 22}
+
+
+class Saved(NamedTuple):
+    """A saved tiny model, its transformers twin and the twin's greedy tokens."""
+
+    path: Path
+    hf_model: torch.nn.Module
+    greedy: list[list[int]]
+    """For PROMPTS, then PREFIX_PROMPTS."""
+
+
+def _save(config_cls: str, model_cls: str, kwargs: dict, path: Path) -> Saved:
+    config = getattr(transformers, config_cls)(**kwargs)
+    torch.manual_seed(0)
+    model = getattr(transformers, model_cls)._from_config(
+        config, attn_implementation="eager", dtype=torch.float32
+    )
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or "scale" in name:
+                param.add_(torch.randn_like(param) * 0.1)
+            else:  # sinks spread wider so that they change the attention weights visibly
+                param.normal_(0.0, 0.5 if name.endswith("sinks") else 0.1)
+        for name, buffer in model.named_buffers():
+            if name.endswith("layer_scalar"):
+                buffer.fill_(0.9)
+    model.eval().save_pretrained(path)
+    greedy = []
+    with torch.no_grad():
+        for prompt in PROMPTS + PREFIX_PROMPTS:
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=NUM_NEW, do_sample=False)
+            greedy.append(out[0, len(prompt) :].tolist())
+    return Saved(path, model, greedy)
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory) -> Saved:
+    return _save("Gemma4TextConfig", "Gemma4ForCausalLM", GEMMA4, tmp_path_factory.mktemp("g4"))
+
+
+@pytest.fixture(scope="module")
+def gemma4_moe(tmp_path_factory) -> Saved:
+    path = tmp_path_factory.mktemp("g4moe")
+    return _save("Gemma4TextConfig", "Gemma4ForCausalLM", GEMMA4_MOE, path)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory) -> Saved:
+    return _save("GptOssConfig", "GptOssForCausalLM", GPT_OSS, tmp_path_factory.mktemp("oss"))
+
+
+def _ours(path: Path) -> torch.nn.Module:
+    model_config = ModelConfig.from_pretrained(path)
+    model = get_model_class(model_config.architecture)(model_config, ParallelConfig())
+    loaded = model.load_weights(iterate_weights(path))
+    assert loaded == {name for name, _ in model.named_parameters()}
+    return model.eval()
+
+
+def _generate(saved: Saved, **kwargs) -> tuple[list[list[int]], list[int]]:
+    """Greedy tokens of PROMPTS and then PREFIX_PROMPTS, and the latter's cached tokens."""
+    llm = LLM(str(saved.path), **LLM_ARGS, **kwargs)
+    try:
+        first = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        second = llm.generate(PREFIX_PROMPTS, GREEDY, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    tokens = [r.outputs[0].token_ids for r in first + second]
+    return tokens, [r.num_cached_tokens for r in second]
+
+
+@pytest.mark.parametrize("name", ["gemma4", "gemma4_moe", "gpt_oss"])
+def test_prefill_logits_match_transformers(name, request):
+    saved = request.getfixturevalue(name)
+    prompt = PROMPTS[0]
+    with torch.no_grad():
+        expected = saved.hf_model(torch.tensor([prompt])).logits[0]
+    got = PagedDriver(_ours(saved.path), block_size=4).step({"r": prompt})["r"]
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("fast_prefill", "disable_hybrid"), [(False, False), (True, False), (False, True), (True, True)]
+)
+def test_gemma4_greedy_tokens_and_prefix_hits_match_transformers(
+    gemma4, fast_prefill, disable_hybrid
+):
+    tokens, cached = _generate(
+        gemma4,
+        kv_sharing_fast_prefill=fast_prefill,
+        disable_hybrid_kv_cache_manager=disable_hybrid,
+    )
+    assert tokens == gemma4.greedy
+    assert all(num > 0 for num in cached)
+
+
+def test_gemma4_moe_greedy_tokens_and_prefix_hits_match_transformers(gemma4_moe):
+    tokens, cached = _generate(gemma4_moe, kv_sharing_fast_prefill=True)
+    assert tokens == gemma4_moe.greedy
+    assert all(num > 0 for num in cached)
+
+
+@pytest.mark.parametrize("disable_hybrid", [False, True])
+def test_gpt_oss_greedy_tokens_and_prefix_hits_match_transformers(gpt_oss, disable_hybrid):
+    tokens, cached = _generate(gpt_oss, disable_hybrid_kv_cache_manager=disable_hybrid)
+    assert tokens == gpt_oss.greedy
+    assert all(num > 0 for num in cached)
+
+
+def test_gemma4_kv_groups_unify_page_sizes_and_fold_when_hybrid_is_off(gemma4):
+    """Global pages are twice the sliding ones: the sliding group's block size doubles."""
+    configs = {}
+    for hybrid_off in (False, True):
+        llm = LLM(str(gemma4.path), **LLM_ARGS, disable_hybrid_kv_cache_manager=hybrid_off)
+        configs[hybrid_off] = llm.engine.scheduler.kv_cache_config
+        llm.shutdown()
+    hybrid = configs[False]
+    pages = {group.spec.page_size_bytes for group in hybrid.groups}
+    assert len(pages) == 1
+    # Owners: sliding L0, L1, L3 (three groups of one) and global L2; L4, L5 share KV.
+    assert sorted(group.spec.block_size for group in hybrid.groups) == [4, 8, 8, 8]
+    (global_group,) = [g for g in hybrid.groups if g.spec.block_size == 4]
+    assert global_group.layer_names[0] == "model.layers.2.self_attn.attn"
+    (folded,) = configs[True].groups
+    assert isinstance(folded.spec, UniformTypeKVCacheSpecs)
+    assert folded.spec.block_size == 4
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["gemma4_moe", "gpt_oss"])
+def test_tensor_parallel_2_matches_transformers(name, request):
+    """Two gloo ranks: query/KV heads, sinks, MLP and expert widths split over ranks."""
+    saved = request.getfixturevalue(name)
+    tokens, cached = _generate(saved, tensor_parallel_size=2, kv_sharing_fast_prefill=True)
+    assert tokens == saved.greedy
+    assert all(num > 0 for num in cached)

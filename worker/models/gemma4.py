@@ -1,0 +1,216 @@
+"""Gemma 4 (text): sliding and global layers with their own head sizes, KV heads and rope,
+K = V on global layers, KV sharing of the last layers, per-layer inputs and an optional MoE.
+
+Sliding layers attend within `sliding_window` with the sliding head size; global layers use
+`per_layer_config` (a larger head, fewer KV heads, "proportional" rope rotating a fraction of
+the features). With `attention_k_eq_v` global layers have no value projection. The last
+`num_kv_shared_layers` layers own no KV: each reads the cache of the last earlier layer of its
+own type (the generic KV sharing, so truncated prefill applies). With `enable_moe_block` each
+layer adds a routed-expert branch beside the dense MLP. Numerics follow transformers'
+`Gemma4TextModel` (norms scale by w, not 1 + w; attention scale 1; a learned layer scalar).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
+
+from worker.attention import ForwardContext
+from worker.config import ModelConfig, ParallelConfig
+from worker.kv_sharing import KVSharingDecoderLoop
+from worker.layers.embedding import VocabParallelEmbedding
+from worker.layers.linear import ReplicatedLinear
+from worker.layers.loading import WeightSource, default_weight_loader, new_parameter
+from worker.layers.norm import RMSNorm
+from worker.layers.rotary import RopeTables, RotaryEmbedding, rope_parameters
+from worker.models.decoder import DecoderForCausalLM, DecoderOptions
+from worker.models.gemma3n import kv_sharing_targets
+from worker.models.gemma4_layers import (
+    Gemma4Attention,
+    Gemma4Experts,
+    Gemma4Router,
+    layer_shape,
+    uses_k_as_v,
+)
+from worker.models.llama4_moe import Llama4MLP
+from worker.weights import load_named_weights
+
+Inputs = tuple[dict[str, RopeTables], torch.Tensor | None]
+"""Per-token layer inputs: rope tables by layer type, per-layer inputs [T, layers, P] or None."""
+
+
+class Gemma4DecoderLayer(nn.Module):
+    """Sandwich-normed attention and MLP (+ MoE branch), per-layer input, layer scalar."""
+
+    def __init__(
+        self, hf_config: PretrainedConfig, idx: int, target: int | None, parallel: ParallelConfig
+    ) -> None:
+        super().__init__()
+        hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
+        wide = bool(getattr(hf_config, "use_double_wide_mlp", False)) and target is not None
+        inner = hf_config.intermediate_size * (2 if wide else 1)
+        self.self_attn = Gemma4Attention(hf_config, idx, target, parallel)
+        self.mlp = Llama4MLP(hidden, inner, hf_config.hidden_activation, parallel)
+        names = ("input", "post_attention", "pre_feedforward", "post_feedforward")
+        for name in names:
+            setattr(self, f"{name}_layernorm", RMSNorm(hidden, eps))
+        self.has_moe = bool(hf_config.enable_moe_block)
+        if self.has_moe:  # the routed branch, beside the MLP
+            self.router = Gemma4Router(hf_config)
+            self.experts = Gemma4Experts(hf_config, parallel)
+            for suffix in ("post_feedforward_layernorm_1", "pre_feedforward_layernorm_2"):
+                setattr(self, suffix, RMSNorm(hidden, eps))
+            self.post_feedforward_layernorm_2 = RMSNorm(hidden, eps)
+        self.per_layer = int(hf_config.hidden_size_per_layer_input or 0)
+        if self.per_layer:
+            self.act = ACT2FN[hf_config.hidden_activation]
+            self.per_layer_input_gate = ReplicatedLinear(hidden, self.per_layer)
+            self.per_layer_projection = ReplicatedLinear(self.per_layer, hidden)
+            self.post_per_layer_input_norm = RMSNorm(hidden, eps)
+        self.layer_scalar = new_parameter((1,), default_weight_loader, fill=1.0)
+
+    def _feed_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """MLP of the normed residual, plus (MoE) experts routed from the residual itself."""
+        out: torch.Tensor = self.mlp(self.pre_feedforward_layernorm(hidden))
+        if self.has_moe:
+            weights, chosen = self.router(hidden)
+            routed = self.experts(self.pre_feedforward_layernorm_2(hidden), weights, chosen)
+            out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(routed)
+        normed: torch.Tensor = self.post_feedforward_layernorm(out)
+        return normed
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        rope: RopeTables,
+        per_layer_input: torch.Tensor | None,
+        ctx: ForwardContext,
+    ) -> torch.Tensor:
+        attn = self.self_attn(self.input_layernorm(hidden), rope, ctx)
+        hidden = hidden + self.post_attention_layernorm(attn)
+        hidden = hidden + self._feed_forward(hidden)
+        if per_layer_input is not None:
+            gated = self.act(self.per_layer_input_gate(hidden)) * per_layer_input
+            hidden = hidden + self.post_per_layer_input_norm(self.per_layer_projection(gated))
+        return hidden * self.layer_scalar
+
+
+class Gemma4Model(nn.Module):
+    """Embeddings, per-layer inputs, the layer stack (through the KV-sharing loop), final norm."""
+
+    def __init__(self, hf_config: PretrainedConfig, parallel: ParallelConfig) -> None:
+        super().__init__()
+        hidden, num_layers = hf_config.hidden_size, hf_config.num_hidden_layers
+        self.types = list(hf_config.layer_types)
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hidden, parallel)
+        self.per_layer = int(hf_config.hidden_size_per_layer_input or 0)
+        if self.per_layer:
+            self.vocab_per_layer = hf_config.vocab_size_per_layer_input
+            self.embed_tokens_per_layer = VocabParallelEmbedding(
+                self.vocab_per_layer, num_layers * self.per_layer, parallel
+            )
+            self.per_layer_model_projection = ReplicatedLinear(hidden, num_layers * self.per_layer)
+            self.per_layer_projection_norm = RMSNorm(self.per_layer, hf_config.rms_norm_eps)
+        targets = kv_sharing_targets(hf_config)
+        self.layers = nn.ModuleList(
+            Gemma4DecoderLayer(hf_config, idx, targets.get(idx), parallel)
+            for idx in range(num_layers)
+        )
+        self.norm = RMSNorm(hidden, hf_config.rms_norm_eps)
+        head_sizes = {
+            kind: layer_shape(hf_config, self.types.index(kind))[0] for kind in self.types
+        }
+        self.rotary_emb = nn.ModuleDict(
+            {
+                kind: RotaryEmbedding(size, rope_parameters(hf_config, kind))
+                for kind, size in sorted(head_sizes.items())
+            }
+        )
+        self.loop = KVSharingDecoderLoop(self.layers)
+
+    def _per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """[T] ids, [T, H] embeddings -> [T, layers, P]: token table + projected embedding."""
+        shape, dtype = (embeds.shape[0], len(self.layers), self.per_layer), embeds.dtype
+        ids = torch.where((input_ids >= 0) & (input_ids < self.vocab_per_layer), input_ids, 0)
+        table = self.embed_tokens_per_layer(ids) * torch.tensor(self.per_layer**0.5).to(dtype)
+        scale = torch.tensor(embeds.shape[-1] ** -0.5).to(dtype)
+        projected = self.per_layer_model_projection(embeds) * scale
+        projected = self.per_layer_projection_norm(projected.reshape(shape))
+        summed: torch.Tensor = projected + table.reshape(shape)
+        return summed * 2.0**-0.5
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        embeds = self.embed_tokens(input_ids)
+        embeds = embeds * torch.tensor(embeds.shape[-1] ** 0.5).to(embeds.dtype)  # [T, H]
+        tables = {kind: rope(positions) for kind, rope in self.rotary_emb.items()}
+        per_layer = self._per_layer_inputs(input_ids, embeds) if self.per_layer else None
+        inputs: Inputs = (tables, per_layer)
+
+        def run_layer(idx: int, hidden: torch.Tensor, layer_inputs: Inputs) -> torch.Tensor:
+            rope, per_layer = layer_inputs[0][self.types[idx]], layer_inputs[1]
+            layer_input = None if per_layer is None else per_layer[:, idx]
+            out: torch.Tensor = self.layers[idx](hidden, rope, layer_input, ctx)
+            return out
+
+        hidden = self.loop.run(run_layer, embeds, inputs, ctx)
+        normed: torch.Tensor = self.norm(hidden)
+        return normed
+
+
+class Gemma4ForCausalLM(DecoderForCausalLM):
+    """Gemma 4 text-only causal LM (`Gemma4ForCausalLM` / `Gemma4TextConfig`)."""
+
+    tie_word_embeddings_default = True
+
+    def __init__(self, model_config: ModelConfig, parallel: ParallelConfig) -> None:
+        hf_config = model_config.hf_config
+        if getattr(hf_config, "use_bidirectional_attention", None):
+            raise ValueError("Gemma 4 with bidirectional attention cannot be served as a decoder")
+        super().__init__(model_config, parallel)
+        self.shared_layers = set(kv_sharing_targets(hf_config))
+        self.k_as_v_layers = {
+            idx
+            for idx in range(hf_config.num_hidden_layers)
+            if uses_k_as_v(hf_config, idx) and idx not in self.shared_layers
+        }
+
+    def build_model(self, hf_config: PretrainedConfig, parallel: ParallelConfig) -> nn.Module:
+        return Gemma4Model(hf_config, parallel)
+
+    @classmethod
+    def decoder_options(cls, hf_config: PretrainedConfig) -> DecoderOptions:
+        cap = getattr(hf_config, "final_logit_softcapping", None)
+        return DecoderOptions(
+            hidden_act=hf_config.hidden_activation,
+            attn_scale=1.0,
+            final_softcap=float(cap) if cap is not None else None,
+        )
+
+    def _renamed(
+        self, weights: Iterable[tuple[str, WeightSource]]
+    ) -> Iterator[tuple[str, WeightSource]]:
+        """Shared layers' `q_proj` -> `query_proj`; K = V layers' `k_proj` also fills `v`."""
+        shared = tuple(f"model.layers.{idx}.self_attn.q_proj." for idx in self.shared_layers)
+        k_as_v = tuple(f"model.layers.{idx}.self_attn.k_proj." for idx in self.k_as_v_layers)
+        for name, weight in weights:
+            if name.startswith(shared):
+                yield name.replace(".q_proj.", ".query_proj."), weight
+                continue
+            yield name, weight
+            if name.startswith(k_as_v):
+                yield name.replace(".k_proj.", ".v_proj."), weight
+
+    def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> set[str]:
+        """Checkpoint K/V tensors of shared layers (which released checkpoints may carry) are
+        not loaded; see `_renamed` for the other renames."""
+        shared = [f"model.layers.{idx}.self_attn." for idx in sorted(self.shared_layers)]
+        skip = [f"{p}{part}." for p in shared for part in ("k_proj", "v_proj", "k_norm", "v_norm")]
+        if self.tie_word_embeddings:
+            skip.append("lm_head.")
+        return load_named_weights(self, self._renamed(weights), skip_prefixes=skip)

@@ -1,0 +1,163 @@
+"""Building blocks of Gemma 4's text decoder: attention with per-layer shapes, and the MoE block.
+
+Used by `worker.models.gemma4`; numerics follow transformers' `Gemma4TextAttention`,
+`Gemma4TextRouter` and `Gemma4TextExperts`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
+
+from worker.attention import Attention, AttentionConfig, ForwardContext
+from worker.config import ParallelConfig
+from worker.distributed import all_reduce
+from worker.layers.linear import (
+    ColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    divide,
+)
+from worker.layers.loading import (
+    ShardId,
+    WeightSource,
+    copy_checked,
+    default_weight_loader,
+    new_parameter,
+    read_part,
+)
+from worker.layers.norm import RMSNorm
+from worker.layers.rotary import RopeTables, apply_rotary
+from worker.models.decoder import window_from_layer_types
+from worker.models.gemma3n_layers import unscaled_rms
+
+
+def attn_name(layer_idx: int) -> str:
+    """The paged attention layer's name (KV sharing targets are named this way)."""
+    return f"model.layers.{layer_idx}.self_attn.attn"
+
+
+def layer_shape(hf_config: PretrainedConfig, idx: int) -> tuple[int, int]:
+    """(head size, KV heads) of layer `idx`: global layers have their own (`per_layer_config`)."""
+    layer_config = hf_config.per_layer_config[idx]
+    return int(layer_config.head_dim), int(layer_config.num_key_value_heads)
+
+
+def uses_k_as_v(hf_config: PretrainedConfig, idx: int) -> bool:
+    """Global layers of `attention_k_eq_v` models have no value projection: V comes from K."""
+    return bool(hf_config.attention_k_eq_v) and hf_config.layer_types[idx] != "sliding_attention"
+
+
+class Gemma4Attention(nn.Module):
+    """q/k norms, unscaled value norm, rope, scale 1; KV-sharing layers only project queries.
+
+    Where K = V the checkpoint's `k_proj` is loaded into both the key and the value rows of the
+    packed projection (see `Gemma4ForCausalLM.load_weights`): V is then the raw key projection,
+    normalised without a scale and not rotated, as in transformers.
+    """
+
+    def __init__(
+        self, hf_config: PretrainedConfig, idx: int, target: int | None, parallel: ParallelConfig
+    ) -> None:
+        super().__init__()
+        hidden, eps, bias = hf_config.hidden_size, hf_config.rms_norm_eps, hf_config.attention_bias
+        self.head_size, kv_heads = layer_shape(hf_config, idx)
+        size, heads = self.head_size, hf_config.num_attention_heads
+        self.eps, self.is_shared = eps, target is not None
+        self.q_norm = RMSNorm(size, eps)
+        if target is None:
+            self.qkv_proj = QKVParallelLinear(hidden, size, heads, kv_heads, parallel, bias=bias)
+            self.k_norm = RMSNorm(size, eps)
+        else:  # NOTE: the checkpoint's `q_proj` is renamed here (see `load_weights`)
+            self.query_proj = ColumnParallelLinear(hidden, heads * size, parallel, bias=bias)
+        self.o_proj = RowParallelLinear(heads * size, hidden, parallel, bias=bias)
+        self.attn = Attention(
+            AttentionConfig(
+                layer_name=attn_name(idx),
+                num_heads=heads // parallel.tp_size,
+                num_kv_heads=max(1, kv_heads // parallel.tp_size),  # as QKVParallelLinear does
+                head_size=size,
+                scale=1.0,
+                sliding_window=window_from_layer_types(hf_config, idx),
+                kv_sharing_target=None if target is None else attn_name(target),
+            )
+        )
+
+    def forward(self, x: torch.Tensor, rope: RopeTables, ctx: ForwardContext) -> torch.Tensor:
+        num_tokens, size = x.shape[0], self.head_size
+        if self.is_shared:
+            q, k, v = self.query_proj(x), x.new_empty(0), x.new_empty(0)
+        else:
+            q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+            v = unscaled_rms(v.reshape(num_tokens, -1, size), self.eps)
+            k = apply_rotary(self.k_norm(k.reshape(num_tokens, -1, size)), rope)
+        q = apply_rotary(self.q_norm(q.reshape(num_tokens, -1, size)), rope)
+        out = self.attn(
+            q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.reshape(num_tokens, -1), ctx
+        )
+        projected: torch.Tensor = self.o_proj(out)
+        return projected
+
+
+class Gemma4Router(nn.Module):
+    """Unscaled RMS norm, learned scale, softmax over experts, top-k renormalised, then scaled
+    per expert: returns (weights, expert ids), each [T, k]."""
+
+    def __init__(self, hf_config: PretrainedConfig) -> None:
+        super().__init__()
+        hidden, num = hf_config.hidden_size, hf_config.num_experts
+        self.eps, self.top_k, self.root = (
+            hf_config.rms_norm_eps,
+            hf_config.top_k_experts,
+            hidden**-0.5,
+        )
+        self.proj = ReplicatedLinear(hidden, num)
+        self.scale = new_parameter((hidden,), default_weight_loader, fill=1.0)
+        self.per_expert_scale = new_parameter((num,), default_weight_loader, fill=1.0)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        normed = unscaled_rms(x, self.eps) * self.scale * self.root
+        probs = torch.softmax(self.proj(normed), dim=-1, dtype=torch.float32)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.per_expert_scale[chosen], chosen
+
+
+class Gemma4Experts(nn.Module):
+    """`gate_up_proj` [E, 2I, H] (gate rows, then up rows) and `down_proj` [E, H, I]; this rank
+    holds intermediate features [rank * I/tp, (rank + 1) * I/tp) of every expert."""
+
+    def __init__(self, hf_config: PretrainedConfig, parallel: ParallelConfig) -> None:
+        super().__init__()
+        num, hidden = hf_config.num_experts, hf_config.hidden_size
+        self.inner = hf_config.moe_intermediate_size
+        self.inner_per_rank = divide(self.inner, parallel.tp_size, "moe_intermediate_size")
+        self.parallel = parallel
+        self.gate_up_proj = new_parameter((num, 2 * self.inner_per_rank, hidden), self.load_gate_up)
+        self.down_proj = new_parameter((num, hidden, self.inner_per_rank), self.load_down)
+        self.act = ACT2FN[hf_config.hidden_activation]
+
+    def load_gate_up(self, param: nn.Parameter, source: WeightSource, _: ShardId = None) -> None:
+        """This rank's gate rows and up rows of every expert."""
+        start, size = self.parallel.rank * self.inner_per_rank, self.inner_per_rank
+        gate = read_part(source, 1, start, size)
+        up = read_part(source, 1, self.inner + start, size)
+        copy_checked(param.data, torch.cat([gate, up], dim=1))
+
+    def load_down(self, param: nn.Parameter, source: WeightSource, _: ShardId = None) -> None:
+        """This rank's input columns of every expert's down projection."""
+        size = self.inner_per_rank
+        copy_checked(param.data, read_part(source, 2, self.parallel.rank * size, size))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> sum over each token's chosen experts of weight * expert(x)."""
+        out = torch.zeros_like(x)
+        for expert in torch.unique(chosen).tolist():
+            tokens, slot = torch.where(chosen == expert)
+            gate, up = (x[tokens] @ self.gate_up_proj[expert].T).chunk(2, dim=-1)
+            routed = (self.act(gate) * up) @ self.down_proj[expert].T
+            out.index_add_(0, tokens, (routed * weights[tokens, slot, None]).to(out.dtype))
+        return all_reduce(out) if self.parallel.tp_size > 1 else out
