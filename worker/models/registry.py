@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from worker.models.bamba import BambaForCausalLM
 from worker.models.decoder import DecoderForCausalLM
 from worker.models.gemma2 import Gemma2ForCausalLM
 from worker.models.gemma3 import Gemma3ForCausalLM
@@ -18,6 +19,7 @@ _MODELS: dict[str, type[DecoderForCausalLM]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3nForCausalLM": Gemma3nForCausalLM,
     "Llama4ForCausalLM": Llama4ForCausalLM,
+    "BambaForCausalLM": BambaForCausalLM,
 }
 
 
