@@ -7,8 +7,10 @@ from worker.models.decoder import DecoderForCausalLM
 from worker.models.gemma2 import Gemma2ForCausalLM
 from worker.models.gemma3 import Gemma3ForCausalLM
 from worker.models.gemma3n import Gemma3nForCausalLM
+from worker.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from worker.models.llama import LlamaForCausalLM, MistralForCausalLM
 from worker.models.llama4 import Llama4ForCausalLM
+from worker.models.nemotron_h import NemotronHForCausalLM
 from worker.models.qwen2 import Qwen2ForCausalLM
 
 _MODELS: dict[str, type[DecoderForCausalLM]] = {
@@ -20,6 +22,8 @@ _MODELS: dict[str, type[DecoderForCausalLM]] = {
     "Gemma3nForCausalLM": Gemma3nForCausalLM,
     "Llama4ForCausalLM": Llama4ForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
+    "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
+    "NemotronHForCausalLM": NemotronHForCausalLM,
 }
 
 
