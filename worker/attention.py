@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -19,6 +20,9 @@ from scheduler.kv_cache_spec import (
     KVCacheSpec,
     SlidingWindowSpec,
 )
+
+if TYPE_CHECKING:
+    from worker.mamba_metadata import MambaMetadata
 
 StoreKVCache = Callable[..., None]
 PagedAttention = Callable[..., torch.Tensor]
@@ -51,7 +55,10 @@ class ForwardContext:
 
     metadata: dict[str, AttentionMetadata]
     kv_caches: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    """Per layer: key and value caches [num_blocks, block_size, num_kv_heads, head_size]."""
+    """Per layer: key and value caches [num_blocks, block_size, num_kv_heads, head_size]; for a
+    Mamba layer its conv and SSM state views [num_blocks, ...]."""
+    mamba_metadata: dict[str, MambaMetadata] = field(default_factory=dict)
+    """Per Mamba layer: its KV cache group's state blocks for this step."""
 
 
 @dataclass(frozen=True)

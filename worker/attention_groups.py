@@ -24,6 +24,8 @@ from scheduler.kv_cache_spec import (
     ChunkedLocalAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
+    MambaSpec,
+    manager_spec,
 )
 from worker.attention import Attention, AttentionMetadata, ForwardContext
 from worker.block_table import choose_kernel_block_size
@@ -185,7 +187,11 @@ def build_attention_groups(
         for gid in range(len(config.groups))
     ]
     infos = [LayerAttentionInfo(name, spec_of[name], targets.get(name)) for name in by_name]
-    owners = [[name for name in g.layer_names if name not in targets] for g in config.groups]
+    owners = [
+        [] if isinstance(manager_spec(g.spec), MambaSpec)  # Mamba layers are no attention
+        else [name for name in g.layer_names if name not in targets]
+        for g in config.groups
+    ]
     groups = []
     for plan in plan_attention_groups(infos, owners, options.kv_sharing_fast_prefill):
         first = by_name[plan.layer_names[0]]

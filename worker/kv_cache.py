@@ -23,9 +23,11 @@ from scheduler.kv_cache_spec import (
     AttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
+    MambaSpec,
     UniformTypeKVCacheSpecs,
 )
 from worker.attention import Attention
+from worker.mamba_cache import block_contiguous_attention_view, has_mamba_groups, mamba_view
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +109,11 @@ def available_kv_cache_memory(
     return budget
 
 
+def _member_spec(config: KVCacheConfig, group_id: int, layer_name: str) -> KVCacheSpec:
+    spec = config.groups[group_id].spec
+    return spec.spec_of(layer_name) if isinstance(spec, UniformTypeKVCacheSpecs) else spec
+
+
 def layer_spec(config: KVCacheConfig, group_id: int, layer_name: str) -> AttentionSpec:
     """The attention spec of one layer of a group (a member of a uniform-type group spec)."""
     spec = config.groups[group_id].spec
@@ -126,17 +133,21 @@ def allocate_kv_caches(
     """Allocate the tensor plan's buffers and view them per layer; sharing layers alias."""
     group_of = {name: gid for gid, g in enumerate(config.groups) for name in g.layer_names}
     element_size = dtype.itemsize
+    with_mamba = has_mamba_groups(config)
     caches: KVCaches = {}
     for tensor in config.tensors:
         buffer = torch.zeros(tensor.size_bytes, dtype=torch.uint8, device=device)
         for name in tensor.shared_by:
             gid = group_of[name]
+            member = _member_spec(config, gid, name)
+            if isinstance(member, MambaSpec):
+                caches[name] = mamba_view(buffer, member, config.num_blocks, dtype)
+                continue
             spec = layer_spec(config, gid, name)
             if spec.dtype_bytes != element_size:
                 raise ValueError(f"{name}: spec has {spec.dtype_bytes}-byte elements, {dtype} not")
-            caches[name] = _layer_view(
-                buffer, spec, config.num_blocks, kernel_block_sizes[gid], dtype
-            )
+            view = block_contiguous_attention_view if with_mamba else _layer_view
+            caches[name] = view(buffer, spec, config.num_blocks, kernel_block_sizes[gid], dtype)
     for name, target in config.shared_kv_layers:
         caches[name] = caches[target]
     missing = [name for g in config.groups for name in g.layer_names if name not in caches]

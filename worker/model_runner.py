@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from kernels import AttentionBackend, select_backend
-from scheduler.kv_cache_spec import KVCacheConfig
+from kernels.mamba_registry import select_mamba_kernels
+from scheduler.kv_cache_config import group_of_layer
+from scheduler.kv_cache_spec import KVCacheConfig, MambaCacheMode
 from scheduler.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from worker.attention import ForwardContext
 from worker.attention_groups import (
@@ -42,6 +44,8 @@ from worker.kv_cache import (
     attention_layers,
     report_kv_cache_specs,
 )
+from worker.mamba_cache import mamba_layers, model_order_specs
+from worker.mamba_metadata import build_mamba_metadata, mamba_group_modes
 from worker.metadata_transforms import StepRows
 from worker.runner_config import RunnerConfig
 from worker.sampler import Sampler, SamplingTensors, to_token_logprobs
@@ -104,6 +108,9 @@ class ModelRunner:
         self.is_driver = is_driver
         """Only the driver rank samples and returns outputs; other ranks run the forward."""
         self.layers = attention_layers(model)
+        self.mamba_layers = mamba_layers(model)
+        self._mamba_groups: dict[str, int] = {}
+        """Mamba layer -> its KV cache group."""
         self.sampler = Sampler(config.seed, device)
         self.attention_groups: list[AttentionGroup] = []
         self.kv_caches: KVCaches = {}
@@ -116,8 +123,15 @@ class ModelRunner:
         return self.settings.dtype.itemsize
 
     def kv_cache_specs(self) -> KVCacheSpecReport:
-        """Per-layer KV specs of this rank at the configured block size."""
-        return report_kv_cache_specs(self.layers, self.config.block_size, self.dtype_bytes)
+        """Per-layer KV specs of this rank at the configured block size (Mamba layers too)."""
+        report = report_kv_cache_specs(self.layers, self.config.block_size, self.dtype_bytes)
+        if not self.mamba_layers:
+            return report
+        mode = MambaCacheMode(self.config.mamba_cache_mode)
+        specs = model_order_specs(
+            self.model, report.layer_specs, self.config.block_size, self.dtype_bytes, mode
+        )
+        return replace(report, layer_specs=specs)
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         """Build attention groups, allocate and bind the KV caches, size the block tables."""
@@ -141,6 +155,10 @@ class ModelRunner:
             self.settings.max_model_len,
         )
         self.states = RequestStates(tables, self.device)
+        group_of = group_of_layer(kv_cache_config)
+        self._mamba_groups = {layer.layer_name: group_of[layer.layer_name] for layer in self.mamba_layers}
+        self._mamba_modes = mamba_group_modes(kv_cache_config)
+        self._mamba_kernels = select_mamba_kernels(self.config.attention_backend, self.device)
         logger.info(
             "KV cache bound: %d KV cache groups, %d attention groups, kernel block sizes %s",
             len(kv_cache_config.groups),
@@ -178,6 +196,10 @@ class ModelRunner:
         ctx = build_forward_context(
             self.attention_groups, batch, step, self.kv_caches, self.build_stats
         )
+        if self._mamba_groups:
+            per_group = build_mamba_metadata(batch, states, self._mamba_modes, self._mamba_kernels)
+            layers = {name: per_group[gid] for name, gid in self._mamba_groups.items()}
+            ctx = replace(ctx, mamba_metadata=layers)
         hidden = self.model(batch.input_ids, batch.positions, ctx)  # [num_tokens, hidden]
         rows = batch.logits_indices
         if prompt_rows is not None:

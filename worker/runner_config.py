@@ -36,6 +36,10 @@ class RunnerConfig:
     reorder_batch_threshold: int | None = None
     """Order each step's batch decode -> extend -> prefill; requests with at most this many
     scheduled tokens count as decodes. None keeps the scheduler's order."""
+    mamba_cache_mode: str = "align"
+    """Which Mamba states the KV pool keeps: "none" (one per request, no prefix hits on
+    Mamba groups), "align" (states at block ends where prefill chunks end; the scheduler splits
+    prefills on the hit-alignment grid) or "all" (a state at every block end)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -46,6 +50,10 @@ class RunnerConfig:
             raise ValueError(
                 f"unknown attention_backend {self.attention_backend!r}; "
                 f"choose one of {', '.join(BACKEND_NAMES)}"
+            )
+        if self.mamba_cache_mode not in ("none", "align", "all"):
+            raise ValueError(
+                f"mamba_cache_mode must be 'none', 'align' or 'all', got {self.mamba_cache_mode!r}"
             )
         if torch.device(self.device).type not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from worker.models.bamba import BambaForCausalLM
 from worker.models.decoder import DecoderForCausalLM
 from worker.models.gemma2 import Gemma2ForCausalLM
 from worker.models.gemma3 import Gemma3ForCausalLM
 from worker.models.gemma3n import Gemma3nForCausalLM
 from worker.models.gemma4 import Gemma4ForCausalLM
 from worker.models.gpt_oss import GptOssForCausalLM
+from worker.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from worker.models.llama import LlamaForCausalLM, MistralForCausalLM
 from worker.models.llama4 import Llama4ForCausalLM
+from worker.models.nemotron_h import NemotronHForCausalLM
 from worker.models.qwen2 import Qwen2ForCausalLM
 
 _MODELS: dict[str, type[DecoderForCausalLM]] = {
@@ -22,6 +25,9 @@ _MODELS: dict[str, type[DecoderForCausalLM]] = {
     "Llama4ForCausalLM": Llama4ForCausalLM,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,
+    "BambaForCausalLM": BambaForCausalLM,
+    "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
+    "NemotronHForCausalLM": NemotronHForCausalLM,
 }
 
 

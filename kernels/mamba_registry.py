@@ -1,0 +1,70 @@
+"""Mamba kernel registry: the torch reference or the Triton kernels, picked once per worker.
+
+`select_mamba_kernels` follows the attention backend choice: "torch" gives the reference,
+"triton" the Triton kernels (ValueError when unavailable), "flash_attn" and "auto" the Triton
+kernels on CUDA when triton imports, else the reference. Kernel modules load only when chosen.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kernels.registry import BACKEND_NAMES, triton_import_error
+
+logger = logging.getLogger(__name__)
+
+ConvFn = Callable[..., object]
+ScanFn = Callable[..., object]
+
+
+@dataclass(frozen=True)
+class MambaKernels:
+    """The two kernels a Mamba layer calls (signatures of `kernels.mamba_reference`)."""
+
+    name: str
+    causal_conv1d: ConvFn
+    ssd_scan: ScanFn
+
+
+def select_mamba_kernels(name: str, device: str | torch.device) -> MambaKernels:
+    """Mamba kernels for the attention backend `name` on `device` (see the module docstring)."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"unknown backend {name!r}; choose one of {BACKEND_NAMES}")
+    device = torch.device(device)
+    if name == "torch":
+        return _build("torch")
+    reason = _triton_unavailable_reason(device)
+    if name == "triton" and reason is not None:
+        raise ValueError(f"Triton Mamba kernels are unavailable: {reason}")
+    if reason is None:
+        logger.info("Mamba kernels: triton on %s", device)
+        return _build("triton")
+    logger.info("Mamba kernels: torch (%s)", reason)
+    return _build("torch")
+
+
+def _triton_unavailable_reason(device: torch.device) -> str | None:
+    error = triton_import_error()
+    if error is not None:
+        return error
+    if device.type == "cuda":
+        return None
+    from kernels import triton_attention
+
+    if device.type == "cpu" and triton_attention.is_interpreted():
+        return None
+    return f"Triton kernels need a CUDA device, not {device.type}"
+
+
+def _build(name: str) -> MambaKernels:
+    if name == "torch":
+        from kernels import mamba_reference
+
+        return MambaKernels(name, mamba_reference.causal_conv1d, mamba_reference.ssd_scan)
+    from kernels import triton_mamba
+
+    return MambaKernels(name, triton_mamba.causal_conv1d, triton_mamba.ssd_scan)

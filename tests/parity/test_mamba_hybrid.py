@@ -1,0 +1,157 @@
+"""Mamba-2 hybrids (Bamba, GraniteMoeHybrid, NemotronH) end to end against transformers (CPU fp32).
+
+Prompt log-probabilities within 1e-4 and 32 greedy tokens identical to transformers' own
+(torch fallback) implementation, through the offline `LLM`: chunked prefill (block size 4,
+24-token budget; the Mamba state makes the hybrid block 12 tokens), prefix hits in align mode
+(also hits on states written in the same step), the none and all cache modes, preemption and
+resume, tensor parallelism over Mamba heads, and clear errors for layouts that cannot work.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+
+import cluster.engine_args
+from cluster import LLM, SamplingParams
+from tests.helpers.tiny_hybrid import save_tiny_hybrid
+from worker.runner_config import RunnerConfig
+
+pytestmark = pytest.mark.parity
+
+FAMILIES = ["bamba", "granitemoehybrid", "nemotron_h"]
+NUM_NEW = 32
+PROMPTS = [
+    [(7 * i + 3) % 256 for i in range(30)],
+    [(11 * i + 5) % 256 for i in range(5)],
+    [(13 * i + 1) % 256 for i in range(17)],
+]
+# Share 24 and 12 leading tokens (two and one hybrid blocks of 12) with the first prompt.
+SHARED = [[*PROMPTS[0][:24], 9, 8, 7, 6, 5], [*PROMPTS[0][:12], 200, 100, 50]]
+LLM_ARGS = {"block_size": 4, "max_num_batched_tokens": 24, "kv_cache_memory_bytes": 1 << 21}
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW)
+
+
+class Saved(NamedTuple):
+    path: Path
+    hf_model: torch.nn.Module
+    greedy: dict[tuple[int, ...], list[int]]
+
+
+def _hf_greedy(hf_model: torch.nn.Module, prompt: list[int]) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=NUM_NEW, do_sample=False)
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Saved:
+    path = tmp_path_factory.mktemp(request.param)
+    hf_model = save_tiny_hybrid(request.param, path)
+    greedy = {tuple(p): _hf_greedy(hf_model, p) for p in PROMPTS + SHARED}
+    return Saved(path, hf_model, greedy)
+
+
+def _tokens(results) -> list[list[int]]:
+    return [r.outputs[0].token_ids for r in results]
+
+
+def _expected(saved: Saved, prompts: list[list[int]]) -> list[list[int]]:
+    return [saved.greedy[tuple(p)] for p in prompts]
+
+
+def test_prompt_logprobs_match_transformers(saved: Saved) -> None:
+    prompt = PROMPTS[0]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5)
+    llm = LLM(str(saved.path), enable_prefix_caching=False, **LLM_ARGS)
+    (result,) = llm.generate([prompt], params, use_tqdm=False)
+    llm.shutdown()
+    with torch.no_grad():
+        reference = torch.log_softmax(saved.hf_model(torch.tensor([prompt])).logits[0], dim=-1)
+    assert result.prompt_logprobs is not None
+    for pos, entry in enumerate(result.prompt_logprobs, start=1):
+        assert entry.logprob == pytest.approx(float(reference[pos - 1, prompt[pos]]), abs=1e-4)
+        assert entry.top_logprobs == pytest.approx(reference[pos - 1].topk(5).values.tolist(), abs=1e-4)
+
+
+def test_chunked_prefill_and_align_prefix_hits_give_transformers_tokens(saved: Saved) -> None:
+    llm = LLM(str(saved.path), **LLM_ARGS)
+    groups = llm.engine.scheduler.kv_cache_config.groups
+    assert {g.spec.block_size for g in groups} == {12}
+    results = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert _tokens(results) == _expected(saved, PROMPTS)
+    # The first prompt's first chunk ended at 24 (on the 12-token grid), so its state there is
+    # cached; align mode keeps no state at 12 (inside that chunk): the second prompt misses.
+    results = llm.generate(SHARED, GREEDY, use_tqdm=False)
+    assert _tokens(results) == _expected(saved, SHARED)
+    assert [r.num_cached_tokens for r in results] == [24, 0]
+    llm.shutdown()
+
+
+def test_hits_on_states_written_in_the_same_step(saved: Saved) -> None:
+    """Prompts sharing a prefix, submitted together: the later ones hit blocks whose state the
+    first one writes in the same step (they run in a later wave of the Mamba layers)."""
+    llm = LLM(str(saved.path), **LLM_ARGS)
+    prompts = [PROMPTS[0], *SHARED]
+    results = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert _tokens(results) == _expected(saved, prompts)
+    assert sum(r.num_cached_tokens for r in results) > 0
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["none", "all"])
+def test_none_and_all_modes(saved: Saved, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(
+        cluster.engine_args, "RunnerConfig", functools.partial(RunnerConfig, mamba_cache_mode=mode)
+    )
+    llm = LLM(str(saved.path), max_num_seqs=1, **LLM_ARGS)
+    prompts = [PROMPTS[0], *SHARED]
+    results = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert _tokens(results) == _expected(saved, prompts)
+    hits = [r.num_cached_tokens for r in results]
+    assert hits == ([0, 0, 0] if mode == "none" else [0, 24, 12])
+    llm.shutdown()
+
+
+def test_preemption_and_resume_keep_the_tokens(saved: Saved) -> None:
+    llm = LLM(str(saved.path), max_model_len=72, **{**LLM_ARGS, "kv_cache_memory_bytes": 14 * 3072})
+    prompts = [PROMPTS[0], [(5 * i + 5) % 256 for i in range(30)], PROMPTS[2]]
+    expected = [saved.greedy.get(tuple(p)) or _hf_greedy(saved.hf_model, p) for p in prompts]
+    results = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert _tokens(results) == expected
+    llm.shutdown()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "family",
+    [
+        "granitemoehybrid",  # MoE experts split too; one B/C group replicated on both ranks
+        pytest.param("bamba", marks=pytest.mark.slow),
+        pytest.param("nemotron_h", marks=pytest.mark.slow),
+    ],
+)
+def test_tensor_parallel_2_splits_mamba_heads(family: str, tmp_path: Path) -> None:
+    hf_model = save_tiny_hybrid(family, tmp_path)
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, **LLM_ARGS)
+    try:
+        tokens = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    finally:
+        llm.shutdown()
+    assert tokens == [_hf_greedy(hf_model, p) for p in prompts]
+
+
+def test_bad_layouts_fail_before_memory_is_allocated(tmp_path: Path) -> None:
+    save_tiny_hybrid("bamba", tmp_path, mamba_n_heads=2)  # 2 Mamba heads, 4 attention heads
+    with pytest.raises(ValueError, match=r"mamba heads \(2\) are not divisible by tp_size=4"):
+        LLM(str(tmp_path), tensor_parallel_size=4, **LLM_ARGS)
+    with pytest.raises(ValueError, match="at least 2 are needed"):
+        LLM(str(tmp_path), **{**LLM_ARGS, "kv_cache_memory_bytes": 4 * 1024})
+    with pytest.raises(ValueError, match="hybrid KV cache manager is disabled"):
+        LLM(str(tmp_path), disable_hybrid_kv_cache_manager=True, **LLM_ARGS)

@@ -1,0 +1,93 @@
+"""Mamba state in the KV pool: the layers' specs, and their views of the shared buffers.
+
+A Mamba layer's page (one block) holds its conv state then its SSM state, padded to the
+group's page size (`MambaSpec.page_size_padded`). Buffers are shared with attention layers of
+other groups, so with Mamba groups present every attention page is made one contiguous byte
+range too: K and V of a block are adjacent (`[num_blocks, 2, block, heads, dim]`), instead of
+all K pages then all V pages. Block b of any layer is then bytes [b * page, (b + 1) * page).
+
+    page of block b:  | conv state [conv_dim, width-1] | SSM state [heads, head_dim, N] | pad |
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from scheduler.kv_cache_spec import (
+    AttentionSpec,
+    KVCacheConfig,
+    KVCacheSpec,
+    MambaCacheMode,
+    MambaSpec,
+    manager_spec,
+)
+from worker.attention import Attention
+from worker.mamba import MambaMixer2
+
+
+class HasModules(Protocol):
+    def modules(self) -> Iterator[nn.Module]: ...
+
+
+def mamba_layers(model: HasModules) -> list[MambaMixer2]:
+    """The model's Mamba mixers in module order."""
+    return [module for module in model.modules() if isinstance(module, MambaMixer2)]
+
+
+def has_mamba_groups(config: KVCacheConfig) -> bool:
+    return any(isinstance(manager_spec(group.spec), MambaSpec) for group in config.groups)
+
+
+def model_order_specs(
+    model: HasModules,
+    attention_specs: dict[str, KVCacheSpec],
+    block_size: int,
+    dtype_bytes: int,
+    mode: MambaCacheMode,
+) -> dict[str, KVCacheSpec]:
+    """Attention and Mamba specs together, in the order the layers appear in the model."""
+    specs: dict[str, KVCacheSpec] = {}
+    for module in model.modules():
+        if isinstance(module, MambaMixer2):
+            specs[module.layer_name] = module.kv_cache_spec(block_size, dtype_bytes, mode)
+        elif isinstance(module, Attention) and module.layer_name in attention_specs:
+            specs[module.layer_name] = attention_specs[module.layer_name]
+    return specs
+
+
+def mamba_view(
+    buffer: torch.Tensor, spec: MambaSpec, num_blocks: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(conv state [num_blocks, ...], SSM state [num_blocks, ...]) views of a raw buffer."""
+    page = spec.page_size_bytes
+    if page % dtype.itemsize:
+        raise ValueError(f"Mamba page of {page} bytes is not a whole number of {dtype} elements")
+    if any(size != dtype.itemsize for size in spec.dtype_bytes):
+        raise ValueError(f"Mamba states are kept in the model dtype {dtype}, spec says {spec}")
+    pages = buffer[: num_blocks * page].view(dtype).view(num_blocks, page // dtype.itemsize)
+    views, offset = [], 0
+    for shape in spec.shapes:
+        size = math.prod(shape)
+        views.append(pages[:, offset : offset + size].view(num_blocks, *shape))
+        offset += size
+    conv, ssm = views
+    return conv, ssm
+
+
+def block_contiguous_attention_view(
+    buffer: torch.Tensor,
+    spec: AttentionSpec,
+    num_blocks: int,
+    kernel_block_size: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value caches whose block b occupies bytes [b * page, (b + 1) * page)."""
+    split = spec.block_size // kernel_block_size
+    shape = (num_blocks * split, 2, kernel_block_size, spec.num_kv_heads, spec.head_size)
+    view = buffer[: num_blocks * spec.page_size_bytes].view(dtype).view(shape)
+    return view[:, 0], view[:, 1]
