@@ -200,7 +200,7 @@ def test_gemma4_kv_groups_unify_page_sizes_and_fold_when_hybrid_is_off(gemma4):
     configs = {}
     for hybrid_off in (False, True):
         llm = LLM(str(gemma4.path), **LLM_ARGS, disable_hybrid_kv_cache_manager=hybrid_off)
-        configs[hybrid_off] = llm.engine.scheduler.kv_cache_config
+        configs[hybrid_off] = llm.client.core.scheduler.kv_cache_config
         llm.shutdown()
     hybrid = configs[False]
     pages = {group.spec.page_size_bytes for group in hybrid.groups}

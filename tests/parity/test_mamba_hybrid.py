@@ -73,14 +73,21 @@ def test_prompt_logprobs_match_transformers(saved: Saved) -> None:
     with torch.no_grad():
         reference = torch.log_softmax(saved.hf_model(torch.tensor([prompt])).logits[0], dim=-1)
     assert result.prompt_logprobs is not None
-    for pos, entry in enumerate(result.prompt_logprobs, start=1):
-        assert entry.logprob == pytest.approx(float(reference[pos - 1, prompt[pos]]), abs=1e-4)
-        assert entry.top_logprobs == pytest.approx(reference[pos - 1].topk(5).values.tolist(), abs=1e-4)
+    assert result.prompt_logprobs[0] is None
+    assert len(result.prompt_logprobs) == len(prompt)
+    for pos in range(1, len(prompt)):
+        entry = result.prompt_logprobs[pos]
+        assert entry is not None
+        chosen = float(reference[pos - 1, prompt[pos]])
+        assert entry[prompt[pos]].logprob == pytest.approx(chosen, abs=1e-4)
+        top = sorted((lp for lp in entry.values() if lp.rank <= 5), key=lambda lp: lp.rank)
+        expected_top = reference[pos - 1].topk(5).values.tolist()
+        assert [lp.logprob for lp in top] == pytest.approx(expected_top, abs=1e-4)
 
 
 def test_chunked_prefill_and_align_prefix_hits_give_transformers_tokens(saved: Saved) -> None:
     llm = LLM(str(saved.path), **LLM_ARGS)
-    groups = llm.engine.scheduler.kv_cache_config.groups
+    groups = llm.client.core.scheduler.kv_cache_config.groups
     assert {g.spec.block_size for g in groups} == {12}
     results = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert _tokens(results) == _expected(saved, PROMPTS)
@@ -122,7 +129,7 @@ def test_preemption_and_resume_keep_the_tokens(saved: Saved) -> None:
     prompts = [PROMPTS[0], [(5 * i + 5) % 256 for i in range(30)], PROMPTS[2]]
     expected = [saved.greedy.get(tuple(p)) or _hf_greedy(saved.hf_model, p) for p in prompts]
     results = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.client.core.scheduler.num_preemptions > 0
     assert _tokens(results) == expected
     llm.shutdown()
 
