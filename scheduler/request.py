@@ -44,13 +44,30 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """Return this many top logprobs per prompt token (0-20)."""
     stop_token_ids: tuple[int, ...] = ()
-    """Tokens that end generation (besides EOS)."""
+    """Tokens that end generation (besides EOS); a list is accepted."""
+    stop: tuple[str, ...] = ()
+    """Strings that end generation (the text is cut before them); a string or list is accepted."""
+    include_stop_str_in_output: bool = False
+    """Keep the stop string that ended the sequence in its text."""
+    skip_special_tokens: bool = True
+    """Leave special tokens out of the text."""
+    spaces_between_special_tokens: bool = True
+    """Put spaces between special tokens and their neighbours in the text."""
     seed: int | None = None
     """Per-request seed: the same seed gives the same tokens."""
     ignore_eos: bool = False
     """Keep generating past EOS."""
 
     def __post_init__(self) -> None:
+        # NOTE: normalising vLLM's list (and single string) spellings to tuples while the object
+        # is being built keeps it immutable and hashable; nothing is changed after construction.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        for name in ("stop", "stop_token_ids"):
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
+        if self.stop is None:  # type: ignore[comparison-overlap]  # vLLM's spelling of "none"
+            object.__setattr__(self, "stop", ())
         _check_types(self)
         _check(_is_int(self.n) and self.n >= 1, f"n must be an int >= 1, got {self.n!r}")
         _check(
@@ -115,12 +132,19 @@ def _check_types(params: SamplingParams) -> None:
         if value is not None and not _is_int(value):
             raise ValueError(f"{name} must be an int or None, got {value!r}")
     if not isinstance(params.stop_token_ids, tuple):
-        raise ValueError(
-            f"stop_token_ids must be a tuple of ints (hashable), got {params.stop_token_ids!r}; "
-            "pass tuple(ids)"
-        )
-    if not isinstance(params.ignore_eos, bool):
-        raise ValueError(f"ignore_eos must be a bool, got {params.ignore_eos!r}")
+        raise ValueError(f"stop_token_ids must be a list of ints, got {params.stop_token_ids!r}")
+    for name in (
+        "ignore_eos",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+    ):
+        if not isinstance(getattr(params, name), bool):
+            raise ValueError(f"{name} must be a bool, got {getattr(params, name)!r}")
+    if not isinstance(params.stop, tuple) or not all(
+        isinstance(stop, str) and stop for stop in params.stop
+    ):
+        raise ValueError(f"stop must be non-empty strings, got {params.stop!r}")
 
 
 class RequestStatus(enum.Enum):

@@ -145,6 +145,8 @@ class OutputProcessor:
         if step_output.prompt_logprobs:
             state.pending_prompt_logprobs.extend(self._convert(step_output.prompt_logprobs))
         text = sequence.detokenizer.update(new_ids)
+        if step_output.finish_reason is not None:
+            text += sequence.detokenizer.finish()
         logprobs = None
         if step_output.new_logprobs is not None:
             logprobs = self._convert(step_output.new_logprobs)
