@@ -30,7 +30,7 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self._tokenizer = tokenizer
         self._params = params
-        self._stops: tuple[str, ...] = tuple(getattr(params, "stop", ()) or ())
+        self._stops = params.stop
         self._hold = max((len(stop) for stop in self._stops), default=1) - 1
         self._ids: list[int] = []
         self._prefix_offset = 0
@@ -71,10 +71,8 @@ class IncrementalDetokenizer:
         return str(
             self._tokenizer.decode(
                 ids,
-                skip_special_tokens=getattr(self._params, "skip_special_tokens", True),
-                spaces_between_special_tokens=getattr(
-                    self._params, "spaces_between_special_tokens", True
-                ),
+                skip_special_tokens=self._params.skip_special_tokens,
+                spaces_between_special_tokens=self._params.spaces_between_special_tokens,
             )
         )
 
