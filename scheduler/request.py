@@ -131,6 +131,10 @@ def _check_types(params: SamplingParams) -> None:
         value = getattr(params, name)
         if value is not None and not _is_int(value):
             raise ValueError(f"{name} must be an int or None, got {value!r}")
+    _check_stop_types(params)
+
+
+def _check_stop_types(params: SamplingParams) -> None:
     if not isinstance(params.stop_token_ids, tuple):
         raise ValueError(f"stop_token_ids must be a list of ints, got {params.stop_token_ids!r}")
     for name in (
