@@ -130,7 +130,7 @@ class BlockPool:
         self,
         block_hashes: Sequence[BlockHash],
         blocks: Sequence[KVCacheBlock],
-        block_range: range,
+        block_range: Iterable[int],
         group_id: int,
         hash_ratio: int,
     ) -> None:

@@ -50,18 +50,24 @@ class Bucket(NamedTuple):
 
 
 def make_manager(
-    spec: KVCacheSpec, pool: BlockPool, group_id: int, hash_block_size: int
+    spec: KVCacheSpec,
+    pool: BlockPool,
+    group_id: int,
+    hash_block_size: int,
+    hit_alignment: int | None = None,
+    cache_unreachable_blocks: bool = False,
 ) -> SingleTypeManager:
     """The manager for one group's spec (a uniform-type group is managed as its members)."""
     spec = manager_spec(spec)
+    args = (pool, group_id, hash_block_size, hit_alignment, cache_unreachable_blocks)
     if isinstance(spec, FullAttentionSpec):
-        return FullAttentionManager(spec, pool, group_id, hash_block_size)
+        return FullAttentionManager(spec, *args)
     if isinstance(spec, SlidingWindowSpec):
-        return SlidingWindowManager(spec, pool, group_id, hash_block_size)
+        return SlidingWindowManager(spec, *args)
     if isinstance(spec, ChunkedLocalAttentionSpec):
-        return ChunkedLocalManager(spec, pool, group_id, hash_block_size)
+        return ChunkedLocalManager(spec, *args)
     if isinstance(spec, MambaSpec):
-        return MambaManager(spec, pool, group_id, hash_block_size)
+        return MambaManager(spec, *args)
     raise ValueError(f"no KV cache manager for spec type {type(spec).__name__}")
 
 
@@ -69,11 +75,24 @@ class KVCacheCoordinator:
     """Operations over every group of a request; subclasses decide how hits are found."""
 
     def __init__(
-        self, groups: Sequence[KVCacheGroupSpec], pool: BlockPool, hash_block_size: int
+        self,
+        groups: Sequence[KVCacheGroupSpec],
+        pool: BlockPool,
+        hash_block_size: int,
+        cache_unreachable_blocks: bool = False,
     ) -> None:
         self.pool = pool
+        self.alignment = math.lcm(*(group.spec.block_size for group in groups)) if groups else 1
+        """Token multiple every prefix hit ends on: the lcm of the group block sizes."""
         self.managers = [
-            make_manager(group.spec, pool, group_id, hash_block_size)
+            make_manager(
+                group.spec,
+                pool,
+                group_id,
+                hash_block_size,
+                self.alignment,
+                cache_unreachable_blocks,
+            )
             for group_id, group in enumerate(groups)
         ]
         self.num_groups = len(self.managers)
@@ -193,9 +212,13 @@ class UnitaryCoordinator(KVCacheCoordinator):
     """One bucket: its own finder, aligned to its block size."""
 
     def __init__(
-        self, groups: Sequence[KVCacheGroupSpec], pool: BlockPool, hash_block_size: int
+        self,
+        groups: Sequence[KVCacheGroupSpec],
+        pool: BlockPool,
+        hash_block_size: int,
+        cache_unreachable_blocks: bool = False,
     ) -> None:
-        super().__init__(groups, pool, hash_block_size)
+        super().__init__(groups, pool, hash_block_size, cache_unreachable_blocks)
         (self.bucket,) = make_buckets(self.managers, self.group_specs)
 
     def find_longest_cache_hit(
@@ -213,11 +236,14 @@ class HybridCoordinator(KVCacheCoordinator):
     """Several buckets: shrink the candidate until every bucket accepts it (a fixed point)."""
 
     def __init__(
-        self, groups: Sequence[KVCacheGroupSpec], pool: BlockPool, hash_block_size: int
+        self,
+        groups: Sequence[KVCacheGroupSpec],
+        pool: BlockPool,
+        hash_block_size: int,
+        cache_unreachable_blocks: bool = False,
     ) -> None:
-        super().__init__(groups, pool, hash_block_size)
+        super().__init__(groups, pool, hash_block_size, cache_unreachable_blocks)
         self.buckets = make_buckets(self.managers, self.group_specs)
-        self.alignment = math.lcm(*(manager.block_size for manager in self.managers))
         for bucket in self.buckets:
             if isinstance(bucket.manager, ChunkedLocalManager) and (
                 bucket.manager.block_size != self.alignment
@@ -271,6 +297,7 @@ def make_coordinator(
     pool: BlockPool,
     hash_block_size: int,
     enable_caching: bool,
+    cache_unreachable_blocks: bool = False,
 ) -> KVCacheCoordinator:
     """The coordinator for these groups: no caching, one bucket, or hybrid."""
     if not enable_caching or not groups:
@@ -279,5 +306,5 @@ def make_coordinator(
             groups, pool, math.gcd(*(g.spec.block_size for g in groups))
         )
     if len({group.spec for group in groups}) == 1:
-        return UnitaryCoordinator(groups, pool, hash_block_size)
-    return HybridCoordinator(groups, pool, hash_block_size)
+        return UnitaryCoordinator(groups, pool, hash_block_size, cache_unreachable_blocks)
+    return HybridCoordinator(groups, pool, hash_block_size, cache_unreachable_blocks)

@@ -78,8 +78,16 @@ class KVCacheManager:
     """Skip steps that provably change nothing (decode between block boundaries)."""
 
     def __init__(
-        self, config: KVCacheConfig, *, max_model_len: int, enable_caching: bool = True
+        self,
+        config: KVCacheConfig,
+        *,
+        max_model_len: int,
+        enable_caching: bool = True,
+        cache_unreachable_blocks: bool = False,
     ) -> None:
+        """`cache_unreachable_blocks` registers every full block as vLLM does, also those no
+        prefix hit can use (a block a sliding window or chunk never reads at an aligned end);
+        by default they stay unregistered and go back to the front of the free queue."""
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         sizes = config.block_sizes
@@ -91,7 +99,11 @@ class KVCacheManager:
         self._hash_block_size = math.gcd(*sizes) if self.enable_caching else self.alignment_tokens
         self.pool = BlockPool(config.num_blocks, self.num_groups)
         self.coordinator = make_coordinator(
-            config.groups, self.pool, self._hash_block_size, self.enable_caching
+            config.groups,
+            self.pool,
+            self._hash_block_size,
+            self.enable_caching,
+            cache_unreachable_blocks,
         )
         self.needs_block_aligned_prefill = self.enable_caching and any(
             isinstance(spec, MambaSpec) and spec.mamba_cache_mode is MambaCacheMode.ALIGN

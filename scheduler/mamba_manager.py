@@ -23,9 +23,17 @@ class MambaManager(SingleTypeManager):
     """State blocks of one Mamba group; see the module docstring for the three modes."""
 
     def __init__(
-        self, spec: MambaSpec, pool: BlockPool, group_id: int, hash_block_size: int
+        self,
+        spec: MambaSpec,
+        pool: BlockPool,
+        group_id: int,
+        hash_block_size: int,
+        hit_alignment: int | None = None,
+        cache_unreachable_blocks: bool = False,
     ) -> None:
-        super().__init__(spec, pool, group_id, hash_block_size)
+        super().__init__(
+            spec, pool, group_id, hash_block_size, hit_alignment, cache_unreachable_blocks
+        )
         self.mode = spec.mamba_cache_mode
 
     def find_longest_cache_hit(
@@ -47,6 +55,10 @@ class MambaManager(SingleTypeManager):
             if found is not None:
                 return [[null] * index + [block] for block in found]
         return [[] for _ in group_ids]
+
+    def is_reachable(self, index: int) -> bool:
+        """A hit restores the state at its aligned end: only states there can be used."""
+        return (index + 1) * self.block_size % self.hit_alignment == 0
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         if self.mode is MambaCacheMode.NONE:
@@ -95,7 +107,8 @@ class MambaManager(SingleTypeManager):
         num_full = num_tokens // self.block_size
         if self.mode is MambaCacheMode.NONE or num_full <= self.num_cached_block[req_id]:
             return
-        if num_tokens % self.block_size == 0:
+        reachable = self.cache_unreachable_blocks or self.is_reachable(num_full - 1)
+        if num_tokens % self.block_size == 0 and reachable:
             blocks = self.req_to_blocks[req_id]
             last = range(num_full - 1, num_full)
             self.pool.cache_full_blocks(block_hashes, blocks, last, self.group_id, self.hash_ratio)

@@ -96,8 +96,14 @@ def build_manager(trace: dict[str, Any]) -> KVCacheManager:
     config = KVCacheConfig(
         num_blocks=_get_int(trace, "num_blocks"), groups=tuple(groups), tensors=()
     )
+    register_all = trace.get("cache_unreachable_blocks", False)
+    if not isinstance(register_all, bool):
+        raise ValueError(f"'cache_unreachable_blocks' must be a boolean, got {register_all!r}")
     return KVCacheManager(
-        config, max_model_len=_get_int(trace, "max_model_len"), enable_caching=enable_caching
+        config,
+        max_model_len=_get_int(trace, "max_model_len"),
+        enable_caching=enable_caching,
+        cache_unreachable_blocks=register_all,
     )
 
 

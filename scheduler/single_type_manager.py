@@ -40,7 +40,13 @@ class SingleTypeManager(abc.ABC):
     """Blocks of one KV cache group for every request; the layer type decides hits and skips."""
 
     def __init__(
-        self, spec: KVCacheSpec, pool: BlockPool, group_id: int, hash_block_size: int
+        self,
+        spec: KVCacheSpec,
+        pool: BlockPool,
+        group_id: int,
+        hash_block_size: int,
+        hit_alignment: int | None = None,
+        cache_unreachable_blocks: bool = False,
     ) -> None:
         if spec.block_size % hash_block_size:
             raise ValueError(
@@ -53,6 +59,10 @@ class SingleTypeManager(abc.ABC):
         self.group_id = group_id
         self.hash_ratio = spec.block_size // hash_block_size
         """Hash blocks per block of this group."""
+        self.hit_alignment = hit_alignment or spec.block_size
+        """Token multiple every prefix hit ends on (the lcm of all groups' block sizes)."""
+        self.cache_unreachable_blocks = cache_unreachable_blocks
+        """Register every full block, as vLLM does, not only those a hit could use."""
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
         """Leading table entries already registered in the prefix cache."""
@@ -162,8 +172,13 @@ class SingleTypeManager(abc.ABC):
             self.num_dropped_block[req_id] = 0
         return blocks
 
+    def is_reachable(self, index: int) -> bool:
+        """Whether some prefix hit could use block `index` (only those are registered: an
+        unreachable cached block would only push out blocks a hit could use)."""
+        return True
+
     def cache_blocks(self, req_id: str, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
-        """Register the request's full blocks among its first `num_tokens` tokens."""
+        """Register the request's full, reachable blocks among its first `num_tokens` tokens."""
         num_full = num_tokens // self.block_size
         num_cached = self.num_cached_block[req_id]
         if num_full <= num_cached:
@@ -171,11 +186,19 @@ class SingleTypeManager(abc.ABC):
         self.pool.cache_full_blocks(
             block_hashes,
             self.req_to_blocks[req_id],
-            range(num_cached, num_full),
+            [
+                index
+                for index in range(num_cached, num_full)
+                if self.cache_unreachable_blocks or self.is_reachable(index)
+            ],
             self.group_id,
             self.hash_ratio,
         )
         self.num_cached_block[req_id] = num_full
+
+    def first_aligned_end(self, index: int) -> int:
+        """The first token count a hit may end on that covers block `index` whole."""
+        return cdiv((index + 1) * self.block_size, self.hit_alignment) * self.hit_alignment
 
     def pop_blocks(self, req_id: str) -> list[KVCacheBlock]:
         """Forget the request; return its blocks tail first, for the caller to free."""

@@ -18,9 +18,17 @@ class SlidingWindowManager(SingleTypeManager):
     """Sliding window w: the query at position p reads keys in (p - w, p]."""
 
     def __init__(
-        self, spec: SlidingWindowSpec, pool: BlockPool, group_id: int, hash_block_size: int
+        self,
+        spec: SlidingWindowSpec,
+        pool: BlockPool,
+        group_id: int,
+        hash_block_size: int,
+        hit_alignment: int | None = None,
+        cache_unreachable_blocks: bool = False,
     ) -> None:
-        super().__init__(spec, pool, group_id, hash_block_size)
+        super().__init__(
+            spec, pool, group_id, hash_block_size, hit_alignment, cache_unreachable_blocks
+        )
         self.sliding_window = spec.sliding_window
         self.num_run_blocks = cdiv(spec.sliding_window - 1, spec.block_size)
         """Cached blocks a hit must end with: the first recomputed token reads the w - 1
@@ -62,6 +70,11 @@ class SlidingWindowManager(SingleTypeManager):
             del hits[run:]
         return per_group
 
+    def is_reachable(self, index: int) -> bool:
+        """A hit ending at e reads the `num_run_blocks` blocks before e: block `index` is used
+        only if an aligned end lies within that many blocks after it."""
+        return self.first_aligned_end(index) <= (index + self.num_run_blocks) * self.block_size
+
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return max(0, num_computed_tokens - self.sliding_window + 1)
 
@@ -78,8 +91,12 @@ class ChunkedLocalManager(SingleTypeManager):
         pool: BlockPool,
         group_id: int,
         hash_block_size: int,
+        hit_alignment: int | None = None,
+        cache_unreachable_blocks: bool = False,
     ) -> None:
-        super().__init__(spec, pool, group_id, hash_block_size)
+        super().__init__(
+            spec, pool, group_id, hash_block_size, hit_alignment, cache_unreachable_blocks
+        )
         if spec.attention_chunk_size % spec.block_size:
             # Otherwise a hit could end inside a chunk whose first block is not looked up.
             raise ValueError(
@@ -110,6 +127,13 @@ class ChunkedLocalManager(SingleTypeManager):
             for hits, block in zip(per_group, found, strict=True):
                 hits.append(block)
         return per_group
+
+    def is_reachable(self, index: int) -> bool:
+        """A hit ending at e reads only the blocks of e's own chunk, and a hit ending on a chunk
+        end reads none of that chunk: block `index` is used only if an aligned end falls after
+        it and before its chunk ends (never, for a chunk's last block)."""
+        chunk_end = ((index * self.block_size) // self.chunk_size + 1) * self.chunk_size
+        return self.first_aligned_end(index) < chunk_end
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return (num_computed_tokens // self.chunk_size) * self.chunk_size

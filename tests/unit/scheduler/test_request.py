@@ -38,7 +38,10 @@ def test_default_sampling_params_are_valid_and_frozen() -> None:
         ({"logprobs": -1}, r"logprobs must be in \[0, 20\]"),
         ({"prompt_logprobs": 21}, r"prompt_logprobs must be in \[0, 20\]"),
         ({"stop_token_ids": (3, -1)}, "stop_token_ids must be non-negative ints"),
-        ({"stop_token_ids": [3]}, "stop_token_ids must be a tuple"),
+        ({"stop_token_ids": 3}, "stop_token_ids must be a list of ints"),
+        ({"stop": ["ok", ""]}, "stop must be non-empty strings"),
+        ({"stop": 5}, "stop must be non-empty strings"),
+        ({"include_stop_str_in_output": 1}, "include_stop_str_in_output must be a bool"),
         ({"stop_token_ids": (3.0,)}, "stop_token_ids must be non-negative ints"),
         ({"seed": 2**64}, "seed must be in"),
         ({"seed": -(2**63) - 1}, "seed must be in"),
@@ -125,3 +128,12 @@ def test_finished_statuses() -> None:
         RequestStatus.FINISHED_LENGTH_CAPPED,
         RequestStatus.FINISHED_ABORTED,
     }
+
+
+def test_vllm_list_spellings_are_accepted_and_stored_as_tuples() -> None:
+    params = SamplingParams(stop_token_ids=[2, 3], stop="END")
+    assert params.stop_token_ids == (2, 3)
+    assert params.stop == ("END",)
+    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
+    assert SamplingParams(stop=None).stop == ()
+    hash(params)
