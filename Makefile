@@ -37,6 +37,7 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 	$(BIN)/mypy
+	$(BIN)/python tests/lint/check_hygiene.py
 
 generate: install
 	$(BIN)/hybridserve generate --prompt "$(or $(PROMPT),The capital of France is)"
