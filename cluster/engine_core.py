@@ -43,7 +43,11 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the new tokens (and finishes) of the requests it touched."""
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute(scheduler_output)
+        try:
+            runner_output = self.executor.execute(scheduler_output)
+        except BaseException:
+            self.scheduler.discard_failed_step(scheduler_output)  # no stale prefix-cache hits
+            raise
         return self.scheduler.update_from_output(scheduler_output, runner_output)
 
     def shutdown(self) -> None:

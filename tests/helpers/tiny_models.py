@@ -77,6 +77,20 @@ FAMILIES: dict[str, tuple[str, dict[str, object]]] = {
             },
         },
     ),
+    "llama4": (  # chunked local attention (chunks of 8) with every second layer global and NoPE
+        "Llama4TextConfig",
+        {
+            "head_dim": 16,
+            "intermediate_size": 32,
+            "intermediate_size_mlp": 96,
+            "attention_chunk_size": 8,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "interleave_moe_layer_step": 2,
+            "no_rope_layer_interval": 2,
+            "floor_scale": 4,
+        },
+    ),
 }
 MODEL_CLASSES = {
     "LlamaConfig": "LlamaForCausalLM",
@@ -84,6 +98,7 @@ MODEL_CLASSES = {
     "Qwen2Config": "Qwen2ForCausalLM",
     "Gemma2Config": "Gemma2ForCausalLM",
     "Gemma3TextConfig": "Gemma3ForCausalLM",
+    "Llama4TextConfig": "Llama4ForCausalLM",
 }
 
 
