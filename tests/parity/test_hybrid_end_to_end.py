@@ -24,7 +24,6 @@ PROMPT = [(7 * i + 3) % 256 for i in range(30)]
 # Share 16 and 24 leading tokens (4 and 6 blocks of 4, past the window of 6 and chunks of 8).
 SHARING = [[*PROMPT[:16], 9, 8, 7, 6, 5], [*PROMPT[:24], 200, 100, 50]]
 NUM_NEW = 8
-GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW)
 # Hybrid manager: KV cache groups per family (window and full, or chunked and full layers
 # in separate groups); off: one group.
 HYBRID_GROUPS = {"gemma2": 2, "gemma3": 4, "qwen2": 2, "mistral": 1, "llama4": 2}
@@ -40,6 +39,23 @@ def _tokens(results) -> list[list[int]]:
     return [result.outputs[0].token_ids for result in results]
 
 
+def _hf_logprobs(hf_model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
+    """transformers' log-probability of each generated token."""
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([prompt + tokens])).logits[0].double()
+    rows = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
+    return [float(rows[step, token]) for step, token in enumerate(tokens)]
+
+
+def _assert_logprobs_match(hf_model: torch.nn.Module, prompts: list[list[int]], results) -> None:
+    """Each sampled token's log-probability is transformers' (a stale KV read shows here even
+    when the argmax survives it)."""
+    for prompt, result in zip(prompts, results, strict=True):
+        logprobs = [entry.logprob for entry in result.outputs[0].logprobs]
+        tokens = result.outputs[0].token_ids
+        assert logprobs == pytest.approx(_hf_logprobs(hf_model, prompt, tokens), abs=1e-4)
+
+
 @pytest.fixture(scope="module", params=sorted(HYBRID_GROUPS))
 def saved(request, tmp_path_factory) -> tuple[str, Path, torch.nn.Module]:
     path = tmp_path_factory.mktemp(request.param)
@@ -51,14 +67,15 @@ def test_prefix_cache_hits_give_transformers_tokens(saved, disable_hybrid: bool)
     """A finished prompt's blocks serve later prompts sharing 16 and 24 tokens (and itself);
     every group (window, chunk, full) must agree on the hit, and the tokens stay exact."""
     family, path, hf_model = saved
+    params = SamplingParams(temperature=0, max_tokens=NUM_NEW, logprobs=0)
     llm = LLM(str(path), disable_hybrid_kv_cache_manager=disable_hybrid, **LLM_ARGS)
     try:
         assert len(llm.engine.scheduler.kv_cache_config.groups) == (
             1 if disable_hybrid else HYBRID_GROUPS[family]
         )
-        (first,) = llm.generate([PROMPT], GREEDY, use_tqdm=False)
+        (first,) = llm.generate([PROMPT], params, use_tqdm=False)
         assert first.num_cached_tokens == 0
-        results = llm.generate([*SHARING, PROMPT], GREEDY, use_tqdm=False)
+        results = llm.generate([*SHARING, PROMPT], params, use_tqdm=False)
         assert engine_stats(llm).kv_cache_usage == 0
     finally:
         llm.shutdown()
@@ -66,6 +83,7 @@ def test_prefix_cache_hits_give_transformers_tokens(saved, disable_hybrid: bool)
     assert _tokens([first, *results]) == [_hf_greedy(hf_model, p) for p in prompts]
     # Every hit ends on a block boundary, inside the shared part, and leaves one token to compute.
     assert [r.num_cached_tokens for r in results] == [16, 24, 28]
+    _assert_logprobs_match(hf_model, prompts, [first, *results])
 
 
 # Short prompts (all prefilled in the first step) and long outputs: the pool runs out while the
@@ -136,14 +154,6 @@ def test_engine_seed_fixes_unseeded_sampling_and_leaves_seeded_requests_alone(
     assert runs[0][1] == runs[2][1]
 
 
-def _hf_logprobs(hf_model: torch.nn.Module, prompt: list[int], tokens: list[int]) -> list[float]:
-    """transformers' log-probability of each generated token."""
-    with torch.no_grad():
-        logits = hf_model(torch.tensor([prompt + tokens])).logits[0].double()
-    rows = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1)
-    return [float(rows[step, token]) for step, token in enumerate(tokens)]
-
-
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_a_step_failing_mid_generate_leaves_no_blocks_and_the_next_call_is_exact(
     family: str, tmp_path: Path
@@ -171,7 +181,4 @@ def test_a_step_failing_mid_generate_leaves_no_blocks_and_the_next_call_is_exact
         llm.shutdown()
     assert _tokens(results) == [_hf_greedy(hf_model, p) for p in prompts]
     assert any(r.num_cached_tokens for r in results)  # the cache is still used after a failure
-    for prompt, result in zip(prompts, results, strict=True):
-        logprobs = [entry.logprob for entry in result.outputs[0].logprobs]
-        tokens = result.outputs[0].token_ids
-        assert logprobs == pytest.approx(_hf_logprobs(hf_model, prompt, tokens), abs=1e-4)
+    _assert_logprobs_match(hf_model, prompts, results)
