@@ -77,6 +77,10 @@ FAMILIES: dict[str, tuple[str, dict[str, object]]] = {
             },
         },
     ),
+}
+# Families whose chunked local layers need the runner's chunk transform (not the paged driver's
+# plain attention): built here like the others, but not in FAMILIES.
+CHUNKED_FAMILIES: dict[str, tuple[str, dict[str, object]]] = {
     "llama4": (  # chunked local attention (chunks of 8) with every second layer global and NoPE
         "Llama4TextConfig",
         {
@@ -104,7 +108,7 @@ MODEL_CLASSES = {
 
 def build_tiny_model(family: str, seed: int = 0, **overrides: object) -> PreTrainedModel:
     """A random eager-attention model of `family` in fp32."""
-    config_name, extra = FAMILIES[family]
+    config_name, extra = {**FAMILIES, **CHUNKED_FAMILIES}[family]
     config = getattr(transformers, config_name)(**{**BASE, **extra, **overrides})
     model_cls = getattr(transformers, MODEL_CLASSES[config_name])
     torch.manual_seed(seed)
