@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
+GPU_STAMP := $(VENV)/.installed-gpu-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
 .PHONY: install test test-all test-gpu lint generate bench clean
@@ -23,20 +24,28 @@ $(STAMP): $(BIN)/python pyproject.toml
 
 install: $(STAMP)
 
+$(GPU_STAMP): $(STAMP)
+	# The gpu extra (flash-attn) compiles against the torch already installed, so no build
+	# isolation; it fetches a prebuilt wheel when one matches, else builds with nvcc.
+	$(BIN)/pip install -q packaging ninja psutil wheel
+	$(BIN)/pip install -q --no-build-isolation -e ".[dev,gpu]"
+	touch $(GPU_STAMP)
+
 test: lint
 	$(BIN)/python -m pytest -m "not gpu and not distributed and not slow" -q $(PYTEST_ARGS)
 
 test-all: install
 	$(BIN)/python -m pytest -m "not gpu and not distributed" -q $(PYTEST_ARGS)
 
-test-gpu: install
-	$(BIN)/python -m pytest -m gpu -q $(PYTEST_ARGS)
+test-gpu: $(GPU_STAMP)
+	REQUIRE_FLASH_ATTN=1 $(BIN)/python -m pytest -m gpu -q $(PYTEST_ARGS)
 
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 	$(BIN)/mypy
+	$(BIN)/python tests/lint/check_hygiene.py
 
 generate: install
 	$(BIN)/hybridserve generate --prompt "$(or $(PROMPT),The capital of France is)"

@@ -288,6 +288,12 @@ class KVCacheManager:
         """Per group, leading blocks of `req_id` that every running request shares."""
         return self.coordinator.get_num_common_prefix_blocks(req_id, num_running_requests)
 
+    def uncache_blocks(self, req_id: str) -> None:
+        """Drop the request's blocks from the prefix cache (their contents cannot be trusted);
+        the request keeps them until it is freed."""
+        for block_ids in self.get_block_ids(req_id):
+            self.pool.evict_blocks(block_ids)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; fails (False) while any request holds blocks."""
         return self.pool.reset_prefix_cache()

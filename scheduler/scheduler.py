@@ -144,6 +144,12 @@ class Scheduler:
         """Forget every cached prefix; False when some blocks are still in use."""
         return self.kv_cache_manager.reset_prefix_cache()
 
+    def discard_failed_step(self, scheduler_output: SchedulerOutput) -> None:
+        """The workers failed to run `scheduler_output`: its KV writes may be missing, so the
+        blocks of the requests it scheduled leave the prefix cache (the caller aborts them)."""
+        for req_id in scheduler_output.num_scheduled_tokens:
+            self.kv_cache_manager.uncache_blocks(req_id)
+
     def make_stats(self) -> SchedulerStats:
         """Snapshot for metrics."""
         return SchedulerStats.from_kv_stats(

@@ -3,6 +3,10 @@
 Tests run torch on one intra-op thread (set before torch is imported, inherited by the rank
 and interpreter subprocesses): the tiny test models gain nothing from more, and several busy
 OpenMP threads on a shared 2-core machine slow small-op workloads down many times over.
+
+Hypothesis runs the fixed "ci" profile unless HYPOTHESIS_PROFILE names another: derandomized
+(examples drawn from each test's own fixed seed, no example database), so two runs of the suite
+test the same cases. `HYPOTHESIS_PROFILE=explore` draws fresh examples each run, to hunt bugs.
 """
 
 from __future__ import annotations
@@ -11,8 +15,13 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 @pytest.fixture(scope="session")

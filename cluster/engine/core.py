@@ -72,7 +72,11 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         """Run one step; the output deltas of the requests it advanced."""
         scheduler_output = self.scheduler.schedule()
-        runner_output = self.executor.execute(scheduler_output)
+        try:
+            runner_output = self.executor.execute(scheduler_output)
+        except BaseException:
+            self.scheduler.discard_failed_step(scheduler_output)  # no stale prefix-cache hits
+            raise
         step_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         step_time = now()
         self.output_processor.mark_scheduled(scheduler_output.num_scheduled_tokens, step_time)

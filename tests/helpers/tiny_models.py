@@ -78,18 +78,37 @@ FAMILIES: dict[str, tuple[str, dict[str, object]]] = {
         },
     ),
 }
+# Families whose chunked local layers need the runner's chunk transform (not the paged driver's
+# plain attention): built here like the others, but not in FAMILIES.
+CHUNKED_FAMILIES: dict[str, tuple[str, dict[str, object]]] = {
+    "llama4": (  # chunked local attention (chunks of 8) with every second layer global and NoPE
+        "Llama4TextConfig",
+        {
+            "head_dim": 16,
+            "intermediate_size": 32,
+            "intermediate_size_mlp": 96,
+            "attention_chunk_size": 8,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "interleave_moe_layer_step": 2,
+            "no_rope_layer_interval": 2,
+            "floor_scale": 4,
+        },
+    ),
+}
 MODEL_CLASSES = {
     "LlamaConfig": "LlamaForCausalLM",
     "MistralConfig": "MistralForCausalLM",
     "Qwen2Config": "Qwen2ForCausalLM",
     "Gemma2Config": "Gemma2ForCausalLM",
     "Gemma3TextConfig": "Gemma3ForCausalLM",
+    "Llama4TextConfig": "Llama4ForCausalLM",
 }
 
 
 def build_tiny_model(family: str, seed: int = 0, **overrides: object) -> PreTrainedModel:
     """A random eager-attention model of `family` in fp32."""
-    config_name, extra = FAMILIES[family]
+    config_name, extra = {**FAMILIES, **CHUNKED_FAMILIES}[family]
     config = getattr(transformers, config_name)(**{**BASE, **extra, **overrides})
     model_cls = getattr(transformers, MODEL_CLASSES[config_name])
     torch.manual_seed(seed)

@@ -19,6 +19,7 @@ import transformers
 from cluster import LLM, SamplingParams
 from scheduler.kv_cache_config import build_kv_cache_config
 from tests.helpers.paged_driver import PagedDriver
+from tests.helpers.shared_kv_reference import greedy_with_shared_kv
 from worker.attention import Attention, ForwardContext
 from worker.config import ModelConfig, ParallelConfig
 from worker.kv_cache import attention_layers, report_kv_cache_specs
@@ -141,10 +142,15 @@ def llama4(tmp_path_factory) -> Saved:
 
 
 @pytest.fixture(scope="module")
-def llama4_shared(tmp_path_factory):
+def llama4_shared(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
     path = tmp_path_factory.mktemp("llama4_shared")
-    _save("Llama4TextConfig", "Llama4ForCausalLM", LLAMA4_SHARED, path)
-    return path
+    return path, _save("Llama4TextConfig", "Llama4ForCausalLM", LLAMA4_SHARED, path)
+
+
+def _shared_kv_greedy(hf_model: torch.nn.Module) -> list[list[int]]:
+    """transformers with the sharing of LLAMA4_SHARED done by hand (the independent reference)."""
+    targets = {int(layer): target for layer, target in LLAMA4_SHARED["kv_sharing_targets"].items()}
+    return [greedy_with_shared_kv(hf_model, prompt, NUM_NEW, targets) for prompt in PROMPTS]
 
 
 def _ours(path: Path) -> torch.nn.Module:
@@ -221,11 +227,13 @@ def _layer(idx: int) -> str:
 def test_llama4_kv_sharing_same_tokens_with_truncated_prefill_and_hybrid_on_and_off(
     llama4_shared,
 ):
+    """Every setting gives the tokens of transformers with the K/V sharing done by hand."""
+    path, hf_model = llama4_shared
     tokens, groups = {}, {}
     for fast in (False, True):
         for hybrid_off in (False, True):
             llm = LLM(
-                str(llama4_shared),
+                str(path),
                 **LLM_ARGS,
                 kv_sharing_fast_prefill=fast,
                 disable_hybrid_kv_cache_manager=hybrid_off,
@@ -237,7 +245,8 @@ def test_llama4_kv_sharing_same_tokens_with_truncated_prefill_and_hybrid_on_and_
             }
             tokens[fast, hybrid_off] = [r.outputs[0].token_ids for r in results]
             llm.shutdown()
-    assert len({str(t) for t in tokens.values()}) == 1
+    expected = _shared_kv_greedy(hf_model)
+    assert all(t == expected for t in tokens.values())
     full = frozenset({_layer(0), _layer(4), _layer(2)})
     local = frozenset({_layer(1), _layer(5), _layer(3)})
     assert groups[True, True] == {
@@ -360,7 +369,8 @@ def test_gemma3n_loads_released_checkpoints_with_kv_tensors_on_shared_layers(gem
 
 
 def test_llama_family_kv_sharing_option_same_tokens_with_truncated_prefill(tmp_path):
-    """The shared decoder (here Qwen2, L0 full, L1 sliding, ...) reads `kv_sharing_targets`."""
+    """The shared decoder (here Qwen2, L0 full, L1 sliding, ...) reads `kv_sharing_targets`:
+    the tokens of transformers with the K/V sharing done by hand, in every setting."""
     config = {
         **COMMON,
         "intermediate_size": 96,
@@ -370,7 +380,7 @@ def test_llama_family_kv_sharing_option_same_tokens_with_truncated_prefill(tmp_p
         "layer_types": ["full_attention", "sliding_attention"] * 4,
         "kv_sharing_targets": LLAMA4_SHARED["kv_sharing_targets"],
     }
-    _save("Qwen2Config", "Qwen2ForCausalLM", config, tmp_path)
+    hf_model = _save("Qwen2Config", "Qwen2ForCausalLM", config, tmp_path)
     report = report_kv_cache_specs(attention_layers(_ours(tmp_path)), 16, 4)
     assert report.shared_kv_layers == {
         _layer(i): _layer(t) for i, t in [(2, 0), (3, 1), (6, 4), (7, 5)]
@@ -385,7 +395,9 @@ def test_llama_family_kv_sharing_option_same_tokens_with_truncated_prefill(tmp_p
         for fast, hybrid_off in [(False, False), (True, False), (True, True)]
     ]
     tokens = [[r.outputs[0].token_ids for r in results] for results in runs]
-    assert tokens[0] == tokens[1] == tokens[2]
+    targets = {2: 0, 3: 1, 6: 4, 7: 5}
+    expected = [greedy_with_shared_kv(hf_model, prompt, NUM_NEW, targets) for prompt in PROMPTS]
+    assert tokens[0] == tokens[1] == tokens[2] == expected
 
 
 @pytest.mark.parametrize("disable_hybrid", [False, True])

@@ -8,7 +8,7 @@ blocks before it has generated, whatever its prefix-cache hit, budget share or p
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, reject, settings
+from hypothesis import event, given, reject, settings
 from hypothesis import strategies as st
 from kv_cache_helpers import full, make_config, model_specs, window
 from scheduler_drive import drive, make_request, make_scheduler
@@ -16,7 +16,15 @@ from scheduler_fake_runner import FakeModelRunner, reference_tokens
 
 from scheduler.config import SchedulingPolicy
 from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.kv_cache_spec import KVCacheSpec
+from scheduler.kv_cache_spec import (
+    ChunkedLocalAttentionSpec,
+    FullAttentionSpec,
+    KVCacheSpec,
+    MambaCacheMode,
+    MambaSpec,
+    SlidingWindowSpec,
+    cdiv,
+)
 from scheduler.output import FinishReason
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
@@ -89,32 +97,68 @@ def _accepts(scheduler: Scheduler, request: Request) -> bool:
     return True
 
 
+def _blocks_held(spec: KVCacheSpec, start: int, end: int) -> int:
+    """Blocks one group holds while a step computes tokens [start, end), from what its layers
+    read (window: the w - 1 tokens before `start`; chunk: back to the chunk start of `start`)."""
+    if isinstance(spec, FullAttentionSpec):
+        return cdiv(end, spec.block_size)
+    if isinstance(spec, SlidingWindowSpec):
+        first_read = max(0, start - spec.sliding_window + 1)
+    elif isinstance(spec, ChunkedLocalAttentionSpec):
+        first_read = start // spec.attention_chunk_size * spec.attention_chunk_size
+    else:
+        assert isinstance(spec, MambaSpec)
+        kept = {MambaCacheMode.NONE: 1, MambaCacheMode.ALIGN: 2}
+        return min(kept.get(spec.mamba_cache_mode, end), cdiv(end, spec.block_size))
+    return cdiv(end, spec.block_size) - first_read // spec.block_size
+
+
+def _true_worst_case(specs: list[KVCacheSpec], num_tokens: int, max_chunk: int) -> int:
+    """Each group's most blocks over every step [start, end) of at most `max_chunk` tokens
+    inside the first `num_tokens` (any hit or preemption can put a step anywhere), summed."""
+    steps = [
+        (start, end)
+        for end in range(1, num_tokens + 1)
+        for start in range(max(0, end - max_chunk), end)
+    ]
+    return sum(max(_blocks_held(spec, start, end) for start, end in steps) for spec in specs)
+
+
+@st.composite
+def _pool_around_the_need(draw: st.DrawFn) -> tuple[list[KVCacheSpec], int, int, int]:
+    """Specs, prompt length, budget and a pool near what the first steps need at worst: mostly
+    larger (the request is admitted), sometimes a few blocks short (it must be rejected)."""
+    specs = draw(model_specs(max_groups=3))
+    prompt_len = draw(st.integers(1, 40))
+    budget = draw(st.integers(4, 48))
+    need = _true_worst_case(specs, min(prompt_len + 1, 47), budget)
+    num_blocks = max(2, need + 1 + draw(st.integers(-3, 12)))
+    return specs, prompt_len, budget, num_blocks
+
+
 @settings(max_examples=80, deadline=None)
 @given(
-    specs=model_specs(max_groups=3),
-    num_blocks=st.integers(2, 24),
-    prompt_len=st.integers(1, 40),
+    shape=_pool_around_the_need(),
     num_shared=st.integers(0, 40),
     max_tokens=st.sampled_from([1, 2]),
-    budget=st.integers(4, 48),
     caching=st.booleans(),
     policy=st.sampled_from(list(SchedulingPolicy)),
     rival_len=st.integers(0, 30),
 )
 def test_an_accepted_request_never_runs_out_of_blocks_before_generating(
-    specs: list[KVCacheSpec],
-    num_blocks: int,
-    prompt_len: int,
+    shape: tuple[list[KVCacheSpec], int, int, int],
     num_shared: int,
     max_tokens: int,
-    budget: int,
     caching: bool,
     policy: SchedulingPolicy,
     rival_len: int,
 ) -> None:
     """A finished request sharing part of the prompt leaves cached blocks (a hit shifts where
     the chunks end); a rival competes for the budget and the pool (preempting, or preempted by,
-    the request under test)."""
+    the request under test). A rejected request's first steps can really need more blocks than
+    the pool has: the rule may count one block per window or chunked group over the true worst
+    case (its alignment slack), no more."""
+    specs, prompt_len, budget, num_blocks = shape
     config = make_config(num_blocks, *specs)
     try:
         scheduler = make_scheduler(
@@ -131,8 +175,14 @@ def test_an_accepted_request_never_runs_out_of_blocks_before_generating(
     _accepts(scheduler, make_request(scheduler, "warm", [*prompt[:num_shared], 99], eos=None))
     drive(scheduler, runner)
     request = make_request(scheduler, "r", prompt, max_tokens=max_tokens, eos=None, priority=1)
+    true_need = _true_worst_case(specs, min(prompt_len + (max_tokens > 1), 47), budget)
+    slack = sum(isinstance(spec, SlidingWindowSpec | ChunkedLocalAttentionSpec) for spec in specs)
     if not _accepts(scheduler, request):
+        event("rejected")
+        assert true_need + slack > num_blocks - 1
         return
+    event("admitted")
+    assert true_need <= num_blocks - 1
     rival = [200 + index for index in range(rival_len)] or [200]
     _accepts(scheduler, make_request(scheduler, "rival", rival, max_tokens=6, eos=None))
     result = drive(scheduler, runner)

@@ -265,3 +265,22 @@ def test_stats_report_usage_hits_and_queues() -> None:
     assert stats.num_preemptions == 0
     assert stats.kv_cache_usage == 0
     assert (stats.num_running_reqs, stats.num_waiting_reqs) == (0, 0)
+
+
+def test_a_failed_step_leaves_no_hit_on_its_blocks() -> None:
+    """The workers fail a step: the blocks it registered (whose KV was never written) must not
+    serve a later prompt, while blocks computed by earlier steps may."""
+    config = make_config(40, full(4), window(4, 6))
+    scheduler = make_scheduler(config, max_model_len=64, max_num_batched_tokens=12)
+    prompt = list(range(1, 29))  # 7 full blocks, computed 12 tokens a step
+    scheduler.add_request(make_request(scheduler, "a", prompt, max_tokens=2, eos=None))
+    runner = FakeModelRunner(config)
+    assert run_step(scheduler, runner)[0] == {"a": 12}  # blocks 0-2 computed
+    failed = scheduler.schedule()  # would compute tokens 12-23, registering blocks 3-5
+    scheduler.discard_failed_step(failed)
+    scheduler.abort(["a"])
+    scheduler.kv_cache_manager.check_invariants()
+    scheduler.add_request(make_request(scheduler, "b", [*prompt, 99], max_tokens=1))
+    out = scheduler.schedule()
+    (new,) = out.scheduled_new_reqs
+    assert new.num_computed_tokens <= 12  # without the discard: 24, blocks 3-5 unwritten

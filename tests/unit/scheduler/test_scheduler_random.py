@@ -7,7 +7,10 @@ shared prefixes, stop conditions, prompt logprobs and aborts. Every step the fak
 each delta, block table and KV read, and its tables must match the scheduler's (but for entries
 the scheduler nulled). At the end no block is held, and every request has exactly the tokens
 `reference_tokens` gives: a prefix of them if it was aborted, or finished because the pool could
-not hold it (never before its second token: admission guarantees the first steps).
+not hold it (never before its second token: admission guarantees the first steps; and only once
+its worst case at that length exceeds the pool). Every seed's first request is short, never aborted,
+and its whole length fits the pool, so every seed admits and finishes work: no seed passes by
+checking nothing.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from kv_cache_helpers import chunked, full, make_config, mamba, window
 from scheduler_drive import check_step, check_worker_tables
 from scheduler_fake_runner import VOCAB_SIZE, FakeModelRunner, reference_tokens
 
+from scheduler.admission import max_chunk_tokens, worst_case_blocks
 from scheduler.config import SchedulerConfig, SchedulingPolicy
-from scheduler.kv_cache_spec import KVCacheConfig, KVCacheSpec, MambaCacheMode
+from scheduler.kv_cache_spec import KVCacheConfig, KVCacheSpec, MambaCacheMode, cdiv
 from scheduler.output import FinishReason
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler
@@ -94,12 +98,24 @@ def _random_request(
     )
 
 
+def _first_request(rng: random.Random, num_tokens: int, hash_block_size: int) -> Request:
+    """A request of at most `num_tokens` tokens in all (below any max_model_len drawn)."""
+    num_prompt = rng.randint(1, min(4, num_tokens - 1))
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens - num_prompt)
+    prompt = [rng.randrange(1, VOCAB_SIZE) for _ in range(num_prompt)]
+    return Request("r0", prompt, params, hash_block_size, arrival_time=0.0)
+
+
 class Workload:
     """One seed's scheduler, runner, arrivals and aborts, and what every request received."""
 
     def __init__(self, seed: int) -> None:
         rng = random.Random(seed)
-        kv_cache_config: KVCacheConfig = make_config(rng.randint(2, 60), *_random_model(rng))
+        num_blocks = rng.randint(2, 60)
+        specs = _random_model(rng)
+        first_len = rng.randint(2, 12)  # the first request's length, prompt and output
+        num_blocks = max(num_blocks, 1 + sum(cdiv(first_len, spec.block_size) for spec in specs))
+        kv_cache_config: KVCacheConfig = make_config(num_blocks, *specs)
         self.scheduler = _random_scheduler(rng, kv_cache_config)
         self.runner = FakeModelRunner(kv_cache_config)
         self.arrivals: dict[int, list[Request]] = {}
@@ -112,9 +128,11 @@ class Workload:
             prefix = rng.choice([*prefixes, []])
             hash_block_size = self.scheduler.hash_block_size
             request = _random_request(rng, index, prefix, max_len, hash_block_size)
+            if index == 0:
+                request = _first_request(rng, first_len, hash_block_size)
             step = rng.randrange(30)
             self.arrivals.setdefault(step, []).append(request)
-            if rng.random() < 0.1:
+            if rng.random() < 0.1 and index > 0:
                 self.aborts.setdefault(step + rng.randrange(20), []).append(request.req_id)
         self.accepted: dict[str, Request] = {}
         self.tokens: dict[str, list[int]] = {}
@@ -152,6 +170,10 @@ def test_random_workload_gives_every_request_its_reference_tokens(seed: int) -> 
     scheduler = workload.scheduler
     assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_config.num_blocks - 1
     assert set(workload.finish) == set(workload.accepted)
+    assert "r0" in workload.accepted
+    max_chunk = max_chunk_tokens(scheduler.config)
+    usable = scheduler.kv_cache_config.num_blocks - 1
+    num_complete = 0
     for req_id, request in workload.accepted.items():
         expected = reference_tokens(
             request.prompt_token_ids,
@@ -166,3 +188,10 @@ def test_random_workload_gives_every_request_its_reference_tokens(seed: int) -> 
             assert workload.finish[req_id] is FinishReason.LENGTH
             assert tokens == expected[0][: len(tokens)]
             assert len(tokens) >= min(2, len(expected[0]))
+            # Cut short at prompt + tokens (the last one not yet computed): that many tokens
+            # can need more blocks than the pool has, else the scheduler gave up too early.
+            num_tokens = len(request.prompt_token_ids) + len(tokens)
+            assert worst_case_blocks(scheduler.kv_cache_config, num_tokens, max_chunk) > usable
+        else:
+            num_complete += 1
+    assert num_complete > 0, "no request of this seed finished with all its tokens"

@@ -1,0 +1,58 @@
+"""What tests observe inside an offline `LLM` beyond its results, all in this one module.
+
+The offline API's internals (engine core, scheduler, in-process worker) may move; tests that need
+the scheduler's counters, to watch preemptions, or to make a step fail go through these functions
+so that only this module follows such a move.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from cluster import LLM
+from scheduler.stats import SchedulerStats
+
+
+def engine_stats(llm: LLM) -> SchedulerStats:
+    """The scheduler's snapshot: running and waiting requests, KV usage, preemptions."""
+    return llm.client.get_stats()
+
+
+@contextmanager
+def watch_preemptions(llm: LLM) -> Iterator[list[int]]:
+    """Yield a list that receives, per preemption, how many tokens the victim had generated."""
+    scheduler = llm.client.core.scheduler
+    preempt = scheduler._preempt
+    seen: list[int] = []
+
+    def recording_preempt(request, plan) -> None:  # type: ignore[no-untyped-def]
+        seen.append(request.num_output_tokens)
+        preempt(request, plan)
+
+    scheduler._preempt = recording_preempt  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        del scheduler._preempt
+
+
+@contextmanager
+def failing_forward(llm: LLM, call: int, error: BaseException) -> Iterator[None]:
+    """Make the `call`-th forward pass of the (in-process, tp_size 1) model raise `error`, after
+    the runner took in that step's scheduler output."""
+    model = llm.client.core.executor.worker.model_runner.model
+    calls = itertools.count(1)
+
+    def maybe_fail(_module: torch.nn.Module, _args: object) -> None:
+        if next(calls) == call:
+            raise error
+
+    hook = model.register_forward_pre_hook(maybe_fail)
+    try:
+        yield
+    finally:
+        hook.remove()
