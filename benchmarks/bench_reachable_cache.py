@@ -31,9 +31,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=20)
     args = parser.parse_args()
-    print(
-        "| layout | prompt tokens | hit rate, every block cached | hit rate, reachable only | ratio |"
-    )
+    print("| layout | prompt tokens | hit rate, all blocks cached | reachable only | ratio |")
     print("|---|---|---|---|---|")
     for layout in LAYOUTS:
         prompt, ours, theirs = measure(layout, args.seeds)

@@ -51,8 +51,11 @@ def _assert_logprobs_match(hf_model: torch.nn.Module, prompts: list[list[int]], 
     """Each sampled token's log-probability is transformers' (a stale KV read shows here even
     when the argmax survives it)."""
     for prompt, result in zip(prompts, results, strict=True):
-        logprobs = [entry.logprob for entry in result.outputs[0].logprobs]
         tokens = result.outputs[0].token_ids
+        positions = result.outputs[0].logprobs
+        logprobs = [
+            position[token].logprob for position, token in zip(positions, tokens, strict=True)
+        ]
         assert logprobs == pytest.approx(_hf_logprobs(hf_model, prompt, tokens), abs=1e-4)
 
 

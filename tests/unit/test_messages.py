@@ -6,6 +6,7 @@ import dataclasses
 import inspect
 import pickle
 
+import msgspec
 import pytest
 
 from scheduler import output as output_module
@@ -96,11 +97,15 @@ def test_every_output_message_type_has_a_sample() -> None:
     message_types = {
         obj
         for _, obj in inspect.getmembers(output_module, inspect.isclass)
-        if dataclasses.is_dataclass(obj) and obj.__module__ == output_module.__name__
+        if (dataclasses.is_dataclass(obj) or issubclass(obj, msgspec.Struct))
+        and obj.__module__ == output_module.__name__
     }
     assert message_types == set(SAMPLES)
     for message_type in message_types:
-        assert message_type.__dataclass_params__.frozen, message_type  # type: ignore[attr-defined]
+        if issubclass(message_type, msgspec.Struct):
+            assert message_type.__struct_config__.frozen, message_type
+        else:
+            assert message_type.__dataclass_params__.frozen, message_type  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("message", [*SAMPLES.values(), *OTHERS], ids=lambda m: type(m).__name__)
