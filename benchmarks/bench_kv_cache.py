@@ -26,8 +26,8 @@ from collections.abc import Callable
 import xxhash
 
 from scheduler.block_hash import SEED, extend_block_hashes
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.kv_cache_spec import (
+from scheduler.kv_cache.manager import KVCacheManager
+from scheduler.kv_cache.spec import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,

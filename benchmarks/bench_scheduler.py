@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from scheduler.config import SchedulerConfig
-from scheduler.kv_cache_spec import (
+from scheduler.kv_cache.spec import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,

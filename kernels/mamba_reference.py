@@ -127,7 +127,9 @@ def causal_conv1d(  # noqa: PLR0913 (the signature shared by every backend)
     width = weight.shape[1]
     source, offsets = conv_windows_source(x, initial_states, starts)
     token_offsets = [
-        offsets[seq] + i for seq in range(len(starts) - 1) for i in range(starts[seq + 1] - starts[seq])
+        offsets[seq] + i
+        for seq in range(len(starts) - 1)
+        for i in range(starts[seq + 1] - starts[seq])
     ]
     base = torch.tensor(token_offsets, dtype=torch.int64, device=x.device)
     index = base[:, None] + torch.arange(width, device=x.device)[None, :]  # [T, width]
@@ -183,10 +185,10 @@ def discretize_dt(
 def ssd_scan(  # noqa: PLR0913 (the signature shared by every backend)
     x: torch.Tensor,
     dt: torch.Tensor,
-    A: torch.Tensor,  # noqa: N803 (the SSM's own names)
-    B: torch.Tensor,  # noqa: N803
-    C: torch.Tensor,  # noqa: N803
-    D: torch.Tensor | None,  # noqa: N803
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
     dt_bias: torch.Tensor | None,
     initial_states: torch.Tensor,
     query_start_loc: torch.Tensor | Sequence[int],

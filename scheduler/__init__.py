@@ -5,8 +5,8 @@ memory allows, then calls `add_request`, `schedule` and `update_from_output` eac
 """
 
 from scheduler.config import SchedulerConfig, SchedulingPolicy
-from scheduler.kv_cache_config import build_kv_cache_config
-from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.kv_cache.builder import build_kv_cache_config
+from scheduler.kv_cache.manager import KVCacheManager
 from scheduler.output import (
     CachedRequestData,
     FinishReason,

@@ -7,8 +7,8 @@ leave it waiting forever); each step calls `num_new_tokens` for every prefill ch
 from __future__ import annotations
 
 from scheduler.config import SchedulerConfig
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.kv_cache_spec import KVCacheConfig, cdiv
+from scheduler.kv_cache.manager import KVCacheManager
+from scheduler.kv_cache.spec import KVCacheConfig, cdiv
 from scheduler.prefill_split import block_aligned_num_tokens
 from scheduler.request import Request, RequestStatus
 

@@ -14,8 +14,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from scheduler.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from scheduler.kv_cache_spec import (
+from scheduler.kv_cache.manager import KVCacheBlocks, KVCacheManager
+from scheduler.kv_cache.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,

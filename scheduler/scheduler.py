@@ -16,8 +16,8 @@ from collections.abc import Iterable
 
 from scheduler.admission import check_chunk_limits, check_new_request, num_new_tokens
 from scheduler.config import SchedulerConfig, SchedulingPolicy
-from scheduler.kv_cache_manager import CacheHit, KVCacheBlocks, KVCacheManager
-from scheduler.kv_cache_spec import KVCacheConfig
+from scheduler.kv_cache.manager import CacheHit, KVCacheBlocks, KVCacheManager
+from scheduler.kv_cache.spec import KVCacheConfig
 from scheduler.output import (
     CachedRequestData,
     FinishReason,
@@ -28,9 +28,9 @@ from scheduler.output import (
 )
 from scheduler.queue import make_request_queue
 from scheduler.request import Request, RequestStatus
-from scheduler.sampled_tokens import apply_sampled_tokens, make_request_output
 from scheduler.stats import SchedulerStats
-from scheduler.step_output import StepPlan, WorkerView
+from scheduler.step_plan import StepPlan, WorkerView
+from scheduler.stop_rules import apply_sampled_tokens, make_request_output
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from scheduler.kv_cache_manager import KVCacheStats
+    from scheduler.kv_cache.manager import KVCacheStats
 
 
 @dataclass(frozen=True)

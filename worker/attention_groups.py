@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kernels import AttentionBackend
-from scheduler.kv_cache_spec import (
+from scheduler.kv_cache.spec import (
     ChunkedLocalAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
@@ -188,7 +188,8 @@ def build_attention_groups(
     ]
     infos = [LayerAttentionInfo(name, spec_of[name], targets.get(name)) for name in by_name]
     owners = [
-        [] if isinstance(manager_spec(g.spec), MambaSpec)  # Mamba layers are no attention
+        []
+        if isinstance(manager_spec(g.spec), MambaSpec)  # Mamba layers are no attention
         else [name for name in g.layer_names if name not in targets]
         for g in config.groups
     ]

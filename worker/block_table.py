@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from scheduler.kv_cache_spec import cdiv
+from scheduler.kv_cache.spec import cdiv
 
 
 def choose_kernel_block_size(block_size: int, is_supported: Callable[[int], bool]) -> int:

@@ -19,7 +19,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from scheduler.kv_cache_spec import (
+from scheduler.kv_cache.spec import (
     AttentionSpec,
     KVCacheConfig,
     KVCacheSpec,

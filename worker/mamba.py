@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from scheduler.kv_cache_spec import MambaCacheMode, MambaSpec
+from scheduler.kv_cache.spec import MambaCacheMode, MambaSpec
 from worker.attention import ForwardContext
 from worker.config import ParallelConfig
 from worker.distributed import all_reduce
@@ -109,7 +109,9 @@ class MambaMixer2(nn.Module):
         dt_rows = (2 * full_inner + 2 * full_groups + lay.first_head, lay.heads)
         self.in_proj_rows = ((lay.first_head * cfg.head_dim, self.inner), x_rows, b_rows, c_rows)
         self.in_proj_rows += (dt_rows,)
-        self.conv_rows = tuple((start - full_inner, size) for start, size in (x_rows, b_rows, c_rows))
+        self.conv_rows = tuple(
+            (start - full_inner, size) for start, size in (x_rows, b_rows, c_rows)
+        )
         out_features = 2 * self.inner + 2 * lay.groups * n + lay.heads
         self.in_proj = _Params(
             weight=new_parameter((out_features, cfg.hidden_size), self._load_in_proj),

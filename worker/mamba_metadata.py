@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from kernels.mamba_registry import MambaKernels
-from scheduler.kv_cache_spec import KVCacheConfig, MambaCacheMode, MambaSpec, manager_spec
+from scheduler.kv_cache.spec import KVCacheConfig, MambaCacheMode, MambaSpec, manager_spec
 from worker.input_batch import InputBatch, RequestStates
 
 NULL_BLOCK = 0

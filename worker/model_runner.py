@@ -18,8 +18,8 @@ from torch import nn
 
 from kernels import AttentionBackend, select_backend
 from kernels.mamba_registry import select_mamba_kernels
-from scheduler.kv_cache_config import group_of_layer
-from scheduler.kv_cache_spec import KVCacheConfig, MambaCacheMode
+from scheduler.kv_cache.builder import group_of_layer
+from scheduler.kv_cache.spec import KVCacheConfig, MambaCacheMode
 from scheduler.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from worker.attention import ForwardContext
 from worker.attention_groups import (
@@ -156,7 +156,9 @@ class ModelRunner:
         )
         self.states = RequestStates(tables, self.device)
         group_of = group_of_layer(kv_cache_config)
-        self._mamba_groups = {layer.layer_name: group_of[layer.layer_name] for layer in self.mamba_layers}
+        self._mamba_groups = {
+            layer.layer_name: group_of[layer.layer_name] for layer in self.mamba_layers
+        }
         self._mamba_modes = mamba_group_modes(kv_cache_config)
         self._mamba_kernels = select_mamba_kernels(self.config.attention_backend, self.device)
         logger.info(

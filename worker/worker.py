@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from scheduler.kv_cache_spec import KVCacheConfig
+from scheduler.kv_cache.spec import KVCacheConfig
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from worker.config import ModelConfig, ParallelConfig
 from worker.distributed import destroy_distributed, init_distributed

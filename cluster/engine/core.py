@@ -20,8 +20,8 @@ from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
 from cluster.engine_args import EngineArgs
 from cluster.llm_inputs import check_token_ids
-from scheduler.kv_cache_config import build_kv_cache_config
-from scheduler.kv_cache_spec import KVCacheConfig
+from scheduler.kv_cache.builder import build_kv_cache_config
+from scheduler.kv_cache.spec import KVCacheConfig
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler
 from scheduler.stats import SchedulerStats

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kernels import reference, select_backend
-from kernels.testing import BatchSpec, PagedBatch, allocate_caches, make_paged_batch
+from tests.helpers.kernel_batches import BatchSpec, PagedBatch, allocate_caches, make_paged_batch
 
 pytestmark = [
     pytest.mark.gpu,

@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from cluster import LLM, SamplingParams
-from scheduler.kv_cache_config import build_kv_cache_config
+from scheduler.kv_cache.builder import build_kv_cache_config
 from tests.helpers.paged_driver import PagedDriver
 from tests.helpers.shared_kv_reference import greedy_with_shared_kv
 from worker.attention import Attention, ForwardContext

@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from cluster import LLM, SamplingParams
-from scheduler.kv_cache_spec import UniformTypeKVCacheSpecs
+from scheduler.kv_cache.spec import UniformTypeKVCacheSpecs
 from tests.helpers.paged_driver import PagedDriver
 from worker.config import ModelConfig, ParallelConfig
 from worker.models.registry import get_model_class

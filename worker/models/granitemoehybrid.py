@@ -113,7 +113,10 @@ class GraniteMoE(nn.Module):
             )
             self.block_sparse_moe.experts = GraniteExperts(hf_config, parallel)
         self.shared_mlp = GraniteSharedMLP(
-            hf_config.hidden_size, hf_config.shared_intermediate_size, hf_config.hidden_act, parallel
+            hf_config.hidden_size,
+            hf_config.shared_intermediate_size,
+            hf_config.hidden_act,
+            parallel,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -109,7 +109,9 @@ class HybridModel(nn.Module):
         embedding_multiplier: float = 1.0,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, parallel)
+        self.embed_tokens = VocabParallelEmbedding(
+            hf_config.vocab_size, hf_config.hidden_size, parallel
+        )
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hf_config.hidden_size, eps)
         self.rotary_emb = rotary

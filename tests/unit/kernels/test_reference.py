@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kernels import reference
-from kernels.testing import (
+from tests.helpers.kernel_batches import (
     BatchSpec,
     PagedBatch,
     allocate_caches,

@@ -25,7 +25,7 @@ REPO_ROOT = Path(__file__).resolve().parents[3]
 PRELUDE = """
 import torch
 from kernels import reference, triton_attention, triton_store_kv
-from kernels.testing import BatchSpec, allocate_caches, make_paged_batch
+from tests.helpers.kernel_batches import BatchSpec, allocate_caches, make_paged_batch
 from kernels.triton_attention import LaunchConfig
 
 assert triton_attention.is_interpreted()

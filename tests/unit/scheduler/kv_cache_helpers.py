@@ -6,10 +6,11 @@ from collections.abc import Sequence
 
 from hypothesis import strategies as st
 
-from scheduler.block_pool import BlockPool
-from scheduler.coordinator import make_manager as make_group_manager
-from scheduler.kv_cache_manager import KVCacheBlocks, KVCacheManager
-from scheduler.kv_cache_spec import (
+from scheduler.kv_cache.block_pool import BlockPool
+from scheduler.kv_cache.coordinator import make_manager as make_group_manager
+from scheduler.kv_cache.manager import KVCacheBlocks, KVCacheManager
+from scheduler.kv_cache.single_type_manager import SingleTypeManager
+from scheduler.kv_cache.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
@@ -20,7 +21,6 @@ from scheduler.kv_cache_spec import (
     SlidingWindowSpec,
 )
 from scheduler.request import Request, SamplingParams
-from scheduler.single_type_manager import SingleTypeManager
 
 P3 = [0] * 16 + [1] * 16 + [2] * 16
 """Three full blocks of 16 tokens."""

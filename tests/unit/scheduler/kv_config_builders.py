@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scheduler.kv_cache_spec import (
+from scheduler.kv_cache.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,

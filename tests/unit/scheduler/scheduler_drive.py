@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from scheduler_fake_runner import EOS, FakeModelRunner
 
 from scheduler.config import SchedulerConfig
-from scheduler.kv_cache_spec import KVCacheConfig
+from scheduler.kv_cache.spec import KVCacheConfig
 from scheduler.output import FinishReason, ModelRunnerOutput, RequestOutput, SchedulerOutput
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler

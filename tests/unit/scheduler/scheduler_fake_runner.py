@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler.kv_cache_spec import (
+from scheduler.kv_cache.spec import (
     ChunkedLocalAttentionSpec,
     KVCacheConfig,
     MambaCacheMode,

@@ -15,8 +15,8 @@ from scheduler_drive import drive, make_request, make_scheduler
 from scheduler_fake_runner import FakeModelRunner, reference_tokens
 
 from scheduler.config import SchedulingPolicy
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.kv_cache_spec import (
+from scheduler.kv_cache.manager import KVCacheManager
+from scheduler.kv_cache.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheSpec,

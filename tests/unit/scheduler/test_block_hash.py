@@ -12,7 +12,7 @@ import sys
 from kv_cache_helpers import P3, admit, make_manager, make_request
 
 from scheduler.block_hash import SEED, extend_block_hashes, hash_block_tokens
-from scheduler.kv_cache_spec import FullAttentionSpec
+from scheduler.kv_cache.spec import FullAttentionSpec
 
 
 def test_only_full_blocks_are_hashed_and_hashes_grow_with_output() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler.block_hash import hash_block_tokens
-from scheduler.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
+from scheduler.kv_cache.block_pool import BlockPool, FreeBlockQueue, KVCacheBlock
 
 H = [hash_block_tokens(None, [index]) for index in range(8)]
 

@@ -22,15 +22,15 @@ from kv_cache_helpers import (
     window,
 )
 
-from scheduler.block_pool import BlockPool
-from scheduler.coordinator import (
+from scheduler.kv_cache.block_pool import BlockPool
+from scheduler.kv_cache.coordinator import (
     HybridCoordinator,
     NoPrefixCacheCoordinator,
     UnitaryCoordinator,
     make_coordinator,
 )
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.kv_cache_spec import KVCacheSpec
+from scheduler.kv_cache.manager import KVCacheManager
+from scheduler.kv_cache.spec import KVCacheSpec
 
 
 def hybrid_hit(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from kv_cache_helpers import admit, find_hit, full, hit, make_manager, make_request, window
 
-from scheduler.kv_cache_manager import KVCacheManager
+from scheduler.kv_cache.manager import KVCacheManager
 
 COMMON = [token for index in range(6) for token in [index] * 16]
 """S14's six shared blocks of 16 tokens."""

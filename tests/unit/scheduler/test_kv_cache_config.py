@@ -20,11 +20,11 @@ from kv_config_builders import (
     tensor_pages,
 )
 
-from scheduler.kv_cache_config import (
+from scheduler.kv_cache.builder import (
     build_kv_cache_config,
     group_of_layer,
 )
-from scheduler.kv_cache_spec import (
+from scheduler.kv_cache.spec import (
     FullAttentionSpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,

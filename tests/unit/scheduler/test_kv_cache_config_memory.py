@@ -17,13 +17,13 @@ from kv_config_builders import (
     tensor_pages,
 )
 
-from scheduler.kv_cache_config import (
+from scheduler.kv_cache.builder import (
     build_kv_cache_config,
     capacity_tokens,
     estimate_max_model_len,
     max_concurrency,
 )
-from scheduler.kv_cache_spec import (
+from scheduler.kv_cache.spec import (
     KVCacheConfig,
     MambaCacheMode,
 )

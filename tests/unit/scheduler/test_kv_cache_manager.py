@@ -24,7 +24,7 @@ from kv_cache_helpers import (
     window,
 )
 
-from scheduler.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from scheduler.kv_cache.manager import KVCacheBlocks, KVCacheManager
 from scheduler.request import Request, SamplingParams
 
 

@@ -23,8 +23,8 @@ from kv_cache_helpers import (
     window,
 )
 
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.kv_cache_spec import MambaCacheMode, cdiv
+from scheduler.kv_cache.manager import KVCacheManager
+from scheduler.kv_cache.spec import MambaCacheMode, cdiv
 from scheduler.prefill_split import block_aligned_num_tokens
 
 

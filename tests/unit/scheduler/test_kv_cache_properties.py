@@ -16,8 +16,8 @@ from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 from kv_cache_helpers import full, make_config, make_request, mamba, model_specs
 
-from scheduler.kv_cache_manager import CacheHit, KVCacheManager
-from scheduler.kv_cache_spec import (
+from scheduler.kv_cache.manager import CacheHit, KVCacheManager
+from scheduler.kv_cache.spec import (
     ChunkedLocalAttentionSpec,
     KVCacheSpec,
     MambaCacheMode,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.kv_cache_spec import (
+from scheduler.kv_cache.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     MambaCacheMode,

@@ -15,12 +15,12 @@ from kv_config_builders import (
     tensor_names,
 )
 
-from scheduler.kv_cache_config import (
+from scheduler.kv_cache.builder import (
     build_kv_cache_config,
     estimate_max_model_len,
     group_of_layer,
 )
-from scheduler.kv_cache_spec import (
+from scheduler.kv_cache.spec import (
     FullAttentionSpec,
 )
 

@@ -9,9 +9,9 @@ at 8, 16, 24, 32, so a later prompt sharing 20 tokens hits 16 instead of nothing
 
 from __future__ import annotations
 
-from scheduler.kv_cache_config import build_kv_cache_config
-from scheduler.kv_cache_manager import KVCacheManager
-from scheduler.kv_cache_spec import MambaCacheMode
+from scheduler.kv_cache.builder import build_kv_cache_config
+from scheduler.kv_cache.manager import KVCacheManager
+from scheduler.kv_cache.spec import MambaCacheMode
 from scheduler.prefill_split import block_aligned_num_tokens
 from scheduler.request import Request, SamplingParams
 from tests.unit.scheduler.kv_config_builders import full, mamba

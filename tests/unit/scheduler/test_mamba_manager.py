@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from kv_cache_helpers import find_hit, make_request, make_single_manager, mamba, register
 
-from scheduler.block_pool import BlockPool
-from scheduler.kv_cache_spec import MambaCacheMode
-from scheduler.single_type_manager import SingleTypeManager
+from scheduler.kv_cache.block_pool import BlockPool
+from scheduler.kv_cache.single_type_manager import SingleTypeManager
+from scheduler.kv_cache.spec import MambaCacheMode
 
 
 @pytest.mark.parametrize(

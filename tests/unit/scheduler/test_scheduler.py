@@ -10,7 +10,7 @@ from kv_cache_helpers import full, make_config, window
 from scheduler_drive import ScriptedRunner, drive, make_request, make_scheduler, run_step
 from scheduler_fake_runner import FakeModelRunner
 
-from scheduler.kv_cache_spec import MambaCacheMode, MambaSpec
+from scheduler.kv_cache.spec import MambaCacheMode, MambaSpec
 from scheduler.output import FinishReason
 from scheduler.scheduler import Scheduler
 

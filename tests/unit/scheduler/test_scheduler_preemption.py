@@ -12,9 +12,9 @@ from kv_cache_helpers import chunked, full, make_config, window
 from scheduler_drive import drive, make_request, make_scheduler
 from scheduler_fake_runner import FakeModelRunner
 
-from scheduler.block_pool import KVCacheBlock
 from scheduler.config import SchedulingPolicy
-from scheduler.kv_cache_spec import KVCacheConfig
+from scheduler.kv_cache.block_pool import KVCacheBlock
+from scheduler.kv_cache.spec import KVCacheConfig
 from scheduler.output import FinishReason, SchedulerOutput
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler

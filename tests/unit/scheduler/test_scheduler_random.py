@@ -24,7 +24,7 @@ from scheduler_fake_runner import VOCAB_SIZE, FakeModelRunner, reference_tokens
 
 from scheduler.admission import max_chunk_tokens, worst_case_blocks
 from scheduler.config import SchedulerConfig, SchedulingPolicy
-from scheduler.kv_cache_spec import KVCacheConfig, KVCacheSpec, MambaCacheMode, cdiv
+from scheduler.kv_cache.spec import KVCacheConfig, KVCacheSpec, MambaCacheMode, cdiv
 from scheduler.output import FinishReason
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler

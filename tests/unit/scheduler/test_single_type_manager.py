@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from kv_cache_helpers import find_hit, full, make_request, make_single_manager, register
 
-from scheduler.block_pool import BlockPool
-from scheduler.single_type_manager import NEVER
+from scheduler.kv_cache.block_pool import BlockPool
+from scheduler.kv_cache.single_type_manager import NEVER
 
 
 def test_full_hit_stops_at_first_missing_block() -> None:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 from kv_cache_helpers import chunked, find_hit, make_single_manager, window
 
-from scheduler.block_pool import BlockPool
-from scheduler.kv_cache_spec import KVCacheSpec
-from scheduler.single_type_manager import SingleTypeManager
+from scheduler.kv_cache.block_pool import BlockPool
+from scheduler.kv_cache.single_type_manager import SingleTypeManager
+from scheduler.kv_cache.spec import KVCacheSpec
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,8 @@ import torch
 
 from kernels import select_backend
 from kernels.reference import paged_attention, store_kv_cache
-from scheduler.kv_cache_config import build_kv_cache_config
-from scheduler.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
+from scheduler.kv_cache.builder import build_kv_cache_config
+from scheduler.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
 from scheduler.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from scheduler.request import SamplingParams
 from tests.helpers.tiny_models import save_tiny_model

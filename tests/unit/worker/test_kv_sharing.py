@@ -87,7 +87,7 @@ GIB = 1 << 30
 
 
 def _spec(**extra):
-    from scheduler.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
+    from scheduler.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
 
     shape = {"block_size": 16, "num_kv_heads": 8, "head_size": 64, "dtype_bytes": 2}
     if extra:
@@ -96,7 +96,7 @@ def _spec(**extra):
 
 
 def test_s25_sharing_doubles_the_tokens_that_fit():
-    from scheduler.kv_cache_config import build_kv_cache_config, estimate_max_model_len
+    from scheduler.kv_cache.builder import build_kv_cache_config, estimate_max_model_len
 
     alone = build_kv_cache_config({"L0": _spec(), "L1": _spec()}, 20 * GIB)
     shared = build_kv_cache_config({"L0": _spec()}, 20 * GIB, shared_kv_layers={"L1": "L0"})
@@ -115,7 +115,7 @@ def test_s25_sharing_doubles_the_tokens_that_fit():
 
 @pytest.mark.parametrize("disable_hybrid", [True, False])
 def test_placement_from_built_kv_cache_config(disable_hybrid):
-    from scheduler.kv_cache_config import build_kv_cache_config
+    from scheduler.kv_cache.builder import build_kv_cache_config
 
     owners = {f"L{i}": _spec() if i % 2 == 0 else _spec(sliding_window=32) for i in (0, 1, 4, 5)}
     config = build_kv_cache_config(

@@ -17,13 +17,13 @@ from __future__ import annotations
 import logging
 import math
 
-from scheduler.kv_cache_grouping import (
+from scheduler.kv_cache.grouping import (
     attach_sharing,
     fold_to_full_attention,
     group_layers,
     validate_kv_sharing,
 )
-from scheduler.kv_cache_spec import (
+from scheduler.kv_cache.spec import (
     ChunkedLocalAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler.kv_cache_manager import KVCacheBlocks, KVCacheManager
+from scheduler.kv_cache.manager import KVCacheBlocks, KVCacheManager
 from scheduler.output import CachedRequestData, NewRequestData
 from scheduler.request import Request
 

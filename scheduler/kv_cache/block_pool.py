@@ -14,7 +14,7 @@ import logging
 from collections.abc import Iterable, Sequence
 
 from scheduler.block_hash import BlockHash
-from scheduler.free_block_queue import FreeBlockQueue, KVCacheBlock
+from scheduler.kv_cache.free_block_queue import FreeBlockQueue, KVCacheBlock
 
 __all__ = ["BlockPool", "FreeBlockQueue", "KVCacheBlock"]
 

@@ -13,7 +13,7 @@ import re
 from collections.abc import Hashable
 from dataclasses import replace
 
-from scheduler.kv_cache_spec import (
+from scheduler.kv_cache.spec import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,

@@ -10,9 +10,9 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
-from scheduler.block_pool import BlockPool, KVCacheBlock
-from scheduler.coordinator import make_coordinator
-from scheduler.kv_cache_spec import KVCacheConfig, MambaCacheMode, MambaSpec, manager_spec
+from scheduler.kv_cache.block_pool import BlockPool, KVCacheBlock
+from scheduler.kv_cache.coordinator import make_coordinator
+from scheduler.kv_cache.spec import KVCacheConfig, MambaCacheMode, MambaSpec, manager_spec
 from scheduler.request import Request
 
 

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from itertools import islice
 
 from scheduler.block_hash import BlockHash
-from scheduler.block_pool import BlockPool, KVCacheBlock
-from scheduler.kv_cache_spec import KVCacheSpec, cdiv
+from scheduler.kv_cache.block_pool import BlockPool, KVCacheBlock
+from scheduler.kv_cache.spec import KVCacheSpec, cdiv
 
 NEVER = sys.maxsize
 """A token count no request reaches: "this event never happens" in quiet limits."""

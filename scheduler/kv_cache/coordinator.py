@@ -14,8 +14,10 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from scheduler.block_hash import BlockHash
-from scheduler.block_pool import BlockPool, KVCacheBlock
-from scheduler.kv_cache_spec import (
+from scheduler.kv_cache.block_pool import BlockPool, KVCacheBlock
+from scheduler.kv_cache.mamba_manager import MambaManager
+from scheduler.kv_cache.single_type_manager import NEVER, FullAttentionManager, SingleTypeManager
+from scheduler.kv_cache.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheGroupSpec,
@@ -24,9 +26,7 @@ from scheduler.kv_cache_spec import (
     SlidingWindowSpec,
     manager_spec,
 )
-from scheduler.mamba_manager import MambaManager
-from scheduler.single_type_manager import NEVER, FullAttentionManager, SingleTypeManager
-from scheduler.window_managers import ChunkedLocalManager, SlidingWindowManager
+from scheduler.kv_cache.window_managers import ChunkedLocalManager, SlidingWindowManager
 
 GroupBlocks = tuple[list[KVCacheBlock], ...]
 """One block list per KV cache group."""

@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from scheduler.block_hash import BlockHash
-from scheduler.block_pool import BlockPool, KVCacheBlock
-from scheduler.kv_cache_spec import MambaCacheMode, MambaSpec, cdiv
-from scheduler.single_type_manager import NEVER, NO_BLOCKS, SingleTypeManager, lookup_all
+from scheduler.kv_cache.block_pool import BlockPool, KVCacheBlock
+from scheduler.kv_cache.single_type_manager import NEVER, NO_BLOCKS, SingleTypeManager, lookup_all
+from scheduler.kv_cache.spec import MambaCacheMode, MambaSpec, cdiv
 
 
 class MambaManager(SingleTypeManager):
