@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import NamedTuple
 
 from scheduler.kv_cache_grouping import (
     attach_sharing,
@@ -74,6 +75,9 @@ def build_kv_cache_config(  # noqa: PLR0913 - keyword options of the one public 
     if disable_hybrid:
         owners = fold_to_full_attention(owners)
     groups = group_layers(owners, disable_hybrid=disable_hybrid)
+    if not disable_hybrid and max_model_len is not None:
+        limits = _Limits(memory_bytes, max_model_len, max_num_batched_tokens)
+        groups = choose_grouping(groups, owners, limits)
     if not groups:
         logger.info("no layer holds KV memory: only the null block is allocated")
         return KVCacheConfig(num_blocks=1, groups=(), tensors=())
@@ -93,6 +97,60 @@ def build_kv_cache_config(  # noqa: PLR0913 - keyword options of the one public 
         capacity_tokens(config),
     )
     return attach_sharing(config, sharing)
+
+
+class _Limits(NamedTuple):
+    memory_bytes: int
+    max_model_len: int
+    max_num_batched_tokens: int | None
+
+
+def grouping_concurrency(
+    groups: tuple[KVCacheGroupSpec, ...],
+    memory_bytes: int,
+    max_model_len: int,
+    max_num_batched_tokens: int | None = None,
+) -> float:
+    """`max_concurrency` of `groups` with the blocks that `memory_bytes` hold (0 if < 2)."""
+    buffers = _buffer_layout(groups)
+    num_blocks = memory_bytes // sum(page for _, page in buffers)
+    if num_blocks < MIN_NUM_BLOCKS:
+        return 0.0
+    config = KVCacheConfig(num_blocks=num_blocks, groups=groups, tensors=())
+    return max_concurrency(config, max_model_len, max_num_batched_tokens)
+
+
+def choose_grouping(
+    hybrid: tuple[KVCacheGroupSpec, ...], owners: dict[str, KVCacheSpec], limits: _Limits
+) -> tuple[KVCacheGroupSpec, ...]:
+    """The hybrid grouping, unless folding every layer into full attention holds more
+    worst-case requests of `max_model_len` in the same memory (short lengths: a window as long
+    as the request saves nothing, while unified block sizes and padding layers still cost).
+    The choice is logged; models that cannot be folded (Mamba) keep the hybrid grouping."""
+    try:
+        folded = group_layers(fold_to_full_attention(owners), disable_hybrid=True)
+    except ValueError:
+        return hybrid
+    if folded == hybrid:
+        return hybrid
+    on = grouping_concurrency(hybrid, *limits)
+    off = grouping_concurrency(folded, *limits)
+    if off > on:
+        logger.warning(
+            "KV cache grouping: the hybrid groups would hold %.2f requests of %d tokens, folding "
+            "every layer into full attention holds %.2f; using the folded grouping",
+            on,
+            limits.max_model_len,
+            off,
+        )
+        return folded
+    logger.info(
+        "KV cache grouping: hybrid groups hold %.2f requests of %d tokens (%.2f folded)",
+        on,
+        limits.max_model_len,
+        off,
+    )
+    return hybrid
 
 
 def group_of_layer(config: KVCacheConfig) -> dict[str, int]:

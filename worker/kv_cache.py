@@ -7,6 +7,9 @@ layer per KV cache group, so a block ID is only ever in use by one of them).
 
     buffer (num_blocks pages):  [ K: block 0 | block 1 | ... ][ V: block 0 | block 1 | ... ]
     layer view:  [2, num_blocks * f, kernel_block_size, num_kv_heads, head_size]
+
+A layer whose values are its keys (`value_is_key`) has a half page and one view `[1, ...]`,
+returned as both its key and its value cache.
 """
 
 from __future__ import annotations
@@ -154,6 +157,7 @@ def _layer_view(
     needed = num_blocks * spec.page_size_bytes
     assert needed <= buffer.numel(), (needed, buffer.numel())
     split = spec.block_size // kernel_block_size
-    shape = (2, num_blocks * split, kernel_block_size, spec.num_kv_heads, spec.head_size)
+    num_tensors = 1 if spec.value_is_key else 2
+    shape = (num_tensors, num_blocks * split, kernel_block_size, spec.num_kv_heads, spec.head_size)
     view = buffer[:needed].view(dtype).view(shape)
-    return view[0], view[1]
+    return view[0], view[-1]
