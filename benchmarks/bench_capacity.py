@@ -11,8 +11,9 @@ K once (`value_is_key`, a quarter page) shows what that spec would give.
 `measured` drives the real `Scheduler` (chunked prefill, 8192-token budget, no prefix caching):
 requests of `length - 2048` prompt tokens and up to 2048 decode tokens arrive together, and the
 figure is the largest number of requests that have all finished their prefill and hold their KV
-at once (decode growth included). `worst case` is `max_concurrency` (every request at its full
-length, the sliding layers' window plus one step's tokens).
+at once (decode growth included). `held` is `held_requests`, the same at full length by formula
+(windows only for prefilled requests, one step's tokens for the one prefilling); `worst case` is
+`max_concurrency` (every request at its full length holding a whole step beyond its window).
 
     .venv/bin/python benchmarks/bench_capacity.py [--budget-gib 80]
 """
@@ -24,7 +25,7 @@ import math
 from typing import NamedTuple
 
 from scheduler.config import SchedulerConfig
-from scheduler.kv_cache_config import build_kv_cache_config, max_concurrency
+from scheduler.kv_cache_config import build_kv_cache_config, held_requests, max_concurrency
 from scheduler.kv_cache_spec import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -123,10 +124,12 @@ def measure(config: KVCacheConfig, length: int, num_requests: int) -> int:
 
 
 class Row(NamedTuple):
-    layout: str
     length: int
+    layout: str
     groups: str
     measured: int
+    held: int
+    """`held_requests`: the formula for what `measured` observes (at full length)."""
     worst_case: int
 
 
@@ -142,11 +145,13 @@ def capacity_rows(budget: int) -> list[Row]:
         for name, (specs, disable_hybrid) in layouts.items():
             config = plan(specs, budget, length, disable_hybrid=disable_hybrid)
             if config is None:
-                rows.append(Row(name, length, "-", 0, 0))
+                rows.append(Row(length, name, "-", 0, 0, 0))
                 continue
             worst = math.floor(max_concurrency(config, length, BATCHED))
             groups = f"{len(config.groups)} (block sizes {sorted(set(config.block_sizes))})"
-            rows.append(Row(name, length, groups, measure(config, length, 4 * worst + 8), worst))
+            held = held_requests(config, length, BATCHED)
+            measured = measure(config, length, 2 * held + 8)
+            rows.append(Row(length, name, groups, measured, held, worst))
     return rows
 
 
@@ -156,10 +161,10 @@ def main() -> None:
     args = parser.parse_args()
     budget = int(args.budget_gib * GIB)
     print(f"KV budget {args.budget_gib} GiB, block size {BLOCK_SIZE}, step budget {BATCHED}")
-    print("| request tokens | layout | KV cache groups | measured | worst case |")
-    print("|---|---|---|---|---|")
+    print("| request tokens | layout | KV cache groups | measured | held (formula) | worst case |")
+    print("|---|---|---|---|---|---|")
     for row in capacity_rows(budget):
-        print(f"| {row.length} | {row.layout} | {row.groups} | {row.measured} | {row.worst_case} |")
+        print("| " + " | ".join(str(value) for value in row) + " |")
 
 
 if __name__ == "__main__":
