@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -97,7 +98,7 @@ class Attention(nn.Module):
         cfg = self.config
         if cfg.kv_sharing_target is not None:
             return None
-        shape = {
+        shape: dict[str, Any] = {
             "num_kv_heads": cfg.num_kv_heads,
             "head_size": cfg.head_size,
             "value_is_key": cfg.value_is_key,
