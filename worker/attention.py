@@ -154,6 +154,6 @@ class Attention(nn.Module):
             cfg.scale,
             sliding_window=cfg.sliding_window,
             softcap=cfg.logits_softcap,
-            **({} if sinks is None else {"sinks": sinks}),
+            sinks=sinks,
         )
         return out.reshape(num_tokens, cfg.num_heads * cfg.head_size)

@@ -175,8 +175,9 @@ class Gemma4ForCausalLM(DecoderForCausalLM):
 
     def __init__(self, model_config: ModelConfig, parallel: ParallelConfig) -> None:
         hf_config = model_config.hf_config
-        if getattr(hf_config, "use_bidirectional_attention", None):
+        if getattr(hf_config, "use_bidirectional_attention", None) == "all":
             raise ValueError("Gemma 4 with bidirectional attention cannot be served as a decoder")
+        # "vision" makes only image tokens attend bidirectionally: text serving is causal.
         super().__init__(model_config, parallel)
         self.shared_layers = set(kv_sharing_targets(hf_config))
         self.k_as_v_layers = {
