@@ -53,6 +53,7 @@ generate: install
 bench: install
 	$(BIN)/python benchmarks/bench_kv_cache.py
 	$(BIN)/python benchmarks/bench_scheduler.py
+	$(BIN)/python benchmarks/bench_capacity.py
 	$(BIN)/python benchmarks/bench_attention.py
 
 clean:

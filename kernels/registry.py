@@ -138,8 +138,8 @@ def _triton_unavailable_reason(request: _Request) -> str | None:
     error = triton_import_error()
     if error is not None:
         return error
-    if request.head_size > 256:
-        return f"the Triton kernel supports head_size <= 256, got {request.head_size}"
+    if request.head_size > 512:
+        return f"the Triton kernel supports head_size <= 512, got {request.head_size}"
     if request.device.type == "cuda":
         return None
     from kernels import triton_attention

@@ -206,6 +206,8 @@ def choose_launch_config(
     is_decode = num_tokens <= num_reqs
     block_m = max(16, group_pad) if is_decode else max(64, group_pad)
     block_n = 64 if head_size <= 128 else 32
+    if head_size > 256:  # Gemma 4's global heads: keep the fp32 accumulator tile small
+        block_m, block_n = max(16, group_pad), 16
     num_splits = 1
     if is_decode and device.type == "cuda":
         num_sms = torch.cuda.get_device_properties(device).multi_processor_count

@@ -29,7 +29,7 @@ from scheduler.prefill_split import block_aligned_num_tokens
 from scheduler.request import Request, SamplingParams
 
 Record = dict[str, Any]
-_ATTENTION = {"num_kv_heads": 1, "head_size": 1, "dtype_bytes": 4}
+_ATTENTION: dict[str, Any] = {"num_kv_heads": 1, "head_size": 1, "dtype_bytes": 4}
 """Page size does not matter to the replay: every group uses this dummy attention shape."""
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -75,6 +75,9 @@ class AttentionConfig:
     logits_softcap: float | None = None
     kv_sharing_target: str | None = None
     """Earlier layer whose KV cache this layer reads; it then owns no KV memory."""
+    value_is_key: bool = False
+    """The values are the keys (the caller's `value` is ignored): the layer stores one tensor,
+    half the KV memory of a layer of its shape."""
     has_sinks: bool = False
     """The layer passes per-head sink logits to the kernel (gpt-oss); backends without sinks
     are not chosen for it."""
@@ -101,7 +104,11 @@ class Attention(nn.Module):
         cfg = self.config
         if cfg.kv_sharing_target is not None:
             return None
-        shape = {"num_kv_heads": cfg.num_kv_heads, "head_size": cfg.head_size}
+        shape: dict[str, Any] = {
+            "num_kv_heads": cfg.num_kv_heads,
+            "head_size": cfg.head_size,
+            "value_is_key": cfg.value_is_key,
+        }
         if cfg.sliding_window is not None:
             return SlidingWindowSpec(
                 block_size=block_size,
@@ -140,7 +147,8 @@ class Attention(nn.Module):
         query = query.view(num_tokens, cfg.num_heads, cfg.head_size)
         if cfg.kv_sharing_target is None:
             key = key.view(-1, cfg.num_kv_heads, cfg.head_size)
-            value = value.view(-1, cfg.num_kv_heads, cfg.head_size)
+            # value_is_key: both caches view one tensor; storing the key twice writes it once.
+            value = key if cfg.value_is_key else value.view(-1, cfg.num_kv_heads, cfg.head_size)
             meta.store_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping)
         out = meta.paged_attention(
             query,
@@ -152,6 +160,6 @@ class Attention(nn.Module):
             cfg.scale,
             sliding_window=cfg.sliding_window,
             softcap=cfg.logits_softcap,
-            **({} if sinks is None else {"sinks": sinks}),
+            sinks=sinks,
         )
         return out.reshape(num_tokens, cfg.num_heads * cfg.head_size)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import NamedTuple
 
 from scheduler.kv_cache.grouping import (
     attach_sharing,
@@ -74,6 +75,9 @@ def build_kv_cache_config(  # noqa: PLR0913 - keyword options of the one public 
     if disable_hybrid:
         owners = fold_to_full_attention(owners)
     groups = group_layers(owners, disable_hybrid=disable_hybrid)
+    if not disable_hybrid and max_model_len is not None:
+        limits = _Limits(memory_bytes, max_model_len, max_num_batched_tokens)
+        groups = choose_grouping(groups, owners, limits)
     if not groups:
         logger.info("no layer holds KV memory: only the null block is allocated")
         return KVCacheConfig(num_blocks=1, groups=(), tensors=())
@@ -93,6 +97,81 @@ def build_kv_cache_config(  # noqa: PLR0913 - keyword options of the one public 
         capacity_tokens(config),
     )
     return attach_sharing(config, sharing)
+
+
+class _Limits(NamedTuple):
+    memory_bytes: int
+    max_model_len: int
+    max_num_batched_tokens: int | None
+
+
+def held_requests(
+    config: KVCacheConfig, max_model_len: int, max_num_batched_tokens: int | None = None
+) -> int:
+    """Requests of `max_model_len` tokens the usable blocks hold at once after their prefill,
+    while one more request prefills a step of `max_num_batched_tokens` (0 if none fits).
+
+    A prefilled request keeps only its windows in window layers (its decode footprint); the
+    step being prefilled also holds the step's tokens. This is the capacity the hybrid manager
+    buys; `max_concurrency` instead charges every request a whole step, so with steps as long
+    as the request windows save nothing there.
+    """
+    usable = config.num_blocks - 1
+    steady = request_blocks(config, max_model_len, 1)
+    worst = request_blocks(config, max_model_len, max_num_batched_tokens)
+    if steady == 0:
+        return usable
+    if worst > usable:
+        return 0
+    return (usable - (worst - steady)) // steady
+
+
+def grouping_capacity(
+    groups: tuple[KVCacheGroupSpec, ...],
+    memory_bytes: int,
+    max_model_len: int,
+    max_num_batched_tokens: int | None = None,
+) -> int:
+    """`held_requests` of `groups` with the blocks that `memory_bytes` hold."""
+    buffers = _buffer_layout(groups)
+    num_blocks = memory_bytes // sum(page for _, page in buffers)
+    if num_blocks < MIN_NUM_BLOCKS:
+        return 0
+    config = KVCacheConfig(num_blocks=num_blocks, groups=groups, tensors=())
+    return held_requests(config, max_model_len, max_num_batched_tokens)
+
+
+def choose_grouping(
+    hybrid: tuple[KVCacheGroupSpec, ...], owners: dict[str, KVCacheSpec], limits: _Limits
+) -> tuple[KVCacheGroupSpec, ...]:
+    """The hybrid grouping, unless folding every layer into full attention holds more requests
+    of `max_model_len` (`held_requests`) in the same memory: with requests no longer than the
+    windows, windows save nothing while unified block sizes and padding layers still cost.
+    The choice is logged; models that cannot be folded (Mamba) keep the hybrid grouping."""
+    try:
+        folded = group_layers(fold_to_full_attention(owners), disable_hybrid=True)
+    except ValueError:
+        return hybrid
+    if folded == hybrid:
+        return hybrid
+    on = grouping_capacity(hybrid, *limits)
+    off = grouping_capacity(folded, *limits)
+    if off > on:
+        logger.warning(
+            "KV cache grouping: the hybrid groups would hold %d requests of %d tokens, folding "
+            "every layer into full attention holds %d; using the folded grouping",
+            on,
+            limits.max_model_len,
+            off,
+        )
+        return folded
+    logger.info(
+        "KV cache grouping: hybrid groups hold %d requests of %d tokens (%d folded)",
+        on,
+        limits.max_model_len,
+        off,
+    )
+    return hybrid
 
 
 def group_of_layer(config: KVCacheConfig) -> dict[str, int]:

@@ -57,6 +57,7 @@ def _as_full(
         num_kv_heads=spec.num_kv_heads,
         head_size=spec.head_size,
         dtype_bytes=spec.dtype_bytes,
+        value_is_key=spec.value_is_key,
         sliding_window=sliding_window,
         attention_chunk_size=attention_chunk_size,
     )
@@ -151,14 +152,30 @@ def _scale_to_largest_page(specs: LayerSpecs) -> LayerSpecs:
         page = spec.page_size_bytes
         if largest % page:
             raise ValueError(
-                f"layer {name!r} has a page of {page} bytes, which does not divide the largest "
-                f"page ({largest} bytes); hybrid groups need page sizes that are multiples of "
-                "each other (change head sizes or block sizes, or disable the hybrid manager)"
+                f"cannot unify KV page sizes: {_describe_layers(specs, spec)} have pages of "
+                f"{page} bytes, which do not divide the largest page ({largest} bytes) of "
+                f"{_describe_layers(specs, _spec_with_page(specs, largest))}; hybrid groups "
+                "need page sizes that are multiples of each other (change head sizes or block "
+                "sizes, or disable the hybrid manager)"
             )
         scaled[name] = (
             spec if page == largest else spec.with_block_size(spec.block_size * (largest // page))
         )
     return scaled
+
+
+def _spec_with_page(specs: LayerSpecs, page: int) -> KVCacheSpec:
+    return next(spec for spec in specs.values() if spec.page_size_bytes == page)
+
+
+def _describe_layers(specs: LayerSpecs, spec: KVCacheSpec) -> str:
+    """'layers [a, b] (SlidingWindowSpec, 2 KV heads x 16, block 4)': the layers of one spec."""
+    names = [name for name, other in specs.items() if other == spec]
+    shown = ", ".join(names[:4]) + (f", ... ({len(names)} layers)" if len(names) > 4 else "")
+    shape = ""
+    if isinstance(spec, AttentionSpec):
+        shape = f", {spec.num_kv_heads} KV heads x {spec.head_size}"
+    return f"layers [{shown}] ({type(spec).__name__}{shape}, block {spec.block_size})"
 
 
 def _pad_mamba(spec: MambaSpec, page: int, factor: int) -> KVCacheSpec:

@@ -52,10 +52,14 @@ class AttentionSpec(KVCacheSpec):
     """Elements per head (K and V have the same size)."""
     dtype_bytes: int
     """Bytes per cache element (2 for fp16/bf16, 4 for fp32)."""
+    value_is_key: bool = False
+    """The layer's values are its keys, bit for bit: it stores one tensor, so its page is half
+    that of a layer of the same shape storing K and V."""
 
     @property
     def page_size_bytes(self) -> int:
-        return 2 * self.block_size * self.num_kv_heads * self.head_size * self.dtype_bytes
+        num_tensors = 1 if self.value_is_key else 2
+        return num_tensors * self.block_size * self.num_kv_heads * self.head_size * self.dtype_bytes
 
 
 @dataclass(frozen=True, kw_only=True)

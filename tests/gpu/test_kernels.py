@@ -28,7 +28,11 @@ SCALE = 0.1
 
 
 def run_backend(
-    name: str, batch: PagedBatch, window: int | None, softcap: float | None
+    name: str,
+    batch: PagedBatch,
+    window: int | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     backend = select_backend(
         name,
@@ -36,6 +40,7 @@ def run_backend(
         block_size=batch.key_cache.shape[1],
         head_size=batch.query.shape[2],
         dtype=batch.query.dtype,
+        has_sinks=sinks is not None,
     )
     return backend.paged_attention(
         batch.query,
@@ -47,6 +52,7 @@ def run_backend(
         SCALE,
         window,
         softcap,
+        sinks,
     )
 
 
@@ -63,7 +69,11 @@ def assert_matches_reference(
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize(
     ("heads", "head_size", "block_size"),
-    [*itertools.product(HEADS, [64, 80, 96, 128, 256], [16]), ((32, 8), 128, 1), ((8, 2), 64, 5)],
+    [
+        *itertools.product(HEADS, [64, 80, 96, 128, 256, 512], [16]),
+        ((32, 8), 128, 1),
+        ((8, 2), 64, 5),
+    ],
 )
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (100, 30.0)])
 def test_triton_matches_reference(
@@ -86,6 +96,21 @@ def test_triton_matches_reference(
         is_interleaved=block_size == 16,
     )
     assert_matches_reference("triton", spec, window, softcap)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("head_size", "window"), [(64, 128), (64, None), (512, 1024)])
+def test_triton_with_sinks_matches_reference(
+    dtype: torch.dtype, head_size: int, window: int | None
+) -> None:
+    """gpt-oss (head 64, window 128) and a Gemma-4-sized head, mixed batch with decodes."""
+    spec = BatchSpec((*MIXED, (1, 3000)), num_q_heads=8, num_kv_heads=2, head_size=head_size,
+                     block_size=16, dtype=dtype, sliding_window=window)  # fmt: skip
+    batch = make_paged_batch(spec, seed=1, device="cuda")
+    sinks = torch.linspace(-2.0, 2.0, 8, device="cuda")
+    got = run_backend("triton", batch, window, None, sinks)
+    want = run_backend("torch", batch, window, None, sinks)
+    torch.testing.assert_close(got, want, atol=ATOL[dtype], rtol=ATOL[dtype])
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -60,6 +60,15 @@ GEMMA4_MOE = {
     "top_k_experts": 2,
     "moe_intermediate_size": 16,
 }
+# The large checkpoints' shape: no per-layer inputs, no KV sharing, one global layer per six.
+GEMMA4_PLAIN = {
+    **GEMMA4,
+    "num_hidden_layers": 6,
+    "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+    "num_kv_shared_layers": 0,
+    "hidden_size_per_layer_input": 0,
+    "final_logit_softcapping": None,
+}
 GPT_OSS = {
     **COMMON,
     "intermediate_size": 32,
@@ -133,6 +142,12 @@ def gemma4_moe(tmp_path_factory) -> Saved:
 
 
 @pytest.fixture(scope="module")
+def gemma4_plain(tmp_path_factory) -> Saved:
+    path = tmp_path_factory.mktemp("g4plain")
+    return _save("Gemma4TextConfig", "Gemma4ForCausalLM", GEMMA4_PLAIN, path)
+
+
+@pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory) -> Saved:
     return _save("GptOssConfig", "GptOssForCausalLM", GPT_OSS, tmp_path_factory.mktemp("oss"))
 
@@ -157,7 +172,7 @@ def _generate(saved: Saved, **kwargs) -> tuple[list[list[int]], list[int]]:
     return tokens, [r.num_cached_tokens for r in second]
 
 
-@pytest.mark.parametrize("name", ["gemma4", "gemma4_moe", "gpt_oss"])
+@pytest.mark.parametrize("name", ["gemma4", "gemma4_moe", "gemma4_plain", "gpt_oss"])
 def test_prefill_logits_match_transformers(name, request):
     saved = request.getfixturevalue(name)
     prompt = PROMPTS[0]
@@ -182,9 +197,11 @@ def test_gemma4_greedy_tokens_and_prefix_hits_match_transformers(
     assert all(num > 0 for num in cached)
 
 
-def test_gemma4_moe_greedy_tokens_and_prefix_hits_match_transformers(gemma4_moe):
-    tokens, cached = _generate(gemma4_moe, kv_sharing_fast_prefill=True)
-    assert tokens == gemma4_moe.greedy
+@pytest.mark.parametrize("name", ["gemma4_moe", "gemma4_plain"])
+def test_gemma4_variants_greedy_tokens_and_prefix_hits_match_transformers(name, request):
+    saved = request.getfixturevalue(name)
+    tokens, cached = _generate(saved, kv_sharing_fast_prefill=True)
+    assert tokens == saved.greedy
     assert all(num > 0 for num in cached)
 
 

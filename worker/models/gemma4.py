@@ -39,8 +39,9 @@ from worker.models.gemma4_layers import (
 from worker.models.llama4_moe import Llama4MLP
 from worker.weights import load_named_weights
 
-Inputs = tuple[dict[str, RopeTables], torch.Tensor | None]
-"""Per-token layer inputs: rope tables by layer type, per-layer inputs [T, layers, P] or None."""
+Inputs = tuple[dict[str, RopeTables], torch.Tensor]
+"""Per-token layer inputs: rope tables by layer type, per-layer inputs [T, layers, P] (P = 0
+when the model has none)."""
 
 
 class Gemma4DecoderLayer(nn.Module):
@@ -55,15 +56,16 @@ class Gemma4DecoderLayer(nn.Module):
         inner = hf_config.intermediate_size * (2 if wide else 1)
         self.self_attn = Gemma4Attention(hf_config, idx, target, parallel)
         self.mlp = Llama4MLP(hidden, inner, hf_config.hidden_activation, parallel)
-        names = ("input", "post_attention", "pre_feedforward", "post_feedforward")
-        for name in names:
-            setattr(self, f"{name}_layernorm", RMSNorm(hidden, eps))
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps)
         self.has_moe = bool(hf_config.enable_moe_block)
         if self.has_moe:  # the routed branch, beside the MLP
             self.router = Gemma4Router(hf_config)
             self.experts = Gemma4Experts(hf_config, parallel)
-            for suffix in ("post_feedforward_layernorm_1", "pre_feedforward_layernorm_2"):
-                setattr(self, suffix, RMSNorm(hidden, eps))
+            self.post_feedforward_layernorm_1 = RMSNorm(hidden, eps)
+            self.pre_feedforward_layernorm_2 = RMSNorm(hidden, eps)
             self.post_feedforward_layernorm_2 = RMSNorm(hidden, eps)
         self.per_layer = int(hf_config.hidden_size_per_layer_input or 0)
         if self.per_layer:
@@ -140,8 +142,8 @@ class Gemma4Model(nn.Module):
         scale = torch.tensor(embeds.shape[-1] ** -0.5).to(dtype)
         projected = self.per_layer_model_projection(embeds) * scale
         projected = self.per_layer_projection_norm(projected.reshape(shape))
-        summed: torch.Tensor = projected + table.reshape(shape)
-        return summed * 2.0**-0.5
+        summed: torch.Tensor = (projected + table.reshape(shape)) * 2.0**-0.5
+        return summed
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
@@ -149,12 +151,15 @@ class Gemma4Model(nn.Module):
         embeds = self.embed_tokens(input_ids)
         embeds = embeds * torch.tensor(embeds.shape[-1] ** 0.5).to(embeds.dtype)  # [T, H]
         tables = {kind: rope(positions) for kind, rope in self.rotary_emb.items()}
-        per_layer = self._per_layer_inputs(input_ids, embeds) if self.per_layer else None
+        if self.per_layer:
+            per_layer = self._per_layer_inputs(input_ids, embeds)
+        else:
+            per_layer = embeds.new_empty((embeds.shape[0], 0, 0))
         inputs: Inputs = (tables, per_layer)
 
         def run_layer(idx: int, hidden: torch.Tensor, layer_inputs: Inputs) -> torch.Tensor:
             rope, per_layer = layer_inputs[0][self.types[idx]], layer_inputs[1]
-            layer_input = None if per_layer is None else per_layer[:, idx]
+            layer_input = per_layer[:, idx] if self.per_layer else None
             out: torch.Tensor = self.layers[idx](hidden, rope, layer_input, ctx)
             return out
 
@@ -170,8 +175,9 @@ class Gemma4ForCausalLM(DecoderForCausalLM):
 
     def __init__(self, model_config: ModelConfig, parallel: ParallelConfig) -> None:
         hf_config = model_config.hf_config
-        if getattr(hf_config, "use_bidirectional_attention", None):
+        if getattr(hf_config, "use_bidirectional_attention", None) == "all":
             raise ValueError("Gemma 4 with bidirectional attention cannot be served as a decoder")
+        # "vision" makes only image tokens attend bidirectionally: text serving is causal.
         super().__init__(model_config, parallel)
         self.shared_layers = set(kv_sharing_targets(hf_config))
         self.k_as_v_layers = {

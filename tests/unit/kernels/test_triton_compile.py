@@ -87,6 +87,8 @@ def test_attention_kernels_compile_for_hopper_and_ampere_with_tensor_cores(
         decode = attention_constexprs(group=8, head_size=80, block_q=2, block_n=64, num_splits=8)
         ptx = compile_for(kernel, attention_pointers("*fp16"), decode, capability=80)
         assert "mma.sync" in ptx, "no tensor-core instruction"
+        wide = attention_constexprs(group=8, head_size=512, block_q=2, block_n=16, num_splits=1)
+        compile_for(kernel, attention_pointers("*bf16"), wide)
         fp32 = attention_constexprs(group=2, head_size=64, block_q=8, block_n=32,
                                     num_splits=1, dot_precision="ieee", has_extras=False)
         compile_for(kernel, attention_pointers("*fp32"), fp32)

@@ -89,6 +89,16 @@ def test_split_kv_path_matches_reference() -> None:
     """)
 
 
+def test_head_size_512_with_sinks_and_window_matches_reference() -> None:
+    run_interpreted("""
+        spec = BatchSpec(((2, 7), (1, 12)), num_q_heads=4, num_kv_heads=1, head_size=512,
+                         block_size=4, sliding_window=5)
+        check(spec, window=5, sinks=torch.tensor([0.5, -1.0, 2.0, 0.0]))
+        spec = BatchSpec(((1, 9), (1, 3)), num_q_heads=2, num_kv_heads=1, head_size=512)
+        check(spec, LaunchConfig(block_q=8, block_n=16, num_splits=2))
+    """)
+
+
 def test_head_sizes_80_96_256_and_half_inputs() -> None:
     run_interpreted("""
         spec = BatchSpec(((2, 11), (1, 6)), num_q_heads=2, num_kv_heads=1, head_size=80)

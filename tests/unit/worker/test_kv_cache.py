@@ -115,3 +115,34 @@ def test_budget_on_cpu_is_the_configured_bytes() -> None:
     assert available_kv_cache_memory(CPU, 0.9, None) == DEFAULT_CPU_KV_CACHE_BYTES
     with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
         available_kv_cache_memory(CPU, 0.9, 0)
+
+
+def test_value_is_key_layer_stores_one_tensor_in_half_a_page() -> None:
+    """A K = V layer (twice the heads, so its one tensor matches a K/V page of the sliding
+    layer) and a sliding layer share one buffer; its key and value caches are one view."""
+    shared = Attention(
+        AttentionConfig(
+            layer_name="model.layers.0.attn",
+            num_heads=4,
+            num_kv_heads=2 * HEADS,
+            head_size=HEAD,
+            scale=0.25,
+            value_is_key=True,
+        )
+    )
+    layers = [shared, _layer(1, window=8)]
+    report, config = _hybrid_config(layers)
+    spec = report.layer_specs["model.layers.0.attn"]
+    assert spec.value_is_key
+    assert spec.page_size_bytes == report.layer_specs["model.layers.1.attn"].page_size_bytes
+    assert config.block_sizes == (4, 4)
+    caches = allocate_kv_caches(config, [4, 4], torch.float32, CPU)
+    key_cache, value_cache = caches["model.layers.0.attn"]
+    assert key_cache.data_ptr() == value_cache.data_ptr()
+    assert key_cache.shape == (config.num_blocks, 4, 2 * HEADS, HEAD)
+    key = torch.randn(4, 2 * HEADS, HEAD)
+    store_kv_cache(key, key, key_cache, value_cache, torch.arange(4) + 2 * 4)
+    assert torch.equal(value_cache[2], key)
+    window_k, window_v = caches["model.layers.1.attn"]
+    # Block 2 is the same bytes in both layers' views (K then V of the sliding page).
+    assert torch.equal(torch.cat([window_k[2].flatten(), window_v[2].flatten()]), key.flatten())

@@ -8,6 +8,7 @@ import pytest
 import torch
 import transformers
 from transformers.activations import ACT2FN
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.llama.modeling_llama import (
     LlamaRMSNorm,
@@ -107,8 +108,42 @@ def test_rope_parameters_reads_legacy_keys() -> None:
 
 
 def test_unsupported_rope_type_is_rejected() -> None:
-    with pytest.raises(ValueError, match="yarn"):
-        RotaryEmbedding(64, {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0})
+    with pytest.raises(ValueError, match="longrope"):
+        RotaryEmbedding(64, {"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0})
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"truncate": False},
+        {"truncate": True},
+        {"mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 16.0, "beta_slow": 2.0},
+        {"attention_factor": 1.3},
+    ],
+)
+def test_yarn_frequencies_and_scaling_match_transformers(extra: dict[str, object]) -> None:
+    params = {
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        **extra,
+    }
+    config = transformers.GptOssConfig(head_dim=64, rope_parameters=dict(params))
+    want_freq, want_scale = ROPE_INIT_FUNCTIONS["yarn"](config)
+    rope = RotaryEmbedding(64, params)
+    torch.testing.assert_close(rope.inv_freq, want_freq, rtol=1e-6, atol=0)
+    assert rope.attention_scaling == pytest.approx(want_scale)
+
+
+def test_proportional_rope_rotates_a_fraction_and_leaves_the_rest() -> None:
+    config = transformers.Gemma4TextConfig(num_hidden_layers=6, head_dim=16, global_head_dim=64)
+    params = config.rope_parameters["full_attention"]
+    want, _ = ROPE_INIT_FUNCTIONS["proportional"](config, layer_type="full_attention")
+    rope = RotaryEmbedding(64, dict(params))
+    torch.testing.assert_close(rope.inv_freq, want, rtol=1e-6, atol=0)
+    assert (rope.inv_freq[8:] == 0).all()
+    assert (rope.inv_freq[:8] > 0).all()
 
 
 @pytest.mark.parametrize("name", ["silu", "gelu_pytorch_tanh", "gelu"])
