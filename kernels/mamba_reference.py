@@ -130,11 +130,11 @@ def causal_conv1d(  # noqa: PLR0913 (the signature shared by every backend)
         offsets[seq] + i for seq in range(len(starts) - 1) for i in range(starts[seq + 1] - starts[seq])
     ]
     base = torch.tensor(token_offsets, dtype=torch.int64, device=x.device)
-    index = base[:, None] + torch.arange(width, device=x.device)[None, :]  # [T, width]
-    windows = source[index].to(weight.dtype)  # [T, width, dim]
-    out = torch.einsum("twd,dw->td", windows, weight)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for k in range(width):  # out[t] += weight[:, k] * in[t - width + 1 + k]
+        out += source[base + k].float() * weight[:, k].float()
     if bias is not None:
-        out = out + bias
+        out = out + bias.float()
     if activation == "silu":
         out = F.silu(out)
     elif activation is not None:
@@ -202,10 +202,75 @@ def ssd_scan(  # noqa: PLR0913 (the signature shared by every backend)
         initial_states: `[num_seqs, heads, head_dim, state]`.
     """
     starts = as_host_list(query_start_loc)
+    seq_of_positions(starts, list(cut_positions))  # validates the cuts
+    lengths = [starts[i + 1] - starts[i] for i in range(len(starts) - 1)]
+    dt = discretize_dt(dt, dt_bias, dt_limit)  # [T, H]
+    singles = [i for i, n in enumerate(lengths) if n == 1]
+    if len(singles) == len(lengths):
+        return _single_token_step(x, dt, A, B, C, D, initial_states)
+    if not singles:
+        return _chunked_scan(x, dt, A, B, C, D, initial_states, starts, chunk_size, cut_positions)
+    # Mixed: decodes by the one-step formula, the longer sequences chunked; merge.
+    others = [i for i, n in enumerate(lengths) if n != 1]
+    single_rows = torch.tensor([starts[i] for i in singles], device=x.device)
+    other_rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in others]).to(x.device)
+    other_starts = [0]
+    for i in others:
+        other_starts.append(other_starts[-1] + lengths[i])
+    local = {starts[i] + k: other_starts[j] + k for j, i in enumerate(others) for k in range(lengths[i])}
+    step = _single_token_step(
+        x[single_rows], dt[single_rows], A, B[single_rows], C[single_rows], D,
+        initial_states[singles],
+    )  # fmt: skip
+    scan = _chunked_scan(
+        x[other_rows], dt[other_rows], A, B[other_rows], C[other_rows], D,
+        initial_states[others], other_starts, chunk_size, [local[p] for p in cut_positions],
+    )  # fmt: skip
+    out = torch.empty_like(x)
+    out[single_rows], out[other_rows] = step.out, scan.out
+    final = torch.empty(len(lengths), *step.final_states.shape[1:], device=x.device)
+    final[singles], final[others] = step.final_states, scan.final_states
+    return ScanOutput(out, final, scan.cut_states)
+
+
+def _single_token_step(  # noqa: PLR0913
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,  # noqa: N803
+    B: torch.Tensor,  # noqa: N803
+    C: torch.Tensor,  # noqa: N803
+    D: torch.Tensor | None,  # noqa: N803
+    initial_states: torch.Tensor,
+) -> ScanOutput:
+    """One token per sequence (decodes): h = exp(dt A) h0 + dt x B^T, y = h C + D x."""
+    per_group = x.shape[1] // B.shape[1]
+    b = B.float().repeat_interleave(per_group, dim=1)  # [S, H, N]
+    c = C.float().repeat_interleave(per_group, dim=1)
+    xf = x.float()
+    state = initial_states.float() * torch.exp(dt * A.float())[:, :, None, None]
+    state = state + (dt[:, :, None] * xf)[..., None] * b[:, :, None, :]
+    y = torch.einsum("shpn,shn->shp", state, c)
+    if D is not None:
+        y = y + xf * D.float()[None, :, None]
+    return ScanOutput(y.to(x.dtype), state, state.new_zeros(0, *state.shape[1:]))
+
+
+def _chunked_scan(  # noqa: PLR0913
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,  # noqa: N803
+    B: torch.Tensor,  # noqa: N803
+    C: torch.Tensor,  # noqa: N803
+    D: torch.Tensor | None,  # noqa: N803
+    initial_states: torch.Tensor,
+    starts: list[int],
+    chunk_size: int,
+    cut_positions: Sequence[int],
+) -> ScanOutput:
+    """The chunked (SSD) form over sequences of any length; `dt` already discretized."""
     num_heads = x.shape[1]
     heads_per_group = num_heads // B.shape[1]
     chunks = _plan_chunks(starts, chunk_size, cut_positions)
-    dt = discretize_dt(dt, dt_bias, dt_limit)  # [T, H]
     valid = chunks.valid.to(x.device)
     index = chunks.index.to(x.device)
     dtc = dt[index] * valid[..., None]  # [c, l, h]; padding: no step
