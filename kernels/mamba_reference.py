@@ -127,7 +127,9 @@ def causal_conv1d(  # noqa: PLR0913 (the signature shared by every backend)
     width = weight.shape[1]
     source, offsets = conv_windows_source(x, initial_states, starts)
     token_offsets = [
-        offsets[seq] + i for seq in range(len(starts) - 1) for i in range(starts[seq + 1] - starts[seq])
+        offsets[seq] + i
+        for seq in range(len(starts) - 1)
+        for i in range(starts[seq + 1] - starts[seq])
     ]
     base = torch.tensor(token_offsets, dtype=torch.int64, device=x.device)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
@@ -144,7 +146,7 @@ def causal_conv1d(  # noqa: PLR0913 (the signature shared by every backend)
 
 
 class _Chunks(NamedTuple):
-    index: torch.Tensor  # [num_chunks, max_len] token index (0 where padded)
+    token_index: torch.Tensor  # [num_chunks, max_len] token index (0 where padded)
     valid: torch.Tensor  # [num_chunks, max_len] bool
     seq: list[int]
     ordinal: list[int]  # chunk number inside its sequence
@@ -183,10 +185,10 @@ def discretize_dt(
 def ssd_scan(  # noqa: PLR0913 (the signature shared by every backend)
     x: torch.Tensor,
     dt: torch.Tensor,
-    A: torch.Tensor,  # noqa: N803 (the SSM's own names)
-    B: torch.Tensor,  # noqa: N803
-    C: torch.Tensor,  # noqa: N803
-    D: torch.Tensor | None,  # noqa: N803
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
     dt_bias: torch.Tensor | None,
     initial_states: torch.Tensor,
     query_start_loc: torch.Tensor | Sequence[int],
@@ -217,7 +219,9 @@ def ssd_scan(  # noqa: PLR0913 (the signature shared by every backend)
     other_starts = [0]
     for i in others:
         other_starts.append(other_starts[-1] + lengths[i])
-    local = {starts[i] + k: other_starts[j] + k for j, i in enumerate(others) for k in range(lengths[i])}
+    local = {
+        starts[i] + k: other_starts[j] + k for j, i in enumerate(others) for k in range(lengths[i])
+    }
     step = _single_token_step(
         x[single_rows], dt[single_rows], A, B[single_rows], C[single_rows], D,
         initial_states[singles],
@@ -236,10 +240,10 @@ def ssd_scan(  # noqa: PLR0913 (the signature shared by every backend)
 def _single_token_step(  # noqa: PLR0913
     x: torch.Tensor,
     dt: torch.Tensor,
-    A: torch.Tensor,  # noqa: N803
-    B: torch.Tensor,  # noqa: N803
-    C: torch.Tensor,  # noqa: N803
-    D: torch.Tensor | None,  # noqa: N803
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
     initial_states: torch.Tensor,
 ) -> ScanOutput:
     """One token per sequence (decodes): h = exp(dt A) h0 + dt x B^T, y = h C + D x."""
@@ -258,10 +262,10 @@ def _single_token_step(  # noqa: PLR0913
 def _chunked_scan(  # noqa: PLR0913
     x: torch.Tensor,
     dt: torch.Tensor,
-    A: torch.Tensor,  # noqa: N803
-    B: torch.Tensor,  # noqa: N803
-    C: torch.Tensor,  # noqa: N803
-    D: torch.Tensor | None,  # noqa: N803
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
     initial_states: torch.Tensor,
     starts: list[int],
     chunk_size: int,
@@ -272,7 +276,7 @@ def _chunked_scan(  # noqa: PLR0913
     heads_per_group = num_heads // B.shape[1]
     chunks = _plan_chunks(starts, chunk_size, cut_positions)
     valid = chunks.valid.to(x.device)
-    index = chunks.index.to(x.device)
+    index = chunks.token_index.to(x.device)
     dtc = dt[index] * valid[..., None]  # [c, l, h]; padding: no step
     xc = x.float()[index] * valid[..., None, None]  # [c, l, h, p]
     bc = B.float()[index].repeat_interleave(heads_per_group, dim=2)  # [c, l, h, n]
@@ -315,10 +319,7 @@ def _chunk_recurrence(
     seqs = torch.tensor(chunks.seq)
     for ordinal in range(int(ordinals.max()) + 1 if len(chunks.seq) else 0):
         ids = (ordinals == ordinal).nonzero().flatten()
-        if ordinal == 0:
-            start = initial_states[seqs[ids]]
-        else:
-            start = end_states[ids - 1]
+        start = initial_states[seqs[ids]] if ordinal == 0 else end_states[ids - 1]
         dev_ids = ids.to(chunk_states.device)
         start_states[dev_ids] = start
         end_states[dev_ids] = start * chunk_decay[dev_ids][:, :, None, None] + chunk_states[dev_ids]

@@ -20,10 +20,10 @@ class MambaBatch:
     conv_init: torch.Tensor  # [S, conv_dim, width - 1]
     x: torch.Tensor  # [T, H, P]
     dt: torch.Tensor  # [T, H]
-    A: torch.Tensor  # noqa: N815 [H]
-    B: torch.Tensor  # noqa: N815 [T, G, N]
-    C: torch.Tensor  # noqa: N815 [T, G, N]
-    D: torch.Tensor  # noqa: N815 [H]
+    A: torch.Tensor
+    B: torch.Tensor
+    C: torch.Tensor
+    D: torch.Tensor
     dt_bias: torch.Tensor  # [H]
     ssm_init: torch.Tensor  # [S, H, P, N]
 

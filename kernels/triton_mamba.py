@@ -27,7 +27,7 @@ from kernels.mamba_reference import (
 
 
 @triton.jit  # type: ignore[untyped-decorator]
-def _conv_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0913
+def _conv_kernel(  # type: ignore[no-untyped-def]
     x_ptr, w_ptr, b_ptr, init_ptr, out_ptr, seq_ptr, start_ptr, dim,
     stride_xt, stride_is, stride_id, stride_ik, stride_ot,
     WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -65,7 +65,7 @@ def _token_seqs(starts: list[int], device: torch.device) -> torch.Tensor:
     return seqs.to(device)
 
 
-def causal_conv1d(  # noqa: PLR0913 (the signature shared by every backend)
+def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -98,7 +98,7 @@ def causal_conv1d(  # noqa: PLR0913 (the signature shared by every backend)
 
 
 @triton.jit  # type: ignore[untyped-decorator]
-def _scan_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0913, PLR0915
+def _scan_kernel(  # type: ignore[no-untyped-def]
     x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dtb_ptr, init_ptr, out_ptr, final_ptr, cut_ptr,
     cut_idx_ptr, qsl_ptr, num_heads, head_dim, state_size, heads_per_group, dt_min, dt_max,
     stride_xt, stride_xh, stride_dtt, stride_bt, stride_bg, stride_ct, stride_cg,
@@ -139,13 +139,13 @@ def _scan_kernel(  # type: ignore[no-untyped-def]  # noqa: PLR0913, PLR0915
     tl.store(final_ptr + head_base + tile, state, mask=tile_ok)
 
 
-def ssd_scan(  # noqa: PLR0913 (the signature shared by every backend)
+def ssd_scan(
     x: torch.Tensor,
     dt: torch.Tensor,
-    A: torch.Tensor,  # noqa: N803 (the SSM's own names)
-    B: torch.Tensor,  # noqa: N803
-    C: torch.Tensor,  # noqa: N803
-    D: torch.Tensor | None,  # noqa: N803
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
     dt_bias: torch.Tensor | None,
     initial_states: torch.Tensor,
     query_start_loc: torch.Tensor | Sequence[int],
@@ -160,7 +160,7 @@ def ssd_scan(  # noqa: PLR0913 (the signature shared by every backend)
     num_tokens, num_heads, head_dim = x.shape
     state_size = B.shape[2]
     device = x.device
-    x, dt, B, C = x.contiguous(), dt.contiguous(), B.contiguous(), C.contiguous()  # noqa: N806
+    x, dt, B, C = x.contiguous(), dt.contiguous(), B.contiguous(), C.contiguous()
     init = initial_states.float().contiguous()
     num_seqs = len(starts) - 1
     out = torch.empty_like(x)
@@ -173,7 +173,7 @@ def ssd_scan(  # noqa: PLR0913 (the signature shared by every backend)
         block_p = min(32, triton.next_power_of_2(head_dim))
         grid = (num_seqs, num_heads, triton.cdiv(head_dim, block_p))
         _scan_kernel[grid](
-            x, dt, A.float().contiguous(), B, C, D if D is not None else A, 
+            x, dt, A.float().contiguous(), B, C, D if D is not None else A,
             dt_bias if dt_bias is not None else A, init, out, final, cut, cut_idx.to(device),
             torch.tensor(starts, dtype=torch.int32, device=device), num_heads, head_dim,
             state_size, num_heads // B.shape[1], float(dt_limit[0]), float(dt_limit[1]),

@@ -188,7 +188,8 @@ def build_attention_groups(
     ]
     infos = [LayerAttentionInfo(name, spec_of[name], targets.get(name)) for name in by_name]
     owners = [
-        [] if isinstance(manager_spec(g.spec), MambaSpec)  # Mamba layers are no attention
+        []
+        if isinstance(manager_spec(g.spec), MambaSpec)  # Mamba layers are no attention
         else [name for name in g.layer_names if name not in targets]
         for g in config.groups
     ]

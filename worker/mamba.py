@@ -13,6 +13,7 @@ dtype, kept in one page of its KV cache group (`MambaSpec`); the metadata of the
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -107,9 +108,11 @@ class MambaMixer2(nn.Module):
         b_rows = (2 * full_inner + lay.first_group * n, lay.groups * n)
         c_rows = (b_rows[0] + full_groups, lay.groups * n)
         dt_rows = (2 * full_inner + 2 * full_groups + lay.first_head, lay.heads)
-        self.in_proj_rows = ((lay.first_head * cfg.head_dim, self.inner), x_rows, b_rows, c_rows)
-        self.in_proj_rows += (dt_rows,)
-        self.conv_rows = tuple((start - full_inner, size) for start, size in (x_rows, b_rows, c_rows))
+        z_rows = (lay.first_head * cfg.head_dim, self.inner)
+        self.in_proj_rows = (z_rows, x_rows, b_rows, c_rows, dt_rows)
+        self.conv_rows = tuple(
+            (start - full_inner, size) for start, size in (x_rows, b_rows, c_rows)
+        )
         out_features = 2 * self.inner + 2 * lay.groups * n + lay.heads
         self.in_proj = _Params(
             weight=new_parameter((out_features, cfg.hidden_size), self._load_in_proj),
@@ -149,7 +152,9 @@ class MambaMixer2(nn.Module):
 
     # -- weight loading -------------------------------------------------------------------
 
-    def _load_rows(self, param: nn.Parameter, source: WeightSource, rows: tuple) -> None:
+    def _load_rows(
+        self, param: nn.Parameter, source: WeightSource, rows: Sequence[tuple[int, int]]
+    ) -> None:
         parts = [read_part(source, 0, start, size) for start, size in rows]
         copy_checked(param.data, torch.cat(parts).reshape(param.shape))
 

@@ -111,6 +111,8 @@ class ModelRunner:
         self.mamba_layers = mamba_layers(model)
         self._mamba_groups: dict[str, int] = {}
         """Mamba layer -> its KV cache group."""
+        self._mamba_modes: dict[int, tuple[int, MambaCacheMode]] = {}
+        self._mamba_kernels = select_mamba_kernels("torch", device)
         self.sampler = Sampler(config.seed, device)
         self.attention_groups: list[AttentionGroup] = []
         self.kv_caches: KVCaches = {}
@@ -156,7 +158,9 @@ class ModelRunner:
         )
         self.states = RequestStates(tables, self.device)
         group_of = group_of_layer(kv_cache_config)
-        self._mamba_groups = {layer.layer_name: group_of[layer.layer_name] for layer in self.mamba_layers}
+        self._mamba_groups = {
+            layer.layer_name: group_of[layer.layer_name] for layer in self.mamba_layers
+        }
         self._mamba_modes = mamba_group_modes(kv_cache_config)
         self._mamba_kernels = select_mamba_kernels(self.config.attention_backend, self.device)
         logger.info(

@@ -92,7 +92,9 @@ def build_tiny_hybrid(family: str, seed: int = 0, **overrides: object) -> torch.
     return model.eval()
 
 
-def save_tiny_hybrid(family: str, path: Path, seed: int = 0, **overrides: object) -> torch.nn.Module:
+def save_tiny_hybrid(
+    family: str, path: Path, seed: int = 0, **overrides: object
+) -> torch.nn.Module:
     """Build a tiny hybrid model, save it to `path`, return the transformers model."""
     model = build_tiny_hybrid(family, seed, **overrides)
     model.save_pretrained(path)

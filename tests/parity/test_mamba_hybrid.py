@@ -75,7 +75,9 @@ def test_prompt_logprobs_match_transformers(saved: Saved) -> None:
     assert result.prompt_logprobs is not None
     for pos, entry in enumerate(result.prompt_logprobs, start=1):
         assert entry.logprob == pytest.approx(float(reference[pos - 1, prompt[pos]]), abs=1e-4)
-        assert entry.top_logprobs == pytest.approx(reference[pos - 1].topk(5).values.tolist(), abs=1e-4)
+        assert entry.top_logprobs == pytest.approx(
+            reference[pos - 1].topk(5).values.tolist(), abs=1e-4
+        )
 
 
 def test_chunked_prefill_and_align_prefix_hits_give_transformers_tokens(saved: Saved) -> None:

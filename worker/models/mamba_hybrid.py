@@ -32,7 +32,7 @@ ATTENTION = "attention"
 class HybridAttention(DecoderAttention):
     """`DecoderAttention` whose rope is optional (NoPE layers of NemotronH and Granite)."""
 
-    def forward(  # type: ignore[override]
+    def forward(
         self, hidden: torch.Tensor, rope: RopeTables | None, ctx: ForwardContext
     ) -> torch.Tensor:
         num_tokens, head_size = hidden.shape[0], self.qkv_proj.head_size
@@ -99,7 +99,7 @@ class HybridLayer(nn.Module):
 class HybridModel(nn.Module):
     """Embedding (times a multiplier), the hybrid layers, the final norm."""
 
-    def __init__(  # noqa: PLR0913 (the pieces a family assembles)
+    def __init__(
         self,
         hf_config: PretrainedConfig,
         layers: list[HybridLayer],
@@ -109,7 +109,9 @@ class HybridModel(nn.Module):
         embedding_multiplier: float = 1.0,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size, parallel)
+        self.embed_tokens = VocabParallelEmbedding(
+            hf_config.vocab_size, hf_config.hidden_size, parallel
+        )
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hf_config.hidden_size, eps)
         self.rotary_emb = rotary
@@ -150,13 +152,11 @@ class HybridForCausalLM(DecoderForCausalLM):
 
 
 def build_layers(
-    hf_config: PretrainedConfig,
     specs: list[HybridLayerSpec],
     make_modules: Callable[[int, HybridLayerSpec], dict[str, nn.Module]],
     residual_multiplier: float = 1.0,
 ) -> list[HybridLayer]:
     """One `HybridLayer` per spec, its modules from the family's `make_modules`."""
-    del hf_config
     return [
         HybridLayer(spec, make_modules(idx, spec), residual_multiplier)
         for idx, spec in enumerate(specs)

@@ -74,9 +74,7 @@ def test_scan_split_at_a_cut_continues_exactly(batch: MambaBatch) -> None:
         batch.dt_bias, first.final_states, [0, 13], 8,
     )  # fmt: skip
     torch.testing.assert_close(whole.cut_states, first.final_states, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(
-        whole.out, torch.cat([first.out, second.out]), atol=1e-5, rtol=1e-5
-    )
+    torch.testing.assert_close(whole.out, torch.cat([first.out, second.out]), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(whole.final_states, second.final_states, atol=1e-5, rtol=1e-5)
 
 

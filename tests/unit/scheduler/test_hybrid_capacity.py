@@ -29,7 +29,8 @@ def test_granite_shaped_config_unifies_pages_by_raising_the_attention_block() ->
     assert config.block_sizes == (528,) * len(config.groups)
     assert pages.pop() == 528 * 2 * 8 * 128 * 2 >= state.natural_page_bytes
     kinds = [type(manager_spec(group.spec)).__name__ for group in config.groups]
-    assert kinds.count("FullAttentionSpec") == 1 and kinds.count("MambaSpec") == 9
+    assert kinds.count("FullAttentionSpec") == 1
+    assert kinds.count("MambaSpec") == 9
 
 
 @pytest.mark.parametrize("mode", [MambaCacheMode.NONE, MambaCacheMode.ALIGN])

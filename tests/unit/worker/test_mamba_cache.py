@@ -28,10 +28,13 @@ def test_attention_and_mamba_blocks_are_disjoint_page_ranges() -> None:
     half = config.num_blocks // 2
     key[1:3], value[1:3] = 1.0, 2.0
     conv[half : half + 2], ssm[half : half + 2] = 3.0, 4.0
-    assert bool((key[1:3] == 1).all()) and bool((value[1:3] == 2).all())
-    assert bool((conv[half : half + 2] == 3).all()) and bool((ssm[half : half + 2] == 4).all())
+    assert bool((key[1:3] == 1).all())
+    assert bool((value[1:3] == 2).all())
+    assert bool((conv[half : half + 2] == 3).all())
+    assert bool((ssm[half : half + 2] == 4).all())
     # Block b of either layer is the same page: only blocks 1, 2, half, half + 1 were touched.
     untouched = [b for b in range(config.num_blocks) if b not in (1, 2, half, half + 1)]
     for view in (key, value, conv, ssm):
         assert float(view[untouched].abs().sum()) == 0
-    assert tuple(conv.shape[1:]) == (6, 3) and tuple(ssm.shape[1:]) == (2, 4, 8)
+    assert tuple(conv.shape[1:]) == (6, 3)
+    assert tuple(ssm.shape[1:]) == (2, 4, 8)
