@@ -58,34 +58,40 @@ def seq_of_positions(starts: list[int], positions: list[int]) -> list[int]:
     return out
 
 
-def conv_windows_source(
-    x: torch.Tensor, initial_states: torch.Tensor, starts: list[int]
-) -> tuple[torch.Tensor, list[int]]:
-    """Each sequence's initial state (width - 1 columns) followed by its tokens, stacked.
+class _ConvSource(NamedTuple):
+    """All conv inputs of a step in one tensor: every sequence's state rows, then the tokens."""
 
-    Returns `[num_tokens + num_seqs * (width - 1), dim]` and each sequence's offset in it.
-    """
+    rows: torch.Tensor  # [num_seqs * (width - 1) + num_tokens, dim]
+    starts: torch.Tensor  # [num_seqs] int64, query_start_loc on the device
+    width_1: int
+
+    def index(self, seqs: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """Row of position `local` of each sequence in [state (width - 1) | its tokens]."""
+        num_state_rows = self.starts.numel() * self.width_1
+        from_state = seqs * self.width_1 + local
+        from_tokens = num_state_rows + self.starts[seqs] + local - self.width_1
+        return torch.where(local < self.width_1, from_state, from_tokens)
+
+    def states(self, seqs: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """The width - 1 inputs before local token `ends` of `seqs`: `[n, dim, width - 1]`."""
+        cols = torch.arange(self.width_1, device=ends.device)
+        index = self.index(seqs[:, None], ends[:, None] + cols[None, :])
+        return self.rows[index].transpose(1, 2)
+
+
+def _conv_source(x: torch.Tensor, initial_states: torch.Tensor, starts: list[int]) -> _ConvSource:
     width_1 = initial_states.shape[-1]
-    parts, offsets, offset = [], [], 0
-    for seq in range(len(starts) - 1):
-        parts.append(initial_states[seq].transpose(0, 1).to(x.dtype))
-        parts.append(x[starts[seq] : starts[seq + 1]])
-        offsets.append(offset)
-        offset += width_1 + starts[seq + 1] - starts[seq]
-    return torch.cat(parts) if parts else x.new_zeros(0, x.shape[1]), offsets
+    state_rows = initial_states.transpose(1, 2).reshape(-1, x.shape[1]).to(x.dtype)
+    starts_t = torch.tensor(starts[:-1], dtype=torch.int64, device=x.device)
+    return _ConvSource(torch.cat([state_rows, x]), starts_t, width_1)
 
 
-def conv_states(
-    source: torch.Tensor, offsets: list[int], ends: list[int], width_1: int
-) -> torch.Tensor:
-    """The width - 1 inputs before local end `ends[i]` of sequence i: `[n, dim, width - 1]`."""
-    if not ends:
-        return source.new_zeros(0, source.shape[1], width_1)
-    index = torch.tensor(
-        [[offsets[i] + end + k for k in range(width_1)] for i, end in enumerate(ends)],
-        device=source.device,
-    )
-    return source[index].transpose(1, 2)
+def _token_seqs(starts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence and local position of every token."""
+    lengths = torch.tensor([starts[i + 1] - starts[i] for i in range(len(starts) - 1)])
+    seqs = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    local = torch.arange(starts[-1]) - torch.tensor(starts[:-1], dtype=torch.int64)[seqs]
+    return seqs.to(device), local.to(device)
 
 
 def collect_conv_states(
@@ -96,14 +102,17 @@ def collect_conv_states(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Final and cut conv states of a step (a gather; shared by every conv backend)."""
     starts = as_host_list(query_start_loc)
-    source, offsets = conv_windows_source(x, initial_states, starts)
-    width_1 = initial_states.shape[-1]
-    lengths = [starts[i + 1] - starts[i] for i in range(len(starts) - 1)]
-    final = conv_states(source, offsets, lengths, width_1)
+    source = _conv_source(x, initial_states, starts)
+    num_seqs = len(starts) - 1
+    lengths = torch.tensor([starts[i + 1] - starts[i] for i in range(num_seqs)], device=x.device)
+    final = source.states(torch.arange(num_seqs, device=x.device), lengths)
     cut_seqs = seq_of_positions(starts, list(cut_positions))
-    cut_offsets = [offsets[s] for s in cut_seqs]
     cut_ends = [pos - starts[s] for pos, s in zip(cut_positions, cut_seqs, strict=True)]
-    return final, conv_states(source, cut_offsets, cut_ends, width_1)
+    cut = source.states(
+        torch.tensor(cut_seqs, dtype=torch.int64, device=x.device),
+        torch.tensor(cut_ends, dtype=torch.int64, device=x.device),
+    )
+    return final, cut
 
 
 def causal_conv1d(  # noqa: PLR0913 (the signature shared by every backend)
@@ -124,17 +133,11 @@ def causal_conv1d(  # noqa: PLR0913 (the signature shared by every backend)
         activation: "silu" or None.
     """
     starts = as_host_list(query_start_loc)
-    width = weight.shape[1]
-    source, offsets = conv_windows_source(x, initial_states, starts)
-    token_offsets = [
-        offsets[seq] + i
-        for seq in range(len(starts) - 1)
-        for i in range(starts[seq + 1] - starts[seq])
-    ]
-    base = torch.tensor(token_offsets, dtype=torch.int64, device=x.device)
+    source = _conv_source(x, initial_states, starts)
+    seqs, local = _token_seqs(starts, x.device)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for k in range(width):  # out[t] += weight[:, k] * in[t - width + 1 + k]
-        out += source[base + k].float() * weight[:, k].float()
+    for k in range(weight.shape[1]):  # out[t] += weight[:, k] * in[t - width + 1 + k]
+        out += source.rows[source.index(seqs, local + k)].float() * weight[:, k].float()
     if bias is not None:
         out = out + bias.float()
     if activation == "silu":
