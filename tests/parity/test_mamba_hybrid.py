@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import cluster.engine_args
+import worker.mamba_metadata
 from cluster import LLM, SamplingParams
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from worker.runner_config import RunnerConfig
@@ -94,15 +95,28 @@ def test_chunked_prefill_and_align_prefix_hits_give_transformers_tokens(saved: S
     llm.shutdown()
 
 
-def test_hits_on_states_written_in_the_same_step(saved: Saved) -> None:
-    """Prompts sharing a prefix, submitted together: the later ones hit blocks whose state the
-    first one writes in the same step (they run in a later wave of the Mamba layers)."""
-    llm = LLM(str(saved.path), **LLM_ARGS)
+def test_hits_on_states_written_in_the_same_step(
+    saved: Saved, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompts sharing a prefix, submitted together with room for all in one step: the second
+    hits the block whose state the first writes in that same step, so the Mamba layers run it
+    in a second wave, after the first one's states are stored."""
+    waves: list[int] = []
+
+    def counting(*args: object) -> tuple[object, ...]:
+        found = make_waves(*args)
+        waves.append(len(found))
+        return found
+
+    make_waves = worker.mamba_metadata._waves
+    monkeypatch.setattr(worker.mamba_metadata, "_waves", counting)
+    llm = LLM(str(saved.path), **{**LLM_ARGS, "max_num_batched_tokens": 64})
     prompts = [PROMPTS[0], *SHARED]
     results = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert _tokens(results) == _expected(saved, prompts)
-    assert sum(r.num_cached_tokens for r in results) > 0
     llm.shutdown()
+    assert _tokens(results) == _expected(saved, prompts)
+    assert [r.num_cached_tokens for r in results] == [0, 24, 0]
+    assert max(waves) == 2
 
 
 @pytest.mark.parametrize("mode", ["none", "all"])
