@@ -10,6 +10,10 @@ resume, tensor parallelism over Mamba heads, and clear errors for layouts that c
 from __future__ import annotations
 
 import functools
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -17,12 +21,14 @@ import pytest
 import torch
 
 import cluster.engine_args
+import kernels
 import worker.mamba_metadata
 from cluster import LLM, SamplingParams
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from worker.runner_config import RunnerConfig
 
 pytestmark = pytest.mark.parity
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 FAMILIES = ["bamba", "granitemoehybrid", "nemotron_h"]
 NUM_NEW = 32
@@ -171,3 +177,40 @@ def test_bad_layouts_fail_before_memory_is_allocated(tmp_path: Path) -> None:
         LLM(str(tmp_path), **{**LLM_ARGS, "kv_cache_memory_bytes": 4 * 1024})
     with pytest.raises(ValueError, match="hybrid KV cache manager is disabled"):
         LLM(str(tmp_path), disable_hybrid_kv_cache_manager=True, **LLM_ARGS)
+
+
+TRITON_GENERATE = """
+import json, sys
+from cluster import LLM, SamplingParams
+from kernels import triton_attention
+assert triton_attention.is_interpreted()
+llm = LLM(sys.argv[1], attention_backend="triton", device="cpu", block_size=4,
+          max_num_batched_tokens=24, kv_cache_memory_bytes=1 << 21)
+assert llm.engine.executor.worker.model_runner._mamba_kernels.name == "triton"
+prompts = json.loads(sys.argv[2])
+results = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+print(json.dumps([r.outputs[0].token_ids for r in results]))
+llm.shutdown()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not kernels.HAS_TRITON, reason="triton is not installed")
+def test_triton_kernels_on_the_interpreter_give_transformers_tokens(tmp_path: Path) -> None:
+    """Triton Mamba and attention kernels inside the real runner (NemotronH: Mamba, attention
+    and MLP layers; chunked prefill), on CPU under TRITON_INTERPRET."""
+    hf_model = save_tiny_hybrid("nemotron_h", tmp_path)
+    prompts = [PROMPTS[2][:13], PROMPTS[1]]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", TRITON_GENERATE, str(tmp_path), json.dumps(prompts)],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    tokens = json.loads(proc.stdout.strip().splitlines()[-1])
+    expected = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)
+        expected.append(out[0, len(prompt) :].tolist())
+    assert tokens == expected
