@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from scheduler.kv_cache_config import build_kv_cache_config
@@ -38,3 +39,32 @@ def test_attention_and_mamba_blocks_are_disjoint_page_ranges() -> None:
         assert float(view[untouched].abs().sum()) == 0
     assert tuple(conv.shape[1:]) == (6, 3)
     assert tuple(ssm.shape[1:]) == (2, 4, 8)
+
+
+def _mixer(groups: int, tp: int, rank: int):  # type: ignore[no-untyped-def]
+    from worker.config import ParallelConfig
+    from worker.mamba import MambaConfig, MambaMixer2
+
+    cfg = MambaConfig(
+        layer_name="model.layers.0.mamba", hidden_size=64, num_heads=8, head_dim=16,
+        num_groups=groups, state_size=32, conv_width=4, chunk_size=8, norm_eps=1e-5,
+    )  # fmt: skip
+    with torch.device("meta"):
+        return MambaMixer2(cfg, ParallelConfig(tp_size=tp, rank=rank))
+
+
+def test_mamba_spec_holds_this_ranks_state_shapes() -> None:
+    whole = _mixer(groups=2, tp=1, rank=0).kv_cache_spec(4, 2, MambaCacheMode.ALL)
+    assert whole.shapes == ((8 * 16 + 2 * 2 * 32, 3), (8, 16, 32))
+    assert whole.dtype_bytes == (2, 2)
+    split = _mixer(groups=2, tp=2, rank=1).kv_cache_spec(4, 2, MambaCacheMode.ALL)
+    assert split.shapes == ((4 * 16 + 2 * 1 * 32, 3), (4, 16, 32))  # heads and groups halved
+    shared = _mixer(groups=1, tp=2, rank=1).kv_cache_spec(4, 2, MambaCacheMode.ALL)
+    assert shared.shapes == ((4 * 16 + 2 * 1 * 32, 3), (4, 16, 32))  # one group on each rank
+
+
+def test_mamba_heads_or_groups_that_do_not_split_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"mamba heads \(8\) are not divisible by tp_size=3"):
+        _mixer(groups=1, tp=3, rank=0)
+    with pytest.raises(ValueError, match=r"mamba groups \(2\) must be 1 or a multiple"):
+        _mixer(groups=2, tp=4, rank=0)
