@@ -205,14 +205,14 @@ class MambaMixer2(nn.Module):
         conv_cache, ssm_cache = caches
         lay, cfg = self.layout, self.cfg
         keep = wave.has_state
-        conv_init = conv_cache[wave.read_blocks] * keep[:, None, None]
+        conv_init = torch.where(keep[:, None, None], conv_cache[wave.read_blocks], 0)
         conv = kernels.causal_conv1d(  # type: ignore[attr-defined]
             xbc, self.conv1d.weight[:, 0], self.conv1d.bias, conv_init, wave.query_start_loc,
             activation="silu", cut_positions=wave.cut_positions,
         )  # fmt: skip
         bc_size = lay.groups * cfg.state_size
         x, b, c = torch.split(conv.out, [self.inner, bc_size, bc_size], dim=-1)
-        ssm_init = ssm_cache[wave.read_blocks].float() * keep[:, None, None, None]
+        ssm_init = torch.where(keep[:, None, None, None], ssm_cache[wave.read_blocks].float(), 0)
         num_tokens = x.shape[0]
         scan = kernels.ssd_scan(  # type: ignore[attr-defined]
             x.reshape(num_tokens, lay.heads, cfg.head_dim), dt, -torch.exp(self.A_log.float()),
