@@ -1,6 +1,6 @@
 """Mamba-2 hybrids (Bamba, GraniteMoeHybrid, NemotronH) end to end against transformers (CPU fp32).
 
-Prompt log-probabilities within 1e-4 and 32 greedy tokens identical to transformers' own
+Log-probabilities (prompt and decode) within 1e-4 and 32 greedy tokens identical to transformers' own
 (torch fallback) implementation, through the offline `LLM`: chunked prefill (block size 4,
 24-token budget; the Mamba state makes the hybrid block 12 tokens), prefix hits in align mode
 (also hits on states written in the same step), the none and all cache modes, preemption and
@@ -71,19 +71,27 @@ def _expected(saved: Saved, prompts: list[list[int]]) -> list[list[int]]:
     return [saved.greedy[tuple(p)] for p in prompts]
 
 
-def test_prompt_logprobs_match_transformers(saved: Saved) -> None:
+def test_prompt_and_decode_logprobs_match_transformers(saved: Saved) -> None:
+    """Log-softmax of the logits (top 20 and the actual token) at every prompt position and
+    every decode step, within 1e-4 of transformers' forward over the whole sequence."""
     prompt = PROMPTS[0]
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5)
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=20, prompt_logprobs=20)
     llm = LLM(str(saved.path), enable_prefix_caching=False, **LLM_ARGS)
     (result,) = llm.generate([prompt], params, use_tqdm=False)
     llm.shutdown()
+    tokens = result.outputs[0].token_ids
     with torch.no_grad():
-        reference = torch.log_softmax(saved.hf_model(torch.tensor([prompt])).logits[0], dim=-1)
+        logits = saved.hf_model(torch.tensor([prompt + tokens])).logits[0]
+    reference = torch.log_softmax(logits.double(), dim=-1)
     assert result.prompt_logprobs is not None
-    for pos, entry in enumerate(result.prompt_logprobs, start=1):
-        assert entry.logprob == pytest.approx(float(reference[pos - 1, prompt[pos]]), abs=1e-4)
+    assert result.outputs[0].logprobs is not None
+    rows = [(pos - 1, entry) for pos, entry in enumerate(result.prompt_logprobs, start=1)]
+    rows += [(len(prompt) - 1 + i, e) for i, e in enumerate(result.outputs[0].logprobs)]
+    for row, entry in rows:
+        assert entry.logprob == pytest.approx(float(reference[row, entry.token_id]), abs=1e-4)
+        assert entry.top_token_ids == reference[row].topk(20).indices.tolist()
         assert entry.top_logprobs == pytest.approx(
-            reference[pos - 1].topk(5).values.tolist(), abs=1e-4
+            reference[row].topk(20).values.tolist(), abs=1e-4
         )
 
 
