@@ -65,7 +65,7 @@ class _ConvSource(NamedTuple):
     starts: torch.Tensor  # [num_seqs] int64, query_start_loc on the device
     width_1: int
 
-    def index(self, seqs: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    def row_index(self, seqs: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
         """Row of position `local` of each sequence in [state (width - 1) | its tokens]."""
         num_state_rows = self.starts.numel() * self.width_1
         from_state = seqs * self.width_1 + local
@@ -75,7 +75,7 @@ class _ConvSource(NamedTuple):
     def states(self, seqs: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """The width - 1 inputs before local token `ends` of `seqs`: `[n, dim, width - 1]`."""
         cols = torch.arange(self.width_1, device=ends.device)
-        index = self.index(seqs[:, None], ends[:, None] + cols[None, :])
+        index = self.row_index(seqs[:, None], ends[:, None] + cols[None, :])
         return self.rows[index].transpose(1, 2)
 
 
@@ -137,7 +137,7 @@ def causal_conv1d(  # noqa: PLR0913 (the signature shared by every backend)
     seqs, local = _token_seqs(starts, x.device)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     for k in range(weight.shape[1]):  # out[t] += weight[:, k] * in[t - width + 1 + k]
-        out += source.rows[source.index(seqs, local + k)].float() * weight[:, k].float()
+        out += source.rows[source.row_index(seqs, local + k)].float() * weight[:, k].float()
     if bias is not None:
         out = out + bias.float()
     if activation == "silu":

@@ -1,7 +1,8 @@
 """Mamba-2 hybrids (Bamba, GraniteMoeHybrid, NemotronH) end to end against transformers (CPU fp32).
 
-Log-probabilities (prompt and decode) within 1e-4 and 32 greedy tokens identical to transformers' own
-(torch fallback) implementation, through the offline `LLM`: chunked prefill (block size 4,
+Log-probabilities (prompt and decode) within 1e-4 and 32 greedy tokens identical to
+transformers' own (torch fallback) implementation, through the offline `LLM`: chunked prefill
+(block size 4,
 24-token budget; the Mamba state makes the hybrid block 12 tokens), prefix hits in align mode
 (also hits on states written in the same step), the none and all cache modes, preemption and
 resume, tensor parallelism over Mamba heads, and clear errors for layouts that cannot work.
