@@ -156,10 +156,6 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
         (".shared_mlp.", ".ffn.shared_mlp."),
     )
 
-    def __init__(self, model_config: object, parallel: ParallelConfig) -> None:
-        super().__init__(model_config, parallel)  # type: ignore[arg-type]
-        self.logits_divisor = float(self.hf_logits_scaling)
-
     @classmethod
     def decoder_options(cls, hf_config: PretrainedConfig) -> DecoderOptions:
         return DecoderOptions(
@@ -170,7 +166,7 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
         )
 
     def build_model(self, hf_config: PretrainedConfig, parallel: ParallelConfig) -> nn.Module:
-        self.hf_logits_scaling = hf_config.logits_scaling or 1.0
+        self.logits_divisor = float(hf_config.logits_scaling or 1.0)
         kinds = hf_config.layer_types
         specs = [
             HybridLayerSpec(
