@@ -55,6 +55,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_scheduler.py
 	$(BIN)/python benchmarks/bench_capacity.py
 	$(BIN)/python benchmarks/bench_attention.py
+	$(BIN)/python benchmarks/bench_mamba.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

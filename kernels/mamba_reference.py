@@ -58,34 +58,40 @@ def seq_of_positions(starts: list[int], positions: list[int]) -> list[int]:
     return out
 
 
-def conv_windows_source(
-    x: torch.Tensor, initial_states: torch.Tensor, starts: list[int]
-) -> tuple[torch.Tensor, list[int]]:
-    """Each sequence's initial state (width - 1 columns) followed by its tokens, stacked.
+class _ConvSource(NamedTuple):
+    """All conv inputs of a step in one tensor: every sequence's state rows, then the tokens."""
 
-    Returns `[num_tokens + num_seqs * (width - 1), dim]` and each sequence's offset in it.
-    """
+    rows: torch.Tensor  # [num_seqs * (width - 1) + num_tokens, dim]
+    starts: torch.Tensor  # [num_seqs] int64, query_start_loc on the device
+    width_1: int
+
+    def row_index(self, seqs: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """Row of position `local` of each sequence in [state (width - 1) | its tokens]."""
+        num_state_rows = self.starts.numel() * self.width_1
+        from_state = seqs * self.width_1 + local
+        from_tokens = num_state_rows + self.starts[seqs] + local - self.width_1
+        return torch.where(local < self.width_1, from_state, from_tokens)
+
+    def states(self, seqs: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """The width - 1 inputs before local token `ends` of `seqs`: `[n, dim, width - 1]`."""
+        cols = torch.arange(self.width_1, device=ends.device)
+        index = self.row_index(seqs[:, None], ends[:, None] + cols[None, :])
+        return self.rows[index].transpose(1, 2)
+
+
+def _conv_source(x: torch.Tensor, initial_states: torch.Tensor, starts: list[int]) -> _ConvSource:
     width_1 = initial_states.shape[-1]
-    parts, offsets, offset = [], [], 0
-    for seq in range(len(starts) - 1):
-        parts.append(initial_states[seq].transpose(0, 1).to(x.dtype))
-        parts.append(x[starts[seq] : starts[seq + 1]])
-        offsets.append(offset)
-        offset += width_1 + starts[seq + 1] - starts[seq]
-    return torch.cat(parts) if parts else x.new_zeros(0, x.shape[1]), offsets
+    state_rows = initial_states.transpose(1, 2).reshape(-1, x.shape[1]).to(x.dtype)
+    starts_t = torch.tensor(starts[:-1], dtype=torch.int64, device=x.device)
+    return _ConvSource(torch.cat([state_rows, x]), starts_t, width_1)
 
 
-def conv_states(
-    source: torch.Tensor, offsets: list[int], ends: list[int], width_1: int
-) -> torch.Tensor:
-    """The width - 1 inputs before local end `ends[i]` of sequence i: `[n, dim, width - 1]`."""
-    if not ends:
-        return source.new_zeros(0, source.shape[1], width_1)
-    index = torch.tensor(
-        [[offsets[i] + end + k for k in range(width_1)] for i, end in enumerate(ends)],
-        device=source.device,
-    )
-    return source[index].transpose(1, 2)
+def _token_seqs(starts: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence and local position of every token."""
+    lengths = torch.tensor([starts[i + 1] - starts[i] for i in range(len(starts) - 1)])
+    seqs = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    local = torch.arange(starts[-1]) - torch.tensor(starts[:-1], dtype=torch.int64)[seqs]
+    return seqs.to(device), local.to(device)
 
 
 def collect_conv_states(
@@ -96,14 +102,17 @@ def collect_conv_states(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Final and cut conv states of a step (a gather; shared by every conv backend)."""
     starts = as_host_list(query_start_loc)
-    source, offsets = conv_windows_source(x, initial_states, starts)
-    width_1 = initial_states.shape[-1]
-    lengths = [starts[i + 1] - starts[i] for i in range(len(starts) - 1)]
-    final = conv_states(source, offsets, lengths, width_1)
+    source = _conv_source(x, initial_states, starts)
+    num_seqs = len(starts) - 1
+    lengths = torch.tensor([starts[i + 1] - starts[i] for i in range(num_seqs)], device=x.device)
+    final = source.states(torch.arange(num_seqs, device=x.device), lengths)
     cut_seqs = seq_of_positions(starts, list(cut_positions))
-    cut_offsets = [offsets[s] for s in cut_seqs]
     cut_ends = [pos - starts[s] for pos, s in zip(cut_positions, cut_seqs, strict=True)]
-    return final, conv_states(source, cut_offsets, cut_ends, width_1)
+    cut = source.states(
+        torch.tensor(cut_seqs, dtype=torch.int64, device=x.device),
+        torch.tensor(cut_ends, dtype=torch.int64, device=x.device),
+    )
+    return final, cut
 
 
 def causal_conv1d(  # noqa: PLR0913 (the signature shared by every backend)
@@ -124,19 +133,13 @@ def causal_conv1d(  # noqa: PLR0913 (the signature shared by every backend)
         activation: "silu" or None.
     """
     starts = as_host_list(query_start_loc)
-    width = weight.shape[1]
-    source, offsets = conv_windows_source(x, initial_states, starts)
-    token_offsets = [
-        offsets[seq] + i
-        for seq in range(len(starts) - 1)
-        for i in range(starts[seq + 1] - starts[seq])
-    ]
-    base = torch.tensor(token_offsets, dtype=torch.int64, device=x.device)
-    index = base[:, None] + torch.arange(width, device=x.device)[None, :]  # [T, width]
-    windows = source[index].to(weight.dtype)  # [T, width, dim]
-    out = torch.einsum("twd,dw->td", windows, weight)
+    source = _conv_source(x, initial_states, starts)
+    seqs, local = _token_seqs(starts, x.device)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for k in range(weight.shape[1]):  # out[t] += weight[:, k] * in[t - width + 1 + k]
+        out += source.rows[source.row_index(seqs, local + k)].float() * weight[:, k].float()
     if bias is not None:
-        out = out + bias
+        out = out + bias.float()
     if activation == "silu":
         out = F.silu(out)
     elif activation is not None:
@@ -146,7 +149,7 @@ def causal_conv1d(  # noqa: PLR0913 (the signature shared by every backend)
 
 
 class _Chunks(NamedTuple):
-    index: torch.Tensor  # [num_chunks, max_len] token index (0 where padded)
+    token_index: torch.Tensor  # [num_chunks, max_len] token index (0 where padded)
     valid: torch.Tensor  # [num_chunks, max_len] bool
     seq: list[int]
     ordinal: list[int]  # chunk number inside its sequence
@@ -204,12 +207,79 @@ def ssd_scan(  # noqa: PLR0913 (the signature shared by every backend)
         initial_states: `[num_seqs, heads, head_dim, state]`.
     """
     starts = as_host_list(query_start_loc)
+    seq_of_positions(starts, list(cut_positions))  # validates the cuts
+    lengths = [starts[i + 1] - starts[i] for i in range(len(starts) - 1)]
+    dt = discretize_dt(dt, dt_bias, dt_limit)  # [T, H]
+    singles = [i for i, n in enumerate(lengths) if n == 1]
+    if len(singles) == len(lengths):
+        return _single_token_step(x, dt, A, B, C, D, initial_states)
+    if not singles:
+        return _chunked_scan(x, dt, A, B, C, D, initial_states, starts, chunk_size, cut_positions)
+    # Mixed: decodes by the one-step formula, the longer sequences chunked; merge.
+    others = [i for i, n in enumerate(lengths) if n != 1]
+    single_rows = torch.tensor([starts[i] for i in singles], device=x.device)
+    other_rows = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in others]).to(x.device)
+    other_starts = [0]
+    for i in others:
+        other_starts.append(other_starts[-1] + lengths[i])
+    local = {
+        starts[i] + k: other_starts[j] + k for j, i in enumerate(others) for k in range(lengths[i])
+    }
+    step = _single_token_step(
+        x[single_rows], dt[single_rows], A, B[single_rows], C[single_rows], D,
+        initial_states[singles],
+    )  # fmt: skip
+    scan = _chunked_scan(
+        x[other_rows], dt[other_rows], A, B[other_rows], C[other_rows], D,
+        initial_states[others], other_starts, chunk_size, [local[p] for p in cut_positions],
+    )  # fmt: skip
+    out = torch.empty_like(x)
+    out[single_rows], out[other_rows] = step.out, scan.out
+    final = torch.empty(len(lengths), *step.final_states.shape[1:], device=x.device)
+    final[singles], final[others] = step.final_states, scan.final_states
+    return ScanOutput(out, final, scan.cut_states)
+
+
+def _single_token_step(  # noqa: PLR0913
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    initial_states: torch.Tensor,
+) -> ScanOutput:
+    """One token per sequence (decodes): h = exp(dt A) h0 + dt x B^T, y = h C + D x."""
+    per_group = x.shape[1] // B.shape[1]
+    b = B.float().repeat_interleave(per_group, dim=1)  # [S, H, N]
+    c = C.float().repeat_interleave(per_group, dim=1)
+    xf = x.float()
+    state = initial_states.float() * torch.exp(dt * A.float())[:, :, None, None]
+    state = state + (dt[:, :, None] * xf)[..., None] * b[:, :, None, :]
+    y = torch.einsum("shpn,shn->shp", state, c)
+    if D is not None:
+        y = y + xf * D.float()[None, :, None]
+    return ScanOutput(y.to(x.dtype), state, state.new_zeros(0, *state.shape[1:]))
+
+
+def _chunked_scan(  # noqa: PLR0913
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    initial_states: torch.Tensor,
+    starts: list[int],
+    chunk_size: int,
+    cut_positions: Sequence[int],
+) -> ScanOutput:
+    """The chunked (SSD) form over sequences of any length; `dt` already discretized."""
     num_heads = x.shape[1]
     heads_per_group = num_heads // B.shape[1]
     chunks = _plan_chunks(starts, chunk_size, cut_positions)
-    dt = discretize_dt(dt, dt_bias, dt_limit)  # [T, H]
     valid = chunks.valid.to(x.device)
-    index = chunks.index.to(x.device)
+    index = chunks.token_index.to(x.device)
     dtc = dt[index] * valid[..., None]  # [c, l, h]; padding: no step
     xc = x.float()[index] * valid[..., None, None]  # [c, l, h, p]
     bc = B.float()[index].repeat_interleave(heads_per_group, dim=2)  # [c, l, h, n]
@@ -252,10 +322,7 @@ def _chunk_recurrence(
     seqs = torch.tensor(chunks.seq)
     for ordinal in range(int(ordinals.max()) + 1 if len(chunks.seq) else 0):
         ids = (ordinals == ordinal).nonzero().flatten()
-        if ordinal == 0:
-            start = initial_states[seqs[ids]]
-        else:
-            start = end_states[ids - 1]
+        start = initial_states[seqs[ids]] if ordinal == 0 else end_states[ids - 1]
         dev_ids = ids.to(chunk_states.device)
         start_states[dev_ids] = start
         end_states[dev_ids] = start * chunk_decay[dev_ids][:, :, None, None] + chunk_states[dev_ids]

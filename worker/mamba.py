@@ -13,6 +13,7 @@ dtype, kept in one page of its KV cache group (`MambaSpec`); the metadata of the
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -107,8 +108,8 @@ class MambaMixer2(nn.Module):
         b_rows = (2 * full_inner + lay.first_group * n, lay.groups * n)
         c_rows = (b_rows[0] + full_groups, lay.groups * n)
         dt_rows = (2 * full_inner + 2 * full_groups + lay.first_head, lay.heads)
-        self.in_proj_rows = ((lay.first_head * cfg.head_dim, self.inner), x_rows, b_rows, c_rows)
-        self.in_proj_rows += (dt_rows,)
+        z_rows = (lay.first_head * cfg.head_dim, self.inner)
+        self.in_proj_rows = (z_rows, x_rows, b_rows, c_rows, dt_rows)
         self.conv_rows = tuple(
             (start - full_inner, size) for start, size in (x_rows, b_rows, c_rows)
         )
@@ -151,7 +152,9 @@ class MambaMixer2(nn.Module):
 
     # -- weight loading -------------------------------------------------------------------
 
-    def _load_rows(self, param: nn.Parameter, source: WeightSource, rows: tuple) -> None:
+    def _load_rows(
+        self, param: nn.Parameter, source: WeightSource, rows: Sequence[tuple[int, int]]
+    ) -> None:
         parts = [read_part(source, 0, start, size) for start, size in rows]
         copy_checked(param.data, torch.cat(parts).reshape(param.shape))
 
@@ -202,14 +205,14 @@ class MambaMixer2(nn.Module):
         conv_cache, ssm_cache = caches
         lay, cfg = self.layout, self.cfg
         keep = wave.has_state
-        conv_init = conv_cache[wave.read_blocks] * keep[:, None, None]
+        conv_init = torch.where(keep[:, None, None], conv_cache[wave.read_blocks], 0)
         conv = kernels.causal_conv1d(  # type: ignore[attr-defined]
             xbc, self.conv1d.weight[:, 0], self.conv1d.bias, conv_init, wave.query_start_loc,
             activation="silu", cut_positions=wave.cut_positions,
         )  # fmt: skip
         bc_size = lay.groups * cfg.state_size
         x, b, c = torch.split(conv.out, [self.inner, bc_size, bc_size], dim=-1)
-        ssm_init = ssm_cache[wave.read_blocks].float() * keep[:, None, None, None]
+        ssm_init = torch.where(keep[:, None, None, None], ssm_cache[wave.read_blocks].float(), 0)
         num_tokens = x.shape[0]
         scan = kernels.ssd_scan(  # type: ignore[attr-defined]
             x.reshape(num_tokens, lay.heads, cfg.head_dim), dt, -torch.exp(self.A_log.float()),

@@ -147,7 +147,7 @@ def _waves(plans: list[_Plan], batch: InputBatch, device: torch.device) -> tuple
 def _wave(
     plans: list[_Plan], members: list[int], qsl: list[int], device: torch.device, whole: bool
 ) -> MambaWave:
-    local_qsl, tokens, cut_positions, cut_blocks = [0], [], [], []
+    local_qsl, tokens, cut_positions, cut_blocks = [0], list[int](), list[int](), list[int]()
     for idx in members:
         start = local_qsl[-1]
         tokens.extend(range(qsl[idx], qsl[idx + 1]))

@@ -111,6 +111,8 @@ class ModelRunner:
         self.mamba_layers = mamba_layers(model)
         self._mamba_groups: dict[str, int] = {}
         """Mamba layer -> its KV cache group."""
+        self._mamba_modes: dict[int, tuple[int, MambaCacheMode]] = {}
+        self._mamba_kernels = select_mamba_kernels("torch", device)
         self.sampler = Sampler(config.seed, device)
         self.attention_groups: list[AttentionGroup] = []
         self.kv_caches: KVCaches = {}

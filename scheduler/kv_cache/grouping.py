@@ -118,6 +118,13 @@ def unify_page_sizes(specs: LayerSpecs) -> LayerSpecs:
        k with k*P >= the largest Mamba state. Block sizes stay multiples of the originals.
     3. Every Mamba page is padded (`page_size_padded`) to the final attention page; a model
        without attention pads its Mamba pages to the largest one.
+
+    Why the attention block is raised (as vLLM does) rather than a state split over pages: a
+    Mamba block-table entry must address one whole state (the manager caches, hits and frees
+    states one block at a time), and groups share buffers page by page, so all pages need one
+    size. Integer factors keep every block size a multiple of the configured one (one hash
+    granularity) and keep state checkpoints on attention block ends. The cost is coarser
+    prefix hits: a Granite-4.0-H-shaped model gets 528-token blocks (see docs/benchmarks.md).
     """
     attention = _scale_to_largest_page(
         {name: spec for name, spec in specs.items() if not isinstance(spec, MambaSpec)}

@@ -1,7 +1,8 @@
 """Mamba-2 hybrids (Bamba, GraniteMoeHybrid, NemotronH) end to end against transformers (CPU fp32).
 
-Prompt log-probabilities within 1e-4 and 32 greedy tokens identical to transformers' own
-(torch fallback) implementation, through the offline `LLM`: chunked prefill (block size 4,
+Log-probabilities (prompt and decode) within 1e-4 and 32 greedy tokens identical to
+transformers' own (torch fallback) implementation, through the offline `LLM`: chunked prefill
+(block size 4,
 24-token budget; the Mamba state makes the hybrid block 12 tokens), prefix hits in align mode
 (also hits on states written in the same step), the none and all cache modes, preemption and
 resume, tensor parallelism over Mamba heads, and clear errors for layouts that cannot work.
@@ -10,6 +11,10 @@ resume, tensor parallelism over Mamba heads, and clear errors for layouts that c
 from __future__ import annotations
 
 import functools
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -17,11 +22,14 @@ import pytest
 import torch
 
 import cluster.engine_args
+import kernels
+import worker.mamba_metadata
 from cluster import LLM, SamplingParams
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from worker.runner_config import RunnerConfig
 
 pytestmark = pytest.mark.parity
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 FAMILIES = ["bamba", "granitemoehybrid", "nemotron_h"]
 NUM_NEW = 32
@@ -64,30 +72,38 @@ def _expected(saved: Saved, prompts: list[list[int]]) -> list[list[int]]:
     return [saved.greedy[tuple(p)] for p in prompts]
 
 
-def test_prompt_logprobs_match_transformers(saved: Saved) -> None:
+def test_prompt_and_decode_logprobs_match_transformers(saved: Saved) -> None:
+    """Log-softmax of the logits (top 20 and the actual token) at every prompt position and
+    every decode step, within 1e-4 of transformers' forward over the whole sequence."""
     prompt = PROMPTS[0]
-    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5)
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=20, prompt_logprobs=20)
     llm = LLM(str(saved.path), enable_prefix_caching=False, **LLM_ARGS)
     (result,) = llm.generate([prompt], params, use_tqdm=False)
     llm.shutdown()
+    tokens = result.outputs[0].token_ids
     with torch.no_grad():
-        reference = torch.log_softmax(saved.hf_model(torch.tensor([prompt])).logits[0], dim=-1)
+        logits = saved.hf_model(torch.tensor([prompt + tokens])).logits[0]
+    reference = torch.log_softmax(logits.double(), dim=-1)
     assert result.prompt_logprobs is not None
-    assert result.prompt_logprobs[0] is None
-    assert len(result.prompt_logprobs) == len(prompt)
-    for pos in range(1, len(prompt)):
-        entry = result.prompt_logprobs[pos]
-        assert entry is not None
-        chosen = float(reference[pos - 1, prompt[pos]])
-        assert entry[prompt[pos]].logprob == pytest.approx(chosen, abs=1e-4)
-        top = sorted((lp for lp in entry.values() if lp.rank <= 5), key=lambda lp: lp.rank)
-        expected_top = reference[pos - 1].topk(5).values.tolist()
-        assert [lp.logprob for lp in top] == pytest.approx(expected_top, abs=1e-4)
+    assert result.outputs[0].logprobs is not None
+    assert result.prompt_logprobs[0] is None  # vLLM's convention: no context for token 0
+    sequence = prompt + tokens
+    positions = [*result.prompt_logprobs[1:], *result.outputs[0].logprobs]
+    for row, position in enumerate(positions):
+        token = sequence[row + 1]
+        assert next(iter(position)) == token  # the actual token comes first
+        assert position[token].logprob == pytest.approx(float(reference[row, token]), abs=1e-4)
+        top = sorted(
+            (t for t in position if position[t].rank <= 20), key=lambda t: position[t].rank
+        )
+        assert top == reference[row].topk(20).indices.tolist()
+        top_values = [position[t].logprob for t in top]
+        assert top_values == pytest.approx(reference[row].topk(20).values.tolist(), abs=1e-4)
 
 
 def test_chunked_prefill_and_align_prefix_hits_give_transformers_tokens(saved: Saved) -> None:
     llm = LLM(str(saved.path), **LLM_ARGS)
-    groups = llm.client.core.scheduler.kv_cache_config.groups
+    groups = llm.engine.scheduler.kv_cache_config.groups
     assert {g.spec.block_size for g in groups} == {12}
     results = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert _tokens(results) == _expected(saved, PROMPTS)
@@ -99,15 +115,28 @@ def test_chunked_prefill_and_align_prefix_hits_give_transformers_tokens(saved: S
     llm.shutdown()
 
 
-def test_hits_on_states_written_in_the_same_step(saved: Saved) -> None:
-    """Prompts sharing a prefix, submitted together: the later ones hit blocks whose state the
-    first one writes in the same step (they run in a later wave of the Mamba layers)."""
-    llm = LLM(str(saved.path), **LLM_ARGS)
+def test_hits_on_states_written_in_the_same_step(
+    saved: Saved, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompts sharing a prefix, submitted together with room for all in one step: the second
+    hits the block whose state the first writes in that same step, so the Mamba layers run it
+    in a second wave, after the first one's states are stored."""
+    waves: list[int] = []
+
+    def counting(*args: object) -> tuple[object, ...]:
+        found = make_waves(*args)
+        waves.append(len(found))
+        return found
+
+    make_waves = worker.mamba_metadata._waves
+    monkeypatch.setattr(worker.mamba_metadata, "_waves", counting)
+    llm = LLM(str(saved.path), **{**LLM_ARGS, "max_num_batched_tokens": 64})
     prompts = [PROMPTS[0], *SHARED]
     results = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert _tokens(results) == _expected(saved, prompts)
-    assert sum(r.num_cached_tokens for r in results) > 0
     llm.shutdown()
+    assert _tokens(results) == _expected(saved, prompts)
+    assert [r.num_cached_tokens for r in results] == [0, 24, 0]
+    assert max(waves) == 2
 
 
 @pytest.mark.parametrize("mode", ["none", "all"])
@@ -129,7 +158,7 @@ def test_preemption_and_resume_keep_the_tokens(saved: Saved) -> None:
     prompts = [PROMPTS[0], [(5 * i + 5) % 256 for i in range(30)], PROMPTS[2]]
     expected = [saved.greedy.get(tuple(p)) or _hf_greedy(saved.hf_model, p) for p in prompts]
     results = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert llm.client.core.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.num_preemptions > 0
     assert _tokens(results) == expected
     llm.shutdown()
 
@@ -162,3 +191,40 @@ def test_bad_layouts_fail_before_memory_is_allocated(tmp_path: Path) -> None:
         LLM(str(tmp_path), **{**LLM_ARGS, "kv_cache_memory_bytes": 4 * 1024})
     with pytest.raises(ValueError, match="hybrid KV cache manager is disabled"):
         LLM(str(tmp_path), disable_hybrid_kv_cache_manager=True, **LLM_ARGS)
+
+
+TRITON_GENERATE = """
+import json, sys
+from cluster import LLM, SamplingParams
+from kernels import triton_attention
+assert triton_attention.is_interpreted()
+llm = LLM(sys.argv[1], attention_backend="triton", device="cpu", block_size=4,
+          max_num_batched_tokens=24, kv_cache_memory_bytes=1 << 21)
+assert llm.engine.executor.worker.model_runner._mamba_kernels.name == "triton"
+prompts = json.loads(sys.argv[2])
+results = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+print(json.dumps([r.outputs[0].token_ids for r in results]))
+llm.shutdown()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not kernels.HAS_TRITON, reason="triton is not installed")
+def test_triton_kernels_on_the_interpreter_give_transformers_tokens(tmp_path: Path) -> None:
+    """Triton Mamba and attention kernels inside the real runner (NemotronH: Mamba, attention
+    and MLP layers; chunked prefill), on CPU under TRITON_INTERPRET."""
+    hf_model = save_tiny_hybrid("nemotron_h", tmp_path)
+    prompts = [PROMPTS[2][:13], PROMPTS[1]]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", TRITON_GENERATE, str(tmp_path), json.dumps(prompts)],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    tokens = json.loads(proc.stdout.strip().splitlines()[-1])
+    expected = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)
+        expected.append(out[0, len(prompt) :].tolist())
+    assert tokens == expected

@@ -86,5 +86,5 @@ class BambaForCausalLM(HybridForCausalLM):
             }
 
         rotary = RotaryEmbedding(head_size_of(hf_config), rope_parameters(hf_config))
-        layers = build_layers(hf_config, specs, modules)
+        layers = build_layers(specs, modules)
         return HybridModel(hf_config, layers, parallel, rotary, eps)

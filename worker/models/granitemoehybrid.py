@@ -98,20 +98,39 @@ class GraniteExperts(nn.Module):
         return all_reduce(out) if self.parallel.tp_size > 1 else out
 
 
+class GraniteRouter(nn.Module):
+    """The router's `layer` [E, H] (checkpoint name `router.layer.weight`)."""
+
+    def __init__(self, hidden: int, num_experts: int) -> None:
+        super().__init__()
+        self.layer = ReplicatedLinear(hidden, num_experts)
+
+
+class GraniteSparseMoE(nn.Module):
+    """Router and routed experts (checkpoint prefix `block_sparse_moe.`)."""
+
+    def __init__(self, hf_config: PretrainedConfig, parallel: ParallelConfig) -> None:
+        super().__init__()
+        self.top_k = hf_config.num_experts_per_tok
+        self.router = GraniteRouter(hf_config.hidden_size, hf_config.num_local_experts)
+        self.experts = GraniteExperts(hf_config, parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.router.layer(x).float()
+        top_logits, chosen = logits.topk(self.top_k, dim=-1)
+        weights = torch.softmax(top_logits, dim=-1).to(x.dtype)
+        routed: torch.Tensor = self.experts(x, weights, chosen)
+        return routed
+
+
 class GraniteMoE(nn.Module):
     """Top-k routing (softmax over the chosen logits) plus the shared MLP."""
 
     def __init__(self, hf_config: PretrainedConfig, parallel: ParallelConfig) -> None:
         super().__init__()
-        self.top_k = hf_config.num_experts_per_tok
-        self.has_experts = hf_config.num_local_experts > 0
-        if self.has_experts:
-            self.block_sparse_moe = nn.Module()
-            self.block_sparse_moe.router = nn.Module()
-            self.block_sparse_moe.router.layer = ReplicatedLinear(
-                hf_config.hidden_size, hf_config.num_local_experts
-            )
-            self.block_sparse_moe.experts = GraniteExperts(hf_config, parallel)
+        self.block_sparse_moe = (
+            GraniteSparseMoE(hf_config, parallel) if hf_config.num_local_experts > 0 else None
+        )
         self.shared_mlp = GraniteSharedMLP(
             hf_config.hidden_size,
             hf_config.shared_intermediate_size,
@@ -121,12 +140,9 @@ class GraniteMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shared: torch.Tensor = self.shared_mlp(x)
-        if not self.has_experts:
+        if self.block_sparse_moe is None:
             return shared
-        logits = self.block_sparse_moe.router.layer(x).float()
-        top_logits, chosen = logits.topk(self.top_k, dim=-1)
-        weights = torch.softmax(top_logits, dim=-1).to(x.dtype)
-        routed: torch.Tensor = self.block_sparse_moe.experts(x, weights, chosen)
+        routed: torch.Tensor = self.block_sparse_moe(x)
         return routed + shared
 
 
@@ -140,10 +156,6 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
         (".shared_mlp.", ".ffn.shared_mlp."),
     )
 
-    def __init__(self, model_config: object, parallel: ParallelConfig) -> None:
-        super().__init__(model_config, parallel)  # type: ignore[arg-type]
-        self.logits_divisor = float(self.hf_logits_scaling)
-
     @classmethod
     def decoder_options(cls, hf_config: PretrainedConfig) -> DecoderOptions:
         return DecoderOptions(
@@ -154,7 +166,7 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
         )
 
     def build_model(self, hf_config: PretrainedConfig, parallel: ParallelConfig) -> nn.Module:
-        self.hf_logits_scaling = hf_config.logits_scaling or 1.0
+        self.logits_divisor = float(hf_config.logits_scaling or 1.0)
         kinds = hf_config.layer_types
         specs = [
             HybridLayerSpec(
@@ -184,7 +196,7 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
         rotary = None
         if hf_config.position_embedding_type == "rope":
             rotary = RotaryEmbedding(head_size_of(hf_config), rope_parameters(hf_config))
-        layers = build_layers(hf_config, specs, modules, float(hf_config.residual_multiplier))
+        layers = build_layers(specs, modules, float(hf_config.residual_multiplier))
         return HybridModel(
             hf_config, layers, parallel, rotary, eps, float(hf_config.embedding_multiplier)
         )

@@ -32,7 +32,7 @@ ATTENTION = "attention"
 class HybridAttention(DecoderAttention):
     """`DecoderAttention` whose rope is optional (NoPE layers of NemotronH and Granite)."""
 
-    def forward(  # type: ignore[override]
+    def forward(
         self, hidden: torch.Tensor, rope: RopeTables | None, ctx: ForwardContext
     ) -> torch.Tensor:
         num_tokens, head_size = hidden.shape[0], self.qkv_proj.head_size
@@ -152,13 +152,11 @@ class HybridForCausalLM(DecoderForCausalLM):
 
 
 def build_layers(
-    hf_config: PretrainedConfig,
     specs: list[HybridLayerSpec],
     make_modules: Callable[[int, HybridLayerSpec], dict[str, nn.Module]],
     residual_multiplier: float = 1.0,
 ) -> list[HybridLayer]:
     """One `HybridLayer` per spec, its modules from the family's `make_modules`."""
-    del hf_config
     return [
         HybridLayer(spec, make_modules(idx, spec), residual_multiplier)
         for idx, spec in enumerate(specs)

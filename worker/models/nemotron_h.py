@@ -103,5 +103,5 @@ class NemotronHForCausalLM(HybridForCausalLM):
                 )
             return {"norm": RMSNorm(hidden, eps), "mixer": mixer}
 
-        layers = build_layers(hf_config, specs, modules)
+        layers = build_layers(specs, modules)
         return HybridModel(hf_config, layers, parallel, None, eps)

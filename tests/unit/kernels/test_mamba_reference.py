@@ -48,6 +48,17 @@ def test_ssd_scan_matches_naive_recurrence(batch: MambaBatch, chunk_size: int) -
     torch.testing.assert_close(got.cut_states, cut_states, atol=1e-4, rtol=1e-4)
 
 
+def test_decode_only_batch_matches_naive() -> None:
+    batch = make_mamba_batch(((1, True), (1, False), (1, True)), heads=4, groups=2, seed=3)
+    got = ref.ssd_scan(
+        batch.x, batch.dt, batch.A, batch.B, batch.C, batch.D, batch.dt_bias, batch.ssm_init,
+        batch.qsl, 8,
+    )  # fmt: skip
+    out, finals, _ = naive_scan(batch, [])
+    torch.testing.assert_close(got.out, out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.final_states, finals, atol=1e-5, rtol=1e-5)
+
+
 def test_scan_split_at_a_cut_continues_exactly(batch: MambaBatch) -> None:
     """Running a sequence in two steps (state handed over at the cut) equals one step."""
     whole = ref.ssd_scan(

@@ -25,7 +25,8 @@ for heads, groups in ((4, 1), (4, 2)):
     want, got = ref.causal_conv1d(*conv_args), triton_mamba.causal_conv1d(*conv_args)
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)
-    scan_args = (b.x, b.dt, b.A, b.B, b.C, b.D, b.dt_bias, b.ssm_init, b.qsl, 4, (0.0, float("inf")), cuts)
+    limit = (0.0, float("inf"))
+    scan_args = (b.x, b.dt, b.A, b.B, b.C, b.D, b.dt_bias, b.ssm_init, b.qsl, 4, limit, cuts)
     want, got = ref.ssd_scan(*scan_args), triton_mamba.ssd_scan(*scan_args)
     for w, g in zip(want, got):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
