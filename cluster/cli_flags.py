@@ -52,7 +52,7 @@ def field_docs() -> dict[str, str]:
     for node, following in itertools.pairwise(body):
         is_doc = isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)
         if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and is_doc:
-            docs[node.target.id] = " ".join(str(following.value.value).split())  # type: ignore[attr-defined]
+            docs[node.target.id] = " ".join(str(following.value.value).split())
     return docs
 
 

@@ -66,7 +66,7 @@ class SamplingParams:
         for name in ("stop", "stop_token_ids"):
             if isinstance(getattr(self, name), list):
                 object.__setattr__(self, name, tuple(getattr(self, name)))
-        if self.stop is None:  # type: ignore[comparison-overlap]  # vLLM's spelling of "none"
+        if self.stop is None:  # vLLM's spelling of "none"
             object.__setattr__(self, "stop", ())
         _check_types(self)
         _check(_is_int(self.n) and self.n >= 1, f"n must be an int >= 1, got {self.n!r}")
