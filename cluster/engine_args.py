@@ -74,6 +74,9 @@ class EngineArgs:
     """Share of each GPU's memory the engine may use."""
     kv_sharing_fast_prefill: bool = False
     """Run the trailing KV-sharing layers (Gemma 3n) only on the rows that reach the LM head."""
+    mamba_cache_mode: str = "align"
+    """Prefix caching of Mamba states: none | align (states at hit-aligned chunk ends) | all
+    (every block end); with enable_prefix_caching off it is none."""
     distributed_executor_backend: str | None = None
     """uni (one rank in-process) | mp (a process per rank) | ray (an actor per rank); default:
     ray inside a Ray job or actor, else mp when tensor_parallel_size > 1, else uni."""
@@ -87,6 +90,10 @@ class EngineArgs:
             )
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.mamba_cache_mode not in ("none", "align", "all"):
+            raise ValueError(
+                f"mamba_cache_mode must be 'none', 'align' or 'all', got {self.mamba_cache_mode!r}"
+            )
         if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
             raise ValueError(
                 f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
@@ -137,6 +144,7 @@ class EngineArgs:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes,
             gpu_memory_utilization=self.gpu_memory_utilization,
             kv_sharing_fast_prefill=self.kv_sharing_fast_prefill,
+            mamba_cache_mode=self.mamba_cache_mode if self.enable_prefix_caching else "none",
         )
         batched = self.max_num_batched_tokens or max(
             DEFAULT_MAX_NUM_BATCHED_TOKENS, model.max_model_len

@@ -10,7 +10,6 @@ resume, tensor parallelism over Mamba heads, and clear errors for layouts that c
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
@@ -21,12 +20,10 @@ from typing import NamedTuple
 import pytest
 import torch
 
-import cluster.engine_args
 import kernels
 import worker.mamba_metadata
 from cluster import LLM, SamplingParams
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
-from worker.runner_config import RunnerConfig
 
 pytestmark = pytest.mark.parity
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -140,11 +137,8 @@ def test_hits_on_states_written_in_the_same_step(
 
 
 @pytest.mark.parametrize("mode", ["none", "all"])
-def test_none_and_all_modes(saved: Saved, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(
-        cluster.engine_args, "RunnerConfig", functools.partial(RunnerConfig, mamba_cache_mode=mode)
-    )
-    llm = LLM(str(saved.path), max_num_seqs=1, **LLM_ARGS)
+def test_none_and_all_modes(saved: Saved, mode: str) -> None:
+    llm = LLM(str(saved.path), max_num_seqs=1, mamba_cache_mode=mode, **LLM_ARGS)
     prompts = [PROMPTS[0], *SHARED]
     results = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert _tokens(results) == _expected(saved, prompts)
