@@ -100,7 +100,7 @@ def test_prompt_and_decode_logprobs_match_transformers(saved: Saved) -> None:
 
 def test_chunked_prefill_and_align_prefix_hits_give_transformers_tokens(saved: Saved) -> None:
     llm = LLM(str(saved.path), **LLM_ARGS)
-    groups = llm.engine.scheduler.kv_cache_config.groups
+    groups = llm.client.core.scheduler.kv_cache_config.groups
     assert {g.spec.block_size for g in groups} == {12}
     results = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert _tokens(results) == _expected(saved, PROMPTS)
@@ -152,7 +152,7 @@ def test_preemption_and_resume_keep_the_tokens(saved: Saved) -> None:
     prompts = [PROMPTS[0], [(5 * i + 5) % 256 for i in range(30)], PROMPTS[2]]
     expected = [saved.greedy.get(tuple(p)) or _hf_greedy(saved.hf_model, p) for p in prompts]
     results = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.client.core.scheduler.num_preemptions > 0
     assert _tokens(results) == expected
     llm.shutdown()
 
@@ -194,7 +194,7 @@ from kernels import triton_attention
 assert triton_attention.is_interpreted()
 llm = LLM(sys.argv[1], attention_backend="triton", device="cpu", block_size=4,
           max_num_batched_tokens=24, kv_cache_memory_bytes=1 << 21)
-assert llm.engine.executor.worker.model_runner._mamba_kernels.name == "triton"
+assert llm.client.core.executor.worker.model_runner._mamba_kernels.name == "triton"
 prompts = json.loads(sys.argv[2])
 results = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
 print(json.dumps([r.outputs[0].token_ids for r in results]))
