@@ -38,9 +38,18 @@ REQUEST_ID_HEADER = "x-request-id"
 app = FastAPI(title="hybridserve", description="OpenAI-compatible API")
 
 
-def error_json(error: ErrorResponse, request_id: str | None = None) -> JSONResponse:
-    headers = {REQUEST_ID_HEADER: request_id} if request_id else None
-    return JSONResponse(error.model_dump(), status_code=error.status, headers=headers)
+def error_json(error: ErrorResponse) -> JSONResponse:
+    return JSONResponse(error.model_dump(), status_code=error.status)
+
+
+def request_id_of(raw: Request) -> str:
+    """The client's `x-request-id`, else the one Serve gave this request (and echoes back)."""
+    given = raw.headers.get(REQUEST_ID_HEADER)
+    if given:
+        return given
+    from ray.serve.context import _get_serve_request_context
+
+    return _get_serve_request_context().request_id or uuid.uuid4().hex
 
 
 @app.exception_handler(Exception)
@@ -140,25 +149,23 @@ class OpenAiIngress(GrpcMethods):
     async def http_generate(
         self, raw: Request, request_cls: type[CompletionRequest] | type[ChatCompletionRequest]
     ) -> Response:
-        request_id = raw.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        """Serve echoes `x-request-id` on every response; it is also the engine's request ID."""
+        request_id = request_id_of(raw)
         denied = self.check_api_key(raw.headers.get("authorization"))
         if denied is not None:
-            return error_json(denied, request_id)
+            return error_json(denied)
         try:
             request = request_cls.model_validate_json(await raw.body())
         except ValidationError as error:
-            return error_json(errors.from_validation_error(error), request_id)
+            return error_json(errors.from_validation_error(error))
         first, stream = await self.start(request, request_id, as_sse=True)
-        headers = {REQUEST_ID_HEADER: request_id}
         if isinstance(first, ErrorResponse):
-            return error_json(first, request_id)
+            return error_json(first)
         if stream is None or not request.stream:
             if stream is not None:
                 stream.cancel()
-            return JSONResponse(first.model_dump(), headers=headers)
-        return StreamingResponse(
-            _relay(first, stream), media_type="text/event-stream", headers=headers
-        )
+            return JSONResponse(first.model_dump())
+        return StreamingResponse(_relay(first, stream), media_type="text/event-stream")
 
 
 async def _relay(first: str, stream: DeploymentResponseGenerator) -> AsyncIterator[str]:

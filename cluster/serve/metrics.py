@@ -83,6 +83,16 @@ class EngineMetrics:
             "group",
         )
         self.worker_alive = _gauge("hybridserve:worker_alive", "1 if the rank is alive.", "rank")
+        for counter in (
+            self.pc_queries,
+            self.pc_hits,
+            self.preemptions,
+            self.prompt_tokens,
+            self.generation_tokens,
+        ):
+            # Export the series at 0 from the start (Counter.inc refuses 0), so dashboards and
+            # rate() see it before the first event.
+            counter._record(0, tags=self.tags)
 
     def record_stats(self, stats: SchedulerStats) -> None:
         """Gauges from a scheduler snapshot; counters by their growth since the last one."""
