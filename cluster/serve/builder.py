@@ -19,6 +19,7 @@ from ray.serve import Application
 
 from cluster.config import LLMConfig, LLMServingArgs, format_validation_error
 from cluster.serve.ingress import OpenAiIngressDeployment
+from cluster.serve.routing import resolve_request_router
 from cluster.serve.server import LLMServer
 
 DEFAULT_MODEL_OPTIONS: dict[str, Any] = {
@@ -56,6 +57,8 @@ def llm_deployment_options(
     """The `serve.deployment` options of a model: defaults, its deployment_config, overrides."""
     options = {**DEFAULT_MODEL_OPTIONS, **config.deployment_config, **(overrides or {})}
     options.setdefault("name", deployment_name(config.model_id))
+    if options.get("request_router_config"):
+        options["request_router_config"] = resolve_request_router(options["request_router_config"])
     if name_prefix:
         options["name"] = name_prefix + options["name"]
     actor_options = dict(options.get("ray_actor_options") or {})

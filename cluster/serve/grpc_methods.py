@@ -27,9 +27,14 @@ if TYPE_CHECKING:
     from cluster.serve.protocol import ModelList
 
 
-def _set_error(context: RayServegRPCContext, error: ErrorResponse) -> None:
+class GrpcRequestError(Exception):
+    """Ends an RPC with the status code set on its context (Serve sends code and details)."""
+
+
+def _fail(context: RayServegRPCContext, error: ErrorResponse) -> GrpcRequestError:
     context.set_code(grpc.StatusCode[errors.GRPC_CODE_NAMES.get(error.status, "INTERNAL")])
     context.set_details(error.error.message)
+    return GrpcRequestError(error.error.message)
 
 
 def _to_proto(body: BaseModel, message_cls: type[Message]) -> Any:
@@ -90,8 +95,7 @@ class GrpcMethods:
     ) -> Any:
         first, _ = await self._grpc_start(message, context, request_cls, stream=False)
         if isinstance(first, ErrorResponse):
-            _set_error(context, first)
-            return response_cls()
+            raise _fail(context, first)
         return _to_proto(first, response_cls)
 
     async def _stream(
@@ -103,8 +107,7 @@ class GrpcMethods:
     ) -> AsyncIterator[Any]:
         first, rest = await self._grpc_start(message, context, request_cls, stream=True)
         if isinstance(first, ErrorResponse):
-            _set_error(context, first)
-            return
+            raise _fail(context, first)
         yield _to_proto(first, response_cls)
         if rest is not None:
             async for chunk in rest:
@@ -146,8 +149,7 @@ class GrpcMethods:
         meta = dict(grpc_context.invocation_metadata())
         denied = self.check_api_key(meta.get("authorization"))
         if denied is not None:
-            _set_error(grpc_context, denied)
-            return llm_pb2.ListModelsResponse()
+            raise _fail(grpc_context, denied)
         models = await self.models()
         return llm_pb2.ListModelsResponse(
             models=[
