@@ -2,7 +2,8 @@
 
 `hybridserve generate --prompt "..."` runs the in-process engine (the embedded default model when
 no `--model` is given); `hybridserve replay TRACE.json ...` is `python -m scheduler.replay`;
-`hybridserve config validate FILE.yaml` checks a serving config without starting anything.
+`hybridserve config validate FILE.yaml` checks a serving config without starting anything;
+`hybridserve serve` runs the OpenAI API on Ray Serve (`cluster.serve.cli`).
 """
 
 from __future__ import annotations
@@ -80,6 +81,16 @@ def _run_config_validate(path: str) -> int:
     return 0
 
 
+def _run_serve(args: argparse.Namespace) -> int:
+    from cluster.serve.cli import run_serve
+
+    try:
+        return run_serve(args)
+    except ValueError as error:
+        sys.stderr.write(f"error: {error}\n")
+        return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `hybridserve` console script."""
     parser = argparse.ArgumentParser(prog="hybridserve", description=__doc__.splitlines()[0])
@@ -94,12 +105,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     replay_parser = subparsers.add_parser("replay", help="replay KV cache traces (no model)")
     replay_parser.add_argument("files", nargs="+", metavar="FILE.json")
     _config_parser(subparsers)
+    from cluster.serve.cli import add_serve_parser
+
+    add_serve_parser(subparsers)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level)
     if args.command == "replay":
         return replay.main(args.files)
     if args.command == "config":
         return _run_config_validate(args.file)
+    if args.command == "serve":
+        return _run_serve(args)
     try:
         return _run_generate(args)
     except ValueError as error:
