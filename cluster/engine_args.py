@@ -148,4 +148,3 @@ class EngineArgs:
             self.tensor_parallel_size,
             self.disable_hybrid_kv_cache_manager,
         )
-

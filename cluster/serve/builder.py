@@ -63,7 +63,10 @@ def llm_deployment_options(
         options["name"] = name_prefix + options["name"]
     actor_options = dict(options.get("ray_actor_options") or {})
     if config.runtime_env:
-        actor_options["runtime_env"] = {**config.runtime_env, **actor_options.get("runtime_env", {})}
+        actor_options["runtime_env"] = {
+            **config.runtime_env,
+            **actor_options.get("runtime_env", {}),
+        }
     options["placement_group_bundles"] = replica_bundles(config, actor_options)
     options["placement_group_strategy"] = config.placement_strategy
     # The bundle reserves the replica's resources; the actor then asks for none of its own.
@@ -85,8 +88,9 @@ def build_llm_deployment(
     """One model's `LLMServer` deployment, bound to its config."""
     config = LLMConfig.model_validate(llm_config)
     options = llm_deployment_options(config, name_prefix, override_serve_options)
-    deployment = serve.deployment(LLMServer).options(**options)
-    return deployment.bind(config.model_dump())
+    deployment: Any = serve.deployment(LLMServer)
+    app: Application = deployment.options(**options).bind(config.model_dump())
+    return app
 
 
 def build_openai_app(args: LLMServingArgs | dict[str, Any]) -> Application:
@@ -95,9 +99,7 @@ def build_openai_app(args: LLMServingArgs | dict[str, Any]) -> Application:
         serving_args = LLMServingArgs.model_validate(args)
     except ValidationError as error:
         raise ValueError(format_validation_error(error)) from None
-    servers = {
-        config.model_id: build_llm_deployment(config) for config in serving_args.llm_configs
-    }
+    servers = {config.model_id: build_llm_deployment(config) for config in serving_args.llm_configs}
     ingress_options = {
         "name": "OpenAiIngress",
         **DEFAULT_INGRESS_OPTIONS,
@@ -105,5 +107,6 @@ def build_openai_app(args: LLMServingArgs | dict[str, Any]) -> Application:
     }
     if "autoscaling_config" in ingress_options:
         ingress_options.pop("num_replicas", None)
-    ingress = serve.deployment(OpenAiIngressDeployment).options(**ingress_options)
-    return ingress.bind(servers)
+    ingress: Any = serve.deployment(OpenAiIngressDeployment)
+    app: Application = ingress.options(**ingress_options).bind(servers)
+    return app

@@ -164,6 +164,6 @@ def _shutdown() -> None:
     from ray import serve
 
     try:
-        serve.shutdown()
+        serve.shutdown()  # type: ignore[no-untyped-call]
     finally:
         ray.shutdown()

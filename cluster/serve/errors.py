@@ -28,7 +28,9 @@ def error_response(
     message: str, status: int = 400, *, param: str | None = None, code: str | None = None
 ) -> ErrorResponse:
     """An OpenAI error body going out with HTTP `status`."""
-    info = ErrorInfo(message=message, type=_TYPES.get(status, "server_error"), param=param, code=code)
+    info = ErrorInfo(
+        message=message, type=_TYPES.get(status, "server_error"), param=param, code=code
+    )
     return ErrorResponse(error=info, status=status)
 
 

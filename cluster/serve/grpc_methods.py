@@ -7,6 +7,7 @@ NOT_FOUND, UNAUTHENTICATED, UNAVAILABLE) with OpenAI's message as the details.
 
 from __future__ import annotations
 
+import importlib
 import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -17,8 +18,10 @@ from google.protobuf.message import Message
 from pydantic import BaseModel, ValidationError
 
 from cluster.serve import errors
-from cluster.serve.grpc import llm_pb2
 from cluster.serve.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
+
+llm_pb2: Any = importlib.import_module("cluster.serve.grpc.llm_pb2")
+"""The generated messages (untyped: protoc builds them at import)."""
 
 if TYPE_CHECKING:
     from ray.serve.grpc_util import RayServegRPCContext
@@ -43,7 +46,7 @@ def _to_proto(body: BaseModel, message_cls: type[Message]) -> Any:
 
 
 def _request_dict(message: Message, stream: bool) -> dict[str, Any]:
-    data = json_format.MessageToDict(message, preserving_proto_field_name=True)
+    data: dict[str, Any] = json_format.MessageToDict(message, preserving_proto_field_name=True)
     data.pop("request_id", None)
     if "prompt_token_ids" in data:
         data["prompt"] = data.pop("prompt_token_ids")
@@ -63,7 +66,7 @@ class GrpcMethods:
             request: CompletionRequest | ChatCompletionRequest,
             request_id: str,
             as_sse: bool,
-        ) -> tuple[Any, DeploymentResponseGenerator | None]: ...
+        ) -> tuple[Any, DeploymentResponseGenerator[Any] | None]: ...
 
         async def models(self) -> ModelList: ...
 
@@ -73,9 +76,9 @@ class GrpcMethods:
         context: RayServegRPCContext,
         request_cls: type[CompletionRequest] | type[ChatCompletionRequest],
         stream: bool,
-    ) -> tuple[Any, DeploymentResponseGenerator | None]:
+    ) -> tuple[Any, DeploymentResponseGenerator[Any] | None]:
         metadata = context.invocation_metadata()
-        meta = {key: value for key, value in metadata}
+        meta = dict(metadata)
         denied = self.check_api_key(meta.get("authorization"))
         if denied is not None:
             return denied, None
@@ -113,39 +116,33 @@ class GrpcMethods:
             async for chunk in rest:
                 yield _to_proto(chunk, response_cls)
 
-    async def Completion(  # noqa: N802 (the RPC's name)
-        self, request: llm_pb2.CompletionRequest, grpc_context: RayServegRPCContext
-    ) -> Any:
+    async def Completion(self, request: Any, grpc_context: RayServegRPCContext) -> Any:
         return await self._unary(
             request, grpc_context, CompletionRequest, llm_pb2.CompletionResponse
         )
 
-    async def CompletionStream(  # noqa: N802
-        self, request: llm_pb2.CompletionRequest, grpc_context: RayServegRPCContext
+    async def CompletionStream(
+        self, request: Any, grpc_context: RayServegRPCContext
     ) -> AsyncIterator[Any]:
         async for chunk in self._stream(
             request, grpc_context, CompletionRequest, llm_pb2.CompletionResponse
         ):
             yield chunk
 
-    async def ChatCompletion(  # noqa: N802
-        self, request: llm_pb2.ChatCompletionRequest, grpc_context: RayServegRPCContext
-    ) -> Any:
+    async def ChatCompletion(self, request: Any, grpc_context: RayServegRPCContext) -> Any:
         return await self._unary(
             request, grpc_context, ChatCompletionRequest, llm_pb2.ChatCompletionResponse
         )
 
-    async def ChatCompletionStream(  # noqa: N802
-        self, request: llm_pb2.ChatCompletionRequest, grpc_context: RayServegRPCContext
+    async def ChatCompletionStream(
+        self, request: Any, grpc_context: RayServegRPCContext
     ) -> AsyncIterator[Any]:
         async for chunk in self._stream(
             request, grpc_context, ChatCompletionRequest, llm_pb2.ChatCompletionResponse
         ):
             yield chunk
 
-    async def ListModels(  # noqa: N802
-        self, request: llm_pb2.ListModelsRequest, grpc_context: RayServegRPCContext
-    ) -> Any:
+    async def ListModels(self, request: Any, grpc_context: RayServegRPCContext) -> Any:
         meta = dict(grpc_context.invocation_metadata())
         denied = self.check_api_key(meta.get("authorization"))
         if denied is not None:

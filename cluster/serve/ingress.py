@@ -11,11 +11,11 @@ import os
 import secrets
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 from ray import serve
 from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
@@ -61,7 +61,7 @@ async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
 class OpenAiIngress(GrpcMethods):
     """Routes OpenAI requests to the model deployments (the body of the ingress deployment)."""
 
-    def __init__(self, servers: dict[str, DeploymentHandle]) -> None:
+    def __init__(self, servers: dict[str, DeploymentHandle[Any]]) -> None:
         self.servers = servers
         self.api_key = os.environ.get(API_KEY_ENV) or None
 
@@ -75,7 +75,7 @@ class OpenAiIngress(GrpcMethods):
             return None
         return errors.invalid_api_key()
 
-    def route(self, model: str | None) -> DeploymentHandle | ErrorResponse:
+    def route(self, model: str | None) -> DeploymentHandle[Any] | ErrorResponse:
         if model is None:
             if len(self.servers) == 1:
                 return next(iter(self.servers.values()))
@@ -85,12 +85,15 @@ class OpenAiIngress(GrpcMethods):
 
     async def start(
         self, request: CompletionRequest | ChatCompletionRequest, request_id: str, as_sse: bool
-    ) -> tuple[Any, DeploymentResponseGenerator | None]:
+    ) -> tuple[Any, DeploymentResponseGenerator[Any] | None]:
         """Send `request` to its model; (first item or an error, rest of the stream)."""
         handle = self.route(request.model)
         if isinstance(handle, ErrorResponse):
             return handle, None
-        stream = handle.options(stream=True).generate.remote(request, request_id, as_sse)
+        stream = cast(
+            "DeploymentResponseGenerator[Any]",
+            handle.options(stream=True).generate.remote(request, request_id, as_sse),
+        )
         try:
             first = await stream.__anext__()
         except StopAsyncIteration:
@@ -163,12 +166,12 @@ class OpenAiIngress(GrpcMethods):
             return error_json(first)
         if stream is None or not request.stream:
             if stream is not None:
-                stream.cancel()
+                stream.cancel()  # type: ignore[no-untyped-call]
             return JSONResponse(first.model_dump())
         return StreamingResponse(_relay(first, stream), media_type="text/event-stream")
 
 
-async def _relay(first: str, stream: DeploymentResponseGenerator) -> AsyncIterator[str]:
+async def _relay(first: str, stream: DeploymentResponseGenerator[Any]) -> AsyncIterator[str]:
     """The SSE lines: the peeked one, then the rest; cancels the server's stream if cut off."""
     finished = False
     try:
@@ -178,8 +181,7 @@ async def _relay(first: str, stream: DeploymentResponseGenerator) -> AsyncIterat
         finished = True
     finally:
         if not finished:
-            stream.cancel()
-
+            stream.cancel()  # type: ignore[no-untyped-call]
 
 
 # Bound at import, so a replica that imports this module gets the same class-based routes

@@ -67,7 +67,9 @@ class EngineMetrics:
         self.ttft = _histogram(
             "vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS
         )
-        self.itl = _histogram("vllm:inter_token_latency_seconds", "Inter-token latency.", ITL_BUCKETS)
+        self.itl = _histogram(
+            "vllm:inter_token_latency_seconds", "Inter-token latency.", ITL_BUCKETS
+        )
         self.e2e = _histogram(
             "vllm:e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS
         )

@@ -19,7 +19,7 @@ _PUBLIC_MODULE = "ray.serve.llm.request_router"
 _OURS = {"PrefixCacheAffinityRouter": f"{__name__}.PrefixCacheAffinityRouter"}
 
 
-class PrefixCacheAffinityRouter(_PrefixCacheAffinityRouter):  # type: ignore[misc]
+class PrefixCacheAffinityRouter(_PrefixCacheAffinityRouter):
     """Ray Serve LLM's prefix-cache affinity router (routes by prompt/messages prefix)."""
 
 

@@ -28,8 +28,7 @@ def openai_sampling_kwargs(
     request: CompletionRequest | ChatCompletionRequest, max_tokens: int
 ) -> dict[str, Any]:
     """Every sampling field of `request` under its vLLM name (None: not set by the client)."""
-    is_chat = isinstance(request, ChatCompletionRequest)
-    if is_chat:
+    if isinstance(request, ChatCompletionRequest):
         logprobs = request.top_logprobs or 0 if request.logprobs else None
     else:
         logprobs = request.logprobs

@@ -83,10 +83,13 @@ class LLMServer:
             self.metrics = EngineMetrics(self.model_id, group_kinds(self.engine))
 
     async def generate(
-        self, request: CompletionRequest | ChatCompletionRequest, request_id: str, as_sse: bool = True
+        self,
+        request: CompletionRequest | ChatCompletionRequest,
+        request_id: str,
+        as_sse: bool = True,
     ) -> AsyncIterator[ServerItem]:
-        """The request's OpenAI bodies: an error first, or the stream's chunks (SSE lines ending
-        with `[DONE]`, or chunk models when not `as_sse`), or one response (not `request.stream`)."""
+        """The request's OpenAI bodies: an error, or the stream's chunks (SSE lines ending with
+        `[DONE]`, or chunk models when not `as_sse`), or one response (not `request.stream`)."""
         self._ensure_stats_task()
         if self.draining:
             yield errors.unavailable("the server is shutting down")

@@ -197,7 +197,7 @@ def test_logprobs_and_prompt_logprobs_match_transformers(llama) -> None:
         assert _top_ids(position, 20) == row.topk(20).indices.tolist()
         top = [position[t].logprob for t in _top_ids(position, 20)]
         assert top == pytest.approx(row.topk(20).values.tolist(), abs=1e-4)
-    expected_sum = sum(position[t].logprob for t, position in zip(tokens, sample_lps))
+    expected_sum = sum(position[t].logprob for t, position in zip(tokens, sample_lps, strict=False))
     assert result.outputs[0].cumulative_logprob == pytest.approx(expected_sum)
 
 

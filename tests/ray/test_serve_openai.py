@@ -135,8 +135,10 @@ def test_chat_matches_llm_chat(served: Served, reference: LLM) -> None:
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
     usage = chunks[-1].usage
-    assert chunks[-1].choices == [] and usage is not None
-    assert usage.completion_tokens == 6 and usage.total_tokens == usage.prompt_tokens + 6
+    assert chunks[-1].choices == []
+    assert usage is not None
+    assert usage.completion_tokens == 6
+    assert usage.total_tokens == usage.prompt_tokens + 6
 
 
 def test_sampling_fields_shape_the_response(served: Served) -> None:
@@ -160,14 +162,16 @@ def test_sampling_fields_shape_the_response(served: Served) -> None:
         model="tiny", prompt="t1 t2", max_tokens=3, temperature=0, logprobs=2
     )
     logprobs = scored.choices[0].logprobs
-    assert logprobs is not None and len(logprobs.tokens) == 3
+    assert logprobs is not None
+    assert len(logprobs.tokens) == 3
     assert all(lp <= 0 for lp in logprobs.token_logprobs)
     assert all(len(top) >= 2 for top in logprobs.top_logprobs)
     chat = client.chat.completions.create(
         model="tiny", messages=CHAT, max_tokens=3, temperature=0, logprobs=True, top_logprobs=3
     )
     content = chat.choices[0].logprobs.content
-    assert len(content) == 3 and all(len(entry.top_logprobs) == 3 for entry in content)
+    assert len(content) == 3
+    assert all(len(entry.top_logprobs) == 3 for entry in content)
 
 
 def test_request_id_is_echoed_and_used(served: Served) -> None:
@@ -237,7 +241,8 @@ def _assert_openai_error(response: httpx.Response, status: int) -> dict[str, Any
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
-    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["message"], str)
+    assert error["message"]
     return error
 
 
@@ -414,7 +419,9 @@ def test_metrics_are_exported_with_sane_values(served: Served) -> None:
         time.sleep(1)
 
     def value(name: str, label: str = "") -> float:
-        return sum(v for labels, v in samples[name] if label in labels and 'model_name="tiny"' in labels)
+        return sum(
+            v for labels, v in samples[name] if label in labels and 'model_name="tiny"' in labels
+        )
 
     assert value("ray_vllm_generation_tokens_total") >= 4
     assert value("ray_vllm_prompt_tokens_total") >= 5
