@@ -3,7 +3,7 @@
 `hybridserve generate --prompt "..."` runs the in-process engine (the embedded default model when
 no `--model` is given); `hybridserve replay TRACE.json ...` is `python -m scheduler.replay`;
 `hybridserve config validate FILE.yaml` checks a serving config without starting anything;
-`hybridserve serve` runs the OpenAI API on Ray Serve (`cluster.serve.cli`).
+`hybridserve serve` runs the OpenAI API on Ray Serve (`cluster.serve_cli`).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def _run_config_validate(path: str) -> int:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from cluster.serve.cli import run_serve
+    from cluster.serve_cli import run_serve
 
     try:
         return run_serve(args)
@@ -105,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     replay_parser = subparsers.add_parser("replay", help="replay KV cache traces (no model)")
     replay_parser.add_argument("files", nargs="+", metavar="FILE.json")
     _config_parser(subparsers)
-    from cluster.serve.cli import add_serve_parser
+    from cluster.serve_cli import add_serve_parser
 
     add_serve_parser(subparsers)
     args = parser.parse_args(argv)
