@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import statistics
 import sys
 import tempfile
@@ -246,6 +247,7 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     results = asyncio.run(_main(args))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
