@@ -39,7 +39,8 @@ def test_serve_command_serves_until_interrupted(tmp_path: Path) -> None:
         lines = []
         deadline = time.monotonic() + 240
         while not any("ready" in line for line in lines):
-            assert time.monotonic() < deadline and process.poll() is None, lines
+            assert time.monotonic() < deadline, lines
+            assert process.poll() is None, lines
             lines.append(process.stdout.readline())
         assert f"http://{NODE_IP}:{port}/v1" in "".join(lines)
         client = openai.OpenAI(base_url=f"http://{NODE_IP}:{port}/v1", api_key="sk-cli")
