@@ -4,6 +4,7 @@ free loopback ports, for the Serve tests and the serve benchmark."""
 from __future__ import annotations
 
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -54,3 +55,18 @@ def llm_config(model_dir: Path, model_id: str = "tiny", **engine_kwargs: Any) ->
         },
         "deployment_config": {"ray_actor_options": {"num_cpus": 0.5}},
     }
+
+
+def shutdown_serve(timeout: float = 60.0) -> None:
+    """Shut Serve down and wait until its named actors are gone, so the next module's
+    `serve.start` in the same Ray session does not meet a dying proxy or controller."""
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        names = ray.util.list_named_actors(all_namespaces=True)
+        if not any(actor["name"].startswith("SERVE_") for actor in names):
+            return
+        time.sleep(0.2)

@@ -1,4 +1,4 @@
-"""The OpenAI HTTP API on a real Ray Serve app (one per module), through the `openai` client.
+"""The OpenAI HTTP and gRPC APIs on one real Ray Serve app, through the `openai` client.
 
 Greedy outputs are compared with the offline `LLM` on the same tiny model; the word-level
 tokenizer maps each token to one word, so equal text means equal tokens.
@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -21,15 +22,29 @@ import ray
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ray import serve
-from ray.serve.config import HTTPOptions
+from ray.serve.config import HTTPOptions, gRPCOptions
 
 from cluster.llm import LLM
 from cluster.serve import build_openai_app, deployment_name
+from cluster.serve.grpc import llm_pb2, llm_pb2_grpc
 from cluster.serve.ingress import API_KEY_ENV
 from cluster.serve.protocol import ChatCompletionRequest, CompletionRequest
 from scheduler.request import SamplingParams
 from tests.helpers.ray_local import NODE_IP
-from tests.helpers.serve_app import MAX_MODEL_LEN, free_port, llm_config, save_tiny_served_model
+from tests.helpers.serve_app import (
+    free_port,
+    llm_config,
+    save_tiny_served_model,
+    shutdown_serve,
+)
+from tests.helpers.serve_cases import (
+    INVALID,
+    METRICS,
+    exported,
+    has_metric,
+    metric_samples,
+    request_bodies,
+)
 
 pytestmark = pytest.mark.ray
 
@@ -39,10 +54,16 @@ PROMPTS = ["t5 t17 t33 t2 t9", "t100 t3", "t7 t7 t7 t8 t9 t10 t11"]
 CHAT = [{"role": "system", "content": "t4 t5"}, {"role": "user", "content": "t9 t10 t11"}]
 
 
+SERVICER = "cluster.serve.grpc.llm_pb2_grpc.add_LLMServiceServicer_to_server"
+ROUTER = "ray.serve.llm.request_router.PrefixCacheAffinityRouter"
+METADATA = (("application", APP), ("authorization", f"Bearer {API_KEY}"))
+
+
 @dataclass
 class Served:
     base_url: str
     model_dir: Path
+    stub: llm_pb2_grpc.LLMServiceStub
 
     @property
     def client(self) -> openai.OpenAI:
@@ -65,23 +86,36 @@ class Served:
         return handle.stats.remote().result()
 
 
+def _app_config(model_dir: Path) -> dict[str, Any]:
+    """The tiny model behind Ray's prefix-aware router, draining for up to 30 s; an API key."""
+    config = llm_config(model_dir)
+    config["deployment_config"].update(
+        {
+            "request_router_config": {
+                "request_router_class": ROUTER,
+                "request_router_kwargs": {"imbalanced_threshold": 4},
+            },
+            "graceful_shutdown_timeout_s": 30,
+            "graceful_shutdown_wait_loop_s": 0.2,
+        }
+    )
+    ingress = {"num_cpus": 0.25, "runtime_env": {"env_vars": {API_KEY_ENV: API_KEY}}}
+    return {"llm_configs": [config], "ingress_deployment_config": {"ray_actor_options": ingress}}
+
+
 @pytest.fixture(scope="module")
 def served(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Served:
     model_dir = save_tiny_served_model(tmp_path_factory.mktemp("served-model"))
-    port = free_port()
-    serve.start(http_options=HTTPOptions(host=NODE_IP, port=port))
-    ingress_options = {
-        "ray_actor_options": {
-            "num_cpus": 0.25,
-            "runtime_env": {"env_vars": {API_KEY_ENV: API_KEY}},
-        }
-    }
-    app = build_openai_app(
-        {"llm_configs": [llm_config(model_dir)], "ingress_deployment_config": ingress_options}
+    http_port, grpc_port = free_port(), free_port()
+    serve.start(
+        http_options=HTTPOptions(host=NODE_IP, port=http_port),
+        grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[SERVICER]),
     )
-    serve.run(app, name=APP, route_prefix="/")
-    yield Served(f"http://{NODE_IP}:{port}", model_dir)
-    serve.shutdown()
+    serve.run(build_openai_app(_app_config(model_dir)), name=APP, route_prefix="/")
+    channel = grpc.insecure_channel(f"{NODE_IP}:{grpc_port}")
+    yield Served(f"http://{NODE_IP}:{http_port}", model_dir, llm_pb2_grpc.LLMServiceStub(channel))
+    channel.close()
+    shutdown_serve()
 
 
 @pytest.fixture(scope="module")
@@ -216,27 +250,6 @@ def test_32_concurrent_streams_complete(served: Served) -> None:
     assert asyncio.run(run()) == [(8, "length")] * 32
 
 
-LONG_PROMPT = " ".join(f"t{i % 200}" for i in range(MAX_MODEL_LEN + 10))
-INVALID = [
-    ("/v1/completions", {"model": "tiny", "prompt": 5}, 400, "prompt"),
-    ("/v1/completions", {"model": "tiny", "prompt": "t1", "max_tokens": -1}, 400, "max_tokens"),
-    ("/v1/completions", {"model": "tiny", "prompt": "t1", "max_tokens": "x"}, 400, "max_tokens"),
-    ("/v1/completions", {"model": "tiny", "prompt": "t1", "temperature": -1}, 400, "temperature"),
-    ("/v1/completions", {"model": "tiny", "prompt": "t1", "n": 0}, 400, "n"),
-    ("/v1/completions", {"model": "tiny", "prompt": "t1", "logprobs": 99}, 400, "logprobs"),
-    ("/v1/completions", {"model": "nope", "prompt": "t1"}, 404, "model"),
-    ("/v1/completions", {"model": "tiny", "prompt": LONG_PROMPT}, 400, None),
-    ("/v1/completions", {"model": "tiny", "prompt": "t1", "max_tokens": 5000}, 400, None),
-    ("/v1/completions", {"model": "tiny", "prompt": [1, 2, 999]}, 400, None),
-    ("/v1/completions", {"model": "tiny", "prompt": ""}, 400, None),
-    ("/v1/completions", '{"model": "tiny", "prompt": ', 400, None),
-    ("/v1/completions", "[1, 2]", 400, None),
-    ("/v1/chat/completions", {"model": "tiny", "messages": []}, 400, "messages"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"content": "t1"}]}, 400, None),
-    ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, 400, "messages"),
-]
-
-
 def _assert_openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
     assert response.status_code == status, response.text
     error = response.json()["error"]
@@ -267,49 +280,13 @@ def test_api_key_is_required(served: Served) -> None:
         openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="bad").models.list()
 
 
-JUNK = st.one_of(
-    st.none(),
-    st.booleans(),
-    st.integers(-3, 40),
-    st.floats(-3, 3, allow_nan=False),
-    st.text(max_size=4),
-    st.lists(st.integers(-2, 300), max_size=4),
-    st.dictionaries(st.text(max_size=3), st.integers(-2, 2), max_size=2),
-)
-SPECIAL = {
-    "model": st.sampled_from(["tiny", "other", None]),
-    "prompt": st.one_of(st.sampled_from(["t1 t2", "", "t3"]), JUNK),
-    "messages": st.one_of(
-        st.lists(
-            st.fixed_dictionaries(
-                {"role": st.sampled_from(["user", "system", "bad"]), "content": JUNK}
-            ),
-            max_size=2,
-        ),
-        JUNK,
-    ),
-    "max_tokens": st.one_of(st.integers(-2, 6), JUNK),
-    "max_completion_tokens": st.one_of(st.integers(-2, 6), JUNK),
-    "n": st.one_of(st.integers(-1, 3), st.just("2")),
-    "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": JUNK}), JUNK),
-}
-
-
-def _body(model_cls: type) -> st.SearchStrategy[dict[str, Any]]:
-    """Request bodies over the pydantic model's fields: plausible values mixed with junk."""
-    fields = {name: SPECIAL.get(name, JUNK) for name in model_cls.model_fields}
-    required = {"model": SPECIAL["model"], "max_tokens": st.integers(1, 4)}
-    optional = {k: v for k, v in fields.items() if k not in required}
-    return st.fixed_dictionaries(required, optional=optional)
-
-
 @settings(
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
     data=st.one_of(
-        st.tuples(st.just("/v1/completions"), _body(CompletionRequest)),
-        st.tuples(st.just("/v1/chat/completions"), _body(ChatCompletionRequest)),
+        st.tuples(st.just("/v1/completions"), request_bodies(CompletionRequest)),
+        st.tuples(st.just("/v1/chat/completions"), request_bodies(ChatCompletionRequest)),
     )
 )
 def test_fuzzed_bodies_never_get_a_5xx(served: Served, data: tuple[str, dict[str, Any]]) -> None:
@@ -371,48 +348,14 @@ def test_disconnected_request_frees_its_blocks(served: Served) -> None:
     assert after["num_steps"] - before["num_steps"] < LONG["max_tokens"]
 
 
-METRICS = [
-    "vllm:num_requests_running",
-    "vllm:num_requests_waiting",
-    "vllm:kv_cache_usage_perc",
-    "vllm:prefix_cache_queries",
-    "vllm:prefix_cache_hits",
-    "vllm:time_to_first_token_seconds",
-    "vllm:inter_token_latency_seconds",
-    "vllm:e2e_request_latency_seconds",
-    "vllm:request_queue_time_seconds",
-    "vllm:prompt_tokens_total",
-    "vllm:generation_tokens_total",
-    "vllm:num_preemptions_total",
-    "vllm:request_success_total",
-    "hybridserve:kv_cache_group_usage_perc",
-    "hybridserve:prefix_cache_group_hits",
-    "hybridserve:worker_alive",
-]
-
-
-def _exported(name: str) -> str:
-    """The series Ray exports: ':' sanitized to '_', `ray_` prefix."""
-    return "ray_" + name.replace(":", "_")
-
-
-def _samples(text: str) -> dict[str, list[tuple[str, float]]]:
-    samples: dict[str, list[tuple[str, float]]] = {}
-    for line in text.splitlines():
-        match = re.match(r"^(\w+)(\{.*\})? ([-+\w.]+)$", line)
-        if match:
-            samples.setdefault(match[1], []).append((match[2] or "", float(match[3])))
-    return samples
-
-
 def test_metrics_are_exported_with_sane_values(served: Served) -> None:
     served.client.completions.create(model="tiny", prompt="t1 t2 t3 t4 t5", max_tokens=4)
     node = next(n for n in ray.nodes() if n["Alive"])
     url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
     deadline = time.monotonic() + 60
     while True:
-        samples = _samples(httpx.get(url, timeout=10).text)
-        missing = [m for m in METRICS if not _has(samples, _exported(m))]
+        samples = metric_samples(httpx.get(url, timeout=10).text)
+        missing = [m for m in METRICS if not has_metric(samples, exported(m))]
         if not missing:
             break
         assert time.monotonic() < deadline, f"metrics never exported: {missing}"
@@ -436,5 +379,86 @@ def test_metrics_are_exported_with_sane_values(served: Served) -> None:
     ])  # fmt: skip
 
 
-def _has(samples: dict[str, list[tuple[str, float]]], name: str) -> bool:
-    return any(key in samples for key in (name, name + "_total", name + "_count"))
+def test_grpc_streams_tokens(served: Served, reference: LLM) -> None:
+    want = reference.generate(["t3 t4 t5"], GREEDY)[0].outputs[0].text
+    request = llm_pb2.CompletionRequest(
+        model="tiny",
+        prompt="t3 t4 t5",
+        max_tokens=6,
+        temperature=0,
+        stream_options=llm_pb2.StreamOptions(include_usage=True),
+    )
+    chunks = list(served.stub.CompletionStream(request, metadata=METADATA))
+    texts = [chunk.choices[0].text for chunk in chunks if chunk.choices]
+    assert len(texts) >= 2, "tokens arrive as separate messages"
+    assert "".join(texts) == want
+    assert chunks[-1].usage.completion_tokens == 6
+    unary = served.stub.Completion(request, metadata=METADATA)
+    assert unary.choices[0].text == want
+    assert unary.choices[0].finish_reason == "length"
+
+
+def test_grpc_chat_and_models(served: Served) -> None:
+    request = llm_pb2.ChatCompletionRequest(
+        model="tiny",
+        messages=[llm_pb2.ChatMessage(role="user", content="t8 t9")],
+        max_tokens=3,
+        temperature=0,
+    )
+    whole = served.stub.ChatCompletion(request, metadata=METADATA)
+    streamed = list(served.stub.ChatCompletionStream(request, metadata=METADATA))
+    assert whole.choices[0].message.role == "assistant"
+    assert "".join(c.choices[0].delta.content for c in streamed) == whole.choices[0].message.content
+    models = served.stub.ListModels(llm_pb2.ListModelsRequest(), metadata=METADATA)
+    assert [m.id for m in models.models] == ["tiny"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "metadata", "code"),
+    [
+        ({"max_tokens": -1}, METADATA, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"prompt": " ".join(["t1"] * 1100)}, METADATA, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"model": "missing"}, METADATA, grpc.StatusCode.NOT_FOUND),
+        ({}, (("application", APP),), grpc.StatusCode.UNAUTHENTICATED),
+    ],
+)
+def test_grpc_errors_are_status_codes(
+    served: Served, fields: dict[str, Any], metadata: Any, code: grpc.StatusCode
+) -> None:
+    request = llm_pb2.CompletionRequest(**{"model": "tiny", "prompt": "t1", **fields})
+    stub = served.stub
+    for call in (stub.Completion, lambda r, **kw: list(stub.CompletionStream(r, **kw))):
+        with pytest.raises(grpc.RpcError) as error:
+            call(request, metadata=metadata)
+        assert error.value.code() == code
+        assert error.value.details()
+
+
+def test_prefix_router_serves_shared_prefixes(served: Served) -> None:
+    prompt = "t1 t2 t3 t4 t5 t6 t7 t8 t9 t10 t11 t12 t13"
+    replies = [
+        served.post("/v1/completions", {"model": "tiny", "prompt": f"{prompt} t{40 + i}"})
+        for i in range(4)
+    ]
+    assert [r.status_code for r in replies] == [200] * 4
+    cached = [r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in replies]
+    assert min(cached[1:]) >= 12
+
+
+def test_shutdown_drains_in_flight_requests(served: Served) -> None:
+    """Last in the module: deleting the app waits for the request in flight to finish."""
+    result: dict[str, Any] = {}
+
+    def request() -> None:
+        body = {"model": "tiny", "prompt": "t1 t2", "max_tokens": 300, "ignore_eos": True}
+        response = served.post("/v1/completions", body, timeout=120)
+        result["status"], result["body"] = response.status_code, response.json()
+
+    thread = threading.Thread(target=request)
+    thread.start()
+    _wait_running(served)
+    serve.delete(APP)  # returns once the replicas have drained and stopped
+    thread.join(timeout=60)
+    assert result["status"] == 200, result
+    assert result["body"]["choices"][0]["finish_reason"] == "length"
+    assert result["body"]["usage"]["completion_tokens"] == 300

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 from pathlib import Path
 
 import pytest
@@ -62,7 +63,12 @@ def test_deployment_config_passes_through() -> None:
     assert resolved["request_router_kwargs"] == {"imbalanced_threshold": 3}
     module, _, name = resolved["request_router_class"].rpartition(".")
     assert name == "PrefixCacheAffinityRouter"
-    __import__(module)  # importable here (vLLM is not installed)
+    router_cls = getattr(importlib.import_module(module), name)  # vLLM is not installed here
+    from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
+        PrefixCacheAffinityRouter,
+    )
+
+    assert issubclass(router_cls, PrefixCacheAffinityRouter)
 
 
 def test_other_routers_are_left_alone() -> None:
