@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 GPU_STAMP := $(VENV)/.installed-gpu-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-all test-gpu lint generate bench clean
+.PHONY: install test test-all test-gpu lint generate serve grpc bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,15 @@ lint: install
 
 generate: install
 	$(BIN)/hybridserve generate --prompt "$(or $(PROMPT),The capital of France is)"
+
+# The OpenAI API of the embedded default model on a local Ray instance, in the foreground
+# (Ctrl-C stops it); SERVE_ARGS adds flags, e.g. SERVE_ARGS="--config serve.yaml".
+serve: install
+	$(BIN)/hybridserve serve $(SERVE_ARGS)
+
+# Regenerate the shipped gRPC modules from cluster/serve/grpc/llm.proto.
+grpc: install
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. cluster/serve/grpc/llm.proto
 
 bench: install
 	$(BIN)/python benchmarks/bench_kv_cache.py

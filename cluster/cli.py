@@ -4,7 +4,8 @@
 `--model` is given; in-process, or through a Ray cluster with `--address`); `hybridserve chat`
 talks with the model's chat template; `hybridserve replay TRACE.json ...` is
 `python -m scheduler.replay`; `hybridserve config validate FILE.yaml` checks a serving config
-without starting anything. Errors are one line on stderr (exit 2); Ctrl-C exits 130.
+without starting anything; `hybridserve serve` runs the OpenAI API on Ray Serve
+(`cluster.serve_cli`). Errors are one line on stderr (exit 2); Ctrl-C exits 130.
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("file", metavar="FILE.yaml")
     for sub in (replay_parser, config_commands, validate):
         _add_common(sub, top=False)
+    from cluster.serve_cli import add_serve_parser
+
+    _add_common(add_serve_parser(subparsers), top=False)
     return parser
 
 
@@ -91,6 +95,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return replay.main(args.files)
     if args.command == "config":
         return _run_config_validate(args.file)
+    if args.command == "serve":
+        from cluster.serve_cli import run_serve
+
+        return run_serve(args)
     from cluster import cli_generate
 
     runner = cli_generate.run_chat if args.command == "chat" else cli_generate.run_generate

@@ -84,8 +84,14 @@ def _check_serving_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
                 "it comes from model_loading_config (model_id, model_source)"
             )
     backend = kwargs.get(_BACKEND, "ray")
+    if backend == "uni" and int(kwargs.get("tensor_parallel_size", 1)) == 1:
+        return _validated(kwargs)  # one rank in the replica's own process (tests, CPU)
     if backend != "ray":
         raise ValueError(f"{_BACKEND} must be 'ray' (or absent) when serving, got {backend!r}")
+    return _validated(kwargs)
+
+
+def _validated(kwargs: dict[str, Any]) -> dict[str, Any]:
     validate_engine_kwargs(_engine_args_kwargs(kwargs))
     return kwargs
 

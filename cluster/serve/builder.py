@@ -1,0 +1,112 @@
+"""Serve application builders, with Ray Serve LLM's contract.
+
+`build_openai_app(args)` validates `args` as `LLMServingArgs` and returns one application: an
+`OpenAiIngress` deployment bound to one `LLMServer:<model>` deployment per model.
+`build_llm_deployment(config)` is the bare model deployment (for handles and batch jobs).
+
+Each model replica gets a placement group: the config's bundles (one per tensor-parallel rank),
+with the replica actor's own resources added to bundle 0, where Serve places the replica.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+from ray import serve
+from ray.serve import Application
+
+from cluster.config import LLMConfig, LLMServingArgs, format_validation_error
+from cluster.serve.ingress import OpenAiIngressDeployment
+from cluster.serve.routing import resolve_request_router
+from cluster.serve.server import LLMServer
+
+DEFAULT_MODEL_OPTIONS: dict[str, Any] = {
+    "max_ongoing_requests": 1_000_000_000,
+    "health_check_period_s": 10,
+    "health_check_timeout_s": 10,
+    "graceful_shutdown_timeout_s": 60,
+}
+DEFAULT_INGRESS_OPTIONS: dict[str, Any] = {"max_ongoing_requests": 1_000_000_000}
+_REPLICA_DEFAULTS = {"num_cpus": 1.0}
+_ACTOR_RESOURCE_KEYS = {"num_cpus": "CPU", "num_gpus": "GPU", "memory": "memory"}
+
+
+def deployment_name(model_id: str) -> str:
+    """`LLMServer:<model_id>` with '/' -> '--' and '.' -> '_' (Ray Serve LLM's naming)."""
+    return "LLMServer:" + model_id.replace("/", "--").replace(".", "_")
+
+
+def replica_bundles(config: LLMConfig, actor_options: dict[str, Any]) -> list[dict[str, float]]:
+    """The replica's placement-group bundles, the replica's own resources added into bundle 0."""
+    bundles = config.placement_bundles(use_gpu=torch.cuda.is_available())
+    first = bundles[0]
+    for option, resource in _ACTOR_RESOURCE_KEYS.items():
+        amount = actor_options.get(option, _REPLICA_DEFAULTS.get(option, 0))
+        if amount:
+            first[resource] = first.get(resource, 0.0) + float(amount)
+    for resource, amount in (actor_options.get("resources") or {}).items():
+        first[resource] = first.get(resource, 0.0) + float(amount)
+    return bundles
+
+
+def llm_deployment_options(
+    config: LLMConfig, name_prefix: str | None = None, overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The `serve.deployment` options of a model: defaults, its deployment_config, overrides."""
+    options = {**DEFAULT_MODEL_OPTIONS, **config.deployment_config, **(overrides or {})}
+    options.setdefault("name", deployment_name(config.model_id))
+    if options.get("request_router_config"):
+        options["request_router_config"] = resolve_request_router(options["request_router_config"])
+    if name_prefix:
+        options["name"] = name_prefix + options["name"]
+    actor_options = dict(options.get("ray_actor_options") or {})
+    if config.runtime_env:
+        actor_options["runtime_env"] = {
+            **config.runtime_env,
+            **actor_options.get("runtime_env", {}),
+        }
+    options["placement_group_bundles"] = replica_bundles(config, actor_options)
+    options["placement_group_strategy"] = config.placement_strategy
+    # The bundle reserves the replica's resources; the actor then asks for none of its own.
+    actor_options.update({"num_cpus": 0, "num_gpus": 0})
+    actor_options.pop("memory", None)
+    actor_options.pop("resources", None)
+    options["ray_actor_options"] = actor_options
+    if "autoscaling_config" in options:
+        options.pop("num_replicas", None)
+    return options
+
+
+def build_llm_deployment(
+    llm_config: LLMConfig | dict[str, Any],
+    *,
+    name_prefix: str | None = None,
+    override_serve_options: dict[str, Any] | None = None,
+) -> Application:
+    """One model's `LLMServer` deployment, bound to its config."""
+    config = LLMConfig.model_validate(llm_config)
+    options = llm_deployment_options(config, name_prefix, override_serve_options)
+    deployment: Any = serve.deployment(LLMServer)
+    app: Application = deployment.options(**options).bind(config.model_dump())
+    return app
+
+
+def build_openai_app(args: LLMServingArgs | dict[str, Any]) -> Application:
+    """The OpenAI application: an ingress routing by `model` to one deployment per model."""
+    try:
+        serving_args = LLMServingArgs.model_validate(args)
+    except ValidationError as error:
+        raise ValueError(format_validation_error(error)) from None
+    servers = {config.model_id: build_llm_deployment(config) for config in serving_args.llm_configs}
+    ingress_options = {
+        "name": "OpenAiIngress",
+        **DEFAULT_INGRESS_OPTIONS,
+        **serving_args.ingress_deployment_config,
+    }
+    if "autoscaling_config" in ingress_options:
+        ingress_options.pop("num_replicas", None)
+    ingress: Any = serve.deployment(OpenAiIngressDeployment)
+    app: Application = ingress.options(**ingress_options).bind(servers)
+    return app

@@ -1,0 +1,1 @@
+"""Generated gRPC modules of `llm.proto` (regenerate with `make grpc`; not linted)."""

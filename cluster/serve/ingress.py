@@ -1,0 +1,191 @@
+"""`OpenAiIngress`: the OpenAI HTTP routes (FastAPI) and gRPC methods in front of the models.
+
+It validates request bodies with the pydantic models, routes each by `model` to that model's
+`LLMServer` deployment handle and relays what comes back: the first item of the server's stream
+is peeked, so an error becomes a proper HTTP error (never a 200 stream that fails). When the
+client goes away, Serve cancels this call and, across the hop, the server's stream.
+"""
+
+import logging
+import os
+import secrets
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+from ray.serve.exceptions import BackPressureError, RayServeException
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+
+from cluster.serve import errors
+from cluster.serve.grpc_methods import GrpcMethods
+from cluster.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+)
+
+logger = logging.getLogger(__name__)
+
+API_KEY_ENV = "HYBRIDSERVE_API_KEY"
+REQUEST_ID_HEADER = "x-request-id"
+
+app = FastAPI(title="hybridserve", description="OpenAI-compatible API")
+
+
+def error_json(error: ErrorResponse) -> JSONResponse:
+    return JSONResponse(error.model_dump(), status_code=error.status)
+
+
+def request_id_of(raw: Request) -> str:
+    """The client's `x-request-id`, else the one Serve gave this request (and echoes back)."""
+    given = raw.headers.get(REQUEST_ID_HEADER)
+    if given:
+        return given
+    from ray.serve.context import _get_serve_request_context
+
+    return _get_serve_request_context().request_id or uuid.uuid4().hex
+
+
+@app.exception_handler(Exception)
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unexpected error in %s", request.url.path)
+    return error_json(errors.error_response(f"internal error: {exc}", 500))
+
+
+class OpenAiIngress(GrpcMethods):
+    """Routes OpenAI requests to the model deployments (the body of the ingress deployment)."""
+
+    def __init__(self, servers: dict[str, DeploymentHandle[Any]]) -> None:
+        self.servers = servers
+        self.api_key = os.environ.get(API_KEY_ENV) or None
+
+    # -- shared by HTTP and gRPC --------------------------------------------------------------
+
+    def check_api_key(self, authorization: str | None) -> ErrorResponse | None:
+        if self.api_key is None:
+            return None
+        token = (authorization or "").removeprefix("Bearer ").strip()
+        if secrets.compare_digest(token.encode(), self.api_key.encode()):
+            return None
+        return errors.invalid_api_key()
+
+    def route(self, model: str | None) -> DeploymentHandle[Any] | ErrorResponse:
+        if model is None:
+            if len(self.servers) == 1:
+                return next(iter(self.servers.values()))
+            return errors.bad_request("model is required: several models are served", "model")
+        handle = self.servers.get(model)
+        return handle if handle is not None else errors.model_not_found(model)
+
+    async def start(
+        self, request: CompletionRequest | ChatCompletionRequest, request_id: str, as_sse: bool
+    ) -> tuple[Any, DeploymentResponseGenerator[Any] | None]:
+        """Send `request` to its model; (first item or an error, rest of the stream)."""
+        handle = self.route(request.model)
+        if isinstance(handle, ErrorResponse):
+            return handle, None
+        stream = cast(
+            "DeploymentResponseGenerator[Any]",
+            handle.options(stream=True).generate.remote(request, request_id, as_sse),
+        )
+        try:
+            first = await stream.__anext__()
+        except StopAsyncIteration:
+            return errors.error_response("the model returned nothing", 500), None
+        except BackPressureError:
+            return errors.unavailable("the server is overloaded; retry later"), None
+        except RayServeException as error:
+            return errors.unavailable(f"the model is unavailable: {error}"), None
+        if isinstance(first, ErrorResponse):
+            return first, None
+        return first, stream
+
+    async def models(self) -> ModelList:
+        cards = [await handle.model_card.remote() for handle in self.servers.values()]
+        return ModelList(data=cards)
+
+    # -- HTTP -----------------------------------------------------------------------------------
+
+    @app.post("/v1/completions")
+    async def completions(self, raw: Request) -> Response:
+        return await self.http_generate(raw, CompletionRequest)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, raw: Request) -> Response:
+        return await self.http_generate(raw, ChatCompletionRequest)
+
+    @app.get("/v1/models")
+    async def list_models(self, raw: Request) -> Response:
+        denied = self.check_api_key(raw.headers.get("authorization"))
+        if denied is not None:
+            return error_json(denied)
+        return JSONResponse((await self.models()).model_dump())
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(self, model: str, raw: Request) -> Response:
+        denied = self.check_api_key(raw.headers.get("authorization"))
+        if denied is not None:
+            return error_json(denied)
+        handle = self.servers.get(model)
+        if handle is None:
+            return error_json(errors.model_not_found(model))
+        card: ModelCard = await handle.model_card.remote()
+        return JSONResponse(card.model_dump())
+
+    @app.get("/health")
+    async def health(self) -> Response:
+        """200 when every model's engine and workers are healthy, else 503."""
+        for model_id, handle in self.servers.items():
+            try:
+                await handle.check_health.remote()
+            except Exception as error:
+                message = f"model {model_id} is unhealthy: {error}"
+                return error_json(errors.unavailable(message))
+        return Response(status_code=200)
+
+    async def http_generate(
+        self, raw: Request, request_cls: type[CompletionRequest] | type[ChatCompletionRequest]
+    ) -> Response:
+        """Serve echoes `x-request-id` on every response; it is also the engine's request ID."""
+        request_id = request_id_of(raw)
+        denied = self.check_api_key(raw.headers.get("authorization"))
+        if denied is not None:
+            return error_json(denied)
+        try:
+            request = request_cls.model_validate_json(await raw.body())
+        except ValidationError as error:
+            return error_json(errors.from_validation_error(error))
+        first, stream = await self.start(request, request_id, as_sse=True)
+        if isinstance(first, ErrorResponse):
+            return error_json(first)
+        if stream is None or not request.stream:
+            if stream is not None:
+                stream.cancel()  # type: ignore[no-untyped-call]
+            return JSONResponse(first.model_dump())
+        return StreamingResponse(_relay(first, stream), media_type="text/event-stream")
+
+
+async def _relay(first: str, stream: DeploymentResponseGenerator[Any]) -> AsyncIterator[str]:
+    """The SSE lines: the peeked one, then the rest; cancels the server's stream if cut off."""
+    finished = False
+    try:
+        yield first
+        async for line in stream:
+            yield line
+        finished = True
+    finally:
+        if not finished:
+            stream.cancel()  # type: ignore[no-untyped-call]
+
+
+# Bound at import, so a replica that imports this module gets the same class-based routes
+# (Serve pickles the module-level app by reference).
+OpenAiIngressDeployment = serve.ingress(app)(OpenAiIngress)
+
+__all__ = ["API_KEY_ENV", "REQUEST_ID_HEADER", "OpenAiIngress", "OpenAiIngressDeployment", "app"]

@@ -1,0 +1,159 @@
+"""Engine metrics through `ray.util.metrics`, under vLLM's names with a `model_name` label.
+
+Ray no longer accepts ':' in metric names, so names are sanitized as vLLM does on Ray
+(`vllm:num_requests_running` -> `vllm_num_requests_running`), and Ray's exporter adds its `ray_`
+prefix: `ray_vllm_num_requests_running`, as Ray's "Serve LLM" dashboard expects. The
+`hybridserve:` series (per-KV-group usage and hits, worker liveness) follow the same rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ray.util import metrics
+
+from cluster.engine.outputs import RequestOutput
+from scheduler.stats import SchedulerStats
+
+TTFT_BUCKETS = [
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
+]  # fmt: skip
+ITL_BUCKETS = [
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+    1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+]  # fmt: skip
+LATENCY_BUCKETS = [
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+    40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
+]  # fmt: skip
+
+
+def metric_name(name: str) -> str:
+    """The name Ray accepts: ':' becomes '_' (vLLM's sanitizing on Ray)."""
+    return name.replace(":", "_")
+
+
+def _gauge(name: str, doc: str, *tags: str) -> metrics.Gauge:
+    return metrics.Gauge(metric_name(name), doc, tag_keys=("model_name", *tags))
+
+
+def _counter(name: str, doc: str, *tags: str) -> metrics.Counter:
+    return metrics.Counter(metric_name(name), doc, tag_keys=("model_name", *tags))
+
+
+def _histogram(name: str, doc: str, buckets: list[float]) -> metrics.Histogram:
+    return metrics.Histogram(metric_name(name), doc, boundaries=buckets, tag_keys=("model_name",))
+
+
+class EngineMetrics:
+    """The metrics of one model's engine in one replica."""
+
+    def __init__(self, model_name: str, group_kinds: Sequence[str]) -> None:
+        self.tags = {"model_name": model_name}
+        self.group_kinds = list(group_kinds)
+        self._last: SchedulerStats | None = None
+        self.running = _gauge("vllm:num_requests_running", "Requests in the running batch.")
+        self.waiting = _gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = _gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).")
+        self.pc_queries = _counter("vllm:prefix_cache_queries", "Prefix-cache lookups (tokens).")
+        self.pc_hits = _counter("vllm:prefix_cache_hits", "Prefix-cache hits (tokens).")
+        self.preemptions = _counter("vllm:num_preemptions_total", "Preemptions (cumulative).")
+        self.prompt_tokens = _counter("vllm:prompt_tokens_total", "Prompt tokens processed.")
+        self.generation_tokens = _counter("vllm:generation_tokens_total", "Tokens generated.")
+        self.success = _counter(
+            "vllm:request_success_total", "Finished requests.", "finished_reason"
+        )
+        self.ttft = _histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS
+        )
+        self.itl = _histogram(
+            "vllm:inter_token_latency_seconds", "Inter-token latency.", ITL_BUCKETS
+        )
+        self.e2e = _histogram(
+            "vllm:e2e_request_latency_seconds", "End-to-end request latency.", LATENCY_BUCKETS
+        )
+        self.queue = _histogram(
+            "vllm:request_queue_time_seconds", "Time waiting before scheduling.", LATENCY_BUCKETS
+        )
+        self.group_usage = _gauge(
+            "hybridserve:kv_cache_group_usage_perc", "KV usage per KV cache group.", "group", "kind"
+        )
+        self.group_hits = _counter(
+            "hybridserve:prefix_cache_group_hits",
+            "Prefix-cache hit tokens per KV cache group, before groups agree.",
+            "group",
+        )
+        self.worker_alive = _gauge("hybridserve:worker_alive", "1 if the rank is alive.", "rank")
+        for counter in (
+            self.pc_queries,
+            self.pc_hits,
+            self.preemptions,
+            self.prompt_tokens,
+            self.generation_tokens,
+        ):
+            # Export the series at 0 from the start (Counter.inc refuses 0), so dashboards and
+            # rate() see it before the first event.
+            counter._record(0, tags=self.tags)
+
+    def record_stats(self, stats: SchedulerStats) -> None:
+        """Gauges from a scheduler snapshot; counters by their growth since the last one."""
+        tags = self.tags
+        self.running.set(stats.num_running_reqs, tags)
+        self.waiting.set(stats.num_waiting_reqs, tags)
+        self.kv_usage.set(stats.kv_cache_usage, tags)
+        last = self._last
+        _inc(self.pc_queries, sum(stats.prefix_cache_queries), _sum(last, "queries"), tags)
+        _inc(self.pc_hits, stats.prefix_cache_hit_tokens, _sum(last, "hits"), tags)
+        _inc(self.preemptions, stats.num_preemptions, _sum(last, "preemptions"), tags)
+        for group, usage in enumerate(stats.kv_cache_usage_per_group):
+            kind = self.group_kinds[group] if group < len(self.group_kinds) else "unknown"
+            self.group_usage.set(usage, {**tags, "group": str(group), "kind": kind})
+        for group, hits in enumerate(stats.prefix_cache_hits):
+            before = last.prefix_cache_hits[group] if last is not None else 0
+            _inc(self.group_hits, hits, before, {**tags, "group": str(group)})
+        self._last = stats
+
+    def record_workers(self, alive: Sequence[bool]) -> None:
+        for rank, up in enumerate(alive):
+            self.worker_alive.set(1.0 if up else 0.0, {**self.tags, "rank": str(rank)})
+
+    def record_tokens(self, delta: RequestOutput) -> None:
+        """Per stream item: generated tokens and their inter-token latencies."""
+        self.generation_tokens.inc(sum(len(part.token_ids) for part in delta.outputs), self.tags)
+        if delta.metrics is not None:
+            for latency in delta.metrics.inter_token_latencies:
+                self.itl.observe(latency, self.tags)
+
+    def record_finished(self, output: RequestOutput) -> None:
+        """Once per request: prompt tokens, latencies and finish reasons."""
+        tags = self.tags
+        self.prompt_tokens.inc(len(output.prompt_token_ids), tags)
+        for part in output.outputs:
+            reason = part.finish_reason or "abort"
+            self.success.inc(1, {**tags, "finished_reason": reason})
+        timing = output.metrics
+        if timing is None:
+            return
+        for histogram, value in (
+            (self.ttft, timing.time_to_first_token),
+            (self.e2e, timing.e2e_latency),
+            (self.queue, timing.queue_time),
+        ):
+            if value is not None:
+                histogram.observe(max(value, 0.0), tags)
+
+
+def _sum(stats: SchedulerStats | None, what: str) -> int:
+    if stats is None:
+        return 0
+    if what == "queries":
+        return sum(stats.prefix_cache_queries)
+    if what == "hits":
+        return stats.prefix_cache_hit_tokens
+    return stats.num_preemptions
+
+
+def _inc(counter: metrics.Counter, now: int, before: int, tags: dict[str, str]) -> None:
+    if now > before:
+        counter.inc(now - before, tags)

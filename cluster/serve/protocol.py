@@ -1,0 +1,251 @@
+"""OpenAI request and response bodies as pydantic models (the HTTP and gRPC surface).
+
+Requests accept the OpenAI fields plus vLLM's extensions (`top_k`, `min_p`, `ignore_eos`,
+`min_tokens`, ...); unknown fields are ignored, as OpenAI's server does. Range checks that
+depend on the engine (vocabulary, context length) happen in the LLM server, not here.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from typing_extensions import TypedDict
+
+MAX_TOP_LOGPROBS = 20
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+StopField = Annotated[str | list[str] | None, Field(None)]
+
+
+class SamplingFields(_Request):
+    """The sampling fields completions and chat share (OpenAI names, vLLM extensions)."""
+
+    model: str | None = None
+    n: int = Field(1, ge=1, le=128)
+    temperature: float | None = Field(None, ge=0, le=2**16)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    stop: StopField = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    logit_bias: dict[str, float] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    priority: int = 0
+    cache_salt: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: str | list[str] | None) -> str | list[str] | None:
+        strings = [value] if isinstance(value, str) else value or []
+        if any(not s for s in strings):
+            raise ValueError("stop strings must be non-empty")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+TokenIds = list[Annotated[int, Field(ge=0)]]
+
+
+class CompletionRequest(SamplingFields):
+    """`POST /v1/completions`."""
+
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1)
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list) and value and isinstance(value[0], str | list):
+            if len(value) != 1:
+                raise ValueError("give one prompt per request (lists of prompts are not supported)")
+            return value[0]
+        if isinstance(value, list) and not value:
+            raise ValueError("prompt must not be empty")
+        return value
+
+
+class ContentPart(TypedDict, total=False):
+    type: str
+    text: str
+
+
+class ChatMessage(TypedDict, total=False):
+    """One message; a dict, so routers that read `messages` see plain data."""
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[ContentPart] | None
+    name: str
+
+
+class ChatCompletionRequest(SamplingFields):
+    """`POST /v1/chat/completions`."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    add_generation_prompt: bool = True
+    chat_template: str | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _check_messages(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        for index, message in enumerate(messages):
+            if "role" not in message:
+                raise ValueError(f"messages.{index}: role is required")
+        return messages
+
+
+class UsageDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: UsageDetails | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class CompletionResponse(BaseModel):
+    """A completion, or (with `object` unchanged, as OpenAI does) one streamed chunk of one."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "hybridserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body; `status` (not serialized) is the HTTP status it goes out with."""
+
+    error: ErrorInfo
+    status: int = Field(400, exclude=True)

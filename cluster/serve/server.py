@@ -1,0 +1,258 @@
+"""`LLMServer`: one Serve replica of one model, and the engine of that model.
+
+The replica builds the engine core (scheduler + hybrid KV coordinator) in its own process and
+drives the model's tensor-parallel workers, which the Ray executor places in the replica's
+placement group (the replica itself sits in bundle 0). It takes the ingress's validated
+request models, tokenizes them, runs them on its `AsyncEngine` and yields OpenAI bodies:
+
+    generate(request) ─► ErrorResponse | (SSE str ... "data: [DONE]") | one response body
+
+Closing the stream (the client went away; Serve cancels the call across the hop) aborts the
+request in the engine, freeing its blocks before the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import Any
+
+from pydantic import BaseModel
+
+from cluster.config import LLMConfig
+from cluster.engine.async_engine import AsyncEngine
+from cluster.engine.core import build_engine_core
+from cluster.engine.outputs import OutputAccumulator, RequestOutput
+from cluster.engine.request import EngineRequest
+from cluster.engine_args import EngineArgs
+from cluster.serve import errors
+from cluster.serve.formatting import DONE, ChatFormatter, CompletionFormatter, sse
+from cluster.serve.metrics import EngineMetrics
+from cluster.serve.prompts import render_prompt
+from cluster.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    ModelCard,
+)
+from cluster.serve.sampling import UnsupportedFieldError, to_sampling_params
+
+logger = logging.getLogger(__name__)
+
+STATS_INTERVAL_S = 1.0
+ServerItem = ErrorResponse | str | BaseModel
+Formatter = CompletionFormatter | ChatFormatter
+
+
+def serving_engine_args(config: LLMConfig) -> EngineArgs:
+    """The replica's engine arguments: the Ray executor unless engine_kwargs names another."""
+    args = config.engine_args()
+    if args.distributed_executor_backend is None:
+        args = replace(args, distributed_executor_backend="ray")
+    return args
+
+
+def group_kinds(engine: AsyncEngine) -> list[str]:
+    """`full_attention`, `sliding_window`, ... per KV cache group."""
+    groups = engine.core.scheduler.kv_cache_config.groups
+    kinds = []
+    for group in groups:
+        name = type(group.spec).__name__.removesuffix("Spec")
+        kinds.append("".join(f"_{c.lower()}" if c.isupper() else c for c in name).lstrip("_"))
+    return kinds
+
+
+class LLMServer:
+    """The body of the `LLMServer:<model>` deployment (wrapped by `serve.deployment`)."""
+
+    def __init__(self, llm_config: LLMConfig | dict[str, Any]) -> None:
+        self.config = LLMConfig.model_validate(llm_config)
+        self.model_id = self.config.model_id
+        args = serving_engine_args(self.config)
+        self.engine = AsyncEngine(build_engine_core(args))
+        self.tokenizer = self.engine.core.tokenizer
+        self.max_model_len = self.engine.core.model_config.max_model_len
+        self.draining = False
+        self.num_aborted = 0
+        self.metrics: EngineMetrics | None = None
+        self._stats_task: asyncio.Task[None] | None = None
+        if self.config.log_engine_metrics:
+            self.metrics = EngineMetrics(self.model_id, group_kinds(self.engine))
+
+    async def generate(
+        self,
+        request: CompletionRequest | ChatCompletionRequest,
+        request_id: str,
+        as_sse: bool = True,
+    ) -> AsyncIterator[ServerItem]:
+        """The request's OpenAI bodies: an error, or the stream's chunks (SSE lines ending with
+        `[DONE]`, or chunk models when not `as_sse`), or one response (not `request.stream`)."""
+        self._ensure_stats_task()
+        if self.draining:
+            yield errors.unavailable("the server is shutting down")
+            return
+        try:
+            engine_request, formatter = self._prepare(request, request_id)
+            stream = await self.engine.add_request(engine_request)
+        except UnsupportedFieldError as error:
+            yield errors.bad_request(str(error), param=error.param)
+            return
+        except ValueError as error:
+            yield errors.bad_request(str(error))
+            return
+        if request.stream:
+            items = self._stream(stream, formatter, request.include_usage, as_sse)
+        else:
+            items = self._whole(stream, formatter)
+        async for item in items:
+            yield item
+
+    async def _stream(
+        self,
+        stream: AsyncIterator[RequestOutput],
+        formatter: Formatter,
+        include_usage: bool,
+        as_sse: bool,
+    ) -> AsyncIterator[ServerItem]:
+        accumulator = OutputAccumulator()
+        async with self._tracked(stream, accumulator):
+            async for delta in stream:
+                accumulator.add(delta)
+                self._record_tokens(delta)
+                chunk = formatter.chunk(delta)
+                if chunk is not None:
+                    yield sse(chunk) if as_sse else chunk
+        result = accumulator.result
+        if include_usage and result is not None:
+            tokens = sum(len(part.token_ids) for part in result.outputs)
+            usage = formatter.usage_chunk(result, tokens)
+            yield sse(usage) if as_sse else usage
+        if as_sse:
+            yield DONE
+
+    async def _whole(
+        self, stream: AsyncIterator[RequestOutput], formatter: Formatter
+    ) -> AsyncIterator[ServerItem]:
+        accumulator = OutputAccumulator()
+        async with self._tracked(stream, accumulator):
+            async for delta in stream:
+                accumulator.add(delta)
+                self._record_tokens(delta)
+        assert accumulator.result is not None
+        yield formatter.response(accumulator.result)
+
+    @contextlib.asynccontextmanager
+    async def _tracked(
+        self, stream: AsyncIterator[RequestOutput], accumulator: OutputAccumulator
+    ) -> AsyncIterator[None]:
+        """Close the engine stream (aborting the request) if the caller goes away."""
+        try:
+            yield
+        except (asyncio.CancelledError, GeneratorExit):
+            self.num_aborted += 1
+            raise
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+            result = accumulator.result
+            if self.metrics is not None and result is not None and result.finished:
+                self.metrics.record_finished(result)
+
+    def _record_tokens(self, delta: RequestOutput) -> None:
+        if self.metrics is not None:
+            self.metrics.record_tokens(delta)
+
+    def _prepare(
+        self, request: CompletionRequest | ChatCompletionRequest, request_id: str
+    ) -> tuple[EngineRequest, Formatter]:
+        text, token_ids = render_prompt(self.tokenizer, request)
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens; "
+                f"the prompt has {len(token_ids)} tokens"
+            )
+        max_tokens = _max_tokens(request, self.max_model_len - len(token_ids))
+        params = to_sampling_params(request, max_tokens)
+        engine_request = EngineRequest(
+            request_id=request_id,
+            prompt_token_ids=tuple(token_ids),
+            sampling_params=params,
+            prompt=text,
+            priority=request.priority,
+            cache_salt=request.cache_salt,
+        )
+        formatter: Formatter
+        if isinstance(request, ChatCompletionRequest):
+            top = request.top_logprobs or 0
+            formatter = ChatFormatter(f"chatcmpl-{request_id}", self.model_id, top)
+        else:
+            if request.echo and request.logprobs is not None:
+                raise ValueError("echo together with logprobs is not supported")
+            echo = (text or "") if request.echo else None
+            formatter = CompletionFormatter(f"cmpl-{request_id}", self.model_id, echo)
+        return engine_request, formatter
+
+    async def model_card(self) -> ModelCard:
+        return ModelCard(
+            id=self.model_id,
+            root=self.config.model_loading_config.source,
+            max_model_len=self.max_model_len,
+        )
+
+    async def check_health(self) -> None:
+        """Serve's health check: raises when the engine or a worker is dead."""
+        await self.engine.check_health()
+
+    async def stats(self) -> dict[str, Any]:
+        """Engine state for tests and debugging: scheduler stats, steps, aborts."""
+        stats = await self.engine.get_stats()
+        return {
+            "num_running": stats.num_running_reqs,
+            "num_waiting": stats.num_waiting_reqs,
+            "kv_cache_usage": stats.kv_cache_usage,
+            "num_steps": self.engine.num_steps,
+            "num_in_flight": self.engine.num_in_flight,
+            "num_aborted": self.num_aborted,
+        }
+
+    def _ensure_stats_task(self) -> None:
+        if self.metrics is not None and (self._stats_task is None or self._stats_task.done()):
+            self._stats_task = asyncio.get_running_loop().create_task(self._publish_stats())
+
+    async def _publish_stats(self) -> None:
+        assert self.metrics is not None
+        num_ranks = self.config.tensor_parallel_size
+        while True:
+            self.metrics.record_stats(await self.engine.get_stats())
+            try:
+                await self.engine.check_health()
+                alive = [True] * num_ranks
+            except Exception:
+                alive = [False] * num_ranks
+            self.metrics.record_workers(alive)
+            await asyncio.sleep(STATS_INTERVAL_S)
+
+    def __del__(self) -> None:
+        """Serve calls this after draining (graceful_shutdown_timeout_s): stop the engine."""
+        self.draining = True
+        if self._stats_task is not None:
+            self._stats_task.cancel()
+        with contextlib.suppress(Exception):
+            self.engine.core.shutdown()
+
+
+def _max_tokens(request: CompletionRequest | ChatCompletionRequest, room: int) -> int:
+    """The client's limit (max_completion_tokens first), else whatever fits in the context."""
+    asked = request.max_tokens
+    if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
+        asked = request.max_completion_tokens
+    if asked is None:
+        return room
+    if asked > room:
+        raise ValueError(
+            f"max_tokens={asked} is too large: the prompt leaves room for {room} tokens "
+            "in this model's context"
+        )
+    return asked

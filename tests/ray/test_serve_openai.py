@@ -1,0 +1,464 @@
+"""The OpenAI HTTP and gRPC APIs on one real Ray Serve app, through the `openai` client.
+
+Greedy outputs are compared with the offline `LLM` on the same tiny model; the word-level
+tokenizer maps each token to one word, so equal text means equal tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+import openai
+import pytest
+import ray
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from ray import serve
+from ray.serve.config import HTTPOptions, gRPCOptions
+
+from cluster.llm import LLM
+from cluster.serve import build_openai_app, deployment_name
+from cluster.serve.grpc import llm_pb2, llm_pb2_grpc
+from cluster.serve.ingress import API_KEY_ENV
+from cluster.serve.protocol import ChatCompletionRequest, CompletionRequest
+from scheduler.request import SamplingParams
+from tests.helpers.ray_local import NODE_IP
+from tests.helpers.serve_app import (
+    free_port,
+    llm_config,
+    save_tiny_served_model,
+    shutdown_serve,
+)
+from tests.helpers.serve_cases import (
+    INVALID,
+    METRICS,
+    exported,
+    has_metric,
+    metric_samples,
+    request_bodies,
+)
+
+pytestmark = pytest.mark.ray
+
+API_KEY = "sk-test-key"
+APP = "openai"
+PROMPTS = ["t5 t17 t33 t2 t9", "t100 t3", "t7 t7 t7 t8 t9 t10 t11"]
+CHAT = [{"role": "system", "content": "t4 t5"}, {"role": "user", "content": "t9 t10 t11"}]
+
+
+SERVICER = "cluster.serve.grpc.llm_pb2_grpc.add_LLMServiceServicer_to_server"
+ROUTER = "ray.serve.llm.request_router.PrefixCacheAffinityRouter"
+METADATA = (("application", APP), ("authorization", f"Bearer {API_KEY}"))
+
+
+@dataclass
+class Served:
+    base_url: str
+    model_dir: Path
+    stub: llm_pb2_grpc.LLMServiceStub
+
+    @property
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.base_url}/v1", api_key=API_KEY, max_retries=0)
+
+    def post(
+        self,
+        path: str,
+        body: Any,
+        key: str | None = API_KEY,
+        headers: dict[str, str] | None = None,
+        timeout: Any = 60,
+    ) -> httpx.Response:
+        headers = {**(headers or {}), **({"Authorization": f"Bearer {key}"} if key else {})}
+        content = body if isinstance(body, str | bytes) else json.dumps(body)
+        return httpx.post(self.base_url + path, content=content, headers=headers, timeout=timeout)
+
+    def stats(self) -> dict[str, Any]:
+        handle = serve.get_deployment_handle(deployment_name("tiny"), app_name=APP)
+        return handle.stats.remote().result()
+
+
+def _app_config(model_dir: Path) -> dict[str, Any]:
+    """The tiny model behind Ray's prefix-aware router, draining for up to 30 s; an API key."""
+    config = llm_config(model_dir)
+    config["deployment_config"].update(
+        {
+            "request_router_config": {
+                "request_router_class": ROUTER,
+                "request_router_kwargs": {"imbalanced_threshold": 4},
+            },
+            "graceful_shutdown_timeout_s": 30,
+            "graceful_shutdown_wait_loop_s": 0.2,
+        }
+    )
+    ingress = {"num_cpus": 0.25, "runtime_env": {"env_vars": {API_KEY_ENV: API_KEY}}}
+    return {"llm_configs": [config], "ingress_deployment_config": {"ray_actor_options": ingress}}
+
+
+@pytest.fixture(scope="module")
+def served(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Served:
+    model_dir = save_tiny_served_model(tmp_path_factory.mktemp("served-model"))
+    http_port, grpc_port = free_port(), free_port()
+    serve.start(
+        http_options=HTTPOptions(host=NODE_IP, port=http_port),
+        grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[SERVICER]),
+    )
+    serve.run(build_openai_app(_app_config(model_dir)), name=APP, route_prefix="/")
+    channel = grpc.insecure_channel(f"{NODE_IP}:{grpc_port}")
+    yield Served(f"http://{NODE_IP}:{http_port}", model_dir, llm_pb2_grpc.LLMServiceStub(channel))
+    channel.close()
+    shutdown_serve()
+
+
+@pytest.fixture(scope="module")
+def reference(served: Served) -> LLM:
+    llm = LLM(
+        str(served.model_dir),
+        block_size=4,
+        kv_cache_memory_bytes=8 * 1024 * 1024,
+        distributed_executor_backend="uni",
+    )
+    yield llm
+    llm.shutdown()
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
+
+
+def test_completions_match_llm_generate(served: Served, reference: LLM) -> None:
+    expected = [r.outputs[0].text for r in reference.generate(PROMPTS, GREEDY)]
+    client = served.client
+    for prompt, want in zip(PROMPTS, expected, strict=True):
+        result = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
+        assert result.choices[0].text == want
+        assert result.choices[0].finish_reason == "length"
+        assert result.usage.completion_tokens == 6
+        assert result.usage.prompt_tokens == len(prompt.split())
+        chunks = client.completions.create(
+            model="tiny", prompt=prompt, max_tokens=6, temperature=0, stream=True
+        )
+        assert "".join(chunk.choices[0].text for chunk in chunks) == want
+
+
+def test_chat_matches_llm_chat(served: Served, reference: LLM) -> None:
+    want = reference.chat(CHAT, GREEDY)[0].outputs[0].text
+    client = served.client
+    result = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_completion_tokens=6, temperature=0
+    )
+    assert result.choices[0].message.content == want
+    assert result.choices[0].message.role == "assistant"
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=CHAT,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == []
+    assert usage is not None
+    assert usage.completion_tokens == 6
+    assert usage.total_tokens == usage.prompt_tokens + 6
+
+
+def test_sampling_fields_shape_the_response(served: Served) -> None:
+    client = served.client
+    result = client.completions.create(
+        model="tiny", prompt="t1 t2 t3", max_tokens=4, n=2, seed=7, temperature=1.0,
+        extra_body={"top_k": 20, "min_p": 0.01, "min_tokens": 2, "ignore_eos": True},
+    )  # fmt: skip
+    assert sorted(c.index for c in result.choices) == [0, 1]
+    assert result.usage.completion_tokens == 8
+    again = client.completions.create(
+        model="tiny", prompt="t1 t2 t3", max_tokens=4, n=2, seed=7, temperature=1.0,
+        extra_body={"top_k": 20, "min_p": 0.01, "min_tokens": 2, "ignore_eos": True},
+    )  # fmt: skip
+    assert [c.text for c in again.choices] == [c.text for c in result.choices]
+    echoed = client.completions.create(
+        model="tiny", prompt="t1 t2", max_tokens=2, temperature=0, echo=True
+    )
+    assert echoed.choices[0].text.startswith("t1 t2")
+    scored = client.completions.create(
+        model="tiny", prompt="t1 t2", max_tokens=3, temperature=0, logprobs=2
+    )
+    logprobs = scored.choices[0].logprobs
+    assert logprobs is not None
+    assert len(logprobs.tokens) == 3
+    assert all(lp <= 0 for lp in logprobs.token_logprobs)
+    assert all(len(top) >= 2 for top in logprobs.top_logprobs)
+    chat = client.chat.completions.create(
+        model="tiny", messages=CHAT, max_tokens=3, temperature=0, logprobs=True, top_logprobs=3
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3
+    assert all(len(entry.top_logprobs) == 3 for entry in content)
+
+
+def test_request_id_is_echoed_and_used(served: Served) -> None:
+    response = served.post(
+        "/v1/completions",
+        {"model": "tiny", "prompt": "t1", "max_tokens": 2},
+        headers={"x-request-id": "trace-42"},
+    )
+    assert response.status_code == 200
+    assert response.headers["x-request-id"] == "trace-42"
+    assert response.json()["id"] == "cmpl-trace-42"
+
+
+def test_models_and_health(served: Served) -> None:
+    models = served.client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert served.client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        served.client.models.retrieve("missing")
+    assert httpx.get(served.base_url + "/health").status_code == 200
+
+
+def test_32_concurrent_streams_complete(served: Served) -> None:
+    async def one(client: openai.AsyncOpenAI, index: int) -> tuple[int, str | None]:
+        stream = await client.completions.create(
+            model="tiny", prompt=f"t{index + 1} t2", max_tokens=8, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+        )  # fmt: skip
+        tokens, reason = 0, None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+            if chunk.choices and chunk.choices[0].finish_reason:
+                reason = chunk.choices[0].finish_reason
+        return tokens, reason
+
+    async def run() -> list[tuple[int, str | None]]:
+        client = openai.AsyncOpenAI(base_url=f"{served.base_url}/v1", api_key=API_KEY)
+        async with client:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    assert asyncio.run(run()) == [(8, "length")] * 32
+
+
+def _assert_openai_error(response: httpx.Response, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str)
+    assert error["message"]
+    return error
+
+
+@pytest.mark.parametrize(("path", "body", "status", "param"), INVALID)
+def test_invalid_requests_get_openai_errors(
+    served: Served, path: str, body: Any, status: int, param: str | None
+) -> None:
+    error = _assert_openai_error(served.post(path, body), status)
+    if param is not None:
+        assert (error["param"] or "").startswith(param)
+    if isinstance(body, dict):  # the same error before a stream starts: not a 200 stream
+        streamed = served.post(path, {**body, "stream": True})
+        _assert_openai_error(streamed, status)
+
+
+def test_api_key_is_required(served: Served) -> None:
+    body = {"model": "tiny", "prompt": "t1", "max_tokens": 1}
+    for key in (None, "wrong"):
+        error = _assert_openai_error(served.post("/v1/completions", body, key=key), 401)
+        assert error["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{served.base_url}/v1", api_key="bad").models.list()
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    data=st.one_of(
+        st.tuples(st.just("/v1/completions"), request_bodies(CompletionRequest)),
+        st.tuples(st.just("/v1/chat/completions"), request_bodies(ChatCompletionRequest)),
+    )
+)
+def test_fuzzed_bodies_never_get_a_5xx(served: Served, data: tuple[str, dict[str, Any]]) -> None:
+    path, body = data
+    response = served.post(path, body)
+    assert response.status_code < 500, (body, response.text)
+    if response.status_code >= 400:
+        assert "error" in response.json()
+
+
+def test_server_is_healthy_after_the_fuzz(served: Served) -> None:
+    assert httpx.get(served.base_url + "/health").status_code == 200
+    result = served.client.completions.create(model="tiny", prompt="t1", max_tokens=2)
+    assert result.choices[0].finish_reason == "length"
+    _wait_idle(served)
+
+
+def _wait_idle(served: Served, timeout: float = 10.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    stats = served.stats()
+    while stats["num_running"] or stats["num_waiting"] or stats["kv_cache_usage"]:
+        assert time.monotonic() < deadline, f"blocks still held: {stats}"
+        time.sleep(0.05)
+        stats = served.stats()
+    return stats
+
+
+LONG = {"model": "tiny", "prompt": "t1 t2 t3", "max_tokens": 900, "ignore_eos": True}
+
+
+def _wait_running(served: Served) -> None:
+    deadline = time.monotonic() + 10
+    while not served.stats()["num_running"]:
+        assert time.monotonic() < deadline, "the request never started"
+        time.sleep(0.02)
+
+
+def test_disconnected_stream_frees_its_blocks(served: Served) -> None:
+    before = _wait_idle(served)
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream(
+        "POST", served.base_url + "/v1/completions", json={**LONG, "stream": True},
+        headers=headers, timeout=30,
+    ) as response:  # fmt: skip
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert served.stats()["kv_cache_usage"] > 0
+    after = _wait_idle(served)
+    assert after["num_aborted"] == before["num_aborted"] + 1
+    assert after["num_steps"] - before["num_steps"] < LONG["max_tokens"]
+
+
+def test_disconnected_request_frees_its_blocks(served: Served) -> None:
+    before = _wait_idle(served)
+    with pytest.raises(httpx.ReadTimeout):
+        served.post("/v1/completions", LONG, timeout=httpx.Timeout(30, read=1.0))
+    after = _wait_idle(served)
+    assert after["num_aborted"] == before["num_aborted"] + 1
+    assert after["num_steps"] - before["num_steps"] < LONG["max_tokens"]
+
+
+def test_metrics_are_exported_with_sane_values(served: Served) -> None:
+    served.client.completions.create(model="tiny", prompt="t1 t2 t3 t4 t5", max_tokens=4)
+    node = next(n for n in ray.nodes() if n["Alive"])
+    url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+    deadline = time.monotonic() + 60
+    while True:
+        samples = metric_samples(httpx.get(url, timeout=10).text)
+        missing = [m for m in METRICS if not has_metric(samples, exported(m))]
+        if not missing:
+            break
+        assert time.monotonic() < deadline, f"metrics never exported: {missing}"
+        time.sleep(1)
+
+    def value(name: str, label: str = "") -> float:
+        return sum(
+            v for labels, v in samples[name] if label in labels and 'model_name="tiny"' in labels
+        )
+
+    assert value("ray_vllm_generation_tokens_total") >= 4
+    assert value("ray_vllm_prompt_tokens_total") >= 5
+    assert value("ray_vllm_request_success_total", 'finished_reason="length"') >= 1
+    assert value("ray_vllm_time_to_first_token_seconds_count") >= 1
+    assert 0 < value("ray_vllm_time_to_first_token_seconds_sum") < 60
+    assert 0 <= value("ray_vllm_kv_cache_usage_perc") <= 1
+    assert value("ray_vllm_prefix_cache_queries_total") >= value("ray_vllm_prefix_cache_hits_total")
+    assert value("ray_hybridserve_worker_alive", 'rank="0"') == 1
+    assert any('kind="full_attention"' in labels for labels, _ in samples[
+        "ray_hybridserve_kv_cache_group_usage_perc"
+    ])  # fmt: skip
+
+
+def test_grpc_streams_tokens(served: Served, reference: LLM) -> None:
+    want = reference.generate(["t3 t4 t5"], GREEDY)[0].outputs[0].text
+    request = llm_pb2.CompletionRequest(
+        model="tiny",
+        prompt="t3 t4 t5",
+        max_tokens=6,
+        temperature=0,
+        stream_options=llm_pb2.StreamOptions(include_usage=True),
+    )
+    chunks = list(served.stub.CompletionStream(request, metadata=METADATA))
+    texts = [chunk.choices[0].text for chunk in chunks if chunk.choices]
+    assert len(texts) >= 2, "tokens arrive as separate messages"
+    assert "".join(texts) == want
+    assert chunks[-1].usage.completion_tokens == 6
+    unary = served.stub.Completion(request, metadata=METADATA)
+    assert unary.choices[0].text == want
+    assert unary.choices[0].finish_reason == "length"
+
+
+def test_grpc_chat_and_models(served: Served) -> None:
+    request = llm_pb2.ChatCompletionRequest(
+        model="tiny",
+        messages=[llm_pb2.ChatMessage(role="user", content="t8 t9")],
+        max_tokens=3,
+        temperature=0,
+    )
+    whole = served.stub.ChatCompletion(request, metadata=METADATA)
+    streamed = list(served.stub.ChatCompletionStream(request, metadata=METADATA))
+    assert whole.choices[0].message.role == "assistant"
+    assert "".join(c.choices[0].delta.content for c in streamed) == whole.choices[0].message.content
+    models = served.stub.ListModels(llm_pb2.ListModelsRequest(), metadata=METADATA)
+    assert [m.id for m in models.models] == ["tiny"]
+
+
+@pytest.mark.parametrize(
+    ("fields", "metadata", "code"),
+    [
+        ({"max_tokens": -1}, METADATA, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"prompt": " ".join(["t1"] * 1100)}, METADATA, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"model": "missing"}, METADATA, grpc.StatusCode.NOT_FOUND),
+        ({}, (("application", APP),), grpc.StatusCode.UNAUTHENTICATED),
+    ],
+)
+def test_grpc_errors_are_status_codes(
+    served: Served, fields: dict[str, Any], metadata: Any, code: grpc.StatusCode
+) -> None:
+    request = llm_pb2.CompletionRequest(**{"model": "tiny", "prompt": "t1", **fields})
+    stub = served.stub
+    for call in (stub.Completion, lambda r, **kw: list(stub.CompletionStream(r, **kw))):
+        with pytest.raises(grpc.RpcError) as error:
+            call(request, metadata=metadata)
+        assert error.value.code() == code
+        assert error.value.details()
+
+
+def test_prefix_router_serves_shared_prefixes(served: Served) -> None:
+    prompt = "t1 t2 t3 t4 t5 t6 t7 t8 t9 t10 t11 t12 t13"
+    replies = [
+        served.post("/v1/completions", {"model": "tiny", "prompt": f"{prompt} t{40 + i}"})
+        for i in range(4)
+    ]
+    assert [r.status_code for r in replies] == [200] * 4
+    cached = [r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in replies]
+    assert min(cached[1:]) >= 12
+
+
+def test_shutdown_drains_in_flight_requests(served: Served) -> None:
+    """Last in the module: deleting the app waits for the request in flight to finish."""
+    result: dict[str, Any] = {}
+
+    def request() -> None:
+        body = {"model": "tiny", "prompt": "t1 t2", "max_tokens": 300, "ignore_eos": True}
+        response = served.post("/v1/completions", body, timeout=120)
+        result["status"], result["body"] = response.status_code, response.json()
+
+    thread = threading.Thread(target=request)
+    thread.start()
+    _wait_running(served)
+    serve.delete(APP)  # returns once the replicas have drained and stopped
+    thread.join(timeout=60)
+    assert result["status"] == 200, result
+    assert result["body"]["choices"][0]["finish_reason"] == "length"
+    assert result["body"]["usage"]["completion_tokens"] == 300
