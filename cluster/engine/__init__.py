@@ -1,0 +1,1 @@
+"""Engine-side request processing: incremental detokenization, stop strings, bad-word tokenizing."""
