@@ -10,8 +10,10 @@ The engine makes one `IncrementalDetokenizer` per completion and feeds it the sa
 Decoding a few tokens of context before the new ones keeps what depends on the left neighbour
 right (SentencePiece drops the leading space of a sequence's first token; byte-level and
 byte-fallback tokens complete a character only together). Text that may still change is held
-back: a trailing U+FFFD (an incomplete UTF-8 sequence), and, for tokenizers that clean up
-tokenization spaces, the last few characters from a space on. Once the whole window is emitted
+back: a trailing U+FFFD (an incomplete UTF-8 sequence); the text of a trailing run of byte-
+fallback tokens (`<0xNN>`: such a run is decoded as a whole, so one more incomplete byte turns
+the characters it already formed into U+FFFD); and, for tokenizers that clean up tokenization
+spaces, the last few characters from a space on. Once the whole window is emitted
 it shrinks back to its context, so each token costs one decode of a handful of tokens.
 
 On top of that stable text, stop strings (`SamplingParams.stop`) are searched across token
@@ -24,6 +26,7 @@ request's `skip_special_tokens` and `spaces_between_special_tokens`, cut at the 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -33,6 +36,8 @@ from scheduler.request import SamplingParams
 CONTEXT_TOKENS = 5
 """Tokens kept before the unread ones when the window shrinks (as vLLM's initial offset)."""
 REPLACEMENT_CHAR = "\ufffd"
+BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+"""How byte-fallback tokens are spelled (SentencePiece, Llama, Mistral, Gemma)."""
 CLEANUP_SPAN = 3
 """Space clean-up rewrites patterns of at most 4 characters starting with a space (" n't")."""
 
@@ -47,6 +52,8 @@ class Tokenizer(Protocol):
         spaces_between_special_tokens: bool = ...,
     ) -> str: ...
 
+    def convert_ids_to_tokens(self, ids: int) -> str: ...
+
 
 class IncrementalDetokenizer:
     """Turns one completion's tokens into text as they arrive; finds its stop strings."""
@@ -60,6 +67,8 @@ class IncrementalDetokenizer:
         self._window = list(prompt_token_ids[-CONTEXT_TOKENS:])
         """Ids decoded together: context, then tokens whose text is not all emitted."""
         self._window_done = len(self._decode(self._window))
+        self._byte_run_start: int | None = None
+        """Window index where a trailing run of byte-fallback tokens starts."""
         """Characters of the window's text already moved into `_text`."""
         self._text = ""
         """Stable output text, before the stop-string hold-back."""
@@ -103,6 +112,12 @@ class IncrementalDetokenizer:
         self._num_tokens += 1
         text = self._decode(self._window)
         stable = len(text) - self._unstable_len(text)
+        if BYTE_TOKEN.fullmatch(self._tokenizer.convert_ids_to_tokens(token_id) or ""):
+            if self._byte_run_start is None:
+                self._byte_run_start = len(self._window) - 1
+            stable = min(stable, len(self._decode(self._window[: self._byte_run_start])))
+        else:
+            self._byte_run_start = None
         if stable > self._window_done:
             self._add_text(text[self._window_done : stable])
             self._window_done = stable
