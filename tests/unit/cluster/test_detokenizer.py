@@ -18,6 +18,7 @@ from cluster.engine.bad_words import attach_bad_words_token_ids, tokenize_bad_wo
 from cluster.engine.detokenizer import BYTE_TOKEN, IncrementalDetokenizer
 from cluster.engine.stop_strings import find_stop, partial_stop_len
 from scheduler.request import SamplingParams
+from worker.default_model import default_gguf_path
 
 TEXTS = [
     "Hello, world! How are you today?",
@@ -32,8 +33,22 @@ PROMPT = "Prompt: "
 
 
 @pytest.fixture(scope="module")
-def byte_level(default_model_dir: Path) -> PreTrainedTokenizerFast:
-    return AutoTokenizer.from_pretrained(str(default_model_dir))
+def byte_level() -> PreTrainedTokenizerFast:
+    """The embedded default model's tokenizer, read from its GGUF file as the conversion behind
+    `default_model_dir` reads it (seconds, where converting the whole model takes minutes)."""
+    gguf = default_gguf_path()
+    return AutoTokenizer.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, local_files_only=True
+    )
+
+
+@pytest.mark.slow
+def test_converted_default_model_has_the_same_tokenizer(default_model_dir: Path, byte_level):
+    converted = AutoTokenizer.from_pretrained(str(default_model_dir), local_files_only=True)
+    for text in TEXTS:
+        ids = byte_level.encode(text, add_special_tokens=False)
+        assert converted.encode(text, add_special_tokens=False) == ids
+        assert converted.decode(ids) == byte_level.decode(ids)
 
 
 @pytest.fixture(scope="module")
