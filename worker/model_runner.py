@@ -31,7 +31,6 @@ from worker.attention_groups import (
 )
 from worker.block_table import MultiGroupBlockTable
 from worker.input_batch import (
-    CachedRequestState,
     InputBatch,
     RequestStates,
     batch_order,
@@ -48,7 +47,8 @@ from worker.mamba_cache import mamba_layers, model_order_specs
 from worker.mamba_metadata import build_mamba_metadata, mamba_group_modes
 from worker.metadata_transforms import StepRows
 from worker.runner_config import RunnerConfig
-from worker.sampler import Sampler, SamplingTensors, to_token_logprobs
+from worker.sampler import Sampler, to_token_logprobs
+from worker.sampling_state import SamplingState
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +114,7 @@ class ModelRunner:
         self._mamba_modes: dict[int, tuple[int, MambaCacheMode]] = {}
         self._mamba_kernels = select_mamba_kernels("torch", device)
         self.sampler = Sampler(config.seed, device)
+        self.sampling_state = SamplingState(device, settings.eos_token_ids)
         self.attention_groups: list[AttentionGroup] = []
         self.kv_caches: KVCaches = {}
         self.states: RequestStates | None = None
@@ -190,6 +191,7 @@ class ModelRunner:
         """Run one step; an output with no scheduled tokens only updates the states."""
         states = self._require_states()
         states.update(scheduler_output)
+        self.sampling_state.update(scheduler_output)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         batch = build_input_batch(
@@ -243,13 +245,7 @@ class ModelRunner:
         sampled_ids: list[list[int]] = [[] for _ in batch.req_ids]
         if not sampled:
             return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled_ids)
-        tensors = SamplingTensors.build(
-            [req.sampling_params for req in sampled],
-            [req.generator for req in sampled],
-            logits.shape[-1],
-            self.device,
-            [self._banned_tokens(req) for req in sampled],
-        )
+        tensors = self.sampling_state.build(sampled, logits.shape[-1])
         out = self.sampler.sample(logits, tensors)
         logprobs: dict[str, list[TokenLogprobs]] = {}
         for idx, req, token, entry in zip(
@@ -263,14 +259,6 @@ class ModelRunner:
             sampled_token_ids=sampled_ids,
             logprobs=logprobs or None,
         )
-
-    def _banned_tokens(self, req: CachedRequestState) -> tuple[int, ...]:
-        """Stop tokens may not be drawn before the request has `min_tokens` output tokens."""
-        params = req.sampling_params
-        if req.num_tokens - len(req.prompt_token_ids) >= params.min_tokens:
-            return ()
-        eos = () if params.ignore_eos else self.settings.eos_token_ids
-        return tuple(dict.fromkeys(params.stop_token_ids + eos))
 
     def _full_reqs(self, batch: InputBatch) -> torch.Tensor | None:
         """Batch indices of requests whose every row must be computed (prompt logprobs)."""

@@ -1,9 +1,11 @@
 """Token sampling and logprobs for one step, batched on the device.
 
 The model runner calls `Sampler.sample` with the logits of the requests that sample this step.
-Order of operations per row: temperature -> min-p -> top-k -> top-p -> draw. Greedy rows
-(`SamplingParams.is_greedy`: temperature below 1e-5, 0 included) take the argmax of the raw
-logits; logprobs are those of the raw logits (log-softmax), as OpenAI and vLLM report them.
+Order of operations per row: the logits edits of `worker.logits_processors` (allowed tokens ->
+banned tokens -> logit bias -> repetition, frequency, presence penalties; rows and batches that
+use none skip them) -> greedy argmax, or temperature -> min-p -> top-k -> top-p -> draw. Greedy
+rows (`SamplingParams.is_greedy`: temperature below 1e-5, 0 included) take the argmax of the
+edited logits; logprobs are those of the raw logits (log-softmax), as OpenAI and vLLM report them.
 Draws use the exponential-race trick (argmax of p / Exp(1) noise), so a seeded request only
 needs its own generator for its noise row.
 """
@@ -17,6 +19,7 @@ import torch
 
 from scheduler.output import TokenLogprobs
 from scheduler.request import SamplingParams
+from worker.logits_processors import LogitsAdjustments, process_logits
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,10 @@ class SamplingTensors:
     uses_top_p: bool
     uses_min_p: bool
     banned: tuple[torch.Tensor, torch.Tensor] | None = None
-    """(rows, token ids) that may not be drawn this step (stop tokens before min_tokens)."""
+    """(rows, token ids) that may not be drawn this step (bad words; stop tokens before
+    min_tokens)."""
+    adjustments: LogitsAdjustments | None = None
+    """Allowed tokens, logit bias and penalties of the rows that use them."""
 
     @classmethod
     def build(
@@ -45,6 +51,7 @@ class SamplingTensors:
         vocab_size: int,
         device: torch.device,
         banned_token_ids: Sequence[Sequence[int]] = (),
+        adjustments: LogitsAdjustments | None = None,
     ) -> SamplingTensors:
         """Gather the parameters of the sampling rows (one host list per field, one copy each).
 
@@ -75,6 +82,7 @@ class SamplingTensors:
             uses_top_p=any(p.top_p < 1.0 for p in params),
             uses_min_p=any(p.min_p > 0.0 for p in params),
             banned=banned,
+            adjustments=adjustments,
         )
 
 
@@ -178,9 +186,7 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutput:
         """Draw one token per row; logprobs (when asked) are those of the raw `logits`."""
-        allowed = logits
-        if tensors.banned is not None:
-            allowed = logits.index_put(tensors.banned, torch.tensor(float("-inf")))
+        allowed = process_logits(logits, tensors.banned, tensors.adjustments)
         greedy_ids = allowed.argmax(dim=-1)
         if tensors.all_greedy:
             token_ids = greedy_ids

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
+from cluster.engine.bad_words import attach_bad_words_token_ids
 from cluster.engine.executor import Executor, create_executor
 from cluster.engine.output_processor import OutputProcessor, child_request_id, now
 from cluster.engine.outputs import RequestOutput
@@ -94,12 +95,22 @@ class EngineCore:
     def shutdown(self) -> None:
         self.executor.shutdown()
 
+    def _with_text_options(self, params: SamplingParams) -> SamplingParams:
+        """Bad words tokenized here (the engine holds the tokenizer); text options need one."""
+        feature = _needs_tokenizer(params)
+        if feature is not None and self.tokenizer is None:
+            raise ValueError(f"{feature} need a tokenizer, and this model has none")
+        if params.bad_words and params.bad_words_token_ids is None:
+            return attach_bad_words_token_ids(params, self.tokenizer)
+        return params
+
     def _scheduler_requests(self, request: EngineRequest) -> list[Request]:
         """The scheduler requests of `request`: one per sample, prompt checked first."""
         model = self.model_config
         prompt_ids = check_token_ids(0, request.prompt_token_ids, model.vocab_size)
         eos_ids = model.eos_token_ids if request.eos_token_ids is None else request.eos_token_ids
-        params = _with_extra_eos(request.sampling_params, eos_ids)
+        params = _with_extra_eos(self._with_text_options(request.sampling_params), eos_ids)
+        params.verify_token_ids(model.vocab_size)
         num_samples = params.n
         return [
             Request(
@@ -113,6 +124,14 @@ class EngineCore:
             )
             for index in range(num_samples)
         ]
+
+
+def _needs_tokenizer(params: SamplingParams) -> str | None:
+    if params.stop:
+        return "stop strings"
+    if params.bad_words and params.bad_words_token_ids is None:
+        return "bad_words"
+    return None
 
 
 def _with_extra_eos(params: SamplingParams, eos_ids: tuple[int, ...]) -> SamplingParams:

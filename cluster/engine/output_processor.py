@@ -32,12 +32,22 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
     return request_id if n == 1 else f"{index}|{request_id}"
 
 
+class _NoText:
+    """The detokenizer of a model without a tokenizer: token IDs only, no text."""
+
+    stop_reason = None
+    finished_by_stop_string = False
+
+    def update(self, new_token_ids: list[int], final: bool = False) -> str:
+        return ""
+
+
 @dataclass
 class _Sequence:
     """One of the request's `n` samples."""
 
     index: int
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | _NoText
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     cumulative_logprob: float = 0.0
@@ -70,15 +80,21 @@ class OutputProcessor:
         """Scheduler request ID -> engine request ID."""
 
     def add(self, request: EngineRequest, child_ids: list[str]) -> None:
-        params = request.sampling_params
         prompt_ids = list(request.prompt_token_ids)
         sequences = {
-            child_id: _Sequence(index, IncrementalDetokenizer(self.tokenizer, prompt_ids, params))
+            child_id: _Sequence(index, self._detokenizer(prompt_ids, request))
             for index, child_id in enumerate(child_ids)
         }
         self._states[request.request_id] = _RequestState(request, sequences)
         for child_id in child_ids:
             self._parent_of[child_id] = request.request_id
+
+    def _detokenizer(
+        self, prompt_ids: list[int], request: EngineRequest
+    ) -> IncrementalDetokenizer | _NoText:
+        if self.tokenizer is None:
+            return _NoText()
+        return IncrementalDetokenizer(self.tokenizer, prompt_ids, request.sampling_params)
 
     def child_ids(self, request_id: str) -> list[str]:
         state = self._states.get(request_id)
@@ -144,9 +160,7 @@ class OutputProcessor:
             state.num_cached_tokens = max(state.num_cached_tokens, step_output.num_cached_tokens)
         if step_output.prompt_logprobs:
             state.pending_prompt_logprobs.extend(self._convert(step_output.prompt_logprobs))
-        text = sequence.detokenizer.update(new_ids)
-        if step_output.finish_reason is not None:
-            text += sequence.detokenizer.finish()
+        text = sequence.detokenizer.update(new_ids, final=step_output.finish_reason is not None)
         logprobs = None
         if step_output.new_logprobs is not None:
             logprobs = self._convert(step_output.new_logprobs)

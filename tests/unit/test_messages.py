@@ -23,7 +23,19 @@ from scheduler.output import (
 from scheduler.request import SamplingParams
 from scheduler.stats import SchedulerStats
 
-PARAMS = SamplingParams(temperature=0.7, top_k=5, stop_token_ids=(2, 3), seed=11, logprobs=2)
+PARAMS = SamplingParams(
+    temperature=0.7,
+    top_k=5,
+    stop_token_ids=[2, 3],
+    seed=11,
+    logprobs=2,
+    stop=["###"],
+    repetition_penalty=1.2,
+    logit_bias={4: -3.0},
+    allowed_token_ids=[4, 5, 6],
+    bad_words=["bad"],
+    bad_words_token_ids=[[7, 8]],
+)
 LOGPROBS = TokenLogprobs(
     token_id=4, logprob=-0.25, rank=1, top_token_ids=[4, 9], top_logprobs=[-0.25, -1.5]
 )

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import pickle
 
 import pytest
 
@@ -38,10 +40,29 @@ def test_default_sampling_params_are_valid_and_frozen() -> None:
         ({"logprobs": -1}, r"logprobs must be in \[0, 20\]"),
         ({"prompt_logprobs": 21}, r"prompt_logprobs must be in \[0, 20\]"),
         ({"stop_token_ids": (3, -1)}, "stop_token_ids must be non-negative ints"),
-        ({"stop_token_ids": 3}, "stop_token_ids must be a list of ints"),
-        ({"stop": ["ok", ""]}, "stop must be non-empty strings"),
-        ({"stop": 5}, "stop must be non-empty strings"),
+        ({"stop_token_ids": 3}, "stop_token_ids must be a list of token ids"),
+        ({"n": 0}, "n must be >= 1"),
+        ({"n": 1.0}, "n must be an int"),
+        ({"presence_penalty": 2.5}, r"presence_penalty must be in \[-2.0, 2.0\]"),
+        ({"frequency_penalty": -2.01}, r"frequency_penalty must be in \[-2.0, 2.0\]"),
+        ({"frequency_penalty": "x"}, "frequency_penalty must be a number"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be > 0"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty must be > 0"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias keys must be non-negative token ids"),
+        ({"logit_bias": {"a": 1.0}}, "logit_bias keys must be non-negative token ids"),
+        ({"logit_bias": {1: float("nan")}}, "logit_bias values must be numbers"),
+        ({"logit_bias": {1: "big"}}, "logit_bias values must be numbers"),
+        ({"logit_bias": 5}, "logit_bias must be a dict"),
+        ({"allowed_token_ids": []}, "allowed_token_ids must not be empty"),
+        ({"allowed_token_ids": [1, -2]}, "allowed_token_ids must be non-negative ints"),
+        ({"bad_words": "word"}, "bad_words must be a list of strings"),
+        ({"bad_words": ["ok", ""]}, "bad_words must not contain an empty string"),
+        ({"bad_words_token_ids": [[1], []]}, "bad_words_token_ids must not hold an empty"),
+        ({"stop": ["a", ""]}, "stop must not contain an empty string"),
+        ({"stop": ["a", 3]}, "stop must hold strings"),
         ({"include_stop_str_in_output": 1}, "include_stop_str_in_output must be a bool"),
+        ({"skip_special_tokens": None}, "skip_special_tokens must be a bool"),
+        ({"spaces_between_special_tokens": "no"}, "spaces_between_special_tokens must be a bool"),
         ({"stop_token_ids": (3.0,)}, "stop_token_ids must be non-negative ints"),
         ({"seed": 2**64}, "seed must be in"),
         ({"seed": -(2**63) - 1}, "seed must be in"),
@@ -64,10 +85,101 @@ def test_invalid_sampling_params_raise_value_error(kwargs: dict, message: str) -
         {"max_tokens": 1, "min_tokens": 1, "logprobs": 0, "prompt_logprobs": 20},
         {"stop_token_ids": (0, 7), "seed": 2**64 - 1, "ignore_eos": True},
         {"seed": -(2**63)},
+        {"n": 4, "presence_penalty": -2, "frequency_penalty": 2.0, "repetition_penalty": 1e-3},
+        {"logit_bias": {0: -100, 5: 100}, "allowed_token_ids": [0], "bad_words": []},
     ],
 )
 def test_boundary_sampling_params_are_accepted(kwargs: dict) -> None:
     SamplingParams(**kwargs)
+
+
+def test_lists_are_accepted_and_stored_as_tuples() -> None:
+    params = SamplingParams(
+        stop_token_ids=[2],
+        stop="###",
+        allowed_token_ids=[5, 3],
+        bad_words=["foo", "bar baz"],
+        bad_words_token_ids=[[7], [8, 9]],
+    )
+    assert params.stop_token_ids == (2,)
+    assert params.stop == ("###",)
+    assert params.allowed_token_ids == (5, 3)
+    assert params.bad_words == ("foo", "bar baz")
+    assert params.bad_words_token_ids == ((7,), (8, 9))
+    assert SamplingParams(stop=["a", "b"], stop_token_ids=None).stop == ("a", "b")
+    assert SamplingParams(stop_token_ids=[2]) == SamplingParams(stop_token_ids=(2,))
+
+
+def test_vllm_defaults() -> None:
+    params = SamplingParams()
+    assert (params.n, params.presence_penalty, params.frequency_penalty) == (1, 0.0, 0.0)
+    assert params.repetition_penalty == 1.0
+    assert params.logit_bias == ()
+    assert params.allowed_token_ids is None
+    assert params.bad_words == ()
+    assert params.bad_words_token_ids is None
+    assert params.stop == ()
+    assert not params.include_stop_str_in_output
+    assert params.skip_special_tokens
+    assert params.spaces_between_special_tokens
+    assert not params.uses_penalties
+    assert SamplingParams(repetition_penalty=1.1).uses_penalties
+    assert SamplingParams(presence_penalty=-0.5).uses_penalties
+
+
+def test_init_defaults_match_field_defaults() -> None:
+    """The hand-written __init__ and the field declarations must not drift apart."""
+    signature = inspect.signature(SamplingParams.__init__)
+    for spec in dataclasses.fields(SamplingParams):
+        default = signature.parameters[spec.name].default
+        if default is None and spec.default == ():  # None stands for "no entries"
+            continue
+        assert default == spec.default, spec.name
+    assert set(signature.parameters) - {"self"} == {
+        f.name for f in dataclasses.fields(SamplingParams)
+    }
+
+
+def test_logit_bias_is_clamped_sorted_and_accepts_string_keys() -> None:
+    params = SamplingParams(logit_bias={9: 250.0, "3": -1000, 4: 0.5})
+    assert params.logit_bias == ((3, -100.0), (4, 0.5), (9, 100.0))
+    assert dict(params.logit_bias) == {3: -100.0, 4: 0.5, 9: 100.0}
+    assert SamplingParams(logit_bias=params.logit_bias) == params  # pairs round-trip
+
+
+def test_params_stay_immutable_hashable_and_replaceable() -> None:
+    params = SamplingParams(stop=["x"], logit_bias={1: 2.0}, allowed_token_ids=[1, 2], n=2)
+    assert hash(params) == hash(
+        SamplingParams(stop="x", logit_bias={1: 2}, allowed_token_ids=(1, 2), n=2)
+    )
+    assert pickle.loads(pickle.dumps(params)) == params
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        params.stop = ()  # type: ignore[misc]
+    changed = dataclasses.replace(params, stop_token_ids=[4, 5])
+    assert changed.stop_token_ids == (4, 5)
+    assert changed.logit_bias == params.logit_bias
+    with pytest.raises(ValueError, match="n must be >= 1"):
+        dataclasses.replace(params, n=0)
+
+
+def test_with_bad_words_token_ids_attaches_a_normalised_copy() -> None:
+    params = SamplingParams(bad_words=["foo"])
+    tokenized = params.with_bad_words_token_ids([[4], [1, 4]])
+    assert tokenized.bad_words_token_ids == ((4,), (1, 4))
+    assert params.bad_words_token_ids is None
+    assert tokenized.bad_words == ("foo",)
+    with pytest.raises(ValueError, match="bad_words_token_ids"):
+        params.with_bad_words_token_ids([[-1]])
+
+
+def test_verify_token_ids_names_the_field_outside_the_vocabulary() -> None:
+    SamplingParams(logit_bias={9: 1.0}, allowed_token_ids=[0, 9]).verify_token_ids(10)
+    with pytest.raises(ValueError, match="logit_bias has token ids outside"):
+        SamplingParams(logit_bias={10: 1.0}).verify_token_ids(10)
+    with pytest.raises(ValueError, match="allowed_token_ids has token ids outside"):
+        SamplingParams(allowed_token_ids=[3, 12]).verify_token_ids(10)
+    with pytest.raises(ValueError, match="bad_words_token_ids has token ids outside"):
+        SamplingParams(bad_words_token_ids=[[3, 12]]).verify_token_ids(10)
 
 
 def _chain(tokens: list[int], block_size: int, salt: str | None = None) -> list[bytes]:
@@ -128,12 +240,3 @@ def test_finished_statuses() -> None:
         RequestStatus.FINISHED_LENGTH_CAPPED,
         RequestStatus.FINISHED_ABORTED,
     }
-
-
-def test_vllm_list_spellings_are_accepted_and_stored_as_tuples() -> None:
-    params = SamplingParams(stop_token_ids=[2, 3], stop="END")
-    assert params.stop_token_ids == (2, 3)
-    assert params.stop == ("END",)
-    assert SamplingParams(stop=["a", "b"]).stop == ("a", "b")
-    assert SamplingParams(stop=None).stop == ()
-    hash(params)
