@@ -2,7 +2,8 @@
 
 `hybridserve generate --prompt "..."` runs the in-process engine (the embedded default model when
 no `--model` is given); `hybridserve replay TRACE.json ...` is `python -m scheduler.replay`;
-`hybridserve config validate FILE.yaml` checks a serving config without starting anything.
+`hybridserve config validate FILE.yaml` checks a serving config without starting anything;
+`hybridserve batch --input in.jsonl --output out.jsonl ...` is `python -m cluster.batch`.
 """
 
 from __future__ import annotations
@@ -94,12 +95,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     replay_parser = subparsers.add_parser("replay", help="replay KV cache traces (no model)")
     replay_parser.add_argument("files", nargs="+", metavar="FILE.json")
     _config_parser(subparsers)
+    from cluster.batch import __main__ as batch_main
+
+    batch_parser = subparsers.add_parser("batch", help="run a JSONL file of requests on Ray Data")
+    batch_main.add_batch_arguments(batch_parser)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level)
     if args.command == "replay":
         return replay.main(args.files)
     if args.command == "config":
         return _run_config_validate(args.file)
+    if args.command == "batch":
+        return batch_main.run_or_report(args)
     try:
         return _run_generate(args)
     except ValueError as error:

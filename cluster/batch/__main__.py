@@ -13,9 +13,12 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from cluster.batch.runner import BatchOptions, run_batch
 from cluster.config.engine_flags import add_engine_arg_flags, engine_kwargs_from_args
 from cluster.config.engine_kwargs import validate_engine_kwargs
+from cluster.config.errors import format_validation_error
 from cluster.engine_args import EngineArgs
 
 
@@ -70,15 +73,21 @@ def run(args: argparse.Namespace) -> int:
     return 0 if summary.errored == 0 or options.continue_on_error else 1
 
 
+def run_or_report(args: argparse.Namespace) -> int:
+    """`run`, with a usage error (bad input, config or engine argument) as one line on stderr."""
+    try:
+        return run(args)
+    except ValidationError as error:
+        sys.stderr.write(f"batch: error: {args.config}: {format_validation_error(error)}\n")
+    except ValueError as error:
+        sys.stderr.write(f"batch: error: {error}\n")
+    return 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m cluster.batch", description=__doc__)
     add_batch_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except ValueError as error:
-        sys.stderr.write(f"batch: error: {error}\n")
-        return 2
+    return run_or_report(parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -37,7 +37,9 @@ def prepare_output(path: Path, resume: bool) -> set[str]:
     if path.is_dir():
         raise ValueError(f"--output {path} is a directory; give a file path (out.jsonl)")
     if not resume:
-        raise ValueError(f"--output {path} already exists: pass --resume to continue it, or remove it")
+        raise ValueError(
+            f"--output {path} already exists: pass --resume to continue it, or remove it"
+        )
     kept: list[str] = []
     done: set[str] = set()
     for line in path.read_text().splitlines():

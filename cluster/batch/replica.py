@@ -44,21 +44,27 @@ class EngineReplica:
         for position, item in enumerate(items):
             try:
                 request = self._engine_request(item)
-                streams.append((position, len(request.prompt_token_ids), self.client.add_request(request)))
+                streams.append(
+                    (position, len(request.prompt_token_ids), self.client.add_request(request))
+                )
             except (TypeError, ValueError) as exc:
                 rows[position] = item.error_row(str(exc))
         for position, prompt_len, stream in streams:
             rows[position] = self._read(items[position], prompt_len, stream)
         return {"row": np.array([json.dumps(row) for row in rows], dtype=object)}
 
-    def _read(self, item: BatchItem, prompt_len: int, stream: Iterator[RequestOutput]) -> dict[str, Any]:
+    def _read(
+        self, item: BatchItem, prompt_len: int, stream: Iterator[RequestOutput]
+    ) -> dict[str, Any]:
         try:
             output = collect(stream)
         except Exception as exc:  # the engine failed on this request: report it, keep going
             logger.exception("row %s failed in the engine", item.row_id)
             return item.error_row(f"engine error: {exc}")
         completion = output.outputs[0]
-        return result_row(item, prompt_len, list(completion.token_ids), completion.text, completion.finish_reason)
+        return result_row(
+            item, prompt_len, list(completion.token_ids), completion.text, completion.finish_reason
+        )
 
     def _engine_request(self, item: BatchItem) -> EngineRequest:
         if item.error is not None or item.request is None:
@@ -80,7 +86,9 @@ class EngineReplica:
             return None, ids
         if "messages" in request:
             text = self._render_chat(request["messages"])
-            return text, self._require_tokenizer("messages")(text, add_special_tokens=False).input_ids
+            return text, self._require_tokenizer("messages")(
+                text, add_special_tokens=False
+            ).input_ids
         prompt = request["prompt"]
         if not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
@@ -96,12 +104,17 @@ class EngineReplica:
             raise ValueError("messages is empty")
         if not tokenizer.chat_template:
             raise ValueError(f"the tokenizer of {self.info.model_path} has no chat template")
-        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        rendered = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
         return str(rendered)
 
     def _require_tokenizer(self, what: str) -> Any:
         if self.tokenizer is None:
-            raise ValueError(f"{what} needs a tokenizer, but {self.info.model_path} has none; send prompt_token_ids")
+            raise ValueError(
+                f"{what} needs a tokenizer, but {self.info.model_path} has none; "
+                "send prompt_token_ids"
+            )
         return self.tokenizer
 
     def __del__(self) -> None:

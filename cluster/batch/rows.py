@@ -150,11 +150,15 @@ def make_sampling_params(request: dict[str, Any]) -> SamplingParams:
         params["stop_token_ids"] = tuple(params["stop_token_ids"])
     sampling = SamplingParams(**params)
     if sampling.n != 1:
-        raise ValueError(f"n must be 1 in batch runs (one output row per input row), got {sampling.n}")
+        raise ValueError(
+            f"n must be 1 in batch runs (one output row per input row), got {sampling.n}"
+        )
     return sampling
 
 
-def result_row(item: BatchItem, prompt_len: int, token_ids: list[int], text: str, reason: str | None) -> dict[str, Any]:
+def result_row(
+    item: BatchItem, prompt_len: int, token_ids: list[int], text: str, reason: str | None
+) -> dict[str, Any]:
     """The output row of a finished request (Ray Data LLM's column names)."""
     return {
         item.id_key: item.row_id,

@@ -126,10 +126,10 @@ def _run_rows(options: BatchOptions, items: list[BatchItem]) -> Iterator[str]:
     context.execution_options.preserve_order = True
     context.enable_progress_bars = False
     args = replica_args(options.engine_args)
-    use_gpus = ray.cluster_resources().get("GPU", 0) > 0 and args.device != "cpu"
+    use_gpus = ray.cluster_resources().get("GPU", 0) > 0 and args.device != "cpu"  # type: ignore[no-untyped-call]
     blocks = min(len(items), max(4 * options.replicas, math.ceil(len(items) / options.batch_size)))
-    dataset = ray.data.from_items([item.to_record() for item in items], override_num_blocks=blocks)
-    dataset = dataset.map_batches(
+    records = ray.data.from_items([item.to_record() for item in items], override_num_blocks=blocks)
+    dataset = records.map_batches(
         EngineReplica,
         fn_constructor_kwargs={"engine_args": args},
         batch_size=options.batch_size,

@@ -18,7 +18,11 @@ ENGINE_FLAGS = ["--kv-cache-memory-bytes", str(1 << 22), "--block-size", "4"]
 ENGINE_KWARGS: dict[str, Any] = {"kv_cache_memory_bytes": 1 << 22, "block_size": 4}
 CHAT = [{"role": "user", "content": "t7 t8 t9"}]
 GOOD_ROWS: list[dict[str, Any]] = [
-    {"id": "p", "prompt": "t5 t17 t33 t2 t9", "sampling_params": {"temperature": 0, "max_tokens": 6}},
+    {
+        "id": "p",
+        "prompt": "t5 t17 t33 t2 t9",
+        "sampling_params": {"temperature": 0, "max_tokens": 6},
+    },
     {"id": "m", "messages": CHAT, "sampling_params": {"temperature": 0, "max_tokens": 4}},
     {"prompt_token_ids": [11, 12, 13], "sampling_params": {"temperature": 0, "max_tokens": 3}},
     {
@@ -94,4 +98,4 @@ def check_output(rows: list[dict[str, Any]], expected: dict[object, list[int]]) 
     assert by_id["m"]["num_input_tokens"] == by_id["oc"]["num_input_tokens"] == 5  # t1 t7 t8 t9 t2
     assert "not valid JSON" in by_id[5]["error"]
     assert "temperature must be >= 0" in by_id["bad-params"]["error"]
-    assert "too-long" in by_id and "error" in by_id["too-long"]
+    assert "prompt of 200 tokens" in by_id["too-long"]["error"]

@@ -1,4 +1,4 @@
-"""Fixtures of the Ray tests: one loopback Ray instance per session (see tests/helpers/ray_local.py)."""
+"""Fixtures of the Ray tests: one loopback Ray instance per session (tests/helpers/ray_local.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The batch runner on a local Ray instance: outputs equal `LLM.generate`, replicas agree, resume."""
+"""The batch runner on a local Ray instance: rows equal `LLM.generate`, replicas agree, resume."""
 
 from __future__ import annotations
 

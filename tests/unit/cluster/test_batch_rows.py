@@ -79,7 +79,9 @@ def test_bad_lines_become_error_items(line: str, message: str) -> None:
 
 def test_duplicate_ids_and_blank_lines(tmp_path: Path) -> None:
     path = tmp_path / "in.jsonl"
-    path.write_text('{"id": 1, "prompt": "a"}\n\n{"id": 1, "prompt": "b"}\n{"id": 2, "prompt": "c"}\n')
+    path.write_text(
+        '{"id": 1, "prompt": "a"}\n\n{"id": 1, "prompt": "b"}\n{"id": 2, "prompt": "c"}\n'
+    )
     items, skipped = read_items(path, done={"2"})
     assert skipped == 1
     assert [(item.index, item.error) for item in items] == [(0, None), (2, "duplicate id 1")]
