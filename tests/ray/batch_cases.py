@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from cluster import LLM, SamplingParams
 from tests.helpers.tiny_models import save_tiny_model
@@ -45,6 +45,17 @@ BAD_LINES = [
 ]
 """A malformed line (index 5), invalid sampling params, a prompt over max_model_len (128)."""
 IDS = ["p", "m", 2, "oc", "ocmp", 5, "bad-params", "too-long"]
+
+
+class BatchModel(NamedTuple):
+    path: Path
+    expected: dict[object, list[int]]
+    """Greedy tokens of every good row by ID (from `LLM.generate` / `LLM.chat`)."""
+
+
+def make_batch_model(path: Path) -> BatchModel:
+    make_model(path)
+    return BatchModel(path, expected_tokens(path))
 
 
 def write_input(path: Path, bad: bool = True) -> Path:

@@ -1,8 +1,9 @@
 """`ray job submit --working-dir . -- python -m cluster.batch ...` against a `ray start` head.
 
-One job runs the mixed input with --continue-on-error and two replicas: it succeeds and its rows
-equal `LLM.generate`. A second job resumes that output without --continue-on-error: it runs only
-the errored rows again, which fail again, so the job fails, and the finished rows are kept.
+One job runs the mixed input with --continue-on-error: it succeeds and its rows equal
+`LLM.generate` (test_batch_runner checks that two replicas give them too). A second job resumes
+that output without --continue-on-error: it runs only the errored rows again, which fail again,
+so the job fails, and the finished rows are kept.
 """
 
 from __future__ import annotations
@@ -15,9 +16,8 @@ import pytest
 from tests.helpers.ray_head import RAY, RayHead, ray_head
 from tests.ray.batch_cases import (
     ENGINE_FLAGS,
+    BatchModel,
     check_output,
-    expected_tokens,
-    make_model,
     read_rows,
     write_input,
 )
@@ -48,14 +48,13 @@ def _submit(head: RayHead, *batch_args: str) -> subprocess.CompletedProcess[str]
 
 
 def test_batch_job_succeeds_with_continue_on_error_and_a_resumed_job_fails_on_bad_rows(
-    tmp_path: Path,
+    batch_model: BatchModel, tmp_path: Path
 ) -> None:
-    model = make_model(tmp_path / "model")
-    expected = expected_tokens(model)
+    model, expected = batch_model
     source, output = write_input(tmp_path / "in.jsonl"), tmp_path / "out.jsonl"
     args = ["--input", str(source), "--output", str(output), "--model", str(model)]
     with ray_head(tmp_path) as head:
-        first = _submit(head, *args, "--replicas", "2", "--continue-on-error")
+        first = _submit(head, *args, "--continue-on-error")
         assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
         assert "batch: 5 rows ok, 3 rows errored" in first.stdout
         rows = read_rows(output)

@@ -11,25 +11,14 @@ from cluster.batch import BatchOptions, run_batch
 from cluster.config import validate_engine_kwargs
 from tests.ray.batch_cases import (
     ENGINE_KWARGS,
+    BatchModel,
     check_output,
-    expected_tokens,
-    make_model,
     read_rows,
     row_id,
     write_input,
 )
 
 pytestmark = pytest.mark.ray
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_model(tmp_path_factory.mktemp("batch-model"))
-
-
-@pytest.fixture(scope="module")
-def expected(model: Path) -> dict[object, list[int]]:
-    return expected_tokens(model)
 
 
 def _options(model: Path, tmp_path: Path, replicas: int = 1, **kwargs: object) -> BatchOptions:
@@ -45,8 +34,9 @@ def _options(model: Path, tmp_path: Path, replicas: int = 1, **kwargs: object) -
 
 
 def test_two_replicas_give_llm_generate_tokens_and_resume_runs_only_missing_rows(
-    ray_cluster, model: Path, expected, tmp_path: Path
+    ray_cluster, batch_model: BatchModel, tmp_path: Path
 ) -> None:
+    model, expected = batch_model
     options = _options(model, tmp_path, replicas=2)
     summary = run_batch(options)
     assert (summary.ok, summary.errored, summary.skipped) == (5, 3, 0)
