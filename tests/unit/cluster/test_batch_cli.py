@@ -51,3 +51,22 @@ def test_token_auth_is_enabled_when_a_token_exists_and_no_mode_was_chosen(
         monkeypatch.setenv("RAY_AUTH_MODE", mode)
     assert ray_auth.enable_token_auth_if_available() is expected
     assert ray_auth.os.environ.get("RAY_AUTH_MODE") == mode_after
+
+
+def test_engine_args_come_from_the_config_then_model_and_flags(tmp_path: Path) -> None:
+    import argparse
+
+    from cluster.batch.__main__ import add_batch_arguments, engine_args_from
+
+    config = tmp_path / "llm.yaml"
+    config.write_text(
+        "model_loading_config: {model_id: tiny, model_source: /models/tiny}\n"
+        "engine_kwargs: {max_model_len: 64, block_size: 8}\n"
+    )
+    parser = argparse.ArgumentParser()
+    add_batch_arguments(parser)
+    base = ["--input", "in.jsonl", "--output", "out.jsonl", "--config", str(config)]
+    args = engine_args_from(parser.parse_args(base))
+    assert (args.model, args.max_model_len, args.block_size) == ("/models/tiny", 64, 8)
+    args = engine_args_from(parser.parse_args([*base, "--model", "/m2", "--block-size", "4"]))
+    assert (args.model, args.max_model_len, args.block_size) == ("/m2", 64, 4)
