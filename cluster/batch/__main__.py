@@ -1,7 +1,8 @@
 """`python -m cluster.batch` (also `hybridserve batch`): run a JSONL file of requests on Ray.
 
-Exit status: 0 when every row succeeded (or with `--continue-on-error`), 1 when a row errored,
-2 for a usage error (bad flag, missing input, output already there without `--resume`).
+Exit status: 0 when every row succeeded (or with `--continue-on-error`), 1 when a row errored or
+the run failed (a replica could not start), 2 for a usage error (bad flag, missing input, output
+already there without `--resume`).
 The last line on stdout is the run's summary.
 """
 
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from cluster.batch.runner import BatchOptions, run_batch
+from cluster.batch.runner import BatchFailed, BatchOptions, run_batch
 from cluster.config.engine_flags import add_engine_arg_flags, engine_kwargs_from_args
 from cluster.config.engine_kwargs import validate_engine_kwargs
 from cluster.config.errors import format_validation_error
@@ -79,6 +80,9 @@ def run_or_report(args: argparse.Namespace) -> int:
         return run(args)
     except ValidationError as error:
         sys.stderr.write(f"batch: error: {args.config}: {format_validation_error(error)}\n")
+    except BatchFailed as error:
+        sys.stdout.write(f"batch: failed: {error}; finished rows are in {args.output} (--resume)\n")
+        return 1
     except ValueError as error:
         sys.stderr.write(f"batch: error: {error}\n")
     return 2

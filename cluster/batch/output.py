@@ -30,12 +30,12 @@ def prepare_output(path: Path, resume: bool) -> set[str]:
 
     Without `resume` the file must not exist yet (or be empty): ValueError otherwise.
     """
+    if path.is_dir():
+        raise ValueError(f"--output {path} is a directory; give a file path (out.jsonl)")
     if not path.exists() or path.stat().st_size == 0:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.touch()
         return set()
-    if path.is_dir():
-        raise ValueError(f"--output {path} is a directory; give a file path (out.jsonl)")
     if not resume:
         raise ValueError(
             f"--output {path} already exists: pass --resume to continue it, or remove it"

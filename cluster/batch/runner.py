@@ -29,6 +29,10 @@ LOOPBACK_IP = "127.0.0.2" if sys.platform.startswith("linux") else "127.0.0.1"
 """Ray replaces 127.0.0.1 with the machine's address on Linux; the rest of 127/8 stays local."""
 
 
+class BatchFailed(RuntimeError):
+    """The run stopped (a replica could not start or died); the rows written so far are kept."""
+
+
 @dataclass(frozen=True)
 class BatchOptions:
     """One batch run."""
@@ -159,6 +163,9 @@ def run_batch(options: BatchOptions) -> BatchSummary:
                 for row in _run_rows(options, items):
                     writer.write(row)
                     bar.update(1)
+    except Exception as error:  # from Ray: the cause's last line is the readable part
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        raise BatchFailed(lines[-1] if lines else repr(error)) from error
     finally:
         writer.close()
     return BatchSummary(
