@@ -5,7 +5,7 @@
 talks with the model's chat template; `hybridserve replay TRACE.json ...` is
 `python -m scheduler.replay`; `hybridserve config validate FILE.yaml` checks a serving config
 without starting anything; `hybridserve serve` runs the OpenAI API on Ray Serve
-(`cluster.serve_cli`). Errors are one line on stderr (exit 2); Ctrl-C exits 130.
+(`cluster.serve_cli`); `hybridserve batch` is `python -m cluster.batch` (Ray Data). Errors are one line on stderr (exit 2); Ctrl-C exits 130.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ def _add_common(parser: argparse.ArgumentParser, *, top: bool) -> None:
 
 
 def _add_model_commands(subparsers: argparse._SubParsersAction[_Parser]) -> None:
-    from cluster.cli_flags import add_engine_flags
     from cluster.cli_generate import add_sampling_flags
+    from cluster.config.engine_flags import add_engine_arg_flags
 
     generate = subparsers.add_parser("generate", help="stream completions of prompts")
     generate.add_argument("--prompt", action="append", required=True, help="repeat for several")
@@ -55,7 +55,7 @@ def _add_model_commands(subparsers: argparse._SubParsersAction[_Parser]) -> None
         parser.add_argument("--model", help="model folder or cached HF ID (default: embedded)")
         parser.add_argument("--address", help="run on a Ray cluster: auto, local or ray://...")
         add_sampling_flags(parser)
-        add_engine_flags(parser)
+        add_engine_arg_flags(parser, skip=("model",))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,6 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     from cluster.serve_cli import add_serve_parser
 
     _add_common(add_serve_parser(subparsers), top=False)
+    from cluster.batch import __main__ as batch_main
+
+    batch_parser = subparsers.add_parser("batch", help="run a JSONL file of requests on Ray Data")
+    batch_main.add_batch_arguments(batch_parser)
+    _add_common(batch_parser, top=False)
     return parser
 
 
@@ -95,6 +100,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         return replay.main(args.files)
     if args.command == "config":
         return _run_config_validate(args.file)
+    if args.command == "batch":
+        from cluster.batch import __main__ as batch_main
+
+        return batch_main.run_or_report(args)
     if args.command == "serve":
         from cluster.serve_cli import run_serve
 

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Iterator
 from typing import TextIO
 
-from cluster.cli_flags import engine_kwargs
+from cluster.config.engine_flags import engine_kwargs_from_args
 from cluster.engine.outputs import RequestOutput
 from cluster.llm import LLM
 from scheduler.request import SamplingParams
@@ -30,7 +30,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
 
 
 def open_llm(args: argparse.Namespace) -> LLM:
-    return LLM(args.model, address=args.address, **engine_kwargs(args))
+    return LLM(args.model, address=args.address, **engine_kwargs_from_args(args))
 
 
 def run_generate(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:

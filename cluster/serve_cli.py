@@ -18,8 +18,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from cluster.cli_flags import add_engine_flags
-from cluster.cli_flags import engine_kwargs as engine_flag_values
+from cluster.config.engine_flags import add_engine_arg_flags, engine_kwargs_from_args
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 SERVICER = "cluster.serve.grpc.llm_pb2_grpc.add_LLMServiceServicer_to_server"
@@ -40,13 +39,13 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--address", default="local", help="Ray address (default: new local)")
     parser.add_argument("--node-ip-address", default=None, help="this node's IP for Ray")
     parser.add_argument("--num-cpus", type=int, default=None)
-    add_engine_flags(parser)
+    add_engine_arg_flags(parser, skip=("model",))
     return parser
 
 
 def llm_config_from_flags(args: argparse.Namespace) -> dict[str, Any]:
     """An LLMConfig dict from `--model` and the engine flags (the default model when absent)."""
-    engine_kwargs = engine_flag_values(args)
+    engine_kwargs = engine_kwargs_from_args(args)
     if args.model is None:
         from worker.default_model import ensure_default_model
 

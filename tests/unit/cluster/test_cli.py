@@ -19,7 +19,8 @@ from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import PreTrainedTokenizerFast
 
 from cluster.cli import build_parser, main
-from cluster.cli_flags import engine_kwargs, field_docs
+from cluster.config.engine_flags import _field_docs as field_docs
+from cluster.config.engine_flags import engine_kwargs_from_args as engine_kwargs
 from cluster.engine_args import EngineArgs, resolve_model_folder
 from tests.helpers.tiny_models import save_tiny_model
 
@@ -123,6 +124,7 @@ def test_every_engine_argument_is_a_flag_with_its_documentation() -> None:
     assert engine_kwargs(args) == {"max_num_seqs": 3, "enable_prefix_caching": False}
     docs = field_docs()
     assert set(docs) == {f.name for f in fields(EngineArgs)}
+    assert docs["block_size"].startswith("Tokens per KV cache block.")
     help_text = parser._subparsers._group_actions[0].choices["generate"].format_help()  # type: ignore[union-attr]
     for field in fields(EngineArgs):
         if field.name != "model":

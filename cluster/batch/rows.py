@@ -1,0 +1,170 @@
+"""Batch input lines -> checked requests, and engine results -> output rows (pure Python).
+
+Two input formats, one JSON object per line:
+- Ray Data LLM rows: `{"id": ..., "prompt": "..." | "messages": [...] | "prompt_token_ids": [...],
+  "sampling_params": {vLLM names}}`;
+- OpenAI batch lines: `{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions" |
+  "/v1/completions", "body": {"messages" | "prompt", "max_tokens", "temperature", ...}}`.
+
+A line that cannot become a request (bad JSON, no prompt, invalid sampling parameters) becomes a
+`BatchItem` carrying its error, so it turns into an `error` output row instead of failing the job.
+Output rows keep the input's ID key (`id`, `custom_id`, or `id` = the line index when it has none)
+and add Ray Data LLM's columns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from cluster.config.errors import unknown_key_message
+from scheduler.request import SamplingParams
+
+OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
+_PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
+_ROW_KEYS = {"id", "custom_id", *_PROMPT_KEYS, "sampling_params"}
+_PARAM_NAMES = frozenset(field.name for field in dataclasses.fields(SamplingParams))
+_OPENAI_PARAMS = {
+    "max_tokens": "max_tokens",
+    "max_completion_tokens": "max_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "min_tokens": "min_tokens",
+    "seed": "seed",
+    "n": "n",
+    "ignore_eos": "ignore_eos",
+    "stop_token_ids": "stop_token_ids",
+}
+_OPENAI_IGNORED = {"model", "user", "stream", "metadata", "store"}
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """One input line, ready for an engine replica (or carrying why it cannot run)."""
+
+    index: int
+    id_key: str
+    """The output column holding the ID: "id" or "custom_id"."""
+    row_id: Any
+    """The input's ID value (the line index when the line has none)."""
+    request: dict[str, Any] | None
+    """{"prompt" | "messages" | "prompt_token_ids": ..., "sampling_params": {...}}."""
+    error: str | None = None
+
+    @property
+    def key(self) -> str:
+        """The ID as a comparable string (how `--resume` recognises finished rows)."""
+        return row_key(self.row_id)
+
+    def to_record(self) -> dict[str, str]:
+        """The item as a flat string record for a Ray dataset."""
+        return {
+            "item": json.dumps(
+                {
+                    "index": self.index,
+                    "id_key": self.id_key,
+                    "row_id": self.row_id,
+                    "request": self.request,
+                    "error": self.error,
+                }
+            )
+        }
+
+    @classmethod
+    def from_record(cls, record: str) -> BatchItem:
+        return cls(**json.loads(record))
+
+    def error_row(self, message: str) -> dict[str, Any]:
+        return {self.id_key: self.row_id, "error": message}
+
+
+def row_key(row_id: object) -> str:
+    return json.dumps(row_id)
+
+
+def parse_line(index: int, line: str) -> BatchItem:
+    """Line `index` of the input (0-based, blank lines counted) as a `BatchItem`."""
+    try:
+        data = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return BatchItem(index, "id", index, None, f"line {index + 1} is not valid JSON: {exc}")
+    if not isinstance(data, dict):
+        message = f"line {index + 1} must be a JSON object, got {type(data).__name__}"
+        return BatchItem(index, "id", index, None, message)
+    id_key = "custom_id" if "custom_id" in data else "id"
+    row_id = data.get(id_key, index)
+    try:
+        request = _openai_request(data) if "body" in data else _row_request(data)
+        request["sampling_params"] = dataclasses.asdict(make_sampling_params(request))
+    except (TypeError, ValueError) as exc:
+        return BatchItem(index, id_key, row_id, None, str(exc))
+    return BatchItem(index, id_key, row_id, request)
+
+
+def _row_request(data: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(data) - _ROW_KEYS)
+    if unknown:
+        raise ValueError(unknown_key_message(unknown[0], _ROW_KEYS | {"body"}, what="row key"))
+    prompts = [key for key in _PROMPT_KEYS if key in data]
+    if len(prompts) != 1:
+        raise ValueError("a row needs exactly one of 'prompt', 'messages' or 'prompt_token_ids'")
+    params = data.get("sampling_params", {})
+    if not isinstance(params, dict):
+        raise ValueError(f"sampling_params must be an object, got {type(params).__name__}")
+    return {prompts[0]: data[prompts[0]], "sampling_params": dict(params)}
+
+
+def _openai_request(data: dict[str, Any]) -> dict[str, Any]:
+    url, body = data.get("url", OPENAI_URLS[0]), data["body"]
+    if url not in OPENAI_URLS:
+        raise ValueError(f"url must be one of {', '.join(OPENAI_URLS)}, got {url!r}")
+    if data.get("method", "POST") != "POST":
+        raise ValueError(f"method must be POST, got {data.get('method')!r}")
+    if not isinstance(body, dict):
+        raise ValueError(f"body must be an object, got {type(body).__name__}")
+    prompt_key = "messages" if url == "/v1/chat/completions" else "prompt"
+    if prompt_key not in body:
+        raise ValueError(f"a {url} body needs {prompt_key!r}")
+    params = {}
+    for key, value in body.items():
+        if key in _OPENAI_PARAMS:
+            params[_OPENAI_PARAMS[key]] = value
+        elif key != prompt_key and key not in _OPENAI_IGNORED:
+            raise ValueError(f"body field {key!r} is not supported in batch runs")
+    if body.get("stream"):
+        raise ValueError("stream must be false in batch runs")
+    return {prompt_key: body[prompt_key], "sampling_params": params}
+
+
+def make_sampling_params(request: dict[str, Any]) -> SamplingParams:
+    """The request's `SamplingParams` (vLLM names); ValueError naming a bad field."""
+    params = dict(request["sampling_params"])
+    for key in params:
+        if key not in _PARAM_NAMES:
+            raise ValueError(unknown_key_message(key, _PARAM_NAMES, what="sampling parameter"))
+    if isinstance(params.get("stop_token_ids"), list):
+        params["stop_token_ids"] = tuple(params["stop_token_ids"])
+    sampling = SamplingParams(**params)
+    if sampling.n != 1:
+        raise ValueError(
+            f"n must be 1 in batch runs (one output row per input row), got {sampling.n}"
+        )
+    return sampling
+
+
+def result_row(
+    item: BatchItem, prompt_len: int, token_ids: list[int], text: str, reason: str | None
+) -> dict[str, Any]:
+    """The output row of a finished request (Ray Data LLM's column names)."""
+    return {
+        item.id_key: item.row_id,
+        "generated_text": text,
+        "generated_tokens": token_ids,
+        "num_input_tokens": prompt_len,
+        "num_generated_tokens": len(token_ids),
+        "finish_reason": reason,
+    }

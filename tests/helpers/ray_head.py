@@ -1,0 +1,117 @@
+"""A Ray head started the way users start one (`ray start --head --block`), for job tests.
+
+Every port is a free one on loopback 127.0.0.2 (other Ray instances run on the same machine).
+Token authentication is on, as Ray >= 2.52 turns it on when a token exists: the token lives in
+a file of the test's own (`RAY_AUTH_TOKEN_PATH`), so the user's `~/.ray/auth_token` is untouched.
+The head runs in its own process group and is stopped by killing that group (never by name).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+NODE_IP = "127.0.0.2"
+RAY = Path(sys.executable).parent / "ray"
+_PORT_FLAGS = (
+    "port",
+    "dashboard-port",
+    "node-manager-port",
+    "object-manager-port",
+    "ray-client-server-port",
+    "dashboard-agent-listen-port",
+    "dashboard-agent-grpc-port",
+    "runtime-env-agent-port",
+    "metrics-export-port",
+)
+
+
+@dataclass(frozen=True)
+class RayHead:
+    dashboard_url: str
+    client_env: dict[str, str]
+    """The environment `ray job submit` needs (the token's path, RAY_AUTH_MODE=token)."""
+    log: Path
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.bind((NODE_IP, 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _wait_for_dashboard(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"ray start exited with {process.returncode}: {log.read_text()}")
+        try:
+            urllib.request.urlopen(f"{url}/api/version", timeout=2)
+            return
+        except urllib.error.HTTPError:  # 401 without a token: the dashboard is up
+            return
+        except OSError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"the Ray dashboard at {url} did not come up: {log.read_text()}")
+
+
+@contextlib.contextmanager
+def ray_head(tmp_path: Path, num_cpus: int = 4) -> Iterator[RayHead]:
+    """A running head; yields how to reach it."""
+    token_file = tmp_path / "auth_token"
+    token_file.write_text(uuid.uuid4().hex)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["RAY_AUTH_TOKEN_PATH"] = str(token_file)
+    env["PATH"] = f"{RAY.parent}{os.pathsep}{env.get('PATH', '')}"  # `python` in entrypoints
+    ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS)), strict=True))
+    command = [
+        str(RAY),
+        "start",
+        "--head",
+        "--block",
+        f"--node-ip-address={NODE_IP}",
+        f"--dashboard-host={NODE_IP}",
+        f"--num-cpus={num_cpus}",
+        "--object-store-memory=200000000",
+        "--min-worker-port=0",
+        "--max-worker-port=0",
+        "--disable-usage-stats",
+        *(f"--{flag}={port}" for flag, port in ports.items()),
+    ]
+    log = tmp_path / "ray-head.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    url = f"http://{NODE_IP}:{ports['dashboard-port']}"
+    try:
+        _wait_for_dashboard(url, process, log)
+        yield RayHead(url, {**env, "RAY_AUTH_MODE": "token"}, log)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
