@@ -1,11 +1,12 @@
-"""The `hybridserve` command: generation and chat, KV trace replay, config checks.
+"""The `hybridserve` command: generation and chat, serving, batch runs, replay, config checks.
 
 `hybridserve generate --prompt "..."` streams a completion (the embedded default model when no
 `--model` is given; in-process, or through a Ray cluster with `--address`); `hybridserve chat`
-talks with the model's chat template; `hybridserve replay TRACE.json ...` is
-`python -m scheduler.replay`; `hybridserve config validate FILE.yaml` checks a serving config
-without starting anything; `hybridserve serve` runs the OpenAI API on Ray Serve
-(`cluster.serve_cli`); `hybridserve batch` is `python -m cluster.batch` (Ray Data). Errors are one line on stderr (exit 2); Ctrl-C exits 130.
+talks with the model's chat template; `hybridserve serve` runs the OpenAI API on Ray Serve
+(`cluster.serve_cli`); `hybridserve batch` is `python -m cluster.batch` (Ray Data);
+`hybridserve replay TRACE.json ...` is `python -m scheduler.replay`; `hybridserve config validate
+FILE.yaml` checks a serving config without starting anything. Errors are one line on stderr
+(exit 2); Ctrl-C exits 130.
 """
 
 from __future__ import annotations
