@@ -32,11 +32,6 @@ def _generate_parser(
         "--attention-backend", default="auto", choices=["auto", "triton", "flash_attn", "torch"]
     )
     parser.add_argument("--disable-hybrid-kv-cache-manager", action="store_true")
-    parser.add_argument(
-        "--address",
-        default=None,
-        help='run on a Ray cluster through the engine actor ("auto", "ray://host:10001")',
-    )
     return parser
 
 
@@ -49,7 +44,6 @@ def _run_generate(args: argparse.Namespace) -> int:
     )
     llm = LLM(
         model=args.model,
-        address=args.address,
         tensor_parallel_size=args.tensor_parallel_size,
         block_size=args.block_size,
         max_model_len=args.max_model_len,

@@ -91,9 +91,7 @@ class EngineArgs:
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.worker_step_timeout_s <= 0:
-            raise ValueError(
-                f"worker_step_timeout_s must be > 0, got {self.worker_step_timeout_s}"
-            )
+            raise ValueError(f"worker_step_timeout_s must be > 0, got {self.worker_step_timeout_s}")
         if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
             raise ValueError(
                 f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
@@ -155,4 +153,3 @@ class EngineArgs:
             self.tensor_parallel_size,
             self.disable_hybrid_kv_cache_manager,
         )
-

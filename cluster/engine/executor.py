@@ -158,7 +158,8 @@ class MultiprocExecutor(_LocalTokenizer):
         return self._call(method, *args)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        output: ModelRunnerOutput = self._call("execute", scheduler_output)[0]
+        output = self._call("execute", scheduler_output)[0]
+        assert isinstance(output, ModelRunnerOutput), "rank 0 always returns an output"
         return output
 
     def check_health(self) -> None:

@@ -73,10 +73,12 @@ def acquire_placement(tp_size: int, spec: PlacementSpec | None = None) -> RankPl
         bundles = tuple(current.bundle_specs)
         _check_bundle_count(len(bundles), tp_size, "the current placement group")
         return RankPlacement(current, bundles, is_owned=False)
+    cluster: dict[str, float] = ray.cluster_resources()  # type: ignore[no-untyped-call]
     if spec is None:
-        spec = PlacementSpec.default(tp_size, use_gpu=ray.cluster_resources().get("GPU", 0) > 0)
+        spec = PlacementSpec.default(tp_size, use_gpu=cluster.get("GPU", 0) > 0)
     _check_bundle_count(len(spec.bundles), tp_size, "the placement spec")
-    check_feasible(spec, ray.cluster_resources(), [_node_resources(n) for n in ray.nodes()])
+    nodes = ray.nodes()  # type: ignore[no-untyped-call]
+    check_feasible(spec, cluster, [_node_resources(node) for node in nodes])
     group = placement_group([dict(b) for b in spec.bundles], strategy=spec.strategy)
     try:
         _wait_ready(group, spec)

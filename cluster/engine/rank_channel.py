@@ -123,4 +123,5 @@ class RankChannels:
             return pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
             self._check_alive()  # raises with Ray's reason when Ray already knows
-            raise RankDeadError(f"tensor-parallel rank {rank} died (its connection closed)") from None
+            message = f"tensor-parallel rank {rank} died (its connection closed)"
+            raise RankDeadError(message) from None

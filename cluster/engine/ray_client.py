@@ -97,7 +97,7 @@ class EngineActor:
         return self._engine
 
 
-_RemoteEngine = ray.remote(num_cpus=0, max_restarts=0)(EngineActor)
+_RemoteEngine: Any = ray.remote(num_cpus=0, max_restarts=0)(EngineActor)
 
 
 def start_engine_actor(
@@ -108,7 +108,7 @@ def start_engine_actor(
     if not ray.is_initialized():
         ray.init(address=address, log_to_driver=False)
     name = f"hybridserve-engine-{uuid.uuid4().hex[:8]}"
-    actor = _RemoteEngine.options(name=name).remote()  # type: ignore[attr-defined]
+    actor = _RemoteEngine.options(name=name).remote()
     try:
         info = _get(actor.start.remote(args, placement))
     except BaseException:
@@ -175,6 +175,7 @@ class RayEngineClient:
         finished = False
         try:
             for ref in stream:
+                finished = True  # an error from the engine ends the request there
                 delta: RequestOutput = _get(ref)
                 finished = delta.finished
                 yield delta
@@ -219,6 +220,7 @@ class AsyncRayEngineClient:
         finished = False
         try:
             async for ref in stream:
+                finished = True  # an error from the engine ends the request there
                 delta: RequestOutput = await _aget(ref)
                 finished = delta.finished
                 yield delta

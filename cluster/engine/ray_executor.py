@@ -33,7 +33,7 @@ from scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
-_RemoteWorker = ray.remote(max_concurrency=2)(WorkerActor)
+_RemoteWorker: Any = ray.remote(max_concurrency=2)(WorkerActor)  # type: ignore[call-overload]
 
 
 class RayExecutor:
@@ -43,8 +43,8 @@ class RayExecutor:
 
     def __init__(self, args: EngineArgs, placement: PlacementSpec | None = None) -> None:
         self.args = args
-        self.name = f"hybridserve-{uuid.uuid4().hex[:8]}"
-        """Prefix of the rank actors' names (`{name}-rank{r}`)."""
+        self.name = ""
+        """Prefix of the rank actors' names (`{name}-rank{r}`), new for each rank group."""
         self._actors: list[Any] = []
         self._loop_refs: list[ray.ObjectRef[None]] = []
         self._channels: RankChannels | None = None
@@ -103,10 +103,14 @@ class RayExecutor:
     def _start_ranks(self) -> None:
         assert self._placement is not None
         tp_size = self.args.tensor_parallel_size
+        self.name = f"hybridserve-{uuid.uuid4().hex[:8]}"
         self._actors = [self._create_actor(rank) for rank in range(tp_size)]
         init_method = _get(self._actors[0].rendezvous_address.remote())
         authkey = secrets.token_bytes(32)
-        setups = _get_all([a.setup.remote(init_method, authkey) for a in self._actors])
+        # Rank 0 first: a configuration every rank would reject fails before the others finish
+        # starting (they are killed by the caller's shutdown).
+        setups = [_get(self._actors[0].setup.remote(init_method, authkey))]
+        setups += _get_all([a.setup.remote(init_method, authkey) for a in self._actors[1:]])
         self.configs = setups[0][0]
         self._loop_refs = [actor.run.remote() for actor in self._actors]
         conns = [Client(address, authkey=authkey) for _, address in setups]
@@ -121,7 +125,7 @@ class RayExecutor:
             self._placement.group, placement_group_bundle_index=rank
         )
         num_threads = max(1, int(bundle.get("CPU", 1)))
-        return _RemoteWorker.options(  # type: ignore[attr-defined]
+        return _RemoteWorker.options(
             name=f"{self.name}-rank{rank}",
             num_cpus=0,
             num_gpus=bundle.get("GPU", 0),

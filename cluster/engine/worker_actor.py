@@ -26,6 +26,11 @@ from worker.worker import Worker
 logger = logging.getLogger(__name__)
 
 
+def _node_ip() -> str:
+    address: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+    return address
+
+
 class WorkerActor:
     """One rank: configs resolved here, the `Worker`, and its call loop."""
 
@@ -40,7 +45,7 @@ class WorkerActor:
 
     def rendezvous_address(self) -> str:
         """A free TCP address on this node for the process group's rendezvous (rank 0)."""
-        host = ray.util.get_node_ip_address()
+        host = _node_ip()
         with Listener((host, 0)) as probe:  # bind port 0: the OS picks a free port
             port = probe.address[1]
         return f"tcp://{host}:{port}"
@@ -56,7 +61,7 @@ class WorkerActor:
             torch.set_num_threads(self.num_threads)
         self.configs = configs
         self.worker = Worker(worker_spec(configs, self.rank, init_method))
-        self._listener = Listener((ray.util.get_node_ip_address(), 0), authkey=authkey)
+        self._listener = Listener((_node_ip(), 0), authkey=authkey)
         address: tuple[str, int] = self._listener.address
         return configs, address
 
