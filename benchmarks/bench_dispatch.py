@@ -9,7 +9,7 @@ Candidates, for TP = 1 and TP = 2:
   - mp-pipes:      spawned processes on pipes (the multi-process executor's transport)
 Then end-to-end tokens/s of the default model through the Ray engine actor vs in-process.
 
-    python benchmarks/bench_dispatch.py [--steps 2000] [--skip-e2e]
+    python benchmarks/bench_dispatch.py [--rounds 5] [--steps 300] [--skip-e2e]
 """
 
 from __future__ import annotations
@@ -81,69 +81,64 @@ class FakeRankActor(FakeWorker):
             serve_rank(conn, self.call)
 
 
-def _time_steps(step: Callable[[SchedulerOutput], object], steps: int) -> float:
-    """Median µs per step after a warm-up."""
-    out = decode_step()
-    for _ in range(max(20, steps // 10)):
-        step(out)
-    samples = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step(out)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e6
+Step = Callable[[SchedulerOutput], object]
 
 
-def _actors(tp_size: int) -> list[Any]:
+def _fake_actors(tp_size: int) -> list[Any]:
     remote = ray.remote(num_cpus=0, max_concurrency=2)(FakeRankActor)
     actors = [remote.remote(rank) for rank in range(tp_size)]
     ray.get([a.call.remote("execute", (decode_step(),)) for a in actors])
     return actors
 
 
-def bench_ray_call(tp_size: int, steps: int) -> float:
-    actors = _actors(tp_size)
-    result = _time_steps(lambda out: ray.get([a.execute.remote(out) for a in actors])[0], steps)
-    for actor in actors:
-        ray.kill(actor)
-    return result
-
-
-def bench_ray_cgraph(tp_size: int, steps: int) -> float:
-    from ray.dag import InputNode, MultiOutputNode
-
-    actors = _actors(tp_size)
-    with InputNode() as inp:
-        dag = MultiOutputNode([a.execute.bind(inp) for a in actors])
-    compiled = dag.experimental_compile()
-    try:
-        return _time_steps(lambda out: ray.get(compiled.execute(out))[0], steps)
-    finally:
-        compiled.teardown()
+def _kill(actors: list[Any]) -> Callable[[], None]:
+    def stop() -> None:
         for actor in actors:
             ray.kill(actor)
 
+    return stop
 
-def bench_ray_conn(tp_size: int, steps: int) -> float:
-    actors = _actors(tp_size)
+
+def setup_ray_call(tp_size: int) -> tuple[Step, Callable[[], None]]:
+    actors = _fake_actors(tp_size)
+    return (lambda out: ray.get([a.execute.remote(out) for a in actors])[0]), _kill(actors)
+
+
+def setup_ray_cgraph(tp_size: int) -> tuple[Step, Callable[[], None]]:
+    from ray.dag import InputNode, MultiOutputNode
+
+    actors = _fake_actors(tp_size)
+    with InputNode() as inp:
+        dag = MultiOutputNode([a.execute.bind(inp) for a in actors])
+    compiled = dag.experimental_compile()
+
+    def stop() -> None:
+        compiled.teardown()
+        _kill(actors)()
+
+    return (lambda out: ray.get(compiled.execute(out))[0]), stop
+
+
+def setup_ray_conn(tp_size: int) -> tuple[Step, Callable[[], None]]:
+    actors = _fake_actors(tp_size)
     authkey = secrets.token_bytes(32)
     addresses = ray.get([a.listen.remote(authkey) for a in actors])
     loops = [a.run.remote() for a in actors]
     channels = RankChannels([Client(addr, authkey=authkey) for addr in addresses], lambda: None)
-    try:
-        return _time_steps(lambda out: channels.call("execute", (out,), 60.0)[0], steps)
-    finally:
+
+    def stop() -> None:
         channels.close()
         ray.get(loops)
-        for actor in actors:
-            ray.kill(actor)
+        _kill(actors)()
+
+    return (lambda out: channels.call("execute", (out,), 60.0)[0]), stop
 
 
 def _pipe_rank(rank: int, conn: Connection) -> None:
     serve_rank(conn, FakeWorker(rank).call)
 
 
-def bench_mp_pipes(tp_size: int, steps: int) -> float:
+def setup_mp_pipes(tp_size: int) -> tuple[Step, Callable[[], None]]:
     context = mp.get_context("spawn")
     conns, procs = [], []
     for rank in range(tp_size):
@@ -153,12 +148,36 @@ def bench_mp_pipes(tp_size: int, steps: int) -> float:
         conns.append(parent)
         procs.append(proc)
     channels = RankChannels(conns, lambda: None)
-    try:
-        return _time_steps(lambda out: channels.call("execute", (out,), 60.0)[0], steps)
-    finally:
+
+    def stop() -> None:
         channels.close()
         for proc in procs:
             proc.join(10)
+
+    return (lambda out: channels.call("execute", (out,), 60.0)[0]), stop
+
+
+def measure_dispatch(rounds: int, steps: int) -> dict[tuple[str, int], float]:
+    """Median µs per step of every (candidate, TP size); rounds interleave the candidates so
+    that load from other processes hits them alike (median over rounds of per-round medians)."""
+    setups = {(name, tp): CANDIDATES[name](tp) for name in CANDIDATES for tp in (1, 2)}
+    out = decode_step()
+    per_round: dict[tuple[str, int], list[float]] = {key: [] for key in setups}
+    try:
+        for _ in range(rounds):
+            for key, (step, _stop) in setups.items():
+                for _ in range(max(10, steps // 10)):
+                    step(out)
+                samples = []
+                for _ in range(steps):
+                    start = time.perf_counter()
+                    step(out)
+                    samples.append(time.perf_counter() - start)
+                per_round[key].append(statistics.median(samples) * 1e6)
+    finally:
+        for _step, stop in setups.values():
+            stop()
+    return {key: statistics.median(values) for key, values in per_round.items()}
 
 
 def bench_e2e(num_prompts: int, max_tokens: int) -> tuple[float, float]:
@@ -200,17 +219,18 @@ def bench_e2e(num_prompts: int, max_tokens: int) -> tuple[float, float]:
     return in_process, on_ray
 
 
-CANDIDATES: dict[str, Callable[[int, int], float]] = {
-    "ray-call (actor task per rank + ray.get)": bench_ray_call,
-    "ray-cgraph (compiled graph)": bench_ray_cgraph,
-    "ray-conn (actor loop on a connection; RayExecutor)": bench_ray_conn,
-    "mp-pipes (spawned processes, pipes)": bench_mp_pipes,
+CANDIDATES: dict[str, Callable[[int], tuple[Step, Callable[[], None]]]] = {
+    "ray-call (actor task per rank + ray.get)": setup_ray_call,
+    "ray-cgraph (compiled graph)": setup_ray_cgraph,
+    "ray-conn (actor loop on a connection; RayExecutor)": setup_ray_conn,
+    "mp-pipes (spawned processes, pipes)": setup_mp_pipes,
 }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--steps", type=int, default=300, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--skip-e2e", action="store_true")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -229,14 +249,9 @@ def main() -> None:
     print(f"decode SchedulerOutput: {len(pickle.dumps(decode_step()))} bytes pickled")
     print("| candidate | TP=1 µs/step | TP=2 µs/step |")
     print("|---|---|---|")
-    for name, bench in CANDIDATES.items():
-        cells = []
-        for tp_size in (1, 2):
-            try:
-                cells.append(f"{bench(tp_size, opts.steps):.0f}")
-            except Exception as exc:
-                cells.append(f"failed: {type(exc).__name__}")
-        print(f"| {name} | {cells[0]} | {cells[1]} |", flush=True)
+    results = measure_dispatch(opts.rounds, opts.steps)
+    for name in CANDIDATES:
+        print(f"| {name} | {results[name, 1]:.0f} | {results[name, 2]:.0f} |", flush=True)
     if not opts.skip_e2e:
         in_process, on_ray = bench_e2e(opts.num_prompts, opts.max_tokens)
         print(
