@@ -180,8 +180,9 @@ def measure_dispatch(rounds: int, steps: int) -> dict[tuple[str, int], float]:
     return {key: statistics.median(values) for key, values in per_round.items()}
 
 
-def bench_e2e(num_prompts: int, max_tokens: int) -> tuple[float, float]:
-    """Tokens/s of the default model: (in-process, Ray engine actor), greedy, same prompts."""
+def bench_e2e(num_prompts: int, max_tokens: int, threads: int) -> tuple[float, float]:
+    """Tokens/s of the default model: (in-process, Ray engine actor), greedy, same prompts; on
+    CPU both run torch on `threads` threads (the rank actor gets a bundle of that many CPUs)."""
     import torch
 
     from cluster.engine.client import collect
@@ -204,12 +205,12 @@ def bench_e2e(num_prompts: int, max_tokens: int) -> tuple[float, float]:
         total = sum(len(collect(s).outputs[0].token_ids) for s in streams)
         return total / (time.perf_counter() - start)
 
+    torch.set_num_threads(threads)
     local = InProcessEngineClient.from_engine_args(EngineArgs(distributed_executor_backend="uni"))
     try:
         in_process = tokens_per_s(local)
     finally:
         local.shutdown()
-    threads = torch.get_num_threads()  # the rank gets as many CPU threads as in-process had
     placement = PlacementSpec(({"CPU": float(threads)},))
     remote = RayEngineClient.start(EngineArgs(), placement=placement)
     try:
@@ -235,6 +236,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-cpus", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads per engine")
     opts = parser.parse_args()
     ray.init(
         address="local",
@@ -253,7 +255,7 @@ def main() -> None:
     for name in CANDIDATES:
         print(f"| {name} | {results[name, 1]:.0f} | {results[name, 2]:.0f} |", flush=True)
     if not opts.skip_e2e:
-        in_process, on_ray = bench_e2e(opts.num_prompts, opts.max_tokens)
+        in_process, on_ray = bench_e2e(opts.num_prompts, opts.max_tokens, opts.threads)
         print(
             f"default model, {opts.num_prompts} prompts x {opts.max_tokens} tokens: "
             f"in-process {in_process:.1f} tok/s, Ray engine actor {on_ray:.1f} tok/s "
