@@ -107,14 +107,17 @@ class AsyncEngine:
             self._publish(deltas)
 
     async def _fail_in_flight(self, exc: Exception) -> None:
-        """A failed step ends every request in flight with an error at once; then the core
-        recovers (workers restarted, prefix cache reset) and the engine keeps going."""
+        """A failed step ends every request in flight with an error at once (their blocks and
+        the prefix cache dropped first); then the workers restart and the engine keeps going."""
         logger.error("engine step failed; failing %d requests: %s", len(self._queues), exc)
         error = EngineDeadError(f"the engine failed while running this request: {exc}")
-        for queue in self._queues.values():
-            queue.put_nowait(error)
         try:
-            await asyncio.to_thread(self.core.recover_from_failed_step)
+            self.core.drop_all_requests()
+        finally:
+            for queue in self._queues.values():
+                queue.put_nowait(error)
+        try:
+            await asyncio.to_thread(self.core.restart_workers)
         except Exception as recover_exc:
             logger.exception("the engine could not recover from a failed step")
             self._dead = EngineDeadError(f"the engine could not recover: {recover_exc}")

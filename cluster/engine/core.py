@@ -85,18 +85,25 @@ class EngineCore:
         return self.scheduler.make_stats()
 
     def recover_from_failed_step(self) -> None:
-        """After a failed step: abort every request, restart the workers when the executor can
-        (their KV caches set up again) and forget the prefix cache.
+        """After a failed step: `drop_all_requests`, then `restart_workers`."""
+        self.drop_all_requests()
+        self.restart_workers()
 
-        The failed step may have written part of its KV and new workers start with empty
+    def drop_all_requests(self) -> None:
+        """Abort every request and forget the prefix cache (fast; the first half of recovery).
+
+        The failed step may have written part of its KV and restarted workers start with empty
         caches, so no cached block's contents can be trusted any more.
         """
         self.abort(self.output_processor.request_ids())
         self.scheduler.abort(list(self.scheduler.requests))
-        if self.executor.restart():
-            self.executor.collective_rpc("initialize_kv_cache", self.scheduler.kv_cache_config)
         if not self.scheduler.reset_prefix_cache():
             logger.error("the prefix cache could not be reset after a failed step")
+
+    def restart_workers(self) -> None:
+        """Replace the workers when the executor can, and set their KV caches up again."""
+        if self.executor.restart():
+            self.executor.collective_rpc("initialize_kv_cache", self.scheduler.kv_cache_config)
 
     def check_health(self) -> None:
         self.executor.check_health()
