@@ -80,6 +80,9 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
     """uni (one rank in-process) | mp (a process per rank) | ray (an actor per rank); default:
     ray inside a Ray job or actor, else mp when tensor_parallel_size > 1, else uni."""
+    worker_step_timeout_s: float = 300.0
+    """Ray executor: a step whose ranks have not all answered after this many seconds counts as
+    hung (the request fails and the workers restart); a dead rank is detected at once."""
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -94,6 +97,8 @@ class EngineArgs:
             raise ValueError(
                 f"mamba_cache_mode must be 'none', 'align' or 'all', got {self.mamba_cache_mode!r}"
             )
+        if self.worker_step_timeout_s <= 0:
+            raise ValueError(f"worker_step_timeout_s must be > 0, got {self.worker_step_timeout_s}")
         if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
             raise ValueError(
                 f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "

@@ -40,9 +40,13 @@ class AsyncEngine:
         self._has_work = asyncio.Event()
         self._queues: dict[str, asyncio.Queue[_StreamItem]] = {}
         self._loop_task: asyncio.Task[None] | None = None
+        self._dead: EngineDeadError | None = None
+        """Set when recovery after a failed step failed: the engine refuses all work."""
         self.num_steps = 0
 
     async def add_request(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        if self._dead is not None:
+            raise self._dead
         self._ensure_loop()
         async with self._lock:
             self.core.add_request(request)  # ValueError here: nothing was queued
@@ -56,6 +60,8 @@ class AsyncEngine:
         self._publish(deltas)
 
     async def check_health(self) -> None:
+        if self._dead is not None:
+            raise self._dead
         self.core.check_health()
         if self._loop_task is not None and self._loop_task.done():
             raise EngineDeadError("the engine's step loop has stopped")
@@ -95,18 +101,26 @@ class AsyncEngine:
                 try:
                     deltas = await asyncio.to_thread(self.core.step)
                 except Exception as exc:
-                    self._fail_in_flight(exc)
+                    await self._fail_in_flight(exc)
                     continue
             self.num_steps += 1
             self._publish(deltas)
 
-    def _fail_in_flight(self, exc: Exception) -> None:
-        """A failed step ends every request in flight with an error; the engine keeps going."""
+    async def _fail_in_flight(self, exc: Exception) -> None:
+        """A failed step ends every request in flight with an error at once (their blocks and
+        the prefix cache dropped first); then the workers restart and the engine keeps going."""
         logger.error("engine step failed; failing %d requests: %s", len(self._queues), exc)
         error = EngineDeadError(f"the engine failed while running this request: {exc}")
-        self.core.abort(list(self._queues))
-        for queue in self._queues.values():
-            queue.put_nowait(error)
+        try:
+            self.core.drop_all_requests()
+        finally:
+            for queue in self._queues.values():
+                queue.put_nowait(error)
+        try:
+            await asyncio.to_thread(self.core.restart_workers)
+        except Exception as recover_exc:
+            logger.exception("the engine could not recover from a failed step")
+            self._dead = EngineDeadError(f"the engine could not recover: {recover_exc}")
 
     def _publish(self, deltas: list[RequestOutput]) -> None:
         for delta in deltas:

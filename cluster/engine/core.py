@@ -89,6 +89,27 @@ class EngineCore:
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
 
+    def recover_from_failed_step(self) -> None:
+        """After a failed step: `drop_all_requests`, then `restart_workers`."""
+        self.drop_all_requests()
+        self.restart_workers()
+
+    def drop_all_requests(self) -> None:
+        """Abort every request and forget the prefix cache (fast; the first half of recovery).
+
+        The failed step may have written part of its KV and restarted workers start with empty
+        caches, so no cached block's contents can be trusted any more.
+        """
+        self.abort(self.output_processor.request_ids())
+        self.scheduler.abort(list(self.scheduler.requests))
+        if not self.scheduler.reset_prefix_cache():
+            logger.error("the prefix cache could not be reset after a failed step")
+
+    def restart_workers(self) -> None:
+        """Replace the workers when the executor can, and set their KV caches up again."""
+        if self.executor.restart():
+            self.executor.collective_rpc("initialize_kv_cache", self.scheduler.kv_cache_config)
+
     def check_health(self) -> None:
         self.executor.check_health()
 
@@ -150,9 +171,11 @@ def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
     return replace(params, n=1, seed=seed)
 
 
-def build_engine_core(args: EngineArgs) -> EngineCore:
-    """Start the workers, size and allocate the KV cache, and create the scheduler."""
-    executor = create_executor(args)
+def build_engine_core(args: EngineArgs, executor: Executor | None = None) -> EngineCore:
+    """Start the workers (or take `executor`, started from `args`), size and allocate the KV
+    cache, and create the scheduler."""
+    if executor is None:
+        executor = create_executor(args)
     try:
         configs = executor.configs
         kv_cache_config = _plan_kv_cache(executor, args)

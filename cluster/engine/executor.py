@@ -79,6 +79,11 @@ class Executor(Protocol):
         """The model's tokenizer, read where the workers run (None when it has none)."""
         ...
 
+    def restart(self) -> bool:
+        """Replace the ranks after a failure (KV caches must be set up again); False when this
+        executor cannot (its workers are reused as they are)."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -89,6 +94,9 @@ class _LocalTokenizer:
 
     def load_tokenizer(self) -> PreTrainedTokenizerBase | None:
         return load_tokenizer(self.configs.model.tokenizer_path)
+
+    def restart(self) -> bool:
+        return False
 
 
 class InProcessExecutor(_LocalTokenizer):
@@ -151,7 +159,7 @@ class MultiprocExecutor(_LocalTokenizer):
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         output = self._call("execute", scheduler_output)[0]
-        assert isinstance(output, ModelRunnerOutput)
+        assert isinstance(output, ModelRunnerOutput), "rank 0 always returns an output"
         return output
 
     def check_health(self) -> None:

@@ -103,6 +103,10 @@ class OutputProcessor:
     def has_request(self, request_id: str) -> bool:
         return request_id in self._states
 
+    def request_ids(self) -> list[str]:
+        """The engine request IDs not finished yet."""
+        return list(self._states)
+
     def mark_scheduled(self, child_ids: Iterable[str], now: float) -> None:
         """Record the first time each request got tokens scheduled (ends its queue time)."""
         for child_id in child_ids:

@@ -1,0 +1,252 @@
+"""The engine as a Ray actor (`EngineActor`) and the clients that reach it (`RayEngineClient`,
+`AsyncRayEngineClient`).
+
+The actor holds an `AsyncEngine` built by `build_engine_core` with a `RayExecutor` (one worker
+actor per rank). `generate` is a streaming generator: its first item (None) acknowledges that
+the request was queued (or raises the ValueError that refused it), then each step's delta follows
+as soon as the step ends, while the next step runs. A stream closed before its request finished
+aborts the request in the engine.
+
+    caller ──EngineRequest──► EngineActor.generate ──► AsyncEngine ──► RayExecutor ──► rank actors
+           ◄──None, delta, delta, …, final delta──┘
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import ray
+
+from cluster.engine.async_engine import AsyncEngine
+from cluster.engine.client import EngineInfo
+from cluster.engine.core import build_engine_core
+from cluster.engine.outputs import RequestOutput
+from cluster.engine.placement import PlacementSpec
+from cluster.engine.ray_executor import RayExecutor
+from cluster.engine.request import EngineRequest
+from cluster.engine_args import EngineArgs
+from scheduler.stats import SchedulerStats
+
+logger = logging.getLogger(__name__)
+
+_SHUTDOWN_TIMEOUT_S = 30.0
+
+
+class EngineActor:
+    """The central engine: scheduler, hybrid KV coordinator and Ray executor, asyncio loop."""
+
+    def __init__(self) -> None:
+        self._engine: AsyncEngine | None = None
+        self._executor: RayExecutor | None = None
+
+    async def start(self, args: EngineArgs, placement: PlacementSpec | None) -> EngineInfo:
+        """Start the workers and the KV cache; the model's info."""
+
+        def build() -> AsyncEngine:
+            self._executor = RayExecutor(args, placement)
+            return AsyncEngine(build_engine_core(args, self._executor))
+
+        self._engine = await asyncio.to_thread(build)
+        return await self._engine.get_info()
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput | None]:
+        """None once the request is queued, then its deltas up to the finished one."""
+        stream = await self.engine.add_request(request)
+        yield None
+        async for delta in stream:
+            yield delta
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    async def get_stats(self) -> SchedulerStats:
+        return await self.engine.get_stats()
+
+    async def get_info(self) -> EngineInfo:
+        return await self.engine.get_info()
+
+    async def get_tokenizer(self) -> Any:
+        return await self.engine.get_tokenizer()
+
+    async def worker_actor_names(self) -> list[str]:
+        """Names of the rank actors (for operators and fault-injection tests)."""
+        return self._executor.actor_names if self._executor is not None else []
+
+    async def delay_steps(self, seconds: float) -> None:
+        """Test hook: every rank sleeps `seconds` before each later step (a hung worker)."""
+        assert self._executor is not None
+        await asyncio.to_thread(self._executor.delay_steps, seconds)
+
+    async def shutdown(self) -> None:
+        """Stop the step loop, the rank actors and the placement group."""
+        if self._engine is not None:
+            await self._engine.shutdown()
+            self._engine = None
+
+    @property
+    def engine(self) -> AsyncEngine:
+        if self._engine is None:
+            raise RuntimeError("the engine has not started (or has been shut down)")
+        return self._engine
+
+
+_RemoteEngine: Any = ray.remote(num_cpus=0, max_restarts=0)(EngineActor)
+
+
+def start_engine_actor(
+    args: EngineArgs, address: str | None = None, placement: PlacementSpec | None = None
+) -> tuple[Any, EngineInfo]:
+    """Connect to Ray if needed, start an engine actor; (handle, info). Nothing is left behind
+    on failure (a ValueError for bad arguments or an unsatisfiable placement)."""
+    if not ray.is_initialized():
+        ray.init(address=address, log_to_driver=False)
+    name = f"hybridserve-engine-{uuid.uuid4().hex[:8]}"
+    actor = _RemoteEngine.options(name=name).remote()
+    try:
+        info = _get(actor.start.remote(args, placement))
+    except BaseException:
+        ray.kill(actor, no_restart=True)
+        raise
+    return actor, info
+
+
+def stop_engine_actor(actor: Any) -> None:
+    """Shut the engine down (its workers and placement group go with it), then kill it."""
+    try:
+        ray.get(actor.shutdown.remote(), timeout=_SHUTDOWN_TIMEOUT_S)
+    except (ray.exceptions.RayError, TimeoutError) as exc:
+        logger.warning("engine actor did not shut down cleanly: %s", exc)
+    ray.kill(actor, no_restart=True)
+
+
+class RayEngineClient:
+    """A blocking `EngineClient` on an engine actor."""
+
+    def __init__(self, actor: Any, info: EngineInfo) -> None:
+        self.actor = actor
+        self.info = info
+        self._is_shut_down = False
+
+    @classmethod
+    def start(
+        cls, args: EngineArgs, address: str | None = None, placement: PlacementSpec | None = None
+    ) -> RayEngineClient:
+        """Start an engine actor on the Ray cluster at `address` ("auto", "ray://host:port")."""
+        return cls(*start_engine_actor(args, address, placement))
+
+    def add_request(self, request: EngineRequest) -> Iterator[RequestOutput]:
+        stream = self.actor.generate.options(num_returns="streaming").remote(request)
+        _get(next(stream))  # the acknowledgement, or the ValueError that refused the request
+        return self._read(stream, request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        _get(self.actor.abort.remote(request_id))
+
+    def check_health(self) -> None:
+        _get(self.actor.check_health.remote())
+
+    def get_stats(self) -> SchedulerStats:
+        stats: SchedulerStats = _get(self.actor.get_stats.remote())
+        return stats
+
+    def get_info(self) -> EngineInfo:
+        return self.info
+
+    def get_tokenizer(self) -> Any:
+        return _get(self.actor.get_tokenizer.remote())
+
+    def async_client(self) -> AsyncRayEngineClient:
+        """An asyncio client on the same engine actor."""
+        return AsyncRayEngineClient(self.actor, self.info)
+
+    def shutdown(self) -> None:
+        if not self._is_shut_down:
+            self._is_shut_down = True
+            stop_engine_actor(self.actor)
+
+    def _read(self, stream: Any, request_id: str) -> Iterator[RequestOutput]:
+        finished = False
+        try:
+            for ref in stream:
+                finished = True  # an error from the engine ends the request there
+                delta: RequestOutput = _get(ref)
+                finished = delta.finished
+                yield delta
+        finally:
+            if not finished:  # closed early: the request leaves the engine now
+                ray.cancel(stream)
+                self.abort(request_id)
+
+
+class AsyncRayEngineClient:
+    """An asyncio `AsyncEngineClient` on an engine actor."""
+
+    def __init__(self, actor: Any, info: EngineInfo) -> None:
+        self.actor = actor
+        self.info = info
+
+    async def add_request(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
+        stream = self.actor.generate.options(num_returns="streaming").remote(request)
+        await _aget(await stream.__anext__())
+        return self._read(stream, request.request_id)
+
+    async def abort(self, request_id: str) -> None:
+        await _aget(self.actor.abort.remote(request_id))
+
+    async def check_health(self) -> None:
+        await _aget(self.actor.check_health.remote())
+
+    async def get_stats(self) -> SchedulerStats:
+        stats: SchedulerStats = await _aget(self.actor.get_stats.remote())
+        return stats
+
+    async def get_info(self) -> EngineInfo:
+        return self.info
+
+    async def get_tokenizer(self) -> Any:
+        return await _aget(self.actor.get_tokenizer.remote())
+
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(stop_engine_actor, self.actor)
+
+    async def _read(self, stream: Any, request_id: str) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            async for ref in stream:
+                finished = True  # an error from the engine ends the request there
+                delta: RequestOutput = await _aget(ref)
+                finished = delta.finished
+                yield delta
+        finally:
+            if not finished:
+                ray.cancel(stream)
+                await asyncio.shield(self.abort(request_id))
+
+
+def _get(ref: Any) -> Any:
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as exc:
+        raise _user_error(exc) from None
+
+
+async def _aget(ref: Any) -> Any:
+    try:
+        return await ref
+    except ray.exceptions.RayTaskError as exc:
+        raise _user_error(exc) from None
+
+
+def _user_error(exc: ray.exceptions.RayTaskError) -> BaseException:
+    """The engine's own exception (ValueError, EngineDeadError, ...) without Ray's wrapping."""
+    cause = exc.cause
+    if isinstance(cause, Exception) and not isinstance(cause, ray.exceptions.RayError):
+        return cause
+    return RuntimeError(str(exc).strip().splitlines()[0])

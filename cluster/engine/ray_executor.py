@@ -1,0 +1,183 @@
+"""`RayExecutor`: one `WorkerActor` per tensor-parallel rank, in a placement group.
+
+Start-up: reserve (or reuse) the placement group, create the rank actors, learn rank 0's
+rendezvous address, resolve the configs on every rank (rank 0's come back: device, dtype and the
+model folder are decided where the workers run), open one connection per rank, then run the
+worker phases (`init_device`, `load_model`) on all ranks together. Each step sends the same
+`SchedulerOutput` bytes to every rank over those connections and returns rank 0's output.
+
+Faults: a rank whose process dies closes its connection (detected at once; a lost node through
+`ray.wait` on the ranks' loop tasks, polled every second); a step not answered within
+`worker_step_timeout_s` counts as hung. Either way the call raises, and `restart()` replaces the
+whole rank group (same placement group) so the engine can go on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import time
+import uuid
+from multiprocessing.connection import Client
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.engine.placement import PlacementSpec, RankPlacement, acquire_placement
+from cluster.engine.rank_channel import RankChannels, RankDeadError, RankTimeoutError
+from cluster.engine.worker_actor import WorkerActor
+from cluster.engine_args import EngineArgs, EngineConfigs
+from scheduler.output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+_RemoteWorker: Any = ray.remote(max_concurrency=2)(WorkerActor)  # type: ignore[call-overload]
+
+
+class RayExecutor:
+    """The `Executor` over Ray actors, one per rank."""
+
+    configs: EngineConfigs
+
+    def __init__(self, args: EngineArgs, placement: PlacementSpec | None = None) -> None:
+        self.args = args
+        self.name = ""
+        """Prefix of the rank actors' names (`{name}-rank{r}`), new for each rank group."""
+        self._actors: list[Any] = []
+        self._loop_refs: list[ray.ObjectRef[None]] = []
+        self._channels: RankChannels | None = None
+        self._placement: RankPlacement | None = None
+        try:
+            self._placement = acquire_placement(args.tensor_parallel_size, placement)
+            self._start_ranks()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def actor_names(self) -> list[str]:
+        """Names of the live rank actors, in rank order."""
+        return [f"{self.name}-rank{rank}" for rank in range(len(self._actors))]
+
+    def collective_rpc(self, method: str, *args: object) -> list[object]:
+        return self._require_channels().call(method, args)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        channels = self._require_channels()
+        timeout = self.args.worker_step_timeout_s
+        output = channels.call("execute", (scheduler_output,), timeout)[0]
+        assert isinstance(output, ModelRunnerOutput), "rank 0 always returns an output"
+        return output
+
+    def check_health(self) -> None:
+        """Raise RuntimeError if a rank died or the step in flight is past its timeout."""
+        channels = self._require_channels()
+        self._check_alive()
+        started = channels.call_started
+        if started is not None and time.monotonic() - started > self.args.worker_step_timeout_s:
+            raise RankTimeoutError("a step has been running longer than worker_step_timeout_s")
+
+    def load_tokenizer(self) -> Any:
+        return _get(self._actors[0].load_tokenizer.remote())
+
+    def restart(self) -> bool:
+        """Replace every rank by a new actor (same placement group); KV must be set up again."""
+        logger.warning("restarting the %d worker actor(s) of %s", len(self._actors), self.name)
+        self._stop_ranks()
+        self._start_ranks()
+        return True
+
+    def delay_steps(self, seconds: float) -> None:
+        """Test hook: every rank sleeps `seconds` before each later step."""
+        _get_all([actor.delay_steps.remote(seconds) for actor in self._actors])
+
+    def shutdown(self) -> None:
+        """Stop the rank actors and remove the placement group if this executor created it."""
+        self._stop_ranks()
+        if self._placement is not None:
+            self._placement.release()
+            self._placement = None
+
+    def _start_ranks(self) -> None:
+        assert self._placement is not None
+        tp_size = self.args.tensor_parallel_size
+        self.name = f"hybridserve-{uuid.uuid4().hex[:8]}"
+        self._actors = [self._create_actor(rank) for rank in range(tp_size)]
+        init_method = _get(self._actors[0].rendezvous_address.remote())
+        authkey = secrets.token_bytes(32)
+        # Rank 0 first: a configuration every rank would reject fails before the others finish
+        # starting (they are killed by the caller's shutdown).
+        setups = [_get(self._actors[0].setup.remote(init_method, authkey))]
+        setups += _get_all([a.setup.remote(init_method, authkey) for a in self._actors[1:]])
+        self.configs = setups[0][0]
+        self._loop_refs = [actor.run.remote() for actor in self._actors]
+        conns = [Client(address, authkey=authkey) for _, address in setups]
+        self._channels = RankChannels(conns, self._check_alive)
+        self.collective_rpc("init_device")
+        self.collective_rpc("load_model")
+
+    def _create_actor(self, rank: int) -> Any:
+        assert self._placement is not None
+        bundle = self._placement.bundles[rank]
+        strategy = PlacementGroupSchedulingStrategy(
+            self._placement.group, placement_group_bundle_index=rank
+        )
+        num_threads = max(1, int(bundle.get("CPU", 1)))
+        return _RemoteWorker.options(
+            name=f"{self.name}-rank{rank}",
+            num_cpus=0,
+            num_gpus=bundle.get("GPU", 0),
+            scheduling_strategy=strategy,
+        ).remote(self.args, rank, num_threads)
+
+    def _check_alive(self) -> None:
+        """Raise RankDeadError when a rank's loop task has ended (its actor died)."""
+        if not self._loop_refs:
+            return
+        done, _ = ray.wait(self._loop_refs, num_returns=1, timeout=0, fetch_local=False)
+        if not done:
+            return
+        rank = self._loop_refs.index(done[0])
+        try:
+            ray.get(done[0])
+            reason = "its loop ended"
+        except ray.exceptions.RayError as exc:
+            reason = str(exc).strip().splitlines()[0]
+        raise RankDeadError(f"tensor-parallel rank {rank} died: {reason}")
+
+    def _require_channels(self) -> RankChannels:
+        if self._channels is None:
+            raise RuntimeError("the executor's workers are not running")
+        return self._channels
+
+    def _stop_ranks(self) -> None:
+        if self._channels is not None:
+            self._channels.close()
+            self._channels = None
+        if self._loop_refs:  # let the loops leave the process group; then kill regardless
+            ray.wait(self._loop_refs, num_returns=len(self._loop_refs), timeout=2.0)
+        for actor in self._actors:
+            with contextlib.suppress(Exception):
+                ray.kill(actor, no_restart=True)
+        self._actors, self._loop_refs = [], []
+
+
+def _get(ref: Any) -> Any:
+    """`ray.get`, with a rank's ValueError/TypeError raised as itself (a clear one-liner)."""
+    return _get_all([ref])[0]
+
+
+def _get_all(refs: list[Any]) -> list[Any]:
+    try:
+        return list(ray.get(refs))
+    except ray.exceptions.RayTaskError as exc:
+        cause = exc.cause
+        if isinstance(cause, ValueError):
+            raise ValueError(str(cause)) from None
+        if isinstance(cause, TypeError):
+            raise TypeError(str(cause)) from None
+        raise
+    except ray.exceptions.RayActorError as exc:
+        raise RankDeadError(f"a worker actor died during start-up: {exc}") from None

@@ -1,0 +1,150 @@
+"""The Ray executor (one worker actor per rank) against the in-process engine, and its refusals.
+
+Tokens must be identical to the in-process (uni) engine's for a full-attention family (Llama) and
+a hybrid one (Gemma-3: sliding-window and global layers), with one rank and with two (gloo).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from cluster.engine.client import collect
+from cluster.engine.core import build_engine_core
+from cluster.engine.local import InProcessEngineClient
+from cluster.engine.placement import PlacementSpec
+from cluster.engine.ray_executor import RayExecutor
+from cluster.engine.request import EngineRequest
+from cluster.engine_args import EngineArgs
+from scheduler.request import SamplingParams
+from tests.helpers.ray_state import live_engine_actors, live_placement_groups
+from tests.helpers.tiny_models import save_tiny_model
+
+pytestmark = pytest.mark.ray
+
+PROMPTS = [[(7 * i + 3 * j) % 250 + 1 for j in range(n)] for i, n in enumerate((5, 13, 22))]
+KV_BYTES = 2 << 20
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    dirs = {}
+    for family in ("llama", "gemma3"):
+        path = tmp_path_factory.mktemp(family)
+        save_tiny_model(family, path)
+        dirs[family] = path
+    return dirs
+
+
+def _engine_args(model: Path, **overrides: object) -> EngineArgs:
+    kwargs: dict[str, object] = {
+        "model": str(model),
+        "block_size": 4,
+        "kv_cache_memory_bytes": KV_BYTES,
+        "max_model_len": 64,
+        **overrides,
+    }
+    return EngineArgs(**kwargs)  # type: ignore[arg-type]
+
+
+def _greedy_tokens(client: InProcessEngineClient) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    streams = [
+        client.add_request(EngineRequest(str(i), tuple(prompt), params))
+        for i, prompt in enumerate(PROMPTS)
+    ]
+    return [collect(stream).outputs[0].token_ids for stream in streams]
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(model_dirs: dict[str, Path]) -> dict[str, list[list[int]]]:
+    """Greedy tokens of the in-process engine (one rank, in the test process)."""
+    tokens = {}
+    for family, path in model_dirs.items():
+        client = InProcessEngineClient.from_engine_args(
+            _engine_args(path, distributed_executor_backend="uni")
+        )
+        try:
+            tokens[family] = _greedy_tokens(client)
+        finally:
+            client.shutdown()
+    return tokens
+
+
+# Llama with one rank runs through the engine actor in test_engine_actor.py.
+@pytest.mark.parametrize(("family", "tp_size"), [("llama", 2), ("gemma3", 1), ("gemma3", 2)])
+def test_ray_executor_tokens_equal_in_process(
+    ray_cluster: None,
+    model_dirs: dict[str, Path],
+    reference_tokens: dict[str, list[list[int]]],
+    family: str,
+    tp_size: int,
+) -> None:
+    args = _engine_args(model_dirs[family], tensor_parallel_size=tp_size)
+    executor = RayExecutor(args)
+    assert len(executor.actor_names) == tp_size
+    client = InProcessEngineClient(build_engine_core(args, executor))
+    try:
+        assert executor.configs.tensor_parallel_size == tp_size
+        assert _greedy_tokens(client) == reference_tokens[family]
+    finally:
+        client.shutdown()
+    assert not set(executor.actor_names) & live_engine_actors()
+
+
+@pytest.mark.parametrize(
+    ("tp_size", "placement", "missing"),
+    [
+        (1, PlacementSpec(({"GPU": 64.0},)), r"GPU: 64 \(the cluster has 0\)"),
+        (64, None, r"CPU: 64 \(the cluster has \d+\)"),
+    ],
+)
+def test_unsatisfiable_placement_group_fails_at_once(
+    ray_cluster: None,
+    model_dirs: dict[str, Path],
+    tp_size: int,
+    placement: PlacementSpec | None,
+    missing: str,
+) -> None:
+    groups_before = live_placement_groups()
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=missing) as error:
+        RayExecutor(_engine_args(model_dirs["llama"], tensor_parallel_size=tp_size), placement)
+    assert time.monotonic() - start < 5.0
+    assert "\n" not in str(error.value)
+    assert live_placement_groups() == groups_before
+
+
+def test_tp_not_dividing_heads_is_one_clear_error_and_leaves_nothing(
+    ray_cluster: None, model_dirs: dict[str, Path]
+) -> None:
+    from cluster.llm import LLM
+
+    actors_before, groups_before = live_engine_actors(), live_placement_groups()
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 cannot split") as error:
+        LLM(str(model_dirs["llama"]), address="auto", tensor_parallel_size=3, block_size=4)
+    assert "\n" not in str(error.value)
+    assert live_engine_actors() == actors_before
+    assert live_placement_groups() == groups_before
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"block_sise": 4}, "block_size"),
+        ({"block_size": "4"}, "'block_size' must be int"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size must be >= 1"),
+    ],
+)
+def test_bad_engine_arguments_start_nothing(
+    ray_cluster: None, model_dirs: dict[str, Path], kwargs: dict[str, object], message: str
+) -> None:
+    from cluster.llm import LLM
+
+    actors_before = live_engine_actors()
+    with pytest.raises(ValueError, match=message) as error:
+        LLM(str(model_dirs["llama"]), address="auto", **kwargs)
+    assert "\n" not in str(error.value)
+    assert live_engine_actors() == actors_before
