@@ -43,11 +43,11 @@ def free_port() -> int:
 
 
 def llm_config(model_dir: Path, model_id: str = "tiny", **engine_kwargs: Any) -> dict[str, Any]:
-    """A serving config of the tiny model, run by one rank inside the replica's process."""
+    """A serving config of the tiny model: the replica is its engine, driving one worker actor
+    (the Ray executor) in the replica's placement group."""
     return {
         "model_loading_config": {"model_id": model_id, "model_source": str(model_dir)},
         "engine_kwargs": {
-            "distributed_executor_backend": "uni",
             "block_size": 4,
             "kv_cache_memory_bytes": 8 * 1024 * 1024,
             "max_num_seqs": 64,
