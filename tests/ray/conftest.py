@@ -1,18 +1,36 @@
-"""Fixtures of the Ray tests: one loopback Ray instance per session (tests/helpers/ray_local.py)."""
+"""Fixtures of the Ray tests: one local loopback Ray instance for the tests of this folder.
+
+Ray is stopped after the last test here (not at the end of the session): while the test process
+is a Ray driver, `EngineArgs` picks the `ray` executor by default, which later in-process tests
+must not get.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Generator, Iterator
+from pathlib import Path
 
 import pytest
 
 from tests.helpers.ray_local import start_local_ray, stop_local_ray
 from tests.ray.batch_cases import BatchModel, make_batch_model
 
+RAY_TESTS = Path(__file__).resolve().parent
+
 
 @pytest.fixture(scope="session")
-def ray_cluster():
+def ray_cluster() -> Iterator[None]:
+    """A local Ray instance on 127.0.0.2 (started once, stopped after this folder's tests)."""
     start_local_ray()
     yield
     stop_local_ray()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None]:
+    yield  # the module fixtures (engines) are torn down first
+    if nextitem is None or not Path(nextitem.path).resolve().is_relative_to(RAY_TESTS):
+        stop_local_ray()
 
 
 @pytest.fixture(scope="session")
