@@ -27,14 +27,12 @@ import xxhash
 
 from scheduler.block_hash import SEED, extend_block_hashes
 from scheduler.kv_cache.manager import KVCacheManager
-from scheduler.kv_cache.spec import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheSpec,
-    MambaCacheMode,
-    MambaSpec,
-    SlidingWindowSpec,
+from scheduler.kv_cache.spec import KVCacheSpec, MambaCacheMode
+from scheduler.kv_cache.spec_factory import (
+    AttentionShape,
+    MambaShape,
+    make_spec,
+    one_layer_groups_config,
 )
 from scheduler.prefill_split import block_aligned_num_tokens
 from scheduler.request import Request, SamplingParams
@@ -43,16 +41,16 @@ BLOCK = 16
 PROMPT = 32_768
 SHARED = 24_576
 WINDOW = 1024
-ATTENTION = {"block_size": BLOCK, "num_kv_heads": 8, "head_size": 128, "dtype_bytes": 2}
+ATTENTION = AttentionShape(num_kv_heads=8, head_size=128, dtype_bytes=2)
 
 
 def model_specs() -> dict[str, list[KVCacheSpec]]:
-    full = FullAttentionSpec(**ATTENTION)
-    sliding = SlidingWindowSpec(sliding_window=WINDOW, **ATTENTION)
-    state = MambaSpec(
-        block_size=BLOCK,
-        shapes=((4, 4096), (64, 128, 16)),
-        dtype_bytes=(2, 4),
+    full = make_spec("full", BLOCK, shape=ATTENTION)
+    sliding = make_spec("sliding_window", BLOCK, WINDOW, shape=ATTENTION)
+    state = make_spec(
+        "mamba",
+        BLOCK,
+        shape=MambaShape(shapes=((4, 4096), (64, 128, 16)), dtype_bytes=(2, 4)),
         mamba_cache_mode=MambaCacheMode.ALIGN,
     )
     return {
@@ -63,8 +61,7 @@ def model_specs() -> dict[str, list[KVCacheSpec]]:
 
 
 def make_manager(specs: list[KVCacheSpec], num_blocks: int) -> KVCacheManager:
-    groups = tuple(KVCacheGroupSpec((f"layer{i}",), spec) for i, spec in enumerate(specs))
-    config = KVCacheConfig(num_blocks=num_blocks, groups=groups, tensors=())
+    config = one_layer_groups_config(num_blocks, specs)
     return KVCacheManager(config, max_model_len=2 * PROMPT)
 
 

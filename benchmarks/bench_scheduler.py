@@ -25,12 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from scheduler.config import SchedulerConfig
-from scheduler.kv_cache.spec import (
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    SlidingWindowSpec,
-)
+from scheduler.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec
+from scheduler.kv_cache.spec_factory import AttentionShape, make_spec
 from scheduler.output import CachedRequestData, ModelRunnerOutput, RequestOutput, SchedulerOutput
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler
@@ -42,10 +38,12 @@ MANAGER_METHODS = ("allocate_slots", "get_computed_blocks", "free", "get_num_com
 
 
 def _kv_config() -> KVCacheConfig:
-    common = {"block_size": BLOCK_SIZE, "num_kv_heads": 8, "head_size": 128, "dtype_bytes": 2}
+    shape = AttentionShape(num_kv_heads=8, head_size=128, dtype_bytes=2)
     groups = (
-        KVCacheGroupSpec(("layers.0.attn",), FullAttentionSpec(**common)),
-        KVCacheGroupSpec(("layers.1.attn",), SlidingWindowSpec(sliding_window=WINDOW, **common)),
+        KVCacheGroupSpec(("layers.0.attn",), make_spec("full", BLOCK_SIZE, shape=shape)),
+        KVCacheGroupSpec(
+            ("layers.1.attn",), make_spec("sliding_window", BLOCK_SIZE, WINDOW, shape=shape)
+        ),
     )
     return KVCacheConfig(num_blocks=NUM_BLOCKS, groups=groups, tensors=())
 

@@ -15,22 +15,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from scheduler.kv_cache.manager import KVCacheBlocks, KVCacheManager
-from scheduler.kv_cache.spec import (
-    ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheSpec,
-    MambaCacheMode,
-    MambaSpec,
-    SlidingWindowSpec,
-)
+from scheduler.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, MambaCacheMode
+from scheduler.kv_cache.spec_factory import SPEC_KINDS, make_spec
 from scheduler.prefill_split import block_aligned_num_tokens
 from scheduler.request import Request, SamplingParams
 
 Record = dict[str, Any]
-_ATTENTION: dict[str, Any] = {"num_kv_heads": 1, "head_size": 1, "dtype_bytes": 4}
-"""Page size does not matter to the replay: every group uses this dummy attention shape."""
 
 
 def _get_int(entry: dict[str, Any], key: str, default: int | None = None) -> int:
@@ -59,25 +49,18 @@ def _get_tokens(op: dict[str, Any]) -> list[int]:
 
 
 def build_spec(entry: dict[str, Any], enable_caching: bool) -> KVCacheSpec:
-    """The spec of one entry of a trace's "groups" list."""
+    """The spec of one entry of a trace's "groups" list (dummy page sizes: they do not matter
+    to the replay)."""
     kind = entry.get("type")
-    block_size = _get_int(entry, "block_size")
-    if kind == "full":
-        return FullAttentionSpec(block_size=block_size, **_ATTENTION)
+    if kind not in SPEC_KINDS:
+        raise ValueError(f"unknown group type {kind!r}")
+    size = None
     if kind == "sliding_window":
-        window = _get_int(entry, "sliding_window")
-        return SlidingWindowSpec(block_size=block_size, sliding_window=window, **_ATTENTION)
-    if kind == "chunked_local":
-        chunk = _get_int(entry, "attention_chunk_size")
-        return ChunkedLocalAttentionSpec(
-            block_size=block_size, attention_chunk_size=chunk, **_ATTENTION
-        )
-    if kind == "mamba":
-        mode = MambaCacheMode.ALIGN if enable_caching else MambaCacheMode.NONE
-        return MambaSpec(
-            block_size=block_size, shapes=((1,),), dtype_bytes=(4,), mamba_cache_mode=mode
-        )
-    raise ValueError(f"unknown group type {kind!r}")
+        size = _get_int(entry, "sliding_window")
+    elif kind == "chunked_local":
+        size = _get_int(entry, "attention_chunk_size")
+    mode = MambaCacheMode.ALIGN if enable_caching else MambaCacheMode.NONE
+    return make_spec(kind, _get_int(entry, "block_size"), size, mamba_cache_mode=mode)
 
 
 def build_manager(trace: dict[str, Any]) -> KVCacheManager:

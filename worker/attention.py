@@ -101,9 +101,14 @@ class Attention(nn.Module):
 
     def kv_cache_spec(self, block_size: int, dtype_bytes: int) -> KVCacheSpec | None:
         """This layer's KV spec; None when it reads another layer's cache."""
-        cfg = self.config
-        if cfg.kv_sharing_target is not None:
+        if self.config.kv_sharing_target is not None:
             return None
+        return self.attention_spec(block_size, dtype_bytes)
+
+    def attention_spec(self, block_size: int, dtype_bytes: int) -> KVCacheSpec:
+        """The spec of the KV this layer attends over, whether it owns it or reads its target's
+        (the KV config builder checks a sharing layer's against its target's)."""
+        cfg = self.config
         shape: dict[str, Any] = {
             "num_kv_heads": cfg.num_kv_heads,
             "head_size": cfg.head_size,

@@ -10,11 +10,14 @@ batches), and the result is found by layer name in the `ForwardContext`.
     KV cache group 1 (SW)    --common 1-->  attention group B (SW layers)
                                             attention group C (SW layers sharing group 1's KV,
                                                                truncated prefill)
+
+The KV cache groups come from the `KVCacheConfig` as they are: KV-sharing layers were validated
+and placed in their target's group by the KV config builder, so nothing is checked or added here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -30,13 +33,13 @@ from scheduler.kv_cache.spec import (
 from worker.attention import Attention, AttentionMetadata, ForwardContext
 from worker.block_table import choose_kernel_block_size
 from worker.input_batch import InputBatch
-from worker.kv_sharing import LayerAttentionInfo, plan_attention_groups, resolve_kv_owner
 from worker.metadata_transforms import (
     ChunkedLocalBatches,
     MetadataTransform,
     StepRows,
     TruncatedPrefill,
     apply_transforms,
+    truncated_prefill_layers,
 )
 
 BackendFactory = Callable[[int, int, bool], AttentionBackend]
@@ -169,32 +172,69 @@ class GroupingOptions:
     """Further transforms for a layer's attention group, applied after the built-in ones."""
 
 
+@dataclass(frozen=True)
+class AttentionGroupPlan:
+    """Layers of one KV cache group that share one metadata builder."""
+
+    kv_cache_group_id: int
+    kind: Hashable
+    is_truncated_prefill: bool
+    layer_names: tuple[str, ...]
+
+
+def plan_attention_groups(
+    kind_of: Mapping[str, Hashable],
+    kv_cache_groups: Sequence[Sequence[str]],
+    truncated: Collection[str] = (),
+) -> list[AttentionGroupPlan]:
+    """Attention groups per KV cache group, in group order.
+
+    `kind_of`: each attention layer's kind (layers of one KV cache group with equal kinds share
+    one metadata object); `kv_cache_groups`: the layer names of each group as the KV cache
+    config lists them (sharing layers included); `truncated`: the truncated-prefill layers.
+    Inside a group, layers are bucketed by (kind, truncated) in order of first appearance, so
+    every truncated-prefill layer lands in a bucket of its own kind apart from the others.
+    """
+    plans: list[AttentionGroupPlan] = []
+    for gid, names in enumerate(kv_cache_groups):
+        buckets: dict[tuple[Hashable, bool], list[str]] = {}
+        for name in names:
+            if name not in kind_of:
+                raise ValueError(f"KV cache group {gid} names {name}, which is no attention layer")
+            buckets.setdefault((kind_of[name], name in truncated), []).append(name)
+        plans.extend(
+            AttentionGroupPlan(gid, kind, is_truncated, tuple(bucket))
+            for (kind, is_truncated), bucket in buckets.items()
+        )
+    return plans
+
+
 def build_attention_groups(
     layers: Sequence[Attention],
     config: KVCacheConfig,
     backend_for: BackendFactory,
     options: GroupingOptions,
 ) -> list[AttentionGroup]:
-    """Attention groups of every KV cache group, in group order (sharing layers included)."""
+    """Attention groups of every KV cache group, in group order (sharing layers included).
+
+    `layers`: the model's attention layers in model order.
+    """
     by_name = {layer.layer_name: layer for layer in layers}
     targets = dict(config.shared_kv_layers)
-    for name, layer in by_name.items():
-        if layer.config.kv_sharing_target is not None:
-            targets[name] = layer.config.kv_sharing_target
     spec_of = _layer_specs(by_name, targets, config, options.dtype_bytes)
     kernel_sizes = [
         _group_kernel_block_size(config, gid, by_name, backend_for)
         for gid in range(len(config.groups))
     ]
-    infos = [LayerAttentionInfo(name, spec_of[name], targets.get(name)) for name in by_name]
-    owners = [
-        []
-        if isinstance(manager_spec(g.spec), MambaSpec)  # Mamba layers are no attention
-        else [name for name in g.layer_names if name not in targets]
+    members = [
+        () if isinstance(manager_spec(g.spec), MambaSpec) else g.layer_names  # Mamba: no attention
         for g in config.groups
     ]
+    truncated = (
+        truncated_prefill_layers(list(by_name), targets) if options.kv_sharing_fast_prefill else ()
+    )
     groups = []
-    for plan in plan_attention_groups(infos, owners, options.kv_sharing_fast_prefill):
+    for plan in plan_attention_groups(spec_of, members, truncated):
         first = by_name[plan.layer_names[0]]
         kernel_block_size = kernel_sizes[plan.kv_cache_group_id]
         spec = spec_of[first.layer_name]
@@ -223,10 +263,10 @@ def _layer_specs(
     group_of = {name: gid for gid, g in enumerate(config.groups) for name in g.layer_names}
     specs: dict[str, KVCacheSpec] = {}
     for name in by_name:
-        owner = by_name[resolve_kv_owner(name, targets)]
-        if owner.layer_name not in group_of:
-            raise ValueError(f"attention layer {owner.layer_name} is in no KV cache group")
-        block_size = config.groups[group_of[owner.layer_name]].spec.block_size
+        owner = by_name[targets.get(name, name)]
+        if name not in group_of:
+            raise ValueError(f"attention layer {name} is in no KV cache group")
+        block_size = config.groups[group_of[name]].spec.block_size
         spec = owner.kv_cache_spec(block_size, dtype_bytes)
         assert spec is not None, f"{owner.layer_name} owns KV but reports no spec"
         specs[name] = spec

@@ -1,7 +1,8 @@
 """KV cache memory of one worker: report layer specs, measure the budget, allocate and bind.
 
-The worker reports each attention layer's spec (layers reading another layer's KV report none),
-the engine turns specs and budget into a `KVCacheConfig`, and `allocate_kv_caches` follows its
+The worker reports each attention layer's spec in model order (layers reading another layer's KV
+too, with the spec they would have alone, plus their targets), the engine turns specs and
+budget into a `KVCacheConfig`, and `allocate_kv_caches` follows its
 tensor plan: one raw byte buffer per `KVCacheTensor`, viewed by every layer sharing it (one
 layer per KV cache group, so a block ID is only ever in use by one of them).
 
@@ -45,12 +46,13 @@ KVCaches = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 @dataclass(frozen=True)
 class KVCacheSpecReport:
-    """What one worker rank needs in KV memory, per layer."""
+    """What one worker rank needs in KV memory, per layer: the single input of KV sharing,
+    validated once by `build_kv_cache_config` against this model order."""
 
     layer_specs: dict[str, KVCacheSpec]
-    """Spec of every layer owning KV memory, in model order."""
+    """Spec of every layer in model order; a KV-sharing layer has the spec it would have alone."""
     shared_kv_layers: dict[str, str]
-    """Layer -> earlier layer whose KV cache it reads (it owns no memory)."""
+    """Layer -> earlier layer whose KV cache it reads (it owns no memory), in model order."""
 
 
 class HasModules(Protocol):
@@ -67,17 +69,14 @@ def attention_layers(model: HasModules) -> list[Attention]:
 def report_kv_cache_specs(
     layers: Sequence[Attention], block_size: int, dtype_bytes: int
 ) -> KVCacheSpecReport:
-    """Per-layer KV specs at `block_size`; layers without a spec read their target's KV."""
-    specs: dict[str, KVCacheSpec] = {}
-    shared: dict[str, str] = {}
-    for layer in layers:
-        spec = layer.kv_cache_spec(block_size, dtype_bytes)
-        if spec is None:
-            target = layer.config.kv_sharing_target
-            assert target is not None, f"{layer.layer_name} reports no spec and shares no KV"
-            shared[layer.layer_name] = target
-        else:
-            specs[layer.layer_name] = spec
+    """Per-layer KV specs at `block_size` in the order of `layers` (model order), and which
+    layers read another layer's KV (not validated here: the KV config builder does)."""
+    specs = {layer.layer_name: layer.attention_spec(block_size, dtype_bytes) for layer in layers}
+    shared = {
+        layer.layer_name: layer.config.kv_sharing_target
+        for layer in layers
+        if layer.config.kv_sharing_target is not None
+    }
     return KVCacheSpecReport(layer_specs=specs, shared_kv_layers=shared)
 
 

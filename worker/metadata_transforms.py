@@ -12,10 +12,16 @@ Two transforms, applied by the metadata builder of an attention group whose laye
   chunked-local layer runs on the ordinary paged-attention kernel.
 
 They compose in that order (truncate, then cut). Both work on torch tensors on any device.
+
+This module is the one home of truncated prefill: which layers it applies to (the trailing run
+of KV-sharing layers, `truncated_prefill_layers`; the decoder layer that run starts at,
+`first_truncated_layer`), the rows it keeps and its metadata transform. Attention groups and the
+decoder loop (`decoder_loop.py`) only call these.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -166,6 +172,39 @@ def _assert_suffix_rows(
 
 def _cdiv(numer: torch.Tensor, denom: int) -> torch.Tensor:
     return -(-numer // denom)
+
+
+def truncated_prefill_layers(names: Sequence[str], sharing: Collection[str]) -> tuple[str, ...]:
+    """The trailing run of `names` (attention layers in model order) that read another layer's
+    KV (`sharing`), last layer first: the layers truncated prefill runs on the kept rows."""
+    eligible: list[str] = []
+    for name in reversed(names):
+        if name not in sharing:
+            break
+        eligible.append(name)
+    return tuple(eligible)
+
+
+def first_truncated_layer(per_layer: Sequence[Sequence[str]], sharing: Collection[str]) -> int:
+    """Index of the first decoder layer of the truncated run; `per_layer` holds the attention
+    layer names of each decoder layer in model order. ValueError when a decoder layer of the
+    run also holds a layer that owns KV or none has attention (it cannot run on fewer rows)."""
+    names = [name for names in per_layer for name in names]
+    eligible = set(truncated_prefill_layers(names, sharing))
+    first = len(per_layer)
+    while first > 0 and per_layer[first - 1]:
+        if not all(name in eligible for name in per_layer[first - 1]):
+            break
+        first -= 1
+    covered = {name for names in per_layer[first:] for name in names}
+    if covered != eligible:
+        raise ValueError(
+            f"KV-sharing layers {sorted(eligible - covered)} end the model's attention layers, "
+            "but a decoder layer from theirs on also holds a layer that owns KV or has no "
+            "attention, so truncated prefill cannot run them on fewer rows; give the trailing "
+            "sharing layers decoder layers of their own"
+        )
+    return first
 
 
 @dataclass(frozen=True)

@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from typing import NamedTuple
 
-from scheduler.kv_cache.grouping import (
-    attach_sharing,
-    fold_to_full_attention,
-    group_layers,
-    validate_kv_sharing,
-)
+from scheduler.kv_cache.grouping import fold_to_full_attention, group_layers
+from scheduler.kv_cache.sharing import attach_sharing, validate_kv_sharing
 from scheduler.kv_cache.spec import (
     ChunkedLocalAttentionSpec,
     KVCacheConfig,
@@ -45,7 +42,7 @@ def build_kv_cache_config(  # noqa: PLR0913 - keyword options of the one public 
     layer_specs: dict[str, KVCacheSpec],
     memory_bytes: int,
     *,
-    shared_kv_layers: dict[str, str] | None = None,
+    shared_kv_layers: Mapping[str, str] | None = None,
     disable_hybrid: bool = False,
     num_blocks_override: int | None = None,
     max_model_len: int | None = None,
@@ -54,13 +51,13 @@ def build_kv_cache_config(  # noqa: PLR0913 - keyword options of the one public 
     """Group the layers, size the pool and plan the buffers for `memory_bytes` of KV memory.
 
     Args:
-        layer_specs: spec of every layer that owns KV memory, in model order. A KV-sharing
-            layer may also be listed (with the spec it would have alone): it is then checked
-            against its target's attention type and left out of the memory plan.
-        shared_kv_layers: layer -> earlier layer whose KV it reads. Layer names must carry the
-            layer index (`model.layers.7.attn`, `L7`): that index decides "earlier". Sharing
-            layers are appended to their target's group after the owning layers and listed in
-            `KVCacheConfig.shared_kv_layers`; a target must own its KV (no chains).
+        layer_specs: spec of every layer, in model order (the worker's `KVCacheSpecReport`).
+            A KV-sharing layer is listed with the spec it would have alone: its place in this
+            order and its attention type are checked against its target's, and it is left
+            out of the memory plan.
+        shared_kv_layers: layer -> earlier layer whose KV it reads, validated here and only
+            here (`sharing.validate_kv_sharing`). Sharing layers are appended to their target's
+            group after the owning layers and listed in `KVCacheConfig.shared_kv_layers`.
         disable_hybrid: fold sliding-window / chunked-local layers into full attention so that
             the model has one group; ValueError if that is not possible.
         num_blocks_override: use this many blocks instead of what fits in `memory_bytes`.
@@ -71,7 +68,8 @@ def build_kv_cache_config(  # noqa: PLR0913 - keyword options of the one public 
     if memory_bytes < 0:
         raise ValueError(f"memory_bytes must be >= 0, got {memory_bytes}")
     sharing = validate_kv_sharing(layer_specs, shared_kv_layers or {})
-    owners = {name: spec for name, spec in layer_specs.items() if name not in sharing}
+    sharers = {layer for layer, _ in sharing}
+    owners = {name: spec for name, spec in layer_specs.items() if name not in sharers}
     if disable_hybrid:
         owners = fold_to_full_attention(owners)
     groups = group_layers(owners, disable_hybrid=disable_hybrid)

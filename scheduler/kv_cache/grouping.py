@@ -2,14 +2,14 @@
 
 Decision tree: no layers -> no groups; mergeable specs -> one group; one type with several page
 sizes -> one `UniformTypeKVCacheSpecs` group; otherwise (hybrid) unify page sizes, then cut the
-layers of each spec into groups of equal size. KV-sharing layers own no memory and join their
-target's group. All functions take `{layer: spec}` in model order.
+layers of each spec into groups of equal size. KV-sharing layers own no memory: they are left
+out here and join their target's group afterwards (`sharing.py`). All functions take
+`{layer: spec}` in model order.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Hashable
 from dataclasses import replace
 
@@ -17,7 +17,6 @@ from scheduler.kv_cache.spec import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
-    KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheSpec,
     MambaSpec,
@@ -218,70 +217,3 @@ def split_into_groups(specs: LayerSpecs) -> tuple[KVCacheGroupSpec, ...]:
             padding,
         )
     return tuple(groups)
-
-
-def _layer_position(name: str) -> tuple[int, ...]:
-    numbers = tuple(int(part) for part in name.split(".") if part.isdigit())
-    if numbers:
-        return numbers
-    match = re.search(r"(\d+)$", name)
-    if match:
-        return (int(match.group(1)),)
-    raise ValueError(
-        f"cannot tell the position of layer {name!r}: KV sharing needs layer names carrying the "
-        "layer index (e.g. 'model.layers.7.self_attn.attn')"
-    )
-
-
-def _attention_kind(spec: KVCacheSpec) -> tuple[object, ...]:
-    return (
-        type(spec),
-        getattr(spec, "sliding_window", None),
-        getattr(spec, "attention_chunk_size", None),
-    )
-
-
-def validate_kv_sharing(
-    layer_specs: dict[str, KVCacheSpec], shared: dict[str, str]
-) -> dict[str, str]:
-    """Check every (layer, target) pair; return them sorted by layer position."""
-    for layer, target in shared.items():
-        if layer == target:
-            raise ValueError(f"layer {layer!r} cannot share the KV cache of itself")
-        if target in shared:
-            raise ValueError(
-                f"layer {layer!r} shares the KV cache of {target!r}, which itself shares "
-                f"{shared[target]!r}; point {layer!r} at {shared[target]!r} directly"
-            )
-        target_spec = layer_specs.get(target)
-        if not isinstance(target_spec, AttentionSpec):
-            raise ValueError(
-                f"KV sharing target {target!r} of layer {layer!r} is not an attention layer "
-                "with its own KV cache"
-            )
-        if _layer_position(target) >= _layer_position(layer):
-            raise ValueError(
-                f"KV sharing target {target!r} must come before layer {layer!r} in the model"
-            )
-        own_spec = layer_specs.get(layer)
-        if own_spec is not None and _attention_kind(own_spec) != _attention_kind(target_spec):
-            raise ValueError(
-                f"layer {layer!r} ({type(own_spec).__name__}) cannot share the "
-                f"KV cache of {target!r}: different attention type {target_spec}"
-            )
-    return dict(sorted(shared.items(), key=lambda item: _layer_position(item[0])))
-
-
-def attach_sharing(config: KVCacheConfig, sharing: dict[str, str]) -> KVCacheConfig:
-    """Append each sharing layer to its target's group (after the owning layers)."""
-    if not sharing:
-        return config
-    index = {name: gid for gid, group in enumerate(config.groups) for name in group.layer_names}
-    extra: list[list[str]] = [[] for _ in config.groups]
-    for layer, target in sharing.items():
-        extra[index[target]].append(layer)
-    groups = tuple(
-        replace(group, layer_names=group.layer_names + tuple(more))
-        for group, more in zip(config.groups, extra, strict=True)
-    )
-    return replace(config, groups=groups, shared_kv_layers=tuple(sharing.items()))

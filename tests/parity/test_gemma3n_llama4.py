@@ -339,7 +339,7 @@ def test_gemma3n_kv_capacity_counts_only_owning_layers(gemma3n):
         if name not in report.shared_kv_layers
     }
     shared = build_kv_cache_config(
-        owners, memory, shared_kv_layers=report.shared_kv_layers, disable_hybrid=True
+        report.layer_specs, memory, shared_kv_layers=report.shared_kv_layers, disable_hybrid=True
     )
     unshared = build_kv_cache_config(
         {**owners, **{name: owners[target] for name, target in report.shared_kv_layers.items()}},

@@ -19,10 +19,8 @@ from transformers import PretrainedConfig
 
 from worker.attention import Attention, AttentionConfig, ForwardContext
 from worker.config import ModelConfig, ParallelConfig
-from worker.kv_sharing import (
-    KVSharingDecoderLoop,
-    kv_sharing_targets_from_config,
-)
+from worker.decoder_loop import DecoderLayerLoop
+from worker.kv_sharing import kv_sharing_targets_from_config
 from worker.layers.activation import gated_activation
 from worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from worker.layers.linear import (
@@ -229,7 +227,7 @@ class DecoderModel(nn.Module):
         self.rotary_emb = nn.ModuleDict(
             {key: RotaryEmbedding(head_size, params) for key, params in ropes.items()}
         )
-        self.loop = KVSharingDecoderLoop(self.layers)
+        self.loop = DecoderLayerLoop(self.layers)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext

@@ -18,7 +18,7 @@ from transformers.activations import ACT2FN
 
 from worker.attention import ForwardContext
 from worker.config import ModelConfig, ParallelConfig
-from worker.kv_sharing import KVSharingDecoderLoop
+from worker.decoder_loop import DecoderLayerLoop
 from worker.layers.embedding import VocabParallelEmbedding
 from worker.layers.linear import ReplicatedLinear
 from worker.layers.loading import WeightSource
@@ -129,7 +129,7 @@ class Gemma3nModel(nn.Module):
                 for kind in sorted(set(self.types))
             }
         )
-        self.loop = KVSharingDecoderLoop(self.layers)
+        self.loop = DecoderLayerLoop(self.layers)
 
     def _per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """[T] ids, [T, H] embeddings -> [T, layers, P]: token table + projected embedding."""

@@ -21,7 +21,7 @@ from transformers.activations import ACT2FN
 
 from worker.attention import ForwardContext
 from worker.config import ModelConfig, ParallelConfig
-from worker.kv_sharing import KVSharingDecoderLoop
+from worker.decoder_loop import DecoderLayerLoop
 from worker.layers.embedding import VocabParallelEmbedding
 from worker.layers.linear import ReplicatedLinear
 from worker.layers.loading import WeightSource, default_weight_loader, new_parameter
@@ -102,7 +102,7 @@ class Gemma4DecoderLayer(nn.Module):
 
 
 class Gemma4Model(nn.Module):
-    """Embeddings, per-layer inputs, the layer stack (through the KV-sharing loop), final norm."""
+    """Embeddings, per-layer inputs, the layer stack (through the decoder loop), final norm."""
 
     def __init__(self, hf_config: PretrainedConfig, parallel: ParallelConfig) -> None:
         super().__init__()
@@ -132,7 +132,7 @@ class Gemma4Model(nn.Module):
                 for kind, size in sorted(head_sizes.items())
             }
         )
-        self.loop = KVSharingDecoderLoop(self.layers)
+        self.loop = DecoderLayerLoop(self.layers)
 
     def _per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
         """[T] ids, [T, H] embeddings -> [T, layers, P]: token table + projected embedding."""

@@ -17,7 +17,8 @@ from transformers import PretrainedConfig
 
 from worker.attention import Attention, AttentionConfig, ForwardContext
 from worker.config import ParallelConfig
-from worker.kv_sharing import KVSharingDecoderLoop, kv_sharing_targets_from_config
+from worker.decoder_loop import DecoderLayerLoop
+from worker.kv_sharing import kv_sharing_targets_from_config
 from worker.layers.embedding import VocabParallelEmbedding
 from worker.layers.linear import QKVParallelLinear, RowParallelLinear
 from worker.layers.norm import RMSNorm
@@ -123,7 +124,7 @@ class Llama4DecoderLayer(nn.Module):
 
 
 class Llama4Model(nn.Module):
-    """Embedding, the layer stack (through the KV-sharing loop) and the final norm."""
+    """Embedding, the layer stack (through the decoder layer loop) and the final norm."""
 
     def __init__(self, hf_config: PretrainedConfig, parallel: ParallelConfig) -> None:
         super().__init__()
@@ -136,7 +137,7 @@ class Llama4Model(nn.Module):
         )
         self.norm = RMSNorm(hidden, hf_config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(head_size_of(hf_config), rope_parameters(hf_config))
-        self.loop = KVSharingDecoderLoop(self.layers)
+        self.loop = DecoderLayerLoop(self.layers)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext

@@ -10,55 +10,32 @@ from scheduler.kv_cache.block_pool import BlockPool
 from scheduler.kv_cache.coordinator import make_manager as make_group_manager
 from scheduler.kv_cache.manager import KVCacheBlocks, KVCacheManager
 from scheduler.kv_cache.single_type_manager import SingleTypeManager
-from scheduler.kv_cache.spec import (
-    ChunkedLocalAttentionSpec,
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheSpec,
-    MambaCacheMode,
-    MambaSpec,
-    SlidingWindowSpec,
-)
+from scheduler.kv_cache.spec import KVCacheConfig, KVCacheSpec, MambaCacheMode
+from scheduler.kv_cache.spec_factory import AttentionShape, make_spec, one_layer_groups_config
 from scheduler.request import Request, SamplingParams
 
 P3 = [0] * 16 + [1] * 16 + [2] * 16
 """Three full blocks of 16 tokens."""
 
 
-def full(block_size: int, dtype_bytes: int = 4) -> FullAttentionSpec:
-    return FullAttentionSpec(
-        block_size=block_size, num_kv_heads=1, head_size=1, dtype_bytes=dtype_bytes
-    )
+def full(block_size: int, dtype_bytes: int = 4) -> KVCacheSpec:
+    return make_spec("full", block_size, shape=AttentionShape(dtype_bytes=dtype_bytes))
 
 
-def window(block_size: int, sliding_window: int) -> SlidingWindowSpec:
-    return SlidingWindowSpec(
-        block_size=block_size,
-        num_kv_heads=1,
-        head_size=1,
-        dtype_bytes=4,
-        sliding_window=sliding_window,
-    )
+def window(block_size: int, sliding_window: int) -> KVCacheSpec:
+    return make_spec("sliding_window", block_size, sliding_window)
 
 
-def chunked(block_size: int, chunk: int) -> ChunkedLocalAttentionSpec:
-    return ChunkedLocalAttentionSpec(
-        block_size=block_size,
-        num_kv_heads=1,
-        head_size=1,
-        dtype_bytes=4,
-        attention_chunk_size=chunk,
-    )
+def chunked(block_size: int, chunk: int) -> KVCacheSpec:
+    return make_spec("chunked_local", block_size, chunk)
 
 
-def mamba(block_size: int, mode: MambaCacheMode = MambaCacheMode.ALL) -> MambaSpec:
-    return MambaSpec(block_size=block_size, shapes=((1,),), dtype_bytes=(4,), mamba_cache_mode=mode)
+def mamba(block_size: int, mode: MambaCacheMode = MambaCacheMode.ALL) -> KVCacheSpec:
+    return make_spec("mamba", block_size, mamba_cache_mode=mode)
 
 
 def make_config(num_blocks: int, *specs: KVCacheSpec) -> KVCacheConfig:
-    groups = tuple(KVCacheGroupSpec((f"layer{index}",), spec) for index, spec in enumerate(specs))
-    return KVCacheConfig(num_blocks=num_blocks, groups=groups, tensors=())
+    return one_layer_groups_config(num_blocks, list(specs))
 
 
 def make_manager(

@@ -25,6 +25,6 @@ def test_importing_every_scheduler_module_loads_no_torch_or_ray() -> None:
         [sys.executable, "-c", PROBE], capture_output=True, text=True, cwd=ROOT, check=True
     )
     report = json.loads(result.stdout)
-    assert "scheduler.kv_cache_manager" in report["modules"]
+    assert "scheduler.kv_cache.manager" in report["modules"]
     assert "scheduler.replay" in report["modules"]
     assert report["heavy"] == []

@@ -46,7 +46,9 @@ def _hybrid_config(layers: list[Attention], num_blocks: int = 12):
 def test_report_lists_owners_and_sharing_layers() -> None:
     layers = [_layer(0), _layer(1, window=8), _layer(2, target="model.layers.0.attn")]
     report = report_kv_cache_specs(layers, block_size=4, dtype_bytes=4)
-    assert list(report.layer_specs) == ["model.layers.0.attn", "model.layers.1.attn"]
+    # every layer in model order; the sharing layer with the spec it would have alone
+    assert list(report.layer_specs) == [f"model.layers.{i}.attn" for i in range(3)]
+    assert report.layer_specs["model.layers.2.attn"] == report.layer_specs["model.layers.0.attn"]
     assert report.shared_kv_layers == {"model.layers.2.attn": "model.layers.0.attn"}
 
 

@@ -1,22 +1,17 @@
-"""KV sharing on the worker: truncated-prefill eligibility (S27) and attention-group placement."""
+"""KV sharing on the worker: truncated-prefill eligibility (S27), attention-group placement from
+the KV cache config's groups as given, the decoder layer loop, and the one validation (in the KV
+config builder, from the worker's model-ordered report) seen from the worker and the engine."""
 
 from __future__ import annotations
 
 import pytest
 
-from worker.kv_sharing import (
-    AttentionGroupPlan,
-    LayerAttentionInfo,
-    plan_attention_groups,
-    truncated_prefill_layers,
-)
+from worker.attention_groups import AttentionGroupPlan, plan_attention_groups
+from worker.metadata_transforms import truncated_prefill_layers
 
 
-def _layers(kinds: list[str], shares: dict[int, int]) -> list[LayerAttentionInfo]:
-    return [
-        LayerAttentionInfo(f"L{i}", kind, f"L{shares[i]}" if i in shares else None)
-        for i, kind in enumerate(kinds)
-    ]
+def _names(count: int) -> list[str]:
+    return [f"L{i}" for i in range(count)]
 
 
 @pytest.mark.parametrize(
@@ -28,11 +23,13 @@ def _layers(kinds: list[str], shares: dict[int, int]) -> list[LayerAttentionInfo
     ],
 )
 def test_eligibility_is_the_trailing_run_of_sharing_layers(shares, eligible):
-    assert set(truncated_prefill_layers(_layers(["full"] * 6, shares))) == eligible
+    assert set(truncated_prefill_layers(_names(6), {f"L{i}" for i in shares})) == eligible
 
 
 # L0 full, L1 local, L2 shares L0, L3 shares L1, L4 full, L5 local, L6 shares L4, L7 shares L5.
-EIGHT = _layers(["full", "local"] * 4, {2: 0, 3: 1, 6: 4, 7: 5})
+EIGHT = {f"L{i}": ("full", "local")[i % 2] for i in range(8)}
+EIGHT_SHARING = {"L2": "L0", "L3": "L1", "L6": "L4", "L7": "L5"}
+TRUNCATED = truncated_prefill_layers(list(EIGHT), EIGHT_SHARING)
 
 
 def _as_sets(plans: list[AttentionGroupPlan]) -> set[tuple[int, str, bool, frozenset[str]]]:
@@ -43,7 +40,8 @@ def _as_sets(plans: list[AttentionGroupPlan]) -> set[tuple[int, str, bool, froze
 
 
 def test_placement_with_one_kv_cache_group():
-    plans = plan_attention_groups(EIGHT, [["L0", "L1", "L4", "L5"]], is_fast_prefill=True)
+    groups = [["L0", "L1", "L4", "L5", "L2", "L3", "L6", "L7"]]  # sharing layers after owners
+    plans = plan_attention_groups(EIGHT, groups, TRUNCATED)
     assert [p.layer_names for p in plans] == [
         ("L0", "L4", "L2"),
         ("L1", "L5", "L3"),
@@ -58,8 +56,11 @@ def test_placement_with_one_kv_cache_group():
     }
 
 
+HYBRID_GROUPS = [["L0", "L4", "L2", "L6"], ["L1", "L5", "L3", "L7"]]
+
+
 def test_placement_with_hybrid_groups_splits_inside_each_group():
-    plans = plan_attention_groups(EIGHT, [["L0", "L4"], ["L1", "L5"]], is_fast_prefill=True)
+    plans = plan_attention_groups(EIGHT, HYBRID_GROUPS, TRUNCATED)
     assert _as_sets(plans) == {
         (0, "full", False, frozenset({"L0", "L4", "L2"})),
         (0, "full", True, frozenset({"L6"})),
@@ -68,20 +69,21 @@ def test_placement_with_hybrid_groups_splits_inside_each_group():
     }
 
 
-def test_placement_without_fast_prefill_joins_every_sharing_layer_to_its_target():
-    plans = plan_attention_groups(EIGHT, [["L0", "L4"], ["L1", "L5"]], is_fast_prefill=False)
+def test_placement_without_fast_prefill_keeps_each_group_whole():
+    plans = plan_attention_groups(EIGHT, HYBRID_GROUPS)
     assert [(p.kv_cache_group_id, p.layer_names) for p in plans] == [
         (0, ("L0", "L4", "L2", "L6")),
         (1, ("L1", "L5", "L3", "L7")),
     ]
 
 
-def test_placement_rejects_a_target_outside_every_group():
-    with pytest.raises(ValueError, match="in no KV group"):
-        plan_attention_groups(EIGHT, [["L0", "L4"]], is_fast_prefill=True)
+def test_placement_rejects_a_group_naming_no_attention_layer():
+    with pytest.raises(ValueError, match="L9, which is no attention layer"):
+        plan_attention_groups(EIGHT, [["L0", "L9"]])
 
 
 # ---- through the engine's KV cache config builder ----
+
 
 GIB = 1 << 30
 
@@ -99,16 +101,16 @@ def test_s25_sharing_doubles_the_tokens_that_fit():
     from scheduler.kv_cache.builder import build_kv_cache_config, estimate_max_model_len
 
     alone = build_kv_cache_config({"L0": _spec(), "L1": _spec()}, 20 * GIB)
-    shared = build_kv_cache_config({"L0": _spec()}, 20 * GIB, shared_kv_layers={"L1": "L0"})
+    shared = build_kv_cache_config(
+        {"L0": _spec(), "L1": _spec()}, 20 * GIB, shared_kv_layers={"L1": "L0"}
+    )
     assert shared.num_blocks == 655360
     assert [t.size_bytes for t in shared.tensors] == [20 * GIB]
     assert [g.layer_names for g in shared.groups] == [("L0", "L1")]
     assert estimate_max_model_len(alone, 5 * GIB) == 1_310_720
     assert estimate_max_model_len(shared, 5 * GIB) == 2_621_440
     plans = plan_attention_groups(
-        [LayerAttentionInfo("L0", "full"), LayerAttentionInfo("L1", "full", "L0")],
-        [g.layer_names for g in shared.groups],
-        is_fast_prefill=False,
+        {"L0": "full", "L1": "full"}, [g.layer_names for g in shared.groups]
     )
     assert [p.layer_names for p in plans] == [("L0", "L1")]
 
@@ -117,15 +119,15 @@ def test_s25_sharing_doubles_the_tokens_that_fit():
 def test_placement_from_built_kv_cache_config(disable_hybrid):
     from scheduler.kv_cache.builder import build_kv_cache_config
 
-    owners = {f"L{i}": _spec() if i % 2 == 0 else _spec(sliding_window=32) for i in (0, 1, 4, 5)}
+    specs = {
+        name: _spec() if kind == "full" else _spec(sliding_window=32)
+        for name, kind in EIGHT.items()
+    }
     config = build_kv_cache_config(
-        owners,
-        GIB,
-        shared_kv_layers={"L2": "L0", "L3": "L1", "L6": "L4", "L7": "L5"},
-        disable_hybrid=disable_hybrid,
+        specs, GIB, shared_kv_layers=EIGHT_SHARING, disable_hybrid=disable_hybrid
     )
     assert len(config.groups) == (1 if disable_hybrid else 2)
-    plans = plan_attention_groups(EIGHT, [g.layer_names for g in config.groups], True)
+    plans = plan_attention_groups(EIGHT, [g.layer_names for g in config.groups], TRUNCATED)
     expected = {
         ("full", False, frozenset({"L0", "L4", "L2"})),
         ("local", False, frozenset({"L1", "L5", "L3"})),
@@ -180,9 +182,9 @@ def _context(query_rows):
 def test_decoder_loop_runs_trailing_sharing_layers_on_kept_rows_only():
     import torch
 
-    from worker.kv_sharing import KVSharingDecoderLoop
+    from worker.decoder_loop import DecoderLayerLoop
 
-    loop = KVSharingDecoderLoop([_attention(0), _attention(1), _attention(2, 0), _attention(3, 1)])
+    loop = DecoderLayerLoop([_attention(0), _attention(1), _attention(2, 0), _attention(3, 1)])
     assert (loop.first_truncated, loop.probe_layer) == (2, "L2")
     calls = []
 
@@ -212,9 +214,9 @@ def test_decoder_loop_runs_trailing_sharing_layers_on_kept_rows_only():
 
 
 def test_decoder_loop_without_trailing_sharing_layers_never_truncates():
-    from worker.kv_sharing import KVSharingDecoderLoop
+    from worker.decoder_loop import DecoderLayerLoop
 
-    loop = KVSharingDecoderLoop([_attention(0), _attention(1, 0), _attention(2)])
+    loop = DecoderLayerLoop([_attention(0), _attention(1, 0), _attention(2)])
     assert loop.probe_layer is None
     assert loop.first_truncated == 3
 
@@ -227,32 +229,25 @@ def test_kv_sharing_targets_from_config_extra_key():
     config = LlamaConfig(num_hidden_layers=8, kv_sharing_targets={"7": 5, "6": 4})
     assert kv_sharing_targets_from_config(config) == {7: 5, 6: 4}
     assert kv_sharing_targets_from_config(LlamaConfig(num_hidden_layers=2)) == {}
-    with pytest.raises(ValueError, match="cannot read"):
+    # Only the sharing layer must exist here; the targets are checked by the KV config builder.
+    assert kv_sharing_targets_from_config(
+        LlamaConfig(num_hidden_layers=8, kv_sharing_targets={"3": 1, "5": 3})
+    ) == {3: 1, 5: 3}
+    with pytest.raises(ValueError, match="layer 8 is not a layer of the model"):
         kv_sharing_targets_from_config(
-            LlamaConfig(num_hidden_layers=8, kv_sharing_targets={"3": 3})
-        )
-    with pytest.raises(ValueError, match="cannot be a target"):
-        kv_sharing_targets_from_config(
-            LlamaConfig(num_hidden_layers=8, kv_sharing_targets={"3": 1, "5": 3})
+            LlamaConfig(num_hidden_layers=8, kv_sharing_targets={"8": 3})
         )
 
 
-# ---- validation: in the runner's plan, in the model's decoder loop, from a config ----
+# ---- validation: once, in the KV config builder, from the worker's model-ordered report ----
 
 INVALID = [
-    ({1: 1}, "cannot share the KV cache of itself"),
-    ({1: 9}, "not an attention layer of the model"),
-    ({1: 2}, "must come before"),
-    ({2: 0, 3: 2}, "itself reads 'L0'; point 'L3' at 'L0' directly"),
-    ({3: 0}, r"different attention type \(local vs full\)"),
+    ({1: 1}, "'L1' reads the KV cache of 'L1': a layer cannot share the KV cache of itself"),
+    ({1: 9}, "'L1' reads the KV cache of 'L9', which is not an attention layer of the model"),
+    ({1: 2}, "'L1' reads the KV cache of 'L2': the target must come before"),
+    ({2: 0, 3: 2}, "'L3' reads the KV cache of 'L2', which itself reads 'L0'; point 'L3' at 'L0'"),
+    ({3: 0}, "'L3' reads the KV cache of 'L0': different attention type"),
 ]
-
-
-@pytest.mark.parametrize(("shares", "message"), INVALID)
-def test_plan_rejects_invalid_sharing_targets(shares, message):
-    layers = _layers(["full", "local"] * 2, shares)
-    with pytest.raises(ValueError, match=message):
-        plan_attention_groups(layers, [["L0", "L1", "L2", "L3"]], is_fast_prefill=True)
 
 
 def _typed_attention(idx: int, target: int | None = None, **extra):
@@ -271,6 +266,27 @@ def _typed_attention(idx: int, target: int | None = None, **extra):
     )
 
 
+def _build_from_report(layers):
+    from scheduler.kv_cache.builder import build_kv_cache_config
+    from worker.kv_cache import report_kv_cache_specs
+
+    report = report_kv_cache_specs(layers, block_size=4, dtype_bytes=4)
+    return build_kv_cache_config(
+        report.layer_specs, 1 << 20, shared_kv_layers=report.shared_kv_layers
+    )
+
+
+@pytest.mark.parametrize(("shares", "message"), INVALID)
+def test_report_with_invalid_sharing_targets_is_rejected_by_the_builder(shares, message):
+    from worker.decoder_loop import DecoderLayerLoop
+
+    window = {"sliding_window": 8}
+    layers = [_typed_attention(i, shares.get(i), **(window if i % 2 else {})) for i in range(4)]
+    DecoderLayerLoop(layers)  # the model builds: the worker does not validate sharing
+    with pytest.raises(ValueError, match=message):
+        _build_from_report(layers)
+
+
 @pytest.mark.parametrize(
     ("target_extra", "sharer_extra", "message"),
     [
@@ -280,66 +296,89 @@ def _typed_attention(idx: int, target: int | None = None, **extra):
         ({"num_kv_heads": 2, "num_heads": 4}, {}, "full attention, 1 KV heads .* vs .* 2 KV heads"),
     ],
 )
-def test_decoder_loop_rejects_a_target_of_another_attention_type(
-    target_extra, sharer_extra, message
-):
-    from worker.kv_sharing import KVSharingDecoderLoop
-
+def test_a_target_of_another_attention_type_is_rejected(target_extra, sharer_extra, message):
     layers = [_typed_attention(0, **target_extra), _typed_attention(1, 0, **sharer_extra)]
     prefix = r"'L1' reads the KV cache of 'L0': different attention type \("
     with pytest.raises(ValueError, match=prefix + message):
-        KVSharingDecoderLoop(layers)
+        _build_from_report(layers)
 
 
-def test_decoder_loop_rejects_a_later_or_unknown_target():
-    from worker.kv_sharing import KVSharingDecoderLoop
-
-    with pytest.raises(ValueError, match="must come before"):
-        KVSharingDecoderLoop([_typed_attention(0, 1), _typed_attention(1)])
-    with pytest.raises(ValueError, match="not an attention layer"):
-        KVSharingDecoderLoop([_typed_attention(0), _typed_attention(1, 5)])
+def _layer(idx: int) -> str:
+    return f"model.layers.{idx}.self_attn.attn"
 
 
-@pytest.mark.parametrize(
-    ("family", "local", "extra"),
-    [
-        ("Qwen2", "sliding_attention", {"use_sliding_window": True, "sliding_window": 6}),
-        ("Llama4Text", "chunked_attention", {"attention_chunk_size": 8}),
-    ],
-)
-def test_model_with_a_cross_type_sharing_target_fails_to_build(tmp_path, family, local, extra):
-    """Layer 3 (local) names layer 0 (full) in the config's `kv_sharing_targets`."""
+ENGINE_INVALID = [
+    pytest.param(
+        {"1": 3},
+        f"'{_layer(1)}' reads the KV cache of '{_layer(3)}': the target must come before",
+        id="later",
+    ),
+    pytest.param(
+        {"2": 0, "3": 2},
+        f"'{_layer(3)}' reads the KV cache of '{_layer(2)}', which itself reads",
+        id="chain",
+    ),
+    pytest.param(
+        {"3": 0},
+        f"'{_layer(3)}' reads the KV cache of '{_layer(0)}': different attention type",
+        id="type",
+    ),
+    pytest.param(
+        {"2": 9},
+        f"'{_layer(2)}' reads the KV cache of '{_layer(9)}', which is not an attention layer",
+        id="unknown",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory):
+    """A tiny Qwen2 (L0 full, L1 sliding, L2 full, L3 sliding) without `kv_sharing_targets`."""
     import transformers
 
-    from worker.config import ModelConfig, ParallelConfig
-    from worker.models.registry import get_model_class
-
-    config = getattr(transformers, f"{family}Config")(
+    path = tmp_path_factory.mktemp("qwen2")
+    config = transformers.Qwen2Config(
         vocab_size=64,
         hidden_size=16,
         intermediate_size=32,
         num_attention_heads=2,
         num_key_value_heads=1,
         num_hidden_layers=4,
-        layer_types=["full_attention", local] * 2,
-        kv_sharing_targets={"3": 0},
-        **extra,
+        layer_types=["full_attention", "sliding_attention"] * 2,
+        use_sliding_window=True,
+        sliding_window=6,
+        max_position_embeddings=64,
     )
-    config.architectures = [family.replace("Text", "") + "ForCausalLM"]
-    config.save_pretrained(tmp_path)
-    model_config = ModelConfig.from_pretrained(tmp_path)
-    message = (
-        "'model.layers.3.self_attn.attn' reads the KV cache of 'model.layers.0.self_attn.attn': "
-        "different attention type"
-    )
-    with pytest.raises(ValueError, match=message):
-        get_model_class(model_config.architecture)(model_config, ParallelConfig())
+    transformers.Qwen2ForCausalLM(config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize(("targets", "message"), ENGINE_INVALID)
+def test_engine_with_an_invalid_sharing_map_fails_once_naming_the_layer(
+    qwen2_dir, tmp_path, targets, message
+):
+    """Through `cluster.LLM`: the one check (the KV config builder) raises one ValueError,
+    with no error chained to it and the message said once."""
+    import json
+    import re
+    import shutil
+
+    from cluster import LLM
+
+    shutil.copytree(qwen2_dir, tmp_path, dirs_exist_ok=True)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "kv_sharing_targets": targets}))
+    with pytest.raises(ValueError, match=re.escape(message)) as info:
+        LLM(str(tmp_path), block_size=4, kv_cache_memory_bytes=1 << 20, max_model_len=32)
+    assert info.value.__cause__ is None
+    assert info.value.__context__ is None
+    assert str(info.value).count("reads the KV cache of") == 1
 
 
 def test_decoder_loop_takes_decoder_layers_and_rejects_runs_it_cannot_truncate():
     from torch import nn
 
-    from worker.kv_sharing import KVSharingDecoderLoop
+    from worker.decoder_loop import DecoderLayerLoop
 
     def block(*attentions):
         module = nn.Module()
@@ -347,14 +386,14 @@ def test_decoder_loop_takes_decoder_layers_and_rejects_runs_it_cannot_truncate()
         return module
 
     layers = [block(_attention(0)), block(_attention(1)), block(_attention(2, 0), _attention(3, 1))]
-    loop = KVSharingDecoderLoop(layers)
+    loop = DecoderLayerLoop(layers)
     assert (loop.num_layers, loop.first_truncated, loop.probe_layer) == (3, 2, "L2")
     mixed = [block(_attention(0)), block(_attention(1, 0), _attention(2))]
-    assert KVSharingDecoderLoop(mixed).first_truncated == 2  # its last attention owns KV
+    assert DecoderLayerLoop(mixed).first_truncated == 2  # its last attention owns KV
     for invalid in (
         [block(_attention(0)), block(_attention(1, 0)), block()],  # a last layer without attention
         [block(_attention(0)), block(_attention(1), _attention(2, 0))],  # L2 next to an owner
     ):
         with pytest.raises(ValueError, match="truncated prefill cannot run them on fewer rows"):
-            KVSharingDecoderLoop(invalid)
-    assert KVSharingDecoderLoop([block(_attention(0)), block()]).probe_layer is None
+            DecoderLayerLoop(invalid)
+    assert DecoderLayerLoop([block(_attention(0)), block()]).probe_layer is None
