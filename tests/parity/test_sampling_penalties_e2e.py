@@ -74,7 +74,7 @@ def test_penalties_survive_preemption(llama) -> None:
     prompts = [[(k * i + k) % 256 for i in range(30)] for k in (3, 5, 7)]
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, repetition_penalty=1.5)
     results = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.client.core.scheduler.num_preemptions > 0
     llm.shutdown()
     for prompt, result in zip(prompts, results, strict=True):
         assert result.outputs[0].token_ids == _hf(model, prompt, repetition_penalty=1.5)

@@ -103,7 +103,8 @@ def check_output(rows: list[dict[str, Any]], expected: dict[object, list[int]]) 
         assert "error" not in row, row
         assert row["generated_tokens"] == tokens, key
         assert row["num_generated_tokens"] == len(tokens)
-        assert row["generated_text"] == " ".join(f"t{t}" for t in tokens)
+        # The text after the prompt's text, its separating space included (vLLM's rule).
+        assert row["generated_text"] == "".join(f" t{t}" for t in tokens)
         assert row["finish_reason"] == "length"
     assert by_id["p"]["num_input_tokens"] == 5
     assert by_id["m"]["num_input_tokens"] == by_id["oc"]["num_input_tokens"] == 5  # t1 t7 t8 t9 t2

@@ -96,7 +96,8 @@ def test_engine_actor_streams_deltas(client: RayEngineClient, llm: LLM) -> None:
     assert len(final.outputs[0].token_ids) == GREEDY.max_tokens
     streamed_text = "".join(d.outputs[0].text for d in deltas)
     assert streamed_text == final.outputs[0].text
-    assert streamed_text == llm.tokenizer.decode(final.outputs[0].token_ids)
+    whole = llm.tokenizer.decode(list(prompt_ids) + final.outputs[0].token_ids)
+    assert streamed_text == whole[len(llm.tokenizer.decode(list(prompt_ids))) :]
 
 
 def test_abort_frees_the_requests_blocks(client: RayEngineClient) -> None:
