@@ -58,6 +58,7 @@ serve: install
 # Regenerate the shipped gRPC modules from cluster/serve/grpc/llm.proto.
 grpc: install
 	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. cluster/serve/grpc/llm.proto
+	$(BIN)/python cluster/serve/grpc/strip_servicer.py cluster/serve/grpc/llm_pb2_grpc.py
 
 bench: install
 	$(BIN)/python benchmarks/bench_kv_cache.py
