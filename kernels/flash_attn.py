@@ -12,7 +12,7 @@ import inspect
 
 import torch
 
-from kernels.reference import check_attention_args
+from kernels.reference import KeyFromValue, check_attention_args
 
 _PAGED_BLOCK_MULTIPLE = 256  # flash-attn 2 rejects paged KV blocks of other sizes
 _MAX_HEAD_SIZE = 256
@@ -44,10 +44,13 @@ def unsupported_reason(
     dtype: torch.dtype | None = None,
     *,
     has_sinks: bool = False,
+    keys_from_values: bool = False,
 ) -> str | None:
     """Why flash-attn cannot run this configuration, or None when it can."""
     if has_sinks:
         return "flash-attn 2 has no attention sinks (per-head logits in the softmax denominator)"
+    if keys_from_values:
+        return "flash-attn reads stored keys; it cannot derive them from the cached values"
     if device.type != "cuda":
         return f"flash-attn needs a CUDA device, not {device.type}"
     if block_size % _PAGED_BLOCK_MULTIPLE != 0:
@@ -73,6 +76,7 @@ def paged_attention(  # noqa: PLR0913 (the signature shared by every backend)
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    key_from_value: KeyFromValue | None = None,
 ) -> torch.Tensor:
     """Paged attention of a mixed batch; same contract as `kernels.reference.paged_attention`.
 
@@ -87,6 +91,7 @@ def paged_attention(  # noqa: PLR0913 (the signature shared by every backend)
         query.shape[2],
         query.dtype,
         has_sinks=sinks is not None,
+        keys_from_values=key_from_value is not None,
     )
     if reason is not None:
         raise ValueError(reason)

@@ -16,12 +16,28 @@ import torch.nn.functional as F
 _MAX_SCORE_ELEMENTS = 1 << 24
 
 
+class KeyFromValue(NamedTuple):
+    """Keys rebuilt from the cached values, for layers that store one tensor (Gemma 4's global
+    layers, whose keys and values come from one projection).
+
+    The key of the token at position `p` is `rope_p(value * scale)`: rotate-half rope over the
+    first `2 * len(inv_freq)` features with angles `p * inv_freq` and cos/sin multiplied by
+    `attention_scaling`; the other features are only scaled. Given to `paged_attention`, it
+    makes the kernel read keys from `value_cache` and ignore `key_cache`.
+    """
+
+    scale: torch.Tensor  # [head_size]
+    inv_freq: torch.Tensor  # fp32 [rotary_dim // 2]
+    attention_scaling: float = 1.0
+
+
 class _PagedKV(NamedTuple):
     """The caches plus one request's row of the block table."""
 
     key_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_size]
     value_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_size]
     block_ids: torch.Tensor  # [max_blocks] int32
+    key_from_value: KeyFromValue | None = None
 
 
 class _ScoreRule(NamedTuple):
@@ -66,16 +82,18 @@ def paged_attention(  # noqa: PLR0913 (the signature shared by every backend)
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    key_from_value: KeyFromValue | None = None,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch (prefill chunks and decodes) over a paged KV cache.
 
     Request `i` owns `query[query_start_loc[i]:query_start_loc[i + 1]]`, its newest tokens out
     of `seq_lens[i]`. `sinks` [num_q_heads] are learned logits that take part in each query
     head's softmax denominator but have no value (attention sinks, gpt-oss): the weights of
-    the keys then sum to less than one. Returns `[num_tokens, num_q_heads, head_size]` in the
-    query dtype.
+    the keys then sum to less than one. `key_from_value`: the keys are derived from the values
+    (see `KeyFromValue`). Returns `[num_tokens, num_q_heads, head_size]` in the query dtype.
     """
     check_attention_args(query, key_cache, value_cache, block_table, sliding_window, softcap, sinks)
+    check_key_from_value(key_from_value, query.shape[2])
     output = torch.zeros_like(query)
     rule = _ScoreRule(scale, sliding_window, softcap, None if sinks is None else sinks.float())
     starts = query_start_loc.tolist()
@@ -84,7 +102,7 @@ def paged_attention(  # noqa: PLR0913 (the signature shared by every backend)
         start, end = starts[req_idx], starts[req_idx + 1]
         if end == start:
             continue
-        paged = _PagedKV(key_cache, value_cache, block_table[req_idx])
+        paged = _PagedKV(key_cache, value_cache, block_table[req_idx], key_from_value)
         context_len = seq_len - (end - start)
         rows = _chunk_rows(query.shape[1], seq_len)
         for chunk_start in range(start, end, rows):
@@ -131,6 +149,32 @@ def check_attention_args(  # noqa: PLR0913 (every argument of the kernel signatu
     assert sliding_window is None or sliding_window >= 1, sliding_window
     assert softcap is None or softcap > 0, softcap
     assert sinks is None or sinks.shape == (query.shape[1],), "sinks: one logit per query head"
+
+
+def check_key_from_value(key_from_value: KeyFromValue | None, head_size: int) -> None:
+    """Assert the shapes of a `KeyFromValue` (shared by every backend that accepts one)."""
+    if key_from_value is None:
+        return
+    assert key_from_value.scale.shape == (head_size,), "scale: one factor per feature"
+    rotary_dim = 2 * key_from_value.inv_freq.numel()
+    assert 2 <= rotary_dim <= head_size, f"rotary dim {rotary_dim} vs head_size {head_size}"
+
+
+def rotate_values_into_keys(
+    values: torch.Tensor, positions: torch.Tensor, key_from_value: KeyFromValue
+) -> torch.Tensor:
+    """fp32 keys `[n, heads, head_size]` of fp32 `values` at `positions` `[n]` (see
+    `KeyFromValue`); cos/sin computed as the models' rope tables are."""
+    scaled = values * key_from_value.scale.float().to(values.device)
+    inv_freq = key_from_value.inv_freq.float().to(values.device)
+    freqs = positions[:, None].float() * inv_freq
+    angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [n, 1, rotary_dim]
+    cos = angles.cos() * key_from_value.attention_scaling
+    sin = angles.sin() * key_from_value.attention_scaling
+    rotary_dim, half = angles.shape[-1], angles.shape[-1] // 2
+    rotated, passed = scaled[..., :rotary_dim], scaled[..., rotary_dim:]
+    halves = torch.cat((-rotated[..., half:], rotated[..., :half]), dim=-1)
+    return torch.cat((rotated * cos + halves * sin, passed), dim=-1)
 
 
 def _chunk_rows(num_q_heads: int, seq_len: int) -> int:
@@ -207,6 +251,12 @@ def _gather_keys(
     def gather(cache: torch.Tensor) -> torch.Tensor:
         # index_select (not advanced indexing): several times faster on CPU
         pages = cache.index_select(0, block_ids).flatten(0, 1)[skip : skip + num_keys]
-        return pages.float().transpose(0, 1)  # [n, heads, size] -> [heads, n, size]
+        return pages.float()  # [n, heads, size]
 
-    return gather(paged.key_cache), gather(paged.value_cache)
+    values = gather(paged.value_cache)
+    if paged.key_from_value is None:
+        keys = gather(paged.key_cache)
+    else:
+        positions = torch.arange(key_start, key_end, device=values.device)
+        keys = rotate_values_into_keys(values, positions, paged.key_from_value)
+    return keys.transpose(0, 1), values.transpose(0, 1)  # [heads, n, size]

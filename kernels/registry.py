@@ -10,9 +10,12 @@ import functools
 import importlib
 import logging
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from kernels.reference import KeyFromValue
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +50,7 @@ class PagedAttentionFn(Protocol):
         sliding_window: int | None = None,
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
+        key_from_value: KeyFromValue | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -66,6 +70,7 @@ class _Request:
     head_size: int
     dtype: torch.dtype | None
     has_sinks: bool = False
+    keys_from_values: bool = False
 
 
 @functools.cache
@@ -86,15 +91,19 @@ def select_backend(
     head_size: int,
     dtype: torch.dtype | None = None,
     has_sinks: bool = False,
+    keys_from_values: bool = False,
 ) -> AttentionBackend:
     """The backend `name` (one of `BACKEND_NAMES`) for this device and cache layout.
 
-    `has_sinks`: the layers pass per-head sink logits, which not every backend supports.
+    `has_sinks`: the layers pass per-head sink logits; `keys_from_values`: they pass a
+    `KeyFromValue` (one stored tensor). Not every backend supports either.
     Raises ValueError naming the reason when an explicitly requested backend is unavailable.
     """
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKEND_NAMES}")
-    request = _Request(torch.device(device), block_size, head_size, dtype, has_sinks)
+    request = _Request(
+        torch.device(device), block_size, head_size, dtype, has_sinks, keys_from_values
+    )
     if name == "auto":
         return _select_auto(request)
     reason = _unavailable_reason(name, request)
@@ -130,6 +139,7 @@ def _unavailable_reason(name: str, request: _Request) -> str | None:
             request.head_size,
             request.dtype,
             has_sinks=request.has_sinks,
+            keys_from_values=request.keys_from_values,
         )
     return _triton_unavailable_reason(request)
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference import check_attention_args
+from kernels.reference import KeyFromValue, check_attention_args, check_key_from_value
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -64,16 +64,42 @@ def _tanh(x):  # type: ignore[no-untyped-def]
 
 
 @triton.jit  # type: ignore[untyped-decorator]
+def _rotate_values_into_keys(  # type: ignore[no-untyped-def]
+    v_cache_ptr, v_offs, k_mask, key_pos, dims, dim_ok, key_scale_ptr, inv_freq_ptr,
+    rope_scaling, ROTARY_DIM: tl.constexpr,
+):  # fmt: skip
+    # Key tile [HEAD_PAD, BLOCK_N] = rope(value * scale) (see kernels.reference.KeyFromValue):
+    # rotated features pair d with d +- ROTARY_DIM / 2 (rotate-half), the others pass.
+    HALF: tl.constexpr = ROTARY_DIM // 2
+    is_rotated = dims < ROTARY_DIM
+    partner = tl.where(dims < HALF, dims + HALF, dims - HALF)
+    partner = tl.where(is_rotated, partner, dims)
+    key_scale = tl.load(key_scale_ptr + dims, mask=dim_ok, other=0.0).to(tl.float32)
+    partner_scale = tl.load(key_scale_ptr + partner, mask=dim_ok, other=0.0).to(tl.float32)
+    own = tl.load(v_cache_ptr + v_offs[None, :] + dims[:, None], mask=k_mask, other=0.0)
+    paired = tl.load(v_cache_ptr + v_offs[None, :] + partner[:, None], mask=k_mask, other=0.0)
+    own = own.to(tl.float32) * key_scale[:, None]
+    paired = paired.to(tl.float32) * partner_scale[:, None]
+    freq = tl.load(inv_freq_ptr + dims % HALF, mask=is_rotated, other=0.0)
+    angle = key_pos[None, :].to(tl.float32) * freq[:, None]
+    sign = tl.where(dims < HALF, -1.0, 1.0)
+    rotated = own * tl.cos(angle) * rope_scaling + sign[:, None] * paired * tl.sin(angle) * rope_scaling
+    return tl.where(is_rotated[:, None], rotated, own)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
 def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
-    sinks_ptr, scale, softcap, sliding_window, num_reqs, block_size,
+    sinks_ptr, key_scale_ptr, inv_freq_ptr, rope_scaling,
+    scale, softcap, sliding_window, num_reqs, block_size,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr,
     HEAD_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-    HAS_SINKS: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_SINKS: tl.constexpr, KEY_FROM_VALUE: tl.constexpr, ROTARY_DIM: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -128,12 +154,18 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         block_ids = tl.load(block_table_row + key_pos // block_size, mask=key_ok, other=0)
         block_ids = block_ids.to(tl.int64)
         slot_in_block = key_pos % block_size
-        k_offs = block_ids * stride_kb + slot_in_block * stride_ks + kv_head * stride_kh
         k_mask = key_ok[None, :] & dim_ok[:, None]
-        k = tl.load(k_cache_ptr + k_offs[None, :] + dims[:, None], mask=k_mask, other=0.0)
         v_offs = block_ids * stride_vb + slot_in_block * stride_vs + kv_head * stride_vh
         v_mask = key_ok[:, None] & dim_ok[None, :]
         v = tl.load(v_cache_ptr + v_offs[:, None] + dims[None, :], mask=v_mask, other=0.0)
+        if KEY_FROM_VALUE:
+            k = _rotate_values_into_keys(
+                v_cache_ptr, v_offs, k_mask, key_pos, dims, dim_ok, key_scale_ptr,
+                inv_freq_ptr, rope_scaling, ROTARY_DIM,
+            ).to(q.dtype)  # fmt: skip
+        else:
+            k_offs = block_ids * stride_kb + slot_in_block * stride_ks + kv_head * stride_kh
+            k = tl.load(k_cache_ptr + k_offs[None, :] + dims[:, None], mask=k_mask, other=0.0)
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -228,6 +260,7 @@ def paged_attention(  # the signature shared by every backend
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    key_from_value: KeyFromValue | None = None,
     *,
     launch: LaunchConfig | None = None,
 ) -> torch.Tensor:
@@ -237,6 +270,7 @@ def paged_attention(  # the signature shared by every backend
     NOTE: output rows past `query_start_loc[-1]` (padding of a captured batch) are not written.
     """
     check_attention_args(query, key_cache, value_cache, block_table, sliding_window, softcap, sinks)
+    check_key_from_value(key_from_value, query.shape[2])
     assert query.stride(2) == 1, "head_size must be contiguous"
     assert key_cache.stride(3) == 1, "head_size must be contiguous"
     assert value_cache.stride(3) == 1, "head_size must be contiguous"
@@ -255,18 +289,20 @@ def paged_attention(  # the signature shared by every backend
     head_pad = max(16, triton.next_power_of_2(head_size))
     partials = _allocate_partials(output, launch.num_splits, head_pad)
     is_fp32 = query.dtype == torch.float32
+    derived = _key_from_value_args(key_from_value, output)
     grid = (num_tokens // launch.block_q + num_reqs, num_kv_heads, launch.num_splits)
     _paged_attention_kernel[grid](
         output, *partials,
         query, key_cache, value_cache, block_table, query_start_loc.contiguous(),
         seq_lens.contiguous(), output if sinks is None else sinks.float().contiguous(),
-        scale, softcap or 1.0, sliding_window or 1, num_reqs, key_cache.shape[1],
+        *derived[:3], scale, softcap or 1.0, sliding_window or 1, num_reqs, key_cache.shape[1],
         query.stride(0), query.stride(1), output.stride(0), output.stride(1), block_table.stride(0),
         *key_cache.stride()[:3], *value_cache.stride()[:3],
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_SIZE=head_size,
         HEAD_PAD=head_pad, BLOCK_Q=launch.block_q, BLOCK_N=launch.block_n,
         NUM_SPLITS=launch.num_splits, HAS_WINDOW=sliding_window is not None,
         HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
+        KEY_FROM_VALUE=key_from_value is not None, ROTARY_DIM=derived[3],
         DOT_FP32=is_interpreted() or is_fp32,
         DOT_PRECISION="ieee" if is_fp32 else "tf32", num_warps=launch.num_warps,
     )  # fmt: skip
@@ -276,6 +312,17 @@ def paged_attention(  # the signature shared by every backend
             HEAD_SIZE=head_size, HEAD_PAD=head_pad, NUM_SPLITS=launch.num_splits,
         )  # fmt: skip
     return output
+
+
+def _key_from_value_args(
+    key_from_value: KeyFromValue | None, output: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, float, int]:
+    """(scale, inv_freq, rope scaling, rotary dim) kernel arguments; dummies without one."""
+    if key_from_value is None:
+        return output, output, 1.0, 2
+    scale = key_from_value.scale.float().contiguous()
+    inv_freq = key_from_value.inv_freq.float().to(output.device).contiguous()
+    return scale, inv_freq, key_from_value.attention_scaling, 2 * inv_freq.numel()
 
 
 def _allocate_partials(

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.reference import KeyFromValue
+
 
 @dataclass(frozen=True)
 class BatchSpec:
@@ -101,12 +103,16 @@ def dense_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    key_from_value: KeyFromValue | None = None,
 ) -> torch.Tensor:
     """Naive float64 attention over the unpaged K/V, one request at a time; `sinks`
-    [num_q_heads] add exp(sink) to each head's softmax denominator."""
+    [num_q_heads] add exp(sink) to each head's softmax denominator; `key_from_value`: the keys
+    are rebuilt from the values (`dense_keys_from_values`)."""
     starts = batch.query_start_loc.tolist()
     outputs = []
     for req_idx, (key, value) in enumerate(zip(batch.keys, batch.values, strict=True)):
+        if key_from_value is not None:
+            key = dense_keys_from_values(value, key_from_value)
         query = batch.query[starts[req_idx] : starts[req_idx + 1]].double()
         group = query.shape[1] // key.shape[1]
         key = key.double().repeat_interleave(group, dim=1)  # [seq_len, num_q_heads, head_size]
@@ -128,6 +134,33 @@ def dense_attention(
     if not outputs:
         return batch.query.double()
     return torch.cat(outputs)
+
+
+def dense_keys_from_values(value: torch.Tensor, key_from_value: KeyFromValue) -> torch.Tensor:
+    """float64 keys of one request's values `[seq_len, heads, D]` at positions 0, 1, ...:
+    rope (pairs d, d + R/2 of the first R features) of `value * scale`."""
+    scaled = value.double() * key_from_value.scale.double().to(value.device)
+    half = key_from_value.inv_freq.numel()
+    angles = torch.arange(value.shape[0]).double()[:, None] * key_from_value.inv_freq.double()
+    cos = (angles.cos() * key_from_value.attention_scaling)[:, None, :].to(value.device)
+    sin = (angles.sin() * key_from_value.attention_scaling)[:, None, :].to(value.device)
+    first, second = scaled[..., :half], scaled[..., half : 2 * half]
+    return torch.cat(
+        (first * cos - second * sin, second * cos + first * sin, scaled[..., 2 * half :]), dim=-1
+    )
+
+
+def make_key_from_value(
+    head_size: int, rotary_dim: int, num_zero_freqs: int = 0, seed: int = 0
+) -> KeyFromValue:
+    """A random per-feature scale and rope frequencies over `rotary_dim` features, the last
+    `num_zero_freqs` pairs unrotated (Gemma 4's proportional rope), cos/sin scaled by 1.25."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = 1.0 + 0.3 * torch.randn(head_size, generator=gen)
+    inv_freq = 1.0 / (100.0 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
+    if num_zero_freqs:
+        inv_freq[-num_zero_freqs:] = 0.0
+    return KeyFromValue(scale, inv_freq, 1.25)
 
 
 def _first_live_block(context_len: int, sliding_window: int | None, block_size: int) -> int:

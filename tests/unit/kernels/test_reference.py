@@ -16,6 +16,7 @@ from tests.helpers.kernel_batches import (
     PagedBatch,
     allocate_caches,
     dense_attention,
+    make_key_from_value,
     make_paged_batch,
 )
 
@@ -150,3 +151,27 @@ def test_sinks_over_a_mixed_batch_match_dense(window: int | None, ratio: int) ->
     torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
     without = dense_attention(batch, SCALE, window)
     assert not torch.allclose(want[batch.query_start_loc[1] :], without[batch.query_start_loc[1] :])
+
+
+@pytest.mark.parametrize(
+    ("window", "ratio", "rotary_dim", "zero_freqs"),
+    [(None, 1, 16, 0), (7, 4, 16, 3), (None, 8, 10, 0), (1, 4, 12, 2)],
+)
+def test_keys_from_values_over_a_mixed_batch_match_dense(
+    window: int | None, ratio: int, rotary_dim: int, zero_freqs: int
+) -> None:
+    """Keys rebuilt as rope(value * scale) at each cached position; the key cache (NaN) is
+    never read."""
+    num_q_heads, num_kv_heads = GQA[ratio]
+    spec = BatchSpec(
+        MIXED, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, sliding_window=window
+    )
+    batch = make_paged_batch(spec, seed=ratio)
+    batch.key_cache.fill_(float("nan"))
+    derive = make_key_from_value(spec.head_size, rotary_dim, zero_freqs)
+    got = run_reference(batch, sliding_window=window, key_from_value=derive)  # type: ignore[arg-type]
+    want = dense_attention(batch, SCALE, window, key_from_value=derive)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    if window != 1:  # a one-token window attends to itself whatever the keys
+        still = derive._replace(inv_freq=torch.zeros_like(derive.inv_freq))
+        assert not torch.allclose(want, dense_attention(batch, SCALE, window, key_from_value=still))

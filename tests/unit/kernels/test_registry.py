@@ -96,6 +96,18 @@ def test_flash_attn_cannot_serve_sinks_and_auto_picks_another_backend(
     assert "flash_attn skipped: flash-attn 2 has no attention sinks" in caplog.text
 
 
+def test_flash_attn_cannot_derive_keys_from_values_and_auto_picks_another_backend(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    layout = {"device": "cuda", "block_size": 256, "head_size": 128, "keys_from_values": True}
+    with pytest.raises(ValueError, match=r"'flash_attn' is unavailable: .*derive them"):
+        select_backend("flash_attn", **layout)  # type: ignore[arg-type]
+    with caplog.at_level(logging.INFO, logger="kernels.registry"):
+        backend = select_backend("auto", **layout)  # type: ignore[arg-type]
+    assert backend.name in ("triton", "torch")
+    assert "flash_attn skipped: flash-attn reads stored keys" in caplog.text
+
+
 @pytest.mark.skipif(kernels.HAS_FLASH_ATTN, reason="flash-attn is installed")
 def test_flash_attn_without_the_package_says_so_for_a_supported_layout() -> None:
     reason = flash_attn_adapter.unsupported_reason(torch.device("cuda"), 256, 128, torch.bfloat16)

@@ -21,21 +21,26 @@ pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed"
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
-# Defines check(spec, launch=None, window=None, softcap=None, sinks=None): Triton vs reference.
+# Defines check(spec, launch=None, window=None, softcap=None, sinks=None, derive=None):
+# Triton vs reference.
 PRELUDE = """
 import torch
 from kernels import reference, triton_attention, triton_store_kv
-from tests.helpers.kernel_batches import BatchSpec, allocate_caches, make_paged_batch
+from tests.helpers.kernel_batches import (
+    BatchSpec, allocate_caches, make_key_from_value, make_paged_batch)
 from kernels.triton_attention import LaunchConfig
 
 assert triton_attention.is_interpreted()
 MIXED = ((1, 37), (13, 13), (5, 22), (0, 9), (1, 1), (7, 40), (3, 16))
 DECODES = ((1, 45), (1, 3), (1, 64))
 
-def check(spec, launch=None, window=None, softcap=None, atol=1e-5, seed=0, sinks=None):
+def check(spec, launch=None, window=None, softcap=None, atol=1e-5, seed=0, sinks=None,
+          derive=None):
     batch = make_paged_batch(spec, seed=seed)
+    if derive is not None:
+        batch.key_cache.fill_(float("nan"))  # keys come from the values: never read
     args = (batch.query, batch.key_cache, batch.value_cache, batch.block_table,
-            batch.query_start_loc, batch.seq_lens, 0.3, window, softcap, sinks)
+            batch.query_start_loc, batch.seq_lens, 0.3, window, softcap, sinks, derive)
     want = reference.paged_attention(*args)
     got = triton_attention.paged_attention(*args, launch=launch)
     assert got.dtype == batch.query.dtype
@@ -152,3 +157,21 @@ def test_sinks_over_mixed_batches_windows_gqa_and_splits_match_reference() -> No
         check(BatchSpec(DECODES, num_q_heads=8, num_kv_heads=2, block_size=4, sliding_window=20),
               window=20, sinks=sinks8, launch=LaunchConfig(block_q=2, block_n=16, num_splits=4))
     """)
+
+
+def test_keys_from_values_over_mixed_batches_windows_gqa_and_splits_match_reference() -> None:
+    """The reference itself is checked against a dense oracle (test_reference)."""
+    run_interpreted("""
+        derive = make_key_from_value(16, 16)
+        check(BatchSpec(MIXED, num_q_heads=8, num_kv_heads=2, block_size=4), derive=derive)
+        check(BatchSpec(MIXED, num_q_heads=4, num_kv_heads=1, block_size=3, sliding_window=5),
+              window=5, derive=make_key_from_value(16, 12, num_zero_freqs=2),
+              sinks=torch.linspace(-1.0, 1.0, 4))
+        check(BatchSpec(DECODES, num_q_heads=8, num_kv_heads=2, block_size=4),
+              derive=derive, launch=LaunchConfig(block_q=2, block_n=16, num_splits=4))
+        spec = BatchSpec(((2, 7), (1, 12)), num_q_heads=2, num_kv_heads=1, head_size=512,
+                         block_size=4)
+        check(spec, derive=make_key_from_value(512, 128, num_zero_freqs=16))
+        spec = BatchSpec(((3, 20), (1, 9)), num_q_heads=4, num_kv_heads=2, dtype=torch.bfloat16)
+        check(spec, LaunchConfig(block_q=4, block_n=16, num_splits=1), atol=2e-2, derive=derive)
+    """, timeout=300)
