@@ -6,7 +6,7 @@ layers (window 1024, 16 KV heads x 256) and 10 global layers (4 KV heads x 512, 
 stored, so a global page is half a sliding page). Hybrid on: page sizes unified by doubling the
 global layers' block size (16 -> 32), then 5 sliding groups + 1 global group of 10 layers.
 Hybrid off: one group of all 60 layers at full length. A row with the global layers storing
-K once (`value_is_key`, a quarter page) shows what that spec would give.
+K once (`keys_from_values`, a quarter page) shows what that spec would give.
 
 `measured` drives the real `Scheduler` (chunked prefill, 8192-token budget, no prefix caching):
 requests of `length - 2048` prompt tokens and up to 2048 decode tokens arrive together, and the
@@ -44,7 +44,7 @@ DECODE = 2048
 LENGTHS = (32_768, 131_072)
 
 
-def gemma4_31b_specs(*, value_is_key: bool = False) -> dict[str, KVCacheSpec]:
+def gemma4_31b_specs(*, keys_from_values: bool = False) -> dict[str, KVCacheSpec]:
     """Per-layer specs in model order: layer i is global when (i + 1) % 6 == 0."""
     specs: dict[str, KVCacheSpec] = {}
     for idx in range(60):
@@ -63,7 +63,7 @@ def gemma4_31b_specs(*, value_is_key: bool = False) -> dict[str, KVCacheSpec]:
                 num_kv_heads=4,
                 head_size=512,
                 dtype_bytes=2,
-                value_is_key=value_is_key,
+                keys_from_values=keys_from_values,
             )
     return specs
 
@@ -138,7 +138,7 @@ def capacity_rows(budget: int) -> list[Row]:
     layouts = {
         "hybrid off": (gemma4_31b_specs(), True),
         "hybrid on": (gemma4_31b_specs(), False),
-        "hybrid on, K stored once": (gemma4_31b_specs(value_is_key=True), False),
+        "hybrid on, K stored once": (gemma4_31b_specs(keys_from_values=True), False),
     }
     rows = []
     for length in LENGTHS:

@@ -83,7 +83,7 @@ def triton_import_error() -> str | None:
     return None
 
 
-def select_backend(
+def select_backend(  # noqa: PLR0913 (the cache layout, then what the layers need)
     name: str = "auto",
     *,
     device: str | torch.device,

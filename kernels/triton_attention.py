@@ -83,7 +83,9 @@ def _rotate_values_into_keys(  # type: ignore[no-untyped-def]
     freq = tl.load(inv_freq_ptr + dims % HALF, mask=is_rotated, other=0.0)
     angle = key_pos[None, :].to(tl.float32) * freq[:, None]
     sign = tl.where(dims < HALF, -1.0, 1.0)
-    rotated = own * tl.cos(angle) * rope_scaling + sign[:, None] * paired * tl.sin(angle) * rope_scaling
+    rotated = (
+        own * tl.cos(angle) * rope_scaling + sign[:, None] * paired * tl.sin(angle) * rope_scaling
+    )
     return tl.where(is_rotated[:, None], rotated, own)
 
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
 
+from kernels.reference import KeyFromValue
 from scheduler.kv_cache.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -75,12 +76,20 @@ class AttentionConfig:
     logits_softcap: float | None = None
     kv_sharing_target: str | None = None
     """Earlier layer whose KV cache this layer reads; it then owns no KV memory."""
-    value_is_key: bool = False
-    """The values are the keys (the caller's `value` is ignored): the layer stores one tensor,
-    half the KV memory of a layer of its shape."""
+    keys_from_values: bool = False
+    """The layer stores only its values; the kernel rebuilds the keys from them with the
+    `KeyFromValue` given to each forward (half the KV memory of a layer of its shape)."""
     has_sinks: bool = False
     """The layer passes per-head sink logits to the kernel (gpt-oss); backends without sinks
     are not chosen for it."""
+
+
+class KernelNeeds(NamedTuple):
+    """What a layer asks of its attention backend beyond the cache layout."""
+
+    head_size: int
+    has_sinks: bool = False
+    keys_from_values: bool = False
 
 
 class Attention(nn.Module):
@@ -99,6 +108,11 @@ class Attention(nn.Module):
     def layer_name(self) -> str:
         return self.config.layer_name
 
+    @property
+    def kernel_needs(self) -> KernelNeeds:
+        cfg = self.config
+        return KernelNeeds(cfg.head_size, cfg.has_sinks, cfg.keys_from_values)
+
     def kv_cache_spec(self, block_size: int, dtype_bytes: int) -> KVCacheSpec | None:
         """This layer's KV spec; None when it reads another layer's cache."""
         if self.config.kv_sharing_target is not None:
@@ -112,7 +126,7 @@ class Attention(nn.Module):
         shape: dict[str, Any] = {
             "num_kv_heads": cfg.num_kv_heads,
             "head_size": cfg.head_size,
-            "value_is_key": cfg.value_is_key,
+            "keys_from_values": cfg.keys_from_values,
         }
         if cfg.sliding_window is not None:
             return SlidingWindowSpec(
@@ -137,23 +151,28 @@ class Attention(nn.Module):
         value: torch.Tensor,
         ctx: ForwardContext,
         sinks: torch.Tensor | None = None,
+        key_from_value: KeyFromValue | None = None,
     ) -> torch.Tensor:
         """query [T, num_heads * head_size], key/value [T, num_kv_heads * head_size] -> [T, H*D].
 
-        `sinks` [num_heads] (this rank's heads) are given exactly when `config.has_sinks`.
+        `sinks` [num_heads] (this rank's heads) are given exactly when `config.has_sinks`;
+        `key_from_value` exactly when `config.keys_from_values` (then `key` is not used).
         Chunked local attention arrives here already cut into virtual requests by the metadata
         transform, so the kernel needs no chunk argument.
         """
         cfg = self.config
         assert (sinks is not None) == cfg.has_sinks, f"{cfg.layer_name}: sinks vs has_sinks"
+        assert (key_from_value is not None) == cfg.keys_from_values, (
+            f"{cfg.layer_name}: key_from_value vs keys_from_values"
+        )
         meta = ctx.metadata[cfg.layer_name]
         key_cache, value_cache = ctx.kv_caches[cfg.layer_name]
         num_tokens = query.shape[0]
         query = query.view(num_tokens, cfg.num_heads, cfg.head_size)
         if cfg.kv_sharing_target is None:
-            key = key.view(-1, cfg.num_kv_heads, cfg.head_size)
-            # value_is_key: both caches view one tensor; storing the key twice writes it once.
-            value = key if cfg.value_is_key else value.view(-1, cfg.num_kv_heads, cfg.head_size)
+            value = value.view(-1, cfg.num_kv_heads, cfg.head_size)
+            # keys_from_values: both caches view one tensor, which holds the values.
+            key = value if cfg.keys_from_values else key.view(-1, cfg.num_kv_heads, cfg.head_size)
             meta.store_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping)
         out = meta.paged_attention(
             query,
@@ -166,5 +185,6 @@ class Attention(nn.Module):
             sliding_window=cfg.sliding_window,
             softcap=cfg.logits_softcap,
             sinks=sinks,
+            key_from_value=key_from_value,
         )
         return out.reshape(num_tokens, cfg.num_heads * cfg.head_size)

@@ -30,7 +30,7 @@ from scheduler.kv_cache.spec import (
     MambaSpec,
     manager_spec,
 )
-from worker.attention import Attention, AttentionMetadata, ForwardContext
+from worker.attention import Attention, AttentionMetadata, ForwardContext, KernelNeeds
 from worker.block_table import choose_kernel_block_size
 from worker.input_batch import InputBatch
 from worker.metadata_transforms import (
@@ -42,8 +42,8 @@ from worker.metadata_transforms import (
     truncated_prefill_layers,
 )
 
-BackendFactory = Callable[[int, int, bool], AttentionBackend]
-"""(kernel block size, head size, has sinks) -> backend; ValueError when it cannot serve them."""
+BackendFactory = Callable[[int, KernelNeeds], AttentionBackend]
+"""(kernel block size, layer's needs) -> backend; ValueError when it cannot serve them."""
 
 
 @dataclass(frozen=True)
@@ -239,7 +239,7 @@ def build_attention_groups(
         kernel_block_size = kernel_sizes[plan.kv_cache_group_id]
         spec = spec_of[first.layer_name]
         transforms = _transforms(spec, kernel_block_size, plan.is_truncated_prefill)
-        backend = backend_for(kernel_block_size, first.config.head_size, first.config.has_sinks)
+        backend = backend_for(kernel_block_size, first.kernel_needs)
         groups.append(
             AttentionGroup(
                 backend=backend,
@@ -295,17 +295,13 @@ def _group_kernel_block_size(
     When none is accepted, the error carries the backend's reason for the group's own size.
     """
     group = config.groups[group_id]
-    needs = {
-        (by_name[name].config.head_size, by_name[name].config.has_sinks)
-        for name in group.layer_names
-        if name in by_name
-    }
+    needs = {by_name[name].kernel_needs for name in group.layer_names if name in by_name}
     refusals: list[str] = []
 
     def accepts(kernel_block_size: int) -> bool:
         try:
-            for head_size, has_sinks in needs:
-                backend_for(kernel_block_size, head_size, has_sinks)
+            for layer_needs in needs:
+                backend_for(kernel_block_size, layer_needs)
         except ValueError as exc:
             refusals.append(str(exc))
             return False

@@ -9,10 +9,10 @@ layer per KV cache group, so a block ID is only ever in use by one of them).
     buffer (num_blocks pages):  [ block 0: K | V ][ block 1: K | V ] ...
     layer view:  [num_blocks * f, 2, kernel_block_size, num_kv_heads, head_size]
 
-A layer whose values are its keys (`value_is_key`) stores one tensor per page, viewed
-`[num_blocks * f, 1, ...]` and returned as both its key and its value cache. Since every page
-is one contiguous byte range, block b is the same bytes for all layers sharing a buffer,
-whatever tensors their pages hold (the pool gives a block to one group at a time).
+A layer whose kernels rebuild the keys from the values (`keys_from_values`) stores one tensor
+per page, viewed `[num_blocks * f, 1, ...]` and returned as both its key and its value cache.
+Since every page is one contiguous byte range, block b is the same bytes for all layers sharing
+a buffer, whatever tensors their pages hold (the pool gives a block to one group at a time).
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def _layer_view(
     needed = num_blocks * spec.page_size_bytes
     assert needed <= buffer.numel(), (needed, buffer.numel())
     split = spec.block_size // kernel_block_size
-    num_tensors = 1 if spec.value_is_key else 2
+    num_tensors = 1 if spec.keys_from_values else 2
     shape = (num_blocks * split, num_tensors, kernel_block_size, spec.num_kv_heads, spec.head_size)
     view = buffer[:needed].view(dtype).view(shape)
     return view[:, 0], view[:, -1]

@@ -21,7 +21,7 @@ from kernels.mamba_registry import select_mamba_kernels
 from scheduler.kv_cache.builder import group_of_layer
 from scheduler.kv_cache.spec import KVCacheConfig, MambaCacheMode
 from scheduler.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from worker.attention import ForwardContext
+from worker.attention import ForwardContext, KernelNeeds
 from worker.attention_groups import (
     AttentionGroup,
     GroupingOptions,
@@ -171,18 +171,17 @@ class ModelRunner:
             kernel_sizes,
         )
 
-    def _backend_for(
-        self, kernel_block_size: int, head_size: int, has_sinks: bool
-    ) -> AttentionBackend:
-        key = (kernel_block_size, head_size, has_sinks)
+    def _backend_for(self, kernel_block_size: int, needs: KernelNeeds) -> AttentionBackend:
+        key = (kernel_block_size, needs)
         if key not in self._backends:
             self._backends[key] = select_backend(
                 self.config.attention_backend,
                 device=self.device,
                 block_size=kernel_block_size,
-                head_size=head_size,
+                head_size=needs.head_size,
                 dtype=self.settings.dtype,
-                has_sinks=has_sinks,
+                has_sinks=needs.has_sinks,
+                keys_from_values=needs.keys_from_values,
             )
         return self._backends[key]
 

@@ -127,11 +127,17 @@ def load_named_weights(
             loaded.add(param_name)
         else:
             packed_shards.setdefault(param_name, set()).add(shard_id)
+    modules = dict(model.named_modules())
     for param_name, shard_ids in packed_shards.items():
-        if shard_ids == _expected_shards(param_name):
+        if shard_ids == _expected_shards(param_name, modules):
             loaded.add(param_name)
     return loaded
 
 
-def _expected_shards(param_name: str) -> set[ShardId]:
+def _expected_shards(param_name: str, modules: dict[str, nn.Module]) -> set[ShardId]:
+    """The shards the packed parameter's layer holds (a K = V layer has no value shard)."""
+    owner = modules.get(param_name.rpartition(".")[0])
+    shards = getattr(owner, "shards", None)
+    if isinstance(shards, dict):
+        return set(shards)
     return {shard for packed, _, shard in PACKED_MODULES if f".{packed}." in param_name}

@@ -56,7 +56,7 @@ def _as_full(
         num_kv_heads=spec.num_kv_heads,
         head_size=spec.head_size,
         dtype_bytes=spec.dtype_bytes,
-        value_is_key=spec.value_is_key,
+        keys_from_values=spec.keys_from_values,
         sliding_window=sliding_window,
         attention_chunk_size=attention_chunk_size,
     )

@@ -52,13 +52,13 @@ class AttentionSpec(KVCacheSpec):
     """Elements per head (K and V have the same size)."""
     dtype_bytes: int
     """Bytes per cache element (2 for fp16/bf16, 4 for fp32)."""
-    value_is_key: bool = False
-    """The layer's values are its keys, bit for bit: it stores one tensor, so its page is half
-    that of a layer of the same shape storing K and V."""
+    keys_from_values: bool = False
+    """The layer stores only its values and the kernels rebuild the keys from them (Gemma 4's
+    K = V layers): one tensor, so its page is half that of a layer of the same shape."""
 
     @property
     def page_size_bytes(self) -> int:
-        num_tensors = 1 if self.value_is_key else 2
+        num_tensors = 1 if self.keys_from_values else 2
         return num_tensors * self.block_size * self.num_kv_heads * self.head_size * self.dtype_bytes
 
 

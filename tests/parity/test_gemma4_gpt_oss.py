@@ -4,8 +4,9 @@ offline `LLM` (chunked prefill with block size 4 and a 24-token budget).
 Prefill logits must match transformers within 1e-4 and 32 greedy tokens must equal its
 `generate`: with prefix-cache hits, the hybrid KV cache manager on and off, truncated prefill
 on and off (Gemma 4's KV-sharing layers) and tensor parallelism 2. The tiny Gemma 4 has global
-layers with a larger head (64 vs 16) and fewer KV heads (1 vs 2), so its two layer types have
-different page sizes, K = V on global layers, two KV-sharing layers and, in one variant, MoE.
+layers with a larger head (64 vs 16), K = V (one cached tensor, keys rebuilt by the kernel), so
+its two layer types have different page sizes, two KV-sharing layers (one of them reading a
+K = V cache) and, in one variant, MoE.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ GEMMA4 = {
     "num_hidden_layers": 6,
     "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
     "global_head_dim": 64,
+    "num_key_value_heads": 1,
     "num_global_key_value_heads": 1,
     "attention_k_eq_v": True,
     "num_kv_shared_layers": 2,
@@ -213,7 +215,8 @@ def test_gpt_oss_greedy_tokens_and_prefix_hits_match_transformers(gpt_oss, disab
 
 
 def test_gemma4_kv_groups_unify_page_sizes_and_fold_when_hybrid_is_off(gemma4):
-    """Global pages are twice the sliding ones: the sliding group's block size doubles."""
+    """Global layers cache V alone (K = V): 64 features per token, twice the sliding layers'
+    K and V of 16 features, so the sliding group's block size doubles."""
     configs = {}
     for hybrid_off in (False, True):
         llm = LLM(str(gemma4.path), **LLM_ARGS, disable_hybrid_kv_cache_manager=hybrid_off)
@@ -226,6 +229,10 @@ def test_gemma4_kv_groups_unify_page_sizes_and_fold_when_hybrid_is_off(gemma4):
     assert sorted(group.spec.block_size for group in hybrid.groups) == [4, 8, 8, 8]
     (global_group,) = [g for g in hybrid.groups if g.spec.block_size == 4]
     assert global_group.layer_names[0] == "model.layers.2.self_attn.attn"
+    assert global_group.spec.keys_from_values
+    assert global_group.spec.page_size_bytes == 4 * 64 * 4  # one fp32 tensor per token
+    sliding = [g.spec for g in hybrid.groups if g.spec.block_size == 8]
+    assert not any(spec.keys_from_values for spec in sliding)
     (folded,) = configs[True].groups
     assert isinstance(folded.spec, UniformTypeKVCacheSpecs)
     assert folded.spec.block_size == 4

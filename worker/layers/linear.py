@@ -135,9 +135,11 @@ class QKVParallelLinear(_PackedColumnLinear):
 
     Query heads are split over ranks. KV heads are split too when there are at least as many as
     ranks; otherwise each rank keeps one KV head, replicated over `tp_size / num_kv_heads` ranks.
+    With `with_value=False` there are no value rows (a layer whose values come from the key
+    projection, Gemma 4's K = V): `split` then returns the key projection as the value too.
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (the head layout, then the options)
         self,
         hidden_size: int,
         head_size: int,
@@ -145,8 +147,10 @@ class QKVParallelLinear(_PackedColumnLinear):
         total_num_kv_heads: int,
         parallel: ParallelConfig,
         bias: bool = False,
+        with_value: bool = True,
     ) -> None:
         tp_size, rank = parallel.tp_size, parallel.rank
+        self.with_value = with_value
         self.num_heads = divide(total_num_heads, tp_size, "num_attention_heads")
         if tp_size >= total_num_kv_heads:
             if tp_size % total_num_kv_heads:
@@ -165,13 +169,17 @@ class QKVParallelLinear(_PackedColumnLinear):
         shards: dict[str | int, _Shard] = {
             "q": _Shard(0, q_size, rank * q_size),
             "k": _Shard(q_size, kv_size, kv_start),
-            "v": _Shard(q_size + kv_size, kv_size, kv_start),
         }
+        if with_value:
+            shards["v"] = _Shard(q_size + kv_size, kv_size, kv_start)
         super().__init__(hidden_size, shards, parallel, bias)
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """[T, (H + 2 * KV) * D] -> q [T, H * D], k [T, KV * D], v [T, KV * D]."""
         q_size, kv_size = self.num_heads * self.head_size, self.num_kv_heads * self.head_size
+        if not self.with_value:
+            q, k = torch.split(qkv, [q_size, kv_size], dim=-1)
+            return q, k, k
         q, k, v = torch.split(qkv, [q_size, kv_size, kv_size], dim=-1)
         return q, k, v
 

@@ -3,7 +3,8 @@ K = V on global layers, KV sharing of the last layers, per-layer inputs and an o
 
 Sliding layers attend within `sliding_window` with the sliding head size; global layers use
 `per_layer_config` (a larger head, fewer KV heads, "proportional" rope rotating a fraction of
-the features). With `attention_k_eq_v` global layers have no value projection. The last
+the features). With `attention_k_eq_v` global layers have no value projection and cache one
+tensor, from which the kernel rebuilds the keys (see `Gemma4Attention`). The last
 `num_kv_shared_layers` layers own no KV: each reads the cache of the last earlier layer of its
 own type (the generic KV sharing, so truncated prefill applies). With `enable_moe_block` each
 layer adds a routed-expert branch beside the dense MLP. Numerics follow transformers'
@@ -122,6 +123,9 @@ class Gemma4Model(nn.Module):
             Gemma4DecoderLayer(hf_config, idx, targets.get(idx), parallel)
             for idx in range(num_layers)
         )
+        for idx, target in targets.items():
+            if uses_k_as_v(hf_config, idx):
+                self.layers[idx].self_attn.read_keys_of(self.layers[target].self_attn)
         self.norm = RMSNorm(hidden, hf_config.rms_norm_eps)
         head_sizes = {
             kind: layer_shape(hf_config, self.types.index(kind))[0] for kind in self.types
@@ -180,11 +184,6 @@ class Gemma4ForCausalLM(DecoderForCausalLM):
         # "vision" makes only image tokens attend bidirectionally: text serving is causal.
         super().__init__(model_config, parallel)
         self.shared_layers = set(kv_sharing_targets(hf_config))
-        self.k_as_v_layers = {
-            idx
-            for idx in range(hf_config.num_hidden_layers)
-            if uses_k_as_v(hf_config, idx) and idx not in self.shared_layers
-        }
 
     def build_model(self, hf_config: PretrainedConfig, parallel: ParallelConfig) -> nn.Module:
         return Gemma4Model(hf_config, parallel)
@@ -201,16 +200,13 @@ class Gemma4ForCausalLM(DecoderForCausalLM):
     def _renamed(
         self, weights: Iterable[tuple[str, WeightSource]]
     ) -> Iterator[tuple[str, WeightSource]]:
-        """Shared layers' `q_proj` -> `query_proj`; K = V layers' `k_proj` also fills `v`."""
+        """Shared layers' `q_proj` -> `query_proj`."""
         shared = tuple(f"model.layers.{idx}.self_attn.q_proj." for idx in self.shared_layers)
-        k_as_v = tuple(f"model.layers.{idx}.self_attn.k_proj." for idx in self.k_as_v_layers)
         for name, weight in weights:
             if name.startswith(shared):
                 yield name.replace(".q_proj.", ".query_proj."), weight
                 continue
             yield name, weight
-            if name.startswith(k_as_v):
-                yield name.replace(".k_proj.", ".v_proj."), weight
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> set[str]:
         """Checkpoint K/V tensors of shared layers (which released checkpoints may carry) are

@@ -6,11 +6,14 @@ Used by `worker.models.gemma4`; numerics follow transformers' `Gemma4TextAttenti
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
+from kernels.reference import KeyFromValue
 from worker.attention import Attention, AttentionConfig, ForwardContext
 from worker.config import ParallelConfig
 from worker.distributed import all_reduce
@@ -30,7 +33,7 @@ from worker.layers.loading import (
     read_part,
 )
 from worker.layers.norm import RMSNorm
-from worker.layers.rotary import RopeTables, apply_rotary
+from worker.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary, rope_parameters
 from worker.models.decoder import window_from_layer_types
 from worker.models.gemma3n_layers import unscaled_rms
 
@@ -54,9 +57,10 @@ def uses_k_as_v(hf_config: PretrainedConfig, idx: int) -> bool:
 class Gemma4Attention(nn.Module):
     """q/k norms, unscaled value norm, rope, scale 1; KV-sharing layers only project queries.
 
-    Where K = V the checkpoint's `k_proj` is loaded into both the key and the value rows of the
-    packed projection (see `Gemma4ForCausalLM.load_weights`): V is then the raw key projection,
-    normalised without a scale and not rotated, as in transformers.
+    Where K = V (no value projection) V is the key projection normalised without a scale and
+    not rotated, and K is that same tensor times the k-norm weight, rotated. The layer then
+    caches V alone and the kernel rebuilds K from it (`KeyFromValue`): half the KV memory. A
+    KV-sharing layer reading such a cache rebuilds keys with its target's k-norm weight.
     """
 
     def __init__(
@@ -67,9 +71,12 @@ class Gemma4Attention(nn.Module):
         self.head_size, kv_heads = layer_shape(hf_config, idx)
         size, heads = self.head_size, hf_config.num_attention_heads
         self.eps, self.is_shared = eps, target is not None
+        self.keys_from_values = uses_k_as_v(hf_config, idx)
         self.q_norm = RMSNorm(size, eps)
         if target is None:
-            self.qkv_proj = QKVParallelLinear(hidden, size, heads, kv_heads, parallel, bias=bias)
+            self.qkv_proj = QKVParallelLinear(
+                hidden, size, heads, kv_heads, parallel, bias, with_value=not self.keys_from_values
+            )
             self.k_norm = RMSNorm(size, eps)
         else:  # NOTE: the checkpoint's `q_proj` is renamed here (see `load_weights`)
             self.query_proj = ColumnParallelLinear(hidden, heads * size, parallel, bias=bias)
@@ -83,8 +90,22 @@ class Gemma4Attention(nn.Module):
                 scale=1.0,
                 sliding_window=window_from_layer_types(hf_config, idx),
                 kv_sharing_target=None if target is None else attn_name(target),
+                keys_from_values=self.keys_from_values,
             )
         )
+        if self.keys_from_values:
+            params = rope_parameters(hf_config, hf_config.layer_types[idx])
+            self.key_rope = RotaryEmbedding(size, params)
+            self._key_source: Callable[[], KeyFromValue] = self.key_from_value
+
+    def key_from_value(self) -> KeyFromValue:
+        """How the kernel rebuilds this layer's keys from its cached values."""
+        rope = self.key_rope
+        return KeyFromValue(self.k_norm.weight, rope.inv_freq, rope.attention_scaling)
+
+    def read_keys_of(self, target: Gemma4Attention) -> None:
+        """A KV-sharing layer over a K = V cache rebuilds keys as its target does."""
+        self._key_source = target.key_from_value
 
     def forward(self, x: torch.Tensor, rope: RopeTables, ctx: ForwardContext) -> torch.Tensor:
         num_tokens, size = x.shape[0], self.head_size
@@ -93,10 +114,16 @@ class Gemma4Attention(nn.Module):
         else:
             q, k, v = self.qkv_proj.split(self.qkv_proj(x))
             v = unscaled_rms(v.reshape(num_tokens, -1, size), self.eps)
-            k = apply_rotary(self.k_norm(k.reshape(num_tokens, -1, size)), rope)
+            if not self.keys_from_values:  # else the kernel rebuilds the keys from v
+                k = apply_rotary(self.k_norm(k.reshape(num_tokens, -1, size)), rope)
         q = apply_rotary(self.q_norm(q.reshape(num_tokens, -1, size)), rope)
+        derive = self._key_source() if self.keys_from_values else None
         out = self.attn(
-            q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.reshape(num_tokens, -1), ctx
+            q.reshape(num_tokens, -1),
+            k.reshape(num_tokens, -1),
+            v.reshape(num_tokens, -1),
+            ctx,
+            key_from_value=derive,
         )
         projected: torch.Tensor = self.o_proj(out)
         return projected

@@ -28,7 +28,7 @@ from triton.compiler import ASTSource
 from kernels import triton_attention, triton_store_kv
 
 def compile_for(kernel, pointer_types, constexprs, capability=90):
-    scalar_types = {"scale": "fp32", "softcap": "fp32"}
+    scalar_types = {"scale": "fp32", "softcap": "fp32", "rope_scaling": "fp32"}
     signature = {
         name: "constexpr" if name in constexprs
         else pointer_types.get(name) or scalar_types.get(name, "i32")
@@ -43,18 +43,20 @@ def attention_pointers(dtype):
     names = ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")
     types = {name: dtype for name in names}
     types.update({name: "*fp32" for name in
-                  ("part_acc_ptr", "part_max_ptr", "part_sum_ptr", "sinks_ptr")})
+                  ("part_acc_ptr", "part_max_ptr", "part_sum_ptr", "sinks_ptr",
+                   "key_scale_ptr", "inv_freq_ptr")})
     types.update({name: "*i32" for name in
                   ("block_table_ptr", "query_start_loc_ptr", "seq_lens_ptr")})
     return types
 
 def attention_constexprs(group, head_size, block_q, block_n, num_splits, dot_precision="tf32",
-                         has_extras=True):
+                         has_extras=True, rotary_dim=None):
     return dict(GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_SIZE=head_size,
                 HEAD_PAD=max(16, triton.next_power_of_2(head_size)), BLOCK_Q=block_q,
                 BLOCK_N=block_n, NUM_SPLITS=num_splits, HAS_WINDOW=has_extras,
-                HAS_SOFTCAP=has_extras, HAS_SINKS=has_extras, DOT_FP32=False,
-                DOT_PRECISION=dot_precision)
+                HAS_SOFTCAP=has_extras, HAS_SINKS=has_extras,
+                KEY_FROM_VALUE=rotary_dim is not None, ROTARY_DIM=rotary_dim or 2,
+                DOT_FP32=False, DOT_PRECISION=dot_precision)
 """
 
 
@@ -89,6 +91,9 @@ def test_attention_kernels_compile_for_hopper_and_ampere_with_tensor_cores(
         assert "mma.sync" in ptx, "no tensor-core instruction"
         wide = attention_constexprs(group=8, head_size=512, block_q=2, block_n=16, num_splits=1)
         compile_for(kernel, attention_pointers("*bf16"), wide)
+        keys_from_values = attention_constexprs(group=8, head_size=512, block_q=2, block_n=16,
+                                                num_splits=4, rotary_dim=512)
+        compile_for(kernel, attention_pointers("*bf16"), keys_from_values)
         fp32 = attention_constexprs(group=2, head_size=64, block_q=8, block_n=32,
                                     num_splits=1, dot_precision="ieee", has_extras=False)
         compile_for(kernel, attention_pointers("*fp32"), fp32)

@@ -161,7 +161,8 @@ def test_sinks_over_mixed_batches_windows_gqa_and_splits_match_reference() -> No
 
 def test_keys_from_values_over_mixed_batches_windows_gqa_and_splits_match_reference() -> None:
     """The reference itself is checked against a dense oracle (test_reference)."""
-    run_interpreted("""
+    run_interpreted(
+        """
         derive = make_key_from_value(16, 16)
         check(BatchSpec(MIXED, num_q_heads=8, num_kv_heads=2, block_size=4), derive=derive)
         check(BatchSpec(MIXED, num_q_heads=4, num_kv_heads=1, block_size=3, sliding_window=5),
@@ -174,4 +175,6 @@ def test_keys_from_values_over_mixed_batches_windows_gqa_and_splits_match_refere
         check(spec, derive=make_key_from_value(512, 128, num_zero_freqs=16))
         spec = BatchSpec(((3, 20), (1, 9)), num_q_heads=4, num_kv_heads=2, dtype=torch.bfloat16)
         check(spec, LaunchConfig(block_q=4, block_n=16, num_splits=1), atol=2e-2, derive=derive)
-    """, timeout=300)
+    """,
+        timeout=300,
+    )

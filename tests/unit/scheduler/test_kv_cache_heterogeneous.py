@@ -49,16 +49,16 @@ def test_gemma4_31b_pages_are_unified_by_growing_the_global_block_size():
     assert config.num_blocks == 80 * GIB // (10 * SLIDING_PAGE)
 
 
-def test_value_is_key_layers_store_one_tensor_at_half_the_page():
+def test_keys_from_values_layers_store_one_tensor_at_half_the_page():
     shape = {"block_size": 16, "num_kv_heads": 4, "head_size": 512, "dtype_bytes": 2}
     both = FullAttentionSpec(**shape)
-    once = FullAttentionSpec(**shape, value_is_key=True)
+    once = FullAttentionSpec(**shape, keys_from_values=True)
     assert both.page_size_bytes == 2 * once.page_size_bytes == 16 * 4 * 512 * 2 * 2
-    config = build_kv_cache_config(gemma4_31b_specs(value_is_key=True), 80 * GIB)
+    config = build_kv_cache_config(gemma4_31b_specs(keys_from_values=True), 80 * GIB)
     (global_group,) = [g for g in config.groups if isinstance(g.spec, FullAttentionSpec)]
     assert global_group.spec.block_size == 64
     assert global_group.spec.page_size_bytes == SLIDING_PAGE
-    folded = fold_to_full_attention(gemma4_31b_specs(value_is_key=True))
+    folded = fold_to_full_attention(gemma4_31b_specs(keys_from_values=True))
     assert folded[_global_names()[0]].page_size_bytes == once.page_size_bytes
 
 

@@ -13,7 +13,7 @@ from scheduler.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
 from scheduler.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from scheduler.request import SamplingParams
 from tests.helpers.tiny_models import save_tiny_model
-from worker.attention import Attention, AttentionConfig
+from worker.attention import Attention, AttentionConfig, KernelNeeds
 from worker.attention_groups import (
     GroupingOptions,
     MetadataBuildStats,
@@ -47,8 +47,10 @@ def _layer(index: int, window: int | None = None, target: str | None = None) -> 
     )
 
 
-def _backend_for(kernel_block_size: int, head_size: int, has_sinks: bool = False):
-    return select_backend("torch", device=CPU, block_size=kernel_block_size, head_size=head_size)
+def _backend_for(kernel_block_size: int, needs: KernelNeeds):
+    return select_backend(
+        "torch", device=CPU, block_size=kernel_block_size, head_size=needs.head_size
+    )
 
 
 def _setup(layers: list[Attention], num_blocks: int = 16):
@@ -204,10 +206,10 @@ def test_kernel_block_split_gives_the_same_attention_output() -> None:
     outputs = {}
     for kernel_size in (4, 2):
 
-        def backend_for(kbs: int, head_size: int, has_sinks: bool, kernel_size: int = kernel_size):
+        def backend_for(kbs: int, needs: KernelNeeds, kernel_size: int = kernel_size):
             if kbs > kernel_size:
                 raise ValueError("block size not supported")
-            return _backend_for(kbs, head_size)
+            return _backend_for(kbs, needs)
 
         report = report_kv_cache_specs(layers, block_size=4, dtype_bytes=4)
         config = build_kv_cache_config(report.layer_specs, 1 << 20, num_blocks_override=16)

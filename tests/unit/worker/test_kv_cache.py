@@ -119,7 +119,7 @@ def test_budget_on_cpu_is_the_configured_bytes() -> None:
         available_kv_cache_memory(CPU, 0.9, 0)
 
 
-def test_value_is_key_layer_stores_one_tensor_in_half_a_page() -> None:
+def test_keys_from_values_layer_stores_one_tensor_in_half_a_page() -> None:
     """A K = V layer (twice the heads, so its one tensor matches a K/V page of the sliding
     layer) and a sliding layer share one buffer; its key and value caches are one view."""
     shared = Attention(
@@ -129,13 +129,13 @@ def test_value_is_key_layer_stores_one_tensor_in_half_a_page() -> None:
             num_kv_heads=2 * HEADS,
             head_size=HEAD,
             scale=0.25,
-            value_is_key=True,
+            keys_from_values=True,
         )
     )
     layers = [shared, _layer(1, window=8)]
     report, config = _hybrid_config(layers)
     spec = report.layer_specs["model.layers.0.attn"]
-    assert spec.value_is_key
+    assert spec.keys_from_values
     assert spec.page_size_bytes == report.layer_specs["model.layers.1.attn"].page_size_bytes
     assert config.block_sizes == (4, 4)
     caches = allocate_kv_caches(config, [4, 4], torch.float32, CPU)
