@@ -2,11 +2,12 @@
 scheduler: how many concurrent 32k-token and 128k-token requests fit in a fixed KV budget.
 
 Layout (assumed Gemma-4-31B shapes, bf16, one rank): 60 layers, every sixth global; 50 sliding
-layers (window 1024, 16 KV heads x 256) and 10 global layers (4 KV heads x 512, K and V both
-stored, so a global page is half a sliding page). Hybrid on: page sizes unified by doubling the
-global layers' block size (16 -> 32), then 5 sliding groups + 1 global group of 10 layers.
-Hybrid off: one group of all 60 layers at full length. A row with the global layers storing
-K once (`keys_from_values`, a quarter page) shows what that spec would give.
+layers (window 1024, 16 KV heads x 256) and 10 global layers (4 KV heads x 512, K = V: our
+Gemma 4 caches V alone there and the kernel rebuilds K, so a global page is a quarter of a
+sliding page). Hybrid on: page sizes unified by growing the global layers' block size
+(16 -> 64), then 5 sliding groups + 1 global group of 10 layers. Hybrid off: one group of all
+60 layers at full length. Rows "K and V both stored" show the same layout in a cache that
+stores both tensors of the global layers (global blocks 16 -> 32 with the hybrid manager).
 
 `measured` drives the real `Scheduler` (chunked prefill, 8192-token budget, no prefix caching):
 requests of `length - 2048` prompt tokens and up to 2048 decode tokens arrive together, and the
@@ -44,7 +45,7 @@ DECODE = 2048
 LENGTHS = (32_768, 131_072)
 
 
-def gemma4_31b_specs(*, keys_from_values: bool = False) -> dict[str, KVCacheSpec]:
+def gemma4_31b_specs(*, keys_from_values: bool = True) -> dict[str, KVCacheSpec]:
     """Per-layer specs in model order: layer i is global when (i + 1) % 6 == 0."""
     specs: dict[str, KVCacheSpec] = {}
     for idx in range(60):
@@ -138,7 +139,8 @@ def capacity_rows(budget: int) -> list[Row]:
     layouts = {
         "hybrid off": (gemma4_31b_specs(), True),
         "hybrid on": (gemma4_31b_specs(), False),
-        "hybrid on, K stored once": (gemma4_31b_specs(keys_from_values=True), False),
+        "hybrid off, K and V both stored": (gemma4_31b_specs(keys_from_values=False), True),
+        "hybrid on, K and V both stored": (gemma4_31b_specs(keys_from_values=False), False),
     }
     rows = []
     for length in LENGTHS:

@@ -322,7 +322,7 @@ def _key_from_value_args(
     """(scale, inv_freq, rope scaling, rotary dim) kernel arguments; dummies without one."""
     if key_from_value is None:
         return output, output, 1.0, 2
-    scale = key_from_value.scale.float().contiguous()
+    scale = key_from_value.scale.float().to(output.device).contiguous()
     inv_freq = key_from_value.inv_freq.float().to(output.device).contiguous()
     return scale, inv_freq, key_from_value.attention_scaling, 2 * inv_freq.numel()
 

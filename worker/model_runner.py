@@ -119,7 +119,7 @@ class ModelRunner:
         self.kv_caches: KVCaches = {}
         self.states: RequestStates | None = None
         self.build_stats = MetadataBuildStats()
-        self._backends: dict[tuple[int, int, bool], AttentionBackend] = {}
+        self._backends: dict[tuple[int, KernelNeeds], AttentionBackend] = {}
 
     @property
     def dtype_bytes(self) -> int:

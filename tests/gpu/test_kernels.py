@@ -13,7 +13,14 @@ import pytest
 import torch
 
 from kernels import reference, select_backend
-from tests.helpers.kernel_batches import BatchSpec, PagedBatch, allocate_caches, make_paged_batch
+from kernels.reference import KeyFromValue
+from tests.helpers.kernel_batches import (
+    BatchSpec,
+    PagedBatch,
+    allocate_caches,
+    make_key_from_value,
+    make_paged_batch,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -33,6 +40,7 @@ def run_backend(
     window: int | None,
     softcap: float | None,
     sinks: torch.Tensor | None = None,
+    key_from_value: KeyFromValue | None = None,
 ) -> torch.Tensor:
     backend = select_backend(
         name,
@@ -41,6 +49,7 @@ def run_backend(
         head_size=batch.query.shape[2],
         dtype=batch.query.dtype,
         has_sinks=sinks is not None,
+        keys_from_values=key_from_value is not None,
     )
     return backend.paged_attention(
         batch.query,
@@ -53,6 +62,7 @@ def run_backend(
         window,
         softcap,
         sinks,
+        key_from_value,
     )
 
 
@@ -110,6 +120,22 @@ def test_triton_with_sinks_matches_reference(
     sinks = torch.linspace(-2.0, 2.0, 8, device="cuda")
     got = run_backend("triton", batch, window, None, sinks)
     want = run_backend("torch", batch, window, None, sinks)
+    torch.testing.assert_close(got, want, atol=ATOL[dtype], rtol=ATOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("head_size", "rotary_dim", "zero_freqs"), [(512, 512, 192), (128, 64, 0)])
+def test_triton_keys_from_values_matches_reference(
+    dtype: torch.dtype, head_size: int, rotary_dim: int, zero_freqs: int
+) -> None:
+    """Gemma 4's K = V global layers (head 512, proportional rope) over a mixed batch."""
+    spec = BatchSpec((*MIXED, (1, 3000)), num_q_heads=8, num_kv_heads=2, head_size=head_size,
+                     block_size=16, dtype=dtype)  # fmt: skip
+    batch = make_paged_batch(spec, seed=2, device="cuda")
+    derive = make_key_from_value(head_size, rotary_dim, zero_freqs)
+    derive = derive._replace(scale=derive.scale.cuda())
+    got = run_backend("triton", batch, None, None, None, derive)
+    want = run_backend("torch", batch, None, None, None, derive)
     torch.testing.assert_close(got, want, atol=ATOL[dtype], rtol=ATOL[dtype])
 
 

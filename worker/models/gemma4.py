@@ -119,13 +119,14 @@ class Gemma4Model(nn.Module):
             self.per_layer_model_projection = ReplicatedLinear(hidden, num_layers * self.per_layer)
             self.per_layer_projection_norm = RMSNorm(self.per_layer, hf_config.rms_norm_eps)
         targets = kv_sharing_targets(hf_config)
-        self.layers = nn.ModuleList(
+        layers = [
             Gemma4DecoderLayer(hf_config, idx, targets.get(idx), parallel)
             for idx in range(num_layers)
-        )
+        ]
         for idx, target in targets.items():
             if uses_k_as_v(hf_config, idx):
-                self.layers[idx].self_attn.read_keys_of(self.layers[target].self_attn)
+                layers[idx].self_attn.read_keys_of(layers[target].self_attn)
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hidden, hf_config.rms_norm_eps)
         head_sizes = {
             kind: layer_shape(hf_config, self.types.index(kind))[0] for kind in self.types

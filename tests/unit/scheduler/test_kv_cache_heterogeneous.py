@@ -1,6 +1,6 @@
 """Heterogeneous KV shapes in one pool (Gemma 4: sliding layers of 16 KV heads x 256, global
-layers of 4 x 512): page-size unification, K = V layers storing one tensor, the grouping that
-is never worse than hybrid-off, and the capacity figures of docs/benchmarks.md."""
+layers of 4 x 512, K = V): page-size unification, K = V layers storing one tensor, the grouping
+that is never worse than hybrid-off, and the capacity figures of docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from benchmarks.bench_capacity import (
     gemma4_31b_specs,
     plan,
 )
-from scheduler.kv_cache.builder import build_kv_cache_config, grouping_capacity
+from scheduler.kv_cache.builder import build_kv_cache_config, grouping_capacity, max_concurrency
 from scheduler.kv_cache.grouping import fold_to_full_attention, group_layers
 from scheduler.kv_cache.spec import (
     FullAttentionSpec,
@@ -38,7 +38,9 @@ def _global_names() -> list[str]:
 
 
 def test_gemma4_31b_pages_are_unified_by_growing_the_global_block_size():
-    config = build_kv_cache_config(gemma4_31b_specs(), 80 * GIB, max_model_len=32_768)
+    """With both global tensors stored, the global page is half the sliding one."""
+    specs = gemma4_31b_specs(keys_from_values=False)
+    config = build_kv_cache_config(specs, 80 * GIB, max_model_len=32_768)
     assert {group.spec.page_size_bytes for group in config.groups} == {SLIDING_PAGE}
     assert [len(group.layer_names) for group in config.groups] == [10] * 6
     sliding = [g for g in config.groups if isinstance(g.spec, SlidingWindowSpec)]
@@ -54,19 +56,23 @@ def test_keys_from_values_layers_store_one_tensor_at_half_the_page():
     both = FullAttentionSpec(**shape)
     once = FullAttentionSpec(**shape, keys_from_values=True)
     assert both.page_size_bytes == 2 * once.page_size_bytes == 16 * 4 * 512 * 2 * 2
-    config = build_kv_cache_config(gemma4_31b_specs(keys_from_values=True), 80 * GIB)
+    config = build_kv_cache_config(gemma4_31b_specs(), 80 * GIB)
     (global_group,) = [g for g in config.groups if isinstance(g.spec, FullAttentionSpec)]
-    assert global_group.spec.block_size == 64
+    assert global_group.spec.block_size == 64  # a quarter of the sliding page
     assert global_group.spec.page_size_bytes == SLIDING_PAGE
-    folded = fold_to_full_attention(gemma4_31b_specs(keys_from_values=True))
+    folded = fold_to_full_attention(gemma4_31b_specs())
     assert folded[_global_names()[0]].page_size_bytes == once.page_size_bytes
 
 
-def test_hybrid_off_folds_both_shapes_into_one_group_at_their_own_pages():
-    config = build_kv_cache_config(gemma4_31b_specs(), 80 * GIB, disable_hybrid=True)
+@pytest.mark.parametrize(("keys_from_values", "global_pages"), [(True, 4), (False, 2)])
+def test_hybrid_off_folds_both_shapes_into_one_group_at_their_own_pages(
+    keys_from_values, global_pages
+):
+    specs = gemma4_31b_specs(keys_from_values=keys_from_values)
+    config = build_kv_cache_config(specs, 80 * GIB, disable_hybrid=True)
     (group,) = config.groups
     assert isinstance(group.spec, UniformTypeKVCacheSpecs)
-    assert group.spec.page_size_bytes == 50 * SLIDING_PAGE + 10 * SLIDING_PAGE // 2
+    assert group.spec.page_size_bytes == 50 * SLIDING_PAGE + 10 * SLIDING_PAGE // global_pages
 
 
 def test_pages_that_cannot_be_unified_fail_naming_both_groups():
@@ -119,20 +125,28 @@ def test_chosen_grouping_is_never_below_hybrid_off_at_any_max_model_len(caplog):
     assert "using the folded grouping" in caplog.text
 
 
-def test_worst_case_concurrency_follows_from_the_layout():
-    """By hand: blocks of one request = the global group's tokens / 32 plus, per sliding group,
-    the window and one step's tokens in blocks of 16 (+1, the window need not be aligned)."""
+@pytest.mark.parametrize(
+    ("keys_from_values", "global_block", "on", "off"), [(True, 64, 9, 3), (False, 32, 8, 2)]
+)
+def test_worst_case_concurrency_follows_from_the_layout(keys_from_values, global_block, on, off):
+    """By hand: blocks of one request = the global group's tokens / its block size plus, per
+    sliding group, the window and one step's tokens in blocks of 16 (+1, the window need not
+    be aligned); hybrid off: every layer at full length in 16-token blocks."""
     budget, length = 80 * GIB, 32_768
-    config = plan(gemma4_31b_specs(), budget, length, disable_hybrid=False)
+    specs = gemma4_31b_specs(keys_from_values=keys_from_values)
+    config = plan(specs, budget, length, disable_hybrid=False)
     assert config is not None
     num_blocks = budget // (10 * SLIDING_PAGE)
-    per_request = cdiv(length, 32) + 5 * (cdiv(WINDOW - 1 + BATCHED, 16) + 1)
-    assert math.floor((num_blocks - 1) / per_request) == 8
-    off = plan(gemma4_31b_specs(), budget, length, disable_hybrid=True)
-    assert off is not None
-    off_blocks = budget // (50 * SLIDING_PAGE + 10 * SLIDING_PAGE // 2)
-    assert math.floor((off_blocks - 1) / cdiv(length, 16)) == 2
-    assert plan(gemma4_31b_specs(), budget, 131_072, disable_hybrid=True) is None
+    per_request = cdiv(length, global_block) + 5 * (cdiv(WINDOW - 1 + BATCHED, 16) + 1)
+    assert math.floor((num_blocks - 1) / per_request) == on
+    assert math.floor(max_concurrency(config, length, BATCHED)) == on
+    folded = plan(specs, budget, length, disable_hybrid=True)
+    assert folded is not None
+    # A global layer's page at block size 16: its unified page scaled back by 16 / its block.
+    off_blocks = budget // (50 * SLIDING_PAGE + 10 * SLIDING_PAGE * 16 // global_block)
+    assert math.floor((off_blocks - 1) / cdiv(length, 16)) == off
+    assert math.floor(max_concurrency(folded, length, BATCHED)) == off
+    assert plan(specs, budget, 131_072, disable_hybrid=True) is None
 
 
 def _documented_rows() -> list[tuple[int, str, str, int, int, int]]:
