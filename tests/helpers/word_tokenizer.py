@@ -19,13 +19,15 @@ CHAT_TEMPLATE = (
 """Each message is `t1 <content>`; the generation prompt is `t2`."""
 
 
-def save_word_tokenizer(path: Path, vocab_size: int) -> PreTrainedTokenizerFast:
-    """Save the tokenizer (with `CHAT_TEMPLATE`) to `path`; return it."""
+def save_word_tokenizer(
+    path: Path, vocab_size: int, chat_template: str = CHAT_TEMPLATE
+) -> PreTrainedTokenizerFast:
+    """Save the tokenizer (with `chat_template`) to `path`; return it."""
     vocab = {f"t{i}": i for i in range(vocab_size)}
     backend = Tokenizer(WordLevel(vocab, unk_token="t0"))
     backend.pre_tokenizer = WhitespaceSplit()
     backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0")
-    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
     tokenizer.save_pretrained(path)
     return tokenizer

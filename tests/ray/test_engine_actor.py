@@ -23,7 +23,7 @@ from cluster.llm import LLM
 from scheduler.request import SamplingParams
 from tests.helpers.ray_state import live_engine_actors, live_placement_groups
 from tests.helpers.tiny_models import save_tiny_model
-from tests.helpers.tiny_tokenizer import save_word_tokenizer
+from tests.helpers.word_tokenizer import save_word_tokenizer
 
 pytestmark = pytest.mark.ray
 

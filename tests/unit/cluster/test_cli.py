@@ -13,16 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import WhitespaceSplit
-from transformers import PreTrainedTokenizerFast
 
 from cluster.cli import build_parser, main
 from cluster.config.engine_flags import _field_docs as field_docs
 from cluster.config.engine_flags import engine_kwargs_from_args as engine_kwargs
 from cluster.engine_args import EngineArgs, resolve_model_folder
 from tests.helpers.tiny_models import save_tiny_model
+from tests.helpers.word_tokenizer import save_word_tokenizer
 
 TRACES = Path(__file__).resolve().parents[1] / "scheduler" / "replay_traces"
 REPO = Path(__file__).resolve().parents[3]
@@ -40,20 +37,9 @@ def test_replay_command_prints_one_line_per_trace(capsys: pytest.CaptureFixture[
     }
 
 
-def _save_word_tokenizer(path: Path, vocab_size: int) -> PreTrainedTokenizerFast:
-    """A whitespace word-level tokenizer over the words t0..t{n-1}, built offline."""
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    backend = Tokenizer(WordLevel(vocab, unk_token="t0"))
-    backend.pre_tokenizer = WhitespaceSplit()
-    backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0")
-    tokenizer.save_pretrained(path)
-    return tokenizer
-
-
 def test_generate_command_prints_the_greedy_continuation(tmp_path: Path) -> None:
     hf_model = save_tiny_model("llama", tmp_path)
-    tokenizer = _save_word_tokenizer(tmp_path, hf_model.config.vocab_size)
+    tokenizer = save_word_tokenizer(tmp_path, hf_model.config.vocab_size)
     prompt = "t5 t17 t33 t2 t9"
     prompt_ids = tokenizer(prompt).input_ids
     with torch.no_grad():
@@ -157,12 +143,11 @@ def test_corrupt_checkpoint_is_one_line_naming_the_file(
 def word_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("word-model")
     hf_model = save_tiny_model("llama", path)
-    tokenizer = _save_word_tokenizer(path, hf_model.config.vocab_size)
-    tokenizer.chat_template = (
+    template = (
         "{% for m in messages %}{{ m['content'] }} {% endfor %}"
         "{% if add_generation_prompt %}t1 {% endif %}"
     )
-    tokenizer.save_pretrained(path)
+    save_word_tokenizer(path, hf_model.config.vocab_size, template)
     return path
 
 
