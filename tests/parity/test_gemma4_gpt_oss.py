@@ -11,6 +11,11 @@ K = V cache) and, in one variant, MoE.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 from typing import NamedTuple
 
@@ -19,6 +24,7 @@ import torch
 import transformers
 
 from cluster import LLM, SamplingParams
+from kernels import HAS_TRITON
 from scheduler.kv_cache.spec import UniformTypeKVCacheSpecs
 from tests.helpers.paged_driver import PagedDriver
 from worker.config import ModelConfig, ParallelConfig
@@ -246,3 +252,39 @@ def test_tensor_parallel_2_matches_transformers(name, request):
     tokens, cached = _generate(saved, tensor_parallel_size=2, kv_sharing_fast_prefill=True)
     assert tokens == saved.greedy
     assert all(num > 0 for num in cached)
+
+
+TRITON_RUN = """
+import json
+from cluster import LLM, SamplingParams
+from kernels import triton_attention
+
+assert triton_attention.is_interpreted()
+llm = LLM({path!r}, attention_backend="triton", kv_sharing_fast_prefill=True, **{args!r})
+outputs = llm.generate({prompts!r}, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)
+print(json.dumps([output.outputs[0].token_ids for output in outputs]))
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("name", ["gemma4", "gpt_oss"])
+def test_triton_kernels_serve_the_models_like_transformers(name, request):
+    """The Triton kernels (interpreted on the CPU, in a fresh process) behind the engine: keys
+    rebuilt from the cached values (Gemma 4's K = V layers, also read by a KV-sharing layer)
+    and attention sinks (gpt-oss) give transformers' greedy tokens."""
+    saved = request.getfixturevalue(name)
+    code = TRITON_RUN.format(path=str(saved.path), args=LLM_ARGS, prompts=PROMPTS[:2])
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    tokens = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert tokens == [greedy[:8] for greedy in saved.greedy[:2]]
