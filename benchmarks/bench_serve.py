@@ -8,7 +8,9 @@ a real one, `--default-model` for the embedded SmolLM2-135M-Instruct), then:
 2. in the same run, measures time to first token of one request at a time three ways: through
    HTTP (proxy + ingress + model replica), through the model deployment's handle (no HTTP, no
    ingress), and on an `AsyncEngine` in this process (the engine client called directly). The
-   difference of medians is the latency the serving layers add.
+   difference of medians is the latency the serving layers add;
+3. Ray Serve's own floor for that topology: HTTP proxy -> a relaying ingress -> a deployment
+   that streams the same SSE lines at once (no model), measured the same way.
 
     python benchmarks/bench_serve.py [--concurrency 1,4,16,64] [--max-tokens 32]
 """
@@ -28,6 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from fastapi import FastAPI
+from ray import serve
+from starlette.responses import StreamingResponse
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -36,6 +41,40 @@ from tests.helpers.serve_app import free_port, llm_config, save_tiny_served_mode
 
 MODEL_ID = "bench"
 APP = "bench"
+
+
+FLOOR_APP = FastAPI()
+FLOOR_LINE = 'data: {"choices": [{"text": "x"}]}\n\n'
+
+
+@serve.deployment
+class FloorAnswer:
+    """Streams `count` completion chunks at once: the model replica with no model."""
+
+    async def generate(self, count: int) -> Any:
+        for _ in range(count):
+            yield FLOOR_LINE
+
+
+@serve.deployment
+@serve.ingress(FLOOR_APP)
+class FloorRelay:
+    """Peeks the first line of the answer's stream and relays the rest, as our ingress does."""
+
+    def __init__(self, answer: Any) -> None:
+        self.answer = answer
+
+    @FLOOR_APP.post("/v1/completions")
+    async def completions(self) -> StreamingResponse:
+        stream = self.answer.options(stream=True).generate.remote(4)
+        first = await stream.__anext__()
+
+        async def relay() -> Any:
+            yield first
+            async for line in stream:
+                yield line
+
+        return StreamingResponse(relay(), media_type="text/event-stream")
 
 
 @dataclass
@@ -131,7 +170,6 @@ async def _ttft_http(base: str, body: dict[str, Any], repeats: int) -> list[floa
 
 
 async def _ttft_handle(body: dict[str, Any], repeats: int) -> list[float]:
-    from ray import serve
 
     from cluster.serve import deployment_name
     from cluster.serve.protocol import CompletionRequest
@@ -182,7 +220,6 @@ async def _ttft_engine(config: dict[str, Any], body: dict[str, Any], repeats: in
 
 
 def _setup(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
-    from ray import serve
     from ray.serve.config import HTTPOptions
 
     from cluster.serve import build_openai_app
@@ -203,6 +240,7 @@ def _setup(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     port = free_port()
     serve.start(http_options=HTTPOptions(host=NODE_IP, port=port))
     serve.run(build_openai_app({"llm_configs": [config]}), name=APP, route_prefix="/")
+    serve.run(FloorRelay.bind(FloorAnswer.bind()), name="floor", route_prefix="/floor")
     return f"http://{NODE_IP}:{port}", config
 
 
@@ -225,10 +263,13 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     http = await _ttft_http(base, body, args.repeats)
     handle = await _ttft_handle(body, args.repeats)
     direct = await _ttft_engine(config, body, args.repeats)
+    await _ttft_http(base + "/floor", body, 5)  # warm-up
+    floor = await _ttft_http(base + "/floor", body, args.repeats)
     medians = {
         "http_ms": 1000 * statistics.median(http),
         "handle_ms": 1000 * statistics.median(handle),
         "engine_ms": 1000 * statistics.median(direct),
+        "serve_floor_ms": 1000 * statistics.median(floor),
     }
     medians["ingress_adds_ms"] = medians["http_ms"] - medians["engine_ms"]
     print(json.dumps({"ttft_median": medians}), flush=True)
@@ -251,8 +292,6 @@ def main() -> None:
     results = asyncio.run(_main(args))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
-    from ray import serve
-
     serve.shutdown()
 
 
