@@ -65,7 +65,7 @@ def _tanh(x):  # type: ignore[no-untyped-def]
 
 @triton.jit  # type: ignore[untyped-decorator]
 def _rotate_values_into_keys(  # type: ignore[no-untyped-def]
-    v_cache_ptr, v_offs, k_mask, key_pos, dims, dim_ok, key_scale_ptr, inv_freq_ptr,
+    v, v_cache_ptr, v_offs, k_mask, key_pos, dims, dim_ok, key_scale_ptr, inv_freq_ptr,
     rope_scaling, ROTARY_DIM: tl.constexpr,
 ):  # fmt: skip
     # Key tile [HEAD_PAD, BLOCK_N] = rope(value * scale) (see kernels.reference.KeyFromValue):
@@ -76,7 +76,7 @@ def _rotate_values_into_keys(  # type: ignore[no-untyped-def]
     partner = tl.where(is_rotated, partner, dims)
     key_scale = tl.load(key_scale_ptr + dims, mask=dim_ok, other=0.0).to(tl.float32)
     partner_scale = tl.load(key_scale_ptr + partner, mask=dim_ok, other=0.0).to(tl.float32)
-    own = tl.load(v_cache_ptr + v_offs[None, :] + dims[:, None], mask=k_mask, other=0.0)
+    own = tl.trans(v)  # the value tile [BLOCK_N, HEAD_PAD], as a key tile
     paired = tl.load(v_cache_ptr + v_offs[None, :] + partner[:, None], mask=k_mask, other=0.0)
     own = own.to(tl.float32) * key_scale[:, None]
     paired = paired.to(tl.float32) * partner_scale[:, None]
@@ -162,7 +162,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         v = tl.load(v_cache_ptr + v_offs[:, None] + dims[None, :], mask=v_mask, other=0.0)
         if KEY_FROM_VALUE:
             k = _rotate_values_into_keys(
-                v_cache_ptr, v_offs, k_mask, key_pos, dims, dim_ok, key_scale_ptr,
+                v, v_cache_ptr, v_offs, k_mask, key_pos, dims, dim_ok, key_scale_ptr,
                 inv_freq_ptr, rope_scaling, ROTARY_DIM,
             ).to(q.dtype)  # fmt: skip
         else:
