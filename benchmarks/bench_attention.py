@@ -3,7 +3,9 @@
 Decode reports achieved GB/s (K/V, query and output bytes over kernel time) next to a device
 copy bandwidth measured in the same run; prefill reports TFLOP/s of causal attention. Every
 available backend runs, next to torch SDPA (and flash-attn's own API where installed) on
-unpaged K/V. Without CUDA, or with --small, the shapes shrink to CPU regression sizes.
+unpaged K/V; backends that can rebuild keys from cached values (Gemma 4's K = V layers) also
+run that way on the same cache, so the cost of rebuilding is a ratio within one run. Without
+CUDA, or with --small, the shapes shrink to CPU regression sizes.
 
     python benchmarks/bench_attention.py [--small] [--backends torch,triton] [--threads 1]
 """
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import BACKEND_NAMES, AttentionBackend, select_backend
+from kernels.reference import KeyFromValue
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,11 @@ def kernel_calls(
         f"{backend.name} (paged)": lambda fn=backend.paged_attention: fn(*args)
         for backend in backends
     }
+    derive = _key_from_value(work.head_size, inputs.query.device)
+    for backend in backends:
+        if backend.name != "flash_attn":  # flash-attn cannot rebuild keys
+            name = f"{backend.name} (paged, keys from values)"
+            calls[name] = lambda fn=backend.paged_attention: fn(*args, key_from_value=derive)
     query = inputs.query.view(work.num_reqs, work.q_len, work.num_q_heads, -1).transpose(1, 2)
     is_causal = work.kind == "prefill"
     calls["torch SDPA (unpaged)"] = lambda: F.scaled_dot_product_attention(
@@ -153,6 +161,12 @@ def kernel_calls(
     if flash_call is not None:
         calls["flash-attn (unpaged)"] = flash_call
     return calls
+
+
+def _key_from_value(head_size: int, device: torch.device) -> KeyFromValue:
+    """Rope over every feature (theta 10000), unit scale: the cost of rebuilding keys."""
+    exponents = torch.arange(0, head_size, 2, dtype=torch.float32) / head_size
+    return KeyFromValue(torch.ones(head_size, device=device), 1.0 / 10000.0**exponents)
 
 
 def _flash_attn_call(inputs: Inputs, work: Workload, scale: float) -> Callable[[], object] | None:

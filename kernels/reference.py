@@ -167,14 +167,13 @@ def rotate_values_into_keys(
     `KeyFromValue`); cos/sin computed as the models' rope tables are."""
     scaled = values * key_from_value.scale.float().to(values.device)
     inv_freq = key_from_value.inv_freq.float().to(values.device)
-    freqs = positions[:, None].float() * inv_freq
-    angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [n, 1, rotary_dim]
-    cos = angles.cos() * key_from_value.attention_scaling
-    sin = angles.sin() * key_from_value.attention_scaling
-    rotary_dim, half = angles.shape[-1], angles.shape[-1] // 2
-    rotated, passed = scaled[..., :rotary_dim], scaled[..., rotary_dim:]
-    halves = torch.cat((-rotated[..., half:], rotated[..., :half]), dim=-1)
-    return torch.cat((rotated * cos + halves * sin, passed), dim=-1)
+    half = inv_freq.numel()
+    freqs = positions[:, None].float() * inv_freq  # [n, half]: both halves share the angles
+    cos = (freqs.cos() * key_from_value.attention_scaling)[:, None, :]
+    sin = (freqs.sin() * key_from_value.attention_scaling)[:, None, :]
+    first, second = scaled[..., :half], scaled[..., half : 2 * half]
+    passed = scaled[..., 2 * half :]  # features past the rotary dims are only scaled
+    return torch.cat((first * cos - second * sin, second * cos + first * sin, passed), dim=-1)
 
 
 def _chunk_rows(num_q_heads: int, seq_len: int) -> int:
