@@ -136,8 +136,6 @@ def load_named_weights(
 
 def _expected_shards(param_name: str, modules: dict[str, nn.Module]) -> set[ShardId]:
     """The shards the packed parameter's layer holds (a K = V layer has no value shard)."""
-    owner = modules.get(param_name.rpartition(".")[0])
-    shards = getattr(owner, "shards", None)
-    if isinstance(shards, dict):
-        return set(shards)
-    return {shard for packed, _, shard in PACKED_MODULES if f".{packed}." in param_name}
+    shards = getattr(modules[param_name.rpartition(".")[0]], "shards", None)
+    assert isinstance(shards, dict), f"{param_name} does not belong to a packed layer"
+    return set(shards)

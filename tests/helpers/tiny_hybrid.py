@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from tests.helpers.tiny_models import random_eager_model
+
 COMMON: dict[str, object] = {
     "vocab_size": 256,
     "hidden_size": 64,
@@ -79,17 +81,12 @@ def build_tiny_hybrid(family: str, seed: int = 0, **overrides: object) -> torch.
         kinds = {"mamba": "linear_attention", "attention": "full_attention"}
         kwargs["layer_types"] = [kinds.get(k, k) for k in kwargs["layer_types"]]  # type: ignore[union-attr]
     config = getattr(transformers, config_name)(**kwargs)
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_name)._from_config(
-        config, attn_implementation="eager", dtype=torch.float32
+    return random_eager_model(
+        config,
+        model_name,
+        lambda name: "norm" in name or name.endswith(("D", "dt_bias", "A_log")),
+        seed,
     )
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or name.endswith(("D", "dt_bias", "A_log")):
-                param.add_(torch.randn_like(param) * 0.1)
-            else:
-                param.normal_(0.0, 0.1)
-    return model.eval()
 
 
 def save_tiny_hybrid(

@@ -6,11 +6,16 @@ so that softcaps, norm weights, biases and windows all change the outputs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import transformers
-from transformers import PreTrainedModel
+from transformers import PreTrainedConfig, PreTrainedModel
+
+from worker.config import ModelConfig, ParallelConfig
+from worker.models.registry import get_model_class
+from worker.weights import iterate_weights
 
 BASE = {
     "vocab_size": 256,
@@ -106,20 +111,48 @@ MODEL_CLASSES = {
 }
 
 
+def random_eager_model(
+    config: PreTrainedConfig,
+    model_class: str,
+    is_offset: Callable[[str], bool],
+    seed: int = 0,
+    spread: Callable[[str], float] = lambda name: 0.1,
+) -> PreTrainedModel:
+    """transformers' `model_class` (eager attention, fp32) with its weights re-drawn: a parameter
+    named so that `is_offset` holds (norm weights, biases, ...) is perturbed by N(0, 0.1) around
+    its init, every other one drawn from N(0, spread(name))."""
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_class)._from_config(
+        config, attn_implementation="eager", dtype=torch.float32
+    )
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if is_offset(name):
+                param.add_(torch.randn_like(param) * 0.1)
+            else:
+                param.normal_(0.0, spread(name))
+    return model.eval()
+
+
+def load_our_model(path: Path) -> torch.nn.Module:
+    """Our model of the checkpoint at `path`, every parameter loaded (asserted)."""
+    model_config = ModelConfig.from_pretrained(path)
+    model = get_model_class(model_config.architecture)(model_config, ParallelConfig())
+    loaded = model.load_weights(iterate_weights(path))
+    assert loaded == {name for name, _ in model.named_parameters()}
+    return model.eval()
+
+
 def build_tiny_model(family: str, seed: int = 0, **overrides: object) -> PreTrainedModel:
     """A random eager-attention model of `family` in fp32."""
     config_name, extra = {**FAMILIES, **CHUNKED_FAMILIES}[family]
     config = getattr(transformers, config_name)(**{**BASE, **extra, **overrides})
-    model_cls = getattr(transformers, MODEL_CLASSES[config_name])
-    torch.manual_seed(seed)
-    model = model_cls._from_config(config, attn_implementation="eager", dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
-                param.add_(torch.randn_like(param) * 0.1)
-            else:
-                param.normal_(0.0, 0.1)
-    return model.eval()
+    return random_eager_model(
+        config,
+        MODEL_CLASSES[config_name],
+        lambda name: "norm" in name or name.endswith("bias"),
+        seed,
+    )
 
 
 def save_tiny_model(family: str, path: Path, seed: int = 0, **overrides: object) -> PreTrainedModel:

@@ -20,6 +20,7 @@ from cluster import LLM, SamplingParams
 from scheduler.kv_cache.builder import build_kv_cache_config
 from tests.helpers.paged_driver import PagedDriver
 from tests.helpers.shared_kv_reference import greedy_with_shared_kv
+from tests.helpers.tiny_models import load_our_model, random_eager_model
 from worker.attention import Attention, ForwardContext
 from worker.config import ModelConfig, ParallelConfig
 from worker.kv_cache import attention_layers, report_kv_cache_specs
@@ -97,17 +98,8 @@ LLM_ARGS = {"block_size": 4, "max_num_batched_tokens": 16, "kv_cache_memory_byte
 
 def _save(config_cls: str, model_cls: str, kwargs: dict, path: Path) -> torch.nn.Module:
     config = getattr(transformers, config_cls)(**kwargs)
-    torch.manual_seed(0)
-    model = getattr(transformers, model_cls)._from_config(
-        config, attn_implementation="eager", dtype=torch.float32
-    )
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(torch.randn_like(param) * 0.1)
-            else:
-                param.normal_(0.0, 0.1)
-    model.eval().save_pretrained(path)
+    model = random_eager_model(config, model_cls, lambda name: "norm" in name)
+    model.save_pretrained(path)
     return model
 
 
@@ -153,14 +145,6 @@ def _shared_kv_greedy(hf_model: torch.nn.Module) -> list[list[int]]:
     return [greedy_with_shared_kv(hf_model, prompt, NUM_NEW, targets) for prompt in PROMPTS]
 
 
-def _ours(path: Path) -> torch.nn.Module:
-    model_config = ModelConfig.from_pretrained(path)
-    model = get_model_class(model_config.architecture)(model_config, ParallelConfig())
-    loaded = model.load_weights(iterate_weights(path))
-    assert loaded == {name for name, _ in model.named_parameters()}
-    return model.eval()
-
-
 class _LocalDriver(PagedDriver):
     """The paged driver with chunked-local layers cut into virtual batches."""
 
@@ -185,7 +169,7 @@ def test_prefill_logits_match_transformers(name, request):
     prompt = PROMPTS[0]
     with torch.no_grad():
         expected = hf_model(torch.tensor([prompt])).logits[0]
-    got = _LocalDriver(_ours(path), block_size=4).prefill(prompt)
+    got = _LocalDriver(load_our_model(path), block_size=4).prefill(prompt)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
@@ -324,7 +308,7 @@ def test_prompt_logprobs_equal_with_truncated_prefill_on_and_off(gemma3n):
 
 def test_gemma3n_kv_capacity_counts_only_owning_layers(gemma3n):
     """S25 on Gemma 3n: 3 of 6 layers share, so one block costs 3 pages, not 6."""
-    report = report_kv_cache_specs(attention_layers(_ours(gemma3n.path)), 16, 4)
+    report = report_kv_cache_specs(attention_layers(load_our_model(gemma3n.path)), 16, 4)
     # The last layer of each type before the shared run: full L1, sliding L2.
     assert report.shared_kv_layers == {
         _layer(3): _layer(1),
@@ -381,7 +365,7 @@ def test_llama_family_kv_sharing_option_same_tokens_with_truncated_prefill(tmp_p
         "kv_sharing_targets": LLAMA4_SHARED["kv_sharing_targets"],
     }
     hf_model = _save("Qwen2Config", "Qwen2ForCausalLM", config, tmp_path)
-    report = report_kv_cache_specs(attention_layers(_ours(tmp_path)), 16, 4)
+    report = report_kv_cache_specs(attention_layers(load_our_model(tmp_path)), 16, 4)
     assert report.shared_kv_layers == {
         _layer(i): _layer(t) for i, t in [(2, 0), (3, 1), (6, 4), (7, 5)]
     }

@@ -27,9 +27,7 @@ from cluster import LLM, SamplingParams
 from kernels import HAS_TRITON
 from scheduler.kv_cache.spec import UniformTypeKVCacheSpecs
 from tests.helpers.paged_driver import PagedDriver
-from worker.config import ModelConfig, ParallelConfig
-from worker.models.registry import get_model_class
-from worker.weights import iterate_weights
+from tests.helpers.tiny_models import load_our_model, random_eager_model
 
 pytestmark = pytest.mark.parity
 
@@ -116,20 +114,17 @@ class Saved(NamedTuple):
 
 def _save(config_cls: str, model_cls: str, kwargs: dict, path: Path) -> Saved:
     config = getattr(transformers, config_cls)(**kwargs)
-    torch.manual_seed(0)
-    model = getattr(transformers, model_cls)._from_config(
-        config, attn_implementation="eager", dtype=torch.float32
+    model = random_eager_model(
+        config,
+        model_cls,
+        lambda name: "norm" in name or "scale" in name,
+        # sinks spread wider so that they change the attention weights visibly
+        spread=lambda name: 0.5 if name.endswith("sinks") else 0.1,
     )
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name or "scale" in name:
-                param.add_(torch.randn_like(param) * 0.1)
-            else:  # sinks spread wider so that they change the attention weights visibly
-                param.normal_(0.0, 0.5 if name.endswith("sinks") else 0.1)
-        for name, buffer in model.named_buffers():
-            if name.endswith("layer_scalar"):
-                buffer.fill_(0.9)
-    model.eval().save_pretrained(path)
+    for name, buffer in model.named_buffers():
+        if name.endswith("layer_scalar"):
+            buffer.fill_(0.9)
+    model.save_pretrained(path)
     greedy = []
     with torch.no_grad():
         for prompt in PROMPTS + PREFIX_PROMPTS:
@@ -160,14 +155,6 @@ def gpt_oss(tmp_path_factory) -> Saved:
     return _save("GptOssConfig", "GptOssForCausalLM", GPT_OSS, tmp_path_factory.mktemp("oss"))
 
 
-def _ours(path: Path) -> torch.nn.Module:
-    model_config = ModelConfig.from_pretrained(path)
-    model = get_model_class(model_config.architecture)(model_config, ParallelConfig())
-    loaded = model.load_weights(iterate_weights(path))
-    assert loaded == {name for name, _ in model.named_parameters()}
-    return model.eval()
-
-
 def _generate(saved: Saved, **kwargs) -> tuple[list[list[int]], list[int]]:
     """Greedy tokens of PROMPTS and then PREFIX_PROMPTS, and the latter's cached tokens."""
     llm = LLM(str(saved.path), **LLM_ARGS, **kwargs)
@@ -186,7 +173,7 @@ def test_prefill_logits_match_transformers(name, request):
     prompt = PROMPTS[0]
     with torch.no_grad():
         expected = saved.hf_model(torch.tensor([prompt])).logits[0]
-    got = PagedDriver(_ours(saved.path), block_size=4).step({"r": prompt})["r"]
+    got = PagedDriver(load_our_model(saved.path), block_size=4).step({"r": prompt})["r"]
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
