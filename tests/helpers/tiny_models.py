@@ -134,6 +134,14 @@ def random_eager_model(
     return model.eval()
 
 
+def hf_greedy(hf_model: torch.nn.Module, prompt: list[int], num_new: int) -> list[int]:
+    """transformers' greedy continuation of `prompt`: `num_new` token IDs."""
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=num_new, do_sample=False)
+    tokens: list[int] = out[0, len(prompt) :].tolist()
+    return tokens
+
+
 def load_our_model(path: Path) -> torch.nn.Module:
     """Our model of the checkpoint at `path`, every parameter loaded (asserted)."""
     model_config = ModelConfig.from_pretrained(path)

@@ -20,7 +20,7 @@ from cluster import LLM, SamplingParams
 from scheduler.kv_cache.builder import build_kv_cache_config
 from tests.helpers.paged_driver import PagedDriver
 from tests.helpers.shared_kv_reference import greedy_with_shared_kv
-from tests.helpers.tiny_models import load_our_model, random_eager_model
+from tests.helpers.tiny_models import hf_greedy, load_our_model, random_eager_model
 from worker.attention import Attention, ForwardContext
 from worker.config import ModelConfig, ParallelConfig
 from worker.kv_cache import attention_layers, report_kv_cache_specs
@@ -113,12 +113,7 @@ class Saved(NamedTuple):
 
 def _saved(config_cls: str, model_cls: str, kwargs: dict, path: Path) -> Saved:
     hf_model = _save(config_cls, model_cls, kwargs, path)
-    greedy = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=NUM_NEW, do_sample=False)
-            greedy.append(out[0, len(prompt) :].tolist())
-    return Saved(path, hf_model, greedy)
+    return Saved(path, hf_model, [hf_greedy(hf_model, prompt, NUM_NEW) for prompt in PROMPTS])
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from cluster import LLM, SamplingParams
 from kernels import HAS_TRITON
 from scheduler.kv_cache.spec import UniformTypeKVCacheSpecs
 from tests.helpers.paged_driver import PagedDriver
-from tests.helpers.tiny_models import load_our_model, random_eager_model
+from tests.helpers.tiny_models import hf_greedy, load_our_model, random_eager_model
 
 pytestmark = pytest.mark.parity
 
@@ -125,11 +125,7 @@ def _save(config_cls: str, model_cls: str, kwargs: dict, path: Path) -> Saved:
         if name.endswith("layer_scalar"):
             buffer.fill_(0.9)
     model.save_pretrained(path)
-    greedy = []
-    with torch.no_grad():
-        for prompt in PROMPTS + PREFIX_PROMPTS:
-            out = model.generate(torch.tensor([prompt]), max_new_tokens=NUM_NEW, do_sample=False)
-            greedy.append(out[0, len(prompt) :].tolist())
+    greedy = [hf_greedy(model, prompt, NUM_NEW) for prompt in PROMPTS + PREFIX_PROMPTS]
     return Saved(path, model, greedy)
 
 

@@ -15,7 +15,7 @@ import torch
 
 from cluster import LLM, SamplingParams
 from tests.helpers.engine_probe import engine_stats, failing_forward, watch_preemptions
-from tests.helpers.tiny_models import save_tiny_model
+from tests.helpers.tiny_models import hf_greedy, save_tiny_model
 
 pytestmark = pytest.mark.parity
 
@@ -30,9 +30,7 @@ HYBRID_GROUPS = {"gemma2": 2, "gemma3": 4, "qwen2": 2, "mistral": 1, "llama4": 2
 
 
 def _hf_greedy(hf_model: torch.nn.Module, prompt: list[int], num_new: int = NUM_NEW) -> list[int]:
-    with torch.no_grad():
-        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=num_new, do_sample=False)
-    return out[0, len(prompt) :].tolist()
+    return hf_greedy(hf_model, prompt, num_new)
 
 
 def _tokens(results) -> list[list[int]]:

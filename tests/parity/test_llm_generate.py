@@ -21,7 +21,7 @@ import kernels
 from cluster import LLM, SamplingParams
 from cluster.engine import executor
 from tests.helpers.engine_probe import engine_stats
-from tests.helpers.tiny_models import WINDOW, save_tiny_model
+from tests.helpers.tiny_models import WINDOW, hf_greedy, save_tiny_model
 
 pytestmark = pytest.mark.parity
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -42,9 +42,7 @@ LLM_ARGS = {"block_size": 4, "max_num_batched_tokens": 16, "kv_cache_memory_byte
 
 
 def _hf_greedy(hf_model: torch.nn.Module, prompt: list[int], num_new: int = NUM_NEW) -> list[int]:
-    with torch.no_grad():
-        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=num_new, do_sample=False)
-    return out[0, len(prompt) :].tolist()
+    return hf_greedy(hf_model, prompt, num_new)
 
 
 def _tokens(results) -> list[list[int]]:

@@ -24,6 +24,7 @@ import kernels
 import worker.mamba_metadata
 from cluster import LLM, SamplingParams
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
+from tests.helpers.tiny_models import hf_greedy
 
 pytestmark = pytest.mark.parity
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -47,10 +48,8 @@ class Saved(NamedTuple):
     greedy: dict[tuple[int, ...], list[int]]
 
 
-def _hf_greedy(hf_model: torch.nn.Module, prompt: list[int]) -> list[int]:
-    with torch.no_grad():
-        out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=NUM_NEW, do_sample=False)
-    return out[0, len(prompt) :].tolist()
+def _hf_greedy(hf_model: torch.nn.Module, prompt: list[int], num_new: int = NUM_NEW) -> list[int]:
+    return hf_greedy(hf_model, prompt, num_new)
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -216,9 +215,4 @@ def test_triton_kernels_on_the_interpreter_give_transformers_tokens(tmp_path: Pa
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-6000:]
     tokens = json.loads(proc.stdout.strip().splitlines()[-1])
-    expected = []
-    for prompt in prompts:
-        with torch.no_grad():
-            out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False)
-        expected.append(out[0, len(prompt) :].tolist())
-    assert tokens == expected
+    assert tokens == [hf_greedy(hf_model, prompt, 4) for prompt in prompts]
