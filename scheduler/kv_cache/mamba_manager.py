@@ -14,26 +14,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from scheduler.block_hash import BlockHash
-from scheduler.kv_cache.block_pool import BlockPool, KVCacheBlock
+from scheduler.kv_cache.block_pool import KVCacheBlock
 from scheduler.kv_cache.single_type_manager import NEVER, NO_BLOCKS, SingleTypeManager, lookup_all
-from scheduler.kv_cache.spec import MambaCacheMode, MambaSpec, cdiv
+from scheduler.kv_cache.spec import KVCacheSpec, MambaCacheMode, MambaSpec, cdiv
 
 
 class MambaManager(SingleTypeManager):
     """State blocks of one Mamba group; see the module docstring for the three modes."""
 
-    def __init__(
-        self,
-        spec: MambaSpec,
-        pool: BlockPool,
-        group_id: int,
-        hash_block_size: int,
-        hit_alignment: int | None = None,
-        cache_unreachable_blocks: bool = False,
-    ) -> None:
-        super().__init__(
-            spec, pool, group_id, hash_block_size, hit_alignment, cache_unreachable_blocks
-        )
+    def read_spec(self, spec: KVCacheSpec) -> None:
+        assert isinstance(spec, MambaSpec), spec
         self.mode = spec.mamba_cache_mode
 
     def find_longest_cache_hit(

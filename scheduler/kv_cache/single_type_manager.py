@@ -68,6 +68,10 @@ class SingleTypeManager(abc.ABC):
         """Leading table entries already registered in the prefix cache."""
         self.num_dropped_block: dict[str, int] = {}
         """Leading table entries already nulled (nothing before them is live)."""
+        self.read_spec(spec)
+
+    def read_spec(self, spec: KVCacheSpec) -> None:  # noqa: B027 (optional hook)
+        """Fields of this manager's own spec type; none unless a subclass reads some."""
 
     @abc.abstractmethod
     def find_longest_cache_hit(

@@ -9,26 +9,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from scheduler.block_hash import BlockHash
-from scheduler.kv_cache.block_pool import BlockPool, KVCacheBlock
+from scheduler.kv_cache.block_pool import KVCacheBlock
 from scheduler.kv_cache.single_type_manager import SingleTypeManager, lookup_all
-from scheduler.kv_cache.spec import ChunkedLocalAttentionSpec, SlidingWindowSpec, cdiv
+from scheduler.kv_cache.spec import (
+    ChunkedLocalAttentionSpec,
+    KVCacheSpec,
+    SlidingWindowSpec,
+    cdiv,
+)
 
 
 class SlidingWindowManager(SingleTypeManager):
     """Sliding window w: the query at position p reads keys in (p - w, p]."""
 
-    def __init__(
-        self,
-        spec: SlidingWindowSpec,
-        pool: BlockPool,
-        group_id: int,
-        hash_block_size: int,
-        hit_alignment: int | None = None,
-        cache_unreachable_blocks: bool = False,
-    ) -> None:
-        super().__init__(
-            spec, pool, group_id, hash_block_size, hit_alignment, cache_unreachable_blocks
-        )
+    def read_spec(self, spec: KVCacheSpec) -> None:
+        assert isinstance(spec, SlidingWindowSpec), spec
         self.sliding_window = spec.sliding_window
         self.num_run_blocks = cdiv(spec.sliding_window - 1, spec.block_size)
         """Cached blocks a hit must end with: the first recomputed token reads the w - 1
@@ -85,23 +80,13 @@ class SlidingWindowManager(SingleTypeManager):
 class ChunkedLocalManager(SingleTypeManager):
     """Chunked local attention C: the query at p reads keys in [floor(p / C) * C, p]."""
 
-    def __init__(
-        self,
-        spec: ChunkedLocalAttentionSpec,
-        pool: BlockPool,
-        group_id: int,
-        hash_block_size: int,
-        hit_alignment: int | None = None,
-        cache_unreachable_blocks: bool = False,
-    ) -> None:
-        super().__init__(
-            spec, pool, group_id, hash_block_size, hit_alignment, cache_unreachable_blocks
-        )
+    def read_spec(self, spec: KVCacheSpec) -> None:
+        assert isinstance(spec, ChunkedLocalAttentionSpec), spec
         if spec.attention_chunk_size % spec.block_size:
             # Otherwise a hit could end inside a chunk whose first block is not looked up.
             raise ValueError(
-                f"group {group_id}: attention chunk size {spec.attention_chunk_size} must be a "
-                f"multiple of the block size {spec.block_size}; choose a block_size that "
+                f"group {self.group_id}: attention chunk size {spec.attention_chunk_size} must "
+                f"be a multiple of the block size {spec.block_size}; choose a block_size that "
                 f"divides {spec.attention_chunk_size}"
             )
         self.chunk_size = spec.attention_chunk_size
