@@ -30,6 +30,7 @@ from worker.models.gemma3n_layers import (
     Gemma3nAttention,
     Gemma3nMLP,
     Laurel,
+    PerLayerInputs,
     match_magnitude,
 )
 from worker.weights import load_named_weights
@@ -97,21 +98,15 @@ class Gemma3nDecoderLayer(nn.Module):
         return torch.cat([corrected[:, :1], corrected[:, 1:] + first[:, None]], dim=1)
 
 
-class Gemma3nModel(nn.Module):
+class Gemma3nModel(PerLayerInputs):
     """Embeddings, per-layer inputs, AltUp streams, the layer stack and the final norm."""
 
     def __init__(self, hf_config: PretrainedConfig, parallel: ParallelConfig) -> None:
         super().__init__()
         hidden, num_layers = hf_config.hidden_size, hf_config.num_hidden_layers
-        self.per_layer = hf_config.hidden_size_per_layer_input
-        self.vocab_per_layer = hf_config.vocab_size_per_layer_input
         self.types = list(hf_config.layer_types)
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hidden, parallel)
-        self.embed_tokens_per_layer = VocabParallelEmbedding(
-            self.vocab_per_layer, num_layers * self.per_layer, parallel
-        )
-        self.per_layer_model_projection = ReplicatedLinear(hidden, num_layers * self.per_layer)
-        self.per_layer_projection_norm = RMSNorm(self.per_layer, hf_config.rms_norm_eps)
+        self.build_per_layer_inputs(hf_config, parallel)
         extra = range(1, hf_config.altup_num_inputs)
         self.altup_projections = nn.ModuleList(ReplicatedLinear(hidden, hidden) for _ in extra)
         self.altup_unembed_projections = nn.ModuleList(
@@ -132,15 +127,8 @@ class Gemma3nModel(nn.Module):
         self.loop = DecoderLayerLoop(self.layers)
 
     def _per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
-        """[T] ids, [T, H] embeddings -> [T, layers, P]: token table + projected embedding."""
-        shape, dtype = (embeds.shape[0], len(self.layers), self.per_layer), embeds.dtype
-        ids = torch.where((input_ids >= 0) & (input_ids < self.vocab_per_layer), input_ids, 0)
-        table = self.embed_tokens_per_layer(ids) * torch.tensor(self.per_layer**0.5).to(dtype)
-        scale = torch.tensor(embeds.shape[-1] ** -0.5).to(dtype)
-        projected = self.per_layer_model_projection(embeds) * scale
-        projected = self.per_layer_projection_norm(projected.reshape(shape))
-        summed: torch.Tensor = projected + table.reshape(shape)
-        return summed * torch.rsqrt(torch.tensor(2.0)).to(dtype)
+        summed = self.sum_per_layer_inputs(input_ids, embeds)
+        return summed * torch.rsqrt(torch.tensor(2.0)).to(embeds.dtype)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext

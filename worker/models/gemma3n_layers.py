@@ -16,6 +16,7 @@ from transformers.activations import ACT2FN
 from worker.attention import Attention, AttentionConfig, ForwardContext
 from worker.config import ParallelConfig
 from worker.distributed import all_reduce
+from worker.layers.embedding import VocabParallelEmbedding
 from worker.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
@@ -171,3 +172,34 @@ class Gemma3nAttention(nn.Module):
         )
         projected: torch.Tensor = self.o_proj(out)
         return projected
+
+
+class PerLayerInputs(nn.Module):
+    """Base of the Gemma-3n/4 models: each layer gets a small input of its own, the sum of a
+    per-layer token embedding and a normed projection of the main embedding."""
+
+    per_layer: int
+    vocab_per_layer: int
+    layers: nn.ModuleList
+
+    def build_per_layer_inputs(self, hf_config: PretrainedConfig, parallel: ParallelConfig) -> None:
+        hidden, num_layers = hf_config.hidden_size, hf_config.num_hidden_layers
+        self.per_layer = int(hf_config.hidden_size_per_layer_input)
+        self.vocab_per_layer = hf_config.vocab_size_per_layer_input
+        self.embed_tokens_per_layer = VocabParallelEmbedding(
+            self.vocab_per_layer, num_layers * self.per_layer, parallel
+        )
+        self.per_layer_model_projection = ReplicatedLinear(hidden, num_layers * self.per_layer)
+        self.per_layer_projection_norm = RMSNorm(self.per_layer, hf_config.rms_norm_eps)
+
+    def sum_per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """[T] ids, [T, H] embeddings -> [T, layers, P]: token table + projected embedding
+        (unscaled; the models scale the sum their own way)."""
+        shape, dtype = (embeds.shape[0], len(self.layers), self.per_layer), embeds.dtype
+        ids = torch.where((input_ids >= 0) & (input_ids < self.vocab_per_layer), input_ids, 0)
+        table = self.embed_tokens_per_layer(ids) * torch.tensor(self.per_layer**0.5).to(dtype)
+        scale = torch.tensor(embeds.shape[-1] ** -0.5).to(dtype)
+        projected = self.per_layer_model_projection(embeds) * scale
+        projected = self.per_layer_projection_norm(projected.reshape(shape))
+        summed: torch.Tensor = projected + table.reshape(shape)
+        return summed

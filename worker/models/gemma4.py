@@ -30,6 +30,7 @@ from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RopeTables, RotaryEmbedding, rope_parameters
 from worker.models.decoder import DecoderForCausalLM, DecoderOptions
 from worker.models.gemma3n import kv_sharing_targets
+from worker.models.gemma3n_layers import PerLayerInputs
 from worker.models.gemma4_layers import (
     Gemma4Attention,
     Gemma4Experts,
@@ -102,7 +103,7 @@ class Gemma4DecoderLayer(nn.Module):
         return hidden * self.layer_scalar
 
 
-class Gemma4Model(nn.Module):
+class Gemma4Model(PerLayerInputs):
     """Embeddings, per-layer inputs, the layer stack (through the decoder loop), final norm."""
 
     def __init__(self, hf_config: PretrainedConfig, parallel: ParallelConfig) -> None:
@@ -112,12 +113,7 @@ class Gemma4Model(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hidden, parallel)
         self.per_layer = int(hf_config.hidden_size_per_layer_input or 0)
         if self.per_layer:
-            self.vocab_per_layer = hf_config.vocab_size_per_layer_input
-            self.embed_tokens_per_layer = VocabParallelEmbedding(
-                self.vocab_per_layer, num_layers * self.per_layer, parallel
-            )
-            self.per_layer_model_projection = ReplicatedLinear(hidden, num_layers * self.per_layer)
-            self.per_layer_projection_norm = RMSNorm(self.per_layer, hf_config.rms_norm_eps)
+            self.build_per_layer_inputs(hf_config, parallel)
         targets = kv_sharing_targets(hf_config)
         layers = [
             Gemma4DecoderLayer(hf_config, idx, targets.get(idx), parallel)
@@ -140,15 +136,8 @@ class Gemma4Model(nn.Module):
         self.loop = DecoderLayerLoop(self.layers)
 
     def _per_layer_inputs(self, input_ids: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
-        """[T] ids, [T, H] embeddings -> [T, layers, P]: token table + projected embedding."""
-        shape, dtype = (embeds.shape[0], len(self.layers), self.per_layer), embeds.dtype
-        ids = torch.where((input_ids >= 0) & (input_ids < self.vocab_per_layer), input_ids, 0)
-        table = self.embed_tokens_per_layer(ids) * torch.tensor(self.per_layer**0.5).to(dtype)
-        scale = torch.tensor(embeds.shape[-1] ** -0.5).to(dtype)
-        projected = self.per_layer_model_projection(embeds) * scale
-        projected = self.per_layer_projection_norm(projected.reshape(shape))
-        summed: torch.Tensor = (projected + table.reshape(shape)) * 2.0**-0.5
-        return summed
+        scaled: torch.Tensor = self.sum_per_layer_inputs(input_ids, embeds) * 2.0**-0.5
+        return scaled
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
