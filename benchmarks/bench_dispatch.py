@@ -25,7 +25,7 @@ from typing import Any
 
 import ray
 
-from cluster.engine.rank_channel import RankChannels, serve_rank
+from cluster.engine.executor.rank_channel import RankChannels, serve_rank
 from scheduler.output import CachedRequestData, ModelRunnerOutput, SchedulerOutput
 
 NUM_REQUESTS = 256

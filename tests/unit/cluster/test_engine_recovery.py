@@ -9,7 +9,7 @@ from pathlib import Path
 from cluster.engine.async_engine import AsyncEngine, EngineDeadError
 from cluster.engine.client import agenerate
 from cluster.engine.core import build_engine_core
-from cluster.engine.executor import InProcessExecutor
+from cluster.engine.executor.uniproc import InProcessExecutor
 from cluster.engine.request import EngineRequest
 from cluster.engine_args import EngineArgs
 from scheduler.output import ModelRunnerOutput, SchedulerOutput

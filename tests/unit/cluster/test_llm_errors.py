@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cluster import LLM, SamplingParams
-from cluster.engine.executor import RankFailure
+from cluster.engine.executor.rank_channel import RankFailure
 from tests.helpers.tiny_models import save_tiny_model
 
 GREEDY = SamplingParams(temperature=0, max_tokens=4)

@@ -14,16 +14,40 @@ missing when the timeout runs out.
 from __future__ import annotations
 
 import contextlib
+import logging
 import pickle
 import time
+import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
-from cluster.engine.executor import RankFailure
+logger = logging.getLogger(__name__)
 
 SHUTDOWN = "shutdown"
 _POLL_S = 1.0
 """How often a wait for replies also asks `check_alive` (a lost node closes no connection)."""
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What a rank reports when a call raised."""
+
+    message: str
+    traceback: str
+    is_value_error: bool
+    """The call rejected its input or configuration (raised again as ValueError)."""
+
+    @classmethod
+    def from_exception(cls, exc: Exception) -> RankFailure:
+        return cls(str(exc), traceback.format_exc(), isinstance(exc, ValueError))
+
+    def to_exception(self, rank: int) -> Exception:
+        """ValueError with the message for bad input, else RuntimeError with the traceback."""
+        if self.is_value_error:
+            logger.debug("tensor-parallel rank %d raised:\n%s", rank, self.traceback)
+            return ValueError(f"tensor-parallel rank {rank}: {self.message}")
+        return RuntimeError(f"tensor-parallel rank {rank} failed:\n{self.traceback}")
 
 
 class RankDeadError(RuntimeError):

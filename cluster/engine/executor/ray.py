@@ -25,9 +25,9 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster.engine.executor.rank_channel import RankChannels, RankDeadError, RankTimeoutError
+from cluster.engine.executor.ray_worker import WorkerActor
 from cluster.engine.placement import PlacementSpec, RankPlacement, acquire_placement
-from cluster.engine.rank_channel import RankChannels, RankDeadError, RankTimeoutError
-from cluster.engine.worker_actor import WorkerActor
 from cluster.engine_args import EngineArgs, EngineConfigs
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 

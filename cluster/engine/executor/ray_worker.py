@@ -17,8 +17,8 @@ from typing import Any
 import ray
 import torch
 
-from cluster.engine.executor import check_layout, worker_spec
-from cluster.engine.rank_channel import serve_rank
+from cluster.engine.executor.base import check_layout, worker_spec
+from cluster.engine.executor.rank_channel import serve_rank
 from cluster.engine.tokenizer import load_tokenizer
 from cluster.engine_args import EngineArgs, EngineConfigs
 from worker.worker import Worker

@@ -1,10 +1,6 @@
-"""Executors: run the workers of one engine, in-process or one spawned process per rank.
+"""`MultiprocExecutor`: one spawned process per tensor-parallel rank (gloo on CPU, nccl on GPU).
 
-`distributed_executor_backend` picks one: `uni` (one rank, in this process), `mp` (one spawned
-process per rank) or `ray` (one actor per rank, `cluster.engine.ray_executor`). Every executor
-offers `collective_rpc(method, *args)` (the call runs on every rank, results in rank order), on
-which the start-up phases and the KV cache set-up are built, and `execute` (rank 0's output).
-The multi-process executor talks to each rank over a pipe:
+The executor talks to each rank over a pipe:
 
     parent ──(method, args)──► rank r loop: worker.method(*args) ──result | RankFailure──► parent
 """
@@ -15,22 +11,17 @@ import contextlib
 import logging
 import os
 import socket
-import traceback
-from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Protocol
 
 import torch
 import torch.multiprocessing as mp
-from transformers import PreTrainedTokenizerBase
 
-from cluster.engine.tokenizer import load_tokenizer
-from cluster.engine_args import EngineArgs, EngineConfigs
+from cluster.engine.executor.base import LocalTokenizer, worker_spec
+from cluster.engine.executor.rank_channel import RankFailure
+from cluster.engine_args import EngineConfigs
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
-from worker.config import ParallelConfig
-from worker.model_loader import check_parallel_layout
-from worker.worker import Worker, WorkerSpec, start_worker
+from worker.worker import Worker, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -38,90 +29,7 @@ _SHUTDOWN = "shutdown"
 _JOIN_TIMEOUT_S = 10.0
 
 
-@dataclass(frozen=True)
-class RankFailure:
-    """What a rank process reports when a call raised."""
-
-    message: str
-    traceback: str
-    is_value_error: bool
-    """The call rejected its input or configuration (raised again as ValueError)."""
-
-    @classmethod
-    def from_exception(cls, exc: Exception) -> RankFailure:
-        return cls(str(exc), traceback.format_exc(), isinstance(exc, ValueError))
-
-    def to_exception(self, rank: int) -> Exception:
-        """ValueError with the message for bad input, else RuntimeError with the traceback."""
-        if self.is_value_error:
-            logger.debug("tensor-parallel rank %d raised:\n%s", rank, self.traceback)
-            return ValueError(f"tensor-parallel rank {rank}: {self.message}")
-        return RuntimeError(f"tensor-parallel rank {rank} failed:\n{self.traceback}")
-
-
-class Executor(Protocol):
-    """What the engine core needs from the workers of one model."""
-
-    configs: EngineConfigs
-    """The engine's configs, resolved where the workers run (device, dtype, model folder)."""
-
-    def collective_rpc(self, method: str, *args: object) -> list[object]:
-        """Call `Worker.method(*args)` on every rank; the results in rank order."""
-        ...
-
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
-
-    def check_health(self) -> None:
-        """Raise RuntimeError when a rank is dead or stuck."""
-        ...
-
-    def load_tokenizer(self) -> PreTrainedTokenizerBase | None:
-        """The model's tokenizer, read where the workers run (None when it has none)."""
-        ...
-
-    def restart(self) -> bool:
-        """Replace the ranks after a failure (KV caches must be set up again); False when this
-        executor cannot (its workers are reused as they are)."""
-        ...
-
-    def shutdown(self) -> None: ...
-
-
-class _LocalTokenizer:
-    """Executors whose ranks run on this machine read the tokenizer here."""
-
-    configs: EngineConfigs
-
-    def load_tokenizer(self) -> PreTrainedTokenizerBase | None:
-        return load_tokenizer(self.configs.model.tokenizer_path)
-
-    def restart(self) -> bool:
-        return False
-
-
-class InProcessExecutor(_LocalTokenizer):
-    """A single worker (tp_size 1) in the calling process."""
-
-    def __init__(self, configs: EngineConfigs) -> None:
-        self.configs = configs
-        self.worker = start_worker(worker_spec(configs, rank=0))
-
-    def collective_rpc(self, method: str, *args: object) -> list[object]:
-        return [getattr(self.worker, method)(*args)]
-
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        output = self.worker.execute(scheduler_output)
-        assert output is not None, "rank 0 always returns an output"
-        return output
-
-    def check_health(self) -> None:
-        return None  # the worker runs in this very process
-
-    def shutdown(self) -> None:
-        self.worker.shutdown()
-
-
-class MultiprocExecutor(_LocalTokenizer):
+class MultiprocExecutor(LocalTokenizer):
     """One spawned process per tensor-parallel rank (gloo on CPU, nccl on GPU)."""
 
     def __init__(self, configs: EngineConfigs) -> None:
@@ -161,6 +69,9 @@ class MultiprocExecutor(_LocalTokenizer):
         output = self._call("execute", scheduler_output)[0]
         assert isinstance(output, ModelRunnerOutput), "rank 0 always returns an output"
         return output
+
+    def restart(self) -> bool:
+        return False
 
     def check_health(self) -> None:
         for rank, proc in enumerate(self._procs):
@@ -251,41 +162,3 @@ def _free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
-
-
-def worker_spec(
-    configs: EngineConfigs, rank: int, init_method: str = "tcp://127.0.0.1:29500"
-) -> WorkerSpec:
-    """The start-up description of tensor-parallel rank `rank`."""
-    return WorkerSpec(
-        model_config=configs.model,
-        parallel=ParallelConfig(tp_size=configs.tensor_parallel_size, rank=rank),
-        runner=configs.runner,
-        distributed_init_method=init_method,
-    )
-
-
-def create_executor(args: EngineArgs) -> Executor:
-    """The executor `args.distributed_executor_backend` names (resolved: uni, mp or ray)."""
-    backend = args.resolved_executor_backend()
-    if backend == "ray":
-        from cluster.engine.ray_executor import RayExecutor
-
-        return RayExecutor(args)
-    configs = args.to_configs()  # this machine runs the workers: resolve here
-    if configs.tensor_parallel_size > 1:
-        check_layout(configs)  # reject a layout before starting the rank processes
-        return MultiprocExecutor(configs)
-    return InProcessExecutor(configs)
-
-
-def check_layout(configs: EngineConfigs) -> None:
-    """ValueError when the model's heads (or experts) do not split over the TP ranks."""
-    parallel = ParallelConfig(tp_size=configs.tensor_parallel_size, rank=0)
-    try:
-        check_parallel_layout(configs.model, parallel)
-    except ValueError as exc:
-        raise ValueError(
-            f"tensor_parallel_size={parallel.tp_size} cannot split "
-            f"{configs.model.architecture}: {exc}"
-        ) from None

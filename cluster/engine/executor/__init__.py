@@ -1,0 +1,38 @@
+"""Executors: run the tensor-parallel ranks of one engine's model.
+
+`distributed_executor_backend` picks one: `uni` (one rank, in this process: `uniproc`), `mp`
+(one spawned process per rank: `multiproc`) or `ray` (one actor per rank: `ray`). Every executor
+offers `collective_rpc(method, *args)` (the call runs on every rank, results in rank order), on
+which the start-up phases and the KV cache set-up are built, and `execute` (rank 0's output).
+The mp and Ray executors reach their ranks over one transport (`rank_channel`), with the same
+deadlines and liveness checks. This module is the only one that knows every backend; it imports
+them when one is asked for, so the transport loads neither torch nor Ray.
+"""
+
+from __future__ import annotations
+
+from cluster.engine.executor.base import Executor
+from cluster.engine_args import EngineArgs
+
+
+def create_executor(args: EngineArgs) -> Executor:
+    """The executor `args.distributed_executor_backend` names (resolved: uni, mp or ray)."""
+    backend = args.resolved_executor_backend()
+    if backend == "ray":
+        from cluster.engine.executor.ray import RayExecutor
+
+        return RayExecutor(args)
+    from cluster.engine.executor.base import check_layout
+
+    configs = args.to_configs()  # this machine runs the workers: resolve here
+    if configs.tensor_parallel_size > 1:
+        from cluster.engine.executor.multiproc import MultiprocExecutor
+
+        check_layout(configs)  # reject a layout before starting the rank processes
+        return MultiprocExecutor(configs)
+    from cluster.engine.executor.uniproc import InProcessExecutor
+
+    return InProcessExecutor(configs)
+
+
+__all__ = ["Executor", "create_executor"]

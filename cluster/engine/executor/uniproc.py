@@ -1,0 +1,33 @@
+"""`InProcessExecutor`: a single worker (tp_size 1) in the calling process."""
+
+from __future__ import annotations
+
+from cluster.engine.executor.base import LocalTokenizer, worker_spec
+from cluster.engine_args import EngineConfigs
+from scheduler.output import ModelRunnerOutput, SchedulerOutput
+from worker.worker import start_worker
+
+
+class InProcessExecutor(LocalTokenizer):
+    """A single worker (tp_size 1) in the calling process."""
+
+    def __init__(self, configs: EngineConfigs) -> None:
+        self.configs = configs
+        self.worker = start_worker(worker_spec(configs, rank=0))
+
+    def collective_rpc(self, method: str, *args: object) -> list[object]:
+        return [getattr(self.worker, method)(*args)]
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        output = self.worker.execute(scheduler_output)
+        assert output is not None, "rank 0 always returns an output"
+        return output
+
+    def check_health(self) -> None:
+        return None  # the worker runs in this very process
+
+    def restart(self) -> bool:
+        return False  # the worker is this process: it goes on as it is
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
