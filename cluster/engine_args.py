@@ -81,8 +81,12 @@ class EngineArgs:
     """uni (one rank in-process) | mp (a process per rank) | ray (an actor per rank); default:
     ray inside a Ray job or actor, else mp when tensor_parallel_size > 1, else uni."""
     worker_step_timeout_s: float = 300.0
-    """Ray executor: a step whose ranks have not all answered after this many seconds counts as
-    hung (the request fails and the workers restart); a dead rank is detected at once."""
+    """mp and Ray executors: a step whose ranks have not all answered after this many seconds
+    counts as hung (the request fails and the workers restart); a dead rank is detected at once."""
+    worker_start_timeout_s: float = 600.0
+    """mp and Ray executors: the ranks must start (and, after a failed step, restart: new ranks,
+    model loaded, KV cache set up) within this many seconds, else start-up fails (or the engine is
+    marked dead)."""
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -97,8 +101,9 @@ class EngineArgs:
             raise ValueError(
                 f"mamba_cache_mode must be 'none', 'align' or 'all', got {self.mamba_cache_mode!r}"
             )
-        if self.worker_step_timeout_s <= 0:
-            raise ValueError(f"worker_step_timeout_s must be > 0, got {self.worker_step_timeout_s}")
+        for name in ("worker_step_timeout_s", "worker_start_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.distributed_executor_backend not in (None, *EXECUTOR_BACKENDS):
             raise ValueError(
                 f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
