@@ -45,7 +45,11 @@ class EngineArgs:
     """What users pass to `LLM(...)` (names follow vLLM's engine arguments)."""
 
     model: str | None = None
-    """Local Hugging Face model folder; None serves the embedded default model."""
+    """Local Hugging Face model folder or Hugging Face model ID (`org/name`, downloaded on first
+    use unless HF_HUB_OFFLINE is set); None serves the embedded default model."""
+    download_dir: str | None = None
+    """Hub cache folder that model IDs are downloaded into and read from; default HF_HUB_CACHE
+    (HF_HOME/hub)."""
     dtype: str = "auto"
     """"auto" (fp32 on CPU, the checkpoint's 16-bit dtype or bf16 on GPU) or a dtype name."""
     device: str = "auto"
@@ -131,7 +135,7 @@ class EngineArgs:
     def model_path(self) -> Path:
         """The model folder: the given one, or the embedded default (prepared on first use)."""
         if self.model is not None:
-            return resolve_model_folder(self.model)
+            return resolve_model_folder(self.model, cache_dir=self.download_dir)
         from worker.default_model import ensure_default_model
 
         return ensure_default_model()
@@ -175,18 +179,11 @@ class EngineArgs:
 
 
 def resolve_model_folder(model: str, cache_dir: str | None = None) -> Path:
-    """A local folder as is; a Hugging Face model ID from the local hub cache (no download)."""
+    """A local folder as is; a Hugging Face model ID as its snapshot in the hub cache, downloaded
+    into `cache_dir` on first use (only read from the cache when HF_HUB_OFFLINE is set)."""
     folder = Path(model).expanduser()
     if folder.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
         return folder
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from cluster.model_download import hub_snapshot
 
-    try:
-        return Path(snapshot_download(model, local_files_only=True, cache_dir=cache_dir))
-    except LocalEntryNotFoundError:
-        raise ValueError(
-            f"model {model!r} is neither a local folder nor in the Hugging Face cache "
-            "(nothing is downloaded): download it first, e.g. `hf download "
-            f"{model}`, or pass a folder"
-        ) from None
+    return hub_snapshot(model, cache_dir)

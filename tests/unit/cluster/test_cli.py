@@ -208,7 +208,12 @@ def test_chat_message_answers_one_turn(word_model: Path) -> None:
     assert len(re.findall(r"t\d+", run.stdout)) == 3
 
 
-def test_a_cached_hub_model_id_resolves_offline(tmp_path: Path) -> None:
+def test_a_cached_hub_model_id_resolves_offline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # as HF_HUB_OFFLINE=1 at start-up
     snapshot = tmp_path / "models--org--tiny" / "snapshots" / "abc123"
     snapshot.mkdir(parents=True)
     (tmp_path / "models--org--tiny" / "refs").mkdir()
