@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 GPU_STAMP := $(VENV)/.installed-gpu-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-all test-gpu lint generate serve grpc bench clean
+.PHONY: install test test-all test-gpu lint generate serve grpc bench image image-cpu clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,19 @@ bench: install
 	$(BIN)/python benchmarks/bench_capacity.py
 	$(BIN)/python benchmarks/bench_attention.py
 	$(BIN)/python benchmarks/bench_mamba.py
+
+# The image the Helm chart runs (values.yaml: image.repository, tag = the chart's appVersion),
+# built with docker, podman, nerdctl or buildah, whichever works here (docker/build-image.sh).
+IMAGE ?= ghcr.io/hybridserve/hybridserve
+IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+
+image:
+	sh docker/build-image.sh $(IMAGE):$(IMAGE_TAG)
+
+# CPU-only workers (values-cpu.yaml): Ray's CPU image and torch's CPU build.
+image-cpu:
+	sh docker/build-image.sh $(IMAGE):$(IMAGE_TAG)-cpu --build-arg FLAVOUR=cpu \
+		--build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 
 clean:
 	rm -rf $(VENV) build *.egg-info

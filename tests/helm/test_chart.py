@@ -43,7 +43,7 @@ CRD_FILES = {"RayService": "ray.io_rayservices.yaml", "RayJob": "ray.io_rayjobs.
 TP2 = {"engine": {"tensorParallelSize": 2, "maxModelLen": 8192}, "worker": {"gpusPerPod": 2}}
 FULL = {
     "model": {"source": "pvc://weights/qwen/0.5b", "hfToken": {"secretName": "hf-token"}},
-    "engine": {"extraKwargs": {"max_num_seqs": 64, "block_size": 32}},
+    "engine": {"extraKwargs": {"max_num_seqs": 64, "block_size": 32, "download_dir": "/w/hub"}},
     "serve": {"grpc": {"enabled": True}, "apiKey": {"secretName": "api-key"},
               "replicas": {"min": 1, "max": 3, "targetOngoingRequests": 16}},
     "worker": {"acceleratorType": "H100", "minReplicas": 1, "maxReplicas": 3,
@@ -52,8 +52,10 @@ FULL = {
 }  # fmt: skip
 BATCH = {"mode": "batch", "batch": {"replicas": 2, "extraArgs": ["--continue-on-error"],
                                     "dataVolume": {"claimName": "batch-data"}}}  # fmt: skip
+CPU = yaml.safe_load((CHART / "values-cpu.yaml").read_text())  # the CPU preset, as `-f` gives it
 CASES = {
     "service-default": {},
+    "service-cpu": CPU,
     "service-tp2": TP2,
     "service-full": FULL,
     "batch-default": {"mode": "batch"},
@@ -157,10 +159,11 @@ def test_serve_config_passes_our_own_validation(case: str, tmp_path: Path) -> No
     rayservice = _render(CASES[case])["RayService"]
     serve_config = tmp_path / "serve.yaml"
     serve_config.write_text(rayservice["spec"]["serveConfigV2"])
-    assert validate_config_file(serve_config) == ["smollm2-135m"]
+    model_id = CASES[case].get("model", {}).get("id", "smollm2-135m")
+    assert validate_config_file(serve_config) == [model_id]
     (config,) = _serving_args(rayservice).llm_configs
     validate_engine_kwargs(config.engine_kwargs)
-    assert config.model_id == "smollm2-135m"
+    assert config.model_id == model_id
     tp_size = CASES[case].get("engine", {}).get("tensorParallelSize", 1)
     assert config.engine_args().tensor_parallel_size == tp_size
     assert len(config.placement_bundles(use_gpu=True)) == tp_size
@@ -174,6 +177,27 @@ def test_tp2_values_reach_engine_kwargs_and_gpu_requests() -> None:
     assert worker["rayStartParams"]["num-gpus"] == "2"
     (container,) = worker["template"]["spec"]["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+
+
+def test_cpu_preset_serves_the_image_default_model_on_cpu_only_workers() -> None:
+    rayservice = _render(CPU)["RayService"]
+    (config,) = _serving_args(rayservice).llm_configs
+    args = config.engine_args()
+    assert args.model == CPU["model"]["source"]  # an absolute path: nothing to download
+    assert args.kv_cache_memory_bytes == 256 * 2**20
+    cluster_spec = rayservice["spec"]["rayClusterConfig"]
+    (worker,) = cluster_spec["workerGroupSpecs"]
+    assert worker["rayStartParams"]["num-gpus"] == "0"
+    for pod in _pods(cluster_spec):
+        (container,) = pod["containers"]
+        assert container["image"] == f"ghcr.io/hybridserve/hybridserve:{_chart_version()}-cpu"
+        resources = json.dumps(container["resources"])
+        assert "nvidia.com/gpu" not in resources
+        assert container["resources"]["limits"]["memory"] in ("3Gi", "4Gi")
+
+
+def _chart_version() -> str:
+    return str(yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"])
 
 
 def _pods(cluster_spec: dict[str, Any]) -> list[dict[str, Any]]:
@@ -194,6 +218,7 @@ def test_full_values_wire_secrets_volumes_grpc_and_accelerator() -> None:
     (config,) = _serving_args(rayservice).llm_configs
     assert config.engine_args().model == f"{PVC_MOUNT_ROOT}/weights/qwen/0.5b"
     assert config.engine_kwargs["max_num_seqs"] == 64
+    assert config.engine_args().download_dir == "/w/hub"
     assert config.accelerator_type == "H100"
     assert config.deployment_config["autoscaling_config"]["max_replicas"] == 3
     grace = config.deployment_config["graceful_shutdown_timeout_s"]
