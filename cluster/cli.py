@@ -5,8 +5,9 @@
 talks with the model's chat template; `hybridserve serve` runs the OpenAI API on Ray Serve
 (`cluster.serve_cli`); `hybridserve batch` is `python -m cluster.batch` (Ray Data);
 `hybridserve replay TRACE.json ...` is `python -m scheduler.replay`; `hybridserve config validate
-FILE.yaml` checks a serving config without starting anything. Errors are one line on stderr
-(exit 2); Ctrl-C exits 130.
+FILE.yaml` checks a serving config without starting anything. Errors (bad input, a cluster
+that cannot be reached, a deployment that cannot be placed or fails to start) are one line on
+stderr (exit 2); Ctrl-C exits 130.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from cluster.serve_session import DeployFailedError
 from scheduler import replay
 
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
@@ -122,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level)
     try:
         return _dispatch(args)
-    except (ValueError, TypeError) as error:
+    except (ValueError, TypeError, ConnectionError, TimeoutError, DeployFailedError) as error:
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
         sys.stderr.write(f"hybridserve {args.command}: error: {first_line}\n")
         return EXIT_USAGE

@@ -2,13 +2,17 @@
 
 `LLM` is a thin caller of an `EngineClient`: in-process by default (the engine core and its
 executor live in the caller's process tree), or the Ray engine actor when `address` is given
-(`"auto"`, `"local"` or `"ray://host:port"`). Results come back in input order as vLLM-shaped
-`RequestOutput`s. A call's prompts are all checked (`cluster.llm_inputs`) before any is queued,
-and a failing call aborts what it queued, so an error never leaves work behind in the engine.
+(`"auto"`, `"local"` or `"ray://host:port"`; the cluster is found as `cluster.ray_cluster`
+says). The engine stops when `shutdown()` is called, when the `LLM` is garbage-collected, or at
+interpreter exit before Ray's own exit hook, so a script that never calls `shutdown()` ends.
+Results come back in input order as vLLM-shaped `RequestOutput`s. A call's prompts are all
+checked (`cluster.llm_inputs`) before any is queued, and a failing call aborts what it queued,
+so an error never leaves work behind in the engine.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import sys
@@ -41,6 +45,10 @@ class LLM:
     def __init__(self, model: str | None = None, *, address: str | None = None, **kwargs: Any):
         args = validate_engine_kwargs({"model": model, **kwargs})
         self.client: EngineClient
+        if address is None and args.resolved_executor_backend() == "ray":
+            from cluster.ray_cluster import connect
+
+            connect()  # the ranks need a cluster: RAY_ADDRESS, `ray start`'s, or a new one
         if address is None:
             from cluster.engine.local import InProcessEngineClient
 
@@ -52,6 +60,9 @@ class LLM:
         self.info: EngineInfo = self.client.get_info()
         self.tokenizer = self.client.get_tokenizer()
         self._finalizer = weakref.finalize(self, self.client.shutdown)
+        # At interpreter exit, before Ray's own exit hook (registered earlier, run later):
+        # the engine's workers are stopped while Ray can still be reached.
+        atexit.register(self._finalizer)
         self._req_counter = itertools.count()
 
     def get_tokenizer(self) -> Any:
@@ -120,7 +131,9 @@ class LLM:
         return self.client.add_request(request)
 
     def shutdown(self) -> None:
-        """Stop the engine and its workers (also done when the LLM is garbage-collected)."""
+        """Stop the engine and its workers (also done when the LLM is garbage-collected and
+        at interpreter exit)."""
+        atexit.unregister(self._finalizer)
         self._finalizer()
 
     def _check_open(self) -> None:

@@ -4,23 +4,27 @@
     hybridserve serve --model DIR [flags]      a local model folder with engine flags
     hybridserve serve --config FILE.yaml       a Serve config, an LLMServingArgs or an LLMConfig
 
-It starts a local Ray instance (or joins `--address`), prints the URL and a ready line, and on
-Ctrl-C (or SIGTERM) shuts Serve down, which drains the requests in flight, then exits 0.
+It joins the cluster `--address` or RAY_ADDRESS names (or the one `ray start` runs on this
+machine), else starts a local Ray instance; deploys; waits until the applications run, or fails
+with one line when a replica cannot be placed within `--placement-timeout-s` (exit 2); prints
+the URL and a ready line. Ctrl-C or SIGTERM stops it at any moment: once ready, the requests in
+flight drain first (exit 0); during start-up it stops at once (exit 130). It deletes what it
+deployed and stops the Ray instance it started, leaving no process behind.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import signal
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
 from cluster.config.engine_flags import add_engine_arg_flags, engine_kwargs_from_args
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
+DEFAULT_PLACEMENT_TIMEOUT_S = 120.0
+DEFAULT_IMPORT_PATH = "cluster.serve:build_openai_app"
 SERVICER = "cluster.serve.grpc.llm_pb2_grpc.add_LLMServiceServicer_to_server"
 
 
@@ -36,9 +40,20 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=None, help="also serve gRPC here")
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
-    parser.add_argument("--address", default="local", help="Ray address (default: new local)")
-    parser.add_argument("--node-ip-address", default=None, help="this node's IP for Ray")
-    parser.add_argument("--num-cpus", type=int, default=None)
+    parser.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster: host:port, auto or local (default: RAY_ADDRESS, else the cluster "
+        "`ray start` runs here, else a new local instance)",
+    )
+    parser.add_argument("--node-ip-address", default=None, help="a new local instance's IP")
+    parser.add_argument("--num-cpus", type=int, default=None, help="a new local instance's CPUs")
+    parser.add_argument(
+        "--placement-timeout-s",
+        type=float,
+        default=DEFAULT_PLACEMENT_TIMEOUT_S,
+        help="fail (exit 2) when a replica is still waiting for resources after this long",
+    )
     add_engine_arg_flags(parser, skip=("model",))
     return parser
 
@@ -75,10 +90,42 @@ def applications(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[s
     return [{"name": "llm", "args": {"llm_configs": [data]}}], {}
 
 
-def _with_api_key(app_args: dict[str, Any], api_key: str | None) -> dict[str, Any]:
+def run_serve(args: argparse.Namespace) -> int:
+    """Deploy, print the URL and a ready line, block until Ctrl-C or SIGTERM, stop, exit."""
+    from cluster.serve_session import ServeSession, interrupts_raise
+
+    apps, file_options = applications(args)
+    with interrupts_raise():
+        session = ServeSession(args, file_options)
+        try:
+            session.start(apps)
+            say(f"OpenAI API at {session.url}")
+            say("ready (Ctrl-C to stop)")
+            session.wait_forever()
+        except KeyboardInterrupt:
+            return session.stop_interrupted()
+        finally:
+            session.stop()
+    return 0
+
+
+def say(line: str) -> None:
+    """A progress line of the command on stdout (flushed: tests and scripts read it live)."""
+    sys.stdout.write(f"hybridserve: {line}\n")
+    sys.stdout.flush()
+
+
+def builder(import_path: str) -> Any:
+    """The application builder an import path (`module:attr`) names."""
+    module, _, attr = import_path.replace(":", ".").rpartition(".")
+    return getattr(importlib.import_module(module), attr)
+
+
+def with_api_key(app_args: dict[str, Any], api_key: str | None) -> dict[str, Any]:
+    """The app's args with the ingress's environment holding the API key."""
     if api_key is None:
         return app_args
-    from cluster.serve.ingress import API_KEY_ENV
+    from cluster.config.env import API_KEY_ENV
 
     ingress = dict(app_args.get("ingress_deployment_config") or {})
     actor = dict(ingress.get("ray_actor_options") or {})
@@ -87,70 +134,3 @@ def _with_api_key(app_args: dict[str, Any], api_key: str | None) -> dict[str, An
     actor["runtime_env"] = env
     ingress["ray_actor_options"] = actor
     return {**app_args, "ingress_deployment_config": ingress}
-
-
-def _builder(import_path: str) -> Any:
-    module, _, attr = import_path.replace(":", ".").rpartition(".")
-    return getattr(importlib.import_module(module), attr)
-
-
-def _start(args: argparse.Namespace, file_options: dict[str, Any]) -> None:
-    import ray
-    from ray import serve
-    from ray.serve.config import HTTPOptions, gRPCOptions
-
-    init: dict[str, Any] = {"address": args.address, "include_dashboard": False}
-    if args.node_ip_address:
-        init["_node_ip_address"] = args.node_ip_address
-    if args.num_cpus:
-        init["num_cpus"] = args.num_cpus
-    ray.init(**init)
-    http = file_options.get("http_options") or {"host": args.host, "port": args.port}
-    grpc_options = file_options.get("grpc_options")
-    if args.grpc_port is not None:
-        grpc_options = {"port": args.grpc_port, "grpc_servicer_functions": [SERVICER]}
-    kwargs: dict[str, Any] = {"http_options": HTTPOptions(**http)}
-    if grpc_options:
-        kwargs["grpc_options"] = gRPCOptions(**grpc_options)
-    serve.start(**kwargs)
-
-
-def run_serve(args: argparse.Namespace) -> int:
-    """Deploy, print the URL and a ready line, block until Ctrl-C or SIGTERM, drain, exit."""
-    from ray import serve
-
-    apps, file_options = applications(args)
-    _start(args, file_options)
-    stop = threading.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
-    try:
-        for app in apps:
-            builder = _builder(app.get("import_path", "cluster.serve:build_openai_app"))
-            built = builder(_with_api_key(dict(app.get("args") or {}), args.api_key))
-            route = app.get("route_prefix", "/")
-            serve.run(built, name=app.get("name", "llm"), route_prefix=route)
-        http = file_options.get("http_options") or {"host": args.host, "port": args.port}
-        url = f"http://{http.get('host', '127.0.0.1')}:{http.get('port', 8000)}/v1"
-        sys.stdout.write(f"hybridserve: OpenAI API at {url}\n")
-        sys.stdout.write("hybridserve: ready (Ctrl-C to stop)\n")
-        sys.stdout.flush()
-        while not stop.wait(0.5):
-            pass
-    except KeyboardInterrupt:
-        pass
-    finally:
-        sys.stdout.write("hybridserve: shutting down (draining requests in flight)\n")
-        sys.stdout.flush()
-        _shutdown()
-    return 0
-
-
-def _shutdown() -> None:
-    import ray
-    from ray import serve
-
-    try:
-        serve.shutdown()  # type: ignore[no-untyped-call]
-    finally:
-        ray.shutdown()

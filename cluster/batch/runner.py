@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -23,7 +22,7 @@ from tqdm.auto import tqdm
 from cluster.batch.output import OutputWriter, prepare_output
 from cluster.batch.rows import BatchItem, parse_line
 from cluster.engine_args import EngineArgs
-from cluster.ray_auth import enable_token_auth_if_available
+from cluster.ray_cluster import connect
 
 LOOPBACK_IP = "127.0.0.2" if sys.platform.startswith("linux") else "127.0.0.1"
 """Ray replaces 127.0.0.1 with the machine's address on Linux; the rest of 127/8 stays local."""
@@ -93,22 +92,9 @@ def read_items(path: Path, done: set[str]) -> tuple[list[BatchItem], int]:
 
 
 def connect_ray(address: str | None) -> None:
-    """Join `address` (or RAY_ADDRESS), or start a local Ray instance on loopback."""
-    enable_token_auth_if_available()
-    import ray
-
-    if ray.is_initialized():
-        return
-    address = address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, log_to_driver=False)
-    else:
-        ray.init(
-            address="local",
-            _node_ip_address=LOOPBACK_IP,
-            include_dashboard=False,
-            log_to_driver=False,
-        )
+    """Join `address`, RAY_ADDRESS or the cluster `ray start` runs here, else start a local
+    Ray instance on loopback (`cluster.ray_cluster.connect`)."""
+    connect(address, node_ip_address=LOOPBACK_IP)
 
 
 def replica_args(args: EngineArgs) -> EngineArgs:

@@ -17,3 +17,13 @@ def api_key_from_env(environ: Mapping[str, str] | None = None) -> str | None:
     """The API key clients must present, or None when serving without one."""
     value = (os.environ if environ is None else environ).get(API_KEY_ENV, "").strip()
     return value or None
+
+
+RAY_ADDRESS_ENV = "RAY_ADDRESS"
+"""Ray's own variable naming the cluster to join (`auto`, `local`, `host:port`, `ray://...`)."""
+
+
+def ray_address_from_env(environ: Mapping[str, str] | None = None) -> str | None:
+    """The cluster address RAY_ADDRESS names, or None when it is unset or empty."""
+    value = (os.environ if environ is None else environ).get(RAY_ADDRESS_ENV, "").strip()
+    return value or None

@@ -5,7 +5,9 @@
 `build_llm_deployment(config)` is the bare model deployment (for handles and batch jobs).
 
 Each model replica gets a placement group: the config's bundles (one per tensor-parallel rank),
-with the replica actor's own resources added to bundle 0, where Serve places the replica.
+with the replica actor's own resources added to bundle 0, where Serve places the replica. The
+defaults fit a 2-CPU node: a CPU rank reserves 1 CPU, the model replica itself and the ingress a
+tenth of one each (the engine loop and the HTTP routing are light next to the model's compute).
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ DEFAULT_MODEL_OPTIONS: dict[str, Any] = {
     "graceful_shutdown_timeout_s": 60,
 }
 DEFAULT_INGRESS_OPTIONS: dict[str, Any] = {"max_ongoing_requests": 1_000_000_000}
-_REPLICA_DEFAULTS = {"num_cpus": 1.0}
+INGRESS_NUM_CPUS = 0.1
+"""CPUs the ingress replica asks for unless its ray_actor_options say otherwise."""
+_REPLICA_DEFAULTS = {"num_cpus": 0.1}
 _ACTOR_RESOURCE_KEYS = {"num_cpus": "CPU", "num_gpus": "GPU", "memory": "memory"}
 
 
@@ -93,6 +97,38 @@ def build_llm_deployment(
     return app
 
 
+def ingress_deployment_options(config: dict[str, Any]) -> dict[str, Any]:
+    """The ingress's `serve.deployment` options: defaults (a tenth of a CPU), then `config`."""
+    options = {"name": "OpenAiIngress", **DEFAULT_INGRESS_OPTIONS, **config}
+    actor_options = dict(options.get("ray_actor_options") or {})
+    actor_options.setdefault("num_cpus", INGRESS_NUM_CPUS)
+    options["ray_actor_options"] = actor_options
+    if "autoscaling_config" in options:
+        options.pop("num_replicas", None)
+    return options
+
+
+def resource_summary(args: LLMServingArgs | dict[str, Any]) -> list[str]:
+    """One line per deployment of `build_openai_app(args)`: what each replica reserves."""
+    serving_args = LLMServingArgs.model_validate(args)
+    lines = []
+    for config in serving_args.llm_configs:
+        options = llm_deployment_options(config)
+        bundles = [_resources_text(bundle) for bundle in options["placement_group_bundles"]]
+        lines.append(
+            f"{options['name']}: each replica reserves a placement group "
+            f"[{', '.join(bundles)}] ({options['placement_group_strategy']})"
+        )
+    ingress = ingress_deployment_options(serving_args.ingress_deployment_config)
+    num_cpus = ingress["ray_actor_options"]["num_cpus"]
+    lines.append(f"{ingress['name']}: each replica asks for {{CPU: {num_cpus:g}}}")
+    return lines
+
+
+def _resources_text(bundle: dict[str, float]) -> str:
+    return "{" + ", ".join(f"{name}: {amount:g}" for name, amount in bundle.items()) + "}"
+
+
 def build_openai_app(args: LLMServingArgs | dict[str, Any]) -> Application:
     """The OpenAI application: an ingress routing by `model` to one deployment per model."""
     try:
@@ -100,13 +136,7 @@ def build_openai_app(args: LLMServingArgs | dict[str, Any]) -> Application:
     except ValidationError as error:
         raise ValueError(format_validation_error(error)) from None
     servers = {config.model_id: build_llm_deployment(config) for config in serving_args.llm_configs}
-    ingress_options = {
-        "name": "OpenAiIngress",
-        **DEFAULT_INGRESS_OPTIONS,
-        **serving_args.ingress_deployment_config,
-    }
-    if "autoscaling_config" in ingress_options:
-        ingress_options.pop("num_replicas", None)
+    ingress_options = ingress_deployment_options(serving_args.ingress_deployment_config)
     ingress: Any = serve.deployment(OpenAiIngressDeployment)
     app: Application = ingress.options(**ingress_options).bind(servers)
     return app

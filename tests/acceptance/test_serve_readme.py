@@ -1,0 +1,95 @@
+"""The README's first path: `make serve` (= `hybridserve serve`), its `curl` and `openai`
+examples, and Ctrl-C; on this machine's own CPU count, with no Ray cluster started beforehand.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+
+import pytest
+
+from tests.acceptance.conftest import serve_command, serve_port
+from tests.helpers.cli_process import CliProcess
+from tests.helpers.readme import code_block
+
+pytestmark = pytest.mark.ray
+
+READY_TIMEOUT_S = 240.0
+"""The first start on a fresh machine converts the embedded model (about half a minute)."""
+
+
+def _curl_example(port: int) -> str:
+    block = code_block("curl http://127.0.0.1:8000/v1/chat/completions", "bash")
+    return block.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+
+
+def _streaming_example(port: int) -> str:
+    block = code_block("stream=True", "python")
+    return block.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+
+
+def _run_streaming_example(port: int) -> list[tuple[float, str]]:
+    """Run the README's streaming example; (time, text) of every `print` it makes."""
+    printed: list[tuple[float, str]] = []
+
+    def record(*parts: object, **_: object) -> None:
+        printed.append((time.monotonic(), "".join(str(part) for part in parts)))
+
+    exec(compile(_streaming_example(port), "readme_streaming.py", "exec"), {"print": record})
+    return printed
+
+
+def test_make_serve_answers_the_readme_examples_and_stops_on_ctrl_c(
+    user_env: dict[str, str],
+) -> None:
+    port = serve_port()
+    cli = CliProcess(serve_command("--port", str(port)), user_env)
+    try:
+        cli.wait_for_line("hybridserve: ready", READY_TIMEOUT_S)
+        assert f"http://127.0.0.1:{port}/v1" in cli.output()
+
+        reply = subprocess.run(
+            ["bash", "-c", _curl_example(port)], capture_output=True, text=True, timeout=60
+        )
+        body = json.loads(reply.stdout)
+        assert "Paris" in body["choices"][0]["message"]["content"], body
+
+        printed = _run_streaming_example(port)
+        pieces = [text for _, text in printed if text]
+        assert len(pieces) >= 3, printed  # several chunks, each printed as it came
+        assert printed[-1][0] > printed[0][0]
+
+        cli.ctrl_c()
+        code, seconds = cli.wait_exit(30)
+        assert code == 0, cli.output()
+        assert seconds < 30
+        assert cli.alive_processes() == [], cli.output()
+    finally:
+        cli.close()
+
+
+@pytest.mark.parametrize(
+    ("moment", "stop"),
+    [
+        ("at once", "ctrl_c"),
+        ("hybridserve: Ray:", "terminate"),
+        ("hybridserve: deploying", "ctrl_c"),
+    ],
+)
+def test_start_up_stops_within_10_s_at_any_moment(
+    user_env: dict[str, str], moment: str, stop: str
+) -> None:
+    cli = CliProcess(serve_command("--port", str(serve_port())), user_env)
+    try:
+        if moment == "at once":
+            time.sleep(1.0)
+        else:
+            cli.wait_for_line(moment, READY_TIMEOUT_S)
+        getattr(cli, stop)()
+        code, seconds = cli.wait_exit(10)
+        assert code in (0, 130), f"exit {code} after {seconds:.1f} s:\n{cli.output()}"
+        assert cli.alive_processes() == [], cli.output()
+    finally:
+        cli.close()
