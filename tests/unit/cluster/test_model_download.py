@@ -15,6 +15,7 @@ import struct
 import subprocess
 import sys
 import termios
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -126,8 +127,13 @@ def test_download_dir_holds_the_weights_instead_of_hf_home(hub: FakeHub, tmp_pat
 
 
 def test_concurrent_starts_on_one_node_download_once(hub: FakeHub, tmp_path: Path) -> None:
-    hub.state.delay_s = 0.5  # both processes are up before the first finishes
-    procs = [_start(hub, tmp_path, MODEL) for _ in range(2)]
+    """The second start comes while the first is fetching files (each GET takes 1.5 s)."""
+    hub.state.delay_s = 1.5
+    procs = [_start(hub, tmp_path, MODEL)]
+    deadline = time.monotonic() + 60
+    while not hub.state.file_requests("GET") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    procs.append(_start(hub, tmp_path, MODEL))
     results = [(proc.communicate(timeout=120), proc.returncode) for proc in procs]
     assert [code for _, code in results] == [0, 0], results
     (out_a, err_a), (out_b, err_b) = (output for output, _ in results)
