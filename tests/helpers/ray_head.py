@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -37,6 +39,8 @@ _PORT_FLAGS = (
 
 @dataclass(frozen=True)
 class RayHead:
+    address: str
+    """The cluster's address (`host:port`), as users put it in RAY_ADDRESS."""
     dashboard_url: str
     client_env: dict[str, str]
     """The environment `ray job submit` needs (the token's path, RAY_AUTH_MODE=token)."""
@@ -75,14 +79,28 @@ def _wait_for_dashboard(url: str, process: subprocess.Popen[bytes], log: Path) -
     raise TimeoutError(f"the Ray dashboard at {url} did not come up: {log.read_text()}")
 
 
+def _wait_for_address_file(path: Path) -> None:
+    """`ray start` records the cluster's address last, after the dashboard is up."""
+    deadline = time.monotonic() + 60
+    while not path.is_file() and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 @contextlib.contextmanager
-def ray_head(tmp_path: Path, num_cpus: int = 4) -> Iterator[RayHead]:
-    """A running head; yields how to reach it."""
+def ray_head(
+    tmp_path: Path, num_cpus: int | None = None, temp_dir: str | None = None
+) -> Iterator[RayHead]:
+    """A running head with Ray's own CPU count unless `num_cpus`; yields how to reach it.
+
+    `temp_dir` is Ray's temp dir (where `ray start` records the running cluster, as a user's
+    /tmp/ray); by default a fresh one, so other tests never find this head by themselves.
+    """
     token_file = tmp_path / "auth_token"
     token_file.write_text(uuid.uuid4().hex)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["RAY_AUTH_TOKEN_PATH"] = str(token_file)
     env["PATH"] = f"{RAY.parent}{os.pathsep}{env.get('PATH', '')}"  # `python` in entrypoints
+    own_temp_dir = tempfile.mkdtemp(prefix="hs-", dir="/tmp")  # short: Ray's Unix sockets
     ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS)), strict=True))
     command = [
         str(RAY),
@@ -91,7 +109,8 @@ def ray_head(tmp_path: Path, num_cpus: int = 4) -> Iterator[RayHead]:
         "--block",
         f"--node-ip-address={NODE_IP}",
         f"--dashboard-host={NODE_IP}",
-        f"--num-cpus={num_cpus}",
+        f"--temp-dir={temp_dir or own_temp_dir}",
+        *([f"--num-cpus={num_cpus}"] if num_cpus is not None else []),
         "--object-store-memory=200000000",
         "--min-worker-port=0",
         "--max-worker-port=0",
@@ -106,7 +125,9 @@ def ray_head(tmp_path: Path, num_cpus: int = 4) -> Iterator[RayHead]:
     url = f"http://{NODE_IP}:{ports['dashboard-port']}"
     try:
         _wait_for_dashboard(url, process, log)
-        yield RayHead(url, {**env, "RAY_AUTH_MODE": "token"}, log)
+        _wait_for_address_file(Path(temp_dir or own_temp_dir) / "ray_current_cluster")
+        address = f"{NODE_IP}:{ports['port']}"
+        yield RayHead(address, url, {**env, "RAY_AUTH_MODE": "token"}, log)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGTERM)
@@ -115,3 +136,4 @@ def ray_head(tmp_path: Path, num_cpus: int = 4) -> Iterator[RayHead]:
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
             process.wait()
+        shutil.rmtree(own_temp_dir, ignore_errors=True)
