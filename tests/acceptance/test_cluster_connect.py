@@ -38,11 +38,12 @@ def test_an_unreachable_address_fails_in_seconds_with_one_line(user_env: dict[st
     address = f"{NODE_IP}:{_closed_port()}"
     cli = CliProcess(serve_command("--address", address), user_env)
     try:
-        code, seconds = cli.wait_exit(20)
+        code, _seconds = cli.wait_exit(20)
         assert code == 2, cli.output()
         line = _last_line(cli)
         assert line.startswith("hybridserve serve: error: cannot connect to the Ray cluster at")
-        assert address in line and "--address" in line
+        assert address in line
+        assert "--address" in line
         assert "Traceback" not in cli.output()
     finally:
         cli.close()
@@ -113,7 +114,8 @@ def test_replicas_that_cannot_be_placed_end_in_one_line(
         assert code == 2, cli.output()
         line = _last_line(cli)
         assert line.startswith("hybridserve serve: error: replicas could not be placed within 5 s")
-        assert "1 of LLMServer:tiny waiting" in line and "the cluster has {CPU: " in line
+        assert "1 of LLMServer:tiny waiting" in line
+        assert "the cluster has {CPU: " in line
         assert cli.alive_processes() == [], cli.output()
     finally:
         cli.close()
