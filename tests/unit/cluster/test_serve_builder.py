@@ -12,7 +12,11 @@ from pydantic import ValidationError
 
 from cluster.config import LLMConfig
 from cluster.serve import build_openai_app, deployment_name
-from cluster.serve.builder import llm_deployment_options
+from cluster.serve.builder import (
+    ingress_deployment_options,
+    llm_deployment_options,
+    resource_summary,
+)
 from cluster.serve.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.serve.routing import resolve_request_router
 from cluster.serve.sampling import UnsupportedFieldError, to_sampling_params
@@ -42,6 +46,24 @@ def test_replica_resources_go_into_bundle_zero() -> None:
     assert options["placement_group_bundles"] == [{"GPU": 1, "CPU": 2, "head": 0.5}, {"GPU": 1}]
     assert options["placement_group_strategy"] == "STRICT_PACK"
     assert options["ray_actor_options"]["num_cpus"] == 0
+
+
+def test_defaults_fit_a_two_cpu_node() -> None:
+    """A CPU rank (1 CPU) + the replica (0.1) + the ingress (0.1) leave room on 2 CPUs."""
+    options = llm_deployment_options(_config(engine_kwargs={"device": "cpu"}))
+    assert options["placement_group_bundles"] == [{"CPU": pytest.approx(1.1)}]
+    ingress = ingress_deployment_options({})
+    assert ingress["ray_actor_options"] == {"num_cpus": 0.1}
+    keyed = ingress_deployment_options({"ray_actor_options": {"runtime_env": {"env_vars": {}}}})
+    assert keyed["ray_actor_options"]["num_cpus"] == 0.1
+    assert ingress_deployment_options({"ray_actor_options": {"num_cpus": 2}})[
+        "ray_actor_options"
+    ] == {"num_cpus": 2}
+    lines = resource_summary({"llm_configs": [_config(engine_kwargs={"device": "cpu"})]})
+    assert lines == [
+        "LLMServer:org--model_v1: each replica reserves a placement group [{CPU: 1.1}] (PACK)",
+        "OpenAiIngress: each replica asks for {CPU: 0.1}",
+    ]
 
 
 def test_deployment_config_passes_through() -> None:

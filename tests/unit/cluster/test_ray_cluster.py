@@ -1,0 +1,42 @@
+"""How entry points find the Ray cluster (`cluster.ray_cluster.find_cluster`), with no cluster."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster.ray_cluster import ClusterConnectionError, connect, find_cluster
+
+
+@pytest.fixture(autouse=True)
+def _no_recorded_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A Ray temp dir of the test's own, and no RAY_ADDRESS."""
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    (tmp_path / "ray").mkdir()
+    return tmp_path / "ray"
+
+
+def test_an_address_given_wins_over_ray_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert find_cluster("10.0.0.2:6379").address == "10.0.0.2:6379"
+    assert find_cluster(None).address == "10.0.0.1:6379"
+    assert find_cluster(None).origin == "RAY_ADDRESS"
+    assert find_cluster("local").is_new_instance
+
+
+def test_nothing_named_or_running_starts_a_new_instance() -> None:
+    assert find_cluster(None).is_new_instance
+
+
+def test_a_recorded_cluster_that_no_longer_runs_is_not_joined(_no_recorded_cluster: Path) -> None:
+    (_no_recorded_cluster / "ray_current_cluster").write_text("127.0.0.9:1")
+    assert find_cluster(None).is_new_instance
+    with pytest.raises(ClusterConnectionError, match="no running Ray cluster"):
+        find_cluster("auto")
+
+
+def test_an_unreachable_address_fails_at_once_naming_it() -> None:
+    with pytest.raises(ClusterConnectionError, match=r"at 127\.0\.0\.9:1 \(--address\)"):
+        connect("127.0.0.9:1")
