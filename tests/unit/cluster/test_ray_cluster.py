@@ -10,7 +10,7 @@ from cluster.ray_cluster import ClusterConnectionError, connect, find_cluster
 
 
 @pytest.fixture(autouse=True)
-def _no_recorded_cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def ray_temp_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A Ray temp dir of the test's own, and no RAY_ADDRESS."""
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
@@ -30,8 +30,8 @@ def test_nothing_named_or_running_starts_a_new_instance() -> None:
     assert find_cluster(None).is_new_instance
 
 
-def test_a_recorded_cluster_that_no_longer_runs_is_not_joined(_no_recorded_cluster: Path) -> None:
-    (_no_recorded_cluster / "ray_current_cluster").write_text("127.0.0.9:1")
+def test_a_recorded_cluster_that_no_longer_runs_is_not_joined(ray_temp_dir: Path) -> None:
+    (ray_temp_dir / "ray_current_cluster").write_text("127.0.0.9:1")
     assert find_cluster(None).is_new_instance
     with pytest.raises(ClusterConnectionError, match="no running Ray cluster"):
         find_cluster("auto")
