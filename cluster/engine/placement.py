@@ -26,7 +26,7 @@ from ray.util.placement_group import (
 logger = logging.getLogger(__name__)
 
 STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
-READY_TIMEOUT_S = 600.0
+READY_TIMEOUT_S = 120.0
 """How long a feasible group may wait for resources held by others before start-up fails."""
 _LOG_EVERY_S = 10.0
 
@@ -133,9 +133,12 @@ def _wait_ready(group: PlacementGroup, spec: PlacementSpec) -> None:
             return
         waited = time.monotonic() - started
         if waited >= READY_TIMEOUT_S:
+            free = ray.available_resources()  # type: ignore[no-untyped-call]
+            free_text = ", ".join(f"{k}: {free.get(k, 0):g}" for k in sorted(_total(spec.bundles)))
             raise TimeoutError(
                 f"the placement group {list(spec.bundles)} was not ready after {waited:.0f} s: "
-                "the resources are held by other work (see `ray status`)"
+                f"the cluster has {{{free_text}}} free, the rest is held by other work "
+                "(see `ray status`)"
             )
         logger.warning("waiting %.0f s for placement group resources (see `ray status`)", waited)
 
