@@ -29,7 +29,7 @@ def create_executor(args: EngineArgs) -> Executor:
         from cluster.engine.executor.multiproc import MultiprocExecutor
 
         check_layout(configs)  # reject a layout before starting the rank processes
-        return MultiprocExecutor(configs)
+        return MultiprocExecutor(args, configs)
     from cluster.engine.executor.uniproc import InProcessExecutor
 
     return InProcessExecutor(configs)

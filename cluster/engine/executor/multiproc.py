@@ -1,160 +1,186 @@
 """`MultiprocExecutor`: one spawned process per tensor-parallel rank (gloo on CPU, nccl on GPU).
 
-The executor talks to each rank over a pipe:
+Each rank process serves the executor's calls over a pipe with the one rank transport
+(`RankChannels` / `serve_rank`), so it has the Ray executor's deadlines and liveness checks:
 
-    parent ──(method, args)──► rank r loop: worker.method(*args) ──result | RankFailure──► parent
+    executor ──bytes(method, args)──► rank r process: serve_rank(Worker) ──result──► executor
+
+A rank whose process exits closes its pipe (detected at once, with the exit code); a step not
+answered within `worker_step_timeout_s` counts as hung; start-up and `restart()` (new processes,
+a new rendezvous) must finish within `worker_start_timeout_s`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
+import signal
 import socket
-from multiprocessing.connection import Connection, wait
+import time
+from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 import torch
 import torch.multiprocessing as mp
 
 from cluster.engine.executor.base import LocalTokenizer, worker_spec
-from cluster.engine.executor.rank_channel import RankFailure
-from cluster.engine_args import EngineConfigs
+from cluster.engine.executor.rank_channel import (
+    Deadline,
+    RankChannels,
+    RankDeadError,
+    RankTarget,
+    serve_rank,
+)
+from cluster.engine_args import EngineArgs, EngineConfigs
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from worker.worker import Worker, WorkerSpec
 
 logger = logging.getLogger(__name__)
 
-_SHUTDOWN = "shutdown"
+_START_PHASES = ("start_worker", "init_device", "load_model")
 _JOIN_TIMEOUT_S = 10.0
+"""How long a clean shutdown waits for the rank processes to leave before killing them."""
+_RESTART_JOIN_TIMEOUT_S = 1.0
+"""After a failure the ranks may be stuck in a collective: they get this long, then are killed."""
 
 
 class MultiprocExecutor(LocalTokenizer):
-    """One spawned process per tensor-parallel rank (gloo on CPU, nccl on GPU)."""
+    """The `Executor` over spawned processes, one per rank."""
 
-    def __init__(self, configs: EngineConfigs) -> None:
+    def __init__(self, args: EngineArgs, configs: EngineConfigs) -> None:
+        self.args = args
         self.configs = configs
-        tp_size = configs.tensor_parallel_size
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-        context = mp.get_context("spawn")
-        self._conns: list[Connection] = []
         self._procs: list[BaseProcess] = []
-        self._unread: set[int] = set(range(tp_size))
-        """Ranks whose reply to the last call has not been read (first: the load report)."""
+        self._channels: RankChannels | None = None
+        try:
+            self._start_ranks()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def rank_pids(self) -> list[int | None]:
+        """Process IDs of the ranks, in rank order (for operators and fault-injection tests)."""
+        return [proc.pid for proc in self._procs]
+
+    def collective_rpc(self, method: str, *args: object) -> list[object]:
+        """A set-up call (KV specs, memory, KV cache): bounded by `worker_start_timeout_s`."""
+        deadline = Deadline.after(self.args.worker_start_timeout_s, "worker_start_timeout_s")
+        return self._require_channels().call(method, args, deadline)
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        deadline = Deadline.after(self.args.worker_step_timeout_s, "worker_step_timeout_s")
+        output = self._require_channels().call("execute", (scheduler_output,), deadline)[0]
+        assert isinstance(output, ModelRunnerOutput), "rank 0 always returns an output"
+        return output
+
+    def check_health(self) -> None:
+        """Raise RuntimeError if a rank died or the call in flight is past its deadline."""
+        channels = self._require_channels()
+        self._check_alive()
+        channels.check_overdue()
+
+    def restart(self) -> bool:
+        """Replace every rank by a new process; KV caches must be set up again."""
+        logger.warning("restarting the %d rank process(es)", len(self._procs))
+        self._stop_ranks(_RESTART_JOIN_TIMEOUT_S)
+        self._start_ranks()
+        return True
+
+    def delay_steps(self, seconds: float, ranks: list[int] | None = None) -> None:
+        """Test hook: the ranks (all, or `ranks`) sleep `seconds` before each later step."""
+        self.collective_rpc("delay_steps", seconds, ranks)
+
+    def shutdown(self) -> None:
+        """Ask every rank to leave, then join; ranks that do not leave in time are killed."""
+        self._stop_ranks(_JOIN_TIMEOUT_S)
+
+    def _start_ranks(self) -> None:
+        deadline = Deadline.after(self.args.worker_start_timeout_s, "worker_start_timeout_s")
+        tp_size = self.configs.tensor_parallel_size
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        num_threads = max(1, (os.cpu_count() or 1) // tp_size)
+        context = mp.get_context("spawn")
+        conns: list[Connection] = []
         for rank in range(tp_size):
-            rank_spec = worker_spec(configs, rank, init_method)
+            spec = worker_spec(self.configs, rank, init_method)
             parent_conn, child_conn = context.Pipe()
             proc = context.Process(
-                target=_worker_loop,
-                args=(rank_spec, child_conn),
+                target=_rank_main,
+                args=(spec, child_conn, num_threads),
                 name=f"tp-rank-{rank}",
                 daemon=True,
             )
             proc.start()
             child_conn.close()
-            self._conns.append(parent_conn)
+            conns.append(parent_conn)
             self._procs.append(proc)
-        try:
-            _raise_failures(self._read_replies())  # every rank reports that it is constructed
-            self.collective_rpc("init_device")
-            self.collective_rpc("load_model")
-        except BaseException:
-            self.shutdown()
-            raise
+        self._channels = RankChannels(conns, self._check_alive)
+        for phase in _START_PHASES:
+            self._channels.call(phase, (), deadline)
 
-    def collective_rpc(self, method: str, *args: object) -> list[object]:
-        return self._call(method, *args)
-
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        output = self._call("execute", scheduler_output)[0]
-        assert isinstance(output, ModelRunnerOutput), "rank 0 always returns an output"
-        return output
-
-    def restart(self) -> bool:
-        return False
-
-    def check_health(self) -> None:
+    def _check_alive(self) -> None:
+        """Raise RankDeadError when a rank's process has exited."""
         for rank, proc in enumerate(self._procs):
-            if not proc.is_alive():
-                raise RuntimeError(f"tensor-parallel rank {rank} died (exit code {proc.exitcode})")
+            code = proc.exitcode
+            if code is not None:
+                raise RankDeadError(f"tensor-parallel rank {rank} died ({_exit_reason(code)})")
 
-    def shutdown(self) -> None:
-        """Ask every rank to leave, then join; ranks that do not leave in time are killed."""
-        for conn in self._conns:
-            with contextlib.suppress(BrokenPipeError, OSError):
-                conn.send((_SHUTDOWN, ()))
+    def _require_channels(self) -> RankChannels:
+        if self._channels is None:
+            raise RuntimeError("the executor's workers are not running")
+        return self._channels
+
+    def _stop_ranks(self, join_timeout_s: float) -> None:
+        """Ask the ranks to leave; kill those still there after `join_timeout_s` in all."""
+        if self._channels is not None:
+            self._channels.close()
+            self._channels = None
+        until = time.monotonic() + join_timeout_s
         for proc in self._procs:
-            proc.join(_JOIN_TIMEOUT_S)
+            proc.join(max(0.0, until - time.monotonic()))
+        for proc in self._procs:
             if proc.is_alive():
-                logger.warning("rank process %s did not exit; terminating it", proc.name)
-                proc.terminate()
+                logger.warning("rank process %s did not exit; killing it", proc.name)
+                proc.kill()
                 proc.join(_JOIN_TIMEOUT_S)
-        for conn in self._conns:
-            conn.close()
-        self._conns, self._procs = [], []
-
-    def _call(self, method: str, *args: object) -> list[object]:
-        """Send `method(*args)` to every rank; their results in rank order.
-
-        Replies still owed by an interrupted earlier call (Ctrl-C while waiting) are read and
-        dropped first, so a reply is never taken for the answer to a later call.
-        """
-        if not self._conns:
-            raise RuntimeError("the executor has been shut down")
-        if self._unread:
-            logger.warning("dropping the replies of an interrupted call")
-            self._read_replies()
-        for conn in self._conns:
-            conn.send((method, args))
-        self._unread = set(range(len(self._conns)))
-        return _raise_failures(self._read_replies())
-
-    def _read_replies(self) -> list[object]:
-        """Read every reply still owed, by rank; a dead rank raises RuntimeError at once."""
-        results: list[object] = [None] * len(self._conns)
-        while self._unread:
-            ready = wait([self._conns[rank] for rank in self._unread])
-            for rank in sorted(self._unread):
-                if self._conns[rank] not in ready:
-                    continue
-                try:
-                    results[rank] = self._conns[rank].recv()
-                except EOFError:  # the process exited: its end of the pipe closed
-                    raise RuntimeError(f"tensor-parallel rank {rank} died") from None
-                self._unread.discard(rank)
-        return results
+        self._procs = []
 
 
-def _raise_failures(results: list[object]) -> list[object]:
-    """`results`, unless a rank failed: then the failure of the lowest such rank is raised."""
-    for rank, value in enumerate(results):
-        if isinstance(value, RankFailure):
-            raise value.to_exception(rank)
-    return results
+class _ProcessRank:
+    """The call target of one rank process: `start_worker` builds the worker (its errors go
+    back to the executor), every later call goes to it."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self.spec = spec
+        self.target: RankTarget | None = None
+
+    def __call__(self, method: str, args: tuple[object, ...]) -> object:
+        if method == "start_worker":
+            self.target = RankTarget(Worker(self.spec), self.spec.parallel.rank)
+            return None
+        assert self.target is not None, "start_worker first"
+        return self.target(method, args)
 
 
-def _worker_loop(spec: WorkerSpec, conn: Connection) -> None:
-    """Body of one rank process: build the worker, then serve calls until shutdown."""
+def _rank_main(spec: WorkerSpec, conn: Connection, num_threads: int) -> None:
+    """Body of one rank process: serve the executor's calls until shutdown."""
     if spec.runner.device == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.parallel.tp_size))
-    try:
-        worker = Worker(spec)
-    except Exception as exc:
-        conn.send(RankFailure.from_exception(exc))
-        return
-    conn.send(None)
-    while True:
-        try:
-            method, args = conn.recv()
-        except EOFError:
-            break
-        if method == _SHUTDOWN:
-            worker.shutdown()
-            break
-        try:
-            conn.send(getattr(worker, method)(*args))
-        except Exception as exc:
-            conn.send(RankFailure.from_exception(exc))
+        torch.set_num_threads(num_threads)
+    rank = _ProcessRank(spec)
+    with conn:
+        serve_rank(conn, rank)
+    if rank.target is not None:
+        worker = rank.target.worker
+        assert isinstance(worker, Worker)
+        worker.shutdown()
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        with_name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
+        return f"killed by {with_name}"
+    return f"exit code {code}"
 
 
 def _free_port() -> int:

@@ -1,14 +1,16 @@
-"""Calls to tensor-parallel rank actors over direct connections (the Ray executor's dispatch).
+"""The one rank transport: calls to tensor-parallel ranks over direct connections, with deadlines.
 
-Each rank actor runs one long-lived `serve_rank` loop on a connection the executor opened to it.
-A call is pickled once and the same bytes go to every rank: no object-store round trip, no Ray
-task per call (measured against plain actor calls and a compiled graph: docs/benchmarks.md).
+Each rank (a Ray actor, or a spawned process) runs one long-lived `serve_rank` loop on a
+connection to the executor. A call is pickled once and the same bytes go to every rank: no
+object-store round trip, no Ray task per call (measured against plain actor calls and a compiled
+graph: docs/benchmarks.md).
 
     executor ──bytes(method, args)──► rank r: serve_rank: target(method, args) ──result──► executor
 
-A dead rank shows as a closed connection (or, for a lost node, through `check_alive`, which the
-executor answers by watching the ranks' long-running loop tasks); a stuck one as a reply still
-missing when the timeout runs out.
+Every call waits until a `Deadline`. A dead rank shows as a closed connection (or, for a lost
+node, through `check_alive`, which the executor answers from the rank's process or actor); a
+stuck one as a reply still missing when the deadline passes. This module imports no torch and
+no Ray: both executors and the benchmarks use it as it is.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import logging
 import pickle
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
@@ -27,6 +29,8 @@ logger = logging.getLogger(__name__)
 SHUTDOWN = "shutdown"
 _POLL_S = 1.0
 """How often a wait for replies also asks `check_alive` (a lost node closes no connection)."""
+_REASON_WAIT_S = 0.5
+"""How long a closed connection waits for the process (or Ray) to tell why the rank died."""
 
 
 @dataclass(frozen=True)
@@ -55,15 +59,65 @@ class RankDeadError(RuntimeError):
 
 
 class RankTimeoutError(RuntimeError):
-    """A rank did not answer within the step timeout (hung)."""
+    """A rank did not answer before the deadline (hung, or too slow to start)."""
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """When the ranks must have answered, and the setting that gave them that long."""
+
+    at: float
+    """`time.monotonic()` value."""
+    seconds: float
+    setting: str
+    """The engine argument the time comes from (named in the error)."""
+
+    @classmethod
+    def after(cls, seconds: float, setting: str) -> Deadline:
+        return cls(time.monotonic() + seconds, seconds, setting)
+
+    def remaining(self) -> float:
+        return self.at - time.monotonic()
+
+    def error(self, what: str) -> RankTimeoutError:
+        """The error for `what` not done by the deadline."""
+        return RankTimeoutError(
+            f"{what} did not finish within {self.seconds:g} s ({self.setting}): "
+            "the worker is hung or too slow"
+        )
+
+
+class RankTarget:
+    """What a rank's loop runs: `worker.method(*args)`, plus the test hook `delay_steps`."""
+
+    def __init__(self, worker: object, rank: int) -> None:
+        self.worker = worker
+        self.rank = rank
+        self.step_delay_s = 0.0
+
+    def __call__(self, method: str, args: tuple[object, ...]) -> object:
+        if method == "delay_steps":
+            self.delay_steps(*args)  # type: ignore[arg-type]
+            return None
+        if method == "execute" and self.step_delay_s > 0:
+            logger.warning("rank %d: delaying this step by %.1f s", self.rank, self.step_delay_s)
+            time.sleep(self.step_delay_s)
+        return getattr(self.worker, method)(*args)
+
+    def delay_steps(self, seconds: float, ranks: Collection[int] | None = None) -> None:
+        """Test hook: sleep `seconds` before each later step (a hung worker); only on `ranks`
+        when given (the others then wait for it in the step's first collective)."""
+        if ranks is None or self.rank in ranks:
+            self.step_delay_s = seconds
 
 
 def serve_rank(conn: Connection, target: Callable[[str, tuple[object, ...]], object]) -> None:
-    """A rank's loop: answer each call with `target(method, args)` until shutdown or EOF."""
+    """A rank's loop: answer each call with `target(method, args)` until shutdown, or until the
+    executor's end of the connection closes (it gave up on this rank: it is being replaced)."""
     while True:
         try:
             method, args = pickle.loads(conn.recv_bytes())
-        except EOFError:
+        except (EOFError, OSError):
             return
         if method == SHUTDOWN:
             return
@@ -71,7 +125,10 @@ def serve_rank(conn: Connection, target: Callable[[str, tuple[object, ...]], obj
             result = target(method, args)
         except Exception as exc:
             result = RankFailure.from_exception(exc)
-        conn.send_bytes(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
+        try:
+            conn.send_bytes(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError:
+            return
 
 
 class RankChannels:
@@ -80,31 +137,35 @@ class RankChannels:
     def __init__(self, conns: Sequence[Connection], check_alive: Callable[[], None]) -> None:
         self._conns = list(conns)
         self._check_alive = check_alive
-        self.call_started: float | None = None
-        """`time.monotonic()` when the call now waiting for replies was sent (None: idle)."""
+        self.deadline: Deadline | None = None
+        """The deadline of the call now waiting for replies (None: idle)."""
         self.is_broken = False
         """A call failed midway: replies may be owed, so no further call may be sent."""
 
-    def call(
-        self, method: str, args: tuple[object, ...], timeout: float | None = None
-    ) -> list[object]:
+    def call(self, method: str, args: tuple[object, ...], deadline: Deadline) -> list[object]:
         """Run `method(*args)` on every rank; results in rank order (a rank's error raised)."""
         if self.is_broken:
             raise RankDeadError("the ranks' connections failed earlier; restart the workers")
         payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
         self.is_broken = True  # until every reply is read
-        self.call_started = time.monotonic()
+        self.deadline = deadline
         try:
             for rank, conn in enumerate(self._conns):
                 self._send(rank, conn, payload)
-            results = self._read_replies(method, timeout)
+            results = self._read_replies(method, deadline)
         finally:
-            self.call_started = None
+            self.deadline = None
         self.is_broken = False
         for rank, value in enumerate(results):
             if isinstance(value, RankFailure):
                 raise value.to_exception(rank)
         return results
+
+    def check_overdue(self) -> None:
+        """RankTimeoutError when the call in flight has passed its deadline."""
+        deadline = self.deadline
+        if deadline is not None and deadline.remaining() < 0:
+            raise deadline.error("the call in flight")
 
     def close(self) -> None:
         """Ask every rank's loop to end, then close the connections."""
@@ -122,17 +183,13 @@ class RankChannels:
             self._check_alive()
             raise RankDeadError(f"tensor-parallel rank {rank} closed its connection") from None
 
-    def _read_replies(self, method: str, timeout: float | None) -> list[object]:
+    def _read_replies(self, method: str, deadline: Deadline) -> list[object]:
         results: list[object] = [None] * len(self._conns)
         unread = dict(enumerate(self._conns))
-        deadline = None if timeout is None else time.monotonic() + timeout
         while unread:
-            wait_s = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+            wait_s = min(_POLL_S, deadline.remaining())
             if wait_s <= 0:
-                raise RankTimeoutError(
-                    f"tensor-parallel rank(s) {sorted(unread)} did not finish {method!r} "
-                    f"within {timeout:g} s (worker_step_timeout_s): the worker is hung"
-                )
+                raise deadline.error(f"tensor-parallel rank(s) {sorted(unread)}: {method!r}")
             ready = wait(list(unread.values()), timeout=wait_s)
             if not ready:
                 self._check_alive()
@@ -146,6 +203,9 @@ class RankChannels:
         try:
             return pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
-            self._check_alive()  # raises with Ray's reason when Ray already knows
-            message = f"tensor-parallel rank {rank} died (its connection closed)"
-            raise RankDeadError(message) from None
+            pass
+        until = time.monotonic() + _REASON_WAIT_S
+        while time.monotonic() < until:  # the exit is known a moment after the connection closes
+            self._check_alive()  # raises with the reason once the process or Ray knows it
+            time.sleep(0.05)
+        raise RankDeadError(f"tensor-parallel rank {rank} died (its connection closed)")

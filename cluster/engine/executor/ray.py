@@ -9,7 +9,9 @@ worker phases (`init_device`, `load_model`) on all ranks together. Each step sen
 Faults: a rank whose process dies closes its connection (detected at once; a lost node through
 `ray.wait` on the ranks' loop tasks, polled every second); a step not answered within
 `worker_step_timeout_s` counts as hung. Either way the call raises, and `restart()` replaces the
-whole rank group (same placement group) so the engine can go on.
+whole rank group (same placement group) so the engine can go on. Start-up and restart must end
+within `worker_start_timeout_s`. Stopping never calls into a Ray that has shut down (an `LLM`
+finalizer may run after Ray's own exit hook): the actors went with it.
 """
 
 from __future__ import annotations
@@ -17,21 +19,25 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-import time
+import threading
 import uuid
-from multiprocessing.connection import Client
+from multiprocessing.connection import Client, Connection
 from typing import Any
 
 import ray
+from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from cluster.engine.executor.rank_channel import RankChannels, RankDeadError, RankTimeoutError
+from cluster.engine.executor.rank_channel import Deadline, RankChannels, RankDeadError
 from cluster.engine.executor.ray_worker import WorkerActor
 from cluster.engine.placement import PlacementSpec, RankPlacement, acquire_placement
 from cluster.engine_args import EngineArgs, EngineConfigs
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+_STOP_WAIT_S = 2.0
+"""How long stopping waits for the ranks' loops to leave the process group before killing."""
 
 _RemoteWorker: Any = ray.remote(max_concurrency=2)(WorkerActor)  # type: ignore[call-overload]
 
@@ -57,30 +63,34 @@ class RayExecutor:
             raise
 
     @property
+    def owned_placement_group(self) -> PlacementGroup | None:
+        """The placement group this executor created (and removes at shutdown), if any."""
+        placement = self._placement
+        return placement.group if placement is not None and placement.is_owned else None
+
+    @property
     def actor_names(self) -> list[str]:
         """Names of the live rank actors, in rank order."""
         return [f"{self.name}-rank{rank}" for rank in range(len(self._actors))]
 
     def collective_rpc(self, method: str, *args: object) -> list[object]:
-        return self._require_channels().call(method, args)
+        """A set-up call (KV specs, memory, KV cache): bounded by `worker_start_timeout_s`."""
+        return self._require_channels().call(method, args, self._start_deadline())
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        channels = self._require_channels()
-        timeout = self.args.worker_step_timeout_s
-        output = channels.call("execute", (scheduler_output,), timeout)[0]
+        deadline = Deadline.after(self.args.worker_step_timeout_s, "worker_step_timeout_s")
+        output = self._require_channels().call("execute", (scheduler_output,), deadline)[0]
         assert isinstance(output, ModelRunnerOutput), "rank 0 always returns an output"
         return output
 
     def check_health(self) -> None:
-        """Raise RuntimeError if a rank died or the step in flight is past its timeout."""
+        """Raise RuntimeError if a rank died or the call in flight is past its deadline."""
         channels = self._require_channels()
         self._check_alive()
-        started = channels.call_started
-        if started is not None and time.monotonic() - started > self.args.worker_step_timeout_s:
-            raise RankTimeoutError("a step has been running longer than worker_step_timeout_s")
+        channels.check_overdue()
 
     def load_tokenizer(self) -> Any:
-        return _get(self._actors[0].load_tokenizer.remote())
+        return _get(self._actors[0].load_tokenizer.remote(), self._start_deadline())
 
     def restart(self) -> bool:
         """Replace every rank by a new actor (same placement group); KV must be set up again."""
@@ -89,34 +99,40 @@ class RayExecutor:
         self._start_ranks()
         return True
 
-    def delay_steps(self, seconds: float) -> None:
-        """Test hook: every rank sleeps `seconds` before each later step."""
-        _get_all([actor.delay_steps.remote(seconds) for actor in self._actors])
+    def delay_steps(self, seconds: float, ranks: list[int] | None = None) -> None:
+        """Test hook: the ranks (all, or `ranks`) sleep `seconds` before each later step."""
+        refs = [actor.delay_steps.remote(seconds, ranks) for actor in self._actors]
+        _get_all(refs, self._start_deadline())
 
     def shutdown(self) -> None:
         """Stop the rank actors and remove the placement group if this executor created it."""
         self._stop_ranks()
-        if self._placement is not None:
+        if self._placement is not None and ray.is_initialized():
             self._placement.release()
-            self._placement = None
+        self._placement = None
+
+    def _start_deadline(self) -> Deadline:
+        return Deadline.after(self.args.worker_start_timeout_s, "worker_start_timeout_s")
 
     def _start_ranks(self) -> None:
         assert self._placement is not None
+        deadline = self._start_deadline()
         tp_size = self.args.tensor_parallel_size
         self.name = f"hybridserve-{uuid.uuid4().hex[:8]}"
         self._actors = [self._create_actor(rank) for rank in range(tp_size)]
-        init_method = _get(self._actors[0].rendezvous_address.remote())
+        init_method = _get(self._actors[0].rendezvous_address.remote(), deadline)
         authkey = secrets.token_bytes(32)
         # Rank 0 first: a configuration every rank would reject fails before the others finish
         # starting (they are killed by the caller's shutdown).
-        setups = [_get(self._actors[0].setup.remote(init_method, authkey))]
-        setups += _get_all([a.setup.remote(init_method, authkey) for a in self._actors[1:]])
+        setups = [_get(self._actors[0].setup.remote(init_method, authkey), deadline)]
+        refs = [a.setup.remote(init_method, authkey) for a in self._actors[1:]]
+        setups += _get_all(refs, deadline)
         self.configs = setups[0][0]
         self._loop_refs = [actor.run.remote() for actor in self._actors]
-        conns = [Client(address, authkey=authkey) for _, address in setups]
+        conns = [_connect(address, authkey, deadline) for _, address in setups]
         self._channels = RankChannels(conns, self._check_alive)
-        self.collective_rpc("init_device")
-        self.collective_rpc("load_model")
+        for phase in ("init_device", "load_model"):
+            self._channels.call(phase, (), deadline)
 
     def _create_actor(self, rank: int) -> Any:
         assert self._placement is not None
@@ -156,22 +172,48 @@ class RayExecutor:
         if self._channels is not None:
             self._channels.close()
             self._channels = None
-        if self._loop_refs:  # let the loops leave the process group; then kill regardless
-            ray.wait(self._loop_refs, num_returns=len(self._loop_refs), timeout=2.0)
-        for actor in self._actors:
+        actors, loop_refs = self._actors, self._loop_refs
+        self._actors, self._loop_refs = [], []
+        if not ray.is_initialized():  # Ray shut down first: the actors are gone with it
+            return
+        if loop_refs:  # let the loops leave the process group; then kill regardless
+            ray.wait(loop_refs, num_returns=len(loop_refs), timeout=_STOP_WAIT_S)
+        for actor in actors:
             with contextlib.suppress(Exception):
                 ray.kill(actor, no_restart=True)
-        self._actors, self._loop_refs = [], []
 
 
-def _get(ref: Any) -> Any:
+def _connect(address: tuple[str, int], authkey: bytes, deadline: Deadline) -> Connection:
+    """The executor's connection to a rank's listener; the handshake needs the rank's `run` to
+    accept, so it runs in a thread and is given up at the deadline (the rank is then killed)."""
+    result: list[Connection | BaseException] = []
+
+    def connect() -> None:
+        try:
+            result.append(Client(address, authkey=authkey))
+        except BaseException as exc:
+            result.append(exc)
+
+    thread = threading.Thread(target=connect, name="rank-connect", daemon=True)
+    thread.start()
+    thread.join(max(0.0, deadline.remaining()))
+    if not result:
+        raise deadline.error(f"connecting to the rank at {address[0]}:{address[1]}")
+    if isinstance(result[0], BaseException):
+        raise RankDeadError(f"could not connect to a rank: {result[0]}") from result[0]
+    return result[0]
+
+
+def _get(ref: Any, deadline: Deadline) -> Any:
     """`ray.get`, with a rank's ValueError/TypeError raised as itself (a clear one-liner)."""
-    return _get_all([ref])[0]
+    return _get_all([ref], deadline)[0]
 
 
-def _get_all(refs: list[Any]) -> list[Any]:
+def _get_all(refs: list[Any], deadline: Deadline) -> list[Any]:
     try:
-        return list(ray.get(refs))
+        return list(ray.get(refs, timeout=max(0.0, deadline.remaining())))
+    except ray.exceptions.GetTimeoutError:
+        raise deadline.error("the worker actors' start-up") from None
     except ray.exceptions.RayTaskError as exc:
         cause = exc.cause
         if isinstance(cause, ValueError):

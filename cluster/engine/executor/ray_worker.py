@@ -9,8 +9,6 @@ two concurrent calls, so `load_tokenizer`, `ping` and the test hook answer while
 
 from __future__ import annotations
 
-import logging
-import time
 from multiprocessing.connection import Listener
 from typing import Any
 
@@ -18,12 +16,10 @@ import ray
 import torch
 
 from cluster.engine.executor.base import check_layout, worker_spec
-from cluster.engine.executor.rank_channel import serve_rank
+from cluster.engine.executor.rank_channel import RankTarget, serve_rank
 from cluster.engine.tokenizer import load_tokenizer
 from cluster.engine_args import EngineArgs, EngineConfigs
 from worker.worker import Worker
-
-logger = logging.getLogger(__name__)
 
 
 def _node_ip() -> str:
@@ -40,8 +36,8 @@ class WorkerActor:
         self.num_threads = num_threads
         self.configs: EngineConfigs | None = None
         self.worker: Worker | None = None
+        self._target: RankTarget | None = None
         self._listener: Listener | None = None
-        self._step_delay_s = 0.0
 
     def rendezvous_address(self) -> str:
         """A free TCP address on this node for the process group's rendezvous (rank 0)."""
@@ -61,6 +57,7 @@ class WorkerActor:
             torch.set_num_threads(self.num_threads)
         self.configs = configs
         self.worker = Worker(worker_spec(configs, self.rank, init_method))
+        self._target = RankTarget(self.worker, self.rank)
         self._listener = Listener((_node_ip(), 0), authkey=authkey)
         address: tuple[str, int] = self._listener.address
         return configs, address
@@ -68,9 +65,10 @@ class WorkerActor:
     def run(self) -> None:
         """Serve the executor's calls until it shuts the connection down."""
         assert self._listener is not None, "setup() first"
+        assert self._target is not None, "setup() first"
         with self._listener.accept() as conn:
             self._listener.close()
-            serve_rank(conn, self._call)
+            serve_rank(conn, self._target)
         if self.worker is not None:
             self.worker.shutdown()
 
@@ -82,13 +80,7 @@ class WorkerActor:
     def ping(self) -> int:
         return self.rank
 
-    def delay_steps(self, seconds: float) -> None:
+    def delay_steps(self, seconds: float, ranks: list[int] | None = None) -> None:
         """Test hook: sleep this long before each later step (simulates a hung worker)."""
-        self._step_delay_s = seconds
-
-    def _call(self, method: str, args: tuple[object, ...]) -> object:
-        assert self.worker is not None, "setup() first"
-        if method == "execute" and self._step_delay_s > 0:
-            logger.warning("rank %d: delaying this step by %.1f s", self.rank, self._step_delay_s)
-            time.sleep(self._step_delay_s)
-        return getattr(self.worker, method)(*args)
+        assert self._target is not None, "setup() first"
+        self._target.delay_steps(seconds, ranks)
