@@ -105,6 +105,18 @@ def replica_args(args: EngineArgs) -> EngineArgs:
     return dataclasses.replace(args, distributed_executor_backend=backend)
 
 
+def check_pool_fits(replicas: int, gpus_per_replica: int, cluster: dict[str, float]) -> None:
+    """ValueError at once when the cluster can never hold the replica pool (1 CPU each, and
+    the GPUs of its ranks), instead of a job that waits forever."""
+    needs = {"CPU": float(replicas), "GPU": float(replicas * gpus_per_replica)}
+    for name, amount in needs.items():
+        if amount > cluster.get(name, 0):
+            raise ValueError(
+                f"--replicas {replicas} needs {amount:g} {name} for the engine replicas and the "
+                f"cluster has {cluster.get(name, 0):g}: lower --replicas or add nodes"
+            )
+
+
 def _run_rows(options: BatchOptions, items: list[BatchItem]) -> Iterator[str]:
     """The output rows (JSON) of `items`, in input order, computed by the replica pool."""
     import ray
@@ -116,7 +128,9 @@ def _run_rows(options: BatchOptions, items: list[BatchItem]) -> Iterator[str]:
     context.execution_options.preserve_order = True
     context.enable_progress_bars = False
     args = replica_args(options.engine_args)
-    use_gpus = ray.cluster_resources().get("GPU", 0) > 0 and args.device != "cpu"  # type: ignore[no-untyped-call]
+    cluster: dict[str, float] = ray.cluster_resources()  # type: ignore[no-untyped-call]
+    use_gpus = cluster.get("GPU", 0) > 0 and args.device != "cpu"
+    check_pool_fits(options.replicas, args.tensor_parallel_size if use_gpus else 0, cluster)
     blocks = min(len(items), max(4 * options.replicas, math.ceil(len(items) / options.batch_size)))
     records = ray.data.from_items([item.to_record() for item in items], override_num_blocks=blocks)
     dataset = records.map_batches(

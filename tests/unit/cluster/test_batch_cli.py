@@ -70,3 +70,13 @@ def test_engine_args_come_from_the_config_then_model_and_flags(tmp_path: Path) -
     assert (args.model, args.max_model_len, args.block_size) == ("/models/tiny", 64, 8)
     args = engine_args_from(parser.parse_args([*base, "--model", "/m2", "--block-size", "4"]))
     assert (args.model, args.max_model_len, args.block_size) == ("/m2", 64, 4)
+
+
+def test_a_replica_pool_the_cluster_cannot_hold_fails_at_once() -> None:
+    from cluster.batch.runner import check_pool_fits
+
+    check_pool_fits(2, 0, {"CPU": 2.0})
+    with pytest.raises(ValueError, match=r"--replicas 3 needs 3 CPU .* the cluster has 2"):
+        check_pool_fits(3, 0, {"CPU": 2.0})
+    with pytest.raises(ValueError, match=r"needs 2 GPU"):
+        check_pool_fits(1, 2, {"CPU": 8.0, "GPU": 1.0})
