@@ -3,9 +3,14 @@
 The loop runs each step in a worker thread, so the event loop keeps streaming the previous
 step's outputs to callers (and accepting requests) while the next step computes. Core calls
 from the event loop (add, abort, stats) wait for the step in flight through one asyncio lock, so
-the core is never used by two threads at once.
+the scheduler is never used by two threads at once.
 
     add_request ─► core.add_request ─► wake loop ─► step (thread) ─► deltas ─► request queues
+
+A failed step ends every request in flight with `EngineDeadError` at once; the workers then
+restart in a thread outside the lock (bounded by `worker_start_timeout_s`), so adds and aborts go
+on meanwhile: requests added during the restart wait in the scheduler and run after it (or end
+with `EngineDeadError` if it fails, which leaves the engine dead).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from typing import Any
 
 from cluster.engine.client import EngineInfo, engine_info
 from cluster.engine.core import EngineCore
+from cluster.engine.errors import EngineDeadError
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
 from scheduler.stats import SchedulerStats
@@ -25,10 +31,6 @@ from scheduler.stats import SchedulerStats
 logger = logging.getLogger(__name__)
 
 _StreamItem = RequestOutput | BaseException
-
-
-class EngineDeadError(RuntimeError):
-    """The engine's step failed; requests in flight at that moment end with this error."""
 
 
 class AsyncEngine:
@@ -40,16 +42,15 @@ class AsyncEngine:
         self._has_work = asyncio.Event()
         self._queues: dict[str, asyncio.Queue[_StreamItem]] = {}
         self._loop_task: asyncio.Task[None] | None = None
-        self._dead: EngineDeadError | None = None
-        """Set when recovery after a failed step failed: the engine refuses all work."""
+        self.is_restarting = False
+        """The workers are being restarted after a failed step (the loop steps again after)."""
         self.num_steps = 0
 
     async def add_request(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
-        if self._dead is not None:
-            raise self._dead
+        self.core.raise_if_dead()
         self._ensure_loop()
         async with self._lock:
-            self.core.add_request(request)  # ValueError here: nothing was queued
+            self.core.add_request(request)  # ValueError or EngineDeadError: nothing was queued
         self._queues[request.request_id] = asyncio.Queue()
         self._has_work.set()
         return self._stream(request.request_id)
@@ -60,9 +61,12 @@ class AsyncEngine:
         self._publish(deltas)
 
     async def check_health(self) -> None:
-        if self._dead is not None:
-            raise self._dead
-        self.core.check_health()
+        """Raise when the engine is dead or a worker is dead or stuck (a restart under way has
+        its own deadline, so it counts as healthy)."""
+        if self.is_restarting:
+            self.core.raise_if_dead()
+        else:
+            self.core.check_health()
         if self._loop_task is not None and self._loop_task.done():
             raise EngineDeadError("the engine's step loop has stopped")
 
@@ -101,26 +105,31 @@ class AsyncEngine:
                 try:
                     deltas = await asyncio.to_thread(self.core.step)
                 except Exception as exc:
-                    await self._fail_in_flight(exc)
-                    continue
+                    self._fail_in_flight(self.core.fail_requests(exc))
+                    deltas = None
+            if deltas is None:
+                await self._restart_workers()
+                continue
             self.num_steps += 1
             self._publish(deltas)
 
-    async def _fail_in_flight(self, exc: Exception) -> None:
-        """A failed step ends every request in flight with an error at once (their blocks and
-        the prefix cache dropped first); then the workers restart and the engine keeps going."""
-        logger.error("engine step failed; failing %d requests: %s", len(self._queues), exc)
-        error = EngineDeadError(f"the engine failed while running this request: {exc}")
-        try:
-            self.core.drop_all_requests()
-        finally:
-            for queue in self._queues.values():
-                queue.put_nowait(error)
+    async def _restart_workers(self) -> None:
+        """Restart the workers outside the lock; if that fails the engine is dead, and the
+        requests added meanwhile end with its error."""
+        self.is_restarting = True
         try:
             await asyncio.to_thread(self.core.restart_workers)
-        except Exception as recover_exc:
-            logger.exception("the engine could not recover from a failed step")
-            self._dead = EngineDeadError(f"the engine could not recover: {recover_exc}")
+        except EngineDeadError as dead:
+            async with self._lock:
+                self.core.drop_all_requests()
+                self._fail_in_flight(dead)
+        finally:
+            self.is_restarting = False
+
+    def _fail_in_flight(self, error: EngineDeadError) -> None:
+        """Every request in flight ends with `error` (the core has dropped them already)."""
+        for queue in self._queues.values():
+            queue.put_nowait(error)
 
     def _publish(self, deltas: list[RequestOutput]) -> None:
         for delta in deltas:

@@ -5,6 +5,11 @@ processor; callers reach it only through `EngineRequest`s and the outputs it ret
 clients in `cluster.engine.client` wrap it). `build_engine_core` starts the workers, which
 resolve the machine-dependent settings where they run, then sizes the KV cache from what they
 report and creates the scheduler.
+
+A failed step is recovered from the same way by every client: `fail_requests` (every request
+leaves, the prefix cache is forgotten; fast), then `restart_workers` (bounded by the executor's
+start deadline). When either cannot be done the engine is dead: it refuses all later work with
+`EngineDeadError`.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from cluster.engine.bad_words import attach_bad_words_token_ids
+from cluster.engine.errors import EngineDeadError
 from cluster.engine.executor import Executor, create_executor
 from cluster.engine.output_processor import OutputProcessor, child_request_id, now
 from cluster.engine.outputs import RequestOutput
@@ -40,13 +46,17 @@ class EngineCore:
         self.executor = executor
         self.tokenizer = tokenizer
         self.output_processor = OutputProcessor(tokenizer)
+        self.dead: EngineDeadError | None = None
+        """Why the engine can no longer run requests (None while it can)."""
 
     @property
     def model_config(self) -> ModelConfig:
         return self.executor.configs.model
 
     def add_request(self, request: EngineRequest) -> None:
-        """Queue a request (all of its `n` samples, or none); ValueError if it can never run."""
+        """Queue a request (all of its `n` samples, or none); ValueError if it can never run,
+        EngineDeadError when the engine is dead."""
+        self.raise_if_dead()
         if self.output_processor.has_request(request.request_id):
             raise ValueError(f"request {request.request_id!r} is already running")
         children = self._scheduler_requests(request)
@@ -89,13 +99,16 @@ class EngineCore:
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
 
-    def recover_from_failed_step(self) -> None:
-        """After a failed step: `drop_all_requests`, then `restart_workers`."""
+    def fail_requests(self, exc: BaseException) -> EngineDeadError:
+        """After a failed step: every request leaves the engine and the prefix cache is
+        forgotten (fast; the first half of recovery); the error the requests end with."""
+        logger.error("engine step failed; dropping every request: %s", exc)
         self.drop_all_requests()
-        self.restart_workers()
+        return EngineDeadError(f"the engine failed while running this request: {exc}")
 
     def drop_all_requests(self) -> None:
-        """Abort every request and forget the prefix cache (fast; the first half of recovery).
+        """Abort every request and forget the prefix cache; the engine is dead when the cache
+        cannot be reset.
 
         The failed step may have written part of its KV and restarted workers start with empty
         caches, so no cached block's contents can be trusted any more.
@@ -103,18 +116,37 @@ class EngineCore:
         self.abort(self.output_processor.request_ids())
         self.scheduler.abort(list(self.scheduler.requests))
         if not self.scheduler.reset_prefix_cache():
-            logger.error("the prefix cache could not be reset after a failed step")
+            self._mark_dead("its prefix cache could not be reset after a failed step")
 
     def restart_workers(self) -> None:
-        """Replace the workers when the executor can, and set their KV caches up again."""
-        if self.executor.restart():
-            self.executor.collective_rpc("initialize_kv_cache", self.scheduler.kv_cache_config)
+        """Replace the workers when the executor can, and set their KV caches up again (the
+        second half of recovery, bounded by the start deadline); EngineDeadError, and the engine
+        dead, when that fails."""
+        self.raise_if_dead()
+        try:
+            if self.executor.restart():
+                self.executor.collective_rpc("initialize_kv_cache", self.scheduler.kv_cache_config)
+        except Exception as exc:
+            logger.exception("the engine could not restart its workers")
+            raise self._mark_dead(f"its workers could not be restarted: {exc}") from exc
+
+    def raise_if_dead(self) -> None:
+        if self.dead is not None:
+            raise self.dead
 
     def check_health(self) -> None:
+        """Raise when the engine is dead, or a worker is dead or stuck."""
+        self.raise_if_dead()
         self.executor.check_health()
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+
+    def _mark_dead(self, reason: str) -> EngineDeadError:
+        if self.dead is None:
+            logger.error("the engine is dead: %s", reason)
+            self.dead = EngineDeadError(f"the engine is dead: {reason}")
+        return self.dead
 
     def _with_text_options(self, params: SamplingParams) -> SamplingParams:
         """Bad words tokenized here (the engine holds the tokenizer); text options need one."""

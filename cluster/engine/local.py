@@ -2,6 +2,10 @@
 
 Reading a stream whose queue is empty runs one engine step, which advances every running request
 and queues their deltas; a stream closed before its request finished aborts the request.
+
+A failed step ends every request in flight with `EngineDeadError` at once (the core drops them);
+the workers restart before the next request is queued, as the asyncio engine restarts them, so
+a lost rank costs the requests in flight and nothing after.
 """
 
 from __future__ import annotations
@@ -12,10 +16,13 @@ from typing import Any
 
 from cluster.engine.client import EngineInfo, engine_info
 from cluster.engine.core import EngineCore, build_engine_core
+from cluster.engine.errors import EngineDeadError
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
 from cluster.engine_args import EngineArgs
 from scheduler.stats import SchedulerStats
+
+_StreamItem = RequestOutput | EngineDeadError
 
 
 class InProcessEngineClient:
@@ -23,13 +30,18 @@ class InProcessEngineClient:
 
     def __init__(self, core: EngineCore) -> None:
         self.core = core
-        self._queues: dict[str, deque[RequestOutput]] = {}
+        self._queues: dict[str, deque[_StreamItem]] = {}
+        self.needs_restart = False
+        """A step failed: the workers restart before the next request is queued."""
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> InProcessEngineClient:
         return cls(build_engine_core(args))
 
     def add_request(self, request: EngineRequest) -> Iterator[RequestOutput]:
+        if self.needs_restart:
+            self.needs_restart = False
+            self.core.restart_workers()  # EngineDeadError (the engine dead) when it cannot
         self.core.add_request(request)
         self._queues[request.request_id] = deque()
         return self._stream(request.request_id)
@@ -38,8 +50,17 @@ class InProcessEngineClient:
         self._publish(self.core.abort([request_id]))
 
     def step(self) -> None:
-        """Run one engine step and queue its deltas."""
-        self._publish(self.core.step())
+        """Run one engine step and queue its deltas; a failed step queues its error instead, in
+        every request's stream."""
+        try:
+            deltas = self.core.step()
+        except Exception as exc:
+            error = self.core.fail_requests(exc)
+            self.needs_restart = True
+            for queue in self._queues.values():
+                queue.append(error)
+            return
+        self._publish(deltas)
 
     def has_unfinished_requests(self) -> bool:
         return self.core.has_unfinished_requests()
@@ -74,9 +95,11 @@ class InProcessEngineClient:
                     if not self.core.has_unfinished_requests():
                         raise RuntimeError(f"request {request_id!r} left the engine unfinished")
                     self.step()
-                delta = queue.popleft()
-                finished = delta.finished
-                yield delta
+                item = queue.popleft()
+                if isinstance(item, EngineDeadError):
+                    raise item
+                finished = item.finished
+                yield item
         finally:
             del self._queues[request_id]
             if not finished:  # closed early, or a step failed: the request leaves the engine

@@ -14,16 +14,19 @@ aborts the request in the engine.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import ray
+from ray.util.placement_group import PlacementGroup, remove_placement_group
 
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.client import EngineInfo
 from cluster.engine.core import build_engine_core
+from cluster.engine.errors import EngineDeadError
 from cluster.engine.executor.ray import RayExecutor
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.placement import PlacementSpec
@@ -79,10 +82,15 @@ class EngineActor:
         """Names of the rank actors (for operators and fault-injection tests)."""
         return self._executor.actor_names if self._executor is not None else []
 
-    async def delay_steps(self, seconds: float) -> None:
-        """Test hook: every rank sleeps `seconds` before each later step (a hung worker)."""
+    async def delay_steps(self, seconds: float, ranks: list[int] | None = None) -> None:
+        """Test hook: the ranks (all, or `ranks`) sleep `seconds` before each later step."""
         assert self._executor is not None
-        await asyncio.to_thread(self._executor.delay_steps, seconds)
+        await asyncio.to_thread(self._executor.delay_steps, seconds, ranks)
+
+    async def owned_placement_group(self) -> PlacementGroup | None:
+        """The placement group this engine created for its ranks (None: it runs in its
+        caller's), so a caller can remove it should this actor die before doing so itself."""
+        return self._executor.owned_placement_group if self._executor is not None else None
 
     async def shutdown(self) -> None:
         """Stop the step loop, the rank actors and the placement group."""
@@ -117,12 +125,19 @@ def start_engine_actor(
     return actor, info
 
 
-def stop_engine_actor(actor: Any) -> None:
-    """Shut the engine down (its workers and placement group go with it), then kill it."""
+def stop_engine_actor(actor: Any, group: PlacementGroup | None = None) -> None:
+    """Shut the engine down (its workers and placement group go with it), then kill it; when
+    it cannot shut down (it died), remove its placement group `group` here (Ray keeps a group
+    until the job that made it ends, not the actor)."""
+    if not ray.is_initialized():  # Ray shut down first: the actor went with it
+        return
     try:
         ray.get(actor.shutdown.remote(), timeout=_SHUTDOWN_TIMEOUT_S)
     except (ray.exceptions.RayError, TimeoutError) as exc:
-        logger.warning("engine actor did not shut down cleanly: %s", exc)
+        logger.warning("engine actor did not shut down cleanly: %s", _first_line(exc))
+        if group is not None:
+            with contextlib.suppress(Exception):
+                remove_placement_group(group)
     ray.kill(actor, no_restart=True)
 
 
@@ -133,6 +148,7 @@ class RayEngineClient:
         self.actor = actor
         self.info = info
         self._is_shut_down = False
+        self.placement_group: PlacementGroup | None = _get(actor.owned_placement_group.remote())
 
     @classmethod
     def start(
@@ -164,12 +180,12 @@ class RayEngineClient:
 
     def async_client(self) -> AsyncRayEngineClient:
         """An asyncio client on the same engine actor."""
-        return AsyncRayEngineClient(self.actor, self.info)
+        return AsyncRayEngineClient(self.actor, self.info, self.placement_group)
 
     def shutdown(self) -> None:
         if not self._is_shut_down:
             self._is_shut_down = True
-            stop_engine_actor(self.actor)
+            stop_engine_actor(self.actor, self.placement_group)
 
     def _read(self, stream: Any, request_id: str) -> Iterator[RequestOutput]:
         finished = False
@@ -188,9 +204,12 @@ class RayEngineClient:
 class AsyncRayEngineClient:
     """An asyncio `AsyncEngineClient` on an engine actor."""
 
-    def __init__(self, actor: Any, info: EngineInfo) -> None:
+    def __init__(
+        self, actor: Any, info: EngineInfo, placement_group: PlacementGroup | None = None
+    ) -> None:
         self.actor = actor
         self.info = info
+        self.placement_group = placement_group
 
     async def add_request(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         stream = self.actor.generate.options(num_returns="streaming").remote(request)
@@ -214,7 +233,7 @@ class AsyncRayEngineClient:
         return await _aget(self.actor.get_tokenizer.remote())
 
     async def shutdown(self) -> None:
-        await asyncio.to_thread(stop_engine_actor, self.actor)
+        await asyncio.to_thread(stop_engine_actor, self.actor, self.placement_group)
 
     async def _read(self, stream: Any, request_id: str) -> AsyncIterator[RequestOutput]:
         finished = False
@@ -233,20 +252,29 @@ class AsyncRayEngineClient:
 def _get(ref: Any) -> Any:
     try:
         return ray.get(ref)
-    except ray.exceptions.RayTaskError as exc:
+    except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
         raise _user_error(exc) from None
 
 
 async def _aget(ref: Any) -> Any:
     try:
         return await ref
-    except ray.exceptions.RayTaskError as exc:
+    except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError) as exc:
         raise _user_error(exc) from None
 
 
-def _user_error(exc: ray.exceptions.RayTaskError) -> BaseException:
-    """The engine's own exception (ValueError, EngineDeadError, ...) without Ray's wrapping."""
-    cause = exc.cause
+def _user_error(exc: ray.exceptions.RayError) -> BaseException:
+    """The engine's own exception (ValueError, EngineDeadError, ...) without Ray's wrapping; the
+    engine actor's death (died, or its node unreachable) as one line of EngineDeadError."""
+    if isinstance(exc, ray.exceptions.RayActorError):
+        reason = _first_line(exc)
+        return EngineDeadError(f"the engine actor is gone ({reason}); start a new LLM")
+    cause = exc.cause if isinstance(exc, ray.exceptions.RayTaskError) else None
     if isinstance(cause, Exception) and not isinstance(cause, ray.exceptions.RayError):
         return cause
-    return RuntimeError(str(exc).strip().splitlines()[0])
+    return RuntimeError(_first_line(exc))
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__

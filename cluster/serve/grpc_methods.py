@@ -114,6 +114,8 @@ class GrpcMethods:
         yield _to_proto(first, response_cls)
         if rest is not None:
             async for chunk in rest:
+                if isinstance(chunk, ErrorResponse):  # the engine failed mid-stream
+                    raise _fail(context, chunk)
                 yield _to_proto(chunk, response_cls)
 
     async def Completion(self, request: Any, grpc_context: RayServegRPCContext) -> Any:

@@ -2,8 +2,10 @@
 
 It validates request bodies with the pydantic models, routes each by `model` to that model's
 `LLMServer` deployment handle and relays what comes back: the first item of the server's stream
-is peeked, so an error becomes a proper HTTP error (never a 200 stream that fails). When the
-client goes away, Serve cancels this call and, across the hop, the server's stream.
+is peeked, so an error becomes a proper HTTP error (never a 200 stream that fails); a stream
+that fails once begun (the replica died) ends with an error event in OpenAI's shape, then
+`[DONE]`. When the client goes away, Serve cancels this call and, across the hop, the server's
+stream.
 """
 
 import logging
@@ -17,10 +19,12 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
+from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from cluster.serve import errors
+from cluster.serve.formatting import DONE, sse
 from cluster.serve.grpc_methods import GrpcMethods
 from cluster.serve.protocol import (
     ChatCompletionRequest,
@@ -102,6 +106,8 @@ class OpenAiIngress(GrpcMethods):
             return errors.unavailable("the server is overloaded; retry later"), None
         except RayServeException as error:
             return errors.unavailable(f"the model is unavailable: {error}"), None
+        except RayActorError as error:  # the replica died before answering
+            return errors.unavailable(f"the model is unavailable: {_first_line(error)}"), None
         if isinstance(first, ErrorResponse):
             return first, None
         return first, stream
@@ -172,16 +178,33 @@ class OpenAiIngress(GrpcMethods):
 
 
 async def _relay(first: str, stream: DeploymentResponseGenerator[Any]) -> AsyncIterator[str]:
-    """The SSE lines: the peeked one, then the rest; cancels the server's stream if cut off."""
+    """The SSE lines: the peeked one, then the rest; cancels the server's stream if cut off.
+    A stream that breaks (the replica died) ends with an error event, never a cut connection."""
     finished = False
     try:
         yield first
         async for line in stream:
             yield line
         finished = True
+    except Exception as error:
+        finished = True
+        yield sse(_stream_failure(error))
+        yield DONE
     finally:
         if not finished:
             stream.cancel()  # type: ignore[no-untyped-call]
+
+
+def _stream_failure(error: Exception) -> ErrorResponse:
+    if isinstance(error, RayActorError | RayServeException):
+        return errors.unavailable(f"the model is unavailable: {_first_line(error)}")
+    logger.error("a stream from the model failed", exc_info=error)
+    return errors.error_response(f"internal error: {_first_line(error)}", 500)
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
 
 
 # Bound at import, so a replica that imports this module gets the same class-based routes

@@ -8,7 +8,10 @@ request models, tokenizes them, runs them on its `AsyncEngine` and yields OpenAI
     generate(request) ─► ErrorResponse | (SSE str ... "data: [DONE]") | one response body
 
 Closing the stream (the client went away; Serve cancels the call across the hop) aborts the
-request in the engine, freeing its blocks before the next step.
+request in the engine, freeing its blocks before the next step. An engine that fails under a
+request (`EngineDeadError`) answers 503 in OpenAI's shape: before a stream starts as the error
+response, mid-stream as a last error event (then `[DONE]`); a dead engine also fails
+`check_health`, so Serve replaces the replica.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pydantic import BaseModel
 from cluster.config import LLMConfig
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.core import build_engine_core
+from cluster.engine.errors import EngineDeadError
 from cluster.engine.outputs import OutputAccumulator, RequestOutput
 from cluster.engine.request import EngineRequest
 from cluster.engine_args import EngineArgs
@@ -103,6 +107,9 @@ class LLMServer:
         except ValueError as error:
             yield errors.bad_request(str(error))
             return
+        except EngineDeadError as error:
+            yield errors.unavailable(str(error))
+            return
         if request.stream:
             items = self._stream(stream, formatter, request.include_usage, as_sse)
         else:
@@ -118,13 +125,20 @@ class LLMServer:
         as_sse: bool,
     ) -> AsyncIterator[ServerItem]:
         accumulator = OutputAccumulator()
-        async with self._tracked(stream, accumulator):
-            async for delta in stream:
-                accumulator.add(delta)
-                self._record_tokens(delta)
-                chunk = formatter.chunk(delta)
-                if chunk is not None:
-                    yield sse(chunk) if as_sse else chunk
+        try:
+            async with self._tracked(stream, accumulator):
+                async for delta in stream:
+                    accumulator.add(delta)
+                    self._record_tokens(delta)
+                    chunk = formatter.chunk(delta)
+                    if chunk is not None:
+                        yield sse(chunk) if as_sse else chunk
+        except EngineDeadError as error:  # the stream has begun: its last event is the error
+            failure = errors.unavailable(str(error))
+            yield sse(failure) if as_sse else failure
+            if as_sse:
+                yield DONE
+            return
         result = accumulator.result
         if include_usage and result is not None:
             tokens = sum(len(part.token_ids) for part in result.outputs)
@@ -137,10 +151,14 @@ class LLMServer:
         self, stream: AsyncIterator[RequestOutput], formatter: Formatter
     ) -> AsyncIterator[ServerItem]:
         accumulator = OutputAccumulator()
-        async with self._tracked(stream, accumulator):
-            async for delta in stream:
-                accumulator.add(delta)
-                self._record_tokens(delta)
+        try:
+            async with self._tracked(stream, accumulator):
+                async for delta in stream:
+                    accumulator.add(delta)
+                    self._record_tokens(delta)
+        except EngineDeadError as error:
+            yield errors.unavailable(str(error))
+            return
         assert accumulator.result is not None
         yield formatter.response(accumulator.result)
 

@@ -2,7 +2,8 @@
 
 One engine (a tiny Llama with a word-level tokenizer, one rank, a short step timeout) serves the
 whole module; the fault tests check that in-flight requests fail within seconds and that the
-restarted workers serve the next request with the same tokens.
+restarted workers serve the next request with the same tokens. The engine actor's own death
+reaches callers as one line of `EngineDeadError`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 import ray
 
 from cluster.engine.client import collect
+from cluster.engine.errors import EngineDeadError
 from cluster.engine.outputs import OutputAccumulator
 from cluster.engine.ray_client import RayEngineClient
 from cluster.engine.request import EngineRequest
@@ -186,3 +188,34 @@ def test_hung_worker_is_detected_by_the_step_timeout(client: RayEngineClient, ll
     assert time.monotonic() - started < STEP_TIMEOUT_S + FAULT_DETECTION_S
     assert "worker_step_timeout_s" in str(errors[0])
     _check_recovered(client, llm, workers)
+
+
+def _wait_gone(names: set[str], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while names & live_engine_actors():
+        assert time.monotonic() < deadline, f"still alive: {names & live_engine_actors()}"
+        time.sleep(0.1)
+
+
+def test_killed_engine_actor_is_one_line_engine_dead_error(
+    ray_cluster: None, model_dir: Path
+) -> None:
+    actors_before = live_engine_actors()
+    llm = LLM(str(model_dir), address="auto", **ENGINE_KWARGS)
+    try:
+        assert isinstance(llm.client, RayEngineClient)
+        stream = llm.client.add_request(_long_request("orphan"))
+        next(stream)
+        killed_at = time.monotonic()
+        ray.kill(llm.client.actor, no_restart=True)
+        with pytest.raises(EngineDeadError) as in_flight:
+            list(stream)
+        with pytest.raises(EngineDeadError) as later:
+            llm.generate(PROMPTS[:1], GREEDY)
+        assert time.monotonic() - killed_at < FAULT_DETECTION_S
+    finally:
+        llm.shutdown()
+    for error in (in_flight.value, later.value):
+        assert str(error).startswith("the engine actor is gone"), error
+        assert "\n" not in str(error)
+    _wait_gone(live_engine_actors() - actors_before)  # its worker actors went with it

@@ -1,7 +1,9 @@
 """The OpenAI HTTP and gRPC APIs on one real Ray Serve app, through the `openai` client.
 
 Greedy outputs are compared with the offline `LLM` on the same tiny model; the word-level
-tokenizer maps each token to one word, so equal text means equal tokens.
+tokenizer maps each token to one word, so equal text means equal tokens. Near the end a test
+kills the replica's worker actor mid-stream: the stream ends with an error event, the next
+request runs.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from cluster.serve.ingress import API_KEY_ENV
 from cluster.serve.protocol import ChatCompletionRequest, CompletionRequest
 from scheduler.request import SamplingParams
 from tests.helpers.ray_local import NODE_IP
+from tests.helpers.ray_state import live_engine_actors
 from tests.helpers.serve_app import (
     free_port,
     llm_config,
@@ -443,6 +446,31 @@ def test_prefix_router_serves_shared_prefixes(served: Served) -> None:
     assert [r.status_code for r in replies] == [200] * 4
     cached = [r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in replies]
     assert min(cached[1:]) >= 12
+
+
+# Next to last: it kills the replica's worker actor (the engine restarts it).
+def test_worker_killed_mid_stream_ends_the_stream_with_an_error_event(served: Served) -> None:
+    (worker,) = [
+        actor
+        for actor in ray.util.list_named_actors(all_namespaces=True)
+        if actor["name"].startswith("hybridserve-") and "-rank" in actor["name"]
+    ]
+    stream = served.client.completions.create(
+        model="tiny", prompt="t1 t2 t3", max_tokens=900, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = iter(stream)
+    next(chunks)
+    killed_at = time.monotonic()
+    ray.kill(ray.get_actor(worker["name"], namespace=worker["namespace"]), no_restart=True)
+    with pytest.raises(openai.APIError, match="tensor-parallel rank 0 died"):
+        for _ in chunks:
+            pass
+    assert time.monotonic() - killed_at < 15.0
+    reply = served.client.completions.create(model="tiny", prompt="t1", max_tokens=2)
+    assert reply.choices[0].finish_reason == "length"
+    assert worker["name"] not in live_engine_actors()
+    assert httpx.get(served.base_url + "/health").status_code == 200
 
 
 def test_shutdown_drains_in_flight_requests(served: Served) -> None:
