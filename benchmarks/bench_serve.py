@@ -194,10 +194,10 @@ async def _ttft_engine(config: dict[str, Any], body: dict[str, Any], repeats: in
     from cluster.engine.async_engine import AsyncEngine
     from cluster.engine.core import build_engine_core
     from cluster.engine.request import EngineRequest
+    from cluster.serve.llm_server import serving_engine_args
     from cluster.serve.prompts import render_prompt
     from cluster.serve.protocol import CompletionRequest
     from cluster.serve.sampling import to_sampling_params
-    from cluster.serve.server import serving_engine_args
 
     engine = AsyncEngine(build_engine_core(serving_engine_args(LLMConfig.model_validate(config))))
     request = CompletionRequest.model_validate(body)

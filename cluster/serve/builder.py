@@ -22,8 +22,8 @@ from ray.serve import Application
 
 from cluster.config import LLMConfig, LLMServingArgs, format_validation_error
 from cluster.serve.ingress import OpenAiIngressDeployment
+from cluster.serve.llm_server import LLMServer
 from cluster.serve.routing import resolve_request_router
-from cluster.serve.server import LLMServer
 
 DEFAULT_MODEL_OPTIONS: dict[str, Any] = {
     "max_ongoing_requests": 1_000_000_000,

@@ -25,7 +25,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from cluster.serve import errors
 from cluster.serve.formatting import DONE, sse
-from cluster.serve.grpc_methods import GrpcMethods
+from cluster.serve.grpc.methods import GrpcMethods
 from cluster.serve.protocol import (
     ChatCompletionRequest,
     CompletionRequest,

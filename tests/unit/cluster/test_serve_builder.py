@@ -17,10 +17,10 @@ from cluster.serve.builder import (
     llm_deployment_options,
     resource_summary,
 )
+from cluster.serve.llm_server import serving_engine_args
 from cluster.serve.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.serve.routing import resolve_request_router
 from cluster.serve.sampling import UnsupportedFieldError, to_sampling_params
-from cluster.serve.server import serving_engine_args
 from cluster.serve_cli import add_serve_parser, applications
 from scheduler.request import SamplingParams
 
