@@ -9,7 +9,6 @@ stream.
 """
 
 import logging
-import os
 import secrets
 import uuid
 from collections.abc import AsyncIterator
@@ -23,6 +22,7 @@ from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
+from cluster.config.env import api_key_from_env
 from cluster.serve import errors
 from cluster.serve.formatting import DONE, sse
 from cluster.serve.grpc.methods import GrpcMethods
@@ -36,7 +36,6 @@ from cluster.serve.protocol import (
 
 logger = logging.getLogger(__name__)
 
-API_KEY_ENV = "HYBRIDSERVE_API_KEY"
 REQUEST_ID_HEADER = "x-request-id"
 
 app = FastAPI(title="hybridserve", description="OpenAI-compatible API")
@@ -67,7 +66,7 @@ class OpenAiIngress(GrpcMethods):
 
     def __init__(self, servers: dict[str, DeploymentHandle[Any]]) -> None:
         self.servers = servers
-        self.api_key = os.environ.get(API_KEY_ENV) or None
+        self.api_key = api_key_from_env()
 
     # -- shared by HTTP and gRPC --------------------------------------------------------------
 
@@ -211,4 +210,4 @@ def _first_line(error: BaseException) -> str:
 # (Serve pickles the module-level app by reference).
 OpenAiIngressDeployment = serve.ingress(app)(OpenAiIngress)
 
-__all__ = ["API_KEY_ENV", "REQUEST_ID_HEADER", "OpenAiIngress", "OpenAiIngressDeployment", "app"]
+__all__ = ["REQUEST_ID_HEADER", "OpenAiIngress", "OpenAiIngressDeployment", "app"]
