@@ -1,6 +1,6 @@
 """Cost of building and pickling the per-step messages, for the ways a frozen message can be made.
 
-`CachedRequestData` (one per running request per step) and `RequestOutput` (one per request
+`CachedRequestData` (one per running request per step) and `RequestStepOutput` (one per request
 per step) used to fill their instance dict in one call instead of the frozen dataclass
 constructor; they are frozen `msgspec.Struct`s now. This measures the former way against a plain
 frozen dataclass, a slotted frozen dataclass and the Struct, in the same run: construction of

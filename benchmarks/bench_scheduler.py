@@ -7,7 +7,7 @@ Two loads on a full-attention + sliding-window model (block size 16, window 256)
 The model runner is a stand-in (one fixed token per finished step) and is not timed. A second,
 instrumented pass times the KV cache manager calls alone, so the table shows which side of the
 step costs what (the ratio is manager time / whole step, both from that pass). Last, the per-step
-messages (256 `CachedRequestData` + 256 `RequestOutput`) are built with their hand-written
+messages (256 `CachedRequestData` + 256 `RequestStepOutput`) are built with their hand-written
 `__init__` and with the generated frozen-dataclass `__init__` as the baseline.
 
     .venv/bin/python benchmarks/bench_scheduler.py [--steps 300]
@@ -27,7 +27,12 @@ from typing import Any
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec
 from scheduler.kv_cache.spec_factory import AttentionShape, make_spec
-from scheduler.output import CachedRequestData, ModelRunnerOutput, RequestOutput, SchedulerOutput
+from scheduler.output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    RequestStepOutput,
+    SchedulerOutput,
+)
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler
 
@@ -176,9 +181,9 @@ def _build_messages(cached_cls: Any, output_cls: Any, repeats: int) -> float:
 
 
 def _measure_messages() -> None:
-    ours = _build_messages(CachedRequestData, RequestOutput, 200)
+    ours = _build_messages(CachedRequestData, RequestStepOutput, 200)
     generated = _build_messages(
-        _generated_frozen(CachedRequestData), _generated_frozen(RequestOutput), 200
+        _generated_frozen(CachedRequestData), _generated_frozen(RequestStepOutput), 200
     )
     print(
         f"messages (256 requests): {ours:.0f} us; generated frozen __init__: {generated:.0f} us "

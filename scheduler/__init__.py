@@ -12,7 +12,7 @@ from scheduler.output import (
     FinishReason,
     ModelRunnerOutput,
     NewRequestData,
-    RequestOutput,
+    RequestStepOutput,
     SchedulerOutput,
     TokenLogprobs,
 )
@@ -26,8 +26,8 @@ __all__ = [
     "ModelRunnerOutput",
     "NewRequestData",
     "Request",
-    "RequestOutput",
     "RequestStatus",
+    "RequestStepOutput",
     "SamplingParams",
     "Scheduler",
     "SchedulerConfig",

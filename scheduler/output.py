@@ -2,7 +2,7 @@
 
 `SchedulerOutput` goes to every worker rank each step (new requests in full, running ones as
 deltas, block IDs as one list per KV cache group); `ModelRunnerOutput` comes back from rank 0;
-`RequestOutput` is what the scheduler hands the engine after each step.
+`RequestStepOutput` is what the scheduler hands the engine after each step.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ class FinishReason(enum.Enum):
     ABORT = "abort"
 
 
-class RequestOutput(msgspec.Struct, frozen=True):
+class RequestStepOutput(msgspec.Struct, frozen=True):
     """New tokens of one request after a step, for the engine to stream (a frozen Struct for
     the same reason as `CachedRequestData`)."""
 

@@ -23,14 +23,14 @@ from scheduler.output import (
     FinishReason,
     ModelRunnerOutput,
     NewRequestData,
-    RequestOutput,
+    RequestStepOutput,
     SchedulerOutput,
 )
 from scheduler.queue import make_request_queue
 from scheduler.request import Request, RequestStatus
 from scheduler.stats import SchedulerStats
 from scheduler.step_plan import StepPlan, WorkerView
-from scheduler.stop_rules import apply_sampled_tokens, make_request_output
+from scheduler.stop_rules import apply_sampled_tokens, make_step_output
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class Scheduler:
         self._worker_view = WorkerView(self.kv_cache_manager)
         self._junction_tokens: dict[str, int] = {}
         # Outputs of requests finished inside schedule(), returned by the next update.
-        self._pending_outputs: list[RequestOutput] = []
+        self._pending_outputs: list[RequestStepOutput] = []
         check_chunk_limits(config, self.kv_cache_manager)
 
     @property
@@ -80,7 +80,7 @@ class Scheduler:
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
-    ) -> list[RequestOutput]:
+    ) -> list[RequestStepOutput]:
         """Append sampled tokens, stop finished requests and free their blocks."""
         scheduled = scheduler_output.num_scheduled_tokens
         requests = self.requests
@@ -112,9 +112,9 @@ class Scheduler:
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return outputs
 
-    def abort(self, req_ids: Iterable[str]) -> list[RequestOutput]:
+    def abort(self, req_ids: Iterable[str]) -> list[RequestStepOutput]:
         """Abort waiting or running requests at once; unknown IDs are ignored."""
-        outputs: list[RequestOutput] = []
+        outputs: list[RequestStepOutput] = []
         waiting_ids: list[str] = []
         for req_id in dict.fromkeys(req_ids):
             request = self.requests.get(req_id)
@@ -125,7 +125,7 @@ class Scheduler:
                 waiting_ids.append(req_id)
             request.status = RequestStatus.FINISHED_ABORTED
             self._release(request, holds_blocks=was_running)
-            outputs.append(make_request_output(request, [], (FinishReason.ABORT, None)))
+            outputs.append(make_step_output(request, [], (FinishReason.ABORT, None)))
         if waiting_ids:
             self.waiting.remove(waiting_ids)
         if len(waiting_ids) < len(outputs):
@@ -302,4 +302,4 @@ class Scheduler:
             self.running.remove(request)
         request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         self._release(request, holds_blocks=was_running)
-        self._pending_outputs.append(make_request_output(request, [], (FinishReason.LENGTH, None)))
+        self._pending_outputs.append(make_step_output(request, [], (FinishReason.LENGTH, None)))

@@ -1,4 +1,4 @@
-"""Sampled tokens into requests: stop conditions and the engine-facing `RequestOutput`.
+"""Sampled tokens into requests: stop conditions and the engine-facing `RequestStepOutput`.
 
 `Scheduler.update_from_output` calls `apply_sampled_tokens` for every scheduled request; the stop
 rules (EOS unless ignored, stop token IDs after `min_tokens`, `max_tokens`, `max_model_len`) live
@@ -7,22 +7,22 @@ in `check_stop`.
 
 from __future__ import annotations
 
-from scheduler.output import FinishReason, RequestOutput, TokenLogprobs
+from scheduler.output import FinishReason, RequestStepOutput, TokenLogprobs
 from scheduler.request import Request, RequestStatus
 
 _NOT_FINISHED: tuple[FinishReason | None, int | None] = (None, None)
 
 
-def make_request_output(
+def make_step_output(
     request: Request,
     new_token_ids: list[int],
     finish: tuple[FinishReason | None, int | None],
     new_logprobs: list[TokenLogprobs] | None = None,
     prompt_logprobs: list[TokenLogprobs] | None = None,
-) -> RequestOutput:
-    """One request's `RequestOutput`; `finish` is (reason or None, stop token or None)."""
+) -> RequestStepOutput:
+    """One request's `RequestStepOutput`; `finish` is (reason or None, stop token or None)."""
     reason, stop_token = finish
-    return RequestOutput(  # positional: this runs for every request every step
+    return RequestStepOutput(  # positional: this runs for every request every step
         request.req_id,
         new_token_ids,
         reason,
@@ -40,7 +40,7 @@ def apply_sampled_tokens(
     max_model_len: int,
     logprobs: list[TokenLogprobs] | None = None,
     prompt_logprobs: list[TokenLogprobs] | None = None,
-) -> RequestOutput | None:
+) -> RequestStepOutput | None:
     """Append one step's sampled tokens to `request`, stopping at the first stop condition.
 
     Returns the request's output for this step, or None when there is nothing to report.
@@ -50,7 +50,7 @@ def apply_sampled_tokens(
     elif len(token_ids) == 1:  # the common case: one token per step
         request.append_output_token_ids(token_ids)
         finish = check_stop(request, max_model_len)
-        return make_request_output(
+        return make_step_output(
             request, token_ids, finish or _NOT_FINISHED, logprobs, prompt_logprobs
         )
     finish = None
@@ -66,9 +66,7 @@ def apply_sampled_tokens(
     if num_kept < len(token_ids):
         token_ids = token_ids[:num_kept]
         logprobs = logprobs[:num_kept] if logprobs is not None else None
-    return make_request_output(
-        request, token_ids, finish or _NOT_FINISHED, logprobs, prompt_logprobs
-    )
+    return make_step_output(request, token_ids, finish or _NOT_FINISHED, logprobs, prompt_logprobs)
 
 
 def check_stop(request: Request, max_model_len: int) -> tuple[FinishReason, int | None] | None:

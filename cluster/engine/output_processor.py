@@ -1,4 +1,4 @@
-"""Turns the scheduler's per-step token outputs into vLLM-shaped `RequestOutput` deltas.
+"""Turns the scheduler's `RequestStepOutput`s into vLLM-shaped `RequestOutput` deltas.
 
 One `_RequestState` per engine request: the `n` sequences it fans out into (each a scheduler
 request of its own, sharing the prompt's KV blocks through the prefix cache), their incremental
@@ -23,8 +23,7 @@ from cluster.engine.outputs import (
     RequestOutput,
 )
 from cluster.engine.request import EngineRequest
-from scheduler.output import RequestOutput as StepOutput
-from scheduler.output import TokenLogprobs
+from scheduler.output import RequestStepOutput, TokenLogprobs
 
 
 def child_request_id(request_id: str, index: int, n: int) -> str:
@@ -115,7 +114,7 @@ class OutputProcessor:
                 state.first_scheduled_time = now
 
     def process(
-        self, step_outputs: list[StepOutput], now: float
+        self, step_outputs: list[RequestStepOutput], now: float
     ) -> tuple[list[RequestOutput], list[str]]:
         """This step's deltas, and the scheduler requests a stop string ended (to abort)."""
         parts: dict[str, list[CompletionOutput]] = {}
@@ -146,7 +145,7 @@ class OutputProcessor:
         self,
         state: _RequestState,
         sequence: _Sequence,
-        step_output: StepOutput,
+        step_output: RequestStepOutput,
         now: float,
         latencies: dict[str, list[float]],
     ) -> CompletionOutput:
@@ -181,7 +180,7 @@ class OutputProcessor:
             stop_reason=sequence.stop_reason,
         )
 
-    def _finish(self, sequence: _Sequence, step_output: StepOutput) -> None:
+    def _finish(self, sequence: _Sequence, step_output: RequestStepOutput) -> None:
         detokenizer = sequence.detokenizer
         if detokenizer.finished_by_stop_string:
             sequence.finish_reason, sequence.stop_reason = "stop", detokenizer.stop_reason

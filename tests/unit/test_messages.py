@@ -16,7 +16,7 @@ from scheduler.output import (
     FinishReason,
     ModelRunnerOutput,
     NewRequestData,
-    RequestOutput,
+    RequestStepOutput,
     SchedulerOutput,
     TokenLogprobs,
 )
@@ -76,7 +76,7 @@ SAMPLES: dict[type, object] = {
         logprobs={"a": [LOGPROBS]},
         prompt_logprobs={"b": [LOGPROBS, LOGPROBS]},
     ),
-    RequestOutput: RequestOutput(
+    RequestStepOutput: RequestStepOutput(
         req_id="a",
         new_token_ids=[4],
         finish_reason=FinishReason.STOP,

@@ -10,7 +10,7 @@ from scheduler_fake_runner import EOS, FakeModelRunner
 
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache.spec import KVCacheConfig
-from scheduler.output import FinishReason, ModelRunnerOutput, RequestOutput, SchedulerOutput
+from scheduler.output import FinishReason, ModelRunnerOutput, RequestStepOutput, SchedulerOutput
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler
 
@@ -51,7 +51,7 @@ class RunResult:
 
 def run_step(
     scheduler: Scheduler, runner: FakeModelRunner | ScriptedRunner
-) -> tuple[dict[str, int], list[RequestOutput]]:
+) -> tuple[dict[str, int], list[RequestStepOutput]]:
     """One schedule / execute / update round: (tokens scheduled per request, outputs)."""
     out = scheduler.schedule()
     outputs = scheduler.update_from_output(out, runner.execute(out))

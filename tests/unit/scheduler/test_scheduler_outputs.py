@@ -15,7 +15,7 @@ from scheduler.output import (
     CachedRequestData,
     FinishReason,
     ModelRunnerOutput,
-    RequestOutput,
+    RequestStepOutput,
     TokenLogprobs,
 )
 
@@ -49,7 +49,7 @@ def test_stop_conditions(
     params = {"max_tokens": 8, **params}
     scheduler.add_request(make_request(scheduler, "r", [1, 2, 3, 4, 5, 6], **params))
     runner = ScriptedRunner(scheduler, {"r": script})
-    outputs: list[RequestOutput] = []
+    outputs: list[RequestStepOutput] = []
     while scheduler.has_unfinished_requests():
         outputs.extend(run_step(scheduler, runner)[1])
     assert [t for o in outputs for t in o.new_token_ids] == tokens
@@ -136,7 +136,7 @@ def test_partial_prefill_chunks_report_prompt_logprobs_and_sample_nothing() -> N
 def test_running_request_the_pool_cannot_hold_is_finished_by_length() -> None:
     scheduler = make_scheduler(make_config(5, full(4)), max_model_len=100)  # 4 usable
     scheduler.add_request(make_request(scheduler, "r", list(range(1, 16)), max_tokens=10, eos=None))
-    outputs: list[RequestOutput] = []
+    outputs: list[RequestStepOutput] = []
     finished_ids = []
     for _ in range(3):
         out = scheduler.schedule()
@@ -153,7 +153,7 @@ def test_running_request_the_pool_cannot_hold_is_finished_by_length() -> None:
     assert scheduler.num_preemptions == 0
 
 
-@pytest.mark.parametrize("message_type", [CachedRequestData, RequestOutput])
+@pytest.mark.parametrize("message_type", [CachedRequestData, RequestStepOutput])
 def test_hot_path_messages_are_immutable(message_type: type) -> None:
     """The per-step messages are frozen Structs: built fast, never changed after."""
     message = (
