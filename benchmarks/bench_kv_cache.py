@@ -45,7 +45,7 @@ ATTENTION = AttentionShape(num_kv_heads=8, head_size=128, dtype_bytes=2)
 
 
 def model_specs() -> dict[str, list[KVCacheSpec]]:
-    full = make_spec("full", BLOCK, shape=ATTENTION)
+    full = make_spec("full_attention", BLOCK, shape=ATTENTION)
     sliding = make_spec("sliding_window", BLOCK, WINDOW, shape=ATTENTION)
     state = make_spec(
         "mamba",

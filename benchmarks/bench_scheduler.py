@@ -45,7 +45,7 @@ MANAGER_METHODS = ("allocate_slots", "get_computed_blocks", "free", "get_num_com
 def _kv_config() -> KVCacheConfig:
     shape = AttentionShape(num_kv_heads=8, head_size=128, dtype_bytes=2)
     groups = (
-        KVCacheGroupSpec(("layers.0.attn",), make_spec("full", BLOCK_SIZE, shape=shape)),
+        KVCacheGroupSpec(("layers.0.attn",), make_spec("full_attention", BLOCK_SIZE, shape=shape)),
         KVCacheGroupSpec(
             ("layers.1.attn",), make_spec("sliding_window", BLOCK_SIZE, WINDOW, shape=shape)
         ),

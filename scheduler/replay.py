@@ -16,11 +16,19 @@ from typing import Any
 
 from scheduler.kv_cache.manager import KVCacheBlocks, KVCacheManager
 from scheduler.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, MambaCacheMode
-from scheduler.kv_cache.spec_factory import SPEC_KINDS, make_spec
+from scheduler.kv_cache.spec_factory import make_spec
 from scheduler.prefill_split import block_aligned_num_tokens
 from scheduler.request import Request, SamplingParams
 
 Record = dict[str, Any]
+
+TRACE_GROUP_TYPES = {
+    "full": "full_attention",
+    "sliding_window": "sliding_window",
+    "chunked_local": "chunked_local_attention",
+    "mamba": "mamba",
+}
+"""A trace's group `type` -> the spec kind it names (traces keep their short spellings)."""
 
 
 def _get_int(entry: dict[str, Any], key: str, default: int | None = None) -> int:
@@ -51,13 +59,14 @@ def _get_tokens(op: dict[str, Any]) -> list[int]:
 def build_spec(entry: dict[str, Any], enable_caching: bool) -> KVCacheSpec:
     """The spec of one entry of a trace's "groups" list (dummy page sizes: they do not matter
     to the replay)."""
-    kind = entry.get("type")
-    if kind not in SPEC_KINDS:
-        raise ValueError(f"unknown group type {kind!r}")
+    group_type = entry.get("type")
+    if group_type not in TRACE_GROUP_TYPES:
+        raise ValueError(f"unknown group type {group_type!r}")
+    kind = TRACE_GROUP_TYPES[group_type]
     size = None
     if kind == "sliding_window":
         size = _get_int(entry, "sliding_window")
-    elif kind == "chunked_local":
+    elif kind == "chunked_local_attention":
         size = _get_int(entry, "attention_chunk_size")
     mode = MambaCacheMode.ALIGN if enable_caching else MambaCacheMode.NONE
     return make_spec(kind, _get_int(entry, "block_size"), size, mamba_cache_mode=mode)

@@ -61,12 +61,7 @@ def serving_engine_args(config: LLMConfig) -> EngineArgs:
 
 def group_kinds(engine: AsyncEngine) -> list[str]:
     """`full_attention`, `sliding_window`, ... per KV cache group."""
-    groups = engine.core.scheduler.kv_cache_config.groups
-    kinds = []
-    for group in groups:
-        name = type(group.spec).__name__.removesuffix("Spec")
-        kinds.append("".join(f"_{c.lower()}" if c.isupper() else c for c in name).lstrip("_"))
-    return kinds
+    return [group.spec.kind for group in engine.core.scheduler.kv_cache_config.groups]
 
 
 class LLMServer:

@@ -77,7 +77,7 @@ def group_layers(specs: LayerSpecs, *, disable_hybrid: bool) -> tuple[KVCacheGro
     if len({type_key(spec) for spec in specs.values()}) == 1:
         return (KVCacheGroupSpec(names, UniformTypeKVCacheSpecs.from_layers(specs)),)
     if disable_hybrid:
-        kinds = sorted({type(spec).__name__ for spec in specs.values()})
+        kinds = sorted({spec.kind for spec in specs.values()})
         raise ValueError(
             f"the hybrid KV cache manager is disabled, but the layers cannot share one group "
             f"(spec kinds {kinds}, or several windows / chunk sizes / block sizes); enable the "
@@ -175,13 +175,13 @@ def _spec_with_page(specs: LayerSpecs, page: int) -> KVCacheSpec:
 
 
 def _describe_layers(specs: LayerSpecs, spec: KVCacheSpec) -> str:
-    """'layers [a, b] (SlidingWindowSpec, 2 KV heads x 16, block 4)': the layers of one spec."""
+    """'layers [a, b] (sliding_window, 2 KV heads x 16, block 4)': the layers of one spec."""
     names = [name for name, other in specs.items() if other == spec]
     shown = ", ".join(names[:4]) + (f", ... ({len(names)} layers)" if len(names) > 4 else "")
     shape = ""
     if isinstance(spec, AttentionSpec):
         shape = f", {spec.num_kv_heads} KV heads x {spec.head_size}"
-    return f"layers [{shown}] ({type(spec).__name__}{shape}, block {spec.block_size})"
+    return f"layers [{shown}] ({spec.kind}{shape}, block {spec.block_size})"
 
 
 def _pad_mamba(spec: MambaSpec, page: int, factor: int) -> KVCacheSpec:

@@ -76,7 +76,7 @@ def attention_kind(spec: KVCacheSpec) -> str:
     """The attention type and KV shape of a layer, which a sharing layer must match:
     'sliding window 8, 2 KV heads of size 16'."""
     if not isinstance(spec, AttentionSpec):
-        return type(spec).__name__
+        return spec.kind
     window = getattr(spec, "sliding_window", None)
     chunk = getattr(spec, "attention_chunk_size", None)
     if window is not None:

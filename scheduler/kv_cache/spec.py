@@ -33,6 +33,12 @@ class KVCacheSpec(abc.ABC):
     def page_size_bytes(self) -> int:
         """Bytes of one block of one layer."""
 
+    @property
+    @abc.abstractmethod
+    def kind(self) -> str:
+        """The layer type's name in metrics, logs and tools: `full_attention`, `sliding_window`,
+        `chunked_local_attention` or `mamba`."""
+
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         """Worst-case bytes one request of `max_model_len` tokens can hold in one layer."""
         return cdiv(max_model_len, self.block_size) * self.page_size_bytes
@@ -77,6 +83,10 @@ class FullAttentionSpec(AttentionSpec):
         if self.sliding_window is not None and self.attention_chunk_size is not None:
             raise ValueError("a full-attention spec cannot remember both a window and a chunk size")
 
+    @property
+    def kind(self) -> str:
+        return "full_attention"
+
 
 @dataclass(frozen=True, kw_only=True)
 class SlidingWindowSpec(AttentionSpec):
@@ -89,6 +99,10 @@ class SlidingWindowSpec(AttentionSpec):
         super().__post_init__()
         if self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
+
+    @property
+    def kind(self) -> str:
+        return "sliding_window"
 
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         # +1 block: the window need not start on a block boundary.
@@ -107,6 +121,10 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
         super().__post_init__()
         if self.attention_chunk_size < 1:
             raise ValueError(f"attention_chunk_size must be >= 1, got {self.attention_chunk_size}")
+
+    @property
+    def kind(self) -> str:
+        return "chunked_local_attention"
 
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         tokens = min(self.attention_chunk_size + max_num_batched_tokens, max_model_len)
@@ -155,6 +173,10 @@ class MambaSpec(KVCacheSpec):
     @property
     def page_size_bytes(self) -> int:
         return self.page_size_padded or self.natural_page_bytes
+
+    @property
+    def kind(self) -> str:
+        return "mamba"
 
     def max_memory_usage_bytes(self, max_model_len: int, max_num_batched_tokens: int) -> int:
         if self.mamba_cache_mode is MambaCacheMode.ALL:
@@ -233,6 +255,11 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
     def representative(self) -> KVCacheSpec:
         """The first member: its type and window decide how the group is managed."""
         return self.kv_cache_specs[0][1]
+
+    @property
+    def kind(self) -> str:
+        """The members' kind: they differ only in shape."""
+        return self.representative.kind
 
     def spec_of(self, layer_name: str) -> KVCacheSpec:
         """The spec of one member layer."""

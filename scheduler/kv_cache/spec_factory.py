@@ -1,9 +1,10 @@
-"""One builder of KV cache specs by kind name, for tools that describe groups without a model:
-the trace replay (`scheduler.replay`), the KV cache core tests and the benchmarks.
+"""One builder of KV cache specs by kind name (the specs' own `kind`), for tools that describe
+groups without a model: the trace replay (`scheduler.replay`), the KV cache core tests and the
+benchmarks.
 
-    make_spec("full", 16)                                   full attention, 16-token blocks
+    make_spec("full_attention", 16)                         full attention, 16-token blocks
     make_spec("sliding_window", 16, 1024)                   window of 1024 tokens
-    make_spec("chunked_local", 16, 8192)                    chunks of 8192 tokens
+    make_spec("chunked_local_attention", 16, 8192)          chunks of 8192 tokens
     make_spec("mamba", 16, mamba_cache_mode=MambaCacheMode.ALIGN)
 
 The default shapes are dummies (one KV head of size 1, 4-byte elements; a one-element Mamba
@@ -25,8 +26,8 @@ from scheduler.kv_cache.spec import (
     SlidingWindowSpec,
 )
 
-SPEC_KINDS = ("full", "sliding_window", "chunked_local", "mamba")
-"""The kind names `make_spec` takes."""
+SPEC_KINDS = ("full_attention", "sliding_window", "chunked_local_attention", "mamba")
+"""The kind names `make_spec` takes: `make_spec(kind, ...).kind == kind`."""
 
 
 class AttentionShape(NamedTuple):
@@ -53,8 +54,8 @@ def make_spec(
     mamba_cache_mode: MambaCacheMode = MambaCacheMode.ALL,
 ) -> KVCacheSpec:
     """The spec of one layer of `kind` (one of `SPEC_KINDS`); `size` is the window of
-    "sliding_window" and the chunk of "chunked_local". ValueError on an unknown kind, a missing
-    size or a shape of the wrong kind."""
+    "sliding_window" and the chunk of "chunked_local_attention". ValueError on an unknown kind,
+    a missing size or a shape of the wrong kind."""
     if kind == "mamba":
         state = shape if shape is not None else MambaShape()
         if not isinstance(state, MambaShape):
@@ -69,7 +70,7 @@ def make_spec(
     if not isinstance(attention, AttentionShape):
         raise ValueError(f"a {kind} spec needs an AttentionShape, got {attention!r}")
     heads, head_size, dtype_bytes = attention
-    if kind == "full":
+    if kind == "full_attention":
         return FullAttentionSpec(
             block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype_bytes=dtype_bytes
         )

@@ -19,7 +19,7 @@ P3 = [0] * 16 + [1] * 16 + [2] * 16
 
 
 def full(block_size: int, dtype_bytes: int = 4) -> KVCacheSpec:
-    return make_spec("full", block_size, shape=AttentionShape(dtype_bytes=dtype_bytes))
+    return make_spec("full_attention", block_size, shape=AttentionShape(dtype_bytes=dtype_bytes))
 
 
 def window(block_size: int, sliding_window: int) -> KVCacheSpec:
@@ -27,7 +27,7 @@ def window(block_size: int, sliding_window: int) -> KVCacheSpec:
 
 
 def chunked(block_size: int, chunk: int) -> KVCacheSpec:
-    return make_spec("chunked_local", block_size, chunk)
+    return make_spec("chunked_local_attention", block_size, chunk)
 
 
 def mamba(block_size: int, mode: MambaCacheMode = MambaCacheMode.ALL) -> KVCacheSpec:

@@ -87,8 +87,8 @@ def test_pages_that_cannot_be_unified_fail_naming_both_groups():
     with pytest.raises(ValueError, match="cannot unify KV page sizes") as info:
         build_kv_cache_config(specs, GIB)
     message = str(info.value)
-    assert "layers [model.layers.0.attn] (SlidingWindowSpec, 2 KV heads x 64" in message
-    assert "layers [model.layers.1.attn] (FullAttentionSpec, 3 KV heads x 64" in message
+    assert "layers [model.layers.0.attn] (sliding_window, 2 KV heads x 64" in message
+    assert "layers [model.layers.1.attn] (full_attention, 3 KV heads x 64" in message
 
 
 def _tiny_gemma4_specs() -> dict:

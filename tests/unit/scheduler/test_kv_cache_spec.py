@@ -117,3 +117,20 @@ def test_uniform_type_specs_reject_mixed_block_sizes_and_nesting():
         UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=(("b", inner),))
     with pytest.raises(ValueError, match="at least one layer"):
         UniformTypeKVCacheSpecs.from_layers({})
+
+
+def test_each_spec_names_its_kind():
+    state = {"block_size": 16, "shapes": ((4,),), "dtype_bytes": (4,)}
+    kinds = [
+        FullAttentionSpec(**ATTN, sliding_window=32).kind,
+        SlidingWindowSpec(**ATTN, sliding_window=32).kind,
+        ChunkedLocalAttentionSpec(**ATTN, attention_chunk_size=64).kind,
+        MambaSpec(**state).kind,
+    ]
+    assert kinds == ["full_attention", "sliding_window", "chunked_local_attention", "mamba"]
+
+
+def test_uniform_type_specs_are_of_their_members_kind():
+    small = SlidingWindowSpec(**ATTN, sliding_window=32)
+    large = SlidingWindowSpec(**{**ATTN, "head_size": 128}, sliding_window=32)
+    assert UniformTypeKVCacheSpecs.from_layers({"a": large, "b": small}).kind == "sliding_window"

@@ -12,6 +12,7 @@ from scheduler.kv_cache.spec import (
     SlidingWindowSpec,
 )
 from scheduler.kv_cache.spec_factory import (
+    SPEC_KINDS,
     AttentionShape,
     MambaShape,
     make_spec,
@@ -23,11 +24,13 @@ ATTENTION = {"num_kv_heads": 8, "head_size": 128, "dtype_bytes": 2}
 
 
 def test_every_kind_builds_the_spec_written_out():
-    assert make_spec("full", 16, shape=SHAPE) == FullAttentionSpec(block_size=16, **ATTENTION)
+    assert make_spec("full_attention", 16, shape=SHAPE) == FullAttentionSpec(
+        block_size=16, **ATTENTION
+    )
     assert make_spec("sliding_window", 16, 1024, shape=SHAPE) == SlidingWindowSpec(
         block_size=16, sliding_window=1024, **ATTENTION
     )
-    assert make_spec("chunked_local", 16, 64, shape=SHAPE) == ChunkedLocalAttentionSpec(
+    assert make_spec("chunked_local_attention", 16, 64, shape=SHAPE) == ChunkedLocalAttentionSpec(
         block_size=16, attention_chunk_size=64, **ATTENTION
     )
     state = MambaShape(shapes=((4, 8), (2, 3)), dtype_bytes=(2, 4))
@@ -39,8 +42,13 @@ def test_every_kind_builds_the_spec_written_out():
     )
 
 
+@pytest.mark.parametrize("kind", SPEC_KINDS)
+def test_a_spec_is_of_the_kind_it_was_built_by(kind):
+    assert make_spec(kind, 16, 64).kind == kind
+
+
 def test_default_shapes_are_one_element_dummies():
-    assert make_spec("full", 4).page_size_bytes == 4 * 2 * 4  # tokens x (K, V) x 4 bytes
+    assert make_spec("full_attention", 4).page_size_bytes == 4 * 2 * 4  # tokens x (K, V) x 4 bytes
     assert make_spec("mamba", 4).page_size_bytes == 4
 
 
@@ -50,7 +58,7 @@ def test_default_shapes_are_one_element_dummies():
         (("linear", 16), {}, "unknown group type 'linear'"),
         (("sliding_window", 16), {}, "needs its window or chunk size"),
         (("mamba", 16), {"shape": SHAPE}, "needs a MambaShape"),
-        (("full", 16), {"shape": MambaShape()}, "needs an AttentionShape"),
+        (("full_attention", 16), {"shape": MambaShape()}, "needs an AttentionShape"),
     ],
 )
 def test_bad_arguments_are_rejected(args, kwargs, message):
@@ -59,7 +67,7 @@ def test_bad_arguments_are_rejected(args, kwargs, message):
 
 
 def test_one_layer_groups_config():
-    specs = [make_spec("full", 16), make_spec("sliding_window", 16, 32)]
+    specs = [make_spec("full_attention", 16), make_spec("sliding_window", 16, 32)]
     config = one_layer_groups_config(10, specs)
     assert [(g.layer_names, g.spec) for g in config.groups] == [
         (("layer0",), specs[0]),

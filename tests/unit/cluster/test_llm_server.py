@@ -1,0 +1,39 @@
+"""The replica's parts that need no Ray cluster: the KV group kinds its metrics are labelled by."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+from cluster.serve.llm_server import group_kinds
+from scheduler.kv_cache.spec import KVCacheSpec, UniformTypeKVCacheSpecs
+from scheduler.kv_cache.spec_factory import AttentionShape, make_spec, one_layer_groups_config
+
+
+def _engine(*specs: KVCacheSpec) -> Any:
+    config = one_layer_groups_config(8, list(specs))
+    return SimpleNamespace(core=SimpleNamespace(scheduler=SimpleNamespace(kv_cache_config=config)))
+
+
+def test_group_kinds_are_the_spec_kinds() -> None:
+    engine = _engine(
+        make_spec("full_attention", 16),
+        make_spec("sliding_window", 16, 64),
+        make_spec("chunked_local_attention", 16, 64),
+        make_spec("mamba", 16),
+    )
+    assert group_kinds(engine) == [
+        "full_attention",
+        "sliding_window",
+        "chunked_local_attention",
+        "mamba",
+    ]
+
+
+def test_a_group_of_differently_shaped_layers_is_labelled_by_their_kind() -> None:
+    members = {
+        "a": make_spec("full_attention", 16, shape=AttentionShape(head_size=64)),
+        "b": make_spec("full_attention", 16, shape=AttentionShape(head_size=128)),
+    }
+    engine = _engine(UniformTypeKVCacheSpecs.from_layers(members))
+    assert group_kinds(engine) == ["full_attention"]
