@@ -6,6 +6,12 @@ a hybrid one (Gemma-3: sliding-window and global layers), with one rank and with
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -19,6 +25,7 @@ from cluster.engine.placement import PlacementSpec
 from cluster.engine.request import EngineRequest
 from cluster.engine_args import EngineArgs
 from scheduler.request import SamplingParams
+from tests.helpers.ray_local import NODE_IP, REPO_ROOT
 from tests.helpers.ray_state import live_engine_actors, live_placement_groups
 from tests.helpers.tiny_models import save_tiny_model
 
@@ -148,3 +155,37 @@ def test_bad_engine_arguments_start_nothing(
         LLM(str(model_dirs["llama"]), address="auto", **kwargs)
     assert "\n" not in str(error.value)
     assert live_engine_actors() == actors_before
+
+
+STOP_AFTER_RAY = textwrap.dedent(f"""
+    import sys, time
+    import ray
+    from cluster.engine.executor.ray import RayExecutor
+    from cluster.engine_args import EngineArgs
+    ray.init(address="local", _node_ip_address="{NODE_IP}", num_cpus=2, _temp_dir=sys.argv[2],
+             include_dashboard=False)
+    args = EngineArgs(model=sys.argv[1], block_size=4, kv_cache_memory_bytes=1 << 20)
+    executor = RayExecutor(args)
+    ray.shutdown()  # as Ray's exit hook does before an LLM's finalizer runs
+    started = time.monotonic()
+    executor.shutdown()
+    print(f"stopped in {{time.monotonic() - started:.1f}} s; ray: {{ray.is_initialized()}}")
+""")
+
+
+def test_stopping_after_ray_shut_down_calls_no_ray(model_dirs: dict[str, Path]) -> None:
+    """Stopping the ranks once Ray is gone neither reconnects to the dead cluster nor starts a
+    new one (Ray's calls auto-initialise a connection and retry for minutes)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    ray_tmp = tempfile.mkdtemp(prefix="hs-", dir="/tmp")  # short: Ray puts sockets under it
+    command = [sys.executable, "-c", STOP_AFTER_RAY, str(model_dirs["llama"]), ray_tmp]
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [line for line in done.stdout.splitlines() if line.startswith("stopped in")]
+    seconds = float(line.split()[2])
+    assert seconds < 2.0, line
+    assert line.endswith("ray: False"), line
