@@ -12,7 +12,7 @@ from cluster import cli, ray_auth
 def test_usage_errors_are_one_line_and_exit_2(tmp_path: Path, capsys) -> None:
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     assert cli.main(["batch", "--input", str(source), "--output", str(out)]) == 2
-    assert capsys.readouterr().err == f"batch: error: --input {source} is not a file\n"
+    assert capsys.readouterr().err == f"hybridserve batch: error: --input {source} is not a file\n"
     source.write_text('{"prompt": "x"}\n')
     out.write_text('{"id": 0, "error": "x"}\n')
     assert cli.main(["batch", "--input", str(source), "--output", str(out)]) == 2
@@ -56,7 +56,7 @@ def test_token_auth_is_enabled_when_a_token_exists_and_no_mode_was_chosen(
 def test_engine_args_come_from_the_config_then_model_and_flags(tmp_path: Path) -> None:
     import argparse
 
-    from cluster.batch.__main__ import add_batch_arguments, engine_args_from
+    from cluster.cli.batch import add_batch_arguments, engine_args_from
 
     config = tmp_path / "llm.yaml"
     config.write_text(

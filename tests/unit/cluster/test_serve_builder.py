@@ -10,6 +10,7 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from cluster.cli.serve import add_parser, applications
 from cluster.config import LLMConfig
 from cluster.serve import build_openai_app, deployment_name
 from cluster.serve.builder import (
@@ -21,7 +22,6 @@ from cluster.serve.llm_server import serving_engine_args
 from cluster.serve.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.serve.routing import resolve_request_router
 from cluster.serve.sampling import UnsupportedFieldError, to_sampling_params
-from cluster.serve_cli import add_serve_parser, applications
 from scheduler.request import SamplingParams
 
 
@@ -145,7 +145,7 @@ def test_fields_the_engine_lacks_are_rejected_by_name() -> None:
 
 def _serve_args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    add_serve_parser(parser.add_subparsers(dest="command"))
+    add_parser(parser.add_subparsers(dest="command"))
     return parser.parse_args(["serve", *argv])
 
 

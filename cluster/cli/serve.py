@@ -28,7 +28,7 @@ DEFAULT_IMPORT_PATH = "cluster.serve:build_openai_app"
 SERVICER = "cluster.serve.grpc.llm_pb2_grpc.add_LLMServiceServicer_to_server"
 
 
-def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser: argparse.ArgumentParser = subparsers.add_parser(
         "serve", help="serve the OpenAI API on Ray Serve"
     )
@@ -90,9 +90,9 @@ def applications(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[s
     return [{"name": "llm", "args": {"llm_configs": [data]}}], {}
 
 
-def run_serve(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     """Deploy, print the URL and a ready line, block until Ctrl-C or SIGTERM, stop, exit."""
-    from cluster.serve_session import ServeSession, interrupts_raise
+    from cluster.cli.serve_session import ServeSession, interrupts_raise
 
     apps, file_options = applications(args)
     with interrupts_raise():

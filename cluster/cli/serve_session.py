@@ -19,6 +19,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from cluster.cli.errors import StartupFailedError
 from cluster.ray_cluster import ClusterTarget, connect
 
 _POLL_S = 0.5
@@ -29,7 +30,7 @@ class PlacementTimeoutError(TimeoutError):
     """A replica was still waiting for cluster resources when the placement timeout ran out."""
 
 
-class DeployFailedError(RuntimeError):
+class DeployFailedError(StartupFailedError):
     """Serve reported an application as failed to deploy."""
 
 
@@ -74,7 +75,7 @@ class ServeSession:
 
     def start(self, apps: list[dict[str, Any]]) -> None:
         """Connect, deploy `apps` and wait until every one of them runs."""
-        from cluster.serve_cli import say
+        from cluster.cli.serve import say
 
         self.target = connect(
             self.args.address,
@@ -103,7 +104,7 @@ class ServeSession:
         if self._is_stopped:
             return
         self._is_stopped = True
-        from cluster.serve_cli import say
+        from cluster.cli.serve import say
 
         say("shutting down (draining requests in flight)" if self.is_ready else "stopping")
         import ray
@@ -120,7 +121,7 @@ class ServeSession:
         from ray import serve
         from ray.serve.config import HTTPOptions, gRPCOptions
 
-        from cluster.serve_cli import SERVICER
+        from cluster.cli.serve import SERVICER
 
         grpc_options = self.grpc
         if self.args.grpc_port is not None:
@@ -133,7 +134,7 @@ class ServeSession:
     def _deploy(self, apps: list[dict[str, Any]]) -> None:
         from ray import serve
 
-        from cluster.serve_cli import DEFAULT_IMPORT_PATH, builder, say, with_api_key
+        from cluster.cli.serve import DEFAULT_IMPORT_PATH, builder, say, with_api_key
 
         targets = []
         for app in apps:
