@@ -32,6 +32,7 @@ from cluster.engine.outputs import RequestOutput
 from cluster.engine.placement import PlacementSpec
 from cluster.engine.request import EngineRequest
 from cluster.engine_args import EngineArgs
+from cluster.ray_cluster import connect
 from scheduler.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -113,8 +114,7 @@ def start_engine_actor(
 ) -> tuple[Any, EngineInfo]:
     """Connect to Ray if needed, start an engine actor; (handle, info). Nothing is left behind
     on failure (a ValueError for bad arguments or an unsatisfiable placement)."""
-    if not ray.is_initialized():
-        ray.init(address=address, log_to_driver=False)
+    connect(address)
     name = f"hybridserve-engine-{uuid.uuid4().hex[:8]}"
     actor = _RemoteEngine.options(name=name).remote()
     try:
