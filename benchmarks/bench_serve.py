@@ -171,8 +171,8 @@ async def _ttft_http(base: str, body: dict[str, Any], repeats: int) -> list[floa
 
 async def _ttft_handle(body: dict[str, Any], repeats: int) -> list[float]:
 
+    from cluster.openai_api.protocol import CompletionRequest
     from cluster.serve import deployment_name
-    from cluster.serve.protocol import CompletionRequest
 
     handle = serve.get_deployment_handle(deployment_name(MODEL_ID), app_name=APP)
     handle = handle.options(stream=True)
@@ -193,22 +193,22 @@ async def _ttft_engine(config: dict[str, Any], body: dict[str, Any], repeats: in
     from cluster.config import LLMConfig
     from cluster.engine.async_engine import AsyncEngine
     from cluster.engine.core import build_engine_core
+    from cluster.engine.input_processor import InputProcessor
     from cluster.engine.request import EngineRequest
+    from cluster.openai_api.protocol import CompletionRequest
     from cluster.serve.llm_server import serving_engine_args
-    from cluster.serve.prompts import render_prompt
-    from cluster.serve.protocol import CompletionRequest
-    from cluster.serve.sampling import to_sampling_params
 
     engine = AsyncEngine(build_engine_core(serving_engine_args(LLMConfig.model_validate(config))))
     request = CompletionRequest.model_validate(body)
+    model = engine.core.model_config
+    inputs = InputProcessor(engine.core.tokenizer, model.vocab_size, model.max_model_len, "bench")
     result = []
     try:
         for index in range(repeats):
             start = time.perf_counter()  # the ingress's work included: tokenize, map, queue
-            text, ids = render_prompt(engine.core.tokenizer, request)
-            params = to_sampling_params(request, request.max_tokens or 16)
+            prompt, params = inputs.openai(request)
             stream = await engine.add_request(
-                EngineRequest(f"direct-{index}", tuple(ids), params, prompt=text)
+                EngineRequest(f"direct-{index}", tuple(prompt.token_ids), params, prompt.text)
             )
             async for _delta in stream:
                 result.append(time.perf_counter() - start)

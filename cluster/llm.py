@@ -6,8 +6,8 @@ executor live in the caller's process tree), or the Ray engine actor when `addre
 says). The engine stops when `shutdown()` is called, when the `LLM` is garbage-collected, or at
 interpreter exit before Ray's own exit hook, so a script that never calls `shutdown()` ends.
 Results come back in input order as vLLM-shaped `RequestOutput`s. A call's prompts are all
-checked (`cluster.llm_inputs`) before any is queued, and a failing call aborts what it queued,
-so an error never leaves work behind in the engine.
+checked (`cluster.llm_inputs`, then the engine's one input processor) before any is queued, and
+a failing call aborts what it queued, so an error never leaves work behind in the engine.
 """
 
 from __future__ import annotations
@@ -17,23 +17,17 @@ import itertools
 import logging
 import sys
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from cluster.config.engine_kwargs import validate_engine_kwargs
 from cluster.engine.client import EngineClient, EngineInfo, collect
+from cluster.engine.input_processor import ChatMessage, InputProcessor, PromptInput
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
-from cluster.llm_inputs import (
-    ChatMessage,
-    PromptInput,
-    as_conversation_list,
-    as_params_list,
-    as_prompt_list,
-    check_token_ids,
-)
+from cluster.llm_inputs import as_conversation_list, as_params_list, as_prompt_list
 from scheduler.request import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -59,6 +53,9 @@ class LLM:
             self.client = RayEngineClient.start(args, address=address)
         self.info: EngineInfo = self.client.get_info()
         self.tokenizer = self.client.get_tokenizer()
+        self.inputs = InputProcessor(
+            self.tokenizer, self.info.vocab_size, self.info.max_model_len, self.info.model_path
+        )
         self._finalizer = weakref.finalize(self, self.client.shutdown)
         # At interpreter exit, before Ray's own exit hook (registered earlier, run later):
         # the engine's workers are stopped while Ray can still be reached.
@@ -207,20 +204,8 @@ class LLM:
 
     def _tokenize(self, index: int, prompt: PromptInput) -> tuple[str | None, list[int]]:
         """(text or None, checked token IDs) of prompt `index`."""
-        text: str | None = None
-        token_ids: Any
-        if isinstance(prompt, Mapping):
-            token_ids = prompt.get("prompt_token_ids")
-            if token_ids is None:
-                return self._tokenize(index, str(prompt.get("prompt")))
-            text = None if prompt.get("prompt") is None else str(prompt.get("prompt"))
-        elif isinstance(prompt, str):
-            text = prompt
-            tokenizer = self._require_tokenizer(f"prompt {index} is text")
-            token_ids = tokenizer(prompt).input_ids
-        else:
-            token_ids = prompt
-        return text, check_token_ids(index, token_ids, self.info.vocab_size)
+        processed = self.inputs.prompt(prompt, index)
+        return processed.text, processed.token_ids
 
     def _render_chat(
         self,
@@ -230,24 +215,6 @@ class LLM:
         add_generation_prompt: bool,
     ) -> tuple[str, list[int]]:
         """Conversation `index` as template text and its token IDs (the template adds BOS)."""
-        tokenizer = self._require_tokenizer("chat messages are rendered by the tokenizer")
-        if not (chat_template or tokenizer.chat_template):
-            raise ValueError(f"the tokenizer of {self.info.model_path} has no chat template")
-        messages = [dict(message) for message in conversation]
-        text = str(
-            tokenizer.apply_chat_template(
-                messages,
-                chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=False,
-            )
-        )
-        token_ids: list[int] = tokenizer(text, add_special_tokens=False).input_ids
-        return text, check_token_ids(index, token_ids, self.info.vocab_size)
-
-    def _require_tokenizer(self, why: str) -> Any:
-        if self.tokenizer is None:
-            raise ValueError(
-                f"{why}, but {self.info.model_path} has no tokenizer; pass prompts as token IDs"
-            )
-        return self.tokenizer
+        processed = self.inputs.chat(conversation, chat_template, add_generation_prompt, index)
+        assert processed.text is not None
+        return processed.text, processed.token_ids

@@ -1,4 +1,5 @@
-"""What `LLM.generate` and `LLM.chat` accept, checked before anything runs.
+"""The call shapes `LLM.generate` and `LLM.chat` accept, checked before anything runs (each
+prompt is then processed by `cluster.engine.input_processor`).
 
 Prompts are strings or token-ID lists, alone or in a list; conversations are lists of
 role/content messages, alone or in a list; sampling parameters are one
@@ -9,19 +10,10 @@ again on the same engine.
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Mapping, Sequence
 
+from cluster.engine.input_processor import ChatMessage, PromptInput, is_token_id
 from scheduler.request import SamplingParams
-
-PromptInput = str | Sequence[int] | Mapping[str, object]
-"""A prompt: text, token IDs, or vLLM's `{"prompt": text}` / `{"prompt_token_ids": ids}` dicts."""
-ChatMessage = Mapping[str, object]
-"""One chat message: {"role": "user" | "assistant" | "system", "content": ...}."""
-
-
-def _is_token_id(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
@@ -34,7 +26,7 @@ def as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptI
             f"{type(prompts).__name__}"
         )
     items = list(prompts)
-    if items and all(_is_token_id(item) for item in items):
+    if items and all(is_token_id(item) for item in items):
         return [items]  # type: ignore[list-item]  # one prompt given as token IDs
     for index, item in enumerate(items):
         _check_prompt(index, item)
@@ -81,23 +73,6 @@ def as_params_list(
                 f"sampling_params[{index}] must be a SamplingParams, got {type(item).__name__}"
             )
     return params
-
-
-def check_token_ids(index: int, token_ids: Sequence[object], vocab_size: int) -> list[int]:
-    """Prompt `index` as a list of ints, each a token of the model's vocabulary."""
-    if len(token_ids) == 0:
-        raise ValueError(f"prompt {index} is empty: send at least one token")
-    for token in token_ids:
-        if not _is_token_id(token):
-            raise TypeError(f"prompt {index}: token IDs must be ints, got {token!r}")
-    ids = [int(token) for token in token_ids]  # type: ignore[call-overload]
-    outside = [token for token in ids if not 0 <= token < vocab_size]
-    if outside:
-        raise ValueError(
-            f"prompt {index}: token ID {outside[0]} is outside the model's vocabulary "
-            f"[0, {vocab_size})"
-        )
-    return ids
 
 
 def as_conversation_list(

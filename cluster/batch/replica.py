@@ -3,7 +3,8 @@
 Ray Data builds one instance per actor of the pool (`--replicas`); each instance owns one
 in-process engine. A call gets a whole batch: every row's request is queued first, then the
 streams are read, so the engine schedules the rows together (continuous batching). A row that
-cannot run (its prompt too long, an empty prompt, no chat template) becomes an `error` row.
+cannot run (its prompt too long, an empty prompt, no chat template) becomes an `error` row. Prompts
+go through the engine's one input processor, as they do for `LLM` and the Serve replica.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ from typing import Any
 
 import numpy as np
 
-from cluster.batch.rows import BatchItem, make_sampling_params, result_row
+from cluster.batch.rows import BatchItem, make_sampling_params, openai_request, result_row
 from cluster.engine.client import collect
+from cluster.engine.input_processor import InputProcessor, Prompt
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
 from cluster.engine_args import EngineArgs
-from cluster.llm_inputs import check_token_ids
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,9 @@ class EngineReplica:
         self.client = InProcessEngineClient.from_engine_args(engine_args)
         self.info = self.client.get_info()
         self.tokenizer = self.client.get_tokenizer()
+        self.inputs = InputProcessor(
+            self.tokenizer, self.info.vocab_size, self.info.max_model_len, self.info.model_path
+        )
 
     def __call__(self, batch: Batch) -> Batch:
         items = [BatchItem.from_record(str(record)) for record in batch["item"]]
@@ -69,53 +73,28 @@ class EngineReplica:
     def _engine_request(self, item: BatchItem) -> EngineRequest:
         if item.error is not None or item.request is None:
             raise ValueError(item.error or "no request")
-        text, token_ids = self._prompt(item.request)
+        request = item.request
+        if "body" in request:
+            prompt, params = self.inputs.openai(openai_request(request["url"], request["body"]))
+        else:
+            prompt, params = self._row_prompt(request), make_sampling_params(request)
         return EngineRequest(
             request_id=f"batch-{item.index}",
-            prompt_token_ids=tuple(check_token_ids(0, token_ids, self.info.vocab_size)),
-            sampling_params=make_sampling_params(item.request),
-            prompt=text,
+            prompt_token_ids=tuple(prompt.token_ids),
+            sampling_params=params,
+            prompt=prompt.text,
         )
 
-    def _prompt(self, request: dict[str, Any]) -> tuple[str | None, list[int]]:
-        """(prompt text, token IDs) of a request: tokenized, chat-rendered or given as IDs."""
-        if "prompt_token_ids" in request:
-            ids = request["prompt_token_ids"]
-            if not isinstance(ids, list):
-                raise ValueError("prompt_token_ids must be a list of token IDs")
-            return None, ids
+    def _row_prompt(self, request: dict[str, Any]) -> Prompt:
+        """A Ray Data LLM row's prompt: text, chat messages or token IDs."""
         if "messages" in request:
-            text = self._render_chat(request["messages"])
-            return text, self._require_tokenizer("messages")(
-                text, add_special_tokens=False
-            ).input_ids
+            return self.inputs.chat(request["messages"])
+        if "prompt_token_ids" in request:
+            return self.inputs.prompt(request["prompt_token_ids"])
         prompt = request["prompt"]
         if not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-        return prompt, self._require_tokenizer("a text prompt")(prompt).input_ids
-
-    def _render_chat(self, messages: object) -> str:
-        tokenizer = self._require_tokenizer("messages")
-        if not isinstance(messages, list) or not all(
-            isinstance(m, dict) and {"role", "content"} <= m.keys() for m in messages
-        ):
-            raise ValueError("messages must be a list of {'role': ..., 'content': ...} objects")
-        if not messages:
-            raise ValueError("messages is empty")
-        if not tokenizer.chat_template:
-            raise ValueError(f"the tokenizer of {self.info.model_path} has no chat template")
-        rendered = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
-        return str(rendered)
-
-    def _require_tokenizer(self, what: str) -> Any:
-        if self.tokenizer is None:
-            raise ValueError(
-                f"{what} needs a tokenizer, but {self.info.model_path} has none; "
-                "send prompt_token_ids"
-            )
-        return self.tokenizer
+        return self.inputs.prompt(prompt)
 
     def __del__(self) -> None:
         client = getattr(self, "client", None)

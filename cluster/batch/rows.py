@@ -4,7 +4,8 @@ Two input formats, one JSON object per line:
 - Ray Data LLM rows: `{"id": ..., "prompt": "..." | "messages": [...] | "prompt_token_ids": [...],
   "sampling_params": {vLLM names}}`;
 - OpenAI batch lines: `{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions" |
-  "/v1/completions", "body": {"messages" | "prompt", "max_tokens", "temperature", ...}}`.
+  "/v1/completions", "body": {...}}`, the body validated with the HTTP API's request models, so
+  a batch accepts and rejects exactly what the server does (`stream` must be false, `n` 1).
 
 A line that cannot become a request (bad JSON, no prompt, invalid sampling parameters) becomes a
 `BatchItem` carrying its error, so it turns into an `error` output row instead of failing the job.
@@ -19,27 +20,17 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from cluster.config.errors import unknown_key_message
+from pydantic import ValidationError
+
+from cluster.config.errors import format_validation_error, unknown_key_message
+from cluster.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.openai_api.sampling import to_sampling_params
 from scheduler.request import SamplingParams
 
 OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
 _PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
 _ROW_KEYS = {"id", "custom_id", *_PROMPT_KEYS, "sampling_params"}
 _PARAM_NAMES = frozenset(field.name for field in dataclasses.fields(SamplingParams))
-_OPENAI_PARAMS = {
-    "max_tokens": "max_tokens",
-    "max_completion_tokens": "max_tokens",
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "min_tokens": "min_tokens",
-    "seed": "seed",
-    "n": "n",
-    "ignore_eos": "ignore_eos",
-    "stop_token_ids": "stop_token_ids",
-}
-_OPENAI_IGNORED = {"model", "user", "stream", "metadata", "store"}
 
 
 @dataclass(frozen=True)
@@ -52,7 +43,8 @@ class BatchItem:
     row_id: Any
     """The input's ID value (the line index when the line has none)."""
     request: dict[str, Any] | None
-    """{"prompt" | "messages" | "prompt_token_ids": ..., "sampling_params": {...}}."""
+    """{"prompt" | "messages" | "prompt_token_ids": ..., "sampling_params": {...}}, or an
+    OpenAI line's {"url": ..., "body": {...}}."""
     error: str | None = None
 
     @property
@@ -98,8 +90,11 @@ def parse_line(index: int, line: str) -> BatchItem:
     id_key = "custom_id" if "custom_id" in data else "id"
     row_id = data.get(id_key, index)
     try:
-        request = _openai_request(data) if "body" in data else _row_request(data)
-        request["sampling_params"] = dataclasses.asdict(make_sampling_params(request))
+        if "body" in data:
+            request = _openai_request(data)
+        else:
+            request = _row_request(data)
+            request["sampling_params"] = dataclasses.asdict(make_sampling_params(request))
     except (TypeError, ValueError) as exc:
         return BatchItem(index, id_key, row_id, None, str(exc))
     return BatchItem(index, id_key, row_id, request)
@@ -119,6 +114,7 @@ def _row_request(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _openai_request(data: dict[str, Any]) -> dict[str, Any]:
+    """{"url", "body"} of an OpenAI batch line, its body checked as the HTTP API checks it."""
     url, body = data.get("url", OPENAI_URLS[0]), data["body"]
     if url not in OPENAI_URLS:
         raise ValueError(f"url must be one of {', '.join(OPENAI_URLS)}, got {url!r}")
@@ -126,18 +122,25 @@ def _openai_request(data: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"method must be POST, got {data.get('method')!r}")
     if not isinstance(body, dict):
         raise ValueError(f"body must be an object, got {type(body).__name__}")
-    prompt_key = "messages" if url == "/v1/chat/completions" else "prompt"
-    if prompt_key not in body:
-        raise ValueError(f"a {url} body needs {prompt_key!r}")
-    params = {}
-    for key, value in body.items():
-        if key in _OPENAI_PARAMS:
-            params[_OPENAI_PARAMS[key]] = value
-        elif key != prompt_key and key not in _OPENAI_IGNORED:
-            raise ValueError(f"body field {key!r} is not supported in batch runs")
-    if body.get("stream"):
+    request = openai_request(url, body)
+    to_sampling_params(request, request.max_tokens or 1)  # its sampling fields, checked now
+    return {"url": url, "body": body}
+
+
+def openai_request(url: str, body: dict[str, Any]) -> CompletionRequest | ChatCompletionRequest:
+    """The body as the HTTP API's request model; ValueError naming the first bad field."""
+    model = ChatCompletionRequest if url == "/v1/chat/completions" else CompletionRequest
+    try:
+        request = model.model_validate(body)
+    except ValidationError as error:
+        raise ValueError(f"body: {format_validation_error(error)}") from None
+    if request.stream:
         raise ValueError("stream must be false in batch runs")
-    return {prompt_key: body[prompt_key], "sampling_params": params}
+    if request.n != 1:
+        raise ValueError(
+            f"n must be 1 in batch runs (one output row per input row), got {request.n}"
+        )
+    return request
 
 
 def make_sampling_params(request: dict[str, Any]) -> SamplingParams:

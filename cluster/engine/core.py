@@ -22,11 +22,11 @@ from typing import Any
 from cluster.engine.bad_words import attach_bad_words_token_ids
 from cluster.engine.errors import EngineDeadError
 from cluster.engine.executor import Executor, create_executor
+from cluster.engine.input_processor import check_token_ids
 from cluster.engine.output_processor import OutputProcessor, child_request_id, now
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
 from cluster.engine_args import EngineArgs
-from cluster.llm_inputs import check_token_ids
 from scheduler.kv_cache.builder import build_kv_cache_config
 from scheduler.kv_cache.spec import KVCacheConfig
 from scheduler.request import Request, SamplingParams

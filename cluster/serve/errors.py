@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import ValidationError
 
 from cluster.config.errors import format_validation_error
-from cluster.serve.protocol import ErrorInfo, ErrorResponse
+from cluster.openai_api.protocol import ErrorInfo, ErrorResponse
 
 _TYPES = {
     400: "invalid_request_error",

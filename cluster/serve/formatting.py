@@ -9,7 +9,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from cluster.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from cluster.serve.protocol import (
+from cluster.openai_api.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,

@@ -23,16 +23,16 @@ from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from cluster.config.env import api_key_from_env
-from cluster.serve import errors
-from cluster.serve.formatting import DONE, sse
-from cluster.serve.grpc.methods import GrpcMethods
-from cluster.serve.protocol import (
+from cluster.openai_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ErrorResponse,
     ModelCard,
     ModelList,
 )
+from cluster.serve import errors
+from cluster.serve.formatting import DONE, sse
+from cluster.serve.grpc.methods import GrpcMethods
 
 logger = logging.getLogger(__name__)
 

@@ -29,20 +29,20 @@ from cluster.config import LLMConfig
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.core import build_engine_core
 from cluster.engine.errors import EngineDeadError
+from cluster.engine.input_processor import InputProcessor
 from cluster.engine.outputs import OutputAccumulator, RequestOutput
 from cluster.engine.request import EngineRequest
 from cluster.engine_args import EngineArgs
-from cluster.serve import errors
-from cluster.serve.formatting import DONE, ChatFormatter, CompletionFormatter, sse
-from cluster.serve.metrics import EngineMetrics
-from cluster.serve.prompts import render_prompt
-from cluster.serve.protocol import (
+from cluster.openai_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ErrorResponse,
     ModelCard,
 )
-from cluster.serve.sampling import UnsupportedFieldError, to_sampling_params
+from cluster.openai_api.sampling import UnsupportedFieldError
+from cluster.serve import errors
+from cluster.serve.formatting import DONE, ChatFormatter, CompletionFormatter, sse
+from cluster.serve.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,11 @@ class LLMServer:
         args = serving_engine_args(self.config)
         self.engine = AsyncEngine(build_engine_core(args))
         self.tokenizer = self.engine.core.tokenizer
-        self.max_model_len = self.engine.core.model_config.max_model_len
+        model = self.engine.core.model_config
+        self.max_model_len = model.max_model_len
+        self.inputs = InputProcessor(
+            self.tokenizer, model.vocab_size, model.max_model_len, self.config.model_id
+        )
         self.draining = False
         self.num_aborted = 0
         self.metrics: EngineMetrics | None = None
@@ -180,14 +184,8 @@ class LLMServer:
     def _prepare(
         self, request: CompletionRequest | ChatCompletionRequest, request_id: str
     ) -> tuple[EngineRequest, Formatter]:
-        text, token_ids = render_prompt(self.tokenizer, request)
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"This model's maximum context length is {self.max_model_len} tokens; "
-                f"the prompt has {len(token_ids)} tokens"
-            )
-        max_tokens = _max_tokens(request, self.max_model_len - len(token_ids))
-        params = to_sampling_params(request, max_tokens)
+        prompt, params = self.inputs.openai(request)
+        text, token_ids = prompt.text, prompt.token_ids
         engine_request = EngineRequest(
             request_id=request_id,
             prompt_token_ids=tuple(token_ids),
@@ -254,18 +252,3 @@ class LLMServer:
             self._stats_task.cancel()
         with contextlib.suppress(Exception):
             self.engine.core.shutdown()
-
-
-def _max_tokens(request: CompletionRequest | ChatCompletionRequest, room: int) -> int:
-    """The client's limit (max_completion_tokens first), else whatever fits in the context."""
-    asked = request.max_tokens
-    if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
-        asked = request.max_completion_tokens
-    if asked is None:
-        return room
-    if asked > room:
-        raise ValueError(
-            f"max_tokens={asked} is too large: the prompt leaves room for {room} tokens "
-            "in this model's context"
-        )
-    return asked

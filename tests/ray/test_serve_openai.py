@@ -28,9 +28,9 @@ from ray.serve.config import HTTPOptions, gRPCOptions
 
 from cluster.config import API_KEY_ENV
 from cluster.llm import LLM
+from cluster.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.serve import build_openai_app, deployment_name
 from cluster.serve.grpc import llm_pb2, llm_pb2_grpc
-from cluster.serve.protocol import ChatCompletionRequest, CompletionRequest
 from scheduler.request import SamplingParams
 from tests.helpers.ray_local import NODE_IP
 from tests.helpers.ray_state import live_engine_actors

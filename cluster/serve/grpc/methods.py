@@ -17,8 +17,8 @@ from google.protobuf import json_format
 from google.protobuf.message import Message
 from pydantic import BaseModel, ValidationError
 
+from cluster.openai_api.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from cluster.serve import errors
-from cluster.serve.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 
 llm_pb2: Any = importlib.import_module("cluster.serve.grpc.llm_pb2")
 """The generated messages (untyped: protoc builds them at import)."""
@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from ray.serve.grpc_util import RayServegRPCContext
     from ray.serve.handle import DeploymentResponseGenerator
 
-    from cluster.serve.protocol import ModelList
+    from cluster.openai_api.protocol import ModelList
 
 
 class GrpcRequestError(Exception):

@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 
 from cluster.batch.output import OutputWriter, prepare_output
-from cluster.batch.rows import parse_line
+from cluster.batch.rows import openai_request, parse_line
 from cluster.batch.runner import BatchSummary, read_items
 from cluster.config.engine_flags import add_engine_arg_flags, engine_kwargs_from_args
+from cluster.openai_api.sampling import to_sampling_params
+from scheduler.request import SamplingParams
 
 
 def test_row_format_keeps_the_id_and_checks_sampling_params() -> None:
@@ -27,29 +29,28 @@ def test_a_row_without_id_is_named_by_its_line_index() -> None:
     assert (item.id_key, item.row_id) == ("id", 7)
 
 
-def test_openai_batch_lines_map_body_fields_to_sampling_params() -> None:
-    chat = {
-        "custom_id": "c1",
-        "method": "POST",
-        "url": "/v1/chat/completions",
-        "body": {
-            "model": "m",
-            "messages": [{"role": "user", "content": "x"}],
-            "max_completion_tokens": 5,
-            "temperature": 0,
-            "top_p": 0.5,
-        },
+def test_openai_batch_lines_keep_the_body_the_http_models_accept() -> None:
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "x"}],
+        "max_completion_tokens": 5,
+        "temperature": 0,
+        "top_p": 0.5,
+        "stop": ["."],
+        "presence_penalty": 0.5,
     }
+    chat = {"custom_id": "c1", "method": "POST", "url": "/v1/chat/completions", "body": body}
     item = parse_line(0, json.dumps(chat))
     assert (item.id_key, item.row_id, item.error) == ("custom_id", "c1", None)
-    assert item.request is not None
-    assert item.request["messages"] == [{"role": "user", "content": "x"}]
-    params = item.request["sampling_params"]
-    assert (params["max_tokens"], params["temperature"], params["top_p"]) == (5, 0, 0.5)
+    assert item.request == {"url": "/v1/chat/completions", "body": body}
+    request = openai_request("/v1/chat/completions", body)
+    assert to_sampling_params(request, 5) == SamplingParams(
+        max_tokens=5, temperature=0, top_p=0.5, stop=(".",), presence_penalty=0.5
+    )
     completion = {"custom_id": 3, "url": "/v1/completions", "body": {"prompt": "t1"}}
     assert parse_line(1, json.dumps(completion)).request == {
-        "prompt": "t1",
-        "sampling_params": parse_line(0, '{"prompt": "x"}').request["sampling_params"],  # type: ignore[index]
+        "url": "/v1/completions",
+        "body": {"prompt": "t1"},
     }
 
 
@@ -66,8 +67,10 @@ def test_openai_batch_lines_map_body_fields_to_sampling_params() -> None:
         ('{"prompt": "a", "sampling_params": []}', "sampling_params must be an object"),
         ('{"promt": "a"}', "unknown row key 'promt' (did you mean 'prompt'?)"),
         ('{"custom_id": 1, "url": "/v1/embeddings", "body": {}}', "url must be one of"),
-        ('{"custom_id": 1, "url": "/v1/completions", "body": {"messages": []}}', "needs 'prompt'"),
-        ('{"custom_id": 1, "body": {"messages": [], "tools": []}}', "'tools' is not supported"),
+        ('{"custom_id": 1, "url": "/v1/completions", "body": {"messages": []}}', "prompt"),
+        ('{"custom_id": 1, "body": {"messages": [{"role": "user"}], "tools": [{}]}}', "tools"),
+        ('{"custom_id": 1, "body": {"messages": [{"role": "user"}], "stream": true}}', "stream"),
+        ('{"custom_id": 1, "body": {"messages": [{"role": "user"}], "top_p": 2}}', "top_p"),
     ],
 )
 def test_bad_lines_become_error_items(line: str, message: str) -> None:

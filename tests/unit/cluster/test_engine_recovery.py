@@ -21,8 +21,8 @@ from cluster.engine.executor.uniproc import InProcessExecutor
 from cluster.engine.local import InProcessEngineClient
 from cluster.engine.request import EngineRequest
 from cluster.engine_args import EngineArgs
+from cluster.openai_api.protocol import CompletionRequest, ErrorResponse
 from cluster.serve.llm_server import LLMServer
-from cluster.serve.protocol import CompletionRequest, ErrorResponse
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.request import SamplingParams
 from tests.helpers.serve_app import llm_config, save_tiny_served_model

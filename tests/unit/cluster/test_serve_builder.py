@@ -12,6 +12,8 @@ from pydantic import ValidationError
 
 from cluster.cli.serve import add_parser, applications
 from cluster.config import LLMConfig
+from cluster.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.openai_api.sampling import UnsupportedFieldError, to_sampling_params
 from cluster.serve import build_openai_app, deployment_name
 from cluster.serve.builder import (
     ingress_deployment_options,
@@ -19,9 +21,7 @@ from cluster.serve.builder import (
     resource_summary,
 )
 from cluster.serve.llm_server import serving_engine_args
-from cluster.serve.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.serve.routing import resolve_request_router
-from cluster.serve.sampling import UnsupportedFieldError, to_sampling_params
 from scheduler.request import SamplingParams
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from cluster.serve.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from scheduler.request import SamplingParams
 
 _ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
@@ -59,6 +59,8 @@ def to_sampling_params(
     request: CompletionRequest | ChatCompletionRequest, max_tokens: int
 ) -> SamplingParams:
     """The engine's sampling parameters; ValueError (a 400) for invalid or unsupported ones."""
+    if isinstance(request, ChatCompletionRequest) and request.tools:
+        raise UnsupportedFieldError("tools")
     kwargs: dict[str, Any] = {}
     for name, value in openai_sampling_kwargs(request, max_tokens).items():
         if value is None or (name == "ignore_eos" and value is False):
