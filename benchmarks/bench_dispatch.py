@@ -186,8 +186,8 @@ def bench_e2e(num_prompts: int, max_tokens: int, threads: int) -> tuple[float, f
     import torch
 
     from cluster.engine.client import collect
+    from cluster.engine.executor.placement import PlacementSpec
     from cluster.engine.local import InProcessEngineClient
-    from cluster.engine.placement import PlacementSpec
     from cluster.engine.ray_client import RayEngineClient
     from cluster.engine.request import EngineRequest
     from cluster.engine_args import EngineArgs

@@ -27,9 +27,9 @@ from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.client import EngineInfo
 from cluster.engine.core import build_engine_core
 from cluster.engine.errors import EngineDeadError
+from cluster.engine.executor.placement import PlacementSpec
 from cluster.engine.executor.ray import RayExecutor
 from cluster.engine.outputs import RequestOutput
-from cluster.engine.placement import PlacementSpec
 from cluster.engine.request import EngineRequest
 from cluster.engine_args import EngineArgs
 from cluster.ray_cluster import connect

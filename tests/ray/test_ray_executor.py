@@ -19,9 +19,9 @@ import pytest
 
 from cluster.engine.client import collect
 from cluster.engine.core import build_engine_core
+from cluster.engine.executor.placement import PlacementSpec
 from cluster.engine.executor.ray import RayExecutor
 from cluster.engine.local import InProcessEngineClient
-from cluster.engine.placement import PlacementSpec
 from cluster.engine.request import EngineRequest
 from cluster.engine_args import EngineArgs
 from scheduler.request import SamplingParams

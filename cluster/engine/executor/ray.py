@@ -28,9 +28,9 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster.engine.executor.placement import PlacementSpec, RankPlacement, acquire_placement
 from cluster.engine.executor.rank_channel import Deadline, RankChannels, RankDeadError
 from cluster.engine.executor.ray_worker import WorkerActor
-from cluster.engine.placement import PlacementSpec, RankPlacement, acquire_placement
 from cluster.engine_args import EngineArgs, EngineConfigs
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 

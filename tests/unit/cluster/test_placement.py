@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.engine.placement import PlacementSpec, check_feasible
+from cluster.engine.executor.placement import PlacementSpec, check_feasible
 
 NODES = [{"CPU": 8.0, "GPU": 4.0}, {"CPU": 8.0, "GPU": 4.0}]
 CLUSTER = {"CPU": 16.0, "GPU": 8.0}
