@@ -40,12 +40,13 @@ def fronts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LLM, LLMS
 
 
 def _engine_args(model: Path) -> Any:
-    from cluster.config.engine_kwargs import validate_engine_kwargs
+    from cluster.config.engine_args import validate_engine_kwargs
 
     return validate_engine_kwargs({"model": str(model), **ENGINE})
 
 
-def _server_error(server: LLMServer, body: dict[str, Any]) -> str:
+def _first_item(server: LLMServer, body: dict[str, Any]) -> Any:
+    """The first body `LLMServer.generate` yields for an OpenAI request body."""
     model = ChatCompletionRequest if "messages" in body else CompletionRequest
     request = model.model_validate({"model": "tiny", **body})
 
@@ -54,7 +55,11 @@ def _server_error(server: LLMServer, body: dict[str, Any]) -> str:
             return item
         return None
 
-    item = asyncio.run(first())
+    return asyncio.run(first())
+
+
+def _server_error(server: LLMServer, body: dict[str, Any]) -> str:
+    item = _first_item(server, body)
     assert isinstance(item, ErrorResponse), item
     return item.error.message
 
@@ -110,13 +115,6 @@ def test_a_batch_openai_line_runs_as_the_http_api_would(fronts: tuple[LLM, LLMSe
     }
     row = _batch_row(replica, {"custom_id": "a", "url": "/v1/completions", "body": body})
     assert "error" not in row, row
-    request = CompletionRequest.model_validate({"model": "tiny", **body})
-
-    async def whole() -> Any:
-        async for item in server.generate(request, "r2"):
-            return item
-        return None
-
-    response = asyncio.run(whole())
+    response = _first_item(server, body)
     assert row["generated_text"] == response.choices[0].text
     assert row["finish_reason"] == response.choices[0].finish_reason
