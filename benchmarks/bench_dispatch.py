@@ -185,12 +185,12 @@ def bench_e2e(num_prompts: int, max_tokens: int, threads: int) -> tuple[float, f
     CPU both run torch on `threads` threads (the rank actor gets a bundle of that many CPUs)."""
     import torch
 
+    from cluster.config.engine_args import EngineArgs
     from cluster.engine.client import collect
     from cluster.engine.executor.placement import PlacementSpec
     from cluster.engine.local import InProcessEngineClient
     from cluster.engine.ray_client import RayEngineClient
     from cluster.engine.request import EngineRequest
-    from cluster.engine_args import EngineArgs
     from scheduler.request import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)

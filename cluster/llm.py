@@ -22,7 +22,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from cluster.config.engine_kwargs import validate_engine_kwargs
+from cluster.config.engine_args import resolve_executor_backend, validate_engine_kwargs
 from cluster.engine.client import EngineClient, EngineInfo, collect
 from cluster.engine.input_processor import ChatMessage, InputProcessor, PromptInput
 from cluster.engine.outputs import RequestOutput
@@ -39,7 +39,7 @@ class LLM:
     def __init__(self, model: str | None = None, *, address: str | None = None, **kwargs: Any):
         args = validate_engine_kwargs({"model": model, **kwargs})
         self.client: EngineClient
-        if address is None and args.resolved_executor_backend() == "ray":
+        if address is None and resolve_executor_backend(args, "offline") == "ray":
             from cluster.ray_cluster import connect
 
             connect()  # the ranks need a cluster: RAY_ADDRESS, `ray start`'s, or a new one
@@ -71,17 +71,24 @@ class LLM:
         prompts: PromptInput | Sequence[PromptInput],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (strings, token-ID lists or prompt dicts), in input order.
 
-        Invalid input raises TypeError or ValueError naming the prompt before any of the
-        prompts is queued; the LLM stays usable.
+        `priority` (one per prompt, lower first) orders the queue when the engine runs with
+        `scheduling_policy="priority"`. Invalid input raises TypeError or ValueError naming the
+        prompt before any of the prompts is queued; the LLM stays usable.
         """
         self._check_open()
         prompt_list = as_prompt_list(prompts)
         params_list = as_params_list(sampling_params, len(prompt_list))
+        if priority is not None and len(priority) != len(prompt_list):
+            raise ValueError(
+                f"priority has {len(priority)} values for {len(prompt_list)} prompts: "
+                "give one per prompt"
+            )
         tokenized = [self._tokenize(index, prompt) for index, prompt in enumerate(prompt_list)]
-        return self._run(tokenized, params_list, use_tqdm)
+        return self._run(tokenized, params_list, use_tqdm, priority)
 
     def chat(
         self,
@@ -142,9 +149,10 @@ class LLM:
         prompts: Sequence[tuple[str | None, list[int]]],
         params_list: Sequence[SamplingParams],
         use_tqdm: bool | None,
+        priorities: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Queue every (text, token IDs) prompt, read every stream to its end."""
-        requests = self._requests(prompts, params_list)
+        requests = self._requests(prompts, params_list, priorities)
         streams = self._add_requests(requests)
         show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
         results: list[RequestOutput] = []
@@ -163,6 +171,7 @@ class LLM:
         self,
         prompts: Sequence[tuple[str | None, list[int]]],
         params_list: Sequence[SamplingParams],
+        priorities: Sequence[int] | None = None,
     ) -> list[EngineRequest]:
         requests = []
         for index, ((text, token_ids), params) in enumerate(zip(prompts, params_list, strict=True)):
@@ -173,6 +182,7 @@ class LLM:
                     prompt_token_ids=tuple(token_ids),
                     sampling_params=params,
                     prompt=text,
+                    priority=0 if priorities is None else priorities[index],
                 )
             )
         return requests

@@ -1,11 +1,12 @@
 """Hugging Face model IDs turned into local snapshot folders where the workers run.
 
-`hub_snapshot` returns a model's snapshot folder in the hub cache (`download_dir`, else
-HF_HUB_CACHE, i.e. HF_HOME/hub), downloading what is missing on first use. One process per node
-talks to the Hub: the others wait on a file lock in the cache folder, then read the cache.
-huggingface_hub shows a progress bar on terminals and resumes a dropped transfer with a Range
-request; elsewhere a log line says what is downloaded. HF_HUB_OFFLINE=1 (read by huggingface_hub)
-keeps it to the cache. Hub errors become one-line ValueErrors that say what to fix.
+`resolve_model_folder` tells a local folder from a model ID; `hub_snapshot` returns a model's
+snapshot folder in the hub cache (`download_dir`, else HF_HUB_CACHE, i.e. HF_HOME/hub),
+downloading what is missing on first use. One process per node talks to the Hub: the others wait
+on a file lock in the cache folder, then read the cache. huggingface_hub shows a progress bar on
+terminals and resumes a dropped transfer with a Range request; elsewhere a log line says what is
+downloaded. HF_HUB_OFFLINE=1 (read by huggingface_hub) keeps it to the cache. Hub errors become
+one-line ValueErrors that say what to fix.
 """
 
 from __future__ import annotations
@@ -42,6 +43,15 @@ class TerminalBar(hub_tqdm):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("disable", None)  # tqdm: None disables the bar when not on a TTY
         super().__init__(*args, **kwargs)  # type: ignore[no-untyped-call]
+
+
+def resolve_model_folder(model: str, cache_dir: str | None = None) -> Path:
+    """A local folder as is; a Hugging Face model ID as its snapshot in the hub cache, downloaded
+    into `cache_dir` on first use (only read from the cache when HF_HUB_OFFLINE is set)."""
+    folder = Path(model).expanduser()
+    if folder.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
+        return folder
+    return hub_snapshot(model, cache_dir)
 
 
 def hub_snapshot(repo_id: str, cache_dir: str | None = None) -> Path:

@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 
 from cluster.batch.rows import BatchItem, make_sampling_params, openai_request, result_row
+from cluster.config.engine_args import EngineArgs
 from cluster.engine.client import collect
 from cluster.engine.input_processor import InputProcessor, Prompt
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
-from cluster.engine_args import EngineArgs
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from cluster.batch.output import OutputWriter, prepare_output
 from cluster.batch.rows import BatchItem, parse_line
-from cluster.engine_args import EngineArgs
+from cluster.config.engine_args import EngineArgs, resolve_executor_backend
 from cluster.ray_cluster import connect
 
 LOOPBACK_IP = "127.0.0.2" if sys.platform.startswith("linux") else "127.0.0.1"
@@ -99,10 +99,8 @@ def connect_ray(address: str | None) -> None:
 
 def replica_args(args: EngineArgs) -> EngineArgs:
     """The engine arguments of one replica: its ranks run inside the replica actor."""
-    if args.distributed_executor_backend is not None:
-        return args
-    backend = "uni" if args.tensor_parallel_size == 1 else "mp"
-    return dataclasses.replace(args, distributed_executor_backend=backend)
+    backend = resolve_executor_backend(args, "batch_replica")
+    return args.model_copy(update={"distributed_executor_backend": backend})
 
 
 def check_pool_fits(replicas: int, gpus_per_replica: int, cluster: dict[str, float]) -> None:

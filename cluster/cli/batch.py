@@ -9,7 +9,6 @@ The last line on stdout is the run's summary.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,10 +18,9 @@ from pydantic import ValidationError
 
 from cluster.batch.runner import BatchFailed, BatchOptions, run_batch
 from cluster.cli.errors import EXIT_FAILED, EXIT_OK, run_reporting
+from cluster.config.engine_args import EngineArgs, validate_engine_kwargs
 from cluster.config.engine_flags import add_engine_arg_flags, engine_kwargs_from_args
-from cluster.config.engine_kwargs import validate_engine_kwargs
 from cluster.config.errors import format_validation_error
-from cluster.engine_args import EngineArgs
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -63,7 +61,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
             config = LLMConfig.from_file(args.config)
         except ValidationError as error:
             raise ValueError(f"{args.config}: {format_validation_error(error)}") from None
-        kwargs = dataclasses.asdict(config.engine_args())
+        kwargs = config.engine_args().model_dump()
     if args.model is not None:
         kwargs["model"] = args.model
     kwargs.update(engine_kwargs_from_args(args))

@@ -17,6 +17,8 @@ class StrictModel(BaseModel):
 
     moved_keys: ClassVar[dict[str, str]] = {}
     """Keys that belong elsewhere, mapped to the message that says where."""
+    key_name: ClassVar[str] = "key"
+    """What a key is called in the unknown-key message (`unknown engine argument 'x'`)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -26,5 +28,5 @@ class StrictModel(BaseModel):
                 if key in cls.moved_keys:
                     raise ValueError(cls.moved_keys[key])
                 if key not in cls.model_fields:
-                    raise ValueError(unknown_key_message(str(key), cls.model_fields))
+                    raise ValueError(unknown_key_message(str(key), cls.model_fields, cls.key_name))
         return data

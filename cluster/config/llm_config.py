@@ -1,7 +1,7 @@
 """`LLMConfig`: one served model, with Ray Serve LLM's field names.
 
 A user's `serveConfigV2` block for `ray.serve.llm:build_openai_app` moves over by changing only
-the import path. `engine_kwargs` use vLLM's names and are checked by `validate_engine_kwargs`.
+the import path. `engine_kwargs` use vLLM's names and are checked against `EngineArgs`.
 
 Model sources:
 - `org/name` or `hf://org/name`: a Hugging Face model id (`hf://` is stripped);
@@ -20,15 +20,17 @@ from pydantic import AfterValidator, Field, model_validator
 
 from cluster.config.base import StrictModel
 from cluster.config.deployment import PlacementGroupConfig, check_deployment_config
-from cluster.config.engine_kwargs import engine_arg_types, validate_engine_kwargs
-from cluster.engine_args import EngineArgs
+from cluster.config.engine_args import (
+    EngineArgs,
+    resolve_executor_backend,
+    validate_engine_kwargs,
+)
 
 PVC_MOUNT_ROOT = "/mnt/pvc"
 """Where a `pvc://CLAIM/...` source's claim is mounted in every Ray pod."""
 
 _SCHEMES = ("hf://", "pvc://")
 _FROM_MODEL_LOADING = ("model", "served_model_name")
-_BACKEND = "distributed_executor_backend"
 
 
 def resolve_source(source: str) -> str:
@@ -83,24 +85,8 @@ def _check_serving_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
                 f"{key!r} is not allowed in engine_kwargs: "
                 "it comes from model_loading_config (model_id, model_source)"
             )
-    backend = kwargs.get(_BACKEND, "ray")
-    if backend == "uni" and int(kwargs.get("tensor_parallel_size", 1)) == 1:
-        return _validated(kwargs)  # one rank in the replica's own process (tests, CPU)
-    if backend != "ray":
-        raise ValueError(f"{_BACKEND} must be 'ray' (or absent) when serving, got {backend!r}")
-    return _validated(kwargs)
-
-
-def _validated(kwargs: dict[str, Any]) -> dict[str, Any]:
-    validate_engine_kwargs(_engine_args_kwargs(kwargs))
+    resolve_executor_backend(validate_engine_kwargs(kwargs), "serve_replica")
     return kwargs
-
-
-def _engine_args_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """engine_kwargs as EngineArgs takes them: the backend key only when it is a field."""
-    if _BACKEND in engine_arg_types():
-        return dict(kwargs)
-    return {key: value for key, value in kwargs.items() if key != _BACKEND}
 
 
 class LLMConfig(StrictModel):
@@ -167,7 +153,7 @@ class LLMConfig(StrictModel):
     def engine_args(self) -> EngineArgs:
         """The engine arguments of this model, its source resolved to what the engine loads."""
         model = resolve_source(self.model_loading_config.source)
-        return EngineArgs(model=model, **_engine_args_kwargs(self.engine_kwargs))
+        return EngineArgs(model=model, **self.engine_kwargs)
 
     def placement_bundles(self, use_gpu: bool) -> list[dict[str, float]]:
         """The replica's placement-group bundles: the configured ones, or one per rank."""

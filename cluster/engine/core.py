@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
+from cluster.config.engine_args import EngineArgs
 from cluster.engine.bad_words import attach_bad_words_token_ids
 from cluster.engine.errors import EngineDeadError
 from cluster.engine.executor import Executor, create_executor
@@ -26,7 +27,6 @@ from cluster.engine.input_processor import check_token_ids
 from cluster.engine.output_processor import OutputProcessor, child_request_id, now
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
-from cluster.engine_args import EngineArgs
 from scheduler.kv_cache.builder import build_kv_cache_config
 from scheduler.kv_cache.spec import KVCacheConfig
 from scheduler.request import Request, SamplingParams

@@ -14,12 +14,12 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
+from cluster.config.engine_args import EngineArgs
 from cluster.engine.client import EngineInfo, engine_info
 from cluster.engine.core import EngineCore, build_engine_core
 from cluster.engine.errors import EngineDeadError
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
-from cluster.engine_args import EngineArgs
 from scheduler.stats import SchedulerStats
 
 _StreamItem = RequestOutput | EngineDeadError

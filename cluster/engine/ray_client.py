@@ -23,6 +23,7 @@ from typing import Any
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 
+from cluster.config.engine_args import EngineArgs
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.client import EngineInfo
 from cluster.engine.core import build_engine_core
@@ -31,7 +32,6 @@ from cluster.engine.executor.placement import PlacementSpec
 from cluster.engine.executor.ray import RayExecutor
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
-from cluster.engine_args import EngineArgs
 from cluster.ray_cluster import connect
 from scheduler.stats import SchedulerStats
 

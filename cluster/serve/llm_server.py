@@ -20,19 +20,17 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from typing import Any
 
 from pydantic import BaseModel
 
-from cluster.config import LLMConfig
+from cluster.config import EngineArgs, LLMConfig, resolve_executor_backend
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.core import build_engine_core
 from cluster.engine.errors import EngineDeadError
 from cluster.engine.input_processor import InputProcessor
 from cluster.engine.outputs import OutputAccumulator, RequestOutput
 from cluster.engine.request import EngineRequest
-from cluster.engine_args import EngineArgs
 from cluster.openai_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -54,9 +52,8 @@ Formatter = CompletionFormatter | ChatFormatter
 def serving_engine_args(config: LLMConfig) -> EngineArgs:
     """The replica's engine arguments: the Ray executor unless engine_kwargs names another."""
     args = config.engine_args()
-    if args.distributed_executor_backend is None:
-        args = replace(args, distributed_executor_backend="ray")
-    return args
+    backend = resolve_executor_backend(args, "serve_replica")
+    return args.model_copy(update={"distributed_executor_backend": backend})
 
 
 def group_kinds(engine: AsyncEngine) -> list[str]:

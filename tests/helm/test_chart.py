@@ -12,6 +12,7 @@ import functools
 import json
 import os
 import platform
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ import yaml
 from cluster.config import (
     API_KEY_ENV,
     PVC_MOUNT_ROOT,
+    EngineArgs,
     LLMConfig,
     LLMServingArgs,
     validate_config_file,
@@ -297,6 +299,78 @@ def test_misspelt_engine_kwarg_renders_but_fails_our_validation() -> None:
     rayservice = _render({"engine": {"extraKwargs": {"max_num_seq": 8}}})["RayService"]
     with pytest.raises(ValueError, match=r"did you mean 'max_num_seqs'\?"):
         _serving_args(rayservice)
+
+
+def _engine_values_schema() -> dict[str, Any]:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    return schema["properties"]["engine"]["properties"]  # type: ignore[no-any-return]
+
+
+def _snake(camel: str) -> str:
+    return re.sub(r"(?<!^)([A-Z])", r"_\1", camel).lower()
+
+
+def _as_values_schema(field_schema: dict[str, Any]) -> dict[str, Any]:
+    """An `EngineArgs` field's JSON schema in the values schema's shape (one type list)."""
+    options = field_schema.get("anyOf", [field_schema])
+    types = [option["type"] for option in options]
+    constraints = {
+        key: value
+        for option in options
+        for key, value in option.items()
+        if key not in ("default", "title", "anyOf")
+    }
+    return {
+        **constraints,
+        "type": types[0] if len(types) == 1 else types,
+        "description": " ".join(field_schema["description"].split()),
+    }
+
+
+NAMED_ENGINE_VALUES = [name for name in _engine_values_schema() if name != "extraKwargs"]
+
+
+@pytest.mark.parametrize("name", NAMED_ENGINE_VALUES)
+def test_named_engine_values_mirror_their_engine_args_field(name: str) -> None:
+    field = _snake(name)
+    assert field in EngineArgs.model_fields, f"engine.{name} is no EngineArgs field"
+    properties = EngineArgs.model_json_schema()["properties"]
+    assert _engine_values_schema()[name] == _as_values_schema(properties[field])
+    default = yaml.safe_load((CHART / "values.yaml").read_text())["engine"][name]
+    assert default == EngineArgs.model_fields[field].default
+
+
+def test_named_engine_values_reach_their_engine_args_field() -> None:
+    values = {"tensorParallelSize": 2, "maxModelLen": 77, "gpuMemoryUtilization": 0.5,
+              "enablePrefixCaching": False}  # fmt: skip
+    assert set(values) == set(NAMED_ENGINE_VALUES)
+    rayservice = _render({"engine": values, "worker": {"gpusPerPod": 2}})["RayService"]
+    args = _serving_args(rayservice).llm_configs[0].engine_args()
+    for name, value in values.items():
+        assert getattr(args, _snake(name)) == value
+
+
+def _sample(field_schema: dict[str, Any]) -> Any:
+    """The field's default, or a valid value of its first non-null type."""
+    if field_schema.get("default") is not None:
+        return field_schema["default"]
+    (option, *_) = [o for o in field_schema.get("anyOf", [field_schema]) if o["type"] != "null"]
+    if "enum" in option:
+        return option["enum"][0]
+    return {"string": "/x", "integer": option.get("minimum", 1)}[option["type"]]
+
+
+def test_every_other_engine_argument_passes_through_extra_kwargs() -> None:
+    named = {_snake(name) for name in NAMED_ENGINE_VALUES}
+    properties = EngineArgs.model_json_schema()["properties"]
+    extra = {
+        field: _sample(schema)
+        for field, schema in properties.items()
+        if field not in named and field != "model"  # the model comes from model.source
+    }
+    rayservice = _render({"engine": {"extraKwargs": extra}})["RayService"]
+    (config,) = _serving_args(rayservice).llm_configs
+    assert config.engine_args().model_dump(include=set(extra)) == extra
 
 
 SERIES = [

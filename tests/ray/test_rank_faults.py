@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import ray
 
+from cluster.config.engine_args import EngineArgs
 from cluster.engine.client import collect
 from cluster.engine.errors import EngineDeadError
 from cluster.engine.executor.multiproc import MultiprocExecutor
 from cluster.engine.executor.ray import RayExecutor
 from cluster.engine.local import InProcessEngineClient
 from cluster.engine.request import EngineRequest
-from cluster.engine_args import EngineArgs
 from scheduler.request import SamplingParams
 from tests.helpers.tiny_models import save_tiny_model
 

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 
+from cluster.config.engine_args import EngineArgs
 from cluster.engine.client import collect
 from cluster.engine.core import build_engine_core
 from cluster.engine.executor.placement import PlacementSpec
 from cluster.engine.executor.ray import RayExecutor
 from cluster.engine.local import InProcessEngineClient
 from cluster.engine.request import EngineRequest
-from cluster.engine_args import EngineArgs
 from scheduler.request import SamplingParams
 from tests.helpers.ray_local import NODE_IP, REPO_ROOT
 from tests.helpers.ray_state import live_engine_actors, live_placement_groups
@@ -161,7 +161,7 @@ STOP_AFTER_RAY = textwrap.dedent(f"""
     import sys, time
     import ray
     from cluster.engine.executor.ray import RayExecutor
-    from cluster.engine_args import EngineArgs
+    from cluster.config.engine_args import EngineArgs
     ray.init(address="local", _node_ip_address="{NODE_IP}", num_cpus=2, _temp_dir=sys.argv[2],
              include_dashboard=False)
     args = EngineArgs(model=sys.argv[1], block_size=4, kv_cache_memory_bytes=1 << 20)

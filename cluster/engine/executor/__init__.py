@@ -11,20 +11,21 @@ them when one is asked for, so the transport loads neither torch nor Ray.
 
 from __future__ import annotations
 
+from cluster.config.engine_args import EngineArgs, resolve_executor_backend
+from cluster.engine.configs import engine_configs
 from cluster.engine.executor.base import Executor
-from cluster.engine_args import EngineArgs
 
 
 def create_executor(args: EngineArgs) -> Executor:
     """The executor `args.distributed_executor_backend` names (resolved: uni, mp or ray)."""
-    backend = args.resolved_executor_backend()
+    backend = resolve_executor_backend(args, "offline")
     if backend == "ray":
         from cluster.engine.executor.ray import RayExecutor
 
         return RayExecutor(args)
     from cluster.engine.executor.base import check_layout
 
-    configs = args.to_configs()  # this machine runs the workers: resolve here
+    configs = engine_configs(args)  # this machine runs the workers: resolve here
     if configs.tensor_parallel_size > 1:
         from cluster.engine.executor.multiproc import MultiprocExecutor
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Protocol
 
-from cluster.engine_args import EngineConfigs
+from cluster.engine.configs import EngineConfigs
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:

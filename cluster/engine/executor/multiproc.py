@@ -23,6 +23,8 @@ from multiprocessing.process import BaseProcess
 import torch
 import torch.multiprocessing as mp
 
+from cluster.config.engine_args import EngineArgs
+from cluster.engine.configs import EngineConfigs
 from cluster.engine.executor.base import LocalTokenizer, worker_spec
 from cluster.engine.executor.rank_channel import (
     Deadline,
@@ -31,7 +33,6 @@ from cluster.engine.executor.rank_channel import (
     RankTarget,
     serve_rank,
 )
-from cluster.engine_args import EngineArgs, EngineConfigs
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from worker.worker import Worker, WorkerSpec
 

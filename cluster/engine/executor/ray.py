@@ -28,10 +28,11 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from cluster.config.engine_args import EngineArgs
+from cluster.engine.configs import EngineConfigs
 from cluster.engine.executor.placement import PlacementSpec, RankPlacement, acquire_placement
 from cluster.engine.executor.rank_channel import Deadline, RankChannels, RankDeadError
 from cluster.engine.executor.ray_worker import WorkerActor
-from cluster.engine_args import EngineArgs, EngineConfigs
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)

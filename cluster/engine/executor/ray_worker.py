@@ -15,10 +15,11 @@ from typing import Any
 import ray
 import torch
 
+from cluster.config.engine_args import EngineArgs
+from cluster.engine.configs import EngineConfigs, engine_configs
 from cluster.engine.executor.base import check_layout, worker_spec
 from cluster.engine.executor.rank_channel import RankTarget, serve_rank
 from cluster.engine.tokenizer import load_tokenizer
-from cluster.engine_args import EngineArgs, EngineConfigs
 from worker.worker import Worker
 
 
@@ -51,7 +52,7 @@ class WorkerActor:
 
         The executor connects to the returned address; `run` accepts that connection.
         """
-        configs = self.args.to_configs()
+        configs = engine_configs(self.args)
         check_layout(configs)
         if configs.runner.device == "cpu":
             torch.set_num_threads(self.num_threads)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from cluster.engine.configs import EngineConfigs
 from cluster.engine.executor.base import LocalTokenizer, worker_spec
-from cluster.engine_args import EngineConfigs
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from worker.worker import start_worker
 

@@ -8,16 +8,15 @@ import re
 import signal
 import subprocess
 import sys
-from dataclasses import fields
 from pathlib import Path
 
 import pytest
 import torch
 
 from cluster.cli import build_parser, main
-from cluster.config.engine_flags import _field_docs as field_docs
+from cluster.config.engine_args import EngineArgs
 from cluster.config.engine_flags import engine_kwargs_from_args as engine_kwargs
-from cluster.engine_args import EngineArgs, resolve_model_folder
+from cluster.model_download import resolve_model_folder
 from tests.helpers.tiny_models import save_tiny_model
 from tests.helpers.word_tokenizer import save_word_tokenizer
 
@@ -108,13 +107,16 @@ def test_every_engine_argument_is_a_flag_with_its_documentation() -> None:
         ["generate", "--prompt", "x", "--max-num-seqs", "3", "--no-enable-prefix-caching"]
     )
     assert engine_kwargs(args) == {"max_num_seqs": 3, "enable_prefix_caching": False}
-    docs = field_docs()
-    assert set(docs) == {f.name for f in fields(EngineArgs)}
-    assert docs["block_size"].startswith("Tokens per KV cache block.")
-    help_text = parser._subparsers._group_actions[0].choices["generate"].format_help()  # type: ignore[union-attr]
-    for field in fields(EngineArgs):
-        if field.name != "model":
-            assert "--" + field.name.replace("_", "-") in help_text
+    generate = parser._subparsers._group_actions[0].choices["generate"]  # type: ignore[union-attr]
+    helps = {action.dest: action.help for action in generate._actions}
+    for name, field in EngineArgs.model_fields.items():
+        if name != "model":
+            assert field.description
+            expected = " ".join(field.description.split()) + f" (default: {field.default!r})"
+            assert helps["engine_arg__" + name] == expected
+    assert helps["engine_arg__block_size"] == "Tokens per KV cache block. (default: 16)"
+    choices = {action.dest: action.choices for action in generate._actions}
+    assert choices["engine_arg__scheduling_policy"] == ["fcfs", "priority"]
 
 
 def test_malformed_config_json_is_one_line_naming_the_file(

@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from cluster.config.engine_args import EngineArgs
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.client import collect, generate
 from cluster.engine.core import build_engine_core
 from cluster.engine.local import InProcessEngineClient
 from cluster.engine.outputs import OutputAccumulator
 from cluster.engine.request import EngineRequest
-from cluster.engine_args import EngineArgs
 from scheduler.request import SamplingParams
 from tests.helpers.tiny_models import save_tiny_model
 

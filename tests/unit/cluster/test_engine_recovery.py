@@ -13,14 +13,15 @@ from pathlib import Path
 
 import pytest
 
+from cluster.config.engine_args import EngineArgs
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.client import agenerate, generate
+from cluster.engine.configs import engine_configs
 from cluster.engine.core import build_engine_core
 from cluster.engine.errors import EngineDeadError
 from cluster.engine.executor.uniproc import InProcessExecutor
 from cluster.engine.local import InProcessEngineClient
 from cluster.engine.request import EngineRequest
-from cluster.engine_args import EngineArgs
 from cluster.openai_api.protocol import CompletionRequest, ErrorResponse
 from cluster.serve.llm_server import LLMServer
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -65,7 +66,7 @@ class FailingOnceExecutor(InProcessExecutor):
 
 
 def test_failed_step_fails_in_flight_requests_and_the_engine_recovers(args: EngineArgs) -> None:
-    executor = FailingOnceExecutor(args.to_configs())
+    executor = FailingOnceExecutor(engine_configs(args))
     engine = AsyncEngine(build_engine_core(args, executor))
 
     async def run() -> None:
@@ -90,7 +91,7 @@ def test_failed_step_fails_in_flight_requests_and_the_engine_recovers(args: Engi
 
 
 def test_in_process_client_recovers_the_same_way(args: EngineArgs) -> None:
-    executor = FailingOnceExecutor(args.to_configs())
+    executor = FailingOnceExecutor(engine_configs(args))
     client = InProcessEngineClient(build_engine_core(args, executor))
     before = generate(client, EngineRequest("before", PROMPT, PARAMS))
     executor.is_armed = True
@@ -107,7 +108,7 @@ def test_in_process_client_recovers_the_same_way(args: EngineArgs) -> None:
 
 
 def test_adds_and_aborts_go_on_while_the_workers_restart(args: EngineArgs) -> None:
-    executor = FailingOnceExecutor(args.to_configs())
+    executor = FailingOnceExecutor(engine_configs(args))
     executor.restart_s = 3.0
     engine = AsyncEngine(build_engine_core(args, executor))
 
@@ -130,7 +131,7 @@ def test_adds_and_aborts_go_on_while_the_workers_restart(args: EngineArgs) -> No
 
 
 def test_workers_that_cannot_restart_leave_the_engine_dead(args: EngineArgs) -> None:
-    executor = FailingOnceExecutor(args.to_configs())
+    executor = FailingOnceExecutor(engine_configs(args))
     executor.restart_s = 1.0
     executor.restart_error = RuntimeError("no node has room for the new rank")
     engine = AsyncEngine(build_engine_core(args, executor))
@@ -153,7 +154,7 @@ def test_workers_that_cannot_restart_leave_the_engine_dead(args: EngineArgs) -> 
 
 
 def test_failed_prefix_cache_reset_marks_the_engine_dead(args: EngineArgs) -> None:
-    executor = FailingOnceExecutor(args.to_configs())
+    executor = FailingOnceExecutor(engine_configs(args))
     client = InProcessEngineClient(build_engine_core(args, executor))
     client.core.scheduler.kv_cache_manager.pool.get_new_blocks(1, 0)  # a block nobody frees
     executor.is_armed = True

@@ -31,7 +31,7 @@ MODEL = "org/tiny"
 START = """
 import logging, sys
 logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-from cluster.engine_args import resolve_model_folder
+from cluster.model_download import resolve_model_folder
 try:
     print(resolve_model_folder(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None))
 except ValueError as error:

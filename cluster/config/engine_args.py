@@ -1,0 +1,169 @@
+"""`EngineArgs`: the one definition of engine arguments (vLLM spelling), a pydantic model.
+
+`LLM(**kwargs)`, `LLMConfig.engine_kwargs` and the CLI's engine flags are all derived from it and
+checked by `validate_engine_kwargs` (one-line errors naming the argument, with the closest valid
+name for a misspelling). `resolve_executor_backend` is the one rule that picks the executor;
+the machine-dependent resolution into per-package configs happens where the workers run.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from typing import Any, ClassVar, Literal
+
+from pydantic import ConfigDict, Field, ValidationError
+from pydantic_core import ErrorDetails
+
+from cluster.config.base import StrictModel
+
+ExecutorBackend = Literal["uni", "mp", "ray"]
+ExecutorSite = Literal["offline", "serve_replica", "batch_replica"]
+"""Where an engine runs: `offline` (`LLM`, in-process or the Ray engine actor), a Serve replica
+(its ranks are Ray actors in the replica's placement group) or a batch replica (its ranks run
+inside the replica actor)."""
+
+_BOUND_OPERATORS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+
+
+class EngineArgs(StrictModel):
+    """What users pass to `LLM(...)` (names follow vLLM's engine arguments)."""
+
+    model_config = ConfigDict(use_attribute_docstrings=True)
+    key_name: ClassVar[str] = "engine argument"
+
+    model: str | None = None
+    """Local Hugging Face model folder or Hugging Face model ID (`org/name`, downloaded on first
+    use unless HF_HUB_OFFLINE is set); None serves the embedded default model."""
+    download_dir: str | None = None
+    """Hub cache folder that model IDs are downloaded into and read from; default HF_HUB_CACHE
+    (HF_HOME/hub)."""
+    dtype: str = "auto"
+    """"auto" (fp32 on CPU, the checkpoint's 16-bit dtype or bf16 on GPU) or a dtype name."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """"auto" (cuda when available), "cuda" or "cpu"."""
+    block_size: int = Field(16, ge=1)
+    """Tokens per KV cache block."""
+    max_model_len: int | None = Field(None, ge=1)
+    """Longest request (prompt + output); default: the model's max_position_embeddings."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of shared prompt prefixes."""
+    disable_hybrid_kv_cache_manager: bool = False
+    """Keep every layer's KV for every token in one group (no per-type groups)."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Ranks (processes) the model is split over."""
+    max_num_batched_tokens: int | None = Field(None, ge=1)
+    """Token budget of one step; default max(8192, max_model_len) with chunked prefill."""
+    max_num_seqs: int = Field(256, ge=1)
+    """Most requests in one step."""
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    """Order of the waiting queue and of preemption: fcfs (arrival order) or priority (the
+    request's `priority`, lower values first, then arrival)."""
+    attention_backend: str = "auto"
+    """auto | triton | flash_attn | torch."""
+    kv_cache_memory_bytes: int | None = None
+    """KV cache budget per rank; default measured on GPU, 1 GiB on CPU."""
+    seed: int = 0
+    """Seed of the sampler for requests without their own seed."""
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """Share of each GPU's memory the engine may use."""
+    kv_sharing_fast_prefill: bool = False
+    """Run the trailing KV-sharing layers (Gemma 3n) only on the rows that reach the LM head."""
+    mamba_cache_mode: Literal["none", "align", "all"] = "align"
+    """Prefix caching of Mamba states: none | align (states at hit-aligned chunk ends) | all
+    (every block end); with enable_prefix_caching off it is none."""
+    distributed_executor_backend: ExecutorBackend | None = None
+    """uni (one rank in-process) | mp (a process per rank) | ray (an actor per rank); default:
+    ray inside a Ray job or actor, else mp when tensor_parallel_size > 1, else uni."""
+    worker_step_timeout_s: float = Field(300.0, gt=0)
+    """mp and Ray executors: a step whose ranks have not all answered after this many seconds
+    counts as hung (the request fails and the workers restart); a dead rank is detected at once."""
+    worker_start_timeout_s: float = Field(600.0, gt=0)
+    """mp and Ray executors: the ranks must start (and, after a failed step, restart: new ranks,
+    model loaded, KV cache set up) within this many seconds, else start-up fails (or the engine is
+    marked dead)."""
+
+
+def validate_engine_kwargs(kwargs: Mapping[str, object]) -> EngineArgs:
+    """Build `EngineArgs` from keyword arguments; ValueError (one line) naming the first bad one,
+    and the closest valid name for a misspelling."""
+    try:
+        return EngineArgs.model_validate(dict(kwargs))
+    except ValidationError as error:
+        raise ValueError(engine_args_error(error)) from None
+
+
+def engine_args_error(error: ValidationError) -> str:
+    """An `EngineArgs` validation error as one line: `block_size must be >= 1, got 0`."""
+    return "; ".join(_describe(item) for item in error.errors(include_url=False))
+
+
+def _describe(item: ErrorDetails) -> str:
+    if not item["loc"]:  # a model-level check: an unknown name
+        return item["msg"].removeprefix("Value error, ")
+    name = str(item["loc"][0])
+    value = item["input"]
+    if item["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
+        return f"{name} must be {_allowed_range(name)}, got {value!r}"
+    if item["type"] == "literal_error":
+        return f"{name} must be {item.get('ctx', {})['expected']}, got {value!r}"
+    if item["type"].endswith("_type"):
+        return (
+            f"engine argument {name!r} must be {_type_name(name)}, "
+            f"got {type(value).__name__} {value!r}"
+        )
+    return f"{name}: {item['msg']}, got {value!r}"
+
+
+def _allowed_range(name: str) -> str:
+    """`>= 1`, or `in (0, 1]` for a field bounded on both sides."""
+    metadata = EngineArgs.model_fields[name].metadata
+    bounds = {
+        key: getattr(item, key)
+        for item in metadata
+        for key in _BOUND_OPERATORS
+        if hasattr(item, key)
+    }
+    if len(bounds) == 1:
+        ((key, bound),) = bounds.items()
+        return f"{_BOUND_OPERATORS[key]} {bound}"
+    low = f"[{bounds['ge']}" if "ge" in bounds else f"({bounds['gt']}"
+    high = f"{bounds['le']}]" if "le" in bounds else f"{bounds['lt']})"
+    return f"in {low}, {high}"
+
+
+def _type_name(name: str) -> str:
+    annotation: Any = EngineArgs.model_fields[name].annotation
+    return str(getattr(annotation, "__name__", annotation))
+
+
+def resolve_executor_backend(args: EngineArgs, where: ExecutorSite) -> ExecutorBackend:
+    """The executor of an engine run at `where`: the one `args` names, else where's default.
+
+    - offline: ray inside a Ray job or actor (the engine actor), else mp for several ranks, else
+      uni;
+    - serve_replica: ray (the ranks are actors in the replica's placement group); uni is allowed
+      for one rank (the replica's own process: tests, CPU), mp never (ValueError);
+    - batch_replica: the ranks run inside the replica actor: mp for several ranks, else uni.
+    """
+    backend = args.distributed_executor_backend
+    if where == "serve_replica":
+        if backend is None or (backend == "uni" and args.tensor_parallel_size == 1):
+            return backend or "ray"
+        if backend != "ray":
+            raise ValueError(
+                f"distributed_executor_backend must be 'ray' (or absent) when serving, "
+                f"got {backend!r}"
+            )
+        return backend
+    if backend is not None:
+        return backend
+    if where == "offline" and _inside_ray():
+        return "ray"
+    return "mp" if args.tensor_parallel_size > 1 else "uni"
+
+
+def _inside_ray() -> bool:
+    """Whether this process is a Ray driver or worker (Ray already imported and initialized)."""
+    ray = sys.modules.get("ray")
+    return ray is not None and bool(ray.is_initialized())

@@ -1,0 +1,91 @@
+"""Engine arguments resolved on the machine that runs the workers, into one config per package.
+
+`engine_configs` picks the device, finds the model folder (a local folder, a Hugging Face
+snapshot or the embedded default), reads the checkpoint's config and fills in the defaults that
+depend on it; the executors call it where their ranks run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+from cluster.config.engine_args import EngineArgs
+from scheduler.config import SchedulerConfig, SchedulingPolicy
+
+if TYPE_CHECKING:  # torch-heavy: imported where the workers run, not by callers
+    from worker.config import ModelConfig
+    from worker.runner_config import RunnerConfig
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+class EngineConfigs(NamedTuple):
+    """The per-package configs one engine is built from."""
+
+    model: ModelConfig
+    runner: RunnerConfig
+    scheduler: SchedulerConfig
+    tensor_parallel_size: int
+    disable_hybrid_kv_cache_manager: bool
+
+
+def resolve_device(device: str) -> str:
+    """The device of this machine for `device` ("auto", "cpu" or "cuda")."""
+    import torch
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but CUDA is not available")
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def model_folder(args: EngineArgs) -> Path:
+    """The model folder: the given one, or the embedded default (prepared on first use)."""
+    if args.model is not None:
+        from cluster.model_download import resolve_model_folder
+
+        return resolve_model_folder(args.model, cache_dir=args.download_dir)
+    from worker.default_model import ensure_default_model
+
+    return ensure_default_model()
+
+
+def engine_configs(args: EngineArgs) -> EngineConfigs:
+    """Resolve the machine-dependent settings here (call it where the workers run)."""
+    from worker.config import ModelConfig
+    from worker.runner_config import RunnerConfig
+
+    device = resolve_device(args.device)
+    model = ModelConfig.from_pretrained(
+        model_folder(args), args.dtype, args.max_model_len, device_type=device
+    )
+    runner = RunnerConfig(
+        device=device,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        attention_backend=args.attention_backend,
+        seed=args.seed,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        kv_sharing_fast_prefill=args.kv_sharing_fast_prefill,
+        mamba_cache_mode=args.mamba_cache_mode if args.enable_prefix_caching else "none",
+    )
+    batched = args.max_num_batched_tokens or max(
+        DEFAULT_MAX_NUM_BATCHED_TOKENS, model.max_model_len
+    )
+    scheduler = SchedulerConfig(
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=batched,
+        max_model_len=model.max_model_len,
+        policy=SchedulingPolicy(args.scheduling_policy),
+        enable_prefix_caching=args.enable_prefix_caching,
+    )
+    return EngineConfigs(
+        model,
+        runner,
+        scheduler,
+        args.tensor_parallel_size,
+        args.disable_hybrid_kv_cache_manager,
+    )
