@@ -1,0 +1,199 @@
+"""Tensor parallelism and Serve across the nodes of one Ray cluster (a head and two worker nodes,
+each with one CPU, on loopback addresses of this machine).
+
+The tests share the cluster and run in order: ranks of one engine on two nodes; two replicas of
+one model on two nodes; then a worker node lost under traffic (the cluster is one node short
+after it). Each node has one CPU, and each model replica reserves exactly one (replica 0.5 +
+rank 0.5), so replicas always land on different nodes and one node is left for a replacement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+from ray import serve
+from ray.serve.config import HTTPOptions
+
+from cluster.config.engine_args import EngineArgs
+from cluster.engine.client import collect
+from cluster.engine.executor.placement import PlacementSpec
+from cluster.engine.ray_client import RayEngineClient
+from cluster.engine.request import EngineRequest
+from cluster.llm import LLM
+from cluster.serve import build_openai_app
+from scheduler.request import SamplingParams
+from tests.helpers.ray_nodes import HEAD_IP, WORKER_IPS, RayNodes, driver, ray_nodes
+from tests.helpers.serve_app import free_port, llm_config, save_tiny_served_model, shutdown_serve
+from tests.helpers.traffic import Outcome, client, steady_traffic, stream_completion
+
+pytestmark = pytest.mark.ray
+
+APP = "openai"
+MODEL = "tiny"
+STEP_TIMEOUT_S = 10.0
+REPLACEMENT_S = 150.0
+"""A replacement replica starts two processes (replica, rank) that import torch: slow on 2 cores."""
+DEADLINE_S = 60.0
+"""A request still running this long after it was sent has hung."""
+ENGINE_KWARGS: dict[str, Any] = {"block_size": 4, "kv_cache_memory_bytes": 8 << 20}
+PROMPTS = [[5, 17, 33, 2, 9], [100, 3, 3, 42, 8, 1, 77], [7] * 12]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_served_model(tmp_path_factory.mktemp("multinode-model"))
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayNodes]:
+    with ray_nodes(tmp_path_factory.mktemp("nodes")) as nodes, driver(nodes):
+        yield nodes
+
+
+def test_tp2_with_one_rank_per_node_gives_the_in_process_tokens(
+    cluster: RayNodes, model_dir: Path
+) -> None:
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    in_process = LLM(str(model_dir), distributed_executor_backend="uni", **ENGINE_KWARGS)
+    try:
+        expected = [r.outputs[0].token_ids for r in in_process.generate(PROMPTS, greedy)]
+    finally:
+        in_process.shutdown()
+    args = EngineArgs(model=str(model_dir), tensor_parallel_size=2, **ENGINE_KWARGS)
+    spread = PlacementSpec(({"CPU": 1.0}, {"CPU": 1.0}), "STRICT_SPREAD")
+    engine = RayEngineClient.start(args, placement=spread)
+    try:
+        ranks = ray.get(engine.actor.worker_actor_names.remote())
+        rank_ips = [cluster.actor_ips(name) for name in ranks]
+        assert all(len(ips) == 1 for ips in rank_ips), rank_ips
+        assert len({next(iter(ips.values())) for ips in rank_ips}) == 2, rank_ips
+        streams = [
+            engine.add_request(EngineRequest(f"tp-{i}", tuple(prompt), greedy))
+            for i, prompt in enumerate(PROMPTS)
+        ]
+        assert [collect(stream).outputs[0].token_ids for stream in streams] == expected
+    finally:
+        engine.shutdown()
+
+
+def _app_config(model_dir: Path) -> dict[str, Any]:
+    """Two replicas of one CPU each (replica 0.5 + its rank 0.5); the ingress on the head."""
+    config = llm_config(model_dir, MODEL, worker_step_timeout_s=STEP_TIMEOUT_S)
+    config["deployment_config"] = {
+        "num_replicas": 2,
+        "ray_actor_options": {"num_cpus": 0.5},
+        "graceful_shutdown_timeout_s": 5,
+    }
+    config["placement_group_config"] = {"bundles": [{"CPU": 0.5}]}
+    ingress = {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}
+    return {"llm_configs": [config], "ingress_deployment_config": {"ray_actor_options": ingress}}
+
+
+@pytest.fixture(scope="module")
+def base_url(cluster: RayNodes, model_dir: Path) -> Iterator[str]:
+    port = free_port()
+    serve.start(proxy_location="HeadOnly", http_options=HTTPOptions(host=HEAD_IP, port=port))
+    try:
+        serve.run(build_openai_app(_app_config(model_dir)), name=APP, route_prefix="/")
+        yield f"http://{HEAD_IP}:{port}"
+    finally:
+        shutdown_serve()
+
+
+def _replica_ips(cluster: RayNodes) -> dict[str, str]:
+    """Alive replicas of the model: actor name -> node IP."""
+    return cluster.actor_ips(f"LLMServer:{MODEL}")
+
+
+def _ongoing(replica: str) -> int:
+    """Requests the replica is handling now (Serve's own count)."""
+    return int(ray.get(ray.get_actor(replica, namespace="serve").get_num_ongoing_requests.remote()))
+
+
+async def _burst(base_url: str, count: int) -> list[Outcome]:
+    api = client(base_url, DEADLINE_S)
+    try:
+        prompts = [" ".join(f"t{(i * 5 + j) % 200 + 1}" for j in range(8)) for i in range(count)]
+        return await asyncio.gather(
+            *(stream_completion(api, MODEL, prompt, 32, DEADLINE_S) for prompt in prompts)
+        )
+    finally:
+        await api.close()
+
+
+def test_two_replicas_on_two_nodes_both_serve(cluster: RayNodes, base_url: str) -> None:
+    replicas = _replica_ips(cluster)
+    assert len(replicas) == 2
+    assert len(set(replicas.values())) == 2, replicas
+    busiest = dict.fromkeys(replicas, 0)
+
+    async def burst_and_watch() -> list[Outcome]:
+        burst = asyncio.ensure_future(_burst(base_url, 16))
+        while not burst.done():
+            for replica in replicas:
+                load = await asyncio.to_thread(_ongoing, replica)
+                busiest[replica] = max(busiest[replica], load)
+            await asyncio.sleep(0.05)
+        return await burst
+
+    outcomes = asyncio.run(burst_and_watch())
+    assert all(outcome.completed for outcome in outcomes), [o.error for o in outcomes]
+    assert all(busiest.values()), busiest
+
+
+def _wait_for_replacement(cluster: RayNodes, lost_ip: str, timeout: float) -> None:
+    """Until two replicas run again, none on `lost_ip`."""
+    deadline = time.monotonic() + timeout
+    replicas: dict[str, str] = {}
+    while time.monotonic() < deadline:
+        replicas = _replica_ips(cluster)
+        states = serve.status().applications[APP].deployments[f"LLMServer:{MODEL}"].replica_states
+        if states == {"RUNNING": 2} and len(replicas) == 2 and lost_ip not in replicas.values():
+            return
+        time.sleep(1)
+    raise AssertionError(f"no replacement replica within {timeout} s: {replicas}")
+
+
+async def _kill_when_busy(cluster: RayNodes, lost_ip: str, replica: str) -> float:
+    """Kill the node at `lost_ip` once its replica is handling requests; when it was killed."""
+    while await asyncio.to_thread(_ongoing, replica) < 2:
+        await asyncio.sleep(0.05)
+    cluster.worker(lost_ip).kill()
+    return time.monotonic()
+
+
+def test_lost_worker_node_fails_its_requests_and_serve_replaces_the_replica(
+    cluster: RayNodes, base_url: str
+) -> None:
+    replicas = _replica_ips(cluster)
+    replica, lost_ip = next((n, ip) for n, ip in replicas.items() if ip in WORKER_IPS)
+    stop = asyncio.Event()
+    marks: dict[str, float] = {}
+
+    async def scenario() -> list[Outcome]:
+        traffic = asyncio.ensure_future(steady_traffic(base_url, MODEL, 4, stop, DEADLINE_S, 64))
+        marks["killed"] = await _kill_when_busy(cluster, lost_ip, replica)
+        await asyncio.to_thread(_wait_for_replacement, cluster, lost_ip, REPLACEMENT_S)
+        marks["replaced"] = time.monotonic()
+        await asyncio.sleep(3)
+        stop.set()
+        return await traffic
+
+    outcomes = asyncio.run(scenario())
+    assert not [o for o in outcomes if o.hung], "a request hung"
+    failed = [o for o in outcomes if not o.completed]
+    assert failed, "no request was on the lost node"
+    for outcome in failed:  # one line naming the cause, within the step deadline
+        assert outcome.status in (None, 503), outcome
+        assert "unavailable" in (outcome.error or ""), outcome
+        assert outcome.ended - marks["killed"] < STEP_TIMEOUT_S, outcome
+    during = [o for o in outcomes if marks["killed"] + STEP_TIMEOUT_S < o.started]
+    assert during
+    assert all(o.completed for o in during), [o.error for o in during]
+    assert any(o.started > marks["replaced"] for o in during)
