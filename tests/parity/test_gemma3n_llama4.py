@@ -25,6 +25,8 @@ from worker.attention import Attention, ForwardContext
 from worker.config import ModelConfig, ParallelConfig
 from worker.kv_cache import attention_layers, report_kv_cache_specs
 from worker.metadata_transforms import ChunkedLocalBatches, StepRows, apply_transforms
+from worker.models.decoder import attention_layer_name as _layer
+from worker.models.decoder import layer_prefix
 from worker.models.registry import get_model_class
 from worker.weights import iterate_weights
 
@@ -199,10 +201,6 @@ def test_llama4_greedy_tokens_match_transformers(llama4, disable_hybrid):
     assert [r.outputs[0].token_ids for r in results] == llama4.greedy
 
 
-def _layer(idx: int) -> str:
-    return f"model.layers.{idx}.self_attn.attn"
-
-
 def test_llama4_kv_sharing_same_tokens_with_truncated_prefill_and_hybrid_on_and_off(
     llama4_shared,
 ):
@@ -337,7 +335,7 @@ def test_gemma3n_loads_released_checkpoints_with_kv_tensors_on_shared_layers(gem
         ModelConfig.from_pretrained(gemma3n.path), ParallelConfig()
     )
     extra = [
-        (f"model.layers.{idx}.self_attn.{name}.weight", torch.zeros(1))
+        (f"{layer_prefix(idx)}self_attn.{name}.weight", torch.zeros(1))
         for idx in (3, 4, 5)
         for name in ("k_proj", "v_proj", "k_norm")
     ]

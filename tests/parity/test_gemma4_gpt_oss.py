@@ -28,6 +28,7 @@ from kernels import HAS_TRITON
 from scheduler.kv_cache.spec import UniformTypeKVCacheSpecs
 from tests.helpers.paged_driver import PagedDriver
 from tests.helpers.tiny_models import hf_greedy, load_our_model, random_eager_model
+from worker.models.decoder import attention_layer_name
 
 pytestmark = pytest.mark.parity
 
@@ -217,7 +218,7 @@ def test_gemma4_kv_groups_unify_page_sizes_and_fold_when_hybrid_is_off(gemma4):
     # Owners: sliding L0, L1, L3 (three groups of one) and global L2; L4, L5 share KV.
     assert sorted(group.spec.block_size for group in hybrid.groups) == [4, 8, 8, 8]
     (global_group,) = [g for g in hybrid.groups if g.spec.block_size == 4]
-    assert global_group.layer_names[0] == "model.layers.2.self_attn.attn"
+    assert global_group.layer_names[0] == attention_layer_name(2)
     assert global_group.spec.keys_from_values
     assert global_group.spec.page_size_bytes == 4 * 64 * 4  # one fp32 tensor per token
     sliding = [g.spec for g in hybrid.groups if g.spec.block_size == 8]

@@ -2,6 +2,7 @@
 
 Llama-style norms multiply by `w` after casting back to the input dtype; Gemma-style norms
 multiply the fp32 result by `(1 + w)` and cast last. Both orders are kept for bit-close parity.
+`unscaled_rms` normalises without a learned scale.
 """
 
 from __future__ import annotations
@@ -31,3 +32,9 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, add_unit_offset={self.add_unit_offset}"
+
+
+def unscaled_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMS normalization without a learned scale (Gemma 3n / 4's value norm), in fp32."""
+    xf = x.float()
+    return (xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)).type_as(x)

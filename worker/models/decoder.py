@@ -72,6 +72,17 @@ class LayerOptions:
     """Earlier layer whose KV cache this layer reads (config key `kv_sharing_targets`)."""
 
 
+def layer_prefix(layer_idx: int) -> str:
+    """The name prefix of decoder layer `layer_idx`'s modules and checkpoint tensors."""
+    return f"model.layers.{layer_idx}."
+
+
+def attention_layer_name(layer_idx: int) -> str:
+    """The name of decoder layer `layer_idx`'s paged attention layer: the key of its KV cache
+    spec, of its attention group and of the layers that share its KV cache."""
+    return f"{layer_prefix(layer_idx)}self_attn.attn"
+
+
 def head_size_of(hf_config: PretrainedConfig) -> int:
     """`head_dim` when the config sets it, else hidden_size / num_attention_heads."""
     head_dim = getattr(hf_config, "head_dim", None)
@@ -107,7 +118,7 @@ class DecoderAttention(nn.Module):
             self.k_norm = RMSNorm(head_size, eps, add_unit_offset=options.gemma_norm)
         self.attn = Attention(
             AttentionConfig(
-                layer_name=f"model.layers.{layer_idx}.self_attn.attn",
+                layer_name=attention_layer_name(layer_idx),
                 num_heads=self.qkv_proj.num_heads,
                 num_kv_heads=self.qkv_proj.num_kv_heads,
                 head_size=head_size,
@@ -117,7 +128,7 @@ class DecoderAttention(nn.Module):
                 kv_sharing_target=(
                     None
                     if layer.kv_sharing_target is None
-                    else f"model.layers.{layer.kv_sharing_target}.self_attn.attn"
+                    else attention_layer_name(layer.kv_sharing_target)
                 ),
                 has_sinks=options.attention_sinks,
             )

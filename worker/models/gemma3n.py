@@ -9,7 +9,6 @@ Numerics follow transformers' `Gemma3nTextModel` (fp32 norms, magnitude-matched 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -17,39 +16,27 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from worker.attention import ForwardContext
-from worker.config import ModelConfig, ParallelConfig
+from worker.config import ParallelConfig
 from worker.decoder_loop import DecoderLayerLoop
 from worker.layers.embedding import VocabParallelEmbedding
 from worker.layers.linear import ReplicatedLinear
-from worker.layers.loading import WeightSource
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RopeTables, RotaryEmbedding, rope_parameters
-from worker.models.decoder import DecoderForCausalLM, DecoderOptions
 from worker.models.gemma3n_layers import (
     AltUp,
-    Gemma3nAttention,
     Gemma3nMLP,
     Laurel,
     PerLayerInputs,
     match_magnitude,
 )
-from worker.weights import load_named_weights
+from worker.models.gemma_shared_kv import (
+    SharedKVAttention,
+    SharedKVForCausalLM,
+    kv_sharing_targets,
+)
 
 Inputs = tuple[dict[str, RopeTables], torch.Tensor]
 """Per-token layer inputs: rope tables by layer type, per-layer inputs [T, layers, P]."""
-
-
-def kv_sharing_targets(hf_config: PretrainedConfig) -> dict[int, int]:
-    """Shared layer -> the last non-shared layer of the same type before the shared run."""
-    types = list(hf_config.layer_types)
-    first_shared = hf_config.num_hidden_layers - (hf_config.num_kv_shared_layers or 0)
-    targets = {}
-    for idx in range(first_shared, hf_config.num_hidden_layers):
-        owners = [j for j in range(first_shared) if types[j] == types[idx]]
-        if not owners:
-            raise ValueError(f"Gemma 3n layer {idx} ({types[idx]}) has no earlier layer to share")
-        targets[idx] = owners[-1]
-    return targets
 
 
 class Gemma3nDecoderLayer(nn.Module):
@@ -62,7 +49,7 @@ class Gemma3nDecoderLayer(nn.Module):
         super().__init__()
         hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
         per_layer = hf_config.hidden_size_per_layer_input
-        self.self_attn = Gemma3nAttention(hf_config, idx, target, parallel)
+        self.self_attn = SharedKVAttention(hf_config, idx, target, parallel)
         self.mlp = Gemma3nMLP(hf_config, idx, parallel)
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
@@ -156,37 +143,8 @@ class Gemma3nModel(PerLayerInputs):
         return normed
 
 
-class Gemma3nForCausalLM(DecoderForCausalLM):
+class Gemma3nForCausalLM(SharedKVForCausalLM):
     """Gemma 3n text-only causal LM (`Gemma3nForCausalLM` / `Gemma3nTextConfig`)."""
-
-    tie_word_embeddings_default = True
-
-    def __init__(self, model_config: ModelConfig, parallel: ParallelConfig) -> None:
-        super().__init__(model_config, parallel)
-        self.shared_layers = set(kv_sharing_targets(model_config.hf_config))
 
     def build_model(self, hf_config: PretrainedConfig, parallel: ParallelConfig) -> nn.Module:
         return Gemma3nModel(hf_config, parallel)
-
-    @classmethod
-    def decoder_options(cls, hf_config: PretrainedConfig) -> DecoderOptions:
-        cap = getattr(hf_config, "final_logit_softcapping", None)
-        return DecoderOptions(
-            hidden_act=hf_config.hidden_activation,
-            attn_scale=1.0,
-            final_softcap=float(cap) if cap is not None else None,
-        )
-
-    def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> set[str]:
-        """Shared layers hold only a query projection: their `q_proj` is not packed into qkv,
-        and the K/V tensors some checkpoints still carry for them are not loaded."""
-        shared = [f"model.layers.{idx}.self_attn." for idx in sorted(self.shared_layers)]
-        skip = [f"{p}{part}." for p in shared for part in ("k_proj", "v_proj", "k_norm", "v_norm")]
-        if self.tie_word_embeddings:
-            skip.append("lm_head.")
-        queries = tuple(f"{p}q_proj." for p in shared)
-        renamed = (
-            (name.replace(".q_proj.", ".query_proj.") if name.startswith(queries) else name, w)
-            for name, w in weights
-        )
-        return load_named_weights(self, renamed, skip_prefixes=skip)

@@ -1,4 +1,4 @@
-"""Building blocks of Gemma 3n's text decoder: attention, AltUp streams, LAuReL, sparse MLP.
+"""Building blocks of Gemma 3n's text decoder: AltUp streams, LAuReL, sparse MLP, per-layer inputs.
 
 Used by `worker.models.gemma3n`; numerics follow transformers' Gemma 3n modules.
 """
@@ -13,27 +13,16 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from worker.attention import Attention, AttentionConfig, ForwardContext
 from worker.config import ParallelConfig
 from worker.distributed import all_reduce
 from worker.layers.embedding import VocabParallelEmbedding
 from worker.layers.linear import (
-    ColumnParallelLinear,
     MergedColumnParallelLinear,
-    QKVParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
 )
 from worker.layers.loading import default_weight_loader, new_parameter
 from worker.layers.norm import RMSNorm
-from worker.layers.rotary import RopeTables, apply_rotary
-from worker.models.decoder import window_from_layer_types
-
-
-def unscaled_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMS normalization without a learned scale (the value norm), in fp32."""
-    xf = x.float()
-    return (xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)).type_as(x)
 
 
 def match_magnitude(x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -121,57 +110,6 @@ class Gemma3nMLP(nn.Module):
             gate = self._gaussian_topk(gate)
         out: torch.Tensor = self.down_proj(self.act(gate) * up)
         return out
-
-
-def _attn_name(layer_idx: int) -> str:
-    return f"model.layers.{layer_idx}.self_attn.attn"
-
-
-class Gemma3nAttention(nn.Module):
-    """q/k norms, unscaled value norm, rope, scale 1; shared layers only project queries."""
-
-    def __init__(
-        self, hf_config: PretrainedConfig, idx: int, target: int | None, parallel: ParallelConfig
-    ) -> None:
-        super().__init__()
-        hidden, eps, bias = hf_config.hidden_size, hf_config.rms_norm_eps, hf_config.attention_bias
-        self.head_size = size = hf_config.head_dim
-        heads, kv_heads = hf_config.num_attention_heads, hf_config.num_key_value_heads
-        tp_size = parallel.tp_size
-        self.eps, self.is_shared = eps, target is not None
-        self.q_norm = RMSNorm(size, eps)
-        if target is None:
-            self.qkv_proj = QKVParallelLinear(hidden, size, heads, kv_heads, parallel, bias=bias)
-            self.k_norm = RMSNorm(size, eps)
-        else:  # NOTE: the checkpoint's `q_proj` is renamed here (see `load_weights`)
-            self.query_proj = ColumnParallelLinear(hidden, heads * size, parallel, bias=bias)
-        self.o_proj = RowParallelLinear(heads * size, hidden, parallel, bias=bias)
-        self.attn = Attention(
-            AttentionConfig(
-                layer_name=_attn_name(idx),
-                num_heads=heads // tp_size,
-                num_kv_heads=max(1, kv_heads // tp_size),  # as QKVParallelLinear splits them
-                head_size=size,
-                scale=1.0,
-                sliding_window=window_from_layer_types(hf_config, idx),
-                kv_sharing_target=None if target is None else _attn_name(target),
-            )
-        )
-
-    def forward(self, x: torch.Tensor, rope: RopeTables, ctx: ForwardContext) -> torch.Tensor:
-        num_tokens, size = x.shape[0], self.head_size
-        if self.is_shared:
-            q, k, v = self.query_proj(x), x.new_empty(0), x.new_empty(0)
-        else:
-            q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-            k = apply_rotary(self.k_norm(k.reshape(num_tokens, -1, size)), rope)
-            v = unscaled_rms(v.reshape(num_tokens, -1, size), self.eps)
-        q = apply_rotary(self.q_norm(q.reshape(num_tokens, -1, size)), rope)
-        out = self.attn(
-            q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v.reshape(num_tokens, -1), ctx
-        )
-        projected: torch.Tensor = self.o_proj(out)
-        return projected
 
 
 class PerLayerInputs(nn.Module):

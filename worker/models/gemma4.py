@@ -5,15 +5,13 @@ Sliding layers attend within `sliding_window` with the sliding head size; global
 `per_layer_config` (a larger head, fewer KV heads, "proportional" rope rotating a fraction of
 the features). With `attention_k_eq_v` global layers have no value projection and cache one
 tensor, from which the kernel rebuilds the keys (see `Gemma4Attention`). The last
-`num_kv_shared_layers` layers own no KV: each reads the cache of the last earlier layer of its
-own type (the generic KV sharing, so truncated prefill applies). With `enable_moe_block` each
-layer adds a routed-expert branch beside the dense MLP. Numerics follow transformers'
-`Gemma4TextModel` (norms scale by w, not 1 + w; attention scale 1; a learned layer scalar).
+`num_kv_shared_layers` layers own no KV (see `worker.models.gemma_shared_kv`). With
+`enable_moe_block` each layer adds a routed-expert branch beside the dense MLP. Numerics follow
+transformers' `Gemma4TextModel` (norms scale by w, not 1 + w; attention scale 1; a learned layer
+scalar).
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -25,21 +23,13 @@ from worker.config import ModelConfig, ParallelConfig
 from worker.decoder_loop import DecoderLayerLoop
 from worker.layers.embedding import VocabParallelEmbedding
 from worker.layers.linear import ReplicatedLinear
-from worker.layers.loading import WeightSource, default_weight_loader, new_parameter
+from worker.layers.loading import default_weight_loader, new_parameter
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RopeTables, RotaryEmbedding, rope_parameters
-from worker.models.decoder import DecoderForCausalLM, DecoderOptions
-from worker.models.gemma3n import kv_sharing_targets
 from worker.models.gemma3n_layers import PerLayerInputs
-from worker.models.gemma4_layers import (
-    Gemma4Attention,
-    Gemma4Experts,
-    Gemma4Router,
-    layer_shape,
-    uses_k_as_v,
-)
+from worker.models.gemma4_layers import Gemma4Attention, Gemma4Experts, Gemma4Router
+from worker.models.gemma_shared_kv import SharedKVForCausalLM, kv_sharing_targets
 from worker.models.llama4_moe import Llama4MLP
-from worker.weights import load_named_weights
 
 Inputs = tuple[dict[str, RopeTables], torch.Tensor]
 """Per-token layer inputs: rope tables by layer type, per-layer inputs [T, layers, P] (P = 0
@@ -120,12 +110,13 @@ class Gemma4Model(PerLayerInputs):
             for idx in range(num_layers)
         ]
         for idx, target in targets.items():
-            if uses_k_as_v(hf_config, idx):
+            if Gemma4Attention.caches_values_only(hf_config, idx):
                 layers[idx].self_attn.read_keys_of(layers[target].self_attn)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hidden, hf_config.rms_norm_eps)
         head_sizes = {
-            kind: layer_shape(hf_config, self.types.index(kind))[0] for kind in self.types
+            kind: Gemma4Attention.layer_shape(hf_config, self.types.index(kind))[0]
+            for kind in self.types
         }
         self.rotary_emb = nn.ModuleDict(
             {
@@ -162,10 +153,8 @@ class Gemma4Model(PerLayerInputs):
         return normed
 
 
-class Gemma4ForCausalLM(DecoderForCausalLM):
+class Gemma4ForCausalLM(SharedKVForCausalLM):
     """Gemma 4 text-only causal LM (`Gemma4ForCausalLM` / `Gemma4TextConfig`)."""
-
-    tie_word_embeddings_default = True
 
     def __init__(self, model_config: ModelConfig, parallel: ParallelConfig) -> None:
         hf_config = model_config.hf_config
@@ -173,36 +162,6 @@ class Gemma4ForCausalLM(DecoderForCausalLM):
             raise ValueError("Gemma 4 with bidirectional attention cannot be served as a decoder")
         # "vision" makes only image tokens attend bidirectionally: text serving is causal.
         super().__init__(model_config, parallel)
-        self.shared_layers = set(kv_sharing_targets(hf_config))
 
     def build_model(self, hf_config: PretrainedConfig, parallel: ParallelConfig) -> nn.Module:
         return Gemma4Model(hf_config, parallel)
-
-    @classmethod
-    def decoder_options(cls, hf_config: PretrainedConfig) -> DecoderOptions:
-        cap = getattr(hf_config, "final_logit_softcapping", None)
-        return DecoderOptions(
-            hidden_act=hf_config.hidden_activation,
-            attn_scale=1.0,
-            final_softcap=float(cap) if cap is not None else None,
-        )
-
-    def _renamed(
-        self, weights: Iterable[tuple[str, WeightSource]]
-    ) -> Iterator[tuple[str, WeightSource]]:
-        """Shared layers' `q_proj` -> `query_proj`."""
-        shared = tuple(f"model.layers.{idx}.self_attn.q_proj." for idx in self.shared_layers)
-        for name, weight in weights:
-            if name.startswith(shared):
-                yield name.replace(".q_proj.", ".query_proj."), weight
-                continue
-            yield name, weight
-
-    def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> set[str]:
-        """Checkpoint K/V tensors of shared layers (which released checkpoints may carry) are
-        not loaded; see `_renamed` for the other renames."""
-        shared = [f"model.layers.{idx}.self_attn." for idx in sorted(self.shared_layers)]
-        skip = [f"{p}{part}." for p in shared for part in ("k_proj", "v_proj", "k_norm", "v_norm")]
-        if self.tie_word_embeddings:
-            skip.append("lm_head.")
-        return load_named_weights(self, self._renamed(weights), skip_prefixes=skip)

@@ -14,14 +14,10 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from kernels.reference import KeyFromValue
-from worker.attention import Attention, AttentionConfig, ForwardContext
 from worker.config import ParallelConfig
 from worker.distributed import all_reduce
 from worker.layers.linear import (
-    ColumnParallelLinear,
-    QKVParallelLinear,
     ReplicatedLinear,
-    RowParallelLinear,
     divide,
 )
 from worker.layers.loading import (
@@ -32,30 +28,13 @@ from worker.layers.loading import (
     new_parameter,
     read_part,
 )
-from worker.layers.norm import RMSNorm
-from worker.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary, rope_parameters
-from worker.models.decoder import window_from_layer_types
-from worker.models.gemma3n_layers import unscaled_rms
+from worker.layers.norm import unscaled_rms
+from worker.layers.rotary import RotaryEmbedding, rope_parameters
+from worker.models.gemma_shared_kv import SharedKVAttention
 
 
-def attn_name(layer_idx: int) -> str:
-    """The paged attention layer's name (KV sharing targets are named this way)."""
-    return f"model.layers.{layer_idx}.self_attn.attn"
-
-
-def layer_shape(hf_config: PretrainedConfig, idx: int) -> tuple[int, int]:
-    """(head size, KV heads) of layer `idx`: global layers have their own (`per_layer_config`)."""
-    layer_config = hf_config.per_layer_config[idx]
-    return int(layer_config.head_dim), int(layer_config.num_key_value_heads)
-
-
-def uses_k_as_v(hf_config: PretrainedConfig, idx: int) -> bool:
-    """Global layers of `attention_k_eq_v` models have no value projection: V comes from K."""
-    return bool(hf_config.attention_k_eq_v) and hf_config.layer_types[idx] != "sliding_attention"
-
-
-class Gemma4Attention(nn.Module):
-    """q/k norms, unscaled value norm, rope, scale 1; KV-sharing layers only project queries.
+class Gemma4Attention(SharedKVAttention):
+    """The shared-KV attention with per-layer shapes, and K = V on global layers.
 
     Where K = V (no value projection) V is the key projection normalised without a scale and
     not rotated, and K is that same tensor times the k-norm weight, rotated. The layer then
@@ -66,37 +45,25 @@ class Gemma4Attention(nn.Module):
     def __init__(
         self, hf_config: PretrainedConfig, idx: int, target: int | None, parallel: ParallelConfig
     ) -> None:
-        super().__init__()
-        hidden, eps, bias = hf_config.hidden_size, hf_config.rms_norm_eps, hf_config.attention_bias
-        self.head_size, kv_heads = layer_shape(hf_config, idx)
-        size, heads = self.head_size, hf_config.num_attention_heads
-        self.eps, self.is_shared = eps, target is not None
-        self.keys_from_values = uses_k_as_v(hf_config, idx)
-        self.q_norm = RMSNorm(size, eps)
-        if target is None:
-            self.qkv_proj = QKVParallelLinear(
-                hidden, size, heads, kv_heads, parallel, bias, with_value=not self.keys_from_values
-            )
-            self.k_norm = RMSNorm(size, eps)
-        else:  # NOTE: the checkpoint's `q_proj` is renamed here (see `load_weights`)
-            self.query_proj = ColumnParallelLinear(hidden, heads * size, parallel, bias=bias)
-        self.o_proj = RowParallelLinear(heads * size, hidden, parallel, bias=bias)
-        self.attn = Attention(
-            AttentionConfig(
-                layer_name=attn_name(idx),
-                num_heads=heads // parallel.tp_size,
-                num_kv_heads=max(1, kv_heads // parallel.tp_size),  # as QKVParallelLinear does
-                head_size=size,
-                scale=1.0,
-                sliding_window=window_from_layer_types(hf_config, idx),
-                kv_sharing_target=None if target is None else attn_name(target),
-                keys_from_values=self.keys_from_values,
-            )
-        )
+        super().__init__(hf_config, idx, target, parallel)
         if self.keys_from_values:
             params = rope_parameters(hf_config, hf_config.layer_types[idx])
-            self.key_rope = RotaryEmbedding(size, params)
+            self.key_rope = RotaryEmbedding(self.head_size, params)
             self._key_source: Callable[[], KeyFromValue] = self.key_from_value
+
+    @staticmethod
+    def layer_shape(hf_config: PretrainedConfig, idx: int) -> tuple[int, int]:
+        """(head size, KV heads) of layer `idx`: global layers have their own
+        (`per_layer_config`)."""
+        layer_config = hf_config.per_layer_config[idx]
+        return int(layer_config.head_dim), int(layer_config.num_key_value_heads)
+
+    @staticmethod
+    def caches_values_only(hf_config: PretrainedConfig, idx: int) -> bool:
+        """Global layers of `attention_k_eq_v` models have no value projection: V comes from K."""
+        return (
+            bool(hf_config.attention_k_eq_v) and hf_config.layer_types[idx] != "sliding_attention"
+        )
 
     def key_from_value(self) -> KeyFromValue:
         """How the kernel rebuilds this layer's keys from its cached values."""
@@ -107,26 +74,8 @@ class Gemma4Attention(nn.Module):
         """A KV-sharing layer over a K = V cache rebuilds keys as its target does."""
         self._key_source = target.key_from_value
 
-    def forward(self, x: torch.Tensor, rope: RopeTables, ctx: ForwardContext) -> torch.Tensor:
-        num_tokens, size = x.shape[0], self.head_size
-        if self.is_shared:
-            q, k, v = self.query_proj(x), x.new_empty(0), x.new_empty(0)
-        else:
-            q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-            v = unscaled_rms(v.reshape(num_tokens, -1, size), self.eps)
-            if not self.keys_from_values:  # else the kernel rebuilds the keys from v
-                k = apply_rotary(self.k_norm(k.reshape(num_tokens, -1, size)), rope)
-        q = apply_rotary(self.q_norm(q.reshape(num_tokens, -1, size)), rope)
-        derive = self._key_source() if self.keys_from_values else None
-        out = self.attn(
-            q.reshape(num_tokens, -1),
-            k.reshape(num_tokens, -1),
-            v.reshape(num_tokens, -1),
-            ctx,
-            key_from_value=derive,
-        )
-        projected: torch.Tensor = self.o_proj(out)
-        return projected
+    def key_from_value_source(self) -> KeyFromValue | None:
+        return self._key_source() if self.keys_from_values else None
 
 
 class Gemma4Router(nn.Module):

@@ -23,15 +23,16 @@ from worker.layers.embedding import VocabParallelEmbedding
 from worker.layers.linear import QKVParallelLinear, RowParallelLinear
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RopeTables, RotaryEmbedding, rope_parameters
-from worker.models.decoder import DecoderForCausalLM, DecoderOptions, head_size_of
+from worker.models.decoder import (
+    DecoderForCausalLM,
+    DecoderOptions,
+    attention_layer_name,
+    head_size_of,
+)
 from worker.models.llama4_moe import Llama4MLP, Llama4MoE
 
 Inputs = tuple[torch.Tensor, RopeTables]
 """Per-token layer inputs: positions [T] and the rope tables."""
-
-
-def _attn_name(layer_idx: int) -> str:
-    return f"model.layers.{layer_idx}.self_attn.attn"
 
 
 def _rotate_pairs(x: torch.Tensor, rope: RopeTables) -> torch.Tensor:
@@ -70,13 +71,13 @@ class Llama4Attention(nn.Module):
         is_chunked = hf_config.layer_types[idx] == "chunked_attention"
         self.attn = Attention(
             AttentionConfig(
-                layer_name=_attn_name(idx),
+                layer_name=attention_layer_name(idx),
                 num_heads=self.qkv_proj.num_heads,
                 num_kv_heads=self.qkv_proj.num_kv_heads,
                 head_size=self.head_size,
                 scale=self.head_size**-0.5,
                 attention_chunk_size=hf_config.attention_chunk_size if is_chunked else None,
-                kv_sharing_target=None if target is None else _attn_name(target),
+                kv_sharing_target=None if target is None else attention_layer_name(target),
             )
         )
 

@@ -23,7 +23,7 @@ from worker.layers.loading import WeightSource
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary
 from worker.mamba import MambaConfig, MambaMixer2
-from worker.models.decoder import DecoderAttention, DecoderForCausalLM
+from worker.models.decoder import DecoderAttention, DecoderForCausalLM, layer_prefix
 
 MAMBA = "mamba"
 ATTENTION = "attention"
@@ -59,7 +59,7 @@ class HybridLayerSpec:
 
 def mamba_config(hf_config: PretrainedConfig, layer_idx: int, **sizes: object) -> MambaConfig:
     """A `MambaConfig` for layer `layer_idx`: the sizes given, named as in `MambaConfig`."""
-    return MambaConfig(layer_name=f"model.layers.{layer_idx}.mamba", **sizes)  # type: ignore[arg-type]
+    return MambaConfig(layer_name=f"{layer_prefix(layer_idx)}mamba", **sizes)  # type: ignore[arg-type]
 
 
 class HybridLayer(nn.Module):

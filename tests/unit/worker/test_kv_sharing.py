@@ -8,6 +8,7 @@ import pytest
 
 from worker.attention_groups import AttentionGroupPlan, plan_attention_groups
 from worker.metadata_transforms import truncated_prefill_layers
+from worker.models.decoder import attention_layer_name as _layer
 
 
 def _names(count: int) -> list[str]:
@@ -301,10 +302,6 @@ def test_a_target_of_another_attention_type_is_rejected(target_extra, sharer_ext
     prefix = r"'L1' reads the KV cache of 'L0': different attention type \("
     with pytest.raises(ValueError, match=prefix + message):
         _build_from_report(layers)
-
-
-def _layer(idx: int) -> str:
-    return f"model.layers.{idx}.self_attn.attn"
 
 
 ENGINE_INVALID = [
