@@ -14,6 +14,9 @@ from dataclasses import dataclass
 
 import openai
 
+UNAVAILABLE_TYPE = "service_unavailable"
+"""OpenAI's error type of a 503 (the error events of a failed stream carry it too)."""
+
 
 @dataclass(frozen=True)
 class Outcome:
@@ -32,6 +35,13 @@ class Outcome:
     @property
     def seconds(self) -> float:
         return self.ended - self.started
+
+    @property
+    def is_unavailable(self) -> bool:
+        """Failed with OpenAI's 503 shape: as the HTTP status, or as a stream's error event."""
+        return not self.completed and (
+            self.status == 503 or (self.error or "").startswith(UNAVAILABLE_TYPE)
+        )
 
 
 def client(base_url: str, deadline_s: float, api_key: str = "unused") -> openai.AsyncOpenAI:
@@ -73,7 +83,8 @@ async def stream_completion(
             "good", started, time.monotonic(), status=error.status_code, error=str(error)
         )
     except openai.APIError as error:  # an error event mid-stream, or the connection broke
-        return Outcome("good", started, time.monotonic(), error=f"{type(error).__name__}: {error}")
+        kind = error.type or type(error).__name__
+        return Outcome("good", started, time.monotonic(), error=f"{kind}: {error}")
     if not finished:
         return Outcome("good", started, time.monotonic(), error="stream ended without a finish")
     return Outcome("good", started, time.monotonic(), completed=True)
