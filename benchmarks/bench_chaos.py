@@ -60,7 +60,8 @@ def _serve(args: argparse.Namespace) -> str:
 
     config = llm_config(_model_dir(args), MODEL_ID, worker_step_timeout_s=args.step_timeout)
     if args.default_model or args.model:
-        config["engine_kwargs"].update({"block_size": 16, "kv_cache_memory_bytes": 256 << 20})
+        kv = {"block_size": 16, "kv_cache_memory_bytes": 256 << 20, "max_model_len": 2048}
+        config["engine_kwargs"].update(kv)
     ingress = {"ray_actor_options": {"num_cpus": 0.25}}
     start_local_ray()
     port = free_port()
