@@ -19,7 +19,7 @@ import torch
 
 import kernels
 from cluster import LLM, SamplingParams
-from cluster.engine import executor
+from cluster.engine.executor import rank_channel
 from tests.helpers.engine_probe import engine_stats
 from tests.helpers.tiny_models import WINDOW, hf_greedy, save_tiny_model
 
@@ -121,7 +121,7 @@ def test_tensor_parallel_2_matches_tp_1(
     try:
         assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == expected
         with monkeypatch.context() as patch:
-            patch.setattr(executor, "wait", _interrupt_on_call(3, executor.wait))
+            patch.setattr(rank_channel, "wait", _interrupt_on_call(3, rank_channel.wait))
             with pytest.raises(KeyboardInterrupt):
                 llm.generate(prompts, GREEDY, use_tqdm=False)
         assert not llm.client.core.has_unfinished_requests()

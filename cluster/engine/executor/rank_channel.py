@@ -141,18 +141,31 @@ class RankChannels:
         """The deadline of the call now waiting for replies (None: idle)."""
         self.is_broken = False
         """A call failed midway: replies may be owed, so no further call may be sent."""
+        self._unread: dict[int, Connection] = {}
+        """Ranks whose reply to the last call sent has not been read yet."""
 
     def call(self, method: str, args: tuple[object, ...], deadline: Deadline) -> list[object]:
-        """Run `method(*args)` on every rank; results in rank order (a rank's error raised)."""
+        """Run `method(*args)` on every rank; results in rank order (a rank's error raised).
+
+        A call interrupted by Ctrl-C leaves its replies owed: the next call reads and drops
+        them first, so a reply is never taken for the answer to a later call.
+        """
         if self.is_broken:
             raise RankDeadError("the ranks' connections failed earlier; restart the workers")
         payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
         self.is_broken = True  # until every reply is read
         self.deadline = deadline
         try:
+            if self._unread:
+                logger.warning("dropping the replies of an interrupted call")
+                self._read_replies("an interrupted call", deadline)
             for rank, conn in enumerate(self._conns):
                 self._send(rank, conn, payload)
+                self._unread[rank] = conn
             results = self._read_replies(method, deadline)
+        except KeyboardInterrupt:
+            self.is_broken = False  # the ranks are fine; their replies are still owed
+            raise
         finally:
             self.deadline = None
         self.is_broken = False
@@ -185,7 +198,7 @@ class RankChannels:
 
     def _read_replies(self, method: str, deadline: Deadline) -> list[object]:
         results: list[object] = [None] * len(self._conns)
-        unread = dict(enumerate(self._conns))
+        unread = self._unread
         while unread:
             wait_s = min(_POLL_S, deadline.remaining())
             if wait_s <= 0:
