@@ -26,14 +26,13 @@ import torch.multiprocessing as mp
 from cluster.config.engine_args import EngineArgs
 from cluster.engine.configs import EngineConfigs
 from cluster.engine.executor.base import LocalTokenizer, worker_spec
+from cluster.engine.executor.channel_executor import ChannelExecutor
 from cluster.engine.executor.rank_channel import (
-    Deadline,
     RankChannels,
     RankDeadError,
     RankTarget,
     serve_rank,
 )
-from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from worker.worker import Worker, WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -45,7 +44,7 @@ _RESTART_JOIN_TIMEOUT_S = 1.0
 """After a failure the ranks may be stuck in a collective: they get this long, then are killed."""
 
 
-class MultiprocExecutor(LocalTokenizer):
+class MultiprocExecutor(ChannelExecutor, LocalTokenizer):
     """The `Executor` over spawned processes, one per rank."""
 
     def __init__(self, args: EngineArgs, configs: EngineConfigs) -> None:
@@ -64,23 +63,6 @@ class MultiprocExecutor(LocalTokenizer):
         """Process IDs of the ranks, in rank order (for operators and fault-injection tests)."""
         return [proc.pid for proc in self._procs]
 
-    def collective_rpc(self, method: str, *args: object) -> list[object]:
-        """A set-up call (KV specs, memory, KV cache): bounded by `worker_start_timeout_s`."""
-        deadline = Deadline.after(self.args.worker_start_timeout_s, "worker_start_timeout_s")
-        return self._require_channels().call(method, args, deadline)
-
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        deadline = Deadline.after(self.args.worker_step_timeout_s, "worker_step_timeout_s")
-        output = self._require_channels().call("execute", (scheduler_output,), deadline)[0]
-        assert isinstance(output, ModelRunnerOutput), "rank 0 always returns an output"
-        return output
-
-    def check_health(self) -> None:
-        """Raise RuntimeError if a rank died or the call in flight is past its deadline."""
-        channels = self._require_channels()
-        self._check_alive()
-        channels.check_overdue()
-
     def restart(self) -> bool:
         """Replace every rank by a new process; KV caches must be set up again."""
         logger.warning("restarting the %d rank process(es)", len(self._procs))
@@ -97,7 +79,7 @@ class MultiprocExecutor(LocalTokenizer):
         self._stop_ranks(_JOIN_TIMEOUT_S)
 
     def _start_ranks(self) -> None:
-        deadline = Deadline.after(self.args.worker_start_timeout_s, "worker_start_timeout_s")
+        deadline = self._start_deadline()
         tp_size = self.configs.tensor_parallel_size
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         num_threads = max(1, (os.cpu_count() or 1) // tp_size)
@@ -126,11 +108,6 @@ class MultiprocExecutor(LocalTokenizer):
             code = proc.exitcode
             if code is not None:
                 raise RankDeadError(f"tensor-parallel rank {rank} died ({_exit_reason(code)})")
-
-    def _require_channels(self) -> RankChannels:
-        if self._channels is None:
-            raise RuntimeError("the executor's workers are not running")
-        return self._channels
 
     def _stop_ranks(self, join_timeout_s: float) -> None:
         """Ask the ranks to leave; kill those still there after `join_timeout_s` in all."""

@@ -30,10 +30,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.config.engine_args import EngineArgs
 from cluster.engine.configs import EngineConfigs
+from cluster.engine.executor.channel_executor import ChannelExecutor
 from cluster.engine.executor.placement import PlacementSpec, RankPlacement, acquire_placement
 from cluster.engine.executor.rank_channel import Deadline, RankChannels, RankDeadError
 from cluster.engine.executor.ray_worker import WorkerActor
-from scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ _STOP_WAIT_S = 2.0
 _RemoteWorker: Any = ray.remote(max_concurrency=2)(WorkerActor)  # type: ignore[call-overload]
 
 
-class RayExecutor:
+class RayExecutor(ChannelExecutor):
     """The `Executor` over Ray actors, one per rank."""
 
     configs: EngineConfigs
@@ -73,22 +73,6 @@ class RayExecutor:
     def actor_names(self) -> list[str]:
         """Names of the live rank actors, in rank order."""
         return [f"{self.name}-rank{rank}" for rank in range(len(self._actors))]
-
-    def collective_rpc(self, method: str, *args: object) -> list[object]:
-        """A set-up call (KV specs, memory, KV cache): bounded by `worker_start_timeout_s`."""
-        return self._require_channels().call(method, args, self._start_deadline())
-
-    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        deadline = Deadline.after(self.args.worker_step_timeout_s, "worker_step_timeout_s")
-        output = self._require_channels().call("execute", (scheduler_output,), deadline)[0]
-        assert isinstance(output, ModelRunnerOutput), "rank 0 always returns an output"
-        return output
-
-    def check_health(self) -> None:
-        """Raise RuntimeError if a rank died or the call in flight is past its deadline."""
-        channels = self._require_channels()
-        self._check_alive()
-        channels.check_overdue()
 
     def load_tokenizer(self) -> Any:
         return _get(self._actors[0].load_tokenizer.remote(), self._start_deadline())
@@ -163,11 +147,6 @@ class RayExecutor:
         except ray.exceptions.RayError as exc:
             reason = str(exc).strip().splitlines()[0]
         raise RankDeadError(f"tensor-parallel rank {rank} died: {reason}")
-
-    def _require_channels(self) -> RankChannels:
-        if self._channels is None:
-            raise RuntimeError("the executor's workers are not running")
-        return self._channels
 
     def _stop_ranks(self) -> None:
         if self._channels is not None:

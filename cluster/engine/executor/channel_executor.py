@@ -1,0 +1,48 @@
+"""`ChannelExecutor`: what the executors whose ranks sit behind `RankChannels` (mp and Ray) do
+alike — set-up calls bounded by `worker_start_timeout_s`, steps by `worker_step_timeout_s`, and
+the health check (a dead rank, or a call past its deadline).
+
+A subclass opens `_channels` when its ranks start and says how to tell a dead rank
+(`_check_alive`).
+"""
+
+from __future__ import annotations
+
+from cluster.config.engine_args import EngineArgs
+from cluster.engine.executor.rank_channel import Deadline, RankChannels
+from scheduler.output import ModelRunnerOutput, SchedulerOutput
+
+
+class ChannelExecutor:
+    """The calls of an executor whose ranks answer over `RankChannels`."""
+
+    args: EngineArgs
+    _channels: RankChannels | None
+
+    def collective_rpc(self, method: str, *args: object) -> list[object]:
+        """A set-up call (KV specs, memory, KV cache): bounded by `worker_start_timeout_s`."""
+        return self._require_channels().call(method, args, self._start_deadline())
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        deadline = Deadline.after(self.args.worker_step_timeout_s, "worker_step_timeout_s")
+        output = self._require_channels().call("execute", (scheduler_output,), deadline)[0]
+        assert isinstance(output, ModelRunnerOutput), "rank 0 always returns an output"
+        return output
+
+    def check_health(self) -> None:
+        """Raise RuntimeError if a rank died or the call in flight is past its deadline."""
+        channels = self._require_channels()
+        self._check_alive()
+        channels.check_overdue()
+
+    def _start_deadline(self) -> Deadline:
+        return Deadline.after(self.args.worker_start_timeout_s, "worker_start_timeout_s")
+
+    def _check_alive(self) -> None:
+        """Raise RankDeadError when a rank has died."""
+        raise NotImplementedError
+
+    def _require_channels(self) -> RankChannels:
+        if self._channels is None:
+            raise RuntimeError("the executor's workers are not running")
+        return self._channels
