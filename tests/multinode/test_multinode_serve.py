@@ -1,10 +1,10 @@
 """Tensor parallelism and Serve across the nodes of one Ray cluster (a head and two worker nodes,
-each with one CPU, on loopback addresses of this machine).
+each with two CPUs, on loopback addresses of this machine).
 
 The tests share the cluster and run in order: ranks of one engine on two nodes; two replicas of
 one model on two nodes; then a worker node lost under traffic (the cluster is one node short
-after it). Each node has one CPU, and each model replica reserves exactly one (replica 0.5 +
-rank 0.5), so replicas always land on different nodes and one node is left for a replacement.
+after it). A model replica reserves its default 1.1 CPUs (its rank 1, itself 0.1), so a node
+holds one: the replicas land on different nodes and one node is left for a replacement.
 """
 
 from __future__ import annotations
@@ -52,7 +52,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayNodes]:
-    with ray_nodes(tmp_path_factory.mktemp("nodes")) as nodes, driver(nodes):
+    nodes_dir = tmp_path_factory.mktemp("nodes")
+    with ray_nodes(nodes_dir, head_cpus=2, worker_cpus=2) as nodes, driver(nodes):
         yield nodes
 
 
@@ -83,15 +84,11 @@ def test_tp2_with_one_rank_per_node_gives_the_in_process_tokens(
 
 
 def _app_config(model_dir: Path) -> dict[str, Any]:
-    """Two replicas of one CPU each (replica 0.5 + its rank 0.5); the ingress on the head."""
+    """Two replicas with the default resources; the ingress on the head (so that losing a
+    worker node loses model replicas only)."""
     config = llm_config(model_dir, MODEL, worker_step_timeout_s=STEP_TIMEOUT_S)
-    config["deployment_config"] = {
-        "num_replicas": 2,
-        "ray_actor_options": {"num_cpus": 0.5},
-        "graceful_shutdown_timeout_s": 5,
-    }
-    config["placement_group_config"] = {"bundles": [{"CPU": 0.5}]}
-    ingress = {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}
+    config["deployment_config"] = {"num_replicas": 2, "graceful_shutdown_timeout_s": 5}
+    ingress = {"resources": {"node:__internal_head__": 0.001}}
     return {"llm_configs": [config], "ingress_deployment_config": {"ray_actor_options": ingress}}
 
 
