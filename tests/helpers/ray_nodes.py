@@ -12,12 +12,14 @@ stopped (or killed, to simulate a lost machine) by signalling its process group,
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import random
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -41,6 +43,7 @@ _NODE_PORT_FLAGS = (
     "metrics-export-port",
 )
 _HEAD_PORT_FLAGS = ("port", "dashboard-port", "ray-client-server-port")
+_PR_SET_PDEATHSIG = 1
 _WORKER_PORT_SPAN = 200
 """Ports per node's worker range; ranges lie below Linux's ephemeral ports (32768+) and above
 Ray's default range (10002-19999), where other Ray instances and outgoing sockets do not go."""
@@ -189,6 +192,14 @@ def _node_flags(ip: str, num_cpus: int) -> list[str]:
     ]
 
 
+def _stop_with_parent() -> None:
+    """In the child: SIGTERM when the test process dies, so that a test run killed before its
+    clean-up leaves no node behind (`ray start --block` stops its node on SIGTERM)."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _start(args: Sequence[str], env: dict[str, str], ip: str, log: Path) -> RayNode:
     with log.open("wb") as out:
         process = subprocess.Popen(
@@ -197,6 +208,7 @@ def _start(args: Sequence[str], env: dict[str, str], ip: str, log: Path) -> RayN
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=_stop_with_parent,
         )
     return RayNode(ip, process, log)
 
