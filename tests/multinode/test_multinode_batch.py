@@ -25,9 +25,9 @@ from tests.ray.batch_cases import ENGINE_KWARGS, make_model
 
 pytestmark = pytest.mark.ray
 
-NUM_ROWS = 48
+NUM_ROWS = 64
 MAX_TOKENS = 24
-KILL_AFTER_ROWS = 8
+KILL_AFTER_ROWS = 4
 
 
 def _prompt(index: int) -> list[int]:
@@ -56,6 +56,19 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayNodes]:
         yield nodes
 
 
+@pytest.fixture
+def both_replicas_first() -> Iterator[None]:
+    """Ray Data starts sending rows once both replicas run (by default as soon as one does:
+    here the head's replica could finish the run before the worker node's has started)."""
+    import ray.data
+
+    context = ray.data.DataContext.get_current()
+    saved = context.wait_for_min_actors_s
+    context.wait_for_min_actors_s = 300
+    yield
+    context.wait_for_min_actors_s = saved
+
+
 def _write_input(path: Path) -> Path:
     params = {"temperature": 0, "max_tokens": MAX_TOKENS, "ignore_eos": True}
     rows = [
@@ -80,6 +93,7 @@ def _kill_a_replica_node(cluster: RayNodes, output: Path, done: threading.Event)
     return None
 
 
+@pytest.mark.usefixtures("both_replicas_first")
 def test_batch_survives_losing_a_node(
     cluster: RayNodes, model_dir: Path, expected: dict[str, list[int]], tmp_path: Path
 ) -> None:
