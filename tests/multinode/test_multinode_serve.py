@@ -159,7 +159,9 @@ def _wait_for_replacement(cluster: RayNodes, lost_ip: str, timeout: float) -> No
 
 async def _kill_when_busy(cluster: RayNodes, lost_ip: str, replica: str) -> float:
     """Kill the node at `lost_ip` once its replica is handling requests; when it was killed."""
+    deadline = time.monotonic() + DEADLINE_S
     while await asyncio.to_thread(_ongoing, replica) < 2:
+        assert time.monotonic() < deadline, f"{replica} never had two requests at once"
         await asyncio.sleep(0.05)
     cluster.worker(lost_ip).kill()
     return time.monotonic()
