@@ -16,12 +16,13 @@ import ctypes
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Iterator, Sequence
@@ -93,6 +94,8 @@ class RayNodes:
     env: dict[str, str]
     """The environment a client needs (token file, RAY_AUTH_MODE=token, PYTHONPATH)."""
     token: str
+    temp_dir: Path
+    """Ray's root temporary folder of every node (sessions, sockets, logs)."""
     head: RayNode
     workers: list[RayNode] = field(default_factory=list)
 
@@ -176,7 +179,7 @@ def _worker_port_range(ip: str) -> tuple[int, int]:
     raise RuntimeError(f"no free worker-port range on {ip}")
 
 
-def _node_flags(ip: str, num_cpus: int) -> list[str]:
+def _node_flags(ip: str, num_cpus: int, temp_dir: Path) -> list[str]:
     ports = dict(zip(_NODE_PORT_FLAGS, _free_ports(ip, len(_NODE_PORT_FLAGS)), strict=True))
     low, high = _worker_port_range(ip)
     return [
@@ -188,6 +191,7 @@ def _node_flags(ip: str, num_cpus: int) -> list[str]:
         f"--min-worker-port={low}",
         f"--max-worker-port={high}",
         "--disable-usage-stats",
+        f"--temp-dir={temp_dir}",
         *(f"--{flag}={port}" for flag, port in ports.items()),
     ]
 
@@ -233,7 +237,7 @@ def _node_env(token_file: Path) -> dict[str, str]:
 
 def start_worker(cluster: RayNodes, ip: str, tmp_path: Path, num_cpus: int = 1) -> RayNode:
     """Join one more worker node at `ip`; returns once the cluster lists it alive."""
-    args = [f"--address={cluster.address}", *_node_flags(ip, num_cpus)]
+    args = [f"--address={cluster.address}", *_node_flags(ip, num_cpus, cluster.temp_dir)]
     node = _start(args, cluster.env, ip, tmp_path / f"ray-{ip}.log")
     cluster.workers.append(node)
     expected = {cluster.head.ip} | {n.ip for n in cluster.workers if n.is_running}
@@ -249,7 +253,14 @@ def ray_nodes(
     worker_cpus: int = 1,
 ) -> Iterator[RayNodes]:
     """A head on 127.0.0.2 and one worker node per address of `worker_ips`; every node is
-    stopped (its process group signalled) on exit, whatever happened."""
+    stopped (its process group signalled) on exit, whatever happened.
+
+    The nodes keep their sessions in a temporary folder of their own, not /tmp/ray: `ray start`
+    records the cluster's address there, and entry points that look for "the cluster `ray
+    start` runs on this machine" must not find a test's cluster. (The folder's path is short:
+    Unix socket paths are limited to about 100 characters.)
+    """
+    temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
     token = uuid.uuid4().hex
     token_file = tmp_path / "auth_token"
     token_file.write_text(token)
@@ -261,12 +272,11 @@ def ray_nodes(
         f"--dashboard-host={HEAD_IP}",
         f"--dashboard-port={dashboard}",
         f"--ray-client-server-port={client}",
-        *_node_flags(HEAD_IP, head_cpus),
+        *_node_flags(HEAD_IP, head_cpus, temp_dir),
     ]
     head = _start(head_args, env, HEAD_IP, tmp_path / "ray-head.log")
-    cluster = RayNodes(
-        f"{HEAD_IP}:{gcs}", f"http://{HEAD_IP}:{dashboard}", env, token, head, workers=[]
-    )
+    address, url = f"{HEAD_IP}:{gcs}", f"http://{HEAD_IP}:{dashboard}"
+    cluster = RayNodes(address, url, env, token, temp_dir, head, workers=[])
     try:
         cluster.wait_for_ips({HEAD_IP})
         for ip in worker_ips:
@@ -275,34 +285,4 @@ def ray_nodes(
     finally:
         for node in reversed([head, *cluster.workers]):
             node.stop()
-
-
-def _reload_ray_auth() -> None:
-    """Make this process's Ray read RAY_AUTH_MODE and the token again (it caches both)."""
-    from ray._raylet import AuthenticationTokenLoader, Config
-
-    Config.initialize("")
-    AuthenticationTokenLoader.instance().reset_cache()
-
-
-@contextlib.contextmanager
-def driver(cluster: RayNodes) -> Iterator[None]:
-    """This process as a driver of `cluster` (with its token), disconnected on exit."""
-    import ray
-
-    if ray.is_initialized():
-        ray.shutdown()
-    names = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_TOKEN")
-    saved = {name: os.environ.pop(name, None) for name in names}
-    os.environ.update({name: cluster.env[name] for name in names if name in cluster.env})
-    _reload_ray_auth()
-    try:
-        ray.init(address=cluster.address, _node_ip_address=HEAD_IP, log_to_driver=False)
-        yield
-    finally:
-        ray.shutdown()
-        for name, value in saved.items():
-            os.environ.pop(name, None)
-            if value is not None:
-                os.environ[name] = value
-        _reload_ray_auth()
+        shutil.rmtree(temp_dir, ignore_errors=True)

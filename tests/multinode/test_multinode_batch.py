@@ -20,7 +20,8 @@ import pytest
 from cluster import LLM, SamplingParams
 from cluster.batch.runner import BatchOptions, BatchSummary, run_batch
 from cluster.config.engine_args import EngineArgs
-from tests.helpers.ray_nodes import WORKER_IPS, RayNodes, driver, ray_nodes
+from tests.helpers.ray_driver import driver
+from tests.helpers.ray_nodes import WORKER_IPS, RayNodes, ray_nodes
 from tests.ray.batch_cases import ENGINE_KWARGS, make_model
 
 pytestmark = pytest.mark.ray

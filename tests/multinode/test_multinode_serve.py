@@ -28,7 +28,8 @@ from cluster.engine.request import EngineRequest
 from cluster.llm import LLM
 from cluster.serve import build_openai_app
 from scheduler.request import SamplingParams
-from tests.helpers.ray_nodes import HEAD_IP, WORKER_IPS, RayNodes, driver, ray_nodes
+from tests.helpers.ray_driver import driver
+from tests.helpers.ray_nodes import HEAD_IP, WORKER_IPS, RayNodes, ray_nodes
 from tests.helpers.serve_app import free_port, llm_config, save_tiny_served_model, shutdown_serve
 from tests.helpers.traffic import Outcome, client, steady_traffic, stream_completion
 
