@@ -245,6 +245,26 @@ def start_worker(cluster: RayNodes, ip: str, tmp_path: Path, num_cpus: int = 1) 
     return node
 
 
+def _start_head(tmp_path: Path, temp_dir: Path, num_cpus: int) -> RayNodes:
+    """`ray start --head` with a new token (not waited for yet)."""
+    token = uuid.uuid4().hex
+    token_file = tmp_path / "auth_token"
+    token_file.write_text(token)
+    env = _node_env(token_file)
+    gcs, dashboard, client = _free_ports(HEAD_IP, len(_HEAD_PORT_FLAGS))
+    head_args = [
+        "--head",
+        f"--port={gcs}",
+        f"--dashboard-host={HEAD_IP}",
+        f"--dashboard-port={dashboard}",
+        f"--ray-client-server-port={client}",
+        *_node_flags(HEAD_IP, num_cpus, temp_dir),
+    ]
+    head = _start(head_args, env, HEAD_IP, tmp_path / "ray-head.log")
+    address, url = f"{HEAD_IP}:{gcs}", f"http://{HEAD_IP}:{dashboard}"
+    return RayNodes(address, url, env, token, temp_dir, head, workers=[])
+
+
 @contextlib.contextmanager
 def ray_nodes(
     tmp_path: Path,
@@ -261,28 +281,13 @@ def ray_nodes(
     Unix socket paths are limited to about 100 characters.)
     """
     temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
-    token = uuid.uuid4().hex
-    token_file = tmp_path / "auth_token"
-    token_file.write_text(token)
-    env = _node_env(token_file)
-    gcs, dashboard, client = _free_ports(HEAD_IP, len(_HEAD_PORT_FLAGS))
-    head_args = [
-        "--head",
-        f"--port={gcs}",
-        f"--dashboard-host={HEAD_IP}",
-        f"--dashboard-port={dashboard}",
-        f"--ray-client-server-port={client}",
-        *_node_flags(HEAD_IP, head_cpus, temp_dir),
-    ]
-    head = _start(head_args, env, HEAD_IP, tmp_path / "ray-head.log")
-    address, url = f"{HEAD_IP}:{gcs}", f"http://{HEAD_IP}:{dashboard}"
-    cluster = RayNodes(address, url, env, token, temp_dir, head, workers=[])
+    cluster = _start_head(tmp_path, temp_dir, head_cpus)
     try:
         cluster.wait_for_ips({HEAD_IP})
         for ip in worker_ips:
             start_worker(cluster, ip, tmp_path, worker_cpus)
         yield cluster
     finally:
-        for node in reversed([head, *cluster.workers]):
+        for node in reversed([cluster.head, *cluster.workers]):
             node.stop()
         shutil.rmtree(temp_dir, ignore_errors=True)
