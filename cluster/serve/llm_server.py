@@ -243,9 +243,13 @@ class LLMServer:
             await asyncio.sleep(STATS_INTERVAL_S)
 
     def __del__(self) -> None:
-        """Serve calls this after draining (graceful_shutdown_timeout_s): stop the engine."""
+        """Serve calls this after draining (graceful_shutdown_timeout_s): stop the engine. Also
+        runs for a replica whose `__init__` failed, which may lack any attribute."""
         self.draining = True
-        if self._stats_task is not None:
-            self._stats_task.cancel()
-        with contextlib.suppress(Exception):
-            self.engine.core.shutdown()
+        stats_task = getattr(self, "_stats_task", None)
+        if stats_task is not None:
+            stats_task.cancel()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            with contextlib.suppress(Exception):
+                engine.core.shutdown()

@@ -99,6 +99,7 @@ def ray_head(
     token_file.write_text(uuid.uuid4().hex)
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["RAY_AUTH_TOKEN_PATH"] = str(token_file)
+    env["RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"] = "0"  # stopping takes 3 s, not 30
     env["PATH"] = f"{RAY.parent}{os.pathsep}{env.get('PATH', '')}"  # `python` in entrypoints
     own_temp_dir = tempfile.mkdtemp(prefix="hs-", dir="/tmp")  # short: Ray's Unix sockets
     ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS)), strict=True))

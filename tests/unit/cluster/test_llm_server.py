@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-from cluster.serve.llm_server import group_kinds
+from cluster.serve.llm_server import LLMServer, group_kinds
 from scheduler.kv_cache.spec import KVCacheSpec, UniformTypeKVCacheSpecs
 from scheduler.kv_cache.spec_factory import AttentionShape, make_spec, one_layer_groups_config
 
@@ -37,3 +37,10 @@ def test_a_group_of_differently_shaped_layers_is_labelled_by_their_kind() -> Non
     }
     engine = _engine(UniformTypeKVCacheSpecs.from_layers(members))
     assert group_kinds(engine) == ["full_attention"]
+
+
+def test_a_replica_whose_constructor_failed_is_deleted_quietly() -> None:
+    """Serve deletes a replica whose `__init__` raised; `__del__` must not raise then."""
+    server = LLMServer.__new__(LLMServer)
+    server.__del__()
+    assert server.draining
