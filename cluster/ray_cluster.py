@@ -13,8 +13,12 @@ came from and the cause, instead of Ray's minutes of retries.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import socket
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,13 +118,30 @@ def _init(target: ClusterTarget, kwargs: dict[str, Any]) -> None:
     import ray
 
     try:
-        ray.init(**kwargs)
+        with _ctrl_c_held():
+            ray.init(**kwargs)
     except (ConnectionError, RuntimeError, TimeoutError) as exc:
         where = target.address or "a new local instance"
         cause = _first_line(exc)
         raise ClusterConnectionError(
             f"cannot connect to the Ray cluster at {where} ({target.origin}): {cause}"
         ) from None
+
+
+@contextlib.contextmanager
+def _ctrl_c_held() -> Iterator[None]:
+    """Hold SIGINT back while Ray starts its processes: they inherit the blocked signal, so a
+    terminal's Ctrl-C (sent to the whole process group) reaches only this process, once Ray is
+    up, and Ray's own shutdown then stops them all (a Ray half-started by an interrupt would
+    leave orphans)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def _probe(target: ClusterTarget) -> None:

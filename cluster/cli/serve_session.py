@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import re
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -107,8 +108,9 @@ class ServeSession:
         from cluster.cli.serve import say
 
         say("shutting down (draining requests in flight)" if self.is_ready else "stopping")
-        import ray
-
+        ray = sys.modules.get("ray")
+        if ray is None or not hasattr(ray, "shutdown"):
+            return  # interrupted before Ray was imported (or while it was): nothing started
         try:
             if ray.is_initialized():
                 self._remove_apps()
@@ -158,7 +160,8 @@ class ServeSession:
         """Serve shut down on an instance this run started; only our apps on a joined one."""
         from ray import serve
 
-        assert self.target is not None
+        if self.target is None or not self.app_names:
+            return  # interrupted while connecting or before deploying: nothing of ours runs
         if self.target.is_new_instance:
             if self.is_ready:
                 serve.shutdown()  # type: ignore[no-untyped-call]

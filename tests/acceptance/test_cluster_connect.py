@@ -114,7 +114,7 @@ def test_replicas_that_cannot_be_placed_end_in_one_line(
         assert code == 2, cli.output()
         line = _last_line(cli)
         assert line.startswith("hybridserve serve: error: replicas could not be placed within 5 s")
-        assert "1 of LLMServer:tiny waiting" in line
+        assert "1 of LLMServer:tiny" in line
         assert "the cluster has {CPU: " in line
         assert cli.alive_processes() == [], cli.output()
     finally:
