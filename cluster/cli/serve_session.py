@@ -78,6 +78,7 @@ class ServeSession:
         """Connect, deploy `apps` and wait until every one of them runs."""
         from cluster.cli.serve import say
 
+        say("connecting to Ray")
         self.target = connect(
             self.args.address,
             node_ip_address=self.args.node_ip_address,
