@@ -124,6 +124,26 @@ def test_unsatisfiable_placement_group_fails_at_once(
     assert live_placement_groups() == groups_before
 
 
+def test_a_placement_group_held_back_by_other_work_fails_after_its_timeout(
+    ray_cluster: None, model_dirs: dict[str, Path]
+) -> None:
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    free_cpus = ray.available_resources()["CPU"]
+    holder = placement_group([{"CPU": free_cpus}])
+    ray.get(holder.ready(), timeout=30)
+    try:
+        args = _engine_args(model_dirs["llama"], placement_timeout_s=2.0)
+        start = time.monotonic()
+        held_back = r"not ready after \d+ s: the cluster has \{CPU: 0\} free"
+        with pytest.raises(TimeoutError, match=held_back):
+            RayExecutor(args)
+        assert time.monotonic() - start < 10.0
+    finally:
+        remove_placement_group(holder)
+
+
 def test_tp_not_dividing_heads_is_one_clear_error_and_leaves_nothing(
     ray_cluster: None, model_dirs: dict[str, Path]
 ) -> None:

@@ -26,8 +26,6 @@ from ray.util.placement_group import (
 logger = logging.getLogger(__name__)
 
 STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
-READY_TIMEOUT_S = 120.0
-"""How long a feasible group may wait for resources held by others before start-up fails."""
 _LOG_EVERY_S = 10.0
 
 
@@ -66,7 +64,9 @@ class RankPlacement:
             remove_placement_group(self.group)
 
 
-def acquire_placement(tp_size: int, spec: PlacementSpec | None = None) -> RankPlacement:
+def acquire_placement(
+    tp_size: int, spec: PlacementSpec | None = None, timeout_s: float = 120.0
+) -> RankPlacement:
     """The current placement group if there is one, else a new one (waited for until ready)."""
     current = get_current_placement_group()
     if current is not None:
@@ -81,7 +81,7 @@ def acquire_placement(tp_size: int, spec: PlacementSpec | None = None) -> RankPl
     check_feasible(spec, cluster, [_node_resources(node) for node in nodes])
     group = placement_group([dict(b) for b in spec.bundles], strategy=spec.strategy)
     try:
-        _wait_ready(group, spec)
+        _wait_ready(group, spec, timeout_s)
     except BaseException:
         remove_placement_group(group)
         raise
@@ -123,16 +123,16 @@ def _check_bundle_count(num_bundles: int, tp_size: int, what: str) -> None:
         )
 
 
-def _wait_ready(group: PlacementGroup, spec: PlacementSpec) -> None:
+def _wait_ready(group: PlacementGroup, spec: PlacementSpec, timeout_s: float) -> None:
     """Wait for the group's resources, logging while others hold them; TimeoutError at last."""
     started = time.monotonic()
     ready = group.ready()
     while True:
-        done, _ = ray.wait([ready], timeout=_LOG_EVERY_S)
+        done, _ = ray.wait([ready], timeout=min(_LOG_EVERY_S, timeout_s))
         if done:
             return
         waited = time.monotonic() - started
-        if waited >= READY_TIMEOUT_S:
+        if waited >= timeout_s:
             free = ray.available_resources()  # type: ignore[no-untyped-call]
             free_text = ", ".join(f"{k}: {free.get(k, 0):g}" for k in sorted(_total(spec.bundles)))
             raise TimeoutError(

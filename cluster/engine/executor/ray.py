@@ -57,7 +57,9 @@ class RayExecutor(ChannelExecutor):
         self._channels: RankChannels | None = None
         self._placement: RankPlacement | None = None
         try:
-            self._placement = acquire_placement(args.tensor_parallel_size, placement)
+            self._placement = acquire_placement(
+                args.tensor_parallel_size, placement, args.placement_timeout_s
+            )
             self._start_ranks()
         except BaseException:
             self.shutdown()
