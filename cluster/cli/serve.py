@@ -23,7 +23,6 @@ from typing import Any
 from cluster.config.engine_flags import add_engine_arg_flags, engine_kwargs_from_args
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
-DEFAULT_PLACEMENT_TIMEOUT_S = 120.0
 DEFAULT_IMPORT_PATH = "cluster.serve:build_openai_app"
 SERVICER = "cluster.serve.grpc.llm_pb2_grpc.add_LLMServiceServicer_to_server"
 
@@ -48,12 +47,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--node-ip-address", default=None, help="a new local instance's IP")
     parser.add_argument("--num-cpus", type=int, default=None, help="a new local instance's CPUs")
-    parser.add_argument(
-        "--placement-timeout-s",
-        type=float,
-        default=DEFAULT_PLACEMENT_TIMEOUT_S,
-        help="fail (exit 2) when a replica is still waiting for resources after this long",
-    )
     add_engine_arg_flags(parser, skip=("model",))
     return parser
 

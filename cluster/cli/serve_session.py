@@ -89,7 +89,7 @@ class ServeSession:
         say(f"Ray: {self.target.address or self.target.origin}")
         self._start_serve()
         self._deploy(apps)
-        wait_until_running(self.app_names, self.args.placement_timeout_s)
+        wait_until_running(self.app_names, placement_timeout_s(self.args))
         self.is_ready = True
 
     def wait_forever(self) -> None:
@@ -169,6 +169,14 @@ class ServeSession:
             return  # interrupted start-up: ray.shutdown() stops everything at once
         for name in self.app_names:
             serve.delete(name, _blocking=self.is_ready)
+
+
+def placement_timeout_s(args: argparse.Namespace) -> float:
+    """`--placement-timeout-s` (an engine flag), else the engine argument's default."""
+    from cluster.config.engine_args import EngineArgs
+
+    default = EngineArgs.model_fields["placement_timeout_s"].default
+    return float(getattr(args, "placement_timeout_s", default))
 
 
 def wait_until_running(app_names: list[str], placement_timeout_s: float) -> None:

@@ -83,9 +83,9 @@ class EngineArgs(StrictModel):
     model loaded, KV cache set up) within this many seconds, else start-up fails (or the engine is
     marked dead)."""
     placement_timeout_s: float = Field(120.0, gt=0)
-    """Ray executor: how long the ranks' placement group may wait for resources other work holds
-    before start-up fails, naming what the cluster has free (a group the cluster can never hold
-    fails at once)."""
+    """How long the Ray executor's placement group (and, for `hybridserve serve`, each replica)
+    may wait for resources other work holds before start-up fails, naming what the cluster has
+    free (a Ray executor's group the cluster can never hold fails at once)."""
 
 
 def validate_engine_kwargs(kwargs: Mapping[str, object]) -> EngineArgs:
