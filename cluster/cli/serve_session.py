@@ -174,9 +174,10 @@ class ServeSession:
 def placement_timeout_s(args: argparse.Namespace) -> float:
     """`--placement-timeout-s` (an engine flag), else the engine argument's default."""
     from cluster.config.engine_args import EngineArgs
+    from cluster.config.engine_flags import engine_kwargs_from_args
 
     default = EngineArgs.model_fields["placement_timeout_s"].default
-    return float(getattr(args, "placement_timeout_s", default))
+    return float(engine_kwargs_from_args(args).get("placement_timeout_s", default))
 
 
 def wait_until_running(app_names: list[str], placement_timeout_s: float) -> None:
