@@ -7,17 +7,25 @@ OpenMP threads on a shared 2-core machine slow small-op workloads down many time
 Hypothesis runs the fixed "ci" profile unless HYPOTHESIS_PROFILE names another: derandomized
 (examples drawn from each test's own fixed seed, no example database), so two runs of the suite
 test the same cases. `HYPOTHESIS_PROFILE=explore` draws fresh examples each run, to hunt bugs.
+
+A suite started in the background by a non-interactive shell inherits SIGINT ignored, and so
+would every command the tests start; the tests that press Ctrl-C need it to arrive as it does in
+a terminal, so Python's own SIGINT handling is restored here (children then start with the
+default disposition).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 settings.register_profile("explore", derandomize=False)

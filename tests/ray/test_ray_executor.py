@@ -127,18 +127,20 @@ def test_unsatisfiable_placement_group_fails_at_once(
 def test_a_placement_group_held_back_by_other_work_fails_after_its_timeout(
     ray_cluster: None, model_dirs: dict[str, Path]
 ) -> None:
+    """A group the cluster could hold (all its CPUs) waits while other work holds one CPU, then
+    fails after placement_timeout_s naming what is free."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
-    free_cpus = ray.available_resources()["CPU"]
-    holder = placement_group([{"CPU": free_cpus}])
+    total_cpus = ray.cluster_resources()["CPU"]
+    holder = placement_group([{"CPU": 1.0}])
     ray.get(holder.ready(), timeout=30)
     try:
         args = _engine_args(model_dirs["llama"], placement_timeout_s=2.0)
         start = time.monotonic()
-        held_back = r"not ready after \d+ s: the cluster has \{CPU: 0\} free"
+        held_back = r"not ready after \d+ s: the cluster has \{CPU: [\d.]+\} free"
         with pytest.raises(TimeoutError, match=held_back):
-            RayExecutor(args)
+            RayExecutor(args, PlacementSpec(({"CPU": total_cpus},)))
         assert time.monotonic() - start < 10.0
     finally:
         remove_placement_group(holder)
