@@ -8,12 +8,14 @@ A subclass opens `_channels` when its ranks start and says how to tell a dead ra
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from cluster.config.engine_args import EngineArgs
 from cluster.engine.executor.rank_channel import Deadline, RankChannels
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 
 
-class ChannelExecutor:
+class ChannelExecutor(ABC):
     """The calls of an executor whose ranks answer over `RankChannels`."""
 
     args: EngineArgs
@@ -38,9 +40,9 @@ class ChannelExecutor:
     def _start_deadline(self) -> Deadline:
         return Deadline.after(self.args.worker_start_timeout_s, "worker_start_timeout_s")
 
+    @abstractmethod
     def _check_alive(self) -> None:
         """Raise RankDeadError when a rank has died."""
-        raise NotImplementedError
 
     def _require_channels(self) -> RankChannels:
         if self._channels is None:
