@@ -3,7 +3,8 @@
 Each file holds a KV cache configuration and a list of prefill / decode / free operations; the
 tool prints one JSON line per file with one record per operation (hit length, whether the blocks
 could be allocated, free blocks, block tables), or `{"error": ...}` for a file it cannot run, and
-exits with status 2 if any file failed. For capacity planning and for comparing semantics.
+exits with status 2 if any file failed; unknown configuration keys are reported on stderr and
+under "warnings". For capacity planning and for comparing semantics.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from scheduler.kv_cache.manager import KVCacheBlocks, KVCacheManager
 from scheduler.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, MambaCacheMode
 from scheduler.kv_cache.spec_factory import make_spec
 from scheduler.prefill_split import block_aligned_num_tokens
+from scheduler.replay_keys import unknown_key_warnings
 from scheduler.request import Request, SamplingParams
 
 Record = dict[str, Any]
@@ -225,11 +227,16 @@ class TraceReplayer:
 
 
 def replay_trace(trace: dict[str, Any]) -> dict[str, Any]:
-    """The output object of one trace: {"results": [...]}."""
+    """The output object of one trace: {"results": [...]}, plus "warnings" naming the keys the
+    tool does not know (each with the closest known one), when there are any."""
     if not isinstance(trace, dict):
         raise ValueError("a trace must be a JSON object")
+    warnings = unknown_key_warnings(trace)
     manager = build_manager(trace)
-    return {"results": TraceReplayer(manager).run(_get_objects(trace, "ops"))}
+    output: dict[str, Any] = {"results": TraceReplayer(manager).run(_get_objects(trace, "ops"))}
+    if warnings:
+        output["warnings"] = warnings
+    return output
 
 
 def replay_file(path: str) -> tuple[dict[str, Any], bool]:
@@ -253,6 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = 0
     for path in args.files:
         output, ok = replay_file(path)
+        for warning in output.get("warnings", ()):
+            sys.stderr.write(f"{path}: warning: {warning}\n")
         sys.stdout.write(json.dumps(output) + "\n")
         sys.stdout.flush()
         if not ok:

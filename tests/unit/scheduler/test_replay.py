@@ -15,7 +15,7 @@ from scheduler.replay import replay_trace
 
 ROOT = Path(__file__).resolve().parents[3]
 TRACES = sorted((Path(__file__).parent / "replay_traces").glob("H*.json"))
-"""The five hand-checked traces H1-H5 (expected values under "hand_expected")."""
+"""The five hand-checked traces H1-H5 (expected values under meta.hand_expected)."""
 
 
 def run_replay(*paths: Path) -> subprocess.CompletedProcess[str]:
@@ -46,7 +46,7 @@ def test_every_hand_expected_field_of_the_five_traces_matches(tmp_path: Path) ->
         records = json.loads(line)["results"]
         trace = json.loads(path.read_text())
         assert [record["op_index"] for record in records] == list(range(len(trace["ops"])))
-        for index, fields in trace["hand_expected"].items():
+        for index, fields in trace["meta"]["hand_expected"].items():
             record = records[int(index)]
             for name, value in fields.items():
                 assert record[name] == value, (path.name, index, name)
