@@ -13,6 +13,7 @@ from typing import ClassVar, NamedTuple
 from scheduler.kv_cache.block_pool import BlockPool, KVCacheBlock
 from scheduler.kv_cache.coordinator import make_coordinator
 from scheduler.kv_cache.spec import KVCacheConfig, MambaCacheMode, MambaSpec, manager_spec
+from scheduler.kv_cache.window_managers import ChunkedLocalManager, SlidingWindowManager
 from scheduler.request import Request
 
 
@@ -111,6 +112,12 @@ class KVCacheManager:
         )
         """Prefill must end chunks at block boundaries (a Mamba group keeps states only at
         chunk ends); see `scheduler.prefill_split`."""
+        self.has_windowed_groups = not self.needs_block_aligned_prefill and any(
+            isinstance(manager, ChunkedLocalManager | SlidingWindowManager)
+            for manager in self.coordinator.managers
+        )
+        """Some group frees a request's old blocks as it advances (sliding window, chunked
+        local): a prompt computed in chunks holds fewer blocks than computed at once."""
         self._quiet: dict[str, tuple[int, int, int]] = {}
         """Per request holding tables: (slots, computed, cached) limits below which a step
         changes nothing (see `SingleTypeManager.quiet_limits`)."""
