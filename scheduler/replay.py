@@ -107,6 +107,8 @@ class TraceReplayer:
     def __init__(self, manager: KVCacheManager) -> None:
         self.manager = manager
         self.requests: dict[str, Request] = {}
+        self.miss_totals: list[dict[str, int]] = [{} for _ in range(manager.num_groups)]
+        """Per group, tokens of every prefill's lookup it could not serve, by reason."""
 
     def run(self, ops: Sequence[dict[str, Any]]) -> list[Record]:
         """One record per op, in order; an invalid op raises ValueError naming its index."""
@@ -156,6 +158,10 @@ class TraceReplayer:
         self._check_length(req_id, len(tokens))
         request = Request(req_id, tokens, SamplingParams(), self.manager.hash_block_size)
         hit = self.manager.get_computed_blocks(request)
+        misses = [dict(group) for group in hit.misses] or [{} for _ in self.miss_totals]
+        for totals, group in zip(self.miss_totals, misses, strict=True):
+            for reason, count in group.items():
+                totals[reason] = totals.get(reason, 0) + count
         chunks = self._schedule_prompt(request, hit.num_tokens, hit.blocks, hit.junction_tokens)
         allocated = chunks is not None
         if allocated:
@@ -166,6 +172,7 @@ class TraceReplayer:
             "block_ids": self._table(req_id),
             "chunks": chunks or [],
             "shared_prefix_boundary": hit.junction_tokens,
+            "misses": misses,
         }
 
     def _schedule_prompt(
@@ -233,7 +240,9 @@ def replay_trace(trace: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("a trace must be a JSON object")
     warnings = unknown_key_warnings(trace)
     manager = build_manager(trace)
-    output: dict[str, Any] = {"results": TraceReplayer(manager).run(_get_objects(trace, "ops"))}
+    replayer = TraceReplayer(manager)
+    output: dict[str, Any] = {"results": replayer.run(_get_objects(trace, "ops"))}
+    output["miss_tokens"] = replayer.miss_totals
     if warnings:
         output["warnings"] = warnings
     return output

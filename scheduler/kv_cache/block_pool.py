@@ -14,6 +14,7 @@ import logging
 from collections.abc import Iterable, Sequence
 
 from scheduler.block_hash import BlockHash
+from scheduler.kv_cache.eviction_history import EvictionHistory
 from scheduler.kv_cache.free_block_queue import FreeBlockQueue, KVCacheBlock
 
 __all__ = ["BlockPool", "FreeBlockQueue", "KVCacheBlock"]
@@ -42,6 +43,8 @@ class BlockPool:
         self._num_used = [0] * num_groups
         self.num_evictions = 0
         """Cached blocks whose hash was dropped to reuse them (cumulative)."""
+        self.eviction_history = EvictionHistory(2 * num_blocks)
+        """Recently evicted (group, key) pairs, for miss reasons."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -72,6 +75,7 @@ class BlockPool:
         for block in blocks:
             block_hash = block.block_hash
             if block_hash is not None:
+                self.eviction_history.record(block.group_id, block_hash)
                 hash_map = maps[block.group_id]
                 if not self._duplicates and hash_map.get(block_hash) is block:
                     del hash_map[block_hash]  # the common case of _drop_hash, inlined

@@ -12,6 +12,7 @@ from typing import ClassVar, NamedTuple
 
 from scheduler.kv_cache.block_pool import BlockPool, KVCacheBlock
 from scheduler.kv_cache.coordinator import make_coordinator
+from scheduler.kv_cache.miss_reasons import GroupMisses, explain_misses
 from scheduler.kv_cache.spec import KVCacheConfig, MambaCacheMode, MambaSpec, manager_spec
 from scheduler.kv_cache.window_managers import ChunkedLocalManager, SlidingWindowManager
 from scheduler.request import Request
@@ -49,6 +50,9 @@ class CacheHit(NamedTuple):
     group_hit_tokens: tuple[int, ...]
     """Per group, the hit its own bucket found before the groups agreed; empty when nothing was
     looked up (caching off, or a request that reads no hit)."""
+    misses: tuple[GroupMisses, ...] = ()
+    """Per group, the tokens it could not serve and why (`MissReason` values), measured at the
+    lookup; empty when nothing was looked up."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,8 @@ class KVCacheStats:
     """Tokens actually served from the cache (the reconciled hits)."""
     num_evictions: int
     """Cached blocks reused for other data."""
+    group_miss_tokens: tuple[GroupMisses, ...] = ()
+    """Per group, tokens of admitted lookups it could not serve, by `MissReason` value."""
 
 
 class KVCacheManager:
@@ -127,6 +133,7 @@ class KVCacheManager:
         self._query_tokens = 0
         self._hit_tokens = 0
         self._group_hit_tokens = [0] * self.num_groups
+        self._miss_tokens: list[dict[str, int]] = [{} for _ in range(self.num_groups)]
 
     @property
     def hash_block_size(self) -> int:
@@ -162,8 +169,15 @@ class KVCacheManager:
             request.block_hashes, request.num_tokens - 1
         )
         junction = max(found.num_tokens, *found.group_hit_tokens)
+        misses = explain_misses(
+            self.coordinator.managers,
+            self.pool,
+            request,
+            found.group_hit_tokens,
+            self.alignment_tokens,
+        )
         return CacheHit(
-            KVCacheBlocks(found.blocks), found.num_tokens, junction, found.group_hit_tokens
+            KVCacheBlocks(found.blocks), found.num_tokens, junction, found.group_hit_tokens, misses
         )
 
     def record_lookup(self, request: Request, hit: CacheHit) -> None:
@@ -179,6 +193,9 @@ class KVCacheManager:
         self._hit_tokens += hit.num_tokens
         for group_id, tokens in enumerate(hit.group_hit_tokens):
             self._group_hit_tokens[group_id] += tokens
+        for totals, misses in zip(self._miss_tokens, hit.misses, strict=True):
+            for reason, tokens in misses:
+                totals[reason] = totals.get(reason, 0) + tokens
 
     def get_num_blocks_to_allocate(
         self,
@@ -315,6 +332,7 @@ class KVCacheManager:
             group_hit_tokens=tuple(self._group_hit_tokens),
             hit_tokens=self._hit_tokens,
             num_evictions=self.pool.num_evictions,
+            group_miss_tokens=tuple(tuple(misses.items()) for misses in self._miss_tokens),
         )
 
     def check_invariants(self) -> None:
