@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from scheduler.kv_cache.eviction import EvictionPolicy
 from scheduler.kv_cache.manager import KVCacheBlocks, KVCacheManager
 from scheduler.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, MambaCacheMode
 from scheduler.kv_cache.spec_factory import make_spec
@@ -98,7 +99,16 @@ def build_manager(trace: dict[str, Any]) -> KVCacheManager:
         max_model_len=_get_int(trace, "max_model_len"),
         enable_caching=enable_caching,
         cache_unreachable_blocks=register_all,
+        eviction=_get_choice(trace, "prefix_cache_eviction", EvictionPolicy.CHAIN),
     )
+
+
+def _get_choice(trace: dict[str, Any], key: str, default: EvictionPolicy) -> EvictionPolicy:
+    value = trace.get(key, default.value)
+    choices = [policy.value for policy in EvictionPolicy]
+    if value not in choices:
+        raise ValueError(f"{key!r} must be one of {choices}, got {value!r}")
+    return EvictionPolicy(value)
 
 
 class TraceReplayer:

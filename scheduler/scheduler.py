@@ -46,6 +46,7 @@ class Scheduler:
             kv_cache_config,
             max_model_len=config.max_model_len,
             enable_caching=config.enable_prefix_caching,
+            eviction=config.prefix_cache_eviction,
         )
         self.requests: dict[str, Request] = {}
         """Unfinished requests (waiting and running) by ID."""

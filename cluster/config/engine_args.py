@@ -48,6 +48,9 @@ class EngineArgs(StrictModel):
     """Longest request (prompt + output); default: the model's max_position_embeddings."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of shared prompt prefixes."""
+    prefix_cache_eviction: Literal["chain", "lru"] = "chain"
+    """Which cached KV blocks are reused first: chain (whole prefix chains, a protected subset
+    when many sessions take turns) or lru (vLLM's order, to compare with vLLM exactly)."""
     disable_hybrid_kv_cache_manager: bool = False
     """Keep every layer's KV for every token in one group (no per-type groups)."""
     tensor_parallel_size: int = Field(1, ge=1)

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Iterable, Sequence
 
 from scheduler.block_hash import BlockHash
+from scheduler.kv_cache.eviction import ChainProtection, EvictionPolicy, Tier, TieredFreeQueue
 from scheduler.kv_cache.eviction_history import EvictionHistory
 from scheduler.kv_cache.free_block_queue import FreeBlockQueue, KVCacheBlock
 
@@ -30,13 +31,21 @@ class BlockPool:
     while an identical one is cached) wait in `_duplicates` and are promoted on eviction.
     """
 
-    def __init__(self, num_blocks: int, num_groups: int) -> None:
+    def __init__(
+        self, num_blocks: int, num_groups: int, eviction: EvictionPolicy = EvictionPolicy.LRU
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1 (the null block), got {num_blocks}")
         self.num_blocks = num_blocks
         self.blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.chains: ChainProtection | None = None
+        """The `chain` policy's state (None: LRU, the queue drawn above)."""
+        if eviction is EvictionPolicy.CHAIN:
+            tiered = TieredFreeQueue(self.blocks[1:])
+            self.free_queue = tiered
+            self.chains = ChainProtection(tiered, num_blocks - 1)
         self.hash_maps: list[dict[BlockHash, KVCacheBlock]] = [{} for _ in range(num_groups)]
         """Per group: hash -> first-registered block holding it (what a lookup returns)."""
         self._duplicates: dict[tuple[int, BlockHash], dict[int, KVCacheBlock]] = {}
@@ -86,11 +95,20 @@ class BlockPool:
             block.ref_cnt = 1
             block.group_id = group_id
         self._num_used[group_id] += count
+        if self.chains is not None:
+            born = self.chains.clock
+            for block in blocks:
+                block.num_hits = 0
+                block.born = born
+            self.chains.note_in_use(self.num_blocks - 1 - self.free_queue.num_free_blocks)
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference on each block (a prefix hit); revive free ones."""
         null = self.null_block
+        if self.chains is not None:
+            self._touch_tiered(blocks)
+            return
         num_revived = 0
         for block in blocks:
             if block is null:
@@ -108,11 +126,35 @@ class BlockPool:
             block.ref_cnt += 1
         self.free_queue.num_free_blocks -= num_revived
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
+    def _touch_tiered(self, blocks: Iterable[KVCacheBlock]) -> None:
+        null = self.null_block
+        for block in blocks:
+            if block is null:
+                continue
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+                self._num_used[block.group_id] += 1
+            block.ref_cnt += 1
+            block.num_hits += 1
+
+    def free_chain(
+        self, ordered_blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash]
+    ) -> None:
+        """Free a finished request's blocks (its chain, `block_hashes` naming its tokens)."""
+        tier = Tier.TRANSIENT
+        if self.chains is not None:
+            num_cached = sum(
+                1 for block in ordered_blocks if block.ref_cnt == 1 and block.block_hash
+            )
+            tier = self.chains.tier_for(num_cached, block_hashes)
+        self.free_blocks(ordered_blocks, tier)
+
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], tier: Tier = Tier.STALE) -> None:
         """Drop one reference on each block, in order; queue those that reach 0.
 
         Unhashed ones go to the front (the first given is reused first), hashed ones to the tail
-        in the given order, so callers pass a request's blocks tail first.
+        in the given order, so callers pass a request's blocks tail first. With the `chain`
+        policy hashed ones join `tier` (a STALE block some hit used joins TRANSIENT instead).
         """
         null = self.null_block
         to_front: list[KVCacheBlock] = []
@@ -126,9 +168,29 @@ class BlockPool:
             if block.ref_cnt == 0:
                 num_used[block.group_id] -= 1
                 (to_front if block.block_hash is None else to_tail).append(block)
-        self.free_queue.append_n(to_tail)
+        if self.chains is not None:
+            self._queue_tiered(to_tail, tier)
+        else:
+            self.free_queue.append_n(to_tail)
         if to_front:
             self.free_queue.prepend_n(to_front)
+
+    def _queue_tiered(self, blocks: list[KVCacheBlock], tier: Tier) -> None:
+        assert self.chains is not None
+        assert isinstance(self.free_queue, TieredFreeQueue)
+        chains = self.chains
+        by_tier: dict[Tier, list[KVCacheBlock]] = {}
+        for block in blocks:
+            block.stamp = chains.clock
+            own = tier
+            if chains.is_hot(block):
+                own = Tier.HOT
+            elif tier is Tier.STALE and block.num_hits:
+                own = Tier.TRANSIENT  # some hit used it: not merely left behind
+            by_tier.setdefault(own, []).append(block)
+        for own, members in by_tier.items():
+            self.free_queue.append_to(own, members)
+        chains.cap_hot()
 
     def cache_full_blocks(
         self,

@@ -141,12 +141,20 @@ class KVCacheCoordinator:
         for manager in self.managers:
             manager.remove_skipped_blocks(req_id, total_computed)
 
-    def free(self, req_id: str) -> None:
-        """Free the request's blocks: group by group, each group's table tail first."""
-        ordered: list[KVCacheBlock] = []
-        for manager in self.managers:
-            ordered.extend(manager.pop_blocks(req_id))
-        self.pool.free_blocks(ordered)
+    def free(self, req_id: str, block_hashes: Sequence[BlockHash] = ()) -> None:
+        """Free the request's blocks: LRU, group by group, each group's table tail first; the
+        `chain` policy, as one chain from its last token to its first over every group."""
+        per_group = [manager.pop_blocks(req_id) for manager in self.managers]
+        if self.pool.chains is None:
+            self.pool.free_blocks([block for blocks in per_group for block in blocks])
+            return
+        positioned = [
+            ((len(blocks) - 1 - index) * manager.block_size, block)
+            for manager, blocks in zip(self.managers, per_group, strict=True)
+            for index, block in enumerate(blocks)
+        ]
+        positioned.sort(key=lambda item: -item[0])  # stable: group order within a position
+        self.pool.free_chain([block for _, block in positioned], block_hashes)
 
     def get_blocks(self, req_id: str) -> GroupBlocks:
         """The request's current tables (live lists: do not mutate)."""

@@ -12,6 +12,7 @@ from typing import ClassVar, NamedTuple
 
 from scheduler.kv_cache.block_pool import BlockPool, KVCacheBlock
 from scheduler.kv_cache.coordinator import make_coordinator
+from scheduler.kv_cache.eviction import EvictionPolicy
 from scheduler.kv_cache.miss_reasons import GroupMisses, explain_misses
 from scheduler.kv_cache.spec import KVCacheConfig, MambaCacheMode, MambaSpec, manager_spec
 from scheduler.kv_cache.window_managers import ChunkedLocalManager, SlidingWindowManager
@@ -91,10 +92,12 @@ class KVCacheManager:
         max_model_len: int,
         enable_caching: bool = True,
         cache_unreachable_blocks: bool = False,
+        eviction: EvictionPolicy = EvictionPolicy.CHAIN,
     ) -> None:
         """`cache_unreachable_blocks` registers every full block as vLLM does, also those no
         prefix hit can use (a block a sliding window or chunk never reads at an aligned end);
-        by default they stay unregistered and go back to the front of the free queue."""
+        by default they stay unregistered and go back to the front of the free queue.
+        `eviction` picks which cached blocks are reused first (`EvictionPolicy`)."""
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         sizes = config.block_sizes
@@ -104,7 +107,7 @@ class KVCacheManager:
         self.alignment_tokens = math.lcm(*sizes) if sizes else max_model_len
         """Hit lengths and block-aligned prefill chunks are multiples of this (lcm)."""
         self._hash_block_size = math.gcd(*sizes) if self.enable_caching else self.alignment_tokens
-        self.pool = BlockPool(config.num_blocks, self.num_groups)
+        self.pool = BlockPool(config.num_blocks, self.num_groups, eviction)
         self.coordinator = make_coordinator(
             config.groups,
             self.pool,
@@ -298,7 +301,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release every block of a finished or preempted request (cached ones stay hit-able)."""
         if self._quiet.pop(request.req_id, None) is not None:
-            self.coordinator.free(request.req_id)
+            self.coordinator.free(request.req_id, request.block_hashes)
 
     def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
         """The request's current table per group (null entries are 0)."""
