@@ -100,6 +100,7 @@ class BlockPool:
             for block in blocks:
                 block.num_hits = 0
                 block.born = born
+                block.stamp = -1  # not freed since allocated
             self.chains.note_in_use(self.num_blocks - 1 - self.free_queue.num_free_blocks)
         return blocks
 
@@ -141,21 +142,25 @@ class BlockPool:
         self, ordered_blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash]
     ) -> None:
         """Free a finished request's blocks (its chain, `block_hashes` naming its tokens)."""
-        tier = Tier.TRANSIENT
-        if self.chains is not None:
-            num_cached = sum(
-                1 for block in ordered_blocks if block.ref_cnt == 1 and block.block_hash
-            )
-            tier = self.chains.tier_for(num_cached, block_hashes)
-        self.free_blocks(ordered_blocks, tier)
+        if self.chains is None:
+            self.free_blocks(ordered_blocks)
+            return
+        num_cached = sum(1 for block in ordered_blocks if block.ref_cnt == 1 and block.block_hash)
+        tier, extends = self.chains.tier_for(num_cached, block_hashes)
+        self._release(ordered_blocks, tier, extends)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], tier: Tier = Tier.STALE) -> None:
         """Drop one reference on each block, in order; queue those that reach 0.
 
         Unhashed ones go to the front (the first given is reused first), hashed ones to the tail
         in the given order, so callers pass a request's blocks tail first. With the `chain`
-        policy hashed ones join `tier` (a STALE block some hit used joins TRANSIENT instead).
+        policy hashed ones join `tier` (see `ChainProtection.queue`).
         """
+        self._release(ordered_blocks, tier, None)
+
+    def _release(
+        self, ordered_blocks: Iterable[KVCacheBlock], tier: Tier, extends: int | None
+    ) -> None:
         null = self.null_block
         to_front: list[KVCacheBlock] = []
         to_tail: list[KVCacheBlock] = []
@@ -169,28 +174,11 @@ class BlockPool:
                 num_used[block.group_id] -= 1
                 (to_front if block.block_hash is None else to_tail).append(block)
         if self.chains is not None:
-            self._queue_tiered(to_tail, tier)
+            self.chains.queue_blocks(to_tail, tier, extends)
         else:
             self.free_queue.append_n(to_tail)
         if to_front:
             self.free_queue.prepend_n(to_front)
-
-    def _queue_tiered(self, blocks: list[KVCacheBlock], tier: Tier) -> None:
-        assert self.chains is not None
-        assert isinstance(self.free_queue, TieredFreeQueue)
-        chains = self.chains
-        by_tier: dict[Tier, list[KVCacheBlock]] = {}
-        for block in blocks:
-            block.stamp = chains.clock
-            own = tier
-            if chains.is_hot(block):
-                own = Tier.HOT
-            elif tier is Tier.STALE and block.num_hits:
-                own = Tier.TRANSIENT  # some hit used it: not merely left behind
-            by_tier.setdefault(own, []).append(block)
-        for own, members in by_tier.items():
-            self.free_queue.append_to(own, members)
-        chains.cap_hot()
 
     def cache_full_blocks(
         self,

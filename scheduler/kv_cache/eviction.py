@@ -143,7 +143,8 @@ class TieredFreeQueue(FreeBlockQueue):
 
 
 class ChainProtection:
-    """The `chain` policy's decision at each request's free: which tier its chain joins."""
+    """The `chain` policy's decisions: which tier a request's freed chain joins, and which of
+    its blocks are a shared trunk."""
 
     def __init__(self, queue: TieredFreeQueue, num_usable: int) -> None:
         self.queue = queue
@@ -159,52 +160,78 @@ class ChainProtection:
         if num_in_use > self.peak_in_use:
             self.peak_in_use = num_in_use
 
-    def tier_for(self, num_blocks: int, block_hashes: Sequence[BlockHash]) -> Tier:
-        """The tier of a chain of `num_blocks` newly free blocks whose prompt and output hash to
-        `block_hashes`; demotes older protected chains when this one displaces them."""
+    def tier_for(self, num_blocks: int, block_hashes: Sequence[BlockHash]) -> tuple[Tier, int]:
+        """(tier, clock of the free of the chain it extends, or -2) for a chain of `num_blocks`
+        newly free blocks whose tokens hash to `block_hashes`; demotes older protected chains
+        when this one displaces them."""
         self.clock += 1
-        distance = self._reuse_distance(block_hashes)
+        extends = self._extended_stamp(block_hashes)
         budget = self.num_usable - self.peak_in_use
         queue = self.queue
         if queue.tier_size(Tier.PROTECTED) + num_blocks <= budget:
-            return Tier.PROTECTED
-        if distance is None or num_blocks > budget:
-            return Tier.TRANSIENT
+            return Tier.PROTECTED, extends
+        if extends < 0 or num_blocks > budget:
+            return Tier.TRANSIENT, extends
+        distance = self.clock - extends
         while queue.tier_size(Tier.PROTECTED) + num_blocks > budget:
             oldest = queue.head(Tier.PROTECTED)
             if oldest is None or self.clock - oldest.stamp <= distance:
-                return Tier.TRANSIENT
+                return Tier.TRANSIENT, extends
             self._demote_chain(oldest.stamp)
-        return Tier.PROTECTED
+        return Tier.PROTECTED, extends
+
+    def queue_blocks(self, blocks: list[KVCacheBlock], tier: Tier, extends: int | None) -> None:
+        """Queue newly free cached blocks: a request's chain (`extends` as `tier_for` gave it)
+        or blocks a request left behind as it advanced (`extends` None, `tier` STALE).
+
+        A chain block last freed by another chain is a shared trunk: HOT. A left-behind block
+        is HOT when hit often (`is_hot`), TRANSIENT when some hit used it, else STALE.
+        """
+        by_tier: dict[Tier, list[KVCacheBlock]] = {}
+        for block in blocks:
+            own = tier
+            if extends is not None:
+                if block.stamp >= 0 and block.stamp != extends:
+                    own = Tier.HOT
+            elif self.is_hot(block):
+                own = Tier.HOT
+            elif block.num_hits:
+                own = Tier.TRANSIENT
+            block.stamp = self.clock
+            by_tier.setdefault(own, []).append(block)
+        for own, members in by_tier.items():
+            self.queue.append_to(own, members)
+        self._cap_hot()
 
     def is_hot(self, block: KVCacheBlock) -> bool:
-        """Hit twice or more, and often for its age: a shared trunk (see `HOT_HITS_PER_FREE`)."""
+        """Hit twice or more, and often for its age (see `HOT_HITS_PER_FREE`)."""
         hits = block.num_hits
         return hits >= 2 and hits >= HOT_HITS_PER_FREE * (self.clock - block.born + 1)
 
-    def cap_hot(self) -> None:
-        """Move the oldest HOT blocks to TRANSIENT while HOT exceeds its share."""
+    def _cap_hot(self) -> None:
+        """Move the oldest HOT blocks to PROTECTED while HOT exceeds its share."""
         queue = self.queue
         excess = queue.tier_size(Tier.HOT) - self.num_usable // HOT_SHARE
         if excess > 0:
             moved = queue.tiers[Tier.HOT].popleft_n(excess)
             queue.num_free_blocks -= excess
-            queue.append_to(Tier.TRANSIENT, moved)
+            queue.append_to(Tier.PROTECTED, moved)
 
-    def _reuse_distance(self, block_hashes: Sequence[BlockHash]) -> int | None:
-        """Frees since the longest earlier chain this one extends was freed (None: none)."""
+    def _extended_stamp(self, block_hashes: Sequence[BlockHash]) -> int:
+        """Clock of the free of the longest earlier chain this one extends (-2: none); this
+        chain's last hash takes its place."""
         last_free = self._last_free
-        distance = None
+        stamp = -2
         for block_hash in reversed(block_hashes):
-            stamp = last_free.pop(block_hash, None)
-            if stamp is not None:
-                distance = self.clock - stamp
+            found = last_free.pop(block_hash, None)
+            if found is not None:
+                stamp = found
                 break
         if block_hashes:
             last_free[block_hashes[-1]] = self.clock
             if len(last_free) > self.num_usable:
                 last_free.popitem(last=False)
-        return distance
+        return stamp
 
     def _demote_chain(self, stamp: int) -> None:
         """Move the protected chain freed at `stamp` (the tier's front) to the transient tail."""
