@@ -12,6 +12,7 @@ ratio to the shared prefix rounded down to 64 tokens (the goal is >= 0.9 everywh
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from scheduler.hybrid_capacity import GRANITE_4_H_SMALL, hybrid_layer_specs
 from scheduler.kv_cache.builder import build_kv_cache_config
@@ -36,7 +37,7 @@ def second_hit(mode: MambaCacheMode, prefix: int, suffix: int) -> int:
     shared = list(range(prefix))
     first = shared + [100_000 + i for i in range(suffix)]
     second = shared + [200_000 + i for i in range(suffix)]
-    ops = [
+    ops: list[dict[str, Any]] = [
         {"op": "prefill", "id": "a", "tokens": first},
         {"op": "free", "id": "a"},
         {"op": "prefill", "id": "b", "tokens": second},
