@@ -10,6 +10,7 @@ under "warnings". For capacity planning and for comparing semantics.
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import sys
 from collections.abc import Sequence
@@ -59,7 +60,9 @@ def _get_tokens(op: dict[str, Any]) -> list[int]:
     return tokens
 
 
-def build_spec(entry: dict[str, Any], enable_caching: bool) -> KVCacheSpec:
+def build_spec(
+    entry: dict[str, Any], enable_caching: bool, mamba_mode: MambaCacheMode = MambaCacheMode.ALIGN
+) -> KVCacheSpec:
     """The spec of one entry of a trace's "groups" list (dummy page sizes: they do not matter
     to the replay)."""
     group_type = entry.get("type")
@@ -71,7 +74,7 @@ def build_spec(entry: dict[str, Any], enable_caching: bool) -> KVCacheSpec:
         size = _get_int(entry, "sliding_window")
     elif kind == "chunked_local_attention":
         size = _get_int(entry, "attention_chunk_size")
-    mode = MambaCacheMode.ALIGN if enable_caching else MambaCacheMode.NONE
+    mode = mamba_mode if enable_caching else MambaCacheMode.NONE
     return make_spec(kind, _get_int(entry, "block_size"), size, mamba_cache_mode=mode)
 
 
@@ -80,6 +83,7 @@ def build_manager(trace: dict[str, Any]) -> KVCacheManager:
     enable_caching = trace.get("enable_caching", True)
     if not isinstance(enable_caching, bool):
         raise ValueError(f"'enable_caching' must be a boolean, got {enable_caching!r}")
+    mamba_mode = MambaCacheMode(_get_choice(trace, "mamba_cache_mode", "align", MambaCacheMode))
     groups = []
     entries = _get_objects(trace, "groups")
     if not entries:
@@ -87,7 +91,7 @@ def build_manager(trace: dict[str, Any]) -> KVCacheManager:
     for index, entry in enumerate(entries):
         num_layers = _get_int(entry, "num_layers", 1)
         names = tuple(f"group{index}.layer{layer}" for layer in range(num_layers))
-        groups.append(KVCacheGroupSpec(names, build_spec(entry, enable_caching)))
+        groups.append(KVCacheGroupSpec(names, build_spec(entry, enable_caching, mamba_mode)))
     config = KVCacheConfig(
         num_blocks=_get_int(trace, "num_blocks"), groups=tuple(groups), tensors=()
     )
@@ -99,16 +103,18 @@ def build_manager(trace: dict[str, Any]) -> KVCacheManager:
         max_model_len=_get_int(trace, "max_model_len"),
         enable_caching=enable_caching,
         cache_unreachable_blocks=register_all,
-        eviction=_get_choice(trace, "prefix_cache_eviction", EvictionPolicy.CHAIN),
+        eviction=EvictionPolicy(
+            _get_choice(trace, "prefix_cache_eviction", "chain", EvictionPolicy)
+        ),
     )
 
 
-def _get_choice(trace: dict[str, Any], key: str, default: EvictionPolicy) -> EvictionPolicy:
-    value = trace.get(key, default.value)
-    choices = [policy.value for policy in EvictionPolicy]
-    if value not in choices:
-        raise ValueError(f"{key!r} must be one of {choices}, got {value!r}")
-    return EvictionPolicy(value)
+def _get_choice(trace: dict[str, Any], key: str, default: str, choices: type[enum.Enum]) -> str:
+    value = trace.get(key, default)
+    allowed = [member.value for member in choices]
+    if value not in allowed:
+        raise ValueError(f"{key!r} must be one of {allowed}, got {value!r}")
+    return str(value)
 
 
 class TraceReplayer:

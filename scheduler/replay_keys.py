@@ -18,7 +18,6 @@ TOP_LEVEL_KEYS = frozenset(
         "enable_caching",
         "cache_unreachable_blocks",
         "prefix_cache_eviction",
-        "prefix_match_unit",
         "mamba_cache_mode",
         "ops",
         "meta",

@@ -142,24 +142,22 @@ class BlockPool:
         self, ordered_blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash]
     ) -> None:
         """Free a finished request's blocks (its chain, `block_hashes` naming its tokens)."""
-        if self.chains is None:
-            self.free_blocks(ordered_blocks)
-            return
-        num_cached = sum(1 for block in ordered_blocks if block.ref_cnt == 1 and block.block_hash)
-        tier, extends = self.chains.tier_for(num_cached, block_hashes)
-        self._release(ordered_blocks, tier, extends)
+        self._release(ordered_blocks, Tier.TRANSIENT, block_hashes)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], tier: Tier = Tier.STALE) -> None:
         """Drop one reference on each block, in order; queue those that reach 0.
 
         Unhashed ones go to the front (the first given is reused first), hashed ones to the tail
         in the given order, so callers pass a request's blocks tail first. With the `chain`
-        policy hashed ones join `tier` (see `ChainProtection.queue`).
+        policy hashed ones join `tier` (see `ChainProtection.queue_blocks`).
         """
         self._release(ordered_blocks, tier, None)
 
     def _release(
-        self, ordered_blocks: Iterable[KVCacheBlock], tier: Tier, extends: int | None
+        self,
+        ordered_blocks: Iterable[KVCacheBlock],
+        tier: Tier,
+        chain_hashes: Sequence[BlockHash] | None,
     ) -> None:
         null = self.null_block
         to_front: list[KVCacheBlock] = []
@@ -173,10 +171,14 @@ class BlockPool:
             if block.ref_cnt == 0:
                 num_used[block.group_id] -= 1
                 (to_front if block.block_hash is None else to_tail).append(block)
-        if self.chains is not None:
-            self.chains.queue_blocks(to_tail, tier, extends)
-        else:
+        chains = self.chains
+        if chains is None:
             self.free_queue.append_n(to_tail)
+        elif chain_hashes is None:
+            chains.queue_blocks(to_tail, tier, None)
+        else:
+            chain_tier, extends = chains.tier_for(len(to_tail), chain_hashes)
+            chains.queue_blocks(to_tail, chain_tier, extends)
         if to_front:
             self.free_queue.prepend_n(to_front)
 

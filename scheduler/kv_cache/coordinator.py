@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from operator import itemgetter
 from typing import NamedTuple
 
 from scheduler.block_hash import BlockHash
@@ -148,12 +149,11 @@ class KVCacheCoordinator:
         if self.pool.chains is None:
             self.pool.free_blocks([block for blocks in per_group for block in blocks])
             return
-        positioned = [
-            ((len(blocks) - 1 - index) * manager.block_size, block)
-            for manager, blocks in zip(self.managers, per_group, strict=True)
-            for index, block in enumerate(blocks)
-        ]
-        positioned.sort(key=lambda item: -item[0])  # stable: group order within a position
+        positioned: list[tuple[int, KVCacheBlock]] = []
+        for manager, blocks in zip(self.managers, per_group, strict=True):
+            size = manager.block_size  # `blocks` is tail first: positions count down
+            positioned.extend(zip(range((len(blocks) - 1) * size, -1, -size), blocks, strict=True))
+        positioned.sort(key=itemgetter(0), reverse=True)  # stable: group order at a position
         self.pool.free_chain([block for _, block in positioned], block_hashes)
 
     def get_blocks(self, req_id: str) -> GroupBlocks:

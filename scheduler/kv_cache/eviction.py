@@ -187,20 +187,23 @@ class ChainProtection:
         A chain block last freed by another chain is a shared trunk: HOT. A left-behind block
         is HOT when hit often (`is_hot`), TRANSIENT when some hit used it, else STALE.
         """
-        by_tier: dict[Tier, list[KVCacheBlock]] = {}
+        clock = self.clock
+        if extends is not None:
+            hot = [block for block in blocks if block.stamp >= 0 and block.stamp != extends]
+            rest = [block for block in blocks if block.stamp < 0 or block.stamp == extends]
+            by_tier = {Tier.HOT: hot, tier: rest}
+        else:
+            by_tier = {Tier.HOT: [], Tier.TRANSIENT: [], tier: []}
+            for block in blocks:
+                if self.is_hot(block):
+                    by_tier[Tier.HOT].append(block)
+                else:
+                    by_tier[Tier.TRANSIENT if block.num_hits else tier].append(block)
         for block in blocks:
-            own = tier
-            if extends is not None:
-                if block.stamp >= 0 and block.stamp != extends:
-                    own = Tier.HOT
-            elif self.is_hot(block):
-                own = Tier.HOT
-            elif block.num_hits:
-                own = Tier.TRANSIENT
-            block.stamp = self.clock
-            by_tier.setdefault(own, []).append(block)
+            block.stamp = clock
         for own, members in by_tier.items():
-            self.queue.append_to(own, members)
+            if members:
+                self.queue.append_to(own, members)
         self._cap_hot()
 
     def is_hot(self, block: KVCacheBlock) -> bool:

@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from scheduler.replay import replay_trace
 from scheduler.replay_keys import unknown_key_warnings
 
@@ -67,3 +69,29 @@ def test_the_command_warns_on_stderr_and_in_the_output_but_still_runs(tmp_path: 
     assert output["results"][0]["allocated"] is True
     assert "did you mean 'enable_caching'" in result.stderr
     assert "'zzzz'" in result.stderr
+
+
+def _mamba_trace(mode: str) -> dict:
+    a = list(range(20))
+    return {
+        "groups": [{"type": "full", "block_size": 4}, {"type": "mamba", "block_size": 4}],
+        "num_blocks": 40,
+        "max_model_len": 64,
+        "mamba_cache_mode": mode,
+        "ops": [
+            {"op": "prefill", "id": "a", "tokens": a},
+            {"op": "free", "id": "a"},
+            {"op": "prefill", "id": "b", "tokens": a[:12] + [99] * 5},
+        ],
+    }
+
+
+def test_mamba_cache_mode_all_keeps_a_state_at_every_block_end() -> None:
+    """`align` keeps a's state only where its prefill chunks end (16); `all` at 4, 8, 12, 16."""
+    assert replay_trace(_mamba_trace("align"))["results"][2]["hit_tokens"] == 0
+    assert replay_trace(_mamba_trace("all"))["results"][2]["hit_tokens"] == 12
+
+
+def test_an_unknown_mamba_cache_mode_is_an_error() -> None:
+    with pytest.raises(ValueError, match="'mamba_cache_mode' must be one of"):
+        replay_trace(_mamba_trace("sometimes"))
