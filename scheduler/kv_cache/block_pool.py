@@ -40,20 +40,20 @@ class BlockPool:
         self.blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.eviction_history = EvictionHistory(2 * num_blocks)
+        """Recently evicted (group, key) pairs, for miss reasons and the `chain` policy."""
         self.chains: ChainProtection | None = None
         """The `chain` policy's state (None: LRU, the queue drawn above)."""
         if eviction is EvictionPolicy.CHAIN:
             tiered = TieredFreeQueue(self.blocks[1:])
             self.free_queue = tiered
-            self.chains = ChainProtection(tiered, num_blocks - 1)
+            self.chains = ChainProtection(tiered, num_blocks - 1, self.eviction_history)
         self.hash_maps: list[dict[BlockHash, KVCacheBlock]] = [{} for _ in range(num_groups)]
         """Per group: hash -> first-registered block holding it (what a lookup returns)."""
         self._duplicates: dict[tuple[int, BlockHash], dict[int, KVCacheBlock]] = {}
         self._num_used = [0] * num_groups
         self.num_evictions = 0
         """Cached blocks whose hash was dropped to reuse them (cumulative)."""
-        self.eviction_history = EvictionHistory(2 * num_blocks)
-        """Recently evicted (group, key) pairs, for miss reasons."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -98,9 +98,10 @@ class BlockPool:
         if self.chains is not None:
             born = self.chains.clock
             for block in blocks:
+                block.tier = Tier.FRESH  # not from any chain until freed again
+                block.stamp = -1
                 block.num_hits = 0
                 block.born = born
-                block.stamp = -1  # not freed since allocated
             self.chains.note_in_use(self.num_blocks - 1 - self.free_queue.num_free_blocks)
         return blocks
 
@@ -128,6 +129,7 @@ class BlockPool:
         self.free_queue.num_free_blocks -= num_revived
 
     def _touch_tiered(self, blocks: Iterable[KVCacheBlock]) -> None:
+        assert self.chains is not None
         null = self.null_block
         for block in blocks:
             if block is null:
@@ -135,6 +137,7 @@ class BlockPool:
             if block.ref_cnt == 0:
                 self.free_queue.remove(block)
                 self._num_used[block.group_id] += 1
+                self.chains.num_held_hits += 1  # its tier stays set: not a new allocation
             block.ref_cnt += 1
             block.num_hits += 1
 
@@ -142,22 +145,19 @@ class BlockPool:
         self, ordered_blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash]
     ) -> None:
         """Free a finished request's blocks (its chain, `block_hashes` naming its tokens)."""
-        self._release(ordered_blocks, Tier.TRANSIENT, block_hashes)
+        self._release(ordered_blocks, block_hashes)
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], tier: Tier = Tier.STALE) -> None:
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference on each block, in order; queue those that reach 0.
 
         Unhashed ones go to the front (the first given is reused first), hashed ones to the tail
         in the given order, so callers pass a request's blocks tail first. With the `chain`
-        policy hashed ones join `tier` (see `ChainProtection.queue_blocks`).
+        policy hashed ones join the transient tier.
         """
-        self._release(ordered_blocks, tier, None)
+        self._release(ordered_blocks, None)
 
     def _release(
-        self,
-        ordered_blocks: Iterable[KVCacheBlock],
-        tier: Tier,
-        chain_hashes: Sequence[BlockHash] | None,
+        self, ordered_blocks: Iterable[KVCacheBlock], chain_hashes: Sequence[BlockHash] | None
     ) -> None:
         null = self.null_block
         to_front: list[KVCacheBlock] = []
@@ -174,11 +174,13 @@ class BlockPool:
         chains = self.chains
         if chains is None:
             self.free_queue.append_n(to_tail)
-        elif chain_hashes is None:
-            chains.queue_blocks(to_tail, tier, None)
         else:
-            chain_tier, extends = chains.tier_for(len(to_tail), chain_hashes)
-            chains.queue_blocks(to_tail, chain_tier, extends)
+            assert isinstance(self.free_queue, TieredFreeQueue)
+            chains.num_held_hits -= sum(1 for block in to_tail if block.tier != Tier.FRESH)
+            if chain_hashes is not None:
+                chains.queue_chain(to_tail, chain_hashes)
+            else:
+                chains.queue_left_behind(to_tail)
         if to_front:
             self.free_queue.prepend_n(to_front)
 

@@ -8,21 +8,25 @@ working set exceeds the pool every turn misses (vLLM's sliding-window hit collap
 `chain` splits the free queue into tiers, evicted in order (each tier front first):
 
     FRESH      never used, or freed without a hash (nothing to lose)
-    STALE      blocks a request dropped as it advanced (out of its window, older Mamba states)
-               and that no hit ever used: a later hit point needs them only on divergence
-    TRANSIENT  chains not worth protecting now, LRU by chain
-    PROTECTED  chains kept whole, LRU by chain
+    TRANSIENT  cached blocks, least recently freed first (what LRU would do)
+    PROTECTED  chains kept whole; the most recently freed chain goes first
+    HOT        blocks many requests hit and left behind (a shared system prompt's window)
 
 A *chain* is what one finished request frees, all groups together (full-attention blocks and the
-window tail that makes them a hit point), ordered from its last token to its first over every
-group, so a chain is evicted coherently from its end and a shared trunk goes last. At a request's
-free the chain is PROTECTED while the protected tier fits its budget (the usable pool less the
-most blocks requests have held at once). Past the budget it is protected only if its reuse
-distance (frees since the chain it extends was last freed) is shorter than the recency of the
-oldest protected chain, which is then demoted (LIRS's rule, at chain granularity); otherwise it is
-TRANSIENT. Round-robin sessions all have the same reuse distance, so a stable subset stays
-protected and hits every turn while the rest cycle through the transient tier; a shift of the
-working set makes old protected chains' recency grow until new chains displace them.
+window tail or state that makes them a hit point), queued from its last token to its first over
+every group, so a chain leaves the cache coherently from its end and its shared trunk goes last.
+
+A chain is protected only when the request extended an earlier chain (its tokens contain the
+last block of a chain freed before: a session's next turn) and that earlier chain was protected
+or lost blocks to eviction (the cache thrashes on it); other traffic stays in LRU order. It is
+protected while PROTECTED fits its budget (the usable pool less HOT and the most blocks requests
+have newly allocated at once); past the budget only if its reuse distance (frees since the chain
+it extends was freed) is shorter than the recency of the oldest protected chain, which is then
+demoted to TRANSIENT (LIRS's rule at chain granularity). Round-robin sessions all have the same
+reuse distance, so a stable subset stays protected and hits every turn while the rest cycle
+through TRANSIENT; when the working set shifts, old protected chains' recency grows until new
+ones displace them. Should requests need more than FRESH and TRANSIENT hold, the most recently
+freed protected chain goes first: under cyclic reuse it is the one needed last.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from scheduler.block_hash import BlockHash
+from scheduler.kv_cache.eviction_history import EvictionHistory
 from scheduler.kv_cache.free_block_queue import FreeBlockQueue, KVCacheBlock
 
 
@@ -41,26 +46,28 @@ class EvictionPolicy(enum.Enum):
     LRU = "lru"
     """vLLM's order: least recently freed first (compare traces with vLLM exactly)."""
     CHAIN = "chain"
-    """Tiers by value, chains kept whole, protected subset under cyclic traffic (default)."""
+    """Whole prefix chains, a protected subset under cyclic reuse (default)."""
 
 
 class Tier(enum.IntEnum):
     """Free-queue tiers of the `chain` policy, evicted in this order."""
 
     FRESH = 0
-    STALE = 1
-    TRANSIENT = 2
-    PROTECTED = 3
-    HOT = 4
+    TRANSIENT = 1
+    PROTECTED = 2
+    HOT = 3
 
 
-HOT_HITS_PER_FREE = 0.25
-"""A block hit at least twice, and on average at least this often per request free since it was
-allocated, is HOT: a trunk many chains share (a system prompt, its window tail)."""
+SHARED_FREES = 4
+"""A block left behind that hits reused at least this often (once per this many request frees)
+is shared by many requests."""
 
 HOT_SHARE = 8
-"""The HOT tier holds at most 1/HOT_SHARE of the usable pool; its oldest blocks overflow into
-TRANSIENT."""
+"""The HOT tier (blocks several chains share) holds at most 1/HOT_SHARE of the usable pool; its
+oldest blocks overflow into PROTECTED."""
+
+NO_CHAIN = -2
+"""`ChainProtection.tier_for`'s "extends no earlier chain"."""
 
 
 class TieredFreeQueue(FreeBlockQueue):
@@ -76,8 +83,8 @@ class TieredFreeQueue(FreeBlockQueue):
         return self.tiers[tier].num_free_blocks
 
     def popleft_n(self, count: int) -> list[KVCacheBlock]:
-        """Evict in tier order; PROTECTED gives up its most recently freed chain first (under
-        cyclic reuse that chain is needed last), each chain from its end."""
+        """Evict in tier order; PROTECTED gives up its most recently freed chain first, each
+        chain from its end."""
         out: list[KVCacheBlock] = []
         for tier, queue in enumerate(self.tiers):
             take = min(count - len(out), queue.num_free_blocks)
@@ -121,10 +128,13 @@ class TieredFreeQueue(FreeBlockQueue):
     def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         self.append_to(Tier.TRANSIENT, blocks)
 
-    def append_to(self, tier: Tier, blocks: Sequence[KVCacheBlock]) -> None:
-        """Put blocks at the tail of `tier`, in order."""
+    def append_to(self, tier: Tier, blocks: Sequence[KVCacheBlock], stamp: int = -1) -> None:
+        """Put blocks at the tail of `tier`, in order, marked with `stamp` when given."""
         for block in blocks:
             block.tier = tier
+        if stamp >= 0:
+            for block in blocks:
+                block.stamp = stamp
         self.tiers[tier].append_n(blocks)
         self.num_free_blocks += len(blocks)
 
@@ -143,73 +153,72 @@ class TieredFreeQueue(FreeBlockQueue):
 
 
 class ChainProtection:
-    """The `chain` policy's decisions: which tier a request's freed chain joins, and which of
-    its blocks are a shared trunk."""
+    """The `chain` policy's decision at each request's free: which tier its chain joins."""
 
-    def __init__(self, queue: TieredFreeQueue, num_usable: int) -> None:
+    def __init__(self, queue: TieredFreeQueue, num_usable: int, history: EvictionHistory) -> None:
         self.queue = queue
         self.num_usable = num_usable
+        self.history = history
         self.peak_in_use = 0
-        """Most blocks requests held at once so far: room the protected tier leaves them."""
+        """Most blocks requests held at once so far, hits taken from the cache excepted: the
+        room the protected tier leaves them."""
+        self.num_held_hits = 0
+        """Blocks requests hold that they took from the cache (a hit), not newly allocated."""
         self.clock = 0
         """Request frees so far (the unit of reuse distance and recency)."""
         self._last_free: OrderedDict[BlockHash, int] = OrderedDict()
         """A freed chain's last block hash -> clock of that free (bounded, oldest dropped)."""
 
     def note_in_use(self, num_in_use: int) -> None:
-        if num_in_use > self.peak_in_use:
-            self.peak_in_use = num_in_use
+        num_allocated = num_in_use - self.num_held_hits
+        if num_allocated > self.peak_in_use:
+            self.peak_in_use = num_allocated
 
-    def tier_for(self, num_blocks: int, block_hashes: Sequence[BlockHash]) -> tuple[Tier, int]:
-        """(tier, clock of the free of the chain it extends, or -2) for a chain of `num_blocks`
-        newly free blocks whose tokens hash to `block_hashes`; demotes older protected chains
-        when this one displaces them."""
+    def queue_chain(self, blocks: list[KVCacheBlock], block_hashes: Sequence[BlockHash]) -> None:
+        """Queue a finished request's newly free cached blocks (its chain, in chain order; its
+        tokens hash to `block_hashes`) in the tier `tier_for` picks."""
+        was_protected = any(block.tier == Tier.PROTECTED for block in blocks)
         self.clock += 1
-        extends = self._extended_stamp(block_hashes)
-        budget = self.num_usable - self.peak_in_use
+        extends, thrashed = self._extended_chain(block_hashes)
+        tier = self.tier_for(len(blocks), extends, was_protected or thrashed)
+        self.queue.append_to(tier, blocks, self.clock)
+
+    def queue_left_behind(self, blocks: list[KVCacheBlock]) -> None:
+        """Queue blocks a running request dropped as it advanced (out of its window, an older
+        Mamba state). Those hits reuse often (`is_shared`) are a prefix many requests share
+        (a system prompt's window): HOT; the others TRANSIENT."""
+        shared = [block for block in blocks if self.is_shared(block)]
+        if shared:
+            blocks = [block for block in blocks if not self.is_shared(block)]
+            self.queue.append_to(Tier.HOT, shared, self.clock)
+            self._cap_hot()
+        self.queue.append_to(Tier.TRANSIENT, blocks, self.clock)
+
+    def is_shared(self, block: KVCacheBlock) -> bool:
+        """Hit at least twice, and at least once per `SHARED_FREES` request frees on average
+        since it was allocated."""
+        hits = block.num_hits
+        return hits >= 2 and hits * SHARED_FREES >= self.clock - block.born + 1
+
+    def tier_for(self, num_blocks: int, extends: int, reused: bool) -> Tier:
+        """The tier of a chain of `num_blocks` blocks extending the chain freed at `extends`
+        (`reused`: that chain was protected or lost blocks to eviction); demotes older
+        protected chains when this one displaces them."""
+        if extends == NO_CHAIN or not reused:
+            return Tier.TRANSIENT
+        budget = self.num_usable - self.peak_in_use - self.queue.tier_size(Tier.HOT)
         queue = self.queue
         if queue.tier_size(Tier.PROTECTED) + num_blocks <= budget:
-            return Tier.PROTECTED, extends
-        if extends < 0 or num_blocks > budget:
-            return Tier.TRANSIENT, extends
+            return Tier.PROTECTED
+        if num_blocks > budget:
+            return Tier.TRANSIENT
         distance = self.clock - extends
         while queue.tier_size(Tier.PROTECTED) + num_blocks > budget:
             oldest = queue.head(Tier.PROTECTED)
             if oldest is None or self.clock - oldest.stamp <= distance:
-                return Tier.TRANSIENT, extends
+                return Tier.TRANSIENT
             self._demote_chain(oldest.stamp)
-        return Tier.PROTECTED, extends
-
-    def queue_blocks(self, blocks: list[KVCacheBlock], tier: Tier, extends: int | None) -> None:
-        """Queue newly free cached blocks: a request's chain (`extends` as `tier_for` gave it)
-        or blocks a request left behind as it advanced (`extends` None, `tier` STALE).
-
-        A chain block last freed by another chain is a shared trunk: HOT. A left-behind block
-        is HOT when hit often (`is_hot`), TRANSIENT when some hit used it, else STALE.
-        """
-        clock = self.clock
-        if extends is not None:
-            hot = [block for block in blocks if block.stamp >= 0 and block.stamp != extends]
-            rest = [block for block in blocks if block.stamp < 0 or block.stamp == extends]
-            by_tier = {Tier.HOT: hot, tier: rest}
-        else:
-            by_tier = {Tier.HOT: [], Tier.TRANSIENT: [], tier: []}
-            for block in blocks:
-                if self.is_hot(block):
-                    by_tier[Tier.HOT].append(block)
-                else:
-                    by_tier[Tier.TRANSIENT if block.num_hits else tier].append(block)
-        for block in blocks:
-            block.stamp = clock
-        for own, members in by_tier.items():
-            if members:
-                self.queue.append_to(own, members)
-        self._cap_hot()
-
-    def is_hot(self, block: KVCacheBlock) -> bool:
-        """Hit twice or more, and often for its age (see `HOT_HITS_PER_FREE`)."""
-        hits = block.num_hits
-        return hits >= 2 and hits >= HOT_HITS_PER_FREE * (self.clock - block.born + 1)
+        return Tier.PROTECTED
 
     def _cap_hot(self) -> None:
         """Move the oldest HOT blocks to PROTECTED while HOT exceeds its share."""
@@ -220,21 +229,22 @@ class ChainProtection:
             queue.num_free_blocks -= excess
             queue.append_to(Tier.PROTECTED, moved)
 
-    def _extended_stamp(self, block_hashes: Sequence[BlockHash]) -> int:
-        """Clock of the free of the longest earlier chain this one extends (-2: none); this
-        chain's last hash takes its place."""
+    def _extended_chain(self, block_hashes: Sequence[BlockHash]) -> tuple[int, bool]:
+        """(clock of the free of the longest earlier chain this one extends, or `NO_CHAIN`;
+        whether that chain's last block was evicted since). This chain's last hash takes its
+        place."""
         last_free = self._last_free
-        stamp = -2
+        found: tuple[int, bool] = (NO_CHAIN, False)
         for block_hash in reversed(block_hashes):
-            found = last_free.pop(block_hash, None)
-            if found is not None:
-                stamp = found
+            stamp = last_free.pop(block_hash, None)
+            if stamp is not None:
+                found = (stamp, self.history.was_evicted_anywhere(block_hash))
                 break
         if block_hashes:
             last_free[block_hashes[-1]] = self.clock
             if len(last_free) > self.num_usable:
                 last_free.popitem(last=False)
-        return stamp
+        return found
 
     def _demote_chain(self, stamp: int) -> None:
         """Move the protected chain freed at `stamp` (the tier's front) to the transient tail."""

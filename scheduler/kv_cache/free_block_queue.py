@@ -42,9 +42,9 @@ class KVCacheBlock:
         self.stamp = 0
         """Clock of the request free that queued it (its chain's identity and recency)."""
         self.num_hits = 0
-        """Prefix hits that reused the block since it was last allocated."""
+        """Prefix hits that reused the block since it was allocated."""
         self.born = 0
-        """Clock of the request frees when the block was last allocated."""
+        """Request frees counted when the block was allocated."""
 
     def __repr__(self) -> str:
         hashed = self.block_hash is not None
