@@ -4,7 +4,9 @@ Scheduler only (the replay tool's manager, no model). Each of N sessions shares 
 system prompt; a turn prefills the session's whole history plus 300 new tokens, decodes 200 and
 frees; sessions take turns round-robin for 8 rounds. Pool: a Gemma-4-31B-shaped layout of five
 sliding-window groups (window 1024) and one full-attention group, block 16, 8,765 blocks. The
-policies run on the same traces in the same process; `lru` is vLLM's order.
+policies run on the same traces in the same process; `lru` is vLLM's order. A second table
+replays random shared-document traffic (`scheduler.pressure_traces`) with each policy: hit tokens
+(ratio to the first policy).
 
     .venv/bin/python benchmarks/bench_prefix_sessions.py [--sessions 8 16 32 64] [--rounds 8]
 """
@@ -16,7 +18,8 @@ import random
 import time
 from typing import Any
 
-from scheduler.replay import TraceReplayer, build_manager
+from scheduler.pressure_traces import ALL_REACHABLE, LAYOUTS, hit_tokens, pressure_trace
+from scheduler.replay import TraceReplayer, build_manager, replay_trace
 
 SYSTEM_TOKENS = 2000
 USER_TOKENS = 300
@@ -73,6 +76,25 @@ def hit_rates(policy: str, rounds: list[list[dict[str, Any]]]) -> list[float]:
     return rates
 
 
+def pressure_ratios(policies: list[str], num_seeds: int = 20) -> dict[str, list[int]]:
+    """Per layout of `scheduler.pressure_traces`, total hit tokens of each policy over the
+    seeds (random prefixes of four shared documents in a small pool: not sessions)."""
+    totals = {}
+    for layout, groups in {**LAYOUTS, **ALL_REACHABLE}.items():
+        totals[layout] = [
+            sum(
+                sum(
+                    hit_tokens(
+                        replay_trace({**pressure_trace(groups, seed), **policy_key})["results"]
+                    )
+                )
+                for seed in range(num_seeds)
+            )
+            for policy_key in ({"prefix_cache_eviction": policy} for policy in policies)
+        ]
+    return totals
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, nargs="+", default=[8, 16, 32, 64])
@@ -90,6 +112,11 @@ def main() -> None:
             cells = " | ".join(f"{rate:.3f}" for rate in rates)
             elapsed = time.perf_counter() - start
             print(f"| {num_sessions} | {policy} | {cells} | {elapsed:.1f} |", flush=True)
+    print("\n| random document traffic, layout | " + " | ".join(args.policies) + " |")
+    print("|---|" + "---|" * len(args.policies))
+    for layout, totals in pressure_ratios(args.policies).items():
+        cells = " | ".join(f"{total} ({total / totals[0]:.2f})" for total in totals)
+        print(f"| {layout} | {cells} |")
 
 
 if __name__ == "__main__":

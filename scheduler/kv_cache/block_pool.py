@@ -159,6 +159,9 @@ class BlockPool:
     def _release(
         self, ordered_blocks: Iterable[KVCacheBlock], chain_hashes: Sequence[BlockHash] | None
     ) -> None:
+        if self.chains is not None:
+            self._release_tiered(ordered_blocks, chain_hashes)
+            return
         null = self.null_block
         to_front: list[KVCacheBlock] = []
         to_tail: list[KVCacheBlock] = []
@@ -171,16 +174,39 @@ class BlockPool:
             if block.ref_cnt == 0:
                 num_used[block.group_id] -= 1
                 (to_front if block.block_hash is None else to_tail).append(block)
+        self.free_queue.append_n(to_tail)
+        if to_front:
+            self.free_queue.prepend_n(to_front)
+
+    def _release_tiered(
+        self, ordered_blocks: Iterable[KVCacheBlock], chain_hashes: Sequence[BlockHash] | None
+    ) -> None:
+        """`_release` for the `chain` policy: also counts the freed blocks that were hits (their
+        tier stays set while held; newly allocated ones are FRESH) and protected ones."""
         chains = self.chains
-        if chains is None:
-            self.free_queue.append_n(to_tail)
+        assert chains is not None
+        null = self.null_block
+        to_front: list[KVCacheBlock] = []
+        to_tail: list[KVCacheBlock] = []
+        num_used = self._num_used
+        num_hits = num_protected = 0
+        for block in ordered_blocks:
+            if block is null:
+                continue
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"{block} freed more often than taken"
+            if block.ref_cnt == 0:
+                num_used[block.group_id] -= 1
+                tier = block.tier
+                if tier:
+                    num_hits += 1
+                    num_protected += tier == Tier.PROTECTED
+                (to_front if block.block_hash is None else to_tail).append(block)
+        chains.num_held_hits -= num_hits
+        if chain_hashes is not None:
+            chains.queue_chain(to_tail, chain_hashes, num_protected > 0)
         else:
-            assert isinstance(self.free_queue, TieredFreeQueue)
-            chains.num_held_hits -= sum(1 for block in to_tail if block.tier != Tier.FRESH)
-            if chain_hashes is not None:
-                chains.queue_chain(to_tail, chain_hashes)
-            else:
-                chains.queue_left_behind(to_tail)
+            chains.queue_left_behind(to_tail)
         if to_front:
             self.free_queue.prepend_n(to_front)
 

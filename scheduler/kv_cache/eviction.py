@@ -130,11 +130,13 @@ class TieredFreeQueue(FreeBlockQueue):
 
     def append_to(self, tier: Tier, blocks: Sequence[KVCacheBlock], stamp: int = -1) -> None:
         """Put blocks at the tail of `tier`, in order, marked with `stamp` when given."""
-        for block in blocks:
-            block.tier = tier
         if stamp >= 0:
             for block in blocks:
+                block.tier = tier
                 block.stamp = stamp
+        else:
+            for block in blocks:
+                block.tier = tier
         self.tiers[tier].append_n(blocks)
         self.num_free_blocks += len(blocks)
 
@@ -174,10 +176,12 @@ class ChainProtection:
         if num_allocated > self.peak_in_use:
             self.peak_in_use = num_allocated
 
-    def queue_chain(self, blocks: list[KVCacheBlock], block_hashes: Sequence[BlockHash]) -> None:
+    def queue_chain(
+        self, blocks: list[KVCacheBlock], block_hashes: Sequence[BlockHash], was_protected: bool
+    ) -> None:
         """Queue a finished request's newly free cached blocks (its chain, in chain order; its
-        tokens hash to `block_hashes`) in the tier `tier_for` picks."""
-        was_protected = any(block.tier == Tier.PROTECTED for block in blocks)
+        tokens hash to `block_hashes`; `was_protected`: some came from a protected chain) in the
+        tier `tier_for` picks."""
         self.clock += 1
         extends, thrashed = self._extended_chain(block_hashes)
         tier = self.tier_for(len(blocks), extends, was_protected or thrashed)
