@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from operator import itemgetter
 from typing import NamedTuple
 
 from scheduler.block_hash import BlockHash
@@ -149,12 +148,14 @@ class KVCacheCoordinator:
         if self.pool.chains is None:
             self.pool.free_blocks([block for blocks in per_group for block in blocks])
             return
-        positioned: list[tuple[int, KVCacheBlock]] = []
+        merged: list[KVCacheBlock] = []
+        positions: list[int] = []  # no (position, block) tuples: they would wake the GC
         for manager, blocks in zip(self.managers, per_group, strict=True):
             size = manager.block_size  # `blocks` is tail first: positions count down
-            positioned.extend(zip(range((len(blocks) - 1) * size, -1, -size), blocks, strict=True))
-        positioned.sort(key=itemgetter(0), reverse=True)  # stable: group order at a position
-        self.pool.free_chain([block for _, block in positioned], block_hashes)
+            merged.extend(blocks)
+            positions.extend(range((len(blocks) - 1) * size, -1, -size))
+        order = sorted(range(len(merged)), key=positions.__getitem__, reverse=True)  # stable
+        self.pool.free_chain([merged[index] for index in order], block_hashes)
 
     def get_blocks(self, req_id: str) -> GroupBlocks:
         """The request's current tables (live lists: do not mutate)."""
