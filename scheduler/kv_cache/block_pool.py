@@ -40,7 +40,7 @@ class BlockPool:
         self.blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.free_queue = FreeBlockQueue(self.blocks[1:])
-        self.eviction_history = EvictionHistory(2 * num_blocks)
+        self.eviction_history = EvictionHistory(num_blocks)
         """Recently evicted (group, key) pairs, for miss reasons and the `chain` policy."""
         self.chains: ChainProtection | None = None
         """The `chain` policy's state (None: LRU, the queue drawn above)."""
