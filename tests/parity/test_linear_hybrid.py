@@ -1,0 +1,157 @@
+"""Linear-attention hybrids (Qwen3-Next, Qwen3.5 dense and MoE: gated DeltaNet; LFM2: short
+convolution) end to end against transformers (CPU fp32), through the offline `LLM`.
+
+Log-probabilities (prompt and decode) within 1e-4 and greedy tokens identical, with chunked
+prefill (block size 4, 16-token budget: DeltaNet states make the hybrid blocks 8 tokens, LFM2's
+conv state fits a 4-token page), prefix hits in align and all modes (asserted non-zero),
+preemption and resume, tensor parallelism over heads and channels, and the hybrid manager off
+(a clear error: state layers need their own groups).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from cluster import LLM, SamplingParams
+from scheduler.kv_cache.linear_state_spec import GatedDeltaNetSpec, ShortConvSpec
+from scheduler.kv_cache.spec import manager_spec
+from tests.helpers.tiny_linear_hybrid import save_tiny_linear_hybrid
+from tests.helpers.tiny_models import hf_greedy
+
+pytestmark = pytest.mark.parity
+
+NUM_NEW = 12
+PROMPTS = [
+    [(7 * i + 3) % 256 for i in range(26)],
+    [(11 * i + 5) % 256 for i in range(5)],
+    [(13 * i + 1) % 256 for i in range(17)],
+]
+# Share 16 leading tokens (two 8-token hybrid blocks, four LFM2 blocks) with the first prompt.
+SHARED = [[*PROMPTS[0][:16], 9, 8, 7, 6, 5]]
+LLM_ARGS = {"block_size": 4, "max_num_batched_tokens": 16, "kv_cache_memory_bytes": 1 << 20}
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW)
+BLOCK = {"qwen3_next": 8, "qwen3_5": 8, "qwen3_5_moe": 8, "lfm2": 4}
+STATE_SPEC = {
+    "qwen3_next": GatedDeltaNetSpec,
+    "qwen3_5": GatedDeltaNetSpec,
+    "qwen3_5_moe": GatedDeltaNetSpec,
+    "lfm2": ShortConvSpec,
+}
+
+
+class Saved(NamedTuple):
+    family: str
+    path: Path
+    hf_model: torch.nn.Module
+    greedy: dict[tuple[int, ...], list[int]]
+
+
+@pytest.fixture(scope="module", params=list(BLOCK))
+def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Saved:
+    path = tmp_path_factory.mktemp(request.param)
+    hf_model = save_tiny_linear_hybrid(request.param, path)
+    greedy = {tuple(p): hf_greedy(hf_model, p, NUM_NEW) for p in PROMPTS + SHARED}
+    return Saved(request.param, path, hf_model, greedy)
+
+
+def _tokens(results) -> list[list[int]]:
+    return [r.outputs[0].token_ids for r in results]
+
+
+def _expected(saved: Saved, prompts: list[list[int]]) -> list[list[int]]:
+    return [saved.greedy.get(tuple(p)) or hf_greedy(saved.hf_model, p, NUM_NEW) for p in prompts]
+
+
+def test_prompt_and_decode_logprobs_match_transformers(saved: Saved) -> None:
+    """Log-softmax at every prompt position (chunked prefill) and decode step within 1e-4."""
+    prompt = PROMPTS[0]
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=5, prompt_logprobs=5)
+    llm = LLM(str(saved.path), enable_prefix_caching=False, **LLM_ARGS)
+    (result,) = llm.generate([prompt], params, use_tqdm=False)
+    llm.shutdown()
+    tokens = result.outputs[0].token_ids
+    assert tokens == saved.greedy[tuple(prompt)][:6]
+    with torch.no_grad():
+        logits = saved.hf_model(torch.tensor([prompt + tokens])).logits[0]
+    reference = torch.log_softmax(logits.double(), dim=-1)
+    assert result.prompt_logprobs is not None
+    assert result.outputs[0].logprobs is not None
+    sequence = prompt + tokens
+    positions = [*result.prompt_logprobs[1:], *result.outputs[0].logprobs]
+    for row, position in enumerate(positions):
+        token = sequence[row + 1]
+        assert position[token].logprob == pytest.approx(float(reference[row, token]), abs=1e-4)
+        top = sorted((t for t in position if position[t].rank <= 5), key=lambda t: position[t].rank)
+        assert top == reference[row].topk(5).indices.tolist()
+
+
+def test_chunked_prefill_and_align_prefix_hits_give_transformers_tokens(saved: Saved) -> None:
+    llm = LLM(str(saved.path), **LLM_ARGS)
+    groups = llm.client.core.scheduler.kv_cache_config.groups
+    assert {g.spec.block_size for g in groups} == {BLOCK[saved.family]}
+    kinds = {type(manager_spec(g.spec)) for g in groups}
+    assert STATE_SPEC[saved.family] in kinds
+    results = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert _tokens(results) == _expected(saved, PROMPTS)
+    # The first prompt's first chunk ended at 16 (a block end): align mode kept that state.
+    results = llm.generate(SHARED, GREEDY, use_tqdm=False)
+    assert _tokens(results) == _expected(saved, SHARED)
+    assert [r.num_cached_tokens for r in results] == [16]
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["all", "none"])
+def test_all_and_none_modes(saved: Saved, mode: str) -> None:
+    if mode == "none" and saved.family != "qwen3_5":
+        pytest.skip("none mode: one family is enough (the manager is shared)")
+    llm = LLM(str(saved.path), max_num_seqs=1, mamba_cache_mode=mode, **LLM_ARGS)
+    prompts = [PROMPTS[0], *SHARED, [*PROMPTS[0][:8], 1, 2, 3]]
+    results = llm.generate(prompts, GREEDY, use_tqdm=False)
+    llm.shutdown()
+    assert _tokens(results) == _expected(saved, prompts)
+    hits = [r.num_cached_tokens for r in results]
+    assert hits == ([0, 0, 0] if mode == "none" else [0, 16, 8])
+
+
+def test_preemption_and_resume_keep_the_tokens(saved: Saved) -> None:
+    if saved.family not in ("qwen3_next", "lfm2"):
+        pytest.skip("preemption: one family per state kind")
+    # Room for one 48-token request and a half: three of 26 + 12 tokens cannot all run.
+    memory = {"qwen3_next": 36 << 10, "lfm2": 27 << 10}[saved.family]
+    llm = LLM(str(saved.path), max_model_len=48, **{**LLM_ARGS, "kv_cache_memory_bytes": memory})
+    prompts = [PROMPTS[0], [(5 * i + 5) % 256 for i in range(26)], PROMPTS[2]]
+    results = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.client.core.scheduler.num_preemptions > 0
+    llm.shutdown()
+    assert _tokens(results) == _expected(saved, prompts)
+
+
+def test_hybrid_manager_off_is_a_clear_error(tmp_path: Path) -> None:
+    save_tiny_linear_hybrid("lfm2", tmp_path)
+    with pytest.raises(ValueError, match="hybrid KV cache manager is disabled"):
+        LLM(str(tmp_path), disable_hybrid_kv_cache_manager=True, **LLM_ARGS)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "family",
+    [
+        "qwen3_next",  # DeltaNet heads, gated attention and MoE experts split
+        pytest.param("qwen3_5", marks=pytest.mark.slow),
+        pytest.param("qwen3_5_moe", marks=pytest.mark.slow),
+        pytest.param("lfm2", marks=pytest.mark.slow),
+    ],
+)
+def test_tensor_parallel_2_splits_heads(family: str, tmp_path: Path) -> None:
+    hf_model = save_tiny_linear_hybrid(family, tmp_path)
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    llm = LLM(str(tmp_path), tensor_parallel_size=2, **LLM_ARGS)
+    try:
+        tokens = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False))
+    finally:
+        llm.shutdown()
+    assert tokens == [hf_greedy(hf_model, p, NUM_NEW) for p in prompts]
