@@ -16,6 +16,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
+import worker.mamba_metadata
 from cluster import LLM, SamplingParams
 from scheduler.kv_cache.linear_state_spec import GatedDeltaNetSpec, ShortConvSpec
 from scheduler.kv_cache.spec import manager_spec
@@ -102,6 +103,32 @@ def test_chunked_prefill_and_align_prefix_hits_give_transformers_tokens(saved: S
     assert _tokens(results) == _expected(saved, SHARED)
     assert [r.num_cached_tokens for r in results] == [16]
     llm.shutdown()
+
+
+def test_hits_on_states_written_in_the_same_step(
+    saved: Saved, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompts sharing a prefix submitted together: the second hits the state the first writes
+    in that same step, so the state layers run it in a second wave."""
+    if saved.family not in ("qwen3_5", "lfm2"):
+        pytest.skip("same-step hits: one family per state kind")
+    waves: list[int] = []
+
+    def counting(*args: object) -> tuple[object, ...]:
+        found = make_waves(*args)
+        waves.append(len(found))
+        return found
+
+    make_waves = worker.mamba_metadata._waves
+    monkeypatch.setattr(worker.mamba_metadata, "_waves", counting)
+    llm = LLM(str(saved.path), **{**LLM_ARGS, "max_num_batched_tokens": 64})
+    # The first prompt's first chunk ends at 24 (its last full block end) in align mode.
+    prompts = [PROMPTS[0], [*PROMPTS[0][:24], 9, 8, 7]]
+    results = llm.generate(prompts, GREEDY, use_tqdm=False)
+    llm.shutdown()
+    assert _tokens(results) == _expected(saved, prompts)
+    assert [r.num_cached_tokens for r in results] == [0, 24]
+    assert max(waves) == 2
 
 
 @pytest.mark.parametrize("mode", ["all", "none"])
