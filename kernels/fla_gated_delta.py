@@ -2,7 +2,8 @@
 as `kernels.gated_delta_reference`, states at cut positions by running segments in rounds.
 
 fla takes one flat batch (`[1, T, H, *]` with `cu_seqlens`) and value-head-shared q/k are
-expanded first, so its own grouped-head support is not relied on.
+expanded first, so its own grouped-head support is not relied on. fla's chunked kernel refuses
+fp32 inputs: fp32 prefill runs the torch reference instead (fp32 models are for parity runs).
 """
 
 from __future__ import annotations
@@ -15,18 +16,25 @@ from fla.ops.gated_delta_rule import (
     fused_recurrent_gated_delta_rule,
 )
 
-from kernels.gated_delta_reference import DeltaRuleInputs, DeltaRuleOutput, run_with_cuts
+from kernels.gated_delta_reference import (
+    DeltaRuleInputs,
+    DeltaRuleOutput,
+    reference_chunked_core,
+    run_with_cuts,
+)
 
 
 def _fla_core(
     inputs: DeltaRuleInputs, states: torch.Tensor, starts: list[int], scale: float, chunked: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if chunked and inputs.v.dtype == torch.float32:
+        return reference_chunked_core(inputs, states, starts, scale)
     ratio = inputs.v.shape[1] // inputs.q.shape[1]
     q, k = (x.repeat_interleave(ratio, dim=1) for x in (inputs.q, inputs.k))
-    cu_seqlens = torch.tensor(starts, dtype=torch.int32, device=q.device)
+    cu_seqlens = torch.tensor(starts, dtype=torch.long, device=q.device)
     fn = chunk_gated_delta_rule if chunked else fused_recurrent_gated_delta_rule
     out, final = fn(
-        q[None], k[None], inputs.v[None], inputs.g[None].float(), inputs.beta[None],
+        q[None], k[None], inputs.v[None], inputs.g[None].float(), inputs.beta[None].to(q.dtype),
         scale=scale, initial_state=states.float().contiguous(), output_final_state=True,
         cu_seqlens=cu_seqlens,
     )  # fmt: skip

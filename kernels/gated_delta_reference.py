@@ -113,6 +113,13 @@ def _chunked_core(
     return out, _stack(finals, states, x.v.dtype)
 
 
+def reference_chunked_core(
+    inputs: DeltaRuleInputs, states: torch.Tensor, starts: list[int], scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked core (64-token chunks, no cuts) for backends that cannot run some inputs."""
+    return _chunked_core(inputs, states, starts, scale, 64)
+
+
 def _recurrent_core(
     inputs: DeltaRuleInputs, states: torch.Tensor, starts: list[int], scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -42,7 +42,10 @@ def test_fla_gated_delta_rule_matches_the_reference(form: str) -> None:
     states = torch.randn(len(starts) - 1, 4, 64, 64, device="cuda") * 0.1
     fn = kernels.chunked if form == "chunked" else kernels.recurrent
     want_fn = ref.chunked_gated_delta_rule if form == "chunked" else ref.recurrent_gated_delta_rule
-    got = fn(inputs, states, starts, 64**-0.5, cuts)
-    want = want_fn(inputs, states, starts, 64**-0.5, cuts)
-    for got_part, want_part in zip(got, want, strict=True):  # type: ignore[call-overload]
-        torch.testing.assert_close(got_part, want_part, rtol=2e-3, atol=2e-3)
+    # fla's chunked kernel takes bf16 (fp32 goes to the reference); compare with fp32 math.
+    half = ref.DeltaRuleInputs(*(x.to(torch.bfloat16) for x in inputs[:3]), inputs.g, inputs.beta)
+    got = fn(half, states, starts, 64**-0.5, cuts)
+    exact = ref.DeltaRuleInputs(*(x.float() for x in half[:3]), inputs.g, inputs.beta)
+    want = want_fn(exact, states, starts, 64**-0.5, cuts)
+    for got_part, want_part in zip(got, want, strict=True):
+        torch.testing.assert_close(got_part.float(), want_part, rtol=3e-2, atol=3e-2)
