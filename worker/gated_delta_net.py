@@ -64,7 +64,7 @@ class GatedDeltaNet(StateLayer):
 
     def __init__(self, cfg: GatedDeltaNetConfig, parallel: ParallelConfig) -> None:
         super().__init__()
-        self.cfg, self.tp, self.rank = cfg, parallel.tp_size, parallel.rank
+        self.cfg, self.rank = cfg, parallel.rank
         self.local = cfg.shape.per_rank(parallel.tp_size)
         loc, hidden = self.local, cfg.hidden_size
         self.key_size, self.value_size = (
@@ -74,10 +74,10 @@ class GatedDeltaNet(StateLayer):
         self.conv_dim = loc.conv_dim
         if cfg.fused_projections:
             self.in_proj_qkvz = _Weight(
-                new_parameter((self.conv_dim + self.value_size, hidden), self._load_key_major)
+                new_parameter((self.conv_dim + self.value_size, hidden), self._load_rank_rows)
             )
             self.in_proj_ba = _Weight(
-                new_parameter((2 * loc.num_v_heads, hidden), self._load_key_major)
+                new_parameter((2 * loc.num_v_heads, hidden), self._load_rank_rows)
             )
         else:
             self.in_proj_qkv = _Weight(new_parameter((self.conv_dim, hidden), self._load_conv_rows))
@@ -104,13 +104,10 @@ class GatedDeltaNet(StateLayer):
     # -- weight loading -------------------------------------------------------------------
 
     def _load_rank_rows(self, param: nn.Parameter, source: WeightSource, _: ShardId = None) -> None:
-        """This rank's contiguous block of rows (value heads, or their features)."""
+        """This rank's contiguous block of rows: its value heads (or their features), or its key
+        heads' groups in the fused per-key-head layouts."""
         size = param.shape[0]
         copy_checked(param.data, read_part(source, 0, self.rank * size, size))
-
-    def _load_key_major(self, param: nn.Parameter, source: WeightSource, _: ShardId = None) -> None:
-        """Fused per-key-head rows: this rank's key heads are one contiguous block."""
-        self._load_rank_rows(param, source)
 
     def _load_conv_rows(self, param: nn.Parameter, source: WeightSource, _: ShardId = None) -> None:
         """[q | k | v] rows (projection or conv channels): this rank's heads of each part."""
