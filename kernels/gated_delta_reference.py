@@ -130,13 +130,20 @@ def _recurrent_core(
     out = torch.empty_like(x.v)
     for step in range(max(lengths, default=0)):
         seqs = [s for s, n in enumerate(lengths) if n > step]
+        every = len(seqs) == len(lengths)
         rows = torch.tensor([starts[s] + step for s in seqs], device=x.v.device)
         q, k, v, g, beta = x.rows(rows)
-        current = state[seqs] * g.exp()[:, :, None, None]
-        recalled = (current * k[..., None]).sum(-2)  # [n, H, V]
-        current = current + k[..., None] * (beta[..., None] * (v - recalled))[:, :, None, :]
-        out[rows] = (current * (q * scale)[..., None]).sum(-2)
-        state[seqs] = current
+        current = state if every else state[seqs]  # decode: update in place, no gather
+        current.mul_(g.exp()[:, :, None, None])
+        recalled = (k[:, :, None, :] @ current).squeeze(2)  # [n, H, V]
+        delta = beta[..., None] * (v - recalled)
+        n, heads, dim_k, dim_v = current.shape  # += k delta^T as a batched outer product
+        current.view(n * heads, dim_k, dim_v).baddbmm_(
+            k.reshape(n * heads, dim_k, 1), delta.reshape(n * heads, 1, dim_v)
+        )
+        out[rows] = ((q * scale)[:, :, None, :] @ current).squeeze(2)
+        if not every:
+            state[seqs] = current
     return out, state
 
 
