@@ -10,12 +10,17 @@ preemption and resume, tensor parallelism over heads and channels, and the hybri
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import NamedTuple
 
 import pytest
 import torch
 
+import kernels
 import worker.mamba_metadata
 from cluster import LLM, SamplingParams
 from scheduler.kv_cache.linear_state_spec import GatedDeltaNetSpec, ShortConvSpec
@@ -24,6 +29,7 @@ from tests.helpers.tiny_linear_hybrid import save_tiny_linear_hybrid
 from tests.helpers.tiny_models import hf_greedy
 
 pytestmark = pytest.mark.parity
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 NUM_NEW = 12
 PROMPTS = [
@@ -182,3 +188,39 @@ def test_tensor_parallel_2_splits_heads(family: str, tmp_path: Path) -> None:
     finally:
         llm.shutdown()
     assert tokens == [hf_greedy(hf_model, p, NUM_NEW) for p in prompts]
+
+
+TRITON_GENERATE = """
+import json, sys
+from cluster import LLM, SamplingParams
+from kernels import triton_attention
+assert triton_attention.is_interpreted()
+llm = LLM(sys.argv[1], attention_backend="triton", device="cpu", block_size=4,
+          max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 20)
+kernels = llm.client.core.executor.worker.model_runner._mamba_kernels
+assert kernels.name == "triton" and kernels.gated_delta.name == "torch"
+prompts = json.loads(sys.argv[2])
+results = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+print(json.dumps([r.outputs[0].token_ids for r in results]))
+llm.shutdown()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not kernels.HAS_TRITON, reason="triton is not installed")
+@pytest.mark.parametrize("family", ["qwen3_5", "lfm2"])
+def test_triton_conv_on_the_interpreter_gives_transformers_tokens(
+    family: str, tmp_path: Path
+) -> None:
+    """The Triton conv1d (silu for DeltaNet, none for LFM2) and attention kernels inside the
+    real runner, on CPU under TRITON_INTERPRET; the delta rule falls back to the reference."""
+    hf_model = save_tiny_linear_hybrid(family, tmp_path)
+    prompts = [PROMPTS[2][:13], PROMPTS[1]]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.run(
+        [sys.executable, "-c", TRITON_GENERATE, str(tmp_path), json.dumps(prompts)],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    tokens = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert tokens == [hf_greedy(hf_model, prompt, 4) for prompt in prompts]
