@@ -3,6 +3,8 @@
 `select_mamba_kernels` follows the attention backend choice: "torch" gives the reference,
 "triton" the Triton kernels (ValueError when unavailable), "flash_attn" and "auto" the Triton
 kernels on CUDA when triton imports, else the reference. Kernel modules load only when chosen.
+The gated DeltaNet layers' delta rule kernels come along (`kernels.gated_delta_registry`):
+fla-core on CUDA when installed, unless "torch" was asked.
 """
 
 from __future__ import annotations
