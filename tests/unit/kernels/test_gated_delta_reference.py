@@ -18,6 +18,7 @@ from kernels.gated_delta_reference import (
 )
 from kernels.gated_delta_registry import fla_unavailable_reason, select_gated_delta_kernels
 from kernels.mamba_reference import causal_conv1d
+from kernels.mamba_registry import select_mamba_kernels
 
 HK, HV, K, V = 2, 4, 8, 6
 
@@ -109,3 +110,5 @@ def test_registry_falls_back_to_the_reference_off_cuda() -> None:
     assert kernels.chunked is chunked_gated_delta_rule
     assert kernels.recurrent is recurrent_gated_delta_rule
     assert fla_unavailable_reason(torch.device("cpu")) is not None
+    # The Mamba kernel choice carries it: the layers reach both through their metadata.
+    assert select_mamba_kernels("auto", "cpu").gated_delta.name == "torch"
