@@ -63,6 +63,26 @@ LINEAR_FAMILIES: dict[str, tuple[str, str, dict[str, object]]] = {
 }
 
 
+TINY_VISION: dict[str, object] = {
+    "depth": 1,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_heads": 2,
+    "out_hidden_size": 64,
+    "patch_size": 4,
+    "num_position_embeddings": 16,
+}
+
+
+def save_tiny_qwen3_5_multimodal(path: Path, seed: int = 0) -> torch.nn.Module:
+    """A tiny `Qwen3_5ForConditionalGeneration` (vision encoder included), saved to `path`."""
+    text = {**COMMON, **DELTA_NET}
+    config = transformers.Qwen3_5Config(text_config=text, vision_config=TINY_VISION)
+    model = random_eager_model(config, "Qwen3_5ForConditionalGeneration", _is_offset, seed)
+    model.save_pretrained(path)
+    return model
+
+
 def _is_offset(name: str) -> bool:
     return "norm" in name or name.endswith(("dt_bias", "A_log"))
 

@@ -25,7 +25,7 @@ import worker.mamba_metadata
 from cluster import LLM, SamplingParams
 from scheduler.kv_cache.linear_state_spec import GatedDeltaNetSpec, ShortConvSpec
 from scheduler.kv_cache.spec import manager_spec
-from tests.helpers.tiny_linear_hybrid import save_tiny_linear_hybrid
+from tests.helpers.tiny_linear_hybrid import save_tiny_linear_hybrid, save_tiny_qwen3_5_multimodal
 from tests.helpers.tiny_models import hf_greedy
 
 pytestmark = pytest.mark.parity
@@ -161,6 +161,16 @@ def test_preemption_and_resume_keep_the_tokens(saved: Saved) -> None:
     assert llm.client.core.scheduler.num_preemptions > 0
     llm.shutdown()
     assert _tokens(results) == _expected(saved, prompts)
+
+
+def test_multimodal_qwen3_5_checkpoint_serves_its_text_model(tmp_path: Path) -> None:
+    """`Qwen3_5ForConditionalGeneration` (`model.language_model.` weights, a vision encoder):
+    text prompts give the multimodal model's own greedy tokens."""
+    hf_model = save_tiny_qwen3_5_multimodal(tmp_path)
+    llm = LLM(str(tmp_path), **LLM_ARGS)
+    results = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    llm.shutdown()
+    assert _tokens(results) == [hf_greedy(hf_model, p, NUM_NEW) for p in PROMPTS[:2]]
 
 
 def test_hybrid_manager_off_is_a_clear_error(tmp_path: Path) -> None:

@@ -5,10 +5,13 @@ Every layer: x + mixer(norm(x)), then x + ffn(norm(x)); norms scale by (1 + w). 
 a gated DeltaNet (`linear_attn`) or gated attention (`self_attn`: q_proj yields a query and a
 gate per head; q/k RMSNorm, partial rope, output * sigmoid(gate)). The ffn (`mlp`) is a gated
 MLP or the sparse MoE with a gated shared expert. Qwen3.5 uses multimodal rope, which for text
-(the same position on every axis) is plain rope.
+(the same position on every axis) is plain rope; its multimodal checkpoints are served as their
+text model (`model.language_model.` weights; vision and MTP weights skipped).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -19,6 +22,7 @@ from worker.attention import ForwardContext
 from worker.config import ParallelConfig
 from worker.gated_delta_net import GatedDeltaNet, GatedDeltaNetConfig
 from worker.layers.linear import QKVParallelLinear
+from worker.layers.loading import WeightSource
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary, rope_parameters
 from worker.models.decoder import DecoderOptions, LayerOptions, head_size_of, layer_prefix
@@ -101,6 +105,16 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
 
     fused_projections = True
     """Checkpoints keep `in_proj_qkvz` / `in_proj_ba` (Qwen3.5: four projections)."""
+    renames = (("model.language_model.", "model."),)
+    """A multimodal checkpoint's text model (`worker.config.TEXT_MODEL_OF`)."""
+    skipped_prefixes = ("mtp.", "model.visual.")
+    """The multi-token-prediction head and the vision encoder: not served."""
+
+    def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> set[str]:
+        kept = (
+            (name, source) for name, source in weights if not name.startswith(self.skipped_prefixes)
+        )
+        return super().load_weights(kept)
 
     @classmethod
     def decoder_options(cls, hf_config: PretrainedConfig) -> DecoderOptions:
