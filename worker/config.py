@@ -60,7 +60,8 @@ class ModelConfig:
     model_path: str
     """Local folder holding config.json and the safetensors checkpoint."""
     architecture: str
-    """First entry of the checkpoint's `architectures`, e.g. `LlamaForCausalLM`."""
+    """First entry of the checkpoint's `architectures`, e.g. `LlamaForCausalLM` (a multimodal
+    checkpoint served as its text model names the text model: `TEXT_MODEL_OF`)."""
     hf_config: PretrainedConfig
     """The parsed transformers config (read-only by convention)."""
     dtype: torch.dtype
