@@ -19,6 +19,7 @@ from typing import NamedTuple
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 import kernels
 import worker.mamba_metadata
@@ -167,6 +168,20 @@ def test_multimodal_qwen3_5_checkpoint_serves_its_text_model(tmp_path: Path) -> 
     """`Qwen3_5ForConditionalGeneration` (`model.language_model.` weights, a vision encoder):
     text prompts give the multimodal model's own greedy tokens."""
     hf_model = save_tiny_qwen3_5_multimodal(tmp_path)
+    llm = LLM(str(tmp_path), **LLM_ARGS)
+    results = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
+    llm.shutdown()
+    assert _tokens(results) == [hf_greedy(hf_model, p, NUM_NEW) for p in PROMPTS[:2]]
+
+
+def test_stacked_expert_checkpoint_loads_like_per_expert_tensors(tmp_path: Path) -> None:
+    """Experts stored stacked (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj`), as
+    transformers holds them in memory, give the same tokens as the per-expert checkpoint."""
+    hf_model = save_tiny_linear_hybrid("qwen3_5_moe", tmp_path)
+    state = {name: t.contiguous() for name, t in hf_model.state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    (tmp_path / "model.safetensors").unlink()
+    save_file(state, str(tmp_path / "model.safetensors"))
     llm = LLM(str(tmp_path), **LLM_ARGS)
     results = llm.generate(PROMPTS[:2], GREEDY, use_tqdm=False)
     llm.shutdown()

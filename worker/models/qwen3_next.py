@@ -36,7 +36,7 @@ from worker.models.mamba_hybrid import (
     HybridModel,
     build_layers,
 )
-from worker.models.qwen_next_moe import QwenSparseMoE
+from worker.models.qwen_next_moe import QwenSparseMoE, split_stacked_experts
 
 LINEAR_ATTENTION = "linear_attention"
 
@@ -114,7 +114,7 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
         kept = (
             (name, source) for name, source in weights if not name.startswith(self.skipped_prefixes)
         )
-        return super().load_weights(kept)
+        return super().load_weights(split_stacked_experts(kept))
 
     @classmethod
     def decoder_options(cls, hf_config: PretrainedConfig) -> DecoderOptions:

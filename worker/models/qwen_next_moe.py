@@ -5,11 +5,16 @@ plus a shared expert scaled by a sigmoid gate.
 
 Router probabilities are a softmax over all experts in fp32; the chosen k are renormalised to
 sum to one when `norm_topk_prob` (always for Qwen3.5-MoE). Checkpoints keep one gated MLP per
-expert (`experts.{e}.gate_proj` / `up_proj` / `down_proj`); each expert's intermediate size is
-split over ranks and the routed sum all-reduced once.
+expert (`experts.{e}.gate_proj` / `up_proj` / `down_proj`), or stacked experts
+(`experts.gate_up_proj` [E, 2I, H], gate rows then up rows, and `experts.down_proj` [E, H, I]),
+which `split_stacked_experts` renames per expert. Each expert's intermediate size is split over
+ranks and the routed sum all-reduced once.
 """
 
 from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +24,7 @@ from transformers import PretrainedConfig
 from worker.config import ParallelConfig
 from worker.distributed import all_reduce
 from worker.layers.linear import ReplicatedLinear
+from worker.layers.loading import WeightSource, read_part
 from worker.models.llama4_moe import Llama4MLP as GatedMLP
 
 
@@ -67,3 +73,37 @@ class QwenSparseMoE(nn.Module):
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         out: torch.Tensor = routed + shared
         return out
+
+
+_STACKED = re.compile(r"(?P<prefix>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+
+
+class _ExpertPart:
+    """Rows [start, start + size) of expert e of a stacked [E, rows, cols] tensor, read lazily."""
+
+    def __init__(self, source: WeightSource, expert: int, start: int, size: int) -> None:
+        self.source, self.expert, self.start = source, expert, start
+        self.shape: Sequence[int] = (size, int(source.shape[2]))
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        rows = read_part(self.source, 0, self.expert, 1)[0]  # [rows, cols]
+        return rows.narrow(0, self.start, self.shape[0]).narrow(dim, start, length)
+
+
+def split_stacked_experts(
+    weights: Iterable[tuple[str, WeightSource]],
+) -> Iterator[tuple[str, WeightSource]]:
+    """Stacked expert tensors as per-expert gate / up / down tensors; other names unchanged."""
+    for name, source in weights:
+        match = _STACKED.match(name.removesuffix(".weight"))
+        if match is None:
+            yield name, source
+            continue
+        prefix, rows = match["prefix"], int(source.shape[1])
+        for expert in range(int(source.shape[0])):
+            if match["kind"] == "down_proj":
+                yield f"{prefix}.{expert}.down_proj.weight", _ExpertPart(source, expert, 0, rows)
+                continue
+            half = rows // 2
+            yield f"{prefix}.{expert}.gate_proj.weight", _ExpertPart(source, expert, 0, half)
+            yield f"{prefix}.{expert}.up_proj.weight", _ExpertPart(source, expert, half, half)

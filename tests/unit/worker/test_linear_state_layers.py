@@ -11,7 +11,9 @@ from scheduler.kv_cache.spec import MambaCacheMode
 from tests.helpers.tiny_linear_hybrid import build_tiny_linear_hybrid
 from worker.config import ParallelConfig
 from worker.gated_delta_net import GatedDeltaNet
+from worker.layers.loading import read_part
 from worker.models.qwen3_next import delta_net_config
+from worker.models.qwen_next_moe import split_stacked_experts
 from worker.short_conv import ShortConv, ShortConvConfig
 from worker.weights import load_named_weights
 
@@ -72,3 +74,26 @@ def test_short_conv_ranks_hold_their_channels_of_b_c_x() -> None:
         torch.testing.assert_close(got_x, x[:, channels])
         torch.testing.assert_close(half.conv.weight, whole.conv.weight[channels])
         assert half.kv_cache_spec(4, 4, MambaCacheMode.ALL).shapes == ((32, 2),)
+
+
+def test_stacked_experts_split_into_per_expert_gate_up_and_down() -> None:
+    gate_up = torch.randn(3, 8, 5)  # [E, 2I, H]
+    down = torch.randn(3, 5, 4)  # [E, H, I]
+    other = torch.randn(2)
+    named = dict(
+        split_stacked_experts(
+            [("m.mlp.experts.gate_up_proj", gate_up), ("m.mlp.experts.down_proj", down),
+             ("m.norm.weight", other)]
+        )
+    )  # fmt: skip
+    assert named["m.norm.weight"] is other
+    part = named["m.mlp.experts.2.up_proj.weight"]
+    assert tuple(part.shape) == (4, 5)
+    torch.testing.assert_close(read_part(part, 0, 2, 2), gate_up[2, 6:8])  # rank 1 of 2
+    torch.testing.assert_close(
+        read_part(named["m.mlp.experts.1.gate_proj.weight"], 0, 0, 4), gate_up[1, :4]
+    )
+    torch.testing.assert_close(
+        read_part(named["m.mlp.experts.0.down_proj.weight"], 1, 2, 2), down[0, :, 2:]
+    )
+    assert len(named) == 1 + 3 * 3
