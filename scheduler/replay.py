@@ -31,6 +31,8 @@ TRACE_GROUP_TYPES = {
     "sliding_window": "sliding_window",
     "chunked_local": "chunked_local_attention",
     "mamba": "mamba",
+    "gated_delta_net": "gated_delta_net",
+    "short_conv": "short_conv",
 }
 """A trace's group `type` -> the spec kind it names (traces keep their short spellings)."""
 
