@@ -1,8 +1,9 @@
 """Mamba kernel registry: the torch reference or the Triton kernels, picked once per worker.
 
-`select_mamba_kernels` follows the attention backend choice: "torch" gives the reference,
-"triton" the Triton kernels (ValueError when unavailable), "flash_attn" and "auto" the Triton
-kernels on CUDA when triton imports, else the reference. Kernel modules load only when chosen.
+`select_mamba_kernels` follows the attention backend choice: "torch" and "reference" give the
+reference, "triton" the Triton kernels (ValueError when unavailable), "flash_attn" and "auto"
+the Triton kernels on CUDA when triton imports, else the reference. Kernel modules load only
+when chosen.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ def select_mamba_kernels(name: str, device: str | torch.device) -> MambaKernels:
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown backend {name!r}; choose one of {BACKEND_NAMES}")
     device = torch.device(device)
-    if name == "torch":
+    if name in ("torch", "reference"):
         return _build("torch")
     reason = _triton_unavailable_reason(device)
     if name == "triton" and reason is not None:

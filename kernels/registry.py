@@ -1,7 +1,8 @@
 """Attention backend registry: pick torch, Triton or flash-attn kernels once, at worker start.
 
-`select_backend("auto", ...)` prefers flash-attn, then Triton, on CUDA and the torch
-reference on CPU, and logs why. Kernel modules are imported only when selected.
+`select_backend("auto", ...)` prefers flash-attn, then Triton, on CUDA and the batched torch
+kernels on CPU, and logs why. "reference" is the per-request torch oracle the others are tested
+against. Kernel modules are imported only when selected.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAMES = ("auto", "triton", "flash_attn", "torch")
+BACKEND_NAMES = ("auto", "triton", "flash_attn", "torch", "reference")
 
 
 class StoreKVCacheFn(Protocol):
@@ -128,7 +129,7 @@ def _select_auto(request: _Request) -> AttentionBackend:
 
 
 def _unavailable_reason(name: str, request: _Request) -> str | None:
-    if name == "torch":
+    if name in ("torch", "reference"):
         return None
     if name == "flash_attn":
         from kernels import flash_attn
@@ -165,8 +166,12 @@ def _triton_unavailable_reason(request: _Request) -> str | None:
 def _build(name: str) -> AttentionBackend:
     from kernels import reference
 
-    if name == "torch":
+    if name == "reference":
         return AttentionBackend(name, reference.store_kv_cache, reference.paged_attention)
+    if name == "torch":
+        from kernels import batched_attention
+
+        return AttentionBackend(name, reference.store_kv_cache, batched_attention.paged_attention)
     if name == "triton":
         from kernels import triton_attention, triton_store_kv
 
