@@ -4,8 +4,8 @@ The mixed workload: `--num-prompts` random-token prompts of 16-400 tokens, each 
 output tokens (greedy, EOS ignored), fixed by `--seed`. Both engines run in this process, one after
 the other, `--repeats` times alternating, and each side's best run is kept:
 
-- ours: `LLM(model).generate(...)` with every prompt queued at once (continuous batching, CPU
-  attention backend `--backend`, default the batched torch kernels);
+- ours: `LLM(model).generate(...)` with every prompt queued at once (continuous batching), once
+  per CPU attention backend of `--backend` (default: the batched kernels and the reference);
 - transformers: `generate()` on static batches of `--hf-batch` prompts in input order, left-padded,
   each batch running to its longest requested output (the shorter ones are cut afterwards).
 
@@ -92,7 +92,7 @@ def main() -> None:
     parser.add_argument("--hf-batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--backend", default="torch")
+    parser.add_argument("--backend", default="torch,reference", help="comma-separated")
     parser.add_argument("--batch-one", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -100,33 +100,37 @@ def main() -> None:
 
     path = str(ensure_default_model())
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    llm = LLM(path, device="cpu", attention_backend=args.backend)
+    backends = args.backend.split(",")
+    engines = {name: LLM(path, device="cpu", attention_backend=name) for name in backends}
     workload = mixed_workload(args.num_prompts, hf_model.config.vocab_size, args.seed)
     output_tokens = sum(n for _, n in workload)
-    run_ours(llm, workload[:2])  # warm-up
-    ours_times, hf_times = [], []
-    for _ in range(args.repeats):
-        seconds, ours = timed(lambda: run_ours(llm, workload))
-        ours_times.append(seconds)
-        seconds, theirs = timed(lambda: run_transformers(hf_model, workload, args.hf_batch))
-        hf_times.append(seconds)
     print(
         f"torch threads {torch.get_num_threads()}; {len(workload)} prompts, "
-        f"{sum(len(ids) for ids, _ in workload)} prompt / {output_tokens} output tokens"
+        f"{sum(len(ids) for ids, _ in workload)} prompt / {output_tokens} output tokens",
+        flush=True,
     )
-    print(
-        f"ours ({args.backend}): {', '.join(f'{t:.2f}' for t in ours_times)} s, "
-        f"best {output_tokens / min(ours_times):.1f} tok/s"
-    )
-    print(
-        f"transformers (static {args.hf_batch}): {', '.join(f'{t:.2f}' for t in hf_times)} s, "
-        f"best {output_tokens / min(hf_times):.1f} tok/s"
-    )
-    print(
-        f"ratio (best/best): {min(hf_times) / min(ours_times):.2f}x; "
-        f"first-16-token agreement {agreement(ours, theirs):.0%}"
-    )
-    llm.shutdown()
+    times: dict[str, list[float]] = {name: [] for name in [*backends, "transformers"]}
+    outputs: dict[str, list[list[int]]] = {}
+    for llm in engines.values():
+        run_ours(llm, workload[:2])  # warm-up
+    for _ in range(args.repeats):
+        for name, llm in engines.items():
+            seconds, outputs[name] = timed(lambda llm=llm: run_ours(llm, workload))
+            times[name].append(seconds)
+            print(f"ours ({name}) run: {seconds:.2f} s", flush=True)
+        seconds, theirs = timed(lambda: run_transformers(hf_model, workload, args.hf_batch))
+        times["transformers"].append(seconds)
+        print(f"transformers (static {args.hf_batch}) run: {seconds:.2f} s", flush=True)
+    best_hf = min(times["transformers"])
+    for name in backends:
+        best = min(times[name])
+        print(
+            f"ours ({name}): best {output_tokens / best:.1f} tok/s, {best_hf / best:.2f}x "
+            f"transformers ({output_tokens / best_hf:.1f} tok/s); first-16-token agreement "
+            f"{agreement(outputs[name], theirs):.0%}"
+        )
+    for llm in engines.values():
+        llm.shutdown()
     if args.batch_one:
         batch_one(path, workload[:4], args.repeats)
 

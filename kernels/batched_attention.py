@@ -1,13 +1,15 @@
 """Batched plain-PyTorch paged attention: the serving path on CPU (backend "torch").
 
 Same contract as `kernels.reference.paged_attention`, which stays the oracle it is tested
-against. Every single-token decode of a step is served by one gather of its keys and values
-and one batched product; prefill chunks (several query rows) go through the reference's
-per-request path, which runs fused `scaled_dot_product_attention` on their contiguous K/V.
+against. The single-token decodes of a step are served in a few chunks, each one gather of
+whole cache blocks and one batched product per KV head; prefill chunks (several query rows) and
+a lone request go through the reference's per-request path (fused
+`scaled_dot_product_attention` on contiguous K/V).
 
     decodes sorted by key span -> chunks under the element budget -> per chunk:
-    key rows [D, L] (clamped into each request's span) -> index_select -> [D, L, kv, size]
-    -> scores [D, kv, group, L] (masked past each span) -> softmax -> out [D, q_heads, size]
+    block ids [D, B] (past a request's last block: its last) -> index_select -> [D, L, kv, size]
+    values outside each request's keys zeroed -> per KV head: bmm -> scores [D, group, L]
+    (masked) -> softmax -> bmm -> out [D, q_heads, size]
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from kernels.reference import (
     rotate_values_into_keys,
 )
 
-# Upper bound on gathered key elements of one decode chunk (64 MiB of fp32 keys).
-_MAX_GATHER_ELEMENTS = 1 << 24
+# Upper bound on gathered key elements of one decode chunk (1 MiB of fp32 keys): on CPU, chunks
+# that stay in cache between the gather and the products beat one large gather (measured).
+_MAX_GATHER_ELEMENTS = 1 << 18
 
 
 def paged_attention(  # noqa: PLR0913 (the signature shared by every backend)
@@ -51,9 +54,9 @@ def paged_attention(  # noqa: PLR0913 (the signature shared by every backend)
     decodes: list[int] = []
     for req_idx, seq_len in enumerate(lengths):
         start, end = starts[req_idx], starts[req_idx + 1]
-        if end - start == 1:
+        if end - start == 1 and len(lengths) > 1:
             decodes.append(req_idx)
-        elif end > start:
+        elif end > start:  # prefill chunks, and a lone request (batch 1: the reference path)
             paged = PagedKV(key_cache, value_cache, block_table[req_idx], key_from_value)
             output[start:end] = attend_request(query[start:end], seq_len, paged, rule)
     if decodes:
@@ -95,62 +98,63 @@ def _decode(
     num_decodes, num_q_heads, head_size = query.shape
     num_kv_heads = paged.value_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    window = seq_lens if rule.sliding_window is None else seq_lens.clamp(max=rule.sliding_window)
-    key_start = seq_lens - window  # [D]
-    span = int(window.max())
-    offsets = torch.arange(span, device=query.device)
-    is_visible = offsets[None, :] < window[:, None]  # [D, L]
-    # Out-of-span columns repeat the request's last key, so only cached slots are read.
-    positions = key_start[:, None] + torch.minimum(offsets[None, :], window[:, None] - 1)
-    keys, values = _gather(paged, block_table, positions)  # [D, num_kv_heads, L, head_size]
+    keys, values, is_visible = _gather(paged, block_table, seq_lens, rule.sliding_window)
     q = query.float().view(num_decodes, num_kv_heads, group, head_size)
-    scores = torch.matmul(q, keys.mT) * rule.scale  # [D, num_kv_heads, group, L]
+    # One batched product per KV head on strided views of the gathered pages (no copies):
+    # [D, group, head_size] x [D, head_size, L] -> scores [D, num_kv_heads, group, L].
+    scores = torch.stack(
+        [torch.bmm(q[:, h], keys[:, :, h].mT) for h in range(num_kv_heads)], dim=1
+    )
+    scores *= rule.scale
     if rule.softcap is not None:
         scores = torch.tanh(scores / rule.softcap) * rule.softcap
-    scores = scores.masked_fill(~is_visible[:, None, None, :], float("-inf"))
+    scores.masked_fill_(~is_visible[:, None, None, :], float("-inf"))
     if rule.sinks is None:
         probs = scores.softmax(dim=-1)
     else:
         sinks = rule.sinks.to(scores.device).view(1, num_kv_heads, group, 1)
         sink_column = sinks.expand(num_decodes, num_kv_heads, group, 1)
         probs = torch.cat([scores, sink_column], dim=-1).softmax(dim=-1)[..., :-1]
-    out = torch.matmul(probs, values)  # [D, num_kv_heads, group, head_size]
+    out = torch.stack(
+        [torch.bmm(probs[:, h], values[:, :, h]) for h in range(num_kv_heads)], dim=1
+    )  # [D, num_kv_heads, group, head_size]
     return out.view(num_decodes, num_q_heads, head_size).to(query.dtype)
 
 
 def _gather(
-    paged: PagedKV, block_table: torch.Tensor, positions: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 keys and values of `positions` `[D, L]`, as `[D, num_kv_heads, L, head_size]`."""
+    paged: PagedKV, block_table: torch.Tensor, seq_lens: torch.Tensor, window: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 keys and values `[D, L, num_kv_heads, head_size]` of whole cache blocks, from the
+    first block in each request's window, and which of the L slots each request sees `[D, L]`.
+
+    Block-table entries past a request's last block are replaced by its last block, and the
+    values of slots it does not see are zeroed, so nothing outside its keys reaches the output
+    (stale slots may hold anything, NaN included).
+    """
     block_size = paged.value_cache.shape[1]
-    block_ids = torch.gather(block_table.long(), 1, positions // block_size)
-    offsets = positions % block_size
+    key_start = seq_lens if window is None else seq_lens - seq_lens.clamp(max=window)
+    key_start = seq_lens - seq_lens if window is None else key_start
+    first_block = key_start // block_size  # [D]
+    last_block = (seq_lens - 1) // block_size
+    num_blocks = int((last_block - first_block).max()) + 1
+    steps = torch.arange(num_blocks, device=seq_lens.device)
+    logical = torch.minimum(first_block[:, None] + steps[None, :], last_block[:, None])
+    block_ids = torch.gather(block_table.long(), 1, logical).flatten()  # [D * num_blocks]
+    positions = first_block[:, None] * block_size + torch.arange(
+        num_blocks * block_size, device=seq_lens.device
+    )  # [D, L]
+    is_visible = (positions >= key_start[:, None]) & (positions < seq_lens[:, None])
 
     def gather(cache: torch.Tensor) -> torch.Tensor:
-        rows, rows_per_block = _token_rows(cache)
-        picked = rows.index_select(0, (block_ids * rows_per_block + offsets).flatten())
-        return picked.view(*positions.shape, *cache.shape[2:]).float()  # [D, L, heads, size]
+        pages = cache.index_select(0, block_ids)  # [D * num_blocks, block_size, heads, size]
+        return pages.view(len(seq_lens), -1, *cache.shape[2:]).float()
 
     values = gather(paged.value_cache)
+    values.masked_fill_(~is_visible[:, :, None, None], 0.0)
     if paged.key_from_value is None:
         keys = gather(paged.key_cache)
     else:
         flat = values.flatten(0, 1)
         keys = rotate_values_into_keys(flat, positions.flatten(), paged.key_from_value)
         keys = keys.view(values.shape)
-    return keys.transpose(1, 2), values.transpose(1, 2)
-
-
-def _token_rows(cache: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """A `[rows, num_kv_heads, head_size]` view of the cache's storage where token `offset` of
-    block `b` is row `b * rows_per_block + offset`, without copying strided caches (K and V
-    pages interleaved in one buffer)."""
-    num_blocks, block_size, num_heads, head_size = cache.shape
-    block_stride, token_stride = cache.stride(0), cache.stride(1)
-    is_row_layout = cache.stride(2) == head_size and cache.stride(3) == 1
-    if is_row_layout and token_stride == num_heads * head_size and block_stride % token_stride == 0:
-        rows_per_block = block_stride // token_stride
-        num_rows = (num_blocks - 1) * rows_per_block + block_size
-        rows = cache.as_strided((num_rows, num_heads, head_size), (token_stride, head_size, 1))
-        return rows, rows_per_block
-    return cache.reshape(num_blocks * block_size, num_heads, head_size), block_size
+    return keys, values, is_visible
