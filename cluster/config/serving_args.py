@@ -31,7 +31,9 @@ class LLMServingArgs(StrictModel):
         default="auto",
         description="one_hop: the model deployment serves the OpenAI routes itself (one model; "
         "the ingress options give it only their env_vars); two_hop: an ingress deployment in "
-        "front of one deployment per model; auto: one_hop for one model, else two_hop.",
+        "front of one deployment per model; auto: one_hop for one model without a "
+        "request_router_config (a router reads the parsed request only the ingress passes on), "
+        "else two_hop.",
     )
 
     @field_validator("llm_configs", mode="before")
@@ -69,9 +71,10 @@ class LLMServingArgs(StrictModel):
     @property
     def uses_one_hop(self) -> bool:
         """Whether the model deployment serves the routes itself."""
-        return self.topology == "one_hop" or (
-            self.topology == "auto" and len(self.llm_configs) == 1
-        )
+        if self.topology != "auto":
+            return self.topology == "one_hop"
+        (first, *others) = self.llm_configs
+        return not others and not first.deployment_config.get("request_router_config")
 
     @property
     def model_ids(self) -> list[str]:

@@ -209,6 +209,15 @@ def test_topology_choice(topology: str, num_models: int, one_hop: bool) -> None:
     assert args.uses_one_hop is one_hop
 
 
+def test_auto_keeps_two_hops_for_a_request_router() -> None:
+    router = {"request_router_class": "ray.serve.llm.request_router.PrefixCacheAffinityRouter"}
+    model = {
+        "model_loading_config": {"model_id": "a", "model_source": "/m"},
+        "deployment_config": {"request_router_config": router},
+    }
+    assert not LLMServingArgs.model_validate({"llm_configs": [model]}).uses_one_hop
+
+
 def test_one_hop_refuses_several_models() -> None:
     models = [{"model_loading_config": {"model_id": m, "model_source": "/m"}} for m in "ab"]
     with pytest.raises(ValueError, match="one_hop serves one model"):
