@@ -102,9 +102,7 @@ def _decode(
     q = query.float().view(num_decodes, num_kv_heads, group, head_size)
     # One batched product per KV head on strided views of the gathered pages (no copies):
     # [D, group, head_size] x [D, head_size, L] -> scores [D, num_kv_heads, group, L].
-    scores = torch.stack(
-        [torch.bmm(q[:, h], keys[:, :, h].mT) for h in range(num_kv_heads)], dim=1
-    )
+    scores = torch.stack([torch.bmm(q[:, h], keys[:, :, h].mT) for h in range(num_kv_heads)], dim=1)
     scores *= rule.scale
     if rule.softcap is not None:
         scores = torch.tanh(scores / rule.softcap) * rule.softcap
