@@ -19,19 +19,19 @@ CPU_LAYOUT = {"device": "cpu", "block_size": 16, "head_size": 128}
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
-def test_auto_on_cpu_selects_batched_torch_kernels_and_logs_why(
+def test_auto_on_cpu_selects_the_torch_reference_and_logs_why(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level(logging.INFO, logger="kernels.registry"):
         backend = select_backend("auto", **CPU_LAYOUT)
-    want = AttentionBackend("torch", reference.store_kv_cache, batched_attention.paged_attention)
+    want = AttentionBackend("reference", reference.store_kv_cache, reference.paged_attention)
     assert backend == want
     assert "device is cpu" in caplog.text
 
 
-def test_reference_backend_is_the_per_request_oracle() -> None:
-    backend = select_backend("reference", device=torch.device("cpu"), block_size=1, head_size=16)
-    assert backend.paged_attention is reference.paged_attention
+def test_torch_backend_is_the_batched_kernel() -> None:
+    backend = select_backend("torch", device=torch.device("cpu"), block_size=1, head_size=16)
+    assert backend.paged_attention is batched_attention.paged_attention
 
 
 def test_explicit_torch_is_always_available() -> None:
