@@ -180,9 +180,12 @@ def measure_dispatch(rounds: int, steps: int) -> dict[tuple[str, int], float]:
     return {key: statistics.median(values) for key, values in per_round.items()}
 
 
-def bench_e2e(num_prompts: int, max_tokens: int, threads: int) -> tuple[float, float]:
+def bench_e2e(
+    num_prompts: int, max_tokens: int, threads: int, rounds: int = 1
+) -> tuple[float, float]:
     """Tokens/s of the default model: (in-process, Ray engine actor), greedy, same prompts; on
-    CPU both run torch on `threads` threads (the rank actor gets a bundle of that many CPUs)."""
+    CPU both run torch on `threads` threads (the rank actor gets a bundle of that many CPUs).
+    Both engines live through `rounds` alternating runs; the median of each side's runs."""
     import torch
 
     from cluster.config.engine_args import EngineArgs
@@ -194,30 +197,36 @@ def bench_e2e(num_prompts: int, max_tokens: int, threads: int) -> tuple[float, f
     from scheduler.request import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    requests = [
-        EngineRequest(str(i), tuple(range(1 + i, 33 + i)), params) for i in range(num_prompts)
-    ]
+    counter = iter(range(1 << 30))
 
     def tokens_per_s(client: Any) -> float:
-        collect(client.add_request(EngineRequest("warm", (1, 2, 3), params)))
+        tag = next(counter)
+        requests = [
+            EngineRequest(f"{tag}-{i}", tuple(range(1 + i, 33 + i)), params)
+            for i in range(num_prompts)
+        ]
+        collect(client.add_request(EngineRequest(f"warm-{tag}", (1, 2, 3), params)))
         start = time.perf_counter()
         streams = [client.add_request(request) for request in requests]
         total = sum(len(collect(s).outputs[0].token_ids) for s in streams)
         return total / (time.perf_counter() - start)
 
     torch.set_num_threads(threads)
-    local = InProcessEngineClient.from_engine_args(EngineArgs(distributed_executor_backend="uni"))
+    local = InProcessEngineClient.from_engine_args(
+        EngineArgs(distributed_executor_backend="uni", enable_prefix_caching=False)
+    )
+    placement = PlacementSpec(({"CPU": float(threads)},))
+    remote = RayEngineClient.start(EngineArgs(enable_prefix_caching=False), placement=placement)
+    runs: dict[str, list[float]] = {"local": [], "ray": []}
     try:
-        in_process = tokens_per_s(local)
+        for _ in range(rounds):
+            runs["local"].append(tokens_per_s(local))
+            runs["ray"].append(tokens_per_s(remote))
+            print(f"e2e round: {runs['local'][-1]:.1f} / {runs['ray'][-1]:.1f} tok/s", flush=True)
     finally:
         local.shutdown()
-    placement = PlacementSpec(({"CPU": float(threads)},))
-    remote = RayEngineClient.start(EngineArgs(), placement=placement)
-    try:
-        on_ray = tokens_per_s(remote)
-    finally:
         remote.shutdown()
-    return in_process, on_ray
+    return statistics.median(runs["local"]), statistics.median(runs["ray"])
 
 
 CANDIDATES: dict[str, Callable[[int], tuple[Step, Callable[[], None]]]] = {
@@ -233,6 +242,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300, help="timed steps per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--skip-e2e", action="store_true")
+    parser.add_argument("--e2e-only", action="store_true", help="skip the dispatch candidates")
+    parser.add_argument("--e2e-rounds", type=int, default=1, help="alternating end-to-end runs")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--num-cpus", type=int, default=4)
@@ -248,14 +259,17 @@ def main() -> None:
     )
     import pickle
 
-    print(f"decode SchedulerOutput: {len(pickle.dumps(decode_step()))} bytes pickled")
-    print("| candidate | TP=1 µs/step | TP=2 µs/step |")
-    print("|---|---|---|")
-    results = measure_dispatch(opts.rounds, opts.steps)
-    for name in CANDIDATES:
-        print(f"| {name} | {results[name, 1]:.0f} | {results[name, 2]:.0f} |", flush=True)
+    if not opts.e2e_only:
+        print(f"decode SchedulerOutput: {len(pickle.dumps(decode_step()))} bytes pickled")
+        print("| candidate | TP=1 µs/step | TP=2 µs/step |")
+        print("|---|---|---|")
+        results = measure_dispatch(opts.rounds, opts.steps)
+        for name in CANDIDATES:
+            print(f"| {name} | {results[name, 1]:.0f} | {results[name, 2]:.0f} |", flush=True)
     if not opts.skip_e2e:
-        in_process, on_ray = bench_e2e(opts.num_prompts, opts.max_tokens, opts.threads)
+        in_process, on_ray = bench_e2e(
+            opts.num_prompts, opts.max_tokens, opts.threads, opts.e2e_rounds
+        )
         print(
             f"default model, {opts.num_prompts} prompts x {opts.max_tokens} tokens: "
             f"in-process {in_process:.1f} tok/s, Ray engine actor {on_ray:.1f} tok/s "

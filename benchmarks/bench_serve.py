@@ -1,18 +1,22 @@
-"""Load generator for the OpenAI endpoint: a concurrency sweep, and the TTFT the ingress adds.
+"""Load generator for the OpenAI endpoint: both topologies, their floors, and the engine direct.
 
-Starts a local Ray instance and the Serve app (a tiny random model by default, `--model DIR` for
-a real one, `--default-model` for the embedded SmolLM2-135M-Instruct), then:
+Starts a local Ray instance and, side by side, the same model (a tiny random model by default,
+`--model DIR` for a real one, `--default-model` for the embedded SmolLM2-135M-Instruct) served
+in both topologies (`two_hop`: proxy -> ingress -> model deployment; `one_hop`: proxy -> the model
+deployment serving the routes itself), plus an `AsyncEngine` in this process (the engine client
+called directly, with the ingress's tokenization included), then in one run:
 
-1. sweeps concurrency (1 to 64 streaming `/v1/completions` clients): TTFT and inter-token latency
-   (p50/p99), output tokens/s, errors;
-2. in the same run, measures time to first token of one request at a time three ways: through
-   HTTP (proxy + ingress + model replica), through the model deployment's handle (no HTTP, no
-   ingress), and on an `AsyncEngine` in this process (the engine client called directly). The
-   difference of medians is the latency the serving layers add;
-3. Ray Serve's own floor for that topology: HTTP proxy -> a relaying ingress -> a deployment
-   that streams the same SSE lines at once (no model), measured the same way.
+1. time to first token of one request at a time (`--repeats`, interleaved in rounds): HTTP
+   through each topology, the two-hop model deployment's handle, the engine direct, and Ray
+   Serve's own floors with no model: one hop (proxy -> a deployment streaming SSE lines at once)
+   and two hops (proxy -> a relaying ingress -> that deployment);
+2. a concurrency sweep (streaming `/v1/completions`, `--concurrency`): TTFT and inter-token
+   latency p50/p99 and output tokens/s for each topology and for the engine direct, the three
+   measured back to back at each level;
+3. the goals as ratios of this run: TTFT added over the engine direct vs the one-hop floor + 3 ms,
+   ITL p50 added at concurrency 1, output tokens/s at concurrency 64 vs the engine direct.
 
-    python benchmarks/bench_serve.py [--concurrency 1,4,16,64] [--max-tokens 32]
+    python benchmarks/bench_serve.py [--concurrency 1,2,4,8,16,32,64,128] [--max-tokens 32]
 """
 
 from __future__ import annotations
@@ -25,7 +29,6 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,19 +38,21 @@ from ray import serve
 from starlette.responses import StreamingResponse
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from serve_load import engine_stream, http_stream, prompt_text, sweep_level
 
 from tests.helpers.ray_local import NODE_IP, start_local_ray
 from tests.helpers.serve_app import free_port, llm_config, save_tiny_served_model
 
 MODEL_ID = "bench"
-APP = "bench"
-
-
-FLOOR_APP = FastAPI()
+TOPOLOGIES = ("two_hop", "one_hop")
 FLOOR_LINE = 'data: {"choices": [{"text": "x"}]}\n\n'
+RELAY_APP = FastAPI()
+DIRECT_APP = FastAPI()
 
 
-@serve.deployment
+@serve.deployment(ray_actor_options={"num_cpus": 0})
 class FloorAnswer:
     """Streams `count` completion chunks at once: the model replica with no model."""
 
@@ -56,15 +61,15 @@ class FloorAnswer:
             yield FLOOR_LINE
 
 
-@serve.deployment
-@serve.ingress(FLOOR_APP)
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.ingress(RELAY_APP)
 class FloorRelay:
     """Peeks the first line of the answer's stream and relays the rest, as our ingress does."""
 
     def __init__(self, answer: Any) -> None:
         self.answer = answer
 
-    @FLOOR_APP.post("/v1/completions")
+    @RELAY_APP.post("/v1/completions")
     async def completions(self) -> StreamingResponse:
         stream = self.answer.options(stream=True).generate.remote(4)
         first = await stream.__anext__()
@@ -77,110 +82,49 @@ class FloorRelay:
         return StreamingResponse(relay(), media_type="text/event-stream")
 
 
-@dataclass
-class Sample:
-    ttft: float | None = None
-    itls: list[float] = field(default_factory=list)
-    tokens: int = 0
-    error: str | None = None
+@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.ingress(DIRECT_APP)
+class FloorDirect:
+    """The one-hop floor: the deployment behind the proxy streams the lines itself."""
+
+    @DIRECT_APP.post("/v1/completions")
+    async def completions(self) -> StreamingResponse:
+        async def lines() -> Any:
+            for _ in range(4):
+                yield FLOOR_LINE
+
+        return StreamingResponse(lines(), media_type="text/event-stream")
 
 
-def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def _prompt(index: int, length: int) -> str:
-    return " ".join(f"t{(index * 7 + i) % 250 + 1}" for i in range(length))
-
-
-async def _one_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Sample:
-    sample = Sample()
-    start = last = time.perf_counter()
-    try:
-        async with client.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                sample.error = str(response.status_code)
-                await response.aread()
-                return sample
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if not chunk["choices"] or not chunk["choices"][0]["text"]:
-                    continue
-                now = time.perf_counter()
-                if sample.ttft is None:
-                    sample.ttft = now - start
-                else:
-                    sample.itls.append(now - last)
-                last = now
-                sample.tokens += 1
-    except httpx.HTTPError as error:
-        sample.error = type(error).__name__
-    return sample
-
-
-async def _sweep_level(base: str, concurrency: int, requests: int, args: Any) -> dict[str, Any]:
-    url = base + "/v1/completions"
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    for index in range(requests):
-        queue.put_nowait(index)
-    samples: list[Sample] = []
-
-    async def worker(client: httpx.AsyncClient) -> None:
-        while not queue.empty():
-            index = queue.get_nowait()
-            body = {
-                "model": MODEL_ID,
-                "prompt": _prompt(index, args.prompt_len),
-                "max_tokens": args.max_tokens,
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": True,
-            }
-            samples.append(await _one_stream(client, url, body))
-
-    limits = httpx.Limits(max_connections=concurrency + 4)
-    start = time.perf_counter()
-    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
-        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
-    elapsed = time.perf_counter() - start
-    ttfts = [s.ttft for s in samples if s.ttft is not None]
-    itls = [x for s in samples for x in s.itls]
+def _body(index: int, args: argparse.Namespace, max_tokens: int | None = None) -> dict[str, Any]:
     return {
-        "concurrency": concurrency,
-        "requests": requests,
-        "errors": sum(s.error is not None for s in samples),
-        "ttft_p50_ms": 1000 * _pct(ttfts, 0.5),
-        "ttft_p99_ms": 1000 * _pct(ttfts, 0.99),
-        "itl_p50_ms": 1000 * _pct(itls, 0.5),
-        "itl_p99_ms": 1000 * _pct(itls, 0.99),
-        "output_tok_s": sum(s.tokens for s in samples) / elapsed,
+        "model": MODEL_ID,
+        "prompt": prompt_text(index, args.prompt_len),
+        "max_tokens": max_tokens or args.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
     }
 
 
 async def _ttft_http(base: str, body: dict[str, Any], repeats: int) -> list[float]:
     async with httpx.AsyncClient(timeout=60) as client:
-        url = base + "/v1/completions"
-        samples = [await _one_stream(client, url, body) for _ in range(repeats)]
+        samples = [
+            await http_stream(client, base + "/v1/completions", body) for _ in range(repeats)
+        ]
     return [s.ttft for s in samples if s.ttft is not None]
 
 
 async def _ttft_handle(body: dict[str, Any], repeats: int) -> list[float]:
-
     from cluster.openai_api.protocol import CompletionRequest
     from cluster.serve import deployment_name
 
-    handle = serve.get_deployment_handle(deployment_name(MODEL_ID), app_name=APP)
+    handle = serve.get_deployment_handle(deployment_name(MODEL_ID), app_name="two_hop")
     handle = handle.options(stream=True)
     result = []
     for index in range(repeats):
-        request = CompletionRequest.model_validate(body)
+        request = CompletionRequest.model_validate({**body, "stream": True})
         start = time.perf_counter()
-        stream = handle.generate.remote(request, f"handle-{index}")
+        stream = handle.generate.remote(request, f"handle-{index}-{start}")
         async for _chunk in stream:
             result.append(time.perf_counter() - start)
             break
@@ -189,34 +133,43 @@ async def _ttft_handle(body: dict[str, Any], repeats: int) -> list[float]:
     return result
 
 
-async def _ttft_engine(config: dict[str, Any], body: dict[str, Any], repeats: int) -> list[float]:
-    from cluster.config import LLMConfig
-    from cluster.engine.async_engine import AsyncEngine
-    from cluster.engine.core import build_engine_core
-    from cluster.engine.input_processor import InputProcessor
-    from cluster.engine.request import EngineRequest
-    from cluster.openai_api.protocol import CompletionRequest
-    from cluster.serve.llm_server import serving_engine_args
+class DirectEngine:
+    """The engine client called directly: an `AsyncEngine` in this process, requests made from
+    OpenAI bodies as the model server makes them (tokenization and parameter mapping)."""
 
-    engine = AsyncEngine(build_engine_core(serving_engine_args(LLMConfig.model_validate(config))))
-    request = CompletionRequest.model_validate(body)
-    model = engine.core.model_config
-    inputs = InputProcessor(engine.core.tokenizer, model.vocab_size, model.max_model_len, "bench")
-    result = []
-    try:
-        for index in range(repeats):
+    def __init__(self, config: dict[str, Any]) -> None:
+        from cluster.config import LLMConfig
+        from cluster.engine.async_engine import AsyncEngine
+        from cluster.engine.core import build_engine_core
+        from cluster.engine.input_processor import InputProcessor
+        from cluster.serve.llm_server import serving_engine_args
+
+        args = serving_engine_args(LLMConfig.model_validate(config))
+        self.engine = AsyncEngine(build_engine_core(args))
+        model = self.engine.core.model_config
+        self.inputs = InputProcessor(
+            self.engine.core.tokenizer, model.vocab_size, model.max_model_len, MODEL_ID
+        )
+        self.counter = 0
+
+    def request(self, body: dict[str, Any]) -> Any:
+        from cluster.engine.request import EngineRequest
+        from cluster.openai_api.protocol import CompletionRequest
+
+        prompt, params = self.inputs.openai(CompletionRequest.model_validate(body))
+        self.counter += 1
+        return EngineRequest(f"direct-{self.counter}", tuple(prompt.token_ids), params, prompt.text)
+
+    async def ttft(self, body: dict[str, Any], repeats: int) -> list[float]:
+        result = []
+        for _ in range(repeats):
             start = time.perf_counter()  # the ingress's work included: tokenize, map, queue
-            prompt, params = inputs.openai(request)
-            stream = await engine.add_request(
-                EngineRequest(f"direct-{index}", tuple(prompt.token_ids), params, prompt.text)
-            )
+            stream = await self.engine.add_request(self.request(body))
             async for _delta in stream:
                 result.append(time.perf_counter() - start)
                 break
             await stream.aclose()  # type: ignore[attr-defined]
-    finally:
-        await engine.shutdown()
-    return result
+        return result
 
 
 def _setup(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
@@ -236,49 +189,101 @@ def _setup(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     if args.default_model or args.model:
         config["engine_kwargs"].update({"block_size": 16, "kv_cache_memory_bytes": 512 << 20})
     config["deployment_config"]["ray_actor_options"] = {"num_cpus": 1}
-    start_local_ray()
+    start_local_ray(num_cpus=16)  # logical: two model replicas, the engine direct, the floors
     port = free_port()
     serve.start(http_options=HTTPOptions(host=NODE_IP, port=port))
-    serve.run(build_openai_app({"llm_configs": [config]}), name=APP, route_prefix="/")
-    serve.run(FloorRelay.bind(FloorAnswer.bind()), name="floor", route_prefix="/floor")
+    for topology in TOPOLOGIES:
+        app = build_openai_app({"llm_configs": [config], "topology": topology})
+        serve.run(app, name=topology, route_prefix=f"/{topology}")
+    serve.run(FloorRelay.bind(FloorAnswer.bind()), name="floor2", route_prefix="/floor2")
+    serve.run(FloorDirect.bind(), name="floor1", route_prefix="/floor1")
     return f"http://{NODE_IP}:{port}", config
+
+
+async def _ttft_medians(
+    base: str, direct: DirectEngine, args: argparse.Namespace
+) -> dict[str, float]:
+    """Median TTFT (ms) of one request at a time per path, sampled in interleaved rounds."""
+    body = _body(1, args, max_tokens=4)
+    paths: dict[str, Any] = {
+        **{f"http_{t}": (lambda t=t: _ttft_http(f"{base}/{t}", body, 5)) for t in TOPOLOGIES},
+        "handle": lambda: _ttft_handle(body, 5),
+        "engine": lambda: direct.ttft(body, 5),
+        "floor_one_hop": lambda: _ttft_http(f"{base}/floor1", body, 5),
+        "floor_two_hop": lambda: _ttft_http(f"{base}/floor2", body, 5),
+    }
+    samples: dict[str, list[float]] = {name: [] for name in paths}
+    for round_index in range(max(1, args.repeats // 5) + 1):
+        for name, measure in paths.items():
+            values = await measure()
+            if round_index:  # the first round warms every path up
+                samples[name] += values
+    return {name: 1000 * statistics.median(values) for name, values in samples.items()}
+
+
+async def _sweep(base: str, direct: DirectEngine, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Each level: both topologies over HTTP, then the engine direct, back to back."""
+    rows = []
+    limits = httpx.Limits(max_connections=max(args.concurrency) + 8)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+
+        def over_http(topology: str) -> Any:
+            url = f"{base}/{topology}/v1/completions"
+            return lambda i: http_stream(client, url, _body(i, args))
+
+        def on_engine(i: int) -> Any:
+            return engine_stream(direct.engine, lambda j: direct.request(_body(j, args)), i)
+
+        targets = {**{t: over_http(t) for t in TOPOLOGIES}, "engine": on_engine}
+        for concurrency in args.concurrency:
+            requests = max(args.requests, 2 * concurrency)
+            for target, one_request in targets.items():
+                row = {"target": target, **await sweep_level(one_request, concurrency, requests)}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    return rows
+
+
+def _goals(ttft: dict[str, float], sweep: list[dict[str, Any]]) -> dict[str, Any]:
+    def level(target: str, concurrency: int) -> dict[str, Any] | None:
+        found = [r for r in sweep if r["target"] == target and r["concurrency"] == concurrency]
+        return found[0] if found else None
+
+    goals: dict[str, Any] = {}
+    for topology in TOPOLOGIES:
+        added = ttft[f"http_{topology}"] - ttft["engine"]
+        goals[f"{topology}_ttft_added_ms"] = round(added, 2)
+        goals[f"{topology}_ttft_goal_met"] = added <= ttft["floor_one_hop"] + 3
+        low, low_engine = level(topology, 1), level("engine", 1)
+        if low and low_engine:
+            goals[f"{topology}_itl_p50_added_ms"] = round(
+                low["itl_p50_ms"] - low_engine["itl_p50_ms"], 2
+            )
+        high, high_engine = level(topology, 64), level("engine", 64)
+        if high and high_engine:
+            goals[f"{topology}_tok_s_ratio_c64"] = round(
+                high["output_tok_s"] / high_engine["output_tok_s"], 3
+            )
+    return goals
 
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
     base, config = _setup(args)
-    body = {
-        "model": MODEL_ID,
-        "prompt": _prompt(1, args.prompt_len),
-        "max_tokens": 4,
-        "temperature": 0,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    await _ttft_http(base, body, 5)  # warm-up
-    sweep = []
-    for concurrency in args.concurrency:
-        requests = max(args.requests, 2 * concurrency)
-        sweep.append(await _sweep_level(base, concurrency, requests, args))
-        print(json.dumps(sweep[-1]), flush=True)
-    http = await _ttft_http(base, body, args.repeats)
-    handle = await _ttft_handle(body, args.repeats)
-    direct = await _ttft_engine(config, body, args.repeats)
-    await _ttft_http(base + "/floor", body, 5)  # warm-up
-    floor = await _ttft_http(base + "/floor", body, args.repeats)
-    medians = {
-        "http_ms": 1000 * statistics.median(http),
-        "handle_ms": 1000 * statistics.median(handle),
-        "engine_ms": 1000 * statistics.median(direct),
-        "serve_floor_ms": 1000 * statistics.median(floor),
-    }
-    medians["ingress_adds_ms"] = medians["http_ms"] - medians["engine_ms"]
-    print(json.dumps({"ttft_median": medians}), flush=True)
-    return {"sweep": sweep, "ttft_median": medians}
+    direct = DirectEngine(config)
+    try:
+        ttft = await _ttft_medians(base, direct, args)
+        print(json.dumps({"ttft_median_ms": ttft}), flush=True)
+        sweep = await _sweep(base, direct, args)
+    finally:
+        await direct.engine.shutdown()
+    goals = _goals(ttft, sweep)
+    print(json.dumps({"goals": goals}), flush=True)
+    return {"ttft_median_ms": ttft, "sweep": sweep, "goals": goals}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--concurrency", default="1,2,4,8,16,32,64")
+    parser.add_argument("--concurrency", default="1,2,4,8,16,32,64,128")
     parser.add_argument("--requests", type=int, default=16, help="per level (at least 2x c)")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=32)

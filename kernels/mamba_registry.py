@@ -1,10 +1,11 @@
 """Mamba kernel registry: the torch reference or the Triton kernels, picked once per worker.
 
-`select_mamba_kernels` follows the attention backend choice: "torch" gives the reference,
-"triton" the Triton kernels (ValueError when unavailable), "flash_attn" and "auto" the Triton
-kernels on CUDA when triton imports, else the reference. Kernel modules load only when chosen.
-The gated DeltaNet layers' delta rule kernels come along (`kernels.gated_delta_registry`):
-fla-core on CUDA when installed, unless "torch" was asked.
+`select_mamba_kernels` follows the attention backend choice: "torch" and "reference" give the
+reference, "triton" the Triton kernels (ValueError when unavailable), "flash_attn" and "auto"
+the Triton kernels on CUDA when triton imports, else the reference. Kernel modules load only
+when chosen. The gated DeltaNet layers' delta rule kernels come along
+(`kernels.gated_delta_registry`): fla-core on CUDA when installed, unless "torch" or
+"reference" was asked.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def select_mamba_kernels(name: str, device: str | torch.device) -> MambaKernels:
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown backend {name!r}; choose one of {BACKEND_NAMES}")
     device = torch.device(device)
-    if name == "torch":
+    if name in ("torch", "reference"):
         return _build("torch", device, allow_fla=False)
     reason = _triton_unavailable_reason(device)
     if name == "triton" and reason is not None:

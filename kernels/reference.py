@@ -31,7 +31,7 @@ class KeyFromValue(NamedTuple):
     attention_scaling: float = 1.0
 
 
-class _PagedKV(NamedTuple):
+class PagedKV(NamedTuple):
     """The caches plus one request's row of the block table."""
 
     key_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_size]
@@ -40,7 +40,7 @@ class _PagedKV(NamedTuple):
     key_from_value: KeyFromValue | None = None
 
 
-class _ScoreRule(NamedTuple):
+class ScoreRule(NamedTuple):
     """How raw scores become logits: scale, then optional softcap, then causal/window mask;
     optional per-query-head sink logits join the softmax denominator only."""
 
@@ -95,22 +95,31 @@ def paged_attention(  # noqa: PLR0913 (the signature shared by every backend)
     check_attention_args(query, key_cache, value_cache, block_table, sliding_window, softcap, sinks)
     check_key_from_value(key_from_value, query.shape[2])
     output = torch.zeros_like(query)
-    rule = _ScoreRule(scale, sliding_window, softcap, None if sinks is None else sinks.float())
+    rule = ScoreRule(scale, sliding_window, softcap, None if sinks is None else sinks.float())
     starts = query_start_loc.tolist()
-    lengths = seq_lens.tolist()
-    for req_idx, seq_len in enumerate(lengths):
+    for req_idx, seq_len in enumerate(seq_lens.tolist()):
         start, end = starts[req_idx], starts[req_idx + 1]
-        if end == start:
-            continue
-        paged = _PagedKV(key_cache, value_cache, block_table[req_idx], key_from_value)
-        context_len = seq_len - (end - start)
-        rows = _chunk_rows(query.shape[1], seq_len)
-        for chunk_start in range(start, end, rows):
-            chunk_end = min(chunk_start + rows, end)
-            first_pos = context_len + chunk_start - start
-            output[chunk_start:chunk_end] = _attend(
-                query[chunk_start:chunk_end], first_pos, paged, rule
-            )
+        if end > start:
+            paged = PagedKV(key_cache, value_cache, block_table[req_idx], key_from_value)
+            output[start:end] = attend_request(query[start:end], seq_len, paged, rule)
+    return output
+
+
+def attend_request(
+    query: torch.Tensor, seq_len: int, paged: PagedKV, rule: ScoreRule
+) -> torch.Tensor:
+    """One request's attention: `query` `[q_len, num_q_heads, head_size]` holds its newest
+    tokens out of `seq_len`; long queries go in row chunks under the score budget."""
+    q_len = query.shape[0]
+    context_len = seq_len - q_len
+    rows = _chunk_rows(query.shape[1], seq_len)
+    if rows >= q_len:
+        return _attend(query, context_len, paged, rule)
+    output = torch.empty_like(query)
+    for chunk_start in range(0, q_len, rows):
+        chunk_end = min(chunk_start + rows, q_len)
+        chunk = query[chunk_start:chunk_end]
+        output[chunk_start:chunk_end] = _attend(chunk, context_len + chunk_start, paged, rule)
     return output
 
 
@@ -181,7 +190,7 @@ def _chunk_rows(num_q_heads: int, seq_len: int) -> int:
     return max(1, _MAX_SCORE_ELEMENTS // (num_q_heads * max(seq_len, 1)))
 
 
-def _attend(query: torch.Tensor, first_pos: int, paged: _PagedKV, rule: _ScoreRule) -> torch.Tensor:
+def _attend(query: torch.Tensor, first_pos: int, paged: PagedKV, rule: ScoreRule) -> torch.Tensor:
     """Attention of `query` `[q_len, num_q_heads, head_size]`, first token at `first_pos`.
 
     Only blocks that hold keys some query may see are gathered, so block-table entries of
@@ -213,7 +222,7 @@ def _explicit_attention(
     keys: torch.Tensor,
     values: torch.Tensor,
     is_visible: torch.Tensor,
-    rule: _ScoreRule,
+    rule: ScoreRule,
 ) -> torch.Tensor:
     """Masked attention as two matmuls, with optional `softcap * tanh(scores / softcap)` and
     sink logits (an extra softmax column per query head whose weight is dropped)."""
@@ -236,9 +245,7 @@ def _explicit_attention(
     return out.view(num_q_heads, q_len, head_size)
 
 
-def _gather_keys(
-    paged: _PagedKV, key_start: int, key_end: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def _gather_keys(paged: PagedKV, key_start: int, key_end: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys and values at positions `[key_start, key_end)`, fp32 `[num_kv_heads, n, head_size]`."""
     block_size = paged.key_cache.shape[1]
     first_block = key_start // block_size

@@ -1,7 +1,10 @@
 """Attention backend registry: pick torch, Triton or flash-attn kernels once, at worker start.
 
-`select_backend("auto", ...)` prefers flash-attn, then Triton, on CUDA and the torch
-reference on CPU, and logs why. Kernel modules are imported only when selected.
+`select_backend("auto", ...)` prefers flash-attn, then Triton, on CUDA and the per-request torch
+reference on CPU, and logs why. "torch" is the batched torch kernel (all decodes of a step in a
+few gathers and batched products), tested against the reference; it is not the CPU default
+because it has not measured faster on the 2-core development machine (docs/benchmarks.md).
+Kernel modules are imported only when selected.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAMES = ("auto", "triton", "flash_attn", "torch")
+BACKEND_NAMES = ("auto", "triton", "flash_attn", "torch", "reference")
 
 
 class StoreKVCacheFn(Protocol):
@@ -115,8 +118,8 @@ def select_backend(  # noqa: PLR0913 (the cache layout, then what the layers nee
 
 def _select_auto(request: _Request) -> AttentionBackend:
     if request.device.type != "cuda":
-        logger.info("attention backend torch: device is %s", request.device.type)
-        return _build("torch")
+        logger.info("attention backend reference: device is %s", request.device.type)
+        return _build("reference")
     for name in ("flash_attn", "triton"):
         reason = _unavailable_reason(name, request)
         if reason is None:
@@ -128,7 +131,7 @@ def _select_auto(request: _Request) -> AttentionBackend:
 
 
 def _unavailable_reason(name: str, request: _Request) -> str | None:
-    if name == "torch":
+    if name in ("torch", "reference"):
         return None
     if name == "flash_attn":
         from kernels import flash_attn
@@ -165,8 +168,12 @@ def _triton_unavailable_reason(request: _Request) -> str | None:
 def _build(name: str) -> AttentionBackend:
     from kernels import reference
 
-    if name == "torch":
+    if name == "reference":
         return AttentionBackend(name, reference.store_kv_cache, reference.paged_attention)
+    if name == "torch":
+        from kernels import batched_attention
+
+        return AttentionBackend(name, reference.store_kv_cache, batched_attention.paged_attention)
     if name == "triton":
         from kernels import triton_attention, triton_store_kv
 

@@ -24,7 +24,7 @@ class RunnerConfig:
     max_num_seqs: int = 256
     """Most requests in one step (rows of the block tables)."""
     attention_backend: str = "auto"
-    """One of kernels.BACKEND_NAMES (auto, triton, flash_attn, torch)."""
+    """One of kernels.BACKEND_NAMES (auto, triton, flash_attn, torch, reference)."""
     seed: int = 0
     """Seed of the sampler's generator (requests without their own seed)."""
     kv_cache_memory_bytes: int | None = None

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 
 from cluster.config.base import StrictModel
 from cluster.config.deployment import check_deployment_config
@@ -26,6 +26,14 @@ class LLMServingArgs(StrictModel):
     )
     ingress_deployment_config: dict[str, Any] = Field(
         default_factory=dict, description="Options passed to serve.deployment for the ingress."
+    )
+    topology: Literal["auto", "one_hop", "two_hop"] = Field(
+        default="auto",
+        description="one_hop: the model deployment serves the OpenAI routes itself (one model; "
+        "the ingress options give it only their env_vars); two_hop: an ingress deployment in "
+        "front of one deployment per model; auto: one_hop for one model without a "
+        "request_router_config (a router reads the parsed request only the ingress passes on), "
+        "else two_hop.",
     )
 
     @field_validator("llm_configs", mode="before")
@@ -51,6 +59,22 @@ class LLMServingArgs(StrictModel):
     @classmethod
     def _check_ingress(cls, options: dict[str, Any]) -> dict[str, Any]:
         return check_deployment_config(options)
+
+    @field_validator("topology")
+    @classmethod
+    def _check_topology(cls, topology: str, info: ValidationInfo) -> str:
+        configs = info.data.get("llm_configs") or []
+        if topology == "one_hop" and len(configs) > 1:
+            raise ValueError("one_hop serves one model; use two_hop (or auto) for several")
+        return topology
+
+    @property
+    def uses_one_hop(self) -> bool:
+        """Whether the model deployment serves the routes itself."""
+        if self.topology != "auto":
+            return self.topology == "one_hop"
+        (first, *others) = self.llm_configs
+        return not others and not first.deployment_config.get("request_router_config")
 
     @property
     def model_ids(self) -> list[str]:

@@ -7,6 +7,10 @@ the scheduler is never used by two threads at once.
 
     add_request ─► core.add_request ─► wake loop ─► step (thread) ─► deltas ─► request queues
 
+A stream whose reader falls behind gets the deltas queued meanwhile as one merged delta (vLLM's
+`stream_interval` idea without a fixed interval): the same text and tokens in fewer items, and
+the first token is never held back, since nothing waits for more to arrive.
+
 A failed step ends every request in flight with `EngineDeadError` at once; the workers then
 restart in a thread outside the lock (bounded by `worker_start_timeout_s`), so adds and aborts go
 on meanwhile: requests added during the restart wait in the scheduler and run after it (or end
@@ -24,7 +28,7 @@ from typing import Any
 from cluster.engine.client import EngineInfo, engine_info
 from cluster.engine.core import EngineCore
 from cluster.engine.errors import EngineDeadError
-from cluster.engine.outputs import RequestOutput
+from cluster.engine.outputs import OutputAccumulator, RequestOutput
 from cluster.engine.request import EngineRequest
 from scheduler.stats import SchedulerStats
 
@@ -140,15 +144,34 @@ class AsyncEngine:
     async def _stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         queue = self._queues[request_id]
         finished = False
+        held: _StreamItem | None = None
         try:
             while not finished:
-                item = await queue.get()
+                item = held if held is not None else await queue.get()
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
+                item, held = coalesce_queued(item, queue)
                 finished = item.finished
                 yield item
         finally:
             self._queues.pop(request_id, None)
             if not finished:  # the caller went away: free the request's blocks
                 await asyncio.shield(self.abort(request_id))
+
+
+def coalesce_queued(
+    first: RequestOutput, queue: asyncio.Queue[_StreamItem]
+) -> tuple[RequestOutput, _StreamItem | None]:
+    """`first` merged with the deltas already queued behind it, and the queued error that ends
+    the merge (None when there is none); waits for nothing."""
+    if first.finished or queue.empty():
+        return first, None
+    accumulator = OutputAccumulator()
+    merged = accumulator.add(first)
+    while not merged.finished and not queue.empty():
+        item = queue.get_nowait()
+        if isinstance(item, BaseException):
+            return merged, item
+        merged = accumulator.add(item)
+    return merged, None

@@ -1,7 +1,9 @@
 """Serve application builders, with Ray Serve LLM's contract.
 
 `build_openai_app(args)` validates `args` as `LLMServingArgs` and returns one application: an
-`OpenAiIngress` deployment bound to one `LLMServer:<model>` deployment per model.
+`OpenAiIngress` deployment bound to one `LLMServer:<model>` deployment per model (two hops:
+proxy -> ingress -> model), or, in the one-hop topology, the `LLMServer:<model>` deployment
+serving the OpenAI routes itself (proxy -> model; `topology`, see `LLMServingArgs`).
 `build_llm_deployment(config)` is the bare model deployment (for handles and batch jobs).
 
 Each model replica gets a placement group: the config's bundles (one per tensor-parallel rank),
@@ -23,6 +25,7 @@ from ray.serve import Application
 from cluster.config import LLMConfig, LLMServingArgs, format_validation_error
 from cluster.serve.ingress import OpenAiIngressDeployment
 from cluster.serve.llm_server import LLMServer
+from cluster.serve.one_hop import OpenAiServerDeployment
 from cluster.serve.routing import resolve_request_router
 
 DEFAULT_MODEL_OPTIONS: dict[str, Any] = {
@@ -130,6 +133,8 @@ def resource_summary(args: LLMServingArgs | dict[str, Any]) -> list[str]:
             f"{options['name']}: each replica reserves a placement group "
             f"[{', '.join(bundles)}] ({options['placement_group_strategy']})"
         )
+    if serving_args.uses_one_hop:
+        return [line + "; it serves the OpenAI routes itself (one hop)" for line in lines]
     ingress = ingress_deployment_options(serving_args.ingress_deployment_config)
     num_cpus = ingress["ray_actor_options"]["num_cpus"]
     lines.append(f"{ingress['name']}: each replica asks for {{CPU: {num_cpus:g}}}")
@@ -146,8 +151,27 @@ def build_openai_app(args: LLMServingArgs | dict[str, Any]) -> Application:
         serving_args = LLMServingArgs.model_validate(args)
     except ValidationError as error:
         raise ValueError(format_validation_error(error)) from None
+    if serving_args.uses_one_hop:
+        return build_one_hop_app(serving_args)
     servers = {config.model_id: build_llm_deployment(config) for config in serving_args.llm_configs}
     ingress_options = ingress_deployment_options(serving_args.ingress_deployment_config)
     ingress: Any = serve.deployment(OpenAiIngressDeployment)
     app: Application = ingress.options(**ingress_options).bind(servers)
+    return app
+
+
+def build_one_hop_app(serving_args: LLMServingArgs) -> Application:
+    """The one model's deployment serving the OpenAI routes itself; the ingress options give
+    it only their environment variables (the API key)."""
+    (config,) = serving_args.llm_configs
+    options = llm_deployment_options(config)
+    ingress_actor = serving_args.ingress_deployment_config.get("ray_actor_options") or {}
+    ingress_env = (ingress_actor.get("runtime_env") or {}).get("env_vars") or {}
+    if ingress_env:
+        actor = options["ray_actor_options"]
+        runtime_env = dict(actor.get("runtime_env") or {})
+        runtime_env["env_vars"] = {**ingress_env, **(runtime_env.get("env_vars") or {})}
+        actor["runtime_env"] = runtime_env
+    deployment: Any = serve.deployment(OpenAiServerDeployment)
+    app: Application = deployment.options(**options).bind(config.model_dump())
     return app

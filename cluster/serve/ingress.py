@@ -12,7 +12,7 @@ import logging
 import secrets
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -55,6 +55,17 @@ def request_id_of(raw: Request) -> str:
     return _get_serve_request_context().request_id or uuid.uuid4().hex
 
 
+class ItemStream(Protocol):
+    """The rest of a model's answer as the routes relay it: Serve's response generator across
+    the hop, or the model server's own generator when it serves the routes itself."""
+
+    def __aiter__(self) -> AsyncIterator[Any]: ...
+
+    async def __anext__(self) -> Any: ...
+
+    def cancel(self) -> None: ...
+
+
 @app.exception_handler(Exception)
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unexpected error in %s", request.url.path)
@@ -88,7 +99,7 @@ class OpenAiIngress(GrpcMethods):
 
     async def start(
         self, request: CompletionRequest | ChatCompletionRequest, request_id: str, as_sse: bool
-    ) -> tuple[Any, DeploymentResponseGenerator[Any] | None]:
+    ) -> tuple[Any, ItemStream | None]:
         """Send `request` to its model; (first item or an error, rest of the stream)."""
         handle = self.route(request.model)
         if isinstance(handle, ErrorResponse):
@@ -137,22 +148,34 @@ class OpenAiIngress(GrpcMethods):
         denied = self.check_api_key(raw.headers.get("authorization"))
         if denied is not None:
             return error_json(denied)
-        handle = self.servers.get(model)
-        if handle is None:
-            return error_json(errors.model_not_found(model))
-        card: ModelCard = await handle.model_card.remote()
+        card = await self.find_model_card(model)
+        if isinstance(card, ErrorResponse):
+            return error_json(card)
         return JSONResponse(card.model_dump())
 
     @app.get("/health")
     async def health(self) -> Response:
         """200 when every model's engine and workers are healthy, else 503."""
+        unhealthy = await self.unhealthy_model()
+        if unhealthy is not None:
+            return error_json(errors.unavailable(unhealthy))
+        return Response(status_code=200)
+
+    async def find_model_card(self, model: str) -> ModelCard | ErrorResponse:
+        handle = self.servers.get(model)
+        if handle is None:
+            return errors.model_not_found(model)
+        card: ModelCard = await handle.model_card.remote()
+        return card
+
+    async def unhealthy_model(self) -> str | None:
+        """Why the first unhealthy model is unhealthy; None when all are healthy."""
         for model_id, handle in self.servers.items():
             try:
                 await handle.check_health.remote()
             except Exception as error:
-                message = f"model {model_id} is unhealthy: {error}"
-                return error_json(errors.unavailable(message))
-        return Response(status_code=200)
+                return f"model {model_id} is unhealthy: {error}"
+        return None
 
     async def http_generate(
         self, raw: Request, request_cls: type[CompletionRequest] | type[ChatCompletionRequest]
@@ -171,12 +194,12 @@ class OpenAiIngress(GrpcMethods):
             return error_json(first)
         if stream is None or not request.stream:
             if stream is not None:
-                stream.cancel()  # type: ignore[no-untyped-call]
+                stream.cancel()
             return JSONResponse(first.model_dump())
         return StreamingResponse(_relay(first, stream), media_type="text/event-stream")
 
 
-async def _relay(first: str, stream: DeploymentResponseGenerator[Any]) -> AsyncIterator[str]:
+async def _relay(first: str, stream: ItemStream) -> AsyncIterator[str]:
     """The SSE lines: the peeked one, then the rest; cancels the server's stream if cut off.
     A stream that breaks (the replica died) ends with an error event, never a cut connection."""
     finished = False
@@ -191,7 +214,7 @@ async def _relay(first: str, stream: DeploymentResponseGenerator[Any]) -> AsyncI
         yield DONE
     finally:
         if not finished:
-            stream.cancel()  # type: ignore[no-untyped-call]
+            stream.cancel()
 
 
 def _stream_failure(error: Exception) -> ErrorResponse:
@@ -210,4 +233,4 @@ def _first_line(error: BaseException) -> str:
 # (Serve pickles the module-level app by reference).
 OpenAiIngressDeployment = serve.ingress(app)(OpenAiIngress)
 
-__all__ = ["REQUEST_ID_HEADER", "OpenAiIngress", "OpenAiIngressDeployment", "app"]
+__all__ = ["REQUEST_ID_HEADER", "ItemStream", "OpenAiIngress", "OpenAiIngressDeployment", "app"]

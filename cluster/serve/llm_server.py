@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from pydantic import BaseModel
@@ -87,7 +87,7 @@ class LLMServer:
         request: CompletionRequest | ChatCompletionRequest,
         request_id: str,
         as_sse: bool = True,
-    ) -> AsyncIterator[ServerItem]:
+    ) -> AsyncGenerator[ServerItem, None]:
         """The request's OpenAI bodies: an error, or the stream's chunks (SSE lines ending with
         `[DONE]`, or chunk models when not `as_sse`), or one response (not `request.stream`)."""
         self._ensure_stats_task()

@@ -8,7 +8,9 @@ Ray's prefix-cache affinity router, named as users name it
 - Ray's router divides by the prompt's text length and reads no token IDs, so an empty prompt
   (or a prompt of token IDs) made it fail on every retry and the request hang; here token IDs
   are routed by their decimal text and an empty prompt by a single space (it still gets its 400
-  from the model server).
+  from the model server);
+- in the one-hop topology the proxy hands the model deployment raw HTTP requests, whose prompt
+  no router can read before the body is parsed: those are routed as an empty prompt (by load).
 """
 
 from __future__ import annotations
@@ -40,7 +42,10 @@ class PrefixCacheAffinityRouter(_PrefixCacheAffinityRouter):
     """Ray Serve LLM's prefix-cache affinity router, safe for empty and token-ID prompts."""
 
     def _extract_text_from_request(self, pending_request: Any) -> str:
-        text: str = super()._extract_text_from_request(pending_request)
+        try:
+            text: str = super()._extract_text_from_request(pending_request)
+        except ValueError:  # an HTTP request from the proxy (one-hop topology): no prompt yet
+            text = ""
         return text or _token_text(pending_request.args) or " "
 
 

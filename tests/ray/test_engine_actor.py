@@ -102,6 +102,31 @@ def test_engine_actor_streams_deltas(client: RayEngineClient, llm: LLM) -> None:
     assert streamed_text == whole[len(llm.tokenizer.decode(list(prompt_ids))) :]
 
 
+def test_a_caller_that_falls_behind_gets_merged_deltas(client: RayEngineClient, llm: LLM) -> None:
+    """The actor's stream waits for its caller, so the deltas of the steps meanwhile arrive
+    merged: fewer items, the same tokens and text as a stream read at once."""
+    prompt_ids = tuple(llm.tokenizer(PROMPTS[0]).input_ids)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompt = list(client.add_request(EngineRequest("prompt-reader", prompt_ids, params)))
+    lagging = client.add_request(EngineRequest("lagging-reader", prompt_ids, params))
+    deadline = time.monotonic() + 30
+    while (stats := client.get_stats()).num_running_reqs or stats.num_waiting_reqs:
+        assert time.monotonic() < deadline, "the request never finished"
+        time.sleep(0.05)  # it runs to its end while nobody reads its stream
+    late = list(lagging)
+    assert len(late) < len(prompt)
+    merged = [OutputAccumulator() for _ in range(2)]
+    for accumulator, deltas in zip(merged, (prompt, late), strict=True):
+        for delta in deltas:
+            accumulator.add(delta)
+    first, second = (accumulator.result for accumulator in merged)
+    assert first is not None
+    assert second is not None
+    assert second.outputs[0].token_ids == first.outputs[0].token_ids
+    assert second.outputs[0].text == first.outputs[0].text
+    assert len(second.outputs[0].token_ids) == 40
+
+
 def test_abort_frees_the_requests_blocks(client: RayEngineClient) -> None:
     usage_before = client.get_stats().kv_cache_usage
     stream = client.add_request(_long_request("to-abort"))

@@ -1,5 +1,8 @@
 """The OpenAI HTTP and gRPC APIs on one real Ray Serve app, through the `openai` client.
 
+Every test runs on both topologies: two hops (proxy -> ingress -> model deployment) and one hop
+(the model deployment serves the routes itself).
+
 Greedy outputs are compared with the offline `LLM` on the same tiny model; the word-level
 tokenizer maps each token to one word, so equal text means equal tokens. Near the end a test
 kills the replica's worker actor mid-stream: the stream ends with an error event, the next
@@ -107,14 +110,19 @@ def _app_config(model_dir: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def served(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Served:
-    model_dir = save_tiny_served_model(tmp_path_factory.mktemp("served-model"))
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_served_model(tmp_path_factory.mktemp("served-model"))
+
+
+@pytest.fixture(scope="module", params=["two_hop", "one_hop"])
+def served(ray_cluster: None, model_dir: Path, request: pytest.FixtureRequest) -> Served:
     http_port, grpc_port = free_port(), free_port()
     serve.start(
         http_options=HTTPOptions(host=NODE_IP, port=http_port),
         grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[SERVICER]),
     )
-    serve.run(build_openai_app(_app_config(model_dir)), name=APP, route_prefix="/")
+    args = {**_app_config(model_dir), "topology": request.param}
+    serve.run(build_openai_app(args), name=APP, route_prefix="/")
     channel = grpc.insecure_channel(f"{NODE_IP}:{grpc_port}")
     yield Served(f"http://{NODE_IP}:{http_port}", model_dir, llm_pb2_grpc.LLMServiceStub(channel))
     channel.close()
@@ -122,9 +130,9 @@ def served(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Serve
 
 
 @pytest.fixture(scope="module")
-def reference(served: Served) -> LLM:
+def reference(model_dir: Path) -> LLM:
     llm = LLM(
-        str(served.model_dir),
+        str(model_dir),
         block_size=4,
         kv_cache_memory_bytes=8 * 1024 * 1024,
         distributed_executor_backend="uni",

@@ -25,7 +25,6 @@ llm_pb2: Any = importlib.import_module("cluster.serve.grpc.llm_pb2")
 
 if TYPE_CHECKING:
     from ray.serve.grpc_util import RayServegRPCContext
-    from ray.serve.handle import DeploymentResponseGenerator
 
     from cluster.openai_api.protocol import ModelList
 
@@ -66,7 +65,7 @@ class GrpcMethods:
             request: CompletionRequest | ChatCompletionRequest,
             request_id: str,
             as_sse: bool,
-        ) -> tuple[Any, DeploymentResponseGenerator[Any] | None]: ...
+        ) -> tuple[Any, AsyncIterator[Any] | None]: ...
 
         async def models(self) -> ModelList: ...
 
@@ -76,7 +75,7 @@ class GrpcMethods:
         context: RayServegRPCContext,
         request_cls: type[CompletionRequest] | type[ChatCompletionRequest],
         stream: bool,
-    ) -> tuple[Any, DeploymentResponseGenerator[Any] | None]:
+    ) -> tuple[Any, AsyncIterator[Any] | None]:
         metadata = context.invocation_metadata()
         meta = dict(metadata)
         denied = self.check_api_key(meta.get("authorization"))

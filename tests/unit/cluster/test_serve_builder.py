@@ -11,7 +11,7 @@ import yaml
 from pydantic import ValidationError
 
 from cluster.cli.serve import add_parser, applications
-from cluster.config import LLMConfig
+from cluster.config import LLMConfig, LLMServingArgs
 from cluster.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.openai_api.sampling import UnsupportedFieldError, to_sampling_params
 from cluster.serve import build_openai_app, deployment_name
@@ -21,6 +21,7 @@ from cluster.serve.builder import (
     resource_summary,
 )
 from cluster.serve.llm_server import serving_engine_args
+from cluster.serve.one_hop import OpenAiServer
 from cluster.serve.routing import resolve_request_router
 from scheduler.request import SamplingParams
 
@@ -59,10 +60,15 @@ def test_defaults_fit_a_two_cpu_node() -> None:
     assert ingress_deployment_options({"ray_actor_options": {"num_cpus": 2}})[
         "ray_actor_options"
     ] == {"num_cpus": 2}
-    lines = resource_summary({"llm_configs": [_config(engine_kwargs={"device": "cpu"})]})
+    cpu_model = [_config(engine_kwargs={"device": "cpu"})]
+    lines = resource_summary({"llm_configs": cpu_model, "topology": "two_hop"})
     assert lines == [
         "LLMServer:org--model_v1: each replica reserves a placement group [{CPU: 1.1}] (PACK)",
         "OpenAiIngress: each replica asks for {CPU: 0.1}",
+    ]
+    assert resource_summary({"llm_configs": cpu_model, "topology": "one_hop"}) == [
+        "LLMServer:org--model_v1: each replica reserves a placement group [{CPU: 1.1}] (PACK);"
+        " it serves the OpenAI routes itself (one hop)"
     ]
 
 
@@ -175,3 +181,44 @@ def test_serve_command_reads_each_kind_of_config_file(tmp_path: Path) -> None:
         apps, _ = applications(_serve_args("--config", str(path)))
         assert apps[0]["name"] == name
         assert apps[0]["args"]["llm_configs"] == [llm]
+
+
+def test_one_hop_app_is_the_model_deployment_with_the_ingress_environment() -> None:
+    model = {"model_loading_config": {"model_id": "a", "model_source": "/m"}}
+    ingress = {"ray_actor_options": {"runtime_env": {"env_vars": {"KEY": "secret"}}}}
+    args = {"llm_configs": [model], "ingress_deployment_config": ingress, "topology": "one_hop"}
+    app = build_openai_app(args)
+    deployment = app._bound_deployment  # type: ignore[attr-defined]
+    assert deployment.name == deployment_name("a")
+    assert issubclass(deployment.func_or_class, OpenAiServer)
+    env = deployment.ray_actor_options["runtime_env"]["env_vars"]
+    assert env == {"KEY": "secret"}
+    two_hop = build_openai_app({**args, "topology": "two_hop"})
+    assert two_hop._bound_deployment.name == "OpenAiIngress"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("topology", "num_models", "one_hop"), [
+    ("auto", 1, True), ("auto", 2, False), ("two_hop", 1, False), ("one_hop", 1, True),
+])  # fmt: skip
+def test_topology_choice(topology: str, num_models: int, one_hop: bool) -> None:
+    models = [
+        {"model_loading_config": {"model_id": f"m{i}", "model_source": "/m"}}
+        for i in range(num_models)
+    ]
+    args = LLMServingArgs.model_validate({"llm_configs": models, "topology": topology})
+    assert args.uses_one_hop is one_hop
+
+
+def test_auto_keeps_two_hops_for_a_request_router() -> None:
+    router = {"request_router_class": "ray.serve.llm.request_router.PrefixCacheAffinityRouter"}
+    model = {
+        "model_loading_config": {"model_id": "a", "model_source": "/m"},
+        "deployment_config": {"request_router_config": router},
+    }
+    assert not LLMServingArgs.model_validate({"llm_configs": [model]}).uses_one_hop
+
+
+def test_one_hop_refuses_several_models() -> None:
+    models = [{"model_loading_config": {"model_id": m, "model_source": "/m"}} for m in "ab"]
+    with pytest.raises(ValueError, match="one_hop serves one model"):
+        build_openai_app({"llm_configs": models, "topology": "one_hop"})

@@ -12,20 +12,26 @@ import pytest
 import torch
 
 import kernels
-from kernels import AttentionBackend, reference, select_backend
+from kernels import AttentionBackend, batched_attention, reference, select_backend
 from kernels import flash_attn as flash_attn_adapter
 
 CPU_LAYOUT = {"device": "cpu", "block_size": 16, "head_size": 128}
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
-def test_auto_on_cpu_selects_torch_reference_and_logs_why(
+def test_auto_on_cpu_selects_the_torch_reference_and_logs_why(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level(logging.INFO, logger="kernels.registry"):
         backend = select_backend("auto", **CPU_LAYOUT)
-    assert backend == AttentionBackend("torch", reference.store_kv_cache, reference.paged_attention)
+    want = AttentionBackend("reference", reference.store_kv_cache, reference.paged_attention)
+    assert backend == want
     assert "device is cpu" in caplog.text
+
+
+def test_torch_backend_is_the_batched_kernel() -> None:
+    backend = select_backend("torch", device=torch.device("cpu"), block_size=1, head_size=16)
+    assert backend.paged_attention is batched_attention.paged_attention
 
 
 def test_explicit_torch_is_always_available() -> None:
