@@ -3,10 +3,12 @@
 Scheduler only (the replay tool's prefill rules, no model). Pool: a Granite-4.0-H-Small-shaped
 layout (4 attention and 36 Mamba-2 layers, bf16) in 40 GiB, whose page-size unification makes a
 block 528 tokens. Per point: request `a` = shared prefix + its own suffix is prefilled and freed,
-then request `b` = the same prefix + another suffix is looked up; the table gives b's hit and its
-ratio to the shared prefix rounded down to 64 tokens (the goal is >= 0.9 everywhere).
+then request `b` = the same prefix + another suffix is looked up. Each cell gives b's hit and its
+ratio to the shared prefix rounded down to 64 tokens (the goal is >= 0.9 everywhere), for the
+block grid only (`prefix_match_unit` unset, today's behaviour) and for state checkpoints at
+`--unit` tokens, in the same run; then the pool blocks a's checkpoints hold once it is freed.
 
-    .venv/bin/python benchmarks/bench_mamba_prefix_sweep.py [--mode align]
+    .venv/bin/python benchmarks/bench_mamba_prefix_sweep.py [--mode align] [--unit 64]
 """
 
 from __future__ import annotations
@@ -25,15 +27,19 @@ SUFFIXES = (16, 64, 256, 1024, 2048)
 MEMORY = 40 << 30
 
 
-def granite_manager(mode: MambaCacheMode) -> KVCacheManager:
+def granite_manager(mode: MambaCacheMode, unit: int | None = None) -> KVCacheManager:
     specs = hybrid_layer_specs(GRANITE_4_H_SMALL, 16, mode)
     config = build_kv_cache_config(specs, MEMORY, max_model_len=16_384)
-    return KVCacheManager(config, max_model_len=16_384, enable_caching=True)
+    return KVCacheManager(
+        config, max_model_len=16_384, enable_caching=True, prefix_match_unit=unit
+    )
 
 
-def second_hit(mode: MambaCacheMode, prefix: int, suffix: int) -> int:
-    """Hit tokens of the second of two prompts sharing `prefix` tokens."""
-    replayer = TraceReplayer(granite_manager(mode))
+def second_hit(mode: MambaCacheMode, prefix: int, suffix: int, unit: int | None) -> tuple[int, int]:
+    """(hit tokens of the second of two prompts sharing `prefix` tokens, blocks cached once
+    the first is freed)."""
+    manager = granite_manager(mode, unit)
+    replayer = TraceReplayer(manager)
     shared = list(range(prefix))
     first = shared + [100_000 + i for i in range(suffix)]
     second = shared + [200_000 + i for i in range(suffix)]
@@ -42,28 +48,44 @@ def second_hit(mode: MambaCacheMode, prefix: int, suffix: int) -> int:
         {"op": "free", "id": "a"},
         {"op": "prefill", "id": "b", "tokens": second},
     ]
-    return int(replayer.run(ops)[2]["hit_tokens"])
+    records = replayer.run(ops)
+    cached = sum(len(hash_map) for hash_map in manager.pool.hash_maps)
+    return int(records[2]["hit_tokens"]), cached
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=["align", "all"], default="align")
+    parser.add_argument("--unit", type=int, default=64, help="prefix_match_unit (tokens)")
     args = parser.parse_args()
     mode = MambaCacheMode(args.mode)
-    block = max(granite_manager(mode).coordinator.alignment, 1)
-    print(f"mamba_cache_mode={args.mode}, hit alignment {block} tokens; cells: hit (ratio)")
+    manager = granite_manager(mode)
+    block = max(manager.coordinator.alignment, 1)
+    print(
+        f"mamba_cache_mode={args.mode}, hit alignment {block} tokens, pool "
+        f"{manager.pool.num_blocks - 1} blocks; cells: hit (ratio), block grid -> unit {args.unit}"
+    )
     print("| shared prefix | " + " | ".join(f"suffix {s}" for s in SUFFIXES) + " |")
     print("|---|" + "---|" * len(SUFFIXES))
-    worst = 1.0
+    worst = {"grid": 1.0, "unit": 1.0}
+    extra_blocks = []
     for prefix in PREFIXES:
         target = prefix // 64 * 64
         cells = []
         for suffix in SUFFIXES:
-            hit = second_hit(mode, prefix, suffix)
-            worst = min(worst, hit / target)
-            cells.append(f"{hit} ({hit / target:.2f})")
+            hit, cached = second_hit(mode, prefix, suffix, None)
+            fine, fine_cached = second_hit(mode, prefix, suffix, args.unit)
+            worst["grid"] = min(worst["grid"], hit / target)
+            worst["unit"] = min(worst["unit"], fine / target)
+            extra_blocks.append((prefix + suffix, fine_cached - cached))
+            cells.append(f"{hit} ({hit / target:.2f}) -> {fine} ({fine / target:.2f})")
         print(f"| {prefix} | " + " | ".join(cells) + " |", flush=True)
-    print(f"worst ratio: {worst:.2f}")
+    print(f"worst ratio: block grid {worst['grid']:.2f}, unit {args.unit} {worst['unit']:.2f}")
+    longest = max(extra_blocks)
+    print(
+        f"checkpoint blocks cached after the first prompt: up to {longest[1]} "
+        f"({longest[1] / (manager.pool.num_blocks - 1):.1%} of the pool) at {longest[0]} tokens"
+    )
 
 
 if __name__ == "__main__":
