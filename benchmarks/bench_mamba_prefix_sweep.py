@@ -30,9 +30,7 @@ MEMORY = 40 << 30
 def granite_manager(mode: MambaCacheMode, unit: int | None = None) -> KVCacheManager:
     specs = hybrid_layer_specs(GRANITE_4_H_SMALL, 16, mode)
     config = build_kv_cache_config(specs, MEMORY, max_model_len=16_384)
-    return KVCacheManager(
-        config, max_model_len=16_384, enable_caching=True, prefix_match_unit=unit
-    )
+    return KVCacheManager(config, max_model_len=16_384, enable_caching=True, prefix_match_unit=unit)
 
 
 def second_hit(mode: MambaCacheMode, prefix: int, suffix: int, unit: int | None) -> tuple[int, int]:
