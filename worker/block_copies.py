@@ -14,7 +14,7 @@ written: a block may be a copy's source and, popped again by the pool, another o
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -26,7 +26,7 @@ GroupTensors = dict[int, list[torch.Tensor]]
 
 
 def group_tensors(
-    config: KVCacheConfig, kv_caches: dict[str, Sequence[torch.Tensor]]
+    config: KVCacheConfig, kv_caches: Mapping[str, Sequence[torch.Tensor]]
 ) -> GroupTensors:
     """The cache tensors of each group's layers (aliases of KV-sharing layers once)."""
     out: GroupTensors = {}

@@ -109,8 +109,8 @@ class StateCheckpoints:
         states = [m for m in managers if isinstance(m, MambaManager)]
         if not caching or unit is None or not states:
             return None
-        if states[0].mode is MambaCacheMode.NONE or unit >= states[0].hit_alignment:
-            return None
+        if any(m.mode is MambaCacheMode.NONE for m in states) or unit >= states[0].hit_alignment:
+            return None  # a state kept per request, or hits on the unit grid already
         return cls(managers, pool, unit)
 
     def _request_keys(self, request: Request) -> list[BlockHash]:
@@ -264,6 +264,15 @@ class StateCheckpoints:
             self.pool.free_blocks([block for _, block in entry.written])
         if kept:
             self._pending[req_id] = kept
+
+    def held_blocks(self) -> list[KVCacheBlock]:
+        """Blocks of checkpoints not registered yet (one reference each; invariant checks)."""
+        return [
+            block
+            for entries in self._pending.values()
+            for entry in entries
+            for _, block in entry.written
+        ]
 
     def forget(self, req_id: str, keep_sent: bool = True) -> None:
         """Drop a request's state (finished or preempted): its checkpoints whose ops were sent

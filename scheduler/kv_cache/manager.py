@@ -49,7 +49,8 @@ class CacheHit(NamedTuple):
 
     blocks: KVCacheBlocks
     num_tokens: int
-    """Hit length: a multiple of every group's block size, at most the prompt length - 1."""
+    """Hit length: a multiple of every group's block size (of `prefix_match_unit` at a state
+    checkpoint), at most the prompt length - 1."""
     junction_tokens: int
     """The longest hit one bucket of equal specs found alone, if longer than `num_tokens`, else
     `num_tokens`: where a prefill chunk should end so that a state lands there (Mamba)."""
@@ -185,21 +186,22 @@ class KVCacheManager:
         )
         junction = max(found.num_tokens, *found.group_hit_tokens)
         blocks = KVCacheBlocks(found.blocks)
-        num_hit = found.num_tokens
+        num_hit, group_hits = found.num_tokens, found.group_hit_tokens
         if self.checkpoints is not None:
             fine = self.checkpoints.find(request, request.block_hashes, num_hit)
             if fine is not None:
                 blocks = KVCacheBlocks(fine.blocks, fine.sources)
                 num_hit = fine.num_tokens
                 junction = max(junction, num_hit)
+                group_hits = tuple(max(hit, num_hit) for hit in group_hits)
         misses = explain_misses(
             self.coordinator.managers,
             self.pool,
             request,
-            found.group_hit_tokens,
+            group_hits,
             self.alignment_tokens,
         )
-        return CacheHit(blocks, num_hit, junction, found.group_hit_tokens, misses)
+        return CacheHit(blocks, num_hit, junction, group_hits, misses)
 
     def record_lookup(self, request: Request, hit: CacheHit) -> None:
         """Count an admitted request's lookup in the prefix-cache counters.
@@ -417,7 +419,8 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         """Assert pool and table consistency (tests)."""
-        self.coordinator.check_invariants()
+        held = self.checkpoints.held_blocks() if self.checkpoints is not None else []
+        self.coordinator.check_invariants(held)
         if self.num_groups:
             held = set().union(*(manager.req_to_blocks for manager in self.coordinator.managers))
             assert set(self._quiet) == held, (set(self._quiet), held)
