@@ -419,8 +419,8 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         """Assert pool and table consistency (tests)."""
-        held = self.checkpoints.held_blocks() if self.checkpoints is not None else []
-        self.coordinator.check_invariants(held)
+        pending = self.checkpoints.held_blocks() if self.checkpoints is not None else []
+        self.coordinator.check_invariants(pending)
         if self.num_groups:
             held = set().union(*(manager.req_to_blocks for manager in self.coordinator.managers))
             assert set(self._quiet) == held, (set(self._quiet), held)
