@@ -177,7 +177,9 @@ def test_scheduler_sends_the_ops_and_starts_the_request_at_the_checkpoint() -> N
     params = SamplingParams(temperature=0.0, max_tokens=1)
     scheduler.add_request(Request("a", _shared(22, 10, 1000), params, scheduler.hash_block_size))
     first = scheduler.schedule()  # align mode: the chunk ends on the block grid, at 16
-    assert first.state_saves and first.copies_after_step and not first.copies_before_step
+    assert first.state_saves
+    assert first.copies_after_step
+    assert not first.copies_before_step
     scheduler.update_from_output(first, runner.execute(first))
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
