@@ -6,7 +6,8 @@ block 528 tokens. Per point: request `a` = shared prefix + its own suffix is pre
 then request `b` = the same prefix + another suffix is looked up. Each cell gives b's hit and its
 ratio to the shared prefix rounded down to 64 tokens (the goal is >= 0.9 everywhere), for the
 block grid only (`prefix_match_unit` unset, today's behaviour) and for state checkpoints at
-`--unit` tokens, in the same run; then the pool blocks a's checkpoints hold once it is freed.
+`--unit` tokens, in the same run; then the worst ratios of a dense sweep (no cliffs between the
+table's points), and the pool blocks a's checkpoints hold once it is freed.
 
     .venv/bin/python benchmarks/bench_mamba_prefix_sweep.py [--mode align] [--unit 64]
 """
@@ -25,6 +26,8 @@ from scheduler.replay import TraceReplayer
 PREFIXES = (256, 512, 1024, 2048, 4096, 8192)
 SUFFIXES = (16, 64, 256, 1024, 2048)
 MEMORY = 40 << 30
+DENSE_STEP = 61
+"""Prefix step of the dense sweep (odd, so prefixes fall everywhere on the 64 and 528 grids)."""
 
 
 def granite_manager(mode: MambaCacheMode, unit: int | None = None) -> KVCacheManager:
@@ -79,6 +82,19 @@ def main() -> None:
             cells.append(f"{hit} ({hit / target:.2f}) -> {fine} ({fine / target:.2f})")
         print(f"| {prefix} | " + " | ".join(cells) + " |", flush=True)
     print(f"worst ratio: block grid {worst['grid']:.2f}, unit {args.unit} {worst['unit']:.2f}")
+    dense = {"grid": 1.0, "unit": 1.0}
+    for prefix in range(256, 8193, DENSE_STEP):
+        for suffix in (SUFFIXES[0], SUFFIXES[-1]):
+            target = prefix // 64 * 64
+            dense["grid"] = min(dense["grid"], second_hit(mode, prefix, suffix, None)[0] / target)
+            dense["unit"] = min(
+                dense["unit"], second_hit(mode, prefix, suffix, args.unit)[0] / target
+            )
+    print(
+        f"dense sweep (prefix 256..8192 every {DENSE_STEP}, suffix {SUFFIXES[0]} and "
+        f"{SUFFIXES[-1]}): worst ratio block grid {dense['grid']:.2f}, unit {args.unit} "
+        f"{dense['unit']:.2f}"
+    )
     longest = max(extra_blocks)
     print(
         f"checkpoint blocks cached after the first prompt: up to {longest[1]} "

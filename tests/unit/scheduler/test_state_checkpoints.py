@@ -12,11 +12,13 @@ from scheduler_drive import make_scheduler
 from scheduler_fake_runner import FakeModelRunner
 
 from scheduler.block_hash import extend_block_hashes
+from scheduler.hybrid_capacity import GRANITE_4_H_SMALL, hybrid_layer_specs
+from scheduler.kv_cache.builder import build_kv_cache_config
 from scheduler.kv_cache.checkpoints import checkpoint_keys, checkpoint_positions
 from scheduler.kv_cache.eviction import EvictionPolicy
 from scheduler.kv_cache.manager import KVCacheManager
 from scheduler.kv_cache.spec import MambaCacheMode
-from scheduler.replay import replay_trace
+from scheduler.replay import TraceReplayer, replay_trace
 from scheduler.request import Request, SamplingParams
 
 HYBRID = [full(16), window(16, 40), mamba(16, MambaCacheMode.ALIGN)]
@@ -210,3 +212,26 @@ def test_replay_rejects_a_bad_unit() -> None:
     }
     with pytest.raises(ValueError, match="prefix_match_unit"):
         replay_trace(trace)
+
+
+def _granite_second_hit(prefix: int, suffix: int, unit: int | None) -> int:
+    specs = hybrid_layer_specs(GRANITE_4_H_SMALL, 16, MambaCacheMode.ALIGN)
+    config = build_kv_cache_config(specs, 40 << 30, max_model_len=16_384)
+    manager = KVCacheManager(config, max_model_len=16_384, prefix_match_unit=unit)
+    shared = list(range(prefix))
+    ops: list[dict[str, Any]] = [
+        {"op": "prefill", "id": "a", "tokens": shared + [100_000 + i for i in range(suffix)]},
+        {"op": "free", "id": "a"},
+        {"op": "prefill", "id": "b", "tokens": shared + [200_000 + i for i in range(suffix)]},
+    ]
+    return int(TraceReplayer(manager).run(ops)[2]["hit_tokens"])
+
+
+@pytest.mark.parametrize("suffix", [16, 2048])
+def test_granite_shaped_pool_hits_ninety_percent_of_any_shared_prefix(suffix: int) -> None:
+    """The issue's goal on a Granite-4.0-H-Small-shaped pool (528-token blocks), on prefixes
+    off both grids; the block grid alone misses them all or nearly."""
+    for prefix in range(256, 8193, 499):
+        target = prefix // 64 * 64
+        assert _granite_second_hit(prefix, suffix, 64) >= 0.9 * target, prefix
+    assert _granite_second_hit(300, suffix, None) == 0
