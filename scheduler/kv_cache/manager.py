@@ -260,7 +260,8 @@ class KVCacheManager:
         """
         if num_new_tokens < 0 or num_lookahead_tokens < 0 or num_new_computed_tokens < 0:
             raise ValueError("token counts must be >= 0")
-        if self.checkpoints is not None:
+        start = request.num_computed_tokens + num_new_computed_tokens
+        if self.checkpoints is not None and start < request.num_prompt_tokens - 1:
             return self._allocate_saving_checkpoints(
                 request,
                 num_new_tokens,
