@@ -2,9 +2,10 @@
 
 A hybrid's unified block can be hundreds of tokens long, and a recurrent state is kept only at
 block ends: prompts sharing less than one block never hit. With `prefix_match_unit` u smaller
-than the hit alignment B, a prompt's prefill also saves checkpoints at positions p on the u grid,
-spaced max(u, u * floor(0.1 * p / u)) apart (so every prefix has one within 10 % below it) and
-at most `max_per_request` of them. A checkpoint at p is, per group, one pool block keyed by the
+than the hit alignment B, a request also saves checkpoints at positions p on the u grid (in its
+prompt and its outputs: the next turn of a chat reads its answer back), spaced
+max(u, u * floor(0.1 * p / u)) apart (so every prefix has one within 10 % below it) and at most
+`max_per_request` of them. A checkpoint at p is, per group, one pool block keyed by the
 chained hash of the tokens before p (a hash chain at u tokens, tagged so it never equals a block
 hash):
 
@@ -47,8 +48,14 @@ def checkpoint_positions(num_tokens: int, unit: int, limit: int) -> list[int]:
     position = unit
     while position <= num_tokens and len(positions) < limit:
         positions.append(position)
-        position += max(unit, unit * (position // (10 * unit)))
+        position = next_position(position, unit)
     return positions
+
+
+def next_position(position: int, unit: int) -> int:
+    """The checkpoint after the one at `position`: max(unit, unit * floor(0.1 * position / unit))
+    further."""
+    return position + max(unit, unit * (position // (10 * unit)))
 
 
 def checkpoint_keys(token_ids: Sequence[int], unit: int, salt: str | None) -> list[BlockHash]:
@@ -92,9 +99,10 @@ class StateCheckpoints:
         self.unit = unit
         self.max_per_request = max_per_request
         self.state_groups = [m.group_id for m in managers if isinstance(m, MambaManager)]
-        self._keys: dict[str, list[BlockHash]] = {}
-        self._saved: dict[str, int] = {}
-        """Per request, the last position a checkpoint was planned for."""
+        self._chains: dict[str, tuple[list[BlockHash], list[BlockHash]]] = {}
+        """Per request, its hash chain at `unit` tokens and the checkpoint keys made from it."""
+        self._next: dict[str, tuple[int, int]] = {}
+        """Per request, (next checkpoint position, checkpoints planned or passed so far)."""
         self._pending: dict[str, list[_Pending]] = {}
         self._copies_before: list[tuple[str, BlockCopy]] = []
         self._copies_after: list[tuple[str, BlockCopy]] = []
@@ -114,11 +122,10 @@ class StateCheckpoints:
         return cls(managers, pool, unit)
 
     def _request_keys(self, request: Request) -> list[BlockHash]:
-        keys = self._keys.get(request.req_id)
-        if keys is None:
-            prompt = request.prompt_token_ids
-            keys = checkpoint_keys(prompt, self.unit, request.cache_salt)
-            self._keys[request.req_id] = keys
+        """Keys of every full unit of the request's tokens (extended as outputs arrive)."""
+        chain, keys = self._chains.setdefault(request.req_id, ([], []))
+        extend_block_hashes(chain, request.all_token_ids, self.unit, request.cache_salt)
+        keys.extend(xxhash.xxh3_128_digest(digest + _TAG) for digest in chain[len(keys) :])
         return keys
 
     # Lookup
@@ -197,18 +204,24 @@ class StateCheckpoints:
 
     # Saving
 
+    def wants(self, req_id: str, end: int) -> bool:
+        """Whether a step of the request computing up to `end` tokens reaches a checkpoint."""
+        position, count = self._next.get(req_id, (self.unit, 0))
+        return position <= end and count < self.max_per_request
+
     def plan_saves(self, request: Request, start: int, end: int) -> None:
-        """Checkpoints at positions in (start, end], inside the prompt, for the step being
-        scheduled (computing tokens [start, end))."""
-        end = min(end, request.num_prompt_tokens - 1)
-        last = max(self._saved.get(request.req_id, 0), start)
-        if end <= last:
+        """Checkpoints at positions in (start, end] (prompt or outputs) for the step being
+        scheduled (computing tokens [start, end)); those up to `start` (a hit) are passed."""
+        req_id = request.req_id
+        if not self.wants(req_id, end):
             return
+        position, count = self._next.get(req_id, (self.unit, 0))
         keys = self._request_keys(request)
-        for position in checkpoint_positions(end, self.unit, self.max_per_request):
-            if position > last:
+        while position <= end and count < self.max_per_request:
+            if position > start:
                 self._save(request, keys[position // self.unit - 1], position)
-        self._saved[request.req_id] = end
+            position, count = next_position(position, self.unit), count + 1
+        self._next[req_id] = (position, count)
 
     def _save(self, request: Request, key: BlockHash, position: int) -> None:
         maps = self.pool.hash_maps
@@ -282,8 +295,8 @@ class StateCheckpoints:
         self._copies_before = [op for op in self._copies_before if op[0] != req_id]
         self._copies_after = [op for op in self._copies_after if op[0] != req_id]
         self._state_saves = [op for op in self._state_saves if op.req_id != req_id]
-        self._keys.pop(req_id, None)
-        self._saved.pop(req_id, None)
+        self._chains.pop(req_id, None)
+        self._next.pop(req_id, None)
         if keep_sent:
             self._settle(req_id)
         unsent = self._pending.pop(req_id, ())

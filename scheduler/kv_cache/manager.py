@@ -260,8 +260,8 @@ class KVCacheManager:
         """
         if num_new_tokens < 0 or num_lookahead_tokens < 0 or num_new_computed_tokens < 0:
             raise ValueError("token counts must be >= 0")
-        start = request.num_computed_tokens + num_new_computed_tokens
-        if self.checkpoints is not None and start < request.num_prompt_tokens - 1:
+        end = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        if self.checkpoints is not None and self.checkpoints.wants(request.req_id, end):
             return self._allocate_saving_checkpoints(
                 request,
                 num_new_tokens,
@@ -302,7 +302,7 @@ class KVCacheManager:
         new_computed_blocks: KVCacheBlocks | None,
         num_lookahead_tokens: int,
     ) -> KVCacheBlocks | None:
-        """`_allocate` (no quiet path: a chunk inside a block may save a checkpoint), then the
+        """`_allocate` (no quiet path: a step inside a block may save a checkpoint), then the
         checkpoints among the tokens this step computes."""
         assert self.checkpoints is not None
         blocks = self._allocate(

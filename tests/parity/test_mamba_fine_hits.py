@@ -59,6 +59,21 @@ def test_greedy_hits_inside_a_block_give_transformers_tokens(
     assert tokens == [hf_greedy(hf_model, prompt, 16) for prompt in SHARING]
 
 
+def test_the_next_turn_hits_inside_the_answer(saved: tuple[Path, torch.nn.Module]) -> None:
+    """Checkpoints are kept while decoding too: a second turn (prompt, answer, new message)
+    hits 44 of its 46 computed shared tokens, where the prompt's checkpoints alone give 28."""
+    path, hf_model = saved
+    llm = LLM(str(path), prefix_match_unit=4, **LLM_ARGS)
+    try:
+        (answer,), _ = _run(llm, [FIRST], GREEDY)
+        turn = [*FIRST, *answer, 1, 2, 3]
+        tokens, hits = _run(llm, [turn], GREEDY)
+    finally:
+        llm.shutdown()
+    assert hits == [44]
+    assert tokens == [hf_greedy(hf_model, turn, 16)]
+
+
 def test_seeded_samples_with_hits_equal_a_cold_engine(saved: tuple[Path, torch.nn.Module]) -> None:
     path, _ = saved
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=16)
