@@ -39,6 +39,10 @@ from scheduler.request import Request
 DEFAULT_MAX_PER_REQUEST = 64
 """Most checkpoints one request saves (the 10 % spacing needs about 40 up to 16k tokens)."""
 
+FREE_SHARE_KEPT = 8
+"""A checkpoint is saved only while more than 1/8 of the pool stays free after it: it is an
+optimisation, and must not take the blocks running requests grow into."""
+
 _TAG = b"state-checkpoint"
 
 
@@ -131,7 +135,7 @@ class StateCheckpoints:
     # Lookup
 
     def find(self, request: Request, block_hashes: Sequence[BlockHash], hit: int) -> FineHit | None:
-        """The longest checkpoint hit longer than `hit` tokens (at most the prompt - 1)."""
+        """The longest checkpoint hit longer than `hit` tokens (at most all tokens but one)."""
         tokens = request.all_token_ids[: request.num_tokens - 1]
         keys = checkpoint_keys(tokens, self.unit, request.cache_salt)
         maps = self.pool.hash_maps
@@ -230,8 +234,8 @@ class StateCheckpoints:
         ]
         if all(key in maps[m.group_id] for m in targets):
             return
-        if len(targets) > self.pool.num_free_blocks - self.pool.num_blocks // 8:
-            return  # keep room for requests: a checkpoint is an optimisation
+        if len(targets) > self.pool.num_free_blocks - self.pool.num_blocks // FREE_SHARE_KEPT:
+            return
         entry = _Pending(key)
         for manager in targets:
             group_id = manager.group_id
