@@ -45,6 +45,11 @@ class SchedulerConfig:
     """Which cached blocks are reused first: `chain` (whole prefix chains, resists many
     sessions taking turns) or `lru` (vLLM's order)."""
 
+    prefix_match_unit: int | None = None
+    """Tokens of the prefix-match grid of models with recurrent-state (Mamba) groups: prompts
+    also save state checkpoints on this grid (`scheduler.kv_cache.checkpoints`), so hits need
+    not end on the (often hundreds of tokens long) unified block. None: the block grid only."""
+
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
@@ -55,6 +60,8 @@ class SchedulerConfig:
                 "long_prefill_token_threshold must be >= 0 (0 disables it), got "
                 f"{self.long_prefill_token_threshold}"
             )
+        if self.prefix_match_unit is not None and self.prefix_match_unit < 1:
+            raise ValueError(f"prefix_match_unit must be >= 1, got {self.prefix_match_unit}")
         if not isinstance(self.policy, SchedulingPolicy):
             raise TypeError(f"policy must be a SchedulingPolicy, got {self.policy!r}")
         if not self.enable_chunked_prefill:

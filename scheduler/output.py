@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import msgspec
 
@@ -16,6 +17,25 @@ from scheduler.request import SamplingParams
 
 GroupBlockIds = tuple[list[int], ...]
 """Block IDs of one request, one list per KV cache group (block 0 is the null block)."""
+
+
+class BlockCopy(NamedTuple):
+    """Copy every layer's page of block `src` onto block `dst`, both of KV cache group
+    `group_id` (a prefix hit at a fine checkpoint; see `scheduler.kv_cache.checkpoints`)."""
+
+    group_id: int
+    src: int
+    dst: int
+
+
+class StateSave(NamedTuple):
+    """Also keep request `req_id`'s recurrent state after its first `num_tokens` tokens in
+    block `block_id` of state group `group_id` (a position this step computes up to)."""
+
+    req_id: str
+    num_tokens: int
+    group_id: int
+    block_id: int
 
 
 @dataclass(frozen=True)
@@ -68,6 +88,12 @@ class SchedulerOutput:
     """Requests preempted this step: workers drop their batch rows, block IDs and output tokens,
     and keep only the prompt and sampling parameters until the request comes back as a
     `CachedRequestData` with `is_resumed`."""
+    copies_before_step: tuple[BlockCopy, ...] = ()
+    """Block copies to run before the step's forward (fine prefix hits start from them)."""
+    state_saves: tuple[StateSave, ...] = ()
+    """Recurrent states to keep at positions inside (or at the end of) this step's tokens."""
+    copies_after_step: tuple[BlockCopy, ...] = ()
+    """Block copies to run after the step's forward (attention pages of new checkpoints)."""
 
     @property
     def is_empty(self) -> bool:

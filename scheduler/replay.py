@@ -100,9 +100,13 @@ def build_manager(trace: dict[str, Any]) -> KVCacheManager:
     register_all = trace.get("cache_unreachable_blocks", False)
     if not isinstance(register_all, bool):
         raise ValueError(f"'cache_unreachable_blocks' must be a boolean, got {register_all!r}")
+    unit = trace.get("prefix_match_unit")
+    if unit is not None and (not isinstance(unit, int) or isinstance(unit, bool) or unit < 1):
+        raise ValueError(f"'prefix_match_unit' must be an integer >= 1, got {unit!r}")
     return KVCacheManager(
         config,
         max_model_len=_get_int(trace, "max_model_len"),
+        prefix_match_unit=unit,
         enable_caching=enable_caching,
         cache_unreachable_blocks=register_all,
         eviction=EvictionPolicy(
@@ -174,6 +178,7 @@ class TraceReplayer:
             raise ValueError(f"prefill of {req_id!r}, which is still running")
         tokens = _get_tokens(op)
         self._check_length(req_id, len(tokens))
+        self.manager.begin_step()
         request = Request(req_id, tokens, SamplingParams(), self.manager.hash_block_size)
         hit = self.manager.get_computed_blocks(request)
         misses = [dict(group) for group in hit.misses] or [{} for _ in self.miss_totals]
@@ -226,6 +231,8 @@ class TraceReplayer:
             computed += size
             request.num_computed_tokens = computed
             chunks.append(size)
+            manager.take_step_ops()  # a step ran: its checkpoints are written
+            manager.begin_step()
         return chunks
 
     def _decode(self, req_id: str, op: dict[str, Any]) -> Record:

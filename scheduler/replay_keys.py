@@ -19,6 +19,7 @@ TOP_LEVEL_KEYS = frozenset(
         "cache_unreachable_blocks",
         "prefix_cache_eviction",
         "mamba_cache_mode",
+        "prefix_match_unit",
         "ops",
         "meta",
     }

@@ -47,6 +47,7 @@ class Scheduler:
             max_model_len=config.max_model_len,
             enable_caching=config.enable_prefix_caching,
             eviction=config.prefix_cache_eviction,
+            prefix_match_unit=config.prefix_match_unit,
         )
         self.requests: dict[str, Request] = {}
         """Unfinished requests (waiting and running) by ID."""
@@ -75,6 +76,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Pick this step's tokens: running requests first, then admissions from the queue."""
         plan = StepPlan(budget=self.config.max_num_batched_tokens)
+        self.kv_cache_manager.begin_step()
         self._schedule_running(plan)
         if not plan.preempted_req_ids:
             self._schedule_waiting(plan)
@@ -289,6 +291,7 @@ class Scheduler:
             else:
                 new_reqs.append(data)
             request.num_computed_tokens += counts[req_id]  # the message keeps the old value
+        before, saves, after = self.kv_cache_manager.take_step_ops()
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -297,6 +300,9 @@ class Scheduler:
             num_common_prefix_blocks=self._num_common_prefix_blocks(),
             finished_req_ids=self._worker_view.take_finished(),
             preempted_req_ids=frozenset(plan.preempted_req_ids),
+            copies_before_step=tuple(before),
+            state_saves=tuple(saves),
+            copies_after_step=tuple(after),
         )
 
     def _num_common_prefix_blocks(self) -> tuple[int, ...]:

@@ -24,9 +24,13 @@ import torch
 
 from kernels.mamba_registry import MambaKernels
 from scheduler.kv_cache.spec import KVCacheConfig, MambaCacheMode, MambaSpec, manager_spec
+from scheduler.output import BlockCopy
 from worker.input_batch import InputBatch, RequestStates
 
 NULL_BLOCK = 0
+
+ExtraCuts = dict[int, dict[int, list[tuple[int, int]]]]
+"""Group -> batch index -> [(offset in the request's step tokens, block)]: states to keep."""
 
 
 @dataclass(frozen=True)
@@ -76,8 +80,9 @@ def build_mamba_metadata(
     states: RequestStates,
     modes: dict[int, tuple[int, MambaCacheMode]],
     kernels: MambaKernels,
+    extra_cuts: ExtraCuts | None = None,
 ) -> dict[int, MambaMetadata]:
-    """Metadata of every Mamba group for this step's batch."""
+    """Metadata of every Mamba group for this step's batch (`extra_cuts`: checkpoints)."""
     rows = [states.rows[req_id] for req_id in batch.req_ids]
     computed = batch.num_computed_np.tolist()
     scheduled = np.diff(batch.query_start_loc_np).tolist()
@@ -88,8 +93,44 @@ def build_mamba_metadata(
             _plan(table[row], c, n, block_size, mode)
             for row, c, n in zip(rows, computed, scheduled, strict=True)
         ]
+        for index, cuts in (extra_cuts or {}).get(gid, {}).items():
+            plans[index].cuts.extend(cuts)
+            plans[index].cuts.sort()
         out[gid] = MambaMetadata(_waves(plans, batch, states.device), kernels)
     return out
+
+
+def checkpoint_cuts(
+    batch: InputBatch,
+    states: RequestStates,
+    modes: dict[int, tuple[int, MambaCacheMode]],
+    saves: dict[int, dict[str, list[tuple[int, int]]]],
+) -> tuple[ExtraCuts, list[BlockCopy]]:
+    """Where this step keeps the states the scheduler asked for (group -> request ->
+    [(tokens, block)]): a cut for a position strictly inside the request's step tokens, a copy
+    after the step of the block the state lands in anyway (the step's last token, or a block
+    end mode `all` cuts already)."""
+    index_of = {req_id: index for index, req_id in enumerate(batch.req_ids)}
+    computed = batch.num_computed_np.tolist()
+    scheduled = np.diff(batch.query_start_loc_np).tolist()
+    cuts: ExtraCuts = {}
+    copies: list[BlockCopy] = []
+    for gid, per_request in saves.items():
+        block_size, _ = modes[gid]
+        table = states.block_tables[gid].table_np
+        for req_id, wanted in per_request.items():
+            index = index_of.get(req_id)
+            if index is None:
+                continue
+            row = table[states.rows[req_id]]
+            start, end = computed[index], computed[index] + scheduled[index]
+            for tokens, block in wanted:
+                landed = int(row[(tokens - 1) // block_size]) if start < tokens <= end else 0
+                if tokens == end or (tokens % block_size == 0 and landed != NULL_BLOCK):
+                    copies.append(BlockCopy(gid, _checked(landed), block))
+                elif start < tokens < end:
+                    cuts.setdefault(gid, {}).setdefault(index, []).append((tokens - start, block))
+    return cuts, copies
 
 
 def _plan(row: np.ndarray, computed: int, num_new: int, bs: int, mode: MambaCacheMode) -> _Plan:

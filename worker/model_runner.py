@@ -29,6 +29,7 @@ from worker.attention_groups import (
     build_attention_groups,
     build_forward_context,
 )
+from worker.block_copies import GroupTensors, copy_blocks, group_tensors, saves_by_request
 from worker.block_table import MultiGroupBlockTable
 from worker.input_batch import (
     InputBatch,
@@ -44,7 +45,7 @@ from worker.kv_cache import (
     report_kv_cache_specs,
 )
 from worker.mamba_cache import mamba_layers, model_order_specs
-from worker.mamba_metadata import build_mamba_metadata, mamba_group_modes
+from worker.mamba_metadata import build_mamba_metadata, checkpoint_cuts, mamba_group_modes
 from worker.metadata_transforms import StepRows
 from worker.runner_config import RunnerConfig
 from worker.sampler import Sampler, to_token_logprobs
@@ -117,6 +118,9 @@ class ModelRunner:
         self.sampling_state = SamplingState(device, settings.eos_token_ids)
         self.attention_groups: list[AttentionGroup] = []
         self.kv_caches: KVCaches = {}
+        self._group_tensors: GroupTensors = {}
+        """Every cache tensor of each KV cache group (block copies)."""
+        self._num_blocks = 0
         self.states: RequestStates | None = None
         self.build_stats = MetadataBuildStats()
         self._backends: dict[tuple[int, KernelNeeds], AttentionBackend] = {}
@@ -163,6 +167,8 @@ class ModelRunner:
             layer.layer_name: group_of[layer.layer_name] for layer in self.mamba_layers
         }
         self._mamba_modes = mamba_group_modes(kv_cache_config)
+        self._group_tensors = group_tensors(kv_cache_config, self.kv_caches)
+        self._num_blocks = kv_cache_config.num_blocks
         self._mamba_kernels = select_mamba_kernels(self.config.attention_backend, self.device)
         logger.info(
             "KV cache bound: %d KV cache groups, %d attention groups, kernel block sizes %s",
@@ -191,6 +197,8 @@ class ModelRunner:
         states = self._require_states()
         states.update(scheduler_output)
         self.sampling_state.update(scheduler_output)
+        if scheduler_output.copies_before_step:
+            copy_blocks(scheduler_output.copies_before_step, self._group_tensors, self._num_blocks)
         if scheduler_output.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         batch = build_input_batch(
@@ -201,11 +209,19 @@ class ModelRunner:
         ctx = build_forward_context(
             self.attention_groups, batch, step, self.kv_caches, self.build_stats
         )
+        copies_after = list(scheduler_output.copies_after_step)
         if self._mamba_groups:
-            per_group = build_mamba_metadata(batch, states, self._mamba_modes, self._mamba_kernels)
+            saves = saves_by_request(scheduler_output.state_saves)
+            cuts, state_copies = checkpoint_cuts(batch, states, self._mamba_modes, saves)
+            copies_after.extend(state_copies)
+            per_group = build_mamba_metadata(
+                batch, states, self._mamba_modes, self._mamba_kernels, cuts
+            )
             layers = {name: per_group[gid] for name, gid in self._mamba_groups.items()}
             ctx = replace(ctx, mamba_metadata=layers)
         hidden = self.model(batch.input_ids, batch.positions, ctx)  # [num_tokens, hidden]
+        if copies_after:
+            copy_blocks(copies_after, self._group_tensors, self._num_blocks)
         rows = batch.logits_indices
         if prompt_rows is not None:
             rows = torch.cat([rows, prompt_rows.rows])

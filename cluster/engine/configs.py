@@ -83,6 +83,7 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
         policy=SchedulingPolicy(args.scheduling_policy),
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_cache_eviction=EvictionPolicy(args.prefix_cache_eviction),
+        prefix_match_unit=args.prefix_match_unit,
     )
     return EngineConfigs(
         model,

@@ -179,9 +179,10 @@ class KVCacheCoordinator:
         )
         return min(slots), min(computed), min(cached)
 
-    def check_invariants(self) -> None:
-        """Ref count = number of requests listing the block, and each block in one group only."""
-        listed: dict[int, int] = {}
+    def check_invariants(self, held: Sequence[KVCacheBlock] = ()) -> None:
+        """Ref count = number of requests listing the block (plus one for each of `held`,
+        blocks taken outside any table), and each block in one group only."""
+        listed: dict[int, int] = {block.block_id: 1 for block in held}
         null = self.pool.null_block
         for manager in self.managers:
             for req_id, blocks in manager.req_to_blocks.items():

@@ -11,11 +11,13 @@ from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 from scheduler.kv_cache.block_pool import BlockPool, KVCacheBlock
+from scheduler.kv_cache.checkpoints import StateCheckpoints
 from scheduler.kv_cache.coordinator import make_coordinator
 from scheduler.kv_cache.eviction import EvictionPolicy
 from scheduler.kv_cache.miss_reasons import GroupMisses, explain_misses
 from scheduler.kv_cache.spec import KVCacheConfig, MambaCacheMode, MambaSpec, manager_spec
 from scheduler.kv_cache.window_managers import ChunkedLocalManager, SlidingWindowManager
+from scheduler.output import BlockCopy, StateSave
 from scheduler.request import Request
 
 
@@ -24,6 +26,9 @@ class KVCacheBlocks:
     """Blocks per KV cache group (hit blocks, or blocks allocated by one call); read-only."""
 
     blocks: tuple[list[KVCacheBlock], ...]
+    copy_sources: tuple[KVCacheBlock | None, ...] = ()
+    """A hit at a fine checkpoint: per group, the block a fresh block appended after `blocks`
+    is copied from (None: nothing to append); empty for every other hit."""
 
     def get_block_ids(self) -> tuple[list[int], ...]:
         """Block IDs per group (the null block is 0)."""
@@ -44,7 +49,8 @@ class CacheHit(NamedTuple):
 
     blocks: KVCacheBlocks
     num_tokens: int
-    """Hit length: a multiple of every group's block size, at most the prompt length - 1."""
+    """Hit length: a multiple of every group's block size (of `prefix_match_unit` at a state
+    checkpoint), at most the prompt length - 1."""
     junction_tokens: int
     """The longest hit one bucket of equal specs found alone, if longer than `num_tokens`, else
     `num_tokens`: where a prefill chunk should end so that a state lands there (Mamba)."""
@@ -93,11 +99,14 @@ class KVCacheManager:
         enable_caching: bool = True,
         cache_unreachable_blocks: bool = False,
         eviction: EvictionPolicy = EvictionPolicy.CHAIN,
+        prefix_match_unit: int | None = None,
     ) -> None:
         """`cache_unreachable_blocks` registers every full block as vLLM does, also those no
         prefix hit can use (a block a sliding window or chunk never reads at an aligned end);
         by default they stay unregistered and go back to the front of the free queue.
-        `eviction` picks which cached blocks are reused first (`EvictionPolicy`)."""
+        `eviction` picks which cached blocks are reused first (`EvictionPolicy`).
+        `prefix_match_unit` (tokens), finer than the hit alignment of a model with recurrent
+        state groups, adds state checkpoints on that grid (`scheduler.kv_cache.checkpoints`)."""
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         sizes = config.block_sizes
@@ -115,6 +124,10 @@ class KVCacheManager:
             self.enable_caching,
             cache_unreachable_blocks,
         )
+        self.checkpoints = StateCheckpoints.create(
+            self.coordinator.managers, self.pool, prefix_match_unit, self.enable_caching
+        )
+        """Fine-grained hits of recurrent-state models (None: hits on the block grid only)."""
         self.needs_block_aligned_prefill = self.enable_caching and any(
             isinstance(spec, MambaSpec) and spec.mamba_cache_mode is MambaCacheMode.ALIGN
             for spec in (manager_spec(group.spec) for group in config.groups)
@@ -172,16 +185,23 @@ class KVCacheManager:
             request.block_hashes, request.num_tokens - 1
         )
         junction = max(found.num_tokens, *found.group_hit_tokens)
+        blocks = KVCacheBlocks(found.blocks)
+        num_hit, group_hits = found.num_tokens, found.group_hit_tokens
+        if self.checkpoints is not None:
+            fine = self.checkpoints.find(request, request.block_hashes, num_hit)
+            if fine is not None:
+                blocks = KVCacheBlocks(fine.blocks, fine.sources)
+                num_hit = fine.num_tokens
+                junction = max(junction, num_hit)
+                group_hits = tuple(max(hit, num_hit) for hit in group_hits)
         misses = explain_misses(
             self.coordinator.managers,
             self.pool,
             request,
-            found.group_hit_tokens,
+            group_hits,
             self.alignment_tokens,
         )
-        return CacheHit(
-            KVCacheBlocks(found.blocks), found.num_tokens, junction, found.group_hit_tokens, misses
-        )
+        return CacheHit(blocks, num_hit, junction, group_hits, misses)
 
     def record_lookup(self, request: Request, hit: CacheHit) -> None:
         """Count an admitted request's lookup in the prefix-cache counters.
@@ -213,9 +233,15 @@ class KVCacheManager:
         )
         num_slots = min(total_computed + num_new_tokens, self.max_model_len)
         hits = new_computed_blocks.blocks if new_computed_blocks is not None else None
-        return self.coordinator.get_num_blocks_to_allocate(
+        needed = self.coordinator.get_num_blocks_to_allocate(
             request.req_id, num_slots, hits, total_computed
         )
+        return needed + self._num_copy_blocks(new_computed_blocks, num_slots)
+
+    def _num_copy_blocks(self, hit: KVCacheBlocks | None, num_slots: int) -> int:
+        if hit is None or not hit.copy_sources or self.checkpoints is None:
+            return 0
+        return self.checkpoints.extra_blocks(hit.blocks, hit.copy_sources, num_slots)
 
     def allocate_slots(
         self,
@@ -234,6 +260,15 @@ class KVCacheManager:
         """
         if num_new_tokens < 0 or num_lookahead_tokens < 0 or num_new_computed_tokens < 0:
             raise ValueError("token counts must be >= 0")
+        end = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        if self.checkpoints is not None and self.checkpoints.wants(request.req_id, end):
+            return self._allocate_saving_checkpoints(
+                request,
+                num_new_tokens,
+                num_new_computed_tokens,
+                new_computed_blocks,
+                num_lookahead_tokens,
+            )
         limits = self._quiet.get(request.req_id)
         if (
             limits is not None
@@ -259,6 +294,29 @@ class KVCacheManager:
             num_lookahead_tokens,
         )
 
+    def _allocate_saving_checkpoints(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: KVCacheBlocks | None,
+        num_lookahead_tokens: int,
+    ) -> KVCacheBlocks | None:
+        """`_allocate` (no quiet path: a step inside a block may save a checkpoint), then the
+        checkpoints among the tokens this step computes."""
+        assert self.checkpoints is not None
+        blocks = self._allocate(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+        )
+        if blocks is not None:
+            start = request.num_computed_tokens + num_new_computed_tokens
+            self.checkpoints.plan_saves(request, start, start + num_new_tokens)
+        return blocks
+
     def _allocate(
         self,
         request: Request,
@@ -282,12 +340,17 @@ class KVCacheManager:
         coordinator = self.coordinator
         coordinator.remove_skipped_blocks(req_id, total_computed)
         needed = coordinator.get_num_blocks_to_allocate(req_id, num_slots, hits, total_computed)
+        if is_new:
+            needed += self._num_copy_blocks(new_computed_blocks, num_slots)
         if needed > self.pool.num_free_blocks:
             if not is_new:
                 self._quiet[req_id] = coordinator.quiet_limits(req_id, self.enable_caching)
             return None
         if is_new:
             coordinator.allocate_new_computed_blocks(req_id, hits, local_computed)
+            if new_computed_blocks is not None and new_computed_blocks.copy_sources:
+                assert self.checkpoints is not None
+                self.checkpoints.adopt(req_id, new_computed_blocks.copy_sources)
         new_blocks = coordinator.allocate_new_blocks(req_id, num_slots)
         if self.enable_caching:
             coordinator.cache_blocks(
@@ -302,6 +365,21 @@ class KVCacheManager:
         """Release every block of a finished or preempted request (cached ones stay hit-able)."""
         if self._quiet.pop(request.req_id, None) is not None:
             self.coordinator.free(request.req_id, request.block_hashes)
+        if self.checkpoints is not None:
+            self.checkpoints.forget(request.req_id)
+
+    def take_step_ops(self) -> tuple[list[BlockCopy], list[StateSave], list[BlockCopy]]:
+        """The worker ops of the step being scheduled (copies before it, state saves, copies
+        after it); empty without fine checkpoints. Call once per step, as its output is built."""
+        if self.checkpoints is None:
+            return [], [], []
+        return self.checkpoints.take_step_ops()
+
+    def begin_step(self) -> None:
+        """Start scheduling a step: the checkpoints written by the steps sent so far become
+        hit-able (call before any lookup of the step)."""
+        if self.checkpoints is not None:
+            self.checkpoints.register_written()
 
     def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
         """The request's current table per group (null entries are 0)."""
@@ -320,6 +398,8 @@ class KVCacheManager:
         the request keeps them until it is freed."""
         for block_ids in self.get_block_ids(req_id):
             self.pool.evict_blocks(block_ids)
+        if self.checkpoints is not None:
+            self.checkpoints.forget(req_id, keep_sent=False)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; fails (False) while any request holds blocks."""
@@ -340,7 +420,8 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         """Assert pool and table consistency (tests)."""
-        self.coordinator.check_invariants()
+        pending = self.checkpoints.held_blocks() if self.checkpoints is not None else []
+        self.coordinator.check_invariants(pending)
         if self.num_groups:
             held = set().union(*(manager.req_to_blocks for manager in self.coordinator.managers))
             assert set(self._quiet) == held, (set(self._quiet), held)

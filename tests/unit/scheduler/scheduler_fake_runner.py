@@ -13,6 +13,7 @@ The next token is a hash of all tokens so far (read back from the cache), modulo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from scheduler.kv_cache.spec import (
@@ -24,6 +25,7 @@ from scheduler.kv_cache.spec import (
     manager_spec,
 )
 from scheduler.output import (
+    BlockCopy,
     CachedRequestData,
     FinishReason,
     ModelRunnerOutput,
@@ -102,13 +104,43 @@ class FakeModelRunner:
             *(r.req_id for r in out.scheduled_new_reqs),
             *(r.req_id for r in out.scheduled_cached_reqs),
         }
+        self._copy_blocks(out.copies_before_step)
         for req_id, num_tokens in out.num_scheduled_tokens.items():
             self._write(self.requests[req_id], num_tokens)
+        self._save_states(out)
+        self._copy_blocks(out.copies_after_step)
         sampled = [
             self._read_and_sample(req_id, n) for req_id, n in out.num_scheduled_tokens.items()
         ]
         self.num_steps += 1
         return ModelRunnerOutput(req_ids=list(out.num_scheduled_tokens), sampled_token_ids=sampled)
+
+    def _copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
+        """Every slot of each source block onto its destination (all read before any write)."""
+        moved = []
+        for copy in copies:
+            bs = self.groups[copy.group_id].block_size
+            kv = self.kv[copy.group_id]
+            for offset in range(bs):
+                moved.append(
+                    (copy.group_id, copy.dst * bs + offset, kv.get(copy.src * bs + offset))
+                )
+        for group, slot, value in moved:
+            if value is None:
+                self.kv[group].pop(slot, None)
+            else:
+                self.kv[group][slot] = value
+
+    def _save_states(self, out: SchedulerOutput) -> None:
+        """Recurrent states kept at checkpoints inside or at the end of this step's tokens."""
+        for save in out.state_saves:
+            state = self.requests[save.req_id]
+            assert save.req_id in out.num_scheduled_tokens, save
+            start = state.num_computed  # not advanced yet: the reads come after the saves
+            end = start + out.num_scheduled_tokens[save.req_id]
+            assert start < save.num_tokens <= end, (save, start)
+            bs = self.groups[save.group_id].block_size
+            self.kv[save.group_id][save.block_id * bs] = state.prefix_id(save.num_tokens - 1)
 
     def _add(self, new: NewRequestData) -> None:
         assert new.req_id not in self.requests, f"{new.req_id} sent as new twice"

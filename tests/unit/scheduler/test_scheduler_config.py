@@ -38,6 +38,7 @@ def test_every_config_field_has_an_attribute_docstring() -> None:
         "policy",
         "enable_prefix_caching",
         "prefix_cache_eviction",
+        "prefix_match_unit",
     }
     docs = _field_docstrings(SchedulerConfig)
     assert set(docs) == names

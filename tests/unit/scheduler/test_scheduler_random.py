@@ -15,6 +15,7 @@ checking nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -66,10 +67,13 @@ def _random_config(rng: random.Random) -> SchedulerConfig:
     )
 
 
-def _random_scheduler(rng: random.Random, kv_cache_config: KVCacheConfig) -> Scheduler:
+def _random_scheduler(
+    rng: random.Random, kv_cache_config: KVCacheConfig, unit: int | None = None
+) -> Scheduler:
     while True:
         try:
-            return Scheduler(_random_config(rng), kv_cache_config)
+            config = dataclasses.replace(_random_config(rng), prefix_match_unit=unit)
+            return Scheduler(config, kv_cache_config)
         except ValueError:  # a budget below the block-aligned split's minimum chunk
             continue
 
@@ -109,14 +113,14 @@ def _first_request(rng: random.Random, num_tokens: int, hash_block_size: int) ->
 class Workload:
     """One seed's scheduler, runner, arrivals and aborts, and what every request received."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, unit: int | None = None) -> None:
         rng = random.Random(seed)
         num_blocks = rng.randint(2, 60)
         specs = _random_model(rng)
         first_len = rng.randint(2, 12)  # the first request's length, prompt and output
         num_blocks = max(num_blocks, 1 + sum(cdiv(first_len, spec.block_size) for spec in specs))
         kv_cache_config: KVCacheConfig = make_config(num_blocks, *specs)
-        self.scheduler = _random_scheduler(rng, kv_cache_config)
+        self.scheduler = _random_scheduler(rng, kv_cache_config, unit)
         self.runner = FakeModelRunner(kv_cache_config)
         self.arrivals: dict[int, list[Request]] = {}
         self.aborts: dict[int, list[str]] = {}
@@ -137,6 +141,7 @@ class Workload:
         self.accepted: dict[str, Request] = {}
         self.tokens: dict[str, list[int]] = {}
         self.finish: dict[str, FinishReason] = {}
+        self.num_checkpoint_restores = 0
 
     def run(self) -> None:
         scheduler = self.scheduler
@@ -153,6 +158,7 @@ class Workload:
                 self.finish[output.req_id] = output.finish_reason  # type: ignore[assignment]
             out = scheduler.schedule()
             check_step(scheduler, out)
+            self.num_checkpoint_restores += len(out.copies_before_step)
             for output in scheduler.update_from_output(out, self.runner.execute(out)):
                 self.tokens.setdefault(output.req_id, []).extend(output.new_token_ids)
                 if output.finish_reason is not None:
@@ -167,6 +173,30 @@ class Workload:
 def test_random_workload_gives_every_request_its_reference_tokens(seed: int) -> None:
     workload = Workload(seed)
     workload.run()
+    check_outcome(workload)
+
+
+def test_random_workloads_with_state_checkpoints_give_the_reference_tokens() -> None:
+    """The same workloads with `prefix_match_unit` 1 to 3 on the seeds whose model has a
+    Mamba group coarser than the unit: hits start from copied checkpoints, and the fake
+    runner checks every state and KV read of them."""
+    num_runs = num_restores = 0
+    for seed in range(300):
+        unit = random.Random(-seed).randint(1, 3)
+        workload = Workload(seed, unit)
+        if workload.scheduler.kv_cache_manager.checkpoints is None:
+            continue
+        workload.run()
+        check_outcome(workload)
+        num_runs += 1
+        num_restores += workload.num_checkpoint_restores
+    assert num_runs >= 20
+    assert num_restores > 0
+
+
+def check_outcome(workload: Workload) -> None:
+    """No block held at the end, and every request's tokens are the reference ones (a prefix
+    of them when aborted or cut short by a pool that cannot hold it)."""
     scheduler = workload.scheduler
     assert scheduler.kv_cache_manager.num_free_blocks == scheduler.kv_cache_config.num_blocks - 1
     assert set(workload.finish) == set(workload.accepted)
