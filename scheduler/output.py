@@ -52,6 +52,19 @@ class CachedRequestData(msgspec.Struct, frozen=True):
 
 
 @dataclass(frozen=True)
+class GrammarBitmask:
+    """Tokens each constrained request may sample this step, one packed row per request.
+
+    Row i is `words_per_row` little-endian int32 words; bit j of word w allows token 32 * w + j.
+    Built by the engine (which holds the grammar states) and applied by rank 0's sampler.
+    """
+
+    req_ids: tuple[str, ...]
+    words_per_row: int
+    data: bytes
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     """What every worker rank runs this step."""
 
@@ -68,6 +81,8 @@ class SchedulerOutput:
     """Requests preempted this step: workers drop their batch rows, block IDs and output tokens,
     and keep only the prompt and sampling parameters until the request comes back as a
     `CachedRequestData` with `is_resumed`."""
+    grammar_bitmask: GrammarBitmask | None = None
+    """Allowed tokens of the constrained requests that sample this step (set by the engine)."""
 
     @property
     def is_empty(self) -> bool:
