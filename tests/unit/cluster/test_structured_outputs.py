@@ -157,3 +157,12 @@ def test_a_preempted_constrained_request_resumes_its_grammar(byte_model: Path) -
         jsonschema.validate(parse_json(text), PERSON)
     for text in got[3:]:
         assert re.fullmatch(r"([a-z]{3},){30}", text)
+
+
+def test_llm_chat_passes_tools_to_the_template(llm: LLM) -> None:
+    tools = [{"type": "function", "function": {"name": "get_age", "parameters": PERSON}}]
+    messages = [{"role": "user", "content": "Who?"}]
+    (out,) = llm.chat(messages, constrained(json=PERSON), use_tqdm=False, tools=tools)
+    assert out.prompt is not None
+    assert '"name": "get_age"' in out.prompt
+    jsonschema.validate(parse_json(out.outputs[0].text), PERSON)
