@@ -86,6 +86,20 @@ def test_json_schema_regex_choice_and_grammars_hold(llm: LLM) -> None:
     assert all(out.outputs[0].finish_reason == "stop" for i, out in enumerate(outs) if i != 2)
 
 
+def test_a_structural_tag_wraps_its_schema(llm: LLM) -> None:
+    tag = {
+        "type": "structural_tag",
+        "format": {
+            "type": "tag",
+            "begin": "<call>",
+            "content": {"type": "regex", "pattern": "[a-z]{2,5}=[0-9]"},
+            "end": "</call>",
+        },
+    }
+    (text,) = texts(llm, PROMPTS[:1], [constrained(structural_tag=tag)])
+    assert re.fullmatch(r"<call>[a-z]{2,5}=[0-9]</call>", text), text
+
+
 def test_the_guidance_backend_is_selectable_per_request(llm: LLM) -> None:
     params = constrained(json=PERSON, backend="guidance")
     (text,) = texts(llm, PROMPTS[:1], [params])
