@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -185,3 +186,47 @@ def test_a_constraint_cut_by_max_tokens_ends_with_length(server: LLMServer) -> N
     choice = reply(server, structured_outputs={"regex": "z{40}"}, max_tokens=6)
     assert choice.finish_reason == "length"
     assert choice.message.content == "z" * 6
+
+
+def test_a_slow_compile_does_not_stall_other_requests(
+    server: LLMServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The constraint's compile takes 3 s (in the compile thread); a plain request sent after
+    it finishes meanwhile, and the constrained one still gets its grammar."""
+    manager = server.engine.core.structured
+    parse = manager._parse
+
+    def slow_parse(name: str, constraint: Any) -> Any:
+        compile_now = parse(name, constraint)
+
+        def slow_compile() -> Any:
+            time.sleep(3.0)
+            return compile_now()
+
+        return slow_compile
+
+    monkeypatch.setattr(manager, "_parse", slow_parse)
+    slow = ChatCompletionRequest.model_validate(
+        {"messages": MESSAGES, "max_tokens": 8, "structured_outputs": {"regex": "[g-k]{5}"}}
+    )
+    plain = ChatCompletionRequest.model_validate({"messages": MESSAGES, "max_tokens": 8})
+    finished: dict[str, float] = {}
+
+    async def run(request: ChatCompletionRequest, name: str) -> Any:
+        items = [item async for item in server.generate(request, name, as_sse=False)]
+        finished[name] = time.monotonic()
+        return items[0]
+
+    async def both() -> list[Any]:
+        constrained_task = asyncio.ensure_future(run(slow, "slow"))
+        await asyncio.sleep(0.2)  # the compile has started
+        return [await run(plain, "plain"), await constrained_task]
+
+    start = time.monotonic()
+    plain_reply, slow_reply = server.loop.run_until_complete(both())  # type: ignore[attr-defined]
+    assert finished["plain"] - start < 2.5
+    assert finished["slow"] - start >= 3.0
+    text = slow_reply.choices[0].message.content
+    assert len(text) == 5
+    assert set(text) <= set("ghijk")
+    assert plain_reply.choices[0].message.content is not None
