@@ -70,8 +70,8 @@ class EngineArgs(StrictModel):
     kv_sharing_fast_prefill: bool = False
     """Run the trailing KV-sharing layers (Gemma 3n) only on the rows that reach the LM head."""
     guided_decoding_backend: Literal["auto", "xgrammar", "guidance"] = "auto"
-    """Library that compiles structured-output constraints: `auto` uses xgrammar and falls back
-    to llguidance (`guidance`) for a constraint xgrammar cannot parse (a Lark grammar)."""
+    """Library that compiles structured-output constraints: `auto` uses llguidance (`guidance`)
+    and falls back to xgrammar for what llguidance cannot parse (EBNF grammars, structural tags)."""
     mamba_cache_mode: Literal["none", "align", "all"] = "align"
     """Prefix caching of Mamba states: none | align (states at hit-aligned chunk ends) | all
     (every block end); with enable_prefix_caching off it is none."""

@@ -67,7 +67,8 @@ class XgrammarMatcher:
 
 
 class XgrammarBackend:
-    """xgrammar: grammars compiled ahead into per-state token masks (fast masks, slower compile)."""
+    """xgrammar: grammars compiled ahead into per-state token masks (slower compile); its
+    `grammar` kind is EBNF."""
 
     name = "xgrammar"
 

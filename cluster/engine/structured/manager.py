@@ -31,8 +31,9 @@ from scheduler.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
-AUTO_ORDER = ("xgrammar", "guidance")
-"""`auto`: xgrammar (faster masks, see docs/benchmarks.md), llguidance for what it cannot parse."""
+AUTO_ORDER = ("guidance", "xgrammar")
+"""`auto`: llguidance (compiles 3-10x faster, masks as fast at batch 256: docs/benchmarks.md),
+xgrammar for what llguidance cannot parse (EBNF grammars, structural tags)."""
 
 
 class StructuredOutputManager:
@@ -144,7 +145,7 @@ class StructuredOutputManager:
                 errors.append(error)
                 continue
             return lambda: (backend, backend.compile(parsed))
-        raise errors[0]
+        raise _combined(errors)
 
     def _backend(self, name: str) -> GrammarBackend:
         if name not in self._backends:
@@ -152,3 +153,12 @@ class StructuredOutputManager:
                 name, self.tokenizer, self.vocab_size, self.stop_token_ids
             )
         return self._backends[name]
+
+
+def _combined(errors: list[ValueError]) -> ValueError:
+    """One error naming what each backend found (an EBNF grammar fails Lark's parser first)."""
+    if len(errors) == 1:
+        return errors[0]
+    first, *others = (str(error) for error in errors)
+    details = "; ".join(other.split(": ", 1)[-1] for other in others)
+    return ValueError(f"{first}; {details}")

@@ -100,8 +100,9 @@ def test_a_structural_tag_wraps_its_schema(llm: LLM) -> None:
     assert re.fullmatch(r"<call>[a-z]{2,5}=[0-9]</call>", text), text
 
 
-def test_the_guidance_backend_is_selectable_per_request(llm: LLM) -> None:
-    params = constrained(json=PERSON, backend="guidance")
+@pytest.mark.parametrize("backend", ["guidance", "xgrammar"])
+def test_each_backend_is_selectable_per_request(llm: LLM, backend: str) -> None:
+    params = constrained(json=PERSON, backend=backend, temperature=1.0)
     (text,) = texts(llm, PROMPTS[:1], [params])
     jsonschema.validate(parse_json(text), PERSON)
 
