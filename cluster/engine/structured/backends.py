@@ -6,8 +6,11 @@ precomputation over the vocabulary, the slow part, run in the compile thread). A
 one request's grammar state: it accepts sampled tokens and fills its row of the batch bitmask;
 `fill_rows` fills the rows of many matchers of one backend at once (in parallel threads).
 
-The JSON grammars allow no free whitespace between tokens: a small model can otherwise loop on
-whitespace until `max_tokens`, and compact JSON is as valid as indented JSON.
+The JSON grammars allow no free whitespace between tokens (a small model can otherwise loop on
+whitespace until `max_tokens`, and compact JSON is as valid as indented JSON), and objects admit
+no properties beyond those a schema lists unless it says `additionalProperties` (xgrammar's
+strict mode, OpenAI's strict structured outputs): every document still validates against the
+schema, and a model cannot wander into inventing keys.
 """
 
 from __future__ import annotations
@@ -154,7 +157,7 @@ class GuidanceBackend:
         matcher = self._llg.LLMatcher
         kind = params.kind
         if kind in ("json", "json_object"):
-            schema = params.spec if kind == "json" else '{"type": "object"}'
+            schema = closed_objects_text(params.spec) if kind == "json" else '{"type": "object"}'
             grammar = matcher.grammar_from_json_schema(
                 schema, defaults={"whitespace_flexible": False}
             )
@@ -186,6 +189,38 @@ class GuidanceBackend:
     ) -> None:
         pairs = [(m.matcher, row) for m, row in zip(matchers, rows, strict=True)]  # type: ignore[attr-defined]
         self._llg_torch.fill_next_token_bitmask_par(self._executor, pairs, bitmask)
+
+
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def closed_objects(schema: Any) -> Any:
+    """`schema` with `additionalProperties: false` on every object schema listing properties
+    that does not say otherwise."""
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    result = {key: _closed_member(key, value) for key, value in schema.items()}
+    if "properties" in result and "additionalProperties" not in result:
+        result["additionalProperties"] = False
+    return result
+
+
+def _closed_member(key: str, value: Any) -> Any:
+    if key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+        return {name: closed_objects(sub) for name, sub in value.items()}
+    if key in _SUBSCHEMA_LISTS or key in ("items", "not", "if", "then", "else"):
+        return closed_objects(value)
+    return value
+
+
+def closed_objects_text(spec: str) -> str:
+    try:
+        return json.dumps(closed_objects(json.loads(spec)))
+    except json.JSONDecodeError as error:
+        raise ValueError(f"invalid json for structured outputs: {error}") from None
 
 
 def make_backend(

@@ -14,6 +14,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from cluster.engine.structured.backends import closed_objects
 from cluster.llm import LLM
 from scheduler.request import SamplingParams
 from scheduler.structured_outputs import StructuredOutputsParams
@@ -181,3 +182,16 @@ def test_llm_chat_passes_tools_to_the_template(llm: LLM) -> None:
     assert out.prompt is not None
     assert '"name": "get_age"' in out.prompt
     jsonschema.validate(parse_json(out.outputs[0].text), PERSON)
+
+
+def test_objects_admit_only_the_listed_properties_unless_the_schema_says() -> None:
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "array", "items": {"properties": {"b": {}}}}},
+        "$defs": {"d": {"properties": {"c": {}}, "additionalProperties": True}},
+    }
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["a"]["items"]["additionalProperties"] is False
+    assert closed["$defs"]["d"]["additionalProperties"] is True
+    assert "additionalProperties" not in schema  # the caller's schema is left alone
