@@ -3,6 +3,8 @@ into the same request models as HTTP, and tool calls back in `ChatDelta.tool_cal
 
 from __future__ import annotations
 
+import json
+
 from google.protobuf import json_format
 
 from cluster.openai_api.protocol import (
@@ -15,7 +17,6 @@ from cluster.openai_api.sampling import to_sampling_params
 from cluster.openai_api.tool_models import FunctionCall, ToolCall
 from cluster.serve.grpc import llm_pb2
 from cluster.serve.grpc.methods import _request_dict, _to_proto
-from scheduler.structured_outputs import StructuredOutputsParams
 
 PARAMETERS = {"type": "object", "properties": {"a": {"type": "integer", "maximum": 5}}}
 
@@ -29,8 +30,11 @@ def test_tools_and_a_named_choice_become_the_same_constraint_as_over_http() -> N
     }
     message = json_format.ParseDict(body, llm_pb2.ChatCompletionRequest())
     request = ChatCompletionRequest.model_validate(_request_dict(message, stream=False))
-    params = to_sampling_params(request, 16)
-    assert params.structured_outputs == StructuredOutputsParams(json=PARAMETERS)  # 5, not 5.0
+    constraint = to_sampling_params(request, 16).structured_outputs
+    assert constraint is not None
+    assert constraint.json is not None
+    assert json.loads(constraint.json) == PARAMETERS  # 5, not 5.0 (a Struct keeps no key order)
+    assert json.loads(constraint.json)["properties"]["a"]["maximum"].__class__ is int
 
 
 def test_structured_outputs_of_a_completion() -> None:
