@@ -128,6 +128,14 @@ def test_a_named_tool_choice_calls_that_function(server: LLMServer) -> None:
     assert choice.message.content is None
 
 
+def test_tool_choice_none_leaves_the_reply_as_text(server: LLMServer) -> None:
+    forced = {"regex": HERMES_CALL}
+    choice = reply(server, tools=TOOLS, tool_choice="none", structured_outputs=forced)
+    assert choice.message.tool_calls == []
+    assert choice.message.content.startswith("Sure. <tool_call>")
+    assert choice.finish_reason == "stop"
+
+
 def test_auto_tool_choice_parses_the_family_format(server: LLMServer) -> None:
     forced = {"regex": HERMES_CALL}
     choice = reply(server, tools=TOOLS, structured_outputs=forced)
