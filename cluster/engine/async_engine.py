@@ -49,10 +49,7 @@ class AsyncEngine:
     async def add_request(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         self.core.raise_if_dead()
         self._ensure_loop()
-        compiling = self.core.structured.prepare(request.sampling_params)
-        if compiling is not None:  # compile in the background; other requests keep stepping
-            with contextlib.suppress(Exception):  # a failed compile is refused by add_request
-                await asyncio.wrap_future(compiling)
+        await self.core.structured.compiled_in_background(request.sampling_params)
         async with self._lock:
             self.core.add_request(request)  # ValueError or EngineDeadError: nothing was queued
         self._queues[request.request_id] = asyncio.Queue()

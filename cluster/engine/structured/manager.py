@@ -14,6 +14,8 @@ grammar state (which has accepted exactly those tokens) stays valid across the p
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -31,6 +33,8 @@ from scheduler.structured_outputs import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
+COMPILE_TIMEOUT_S = 60.0
+"""A constraint not compiled by then is refused (400), so no request waits forever."""
 AUTO_ORDER = ("guidance", "xgrammar")
 """`auto`: llguidance (compiles 3-10x faster, masks as fast at batch 256: docs/benchmarks.md),
 xgrammar for what llguidance cannot parse (EBNF grammars, structural tags)."""
@@ -69,6 +73,19 @@ class StructuredOutputManager:
         key = (name, constraint.kind, constraint.spec)
         return self.cache.get(key, lambda: self._parse(name, constraint))
 
+    async def compiled_in_background(self, params: SamplingParams) -> None:
+        """Compile the request's constraint while the event loop (and the step loop) go on;
+        ValueError when it is invalid or takes longer than COMPILE_TIMEOUT_S."""
+        future = self.prepare(params)
+        if future is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), COMPILE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise _too_slow() from None
+        except Exception:  # a failed compile is reported by `add`
+            pass
+
     def add(self, requests: Iterable[Request]) -> None:
         """A matcher for each constrained request; ValueError if its constraint is invalid."""
         for request in requests:
@@ -76,7 +93,9 @@ class StructuredOutputManager:
             if future is None:
                 continue
             try:
-                backend, compiled = future.result()
+                backend, compiled = future.result(timeout=COMPILE_TIMEOUT_S)
+            except concurrent.futures.TimeoutError:
+                raise _too_slow() from None
             except ValueError:
                 raise
             except Exception as error:
@@ -153,6 +172,12 @@ class StructuredOutputManager:
                 name, self.tokenizer, self.vocab_size, self.stop_token_ids
             )
         return self._backends[name]
+
+
+def _too_slow() -> ValueError:
+    return ValueError(
+        f"the structured outputs constraint did not compile within {COMPILE_TIMEOUT_S:g} s"
+    )
 
 
 def _combined(errors: list[ValueError]) -> ValueError:

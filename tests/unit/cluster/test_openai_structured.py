@@ -13,6 +13,7 @@ from typing import Any
 import jsonschema
 import pytest
 
+from cluster.engine.structured import manager as structured_manager
 from cluster.openai_api.protocol import ChatCompletionRequest, ErrorResponse
 from cluster.serve.llm_server import LLMServer
 from tests.helpers.byte_model import save_byte_model
@@ -196,24 +197,42 @@ def test_a_constraint_cut_by_max_tokens_ends_with_length(server: LLMServer) -> N
     assert choice.message.content == "z" * 6
 
 
-def test_a_slow_compile_does_not_stall_other_requests(
-    server: LLMServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The constraint's compile takes 3 s (in the compile thread); a plain request sent after
-    it finishes meanwhile, and the constrained one still gets its grammar."""
-    manager = server.engine.core.structured
+def slow_parses(manager: Any, seconds: float) -> Any:
+    """`manager._parse` whose compiles first sleep `seconds` (in the compile thread)."""
     parse = manager._parse
 
     def slow_parse(name: str, constraint: Any) -> Any:
         compile_now = parse(name, constraint)
 
         def slow_compile() -> Any:
-            time.sleep(3.0)
+            time.sleep(seconds)
             return compile_now()
 
         return slow_compile
 
-    monkeypatch.setattr(manager, "_parse", slow_parse)
+    return slow_parse
+
+
+def test_a_compile_slower_than_the_timeout_is_a_400(
+    server: LLMServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manager = server.engine.core.structured
+    monkeypatch.setattr(manager, "_parse", slow_parses(manager, 1.5))
+    monkeypatch.setattr(structured_manager, "COMPILE_TIMEOUT_S", 0.3)
+    (response,) = ask(server, structured_outputs={"regex": "[p-q]{7}"})
+    assert isinstance(response, ErrorResponse)
+    assert response.status == 400
+    assert "did not compile within 0.3 s" in response.error.message
+    time.sleep(1.5)  # the compile thread is free again for the next tests
+
+
+def test_a_slow_compile_does_not_stall_other_requests(
+    server: LLMServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The constraint's compile takes 3 s (in the compile thread); a plain request sent after
+    it finishes meanwhile, and the constrained one still gets its grammar."""
+    manager = server.engine.core.structured
+    monkeypatch.setattr(manager, "_parse", slow_parses(manager, 3.0))
     slow = ChatCompletionRequest.model_validate(
         {"messages": MESSAGES, "max_tokens": 8, "structured_outputs": {"regex": "[g-k]{5}"}}
     )
