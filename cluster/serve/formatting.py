@@ -166,12 +166,13 @@ class ChatFormatter:
         reason = part.finish_reason
         if self.tools is not None:
             stream = self._tool_streams.setdefault(part.index, ToolCallStream(self.tools))
-            delta.content = stream.feed(part.text)
+            delta.content, calls = stream.feed(part.text)
             if part.finished:
-                rest, calls = stream.finish()
+                rest, final_calls = stream.finish()
                 delta.content += rest
-                delta.tool_calls = calls or None
-                reason = finish_reason(reason, bool(calls))
+                calls += final_calls
+                reason = finish_reason(reason, stream.made_calls)
+            delta.tool_calls = calls or None
         return ChatChunkChoice(
             index=part.index,
             delta=delta,

@@ -80,7 +80,7 @@ def test_an_unknown_parser_is_refused() -> None:
 def test_a_stream_shows_content_and_holds_the_call_back() -> None:
     stream = ToolCallStream(ToolCallPlan("auto", parser=get_tool_parser("hermes")))
     text = 'Checking <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
-    shown = [stream.feed(text[i : i + 3]) for i in range(0, len(text), 3)]
+    shown = [stream.feed(text[i : i + 3])[0] for i in range(0, len(text), 3)]
     assert "".join(shown) == "Checking "
     assert all("<" not in piece for piece in shown)  # a partial "<tool_call>" is held too
     rest, calls = stream.finish()
@@ -92,7 +92,22 @@ def test_a_stream_shows_content_and_holds_the_call_back() -> None:
 
 def test_a_stream_without_a_call_shows_everything() -> None:
     stream = ToolCallStream(ToolCallPlan("auto", parser=get_tool_parser("hermes")))
-    shown = stream.feed("a <b") + stream.feed("c> <tool")
+    shown = stream.feed("a <b")[0] + stream.feed("c> <tool")[0]
     rest, calls = stream.finish()
     assert shown + rest == "a <bc> <tool"
     assert calls == []
+
+
+def test_a_named_call_streams_its_arguments_as_they_come() -> None:
+    stream = ToolCallStream(ToolCallPlan("named", function="get_weather"))
+    pieces = [stream.feed(piece) for piece in ['{"city"', ': "Par', 'is"}']]
+    assert all(content == "" for content, _ in pieces)
+    first, *rest = [call for _, calls in pieces for call in calls]
+    assert first.id is not None
+    assert first.function is not None
+    assert first.function.name == "get_weather"
+    assert [c.id for c in rest] == [None, None]
+    arguments = "".join(c.function.arguments or "" for c in [first, *rest] if c.function)
+    assert arguments == WEATHER.arguments
+    assert stream.finish() == ("", [])
+    assert stream.made_calls
