@@ -17,7 +17,7 @@ import itertools
 import logging
 import sys
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -97,17 +97,20 @@ class LLM:
         use_tqdm: bool | None = None,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """The assistant's reply to one conversation, or to each of a list of conversations.
 
         A conversation is a list of `{"role": ..., "content": ...}` messages, rendered with the
         tokenizer's chat template (or `chat_template`); `.prompt` holds the rendered text.
+        `tools` (OpenAI function definitions) are passed to the template, as vLLM does; constrain
+        the reply with `SamplingParams(structured_outputs=...)`.
         """
         self._check_open()
         conversations = as_conversation_list(messages)
         params_list = as_params_list(sampling_params, len(conversations))
         rendered = [
-            self._render_chat(index, conv, chat_template, add_generation_prompt)
+            self._render_chat(index, conv, chat_template, add_generation_prompt, tools)
             for index, conv in enumerate(conversations)
         ]
         return self._run(rendered, params_list, use_tqdm)
@@ -223,8 +226,11 @@ class LLM:
         conversation: Sequence[ChatMessage],
         chat_template: str | None,
         add_generation_prompt: bool,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> tuple[str, list[int]]:
         """Conversation `index` as template text and its token IDs (the template adds BOS)."""
-        processed = self.inputs.chat(conversation, chat_template, add_generation_prompt, index)
+        processed = self.inputs.chat(
+            conversation, chat_template, add_generation_prompt, index, tools=tools
+        )
         assert processed.text is not None
         return processed.text, processed.token_ids

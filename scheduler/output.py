@@ -72,6 +72,19 @@ class CachedRequestData(msgspec.Struct, frozen=True):
 
 
 @dataclass(frozen=True)
+class GrammarBitmask:
+    """Tokens each constrained request may sample this step, one packed row per request.
+
+    Row i is `words_per_row` little-endian int32 words; bit j of word w allows token 32 * w + j.
+    Built by the engine (which holds the grammar states) and applied by rank 0's sampler.
+    """
+
+    req_ids: tuple[str, ...]
+    words_per_row: int
+    data: bytes
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     """What every worker rank runs this step."""
 
@@ -94,6 +107,8 @@ class SchedulerOutput:
     """Recurrent states to keep at positions inside (or at the end of) this step's tokens."""
     copies_after_step: tuple[BlockCopy, ...] = ()
     """Block copies to run after the step's forward (attention pages of new checkpoints)."""
+    grammar_bitmask: GrammarBitmask | None = None
+    """Allowed tokens of the constrained requests that sample this step (set by the engine)."""
 
     @property
     def is_empty(self) -> bool:

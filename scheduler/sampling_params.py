@@ -24,6 +24,7 @@ from scheduler.sampling_checks import (
     token_id_tuple,
     token_sequences,
 )
+from scheduler.structured_outputs import StructuredOutputsParams
 
 __all__ = ["MAX_LOGPROBS", "MIN_TEMPERATURE", "SEED_MAX", "SEED_MIN", "SamplingParams"]
 
@@ -87,6 +88,8 @@ class SamplingParams:
     """Leave special tokens out of the text."""
     spaces_between_special_tokens: bool = True
     """Put a space between special tokens and their neighbours in the text."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """A constraint the output must satisfy (JSON schema, regex, choice, grammar, ...)."""
 
     def __init__(  # noqa: PLR0913 - vLLM's keyword arguments, one per field
         self,
@@ -114,6 +117,7 @@ class SamplingParams:
         seed: int | None = None,
         skip_special_tokens: bool = True,
         spaces_between_special_tokens: bool = True,
+        structured_outputs: StructuredOutputsParams | None = None,
     ) -> None:
         # NOTE: a hand-written __init__ (as the messages in scheduler.output have) normalises the
         # list arguments before the instance exists, so no field is ever written twice and the
@@ -153,10 +157,15 @@ class SamplingParams:
             seed=seed,
             skip_special_tokens=skip_special_tokens,
             spaces_between_special_tokens=spaces_between_special_tokens,
+            structured_outputs=structured_outputs,
         )
         check_types(self)
         self._check_ranges()
         self._check_penalties()
+        check(
+            structured_outputs is None or isinstance(structured_outputs, StructuredOutputsParams),
+            "structured_outputs must be a StructuredOutputsParams",
+        )
 
     def _check_ranges(self) -> None:
         check(self.n >= 1, f"n must be >= 1, got {self.n}")

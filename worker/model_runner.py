@@ -31,6 +31,7 @@ from worker.attention_groups import (
 )
 from worker.block_copies import GroupTensors, copy_blocks, group_tensors, saves_by_request
 from worker.block_table import MultiGroupBlockTable
+from worker.grammar_mask import GrammarMask
 from worker.input_batch import (
     InputBatch,
     RequestStates,
@@ -229,7 +230,7 @@ class ModelRunner:
         if not self.is_driver:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         num_sampled = len(batch.sampled_req_idx)
-        output = self._sample(batch, logits[:num_sampled])
+        output = self._sample(batch, logits[:num_sampled], scheduler_output)
         if prompt_rows is None:
             return output
         return replace(output, prompt_logprobs=_prompt_logprobs(logits[num_sampled:], prompt_rows))
@@ -254,13 +255,20 @@ class ModelRunner:
             raise RuntimeError("initialize_kv_cache must be called before execute")
         return self.states
 
-    def _sample(self, batch: InputBatch, logits: torch.Tensor) -> ModelRunnerOutput:
+    def _sample(
+        self, batch: InputBatch, logits: torch.Tensor, scheduler_output: SchedulerOutput
+    ) -> ModelRunnerOutput:
         states = self._require_states()
         sampled = [states.requests[batch.req_ids[idx]] for idx in batch.sampled_req_idx]
         sampled_ids: list[list[int]] = [[] for _ in batch.req_ids]
         if not sampled:
             return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled_ids)
         tensors = self.sampling_state.build(sampled, logits.shape[-1])
+        grammar = GrammarMask.build(
+            scheduler_output.grammar_bitmask, [req.req_id for req in sampled], self.device
+        )
+        if grammar is not None:
+            tensors = replace(tensors, grammar=grammar)
         out = self.sampler.sample(logits, tensors)
         logprobs: dict[str, list[TokenLogprobs]] = {}
         for idx, req, token, entry in zip(

@@ -19,6 +19,7 @@ import torch
 
 from scheduler.output import TokenLogprobs
 from scheduler.request import SamplingParams
+from worker.grammar_mask import GrammarMask, apply_grammar_mask
 from worker.logits_processors import LogitsAdjustments, process_logits
 
 
@@ -42,6 +43,8 @@ class SamplingTensors:
     min_tokens)."""
     adjustments: LogitsAdjustments | None = None
     """Allowed tokens, logit bias and penalties of the rows that use them."""
+    grammar: GrammarMask | None = None
+    """Structured-outputs bitmask of the constrained rows (applied before the other edits)."""
 
     @classmethod
     def build(
@@ -186,7 +189,10 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, tensors: SamplingTensors) -> SamplerOutput:
         """Draw one token per row; logprobs (when asked) are those of the raw `logits`."""
-        allowed = process_logits(logits, tensors.banned, tensors.adjustments)
+        constrained = (
+            logits if tensors.grammar is None else apply_grammar_mask(logits, tensors.grammar)
+        )
+        allowed = process_logits(constrained, tensors.banned, tensors.adjustments)
         greedy_ids = allowed.argmax(dim=-1)
         if tensors.all_greedy:
             token_ids = greedy_ids

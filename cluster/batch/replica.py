@@ -16,7 +16,13 @@ from typing import Any
 
 import numpy as np
 
-from cluster.batch.rows import BatchItem, make_sampling_params, openai_request, result_row
+from cluster.batch.rows import (
+    BatchItem,
+    make_sampling_params,
+    openai_request,
+    result_row,
+    tool_call_column,
+)
 from cluster.config.engine_args import EngineArgs
 from cluster.engine.client import collect
 from cluster.engine.input_processor import InputProcessor, Prompt
@@ -66,9 +72,13 @@ class EngineReplica:
             logger.exception("row %s failed in the engine", item.row_id)
             return item.error_row(f"engine error: {exc}")
         completion = output.outputs[0]
-        return result_row(
+        row = result_row(
             item, prompt_len, list(completion.token_ids), completion.text, completion.finish_reason
         )
+        calls = tool_call_column(item.request or {}, completion.text)
+        if calls is not None:
+            row["tool_calls"] = calls
+        return row
 
     def _engine_request(self, item: BatchItem) -> EngineRequest:
         if item.error is not None or item.request is None:

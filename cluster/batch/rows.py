@@ -25,7 +25,10 @@ from pydantic import ValidationError
 from cluster.config.errors import format_validation_error, unknown_key_message
 from cluster.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.openai_api.sampling import to_sampling_params
+from cluster.openai_api.tool_output import tool_calls
+from cluster.openai_api.tools import tool_call_plan
 from scheduler.request import SamplingParams
+from scheduler.structured_outputs import StructuredOutputsParams
 
 OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
 _PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
@@ -151,12 +154,26 @@ def make_sampling_params(request: dict[str, Any]) -> SamplingParams:
             raise ValueError(unknown_key_message(key, _PARAM_NAMES, what="sampling parameter"))
     if isinstance(params.get("stop_token_ids"), list):
         params["stop_token_ids"] = tuple(params["stop_token_ids"])
+    if isinstance(params.get("structured_outputs"), dict):
+        params["structured_outputs"] = StructuredOutputsParams(**params["structured_outputs"])
     sampling = SamplingParams(**params)
     if sampling.n != 1:
         raise ValueError(
             f"n must be 1 in batch runs (one output row per input row), got {sampling.n}"
         )
     return sampling
+
+
+def tool_call_column(request: dict[str, Any], text: str) -> list[dict[str, Any]] | None:
+    """The `tool_calls` of an OpenAI chat line that offered tools, in the response's shape
+    (None: not such a line)."""
+    body = request.get("body")
+    if request.get("url") != OPENAI_URLS[0] or not isinstance(body, dict) or not body.get("tools"):
+        return None
+    chat = openai_request(OPENAI_URLS[0], body)
+    assert isinstance(chat, ChatCompletionRequest)
+    calls = tool_call_plan(chat, None).extract(text).calls
+    return [call.model_dump() for call in tool_calls(calls)]
 
 
 def result_row(

@@ -76,6 +76,9 @@ class EngineArgs(StrictModel):
     """Share of each GPU's memory the engine may use."""
     kv_sharing_fast_prefill: bool = False
     """Run the trailing KV-sharing layers (Gemma 3n) only on the rows that reach the LM head."""
+    guided_decoding_backend: Literal["auto", "xgrammar", "guidance"] = "auto"
+    """Library that compiles structured-output constraints: `auto` uses llguidance (`guidance`)
+    and falls back to xgrammar for what llguidance cannot parse (EBNF grammars, structural tags)."""
     mamba_cache_mode: Literal["none", "align", "all"] = "align"
     """Prefix caching of recurrent states (Mamba, gated DeltaNet, short conv): none | align
     (states at hit-aligned chunk ends) | all (every block end); with enable_prefix_caching off

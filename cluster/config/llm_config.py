@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml
-from pydantic import AfterValidator, Field, model_validator
+from pydantic import AfterValidator, Field, field_validator, model_validator
 
 from cluster.config.base import StrictModel
 from cluster.config.deployment import PlacementGroupConfig, check_deployment_config
@@ -123,6 +123,19 @@ class LLMConfig(StrictModel):
     experimental_configs: dict[str, Any] = Field(
         default_factory=dict, description="Unstable options (stream_batching_interval_ms, ...)."
     )
+    tool_call_parser: str = Field(
+        "hermes",
+        description="How `tool_choice: auto` replies are read: hermes (qwen), llama3_json, "
+        "mistral or openai (gpt_oss); see cluster/openai_api/tool_parsers.",
+    )
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_tool_parser(cls, name: str) -> str:
+        from cluster.openai_api.tool_parsers import get_tool_parser
+
+        get_tool_parser(name)
+        return name
 
     @model_validator(mode="after")
     def _check_bundle_count(self) -> LLMConfig:

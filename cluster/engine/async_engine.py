@@ -53,6 +53,7 @@ class AsyncEngine:
     async def add_request(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         self.core.raise_if_dead()
         self._ensure_loop()
+        await self.core.structured.compiled_in_background(request.sampling_params)
         async with self._lock:
             self.core.add_request(request)  # ValueError or EngineDeadError: nothing was queued
         self._queues[request.request_id] = asyncio.Queue()

@@ -27,6 +27,7 @@ from cluster.engine.input_processor import check_token_ids
 from cluster.engine.output_processor import OutputProcessor, child_request_id, now
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
+from cluster.engine.structured import StructuredOutputManager
 from scheduler.kv_cache.builder import build_kv_cache_config
 from scheduler.kv_cache.spec import KVCacheConfig
 from scheduler.request import Request, SamplingParams
@@ -41,11 +42,21 @@ logger = logging.getLogger(__name__)
 class EngineCore:
     """One scheduler driving one group of workers."""
 
-    def __init__(self, scheduler: Scheduler, executor: Executor, tokenizer: Any) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        executor: Executor,
+        tokenizer: Any,
+        structured_outputs_backend: str = "auto",
+    ) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.tokenizer = tokenizer
         self.output_processor = OutputProcessor(tokenizer)
+        model = self.model_config
+        self.structured = StructuredOutputManager(
+            tokenizer, model.vocab_size, model.eos_token_ids, structured_outputs_backend
+        )
         self.dead: EngineDeadError | None = None
         """Why the engine can no longer run requests (None while it can)."""
 
@@ -60,6 +71,7 @@ class EngineCore:
         if self.output_processor.has_request(request.request_id):
             raise ValueError(f"request {request.request_id!r} is already running")
         children = self._scheduler_requests(request)
+        self.structured.add(children)  # ValueError for an invalid constraint
         added: list[str] = []
         try:
             for child in children:
@@ -67,6 +79,7 @@ class EngineCore:
                 added.append(child.req_id)
         except ValueError:
             self.scheduler.abort(added)
+            self.structured.forget(child.req_id for child in children)
             raise
         self.output_processor.add(request, added)
 
@@ -74,6 +87,7 @@ class EngineCore:
         """Abort requests (unknown IDs are ignored); their final outputs."""
         child_ids = [c for rid in request_ids for c in self.output_processor.child_ids(rid)]
         step_outputs = self.scheduler.abort(child_ids)
+        self.structured.forget(child_ids)
         deltas, _ = self.output_processor.process(step_outputs, now())
         return deltas
 
@@ -82,18 +96,20 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         """Run one step; the output deltas of the requests it advanced."""
-        scheduler_output = self.scheduler.schedule()
+        scheduler_output = self.structured.with_bitmask(self.scheduler.schedule())
         try:
             runner_output = self.executor.execute(scheduler_output)
         except BaseException:
             self.scheduler.discard_failed_step(scheduler_output)  # no stale prefix-cache hits
             raise
         step_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.structured.advance(step_outputs)
         step_time = now()
         self.output_processor.mark_scheduled(scheduler_output.num_scheduled_tokens, step_time)
         deltas, stopped = self.output_processor.process(step_outputs, step_time)
         if stopped:  # ended by a stop string: free their blocks now
             self.scheduler.abort(stopped)
+            self.structured.forget(stopped)
         return deltas
 
     def get_stats(self) -> SchedulerStats:
@@ -217,7 +233,7 @@ def build_engine_core(args: EngineArgs, executor: Executor | None = None) -> Eng
     except BaseException:
         executor.shutdown()
         raise
-    return EngineCore(scheduler, executor, tokenizer)
+    return EngineCore(scheduler, executor, tokenizer, args.guided_decoding_backend)
 
 
 def _plan_kv_cache(executor: Executor, args: EngineArgs) -> KVCacheConfig:

@@ -18,6 +18,7 @@ from typing import Any
 
 from cluster.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.openai_api.sampling import to_sampling_params
+from cluster.openai_api.tools import tool_dicts
 from scheduler.request import SamplingParams
 
 PromptInput = str | Sequence[int] | Mapping[str, object]
@@ -87,14 +88,17 @@ class InputProcessor:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         index: int = 0,
+        tools: Sequence[Mapping[str, object]] | None = None,
     ) -> Prompt:
-        """A conversation rendered by the chat template (which adds BOS), and its IDs."""
+        """A conversation rendered by the chat template (which adds BOS), and its IDs; `tools`
+        (OpenAI's function definitions) go to the template as its `tools`."""
         _check_messages(messages)
         tokenizer = self._require_tokenizer("chat messages are rendered by the tokenizer")
         template = chat_template or tokenizer.chat_template
         if not template:
             raise ValueError(f"the tokenizer of {self.model_path} has no chat template")
-        rendered = [{"role": m["role"], "content": _content_text(m)} for m in messages]
+        rendered = [_rendered_message(m) for m in messages]
+        extra = {"tools": list(tools)} if tools else {}
         try:
             text = str(
                 tokenizer.apply_chat_template(
@@ -102,6 +106,7 @@ class InputProcessor:
                     chat_template=template,
                     add_generation_prompt=add_generation_prompt,
                     tokenize=False,
+                    **extra,
                 )
             )
         except Exception as error:  # a template error is the messages' fault
@@ -116,7 +121,9 @@ class InputProcessor:
         the room its prompt leaves in the context)."""
         if isinstance(request, ChatCompletionRequest):
             generation = request.add_generation_prompt
-            prompt = self.chat(request.messages, request.chat_template, generation)
+            prompt = self.chat(
+                request.messages, request.chat_template, generation, tools=tool_dicts(request)
+            )
         else:
             prompt = self.prompt(request.prompt)  # type: ignore[arg-type]
             if request.echo and prompt.text is None and self.tokenizer is not None:
@@ -146,6 +153,16 @@ def _check_messages(messages: object) -> None:
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping) or "role" not in message:
             raise ValueError(f"messages[{index}] must be an object with a 'role', got {message!r}")
+
+
+_PASSED_KEYS = ("name", "tool_calls", "tool_call_id")
+"""Message keys the template sees besides role and content (tool calls and their results)."""
+
+
+def _rendered_message(message: ChatMessage) -> dict[str, object]:
+    rendered = {"role": message["role"], "content": _content_text(message)}
+    rendered.update({key: message[key] for key in _PASSED_KEYS if key in message})
+    return rendered
 
 
 def _content_text(message: ChatMessage) -> str:

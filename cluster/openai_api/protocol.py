@@ -13,6 +13,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from typing_extensions import TypedDict
 
+from cluster.openai_api.tool_models import (
+    ChatTool,
+    DeltaToolCall,
+    ResponseFormat,
+    ToolCall,
+    ToolChoice,
+)
+
 MAX_TOP_LOGPROBS = 20
 
 
@@ -51,6 +59,9 @@ class SamplingFields(_Request):
     user: str | None = None
     priority: int = 0
     cache_salt: str | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    """vLLM's extra body: {"json" | "regex" | "choice" | "grammar" | ...: ...}."""
 
     @field_validator("stop")
     @classmethod
@@ -101,6 +112,8 @@ class ChatMessage(TypedDict, total=False):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[ContentPart] | None
     name: str
+    tool_calls: list[dict[str, Any]]
+    tool_call_id: str
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -113,7 +126,10 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template: str | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    """None: "auto" when tools are given, else "none"."""
+    parallel_tool_calls: bool = True
 
     @field_validator("messages")
     @classmethod
@@ -182,6 +198,7 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
@@ -204,6 +221,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(BaseModel):

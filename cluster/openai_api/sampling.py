@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from cluster.openai_api.constraints import request_constraint
 from cluster.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from scheduler.request import SamplingParams
 
@@ -59,9 +60,7 @@ def to_sampling_params(
     request: CompletionRequest | ChatCompletionRequest, max_tokens: int
 ) -> SamplingParams:
     """The engine's sampling parameters; ValueError (a 400) for invalid or unsupported ones."""
-    if isinstance(request, ChatCompletionRequest) and request.tools:
-        raise UnsupportedFieldError("tools")
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = {"structured_outputs": request_constraint(request)}
     for name, value in openai_sampling_kwargs(request, max_tokens).items():
         if value is None or (name == "ignore_eos" and value is False):
             continue

@@ -25,6 +25,8 @@ from cluster.openai_api.protocol import (
     Usage,
     UsageDetails,
 )
+from cluster.openai_api.tool_output import ToolCallStream, finish_reason, tool_calls
+from cluster.openai_api.tools import ToolCallPlan
 
 DONE = "data: [DONE]\n\n"
 
@@ -140,24 +142,51 @@ class CompletionFormatter:
 class ChatFormatter:
     """`/v1/chat/completions` bodies of one request."""
 
-    def __init__(self, response_id: str, model: str, num_top_logprobs: int) -> None:
+    def __init__(
+        self,
+        response_id: str,
+        model: str,
+        num_top_logprobs: int,
+        tools: ToolCallPlan | None = None,
+    ) -> None:
         self.response_id = response_id
         self.model = model
         self.num_top = num_top_logprobs
+        self.tools = tools
+        """How tool calls are read from the reply (None: plain text)."""
         self._started: set[int] = set()
+        self._tool_streams: dict[int, ToolCallStream] = {}
 
     def _choice(self, part: CompletionOutput) -> ChatChunkChoice:
         role = None
         if part.index not in self._started:
             self._started.add(part.index)
             role = "assistant"
+        delta = DeltaMessage(role=role, content=part.text)
+        reason = part.finish_reason
+        if self.tools is not None:
+            stream = self._tool_streams.setdefault(part.index, ToolCallStream(self.tools))
+            delta.content, calls = stream.feed(part.text)
+            if part.finished:
+                rest, final_calls = stream.finish()
+                delta.content += rest
+                calls += final_calls
+                reason = finish_reason(reason, stream.made_calls)
+            delta.tool_calls = calls or None
         return ChatChunkChoice(
             index=part.index,
-            delta=DeltaMessage(role=role, content=part.text),
+            delta=delta,
             logprobs=chat_logprobs(part, self.num_top),
-            finish_reason=part.finish_reason,
+            finish_reason=reason,
             stop_reason=part.stop_reason,
         )
+
+    def _message(self, part: CompletionOutput) -> tuple[ChatResponseMessage, str | None]:
+        if self.tools is None:
+            return ChatResponseMessage(content=part.text), part.finish_reason
+        parsed = self.tools.extract(part.text)
+        message = ChatResponseMessage(content=parsed.content, tool_calls=tool_calls(parsed.calls))
+        return message, finish_reason(part.finish_reason, bool(parsed.calls))
 
     def chunk(self, delta: RequestOutput) -> ChatCompletionChunk | None:
         choices = [self._choice(part) for part in delta.outputs]
@@ -170,16 +199,18 @@ class ChatFormatter:
         return ChatCompletionChunk(id=self.response_id, model=self.model, choices=[], usage=usage)
 
     def response(self, output: RequestOutput) -> ChatCompletionResponse:
-        choices = [
-            ChatChoice(
-                index=part.index,
-                message=ChatResponseMessage(content=part.text),
-                logprobs=chat_logprobs(part, self.num_top),
-                finish_reason=part.finish_reason,
-                stop_reason=part.stop_reason,
+        choices = []
+        for part in output.outputs:
+            message, reason = self._message(part)
+            choices.append(
+                ChatChoice(
+                    index=part.index,
+                    message=message,
+                    logprobs=chat_logprobs(part, self.num_top),
+                    finish_reason=reason,
+                    stop_reason=part.stop_reason,
+                )
             )
-            for part in output.outputs
-        ]
         completion_tokens = sum(len(part.token_ids) for part in output.outputs)
         return ChatCompletionResponse(
             id=self.response_id,

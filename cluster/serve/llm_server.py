@@ -38,6 +38,7 @@ from cluster.openai_api.protocol import (
     ModelCard,
 )
 from cluster.openai_api.sampling import UnsupportedFieldError
+from cluster.openai_api.tools import tool_call_plan
 from cluster.serve import errors
 from cluster.serve.formatting import DONE, ChatFormatter, CompletionFormatter, sse
 from cluster.serve.metrics import EngineMetrics
@@ -194,7 +195,8 @@ class LLMServer:
         formatter: Formatter
         if isinstance(request, ChatCompletionRequest):
             top = request.top_logprobs or 0
-            formatter = ChatFormatter(f"chatcmpl-{request_id}", self.model_id, top)
+            plan = tool_call_plan(request, self.config.tool_call_parser) if request.tools else None
+            formatter = ChatFormatter(f"chatcmpl-{request_id}", self.model_id, top, plan)
         else:
             if request.echo and request.logprobs is not None:
                 raise ValueError("echo together with logprobs is not supported")

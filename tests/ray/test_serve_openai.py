@@ -4,7 +4,9 @@ Every test runs on both topologies: two hops (proxy -> ingress -> model deployme
 (the model deployment serves the routes itself).
 
 Greedy outputs are compared with the offline `LLM` on the same tiny model; the word-level
-tokenizer maps each token to one word, so equal text means equal tokens. Near the end a test
+tokenizer maps each token to one word, so equal text means equal tokens. A second tiny model
+(`bytes`, a byte-level tokenizer, in-process executor) serves the structured-output and
+tool-call tests. Near the end a test
 kills the replica's worker actor mid-stream: the stream ends with an error event, the next
 request runs.
 """
@@ -21,9 +23,11 @@ from typing import Any
 
 import grpc
 import httpx
+import jsonschema
 import openai
 import pytest
 import ray
+from google.protobuf import json_format
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ray import serve
@@ -35,6 +39,7 @@ from cluster.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.serve import build_openai_app, deployment_name
 from cluster.serve.grpc import llm_pb2, llm_pb2_grpc
 from scheduler.request import SamplingParams
+from tests.helpers.byte_model import save_byte_model
 from tests.helpers.ray_local import NODE_IP
 from tests.helpers.ray_state import live_engine_actors
 from tests.helpers.serve_app import (
@@ -70,6 +75,15 @@ class Served:
     base_url: str
     model_dir: Path
     stub: llm_pb2_grpc.LLMServiceStub
+    topology: str
+
+    @property
+    def model_ids(self) -> list[str]:
+        return ["tiny", "bytes"] if self.topology == "two_hop" else ["tiny"]
+
+    def needs_byte_model(self) -> None:
+        if self.topology != "two_hop":
+            pytest.skip("the byte-level model is served on two hops only (one hop: one model)")
 
     @property
     def client(self) -> openai.OpenAI:
@@ -92,8 +106,9 @@ class Served:
         return handle.stats.remote().result()
 
 
-def _app_config(model_dir: Path) -> dict[str, Any]:
-    """The tiny model behind Ray's prefix-aware router, draining for up to 30 s; an API key."""
+def _app_config(model_dir: Path, byte_model_dir: Path | None) -> dict[str, Any]:
+    """The tiny model behind Ray's prefix-aware router, draining for up to 30 s; an API key;
+    the byte-level model when given (its engine in the replica's process: no rank actor)."""
     config = llm_config(model_dir)
     config["deployment_config"].update(
         {
@@ -106,7 +121,15 @@ def _app_config(model_dir: Path) -> dict[str, Any]:
         }
     )
     ingress = {"num_cpus": 0.25, "runtime_env": {"env_vars": {API_KEY_ENV: API_KEY}}}
-    return {"llm_configs": [config], "ingress_deployment_config": {"ray_actor_options": ingress}}
+    configs = [config]
+    if byte_model_dir is not None:
+        configs.append(
+            llm_config(byte_model_dir, "bytes", block_size=16, distributed_executor_backend="uni")
+        )
+    return {
+        "llm_configs": configs,
+        "ingress_deployment_config": {"ray_actor_options": ingress},
+    }
 
 
 @pytest.fixture(scope="module")
@@ -115,16 +138,25 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module", params=["two_hop", "one_hop"])
-def served(ray_cluster: None, model_dir: Path, request: pytest.FixtureRequest) -> Served:
+def served(
+    ray_cluster: None,
+    model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    request: pytest.FixtureRequest,
+) -> Served:
     http_port, grpc_port = free_port(), free_port()
     serve.start(
         http_options=HTTPOptions(host=NODE_IP, port=http_port),
         grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[SERVICER]),
     )
-    args = {**_app_config(model_dir), "topology": request.param}
+    # One hop serves a single model: the byte-level model's tests run on two hops only.
+    two_hop = request.param == "two_hop"
+    byte_model_dir = save_byte_model(tmp_path_factory.mktemp("byte-model")) if two_hop else None
+    args = {**_app_config(model_dir, byte_model_dir), "topology": request.param}
     serve.run(build_openai_app(args), name=APP, route_prefix="/")
     channel = grpc.insecure_channel(f"{NODE_IP}:{grpc_port}")
-    yield Served(f"http://{NODE_IP}:{http_port}", model_dir, llm_pb2_grpc.LLMServiceStub(channel))
+    stub = llm_pb2_grpc.LLMServiceStub(channel)
+    yield Served(f"http://{NODE_IP}:{http_port}", model_dir, stub, request.param)
     channel.close()
     shutdown_serve()
 
@@ -232,7 +264,7 @@ def test_request_id_is_echoed_and_used(served: Served) -> None:
 
 def test_models_and_health(served: Served) -> None:
     models = served.client.models.list()
-    assert [m.id for m in models.data] == ["tiny"]
+    assert [m.id for m in models.data] == served.model_ids
     assert served.client.models.retrieve("tiny").id == "tiny"
     with pytest.raises(openai.NotFoundError):
         served.client.models.retrieve("missing")
@@ -394,6 +426,86 @@ def test_metrics_are_exported_with_sane_values(served: Served) -> None:
     ])  # fmt: skip
 
 
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Rome"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def test_json_schema_response_format_through_the_client(served: Served) -> None:
+    served.needs_byte_model()
+    reply = served.client.chat.completions.create(
+        model="bytes",
+        messages=ASK,
+        temperature=0,
+        max_tokens=100,
+        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}},
+    )
+    jsonschema.validate(json.loads(reply.choices[0].message.content), WEATHER)
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_tool_calls_through_the_client(served: Served, choice: Any) -> None:
+    served.needs_byte_model()
+    reply = served.client.chat.completions.create(
+        model="bytes", messages=ASK, tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=200
+    )
+    calls = reply.choices[0].message.tool_calls
+    assert calls
+    for call in calls:
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+    stream = served.client.chat.completions.create(
+        model="bytes", messages=ASK, tools=TOOLS, tool_choice=choice, temperature=0,
+        max_tokens=200, stream=True,
+    )  # fmt: skip
+    streamed: dict[int, dict[str, str]] = {}
+    for chunk in stream:
+        for delta in chunk.choices[0].delta.tool_calls or []:
+            entry = streamed.setdefault(delta.index, {"name": "", "arguments": ""})
+            entry["name"] += delta.function.name or ""
+            entry["arguments"] += delta.function.arguments or ""
+    assert [(c["name"], c["arguments"]) for c in streamed.values()] == [
+        (c.function.name, c.function.arguments) for c in calls
+    ]
+
+
+def test_grpc_tool_calls(served: Served) -> None:
+    served.needs_byte_model()
+    request = json_format.ParseDict(
+        {
+            "model": "bytes",
+            "messages": ASK,
+            "tools": TOOLS,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "max_tokens": 100,
+            "temperature": 0,
+        },
+        llm_pb2.ChatCompletionRequest(),
+    )
+    whole = served.stub.ChatCompletion(request, metadata=METADATA)
+    (call,) = whole.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER)
+
+
+def test_an_invalid_schema_is_a_400_through_the_client(served: Served) -> None:
+    served.needs_byte_model()
+    with pytest.raises(openai.BadRequestError, match="regex"):
+        served.client.chat.completions.create(
+            model="bytes", messages=ASK, extra_body={"structured_outputs": {"regex": "(a"}}
+        )
+
+
 def test_grpc_streams_tokens(served: Served, reference: LLM) -> None:
     want = reference.generate(["t3 t4 t5"], GREEDY)[0].outputs[0].text
     request = llm_pb2.CompletionRequest(
@@ -425,7 +537,7 @@ def test_grpc_chat_and_models(served: Served) -> None:
     assert whole.choices[0].message.role == "assistant"
     assert "".join(c.choices[0].delta.content for c in streamed) == whole.choices[0].message.content
     models = served.stub.ListModels(llm_pb2.ListModelsRequest(), metadata=METADATA)
-    assert [m.id for m in models.models] == ["tiny"]
+    assert [m.id for m in models.models] == served.model_ids
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from scheduler.config import SchedulerConfig, SchedulingPolicy
 from scheduler.output import (
     CachedRequestData,
     FinishReason,
+    GrammarBitmask,
     ModelRunnerOutput,
     NewRequestData,
     RequestStepOutput,
@@ -22,6 +23,7 @@ from scheduler.output import (
 )
 from scheduler.request import SamplingParams
 from scheduler.stats import SchedulerStats
+from scheduler.structured_outputs import StructuredOutputsParams
 
 PARAMS = SamplingParams(
     temperature=0.7,
@@ -35,7 +37,9 @@ PARAMS = SamplingParams(
     allowed_token_ids=[4, 5, 6],
     bad_words=["bad"],
     bad_words_token_ids=[[7, 8]],
+    structured_outputs=StructuredOutputsParams(json={"type": "object"}),
 )
+BITMASK = GrammarBitmask(req_ids=("a",), words_per_row=2, data=bytes(range(8)))
 LOGPROBS = TokenLogprobs(
     token_id=4, logprob=-0.25, rank=1, top_token_ids=[4, 9], top_logprobs=[-0.25, -1.5]
 )
@@ -68,7 +72,9 @@ SAMPLES: dict[type, object] = {
         num_common_prefix_blocks=(2, 0, 0),
         finished_req_ids=frozenset({"x"}),
         preempted_req_ids=frozenset({"y"}),
+        grammar_bitmask=BITMASK,
     ),
+    GrammarBitmask: BITMASK,
     TokenLogprobs: LOGPROBS,
     ModelRunnerOutput: ModelRunnerOutput(
         req_ids=["a", "b"],

@@ -44,9 +44,27 @@ def _to_proto(body: BaseModel, message_cls: type[Message]) -> Any:
     return json_format.ParseDict(data, message_cls(), ignore_unknown_fields=True)
 
 
+_JSON_FIELDS = ("response_format", "structured_outputs", "tools", "tool_choice")
+"""Fields carried as protobuf Structs, whose numbers all arrive as floats."""
+
+
+def _integral(value: Any) -> Any:
+    """JSON from a Struct with integral floats as ints (a schema's `maxLength: 8`, not 8.0)."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {key: _integral(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_integral(item) for item in value]
+    return value
+
+
 def _request_dict(message: Message, stream: bool) -> dict[str, Any]:
     data: dict[str, Any] = json_format.MessageToDict(message, preserving_proto_field_name=True)
     data.pop("request_id", None)
+    for name in _JSON_FIELDS:
+        if name in data:
+            data[name] = _integral(data[name])
     if "prompt_token_ids" in data:
         data["prompt"] = data.pop("prompt_token_ids")
     data["stream"] = stream
