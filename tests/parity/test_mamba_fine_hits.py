@@ -17,6 +17,7 @@ import torch
 
 from cluster import LLM, SamplingParams
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
+from tests.helpers.tiny_linear_hybrid import save_tiny_linear_hybrid
 from tests.helpers.tiny_models import hf_greedy
 
 pytestmark = pytest.mark.parity
@@ -92,3 +93,20 @@ def test_seeded_samples_with_hits_equal_a_cold_engine(saved: tuple[Path, torch.n
     assert hits == [8, 20]
     assert block_grid_hits == [12]
     assert tokens == expected
+
+
+@pytest.mark.parametrize("mode", ["align", "all"])
+def test_gated_deltanet_hits_inside_a_block_give_transformers_tokens(
+    tmp_path: Path, mode: str
+) -> None:
+    """The checkpoints are generic over state layers: a tiny Qwen3-Next (gated DeltaNet, 8-token
+    hybrid blocks) hits at 8 and 20 shared tokens with transformers' greedy tokens."""
+    hf_model = save_tiny_linear_hybrid("qwen3_next", tmp_path)
+    llm = LLM(str(tmp_path), prefix_match_unit=4, mamba_cache_mode=mode, **LLM_ARGS)
+    try:
+        _run(llm, [FIRST], GREEDY)
+        tokens, hits = _run(llm, SHARING, GREEDY)
+    finally:
+        llm.shutdown()
+    assert hits == [8, 20]
+    assert tokens == [hf_greedy(hf_model, prompt, 16) for prompt in SHARING]
