@@ -31,9 +31,10 @@ class LLMServingArgs(StrictModel):
         default="auto",
         description="one_hop: the model deployment serves the OpenAI routes itself (one model; "
         "the ingress options give it only their env_vars); two_hop: an ingress deployment in "
-        "front of one deployment per model; auto: one_hop for one model without a "
-        "request_router_config (a router reads the parsed request only the ingress passes on), "
-        "else two_hop.",
+        "front of one deployment per model; auto: one_hop for one model with one replica and "
+        "no request_router_config, else two_hop (a router reads the parsed request only the "
+        "ingress passes on; Serve's proxy prefers replicas on its own node, so only the "
+        "ingress's handle spreads requests over several replicas).",
     )
 
     @field_validator("llm_configs", mode="before")
@@ -74,7 +75,9 @@ class LLMServingArgs(StrictModel):
         if self.topology != "auto":
             return self.topology == "one_hop"
         (first, *others) = self.llm_configs
-        return not others and not first.deployment_config.get("request_router_config")
+        options = first.deployment_config
+        one_replica = options.get("num_replicas", 1) == 1 and "autoscaling_config" not in options
+        return not others and one_replica and not options.get("request_router_config")
 
     @property
     def model_ids(self) -> list[str]:

@@ -1,5 +1,6 @@
 """The README's first path: `make serve` (= `hybridserve serve`), its `curl` and `openai`
-examples, and Ctrl-C; on this machine's own CPU count, with no Ray cluster started beforehand.
+examples (also the JSON-schema and tool-calling ones), and Ctrl-C; on this machine's own CPU
+count, with no Ray cluster started beforehand.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import signal
 import subprocess
 import time
 
+import jsonschema
 import pytest
 
 from tests.acceptance.conftest import serve_command, serve_port
@@ -24,6 +26,38 @@ READY_TIMEOUT_S = 240.0
 def _curl_example(port: int) -> str:
     block = code_block("curl http://127.0.0.1:8000/v1/chat/completions", "bash")
     return block.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+
+
+def _json_schema_example(port: int) -> str:
+    block = code_block('"response_format"', "bash")
+    return block.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+
+
+def _tool_call_example(port: int) -> str:
+    block = code_block("tool_choice=", "python")
+    return block.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+
+
+def _check_structured_examples(port: int) -> None:
+    """The README's JSON-schema `curl` gives JSON valid for its schema; its tool-calling script
+    prints calls whose arguments are valid for the function's parameters."""
+    example = _json_schema_example(port)
+    reply = subprocess.run(["bash", "-c", example], capture_output=True, text=True, timeout=120)
+    body = json.loads(reply.stdout)
+    request = json.loads(example.split("-d '", 1)[1].rsplit("'", 1)[0])
+    schema = request["response_format"]["json_schema"]["schema"]
+    jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), schema)
+
+    calls: list[tuple[object, ...]] = []
+    script = _tool_call_example(port)
+    exec(compile(script, "readme_tools.py", "exec"), {"print": lambda *a: calls.append(a)})
+    assert calls, "the tool-calling example printed no call"
+    for name, arguments in calls:
+        assert name == "get_weather"
+        assert isinstance(arguments, dict)
+        assert set(arguments) == {"city", "unit"}, arguments
+        assert isinstance(arguments["city"], str)
+        assert arguments["unit"] in ("celsius", "fahrenheit")
 
 
 def _streaming_example(port: int) -> str:
@@ -61,6 +95,8 @@ def test_make_serve_answers_the_readme_examples_and_stops_on_ctrl_c(
         pieces = [text for _, text in printed if text]
         assert len(pieces) >= 3, printed  # several chunks, each printed as it came
         assert printed[-1][0] > printed[0][0]
+
+        _check_structured_examples(port)
 
         cli.ctrl_c()
         code, seconds = cli.wait_exit(30)

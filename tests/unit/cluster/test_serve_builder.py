@@ -218,6 +218,24 @@ def test_auto_keeps_two_hops_for_a_request_router() -> None:
     assert not LLMServingArgs.model_validate({"llm_configs": [model]}).uses_one_hop
 
 
+@pytest.mark.parametrize(
+    ("options", "one_hop"),
+    [
+        ({"num_replicas": 1}, True),
+        ({"num_replicas": 2}, False),
+        ({"num_replicas": "auto"}, False),
+        ({"autoscaling_config": {"min_replicas": 1, "max_replicas": 4}}, False),
+    ],
+)
+def test_auto_keeps_two_hops_for_several_replicas(options: dict, one_hop: bool) -> None:
+    """Serve's proxy prefers replicas on its own node: only the ingress spreads requests."""
+    model = {
+        "model_loading_config": {"model_id": "a", "model_source": "/m"},
+        "deployment_config": options,
+    }
+    assert LLMServingArgs.model_validate({"llm_configs": [model]}).uses_one_hop is one_hop
+
+
 def test_one_hop_refuses_several_models() -> None:
     models = [{"model_loading_config": {"model_id": m, "model_source": "/m"}} for m in "ab"]
     with pytest.raises(ValueError, match="one_hop serves one model"):
