@@ -12,6 +12,7 @@ from typing import ClassVar, NamedTuple
 
 from scheduler.kv_cache.block_pool import BlockPool, KVCacheBlock
 from scheduler.kv_cache.coordinator import make_coordinator
+from scheduler.kv_cache.events import KVEventBatch, KVEventSink
 from scheduler.kv_cache.spec import KVCacheConfig, MambaCacheMode, MambaSpec, manager_spec
 from scheduler.request import Request
 
@@ -297,6 +298,16 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; fails (False) while any request holds blocks."""
         return self.pool.reset_prefix_cache()
+
+    def enable_events(self) -> None:
+        """Start collecting KV events (prefix-cache keys stored and removed) for `take_events`."""
+        if self.pool.event_sink is None and self.enable_caching:
+            self.pool.event_sink = KVEventSink(self.num_groups)
+
+    def take_events(self) -> KVEventBatch | None:
+        """The KV events since the last take (None: none, or events off)."""
+        sink = self.pool.event_sink
+        return sink.take() if sink is not None else None
 
     def make_stats(self) -> KVCacheStats:
         """A snapshot of usage and the cumulative prefix-cache counters."""

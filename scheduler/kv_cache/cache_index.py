@@ -1,0 +1,122 @@
+"""An approximate copy of one engine's prefix-cache keys, and the hit that engine would find.
+
+A router keeps one `CacheIndex` per replica, fed by the replica's KV events (`replay`) and by its
+own guesses (`guess_stored`: the prompt it just sent there will be cached; a guess the events do
+not confirm within `guess_ttl` is forgotten). `predict_hit` runs the scheduler's own coordinator
+(the fixed point across groups) on hash maps that hold the indexed keys, so a replica that lost
+the window tail or the Mamba state of a prefix is predicted to miss it, as the engine will.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from collections.abc import Sequence
+
+from scheduler.block_hash import BlockHash, extend_block_hashes
+from scheduler.kv_cache.block_pool import BlockPool, KVCacheBlock
+from scheduler.kv_cache.coordinator import make_coordinator
+from scheduler.kv_cache.events import KVEventBatch, KVEventWindow
+from scheduler.kv_cache.spec import KVCacheGroupSpec
+
+logger = logging.getLogger(__name__)
+
+_INDEXED = KVCacheBlock(1)
+"""What an index hash map holds for every key: lookups only ask whether a key is there."""
+
+
+class CacheIndex:
+    """Keys (hash, group) one engine can hit, replayed from its events plus recent guesses."""
+
+    def __init__(self, groups: Sequence[KVCacheGroupSpec], guess_ttl: float = 30.0) -> None:
+        if not groups:
+            raise ValueError("a cache index needs at least one KV cache group")
+        self.groups = tuple(groups)
+        sizes = [group.spec.block_size for group in groups]
+        self.hash_block_size = math.gcd(*sizes)
+        """Tokens per block hash: the engine's (gcd of the group block sizes)."""
+        self._pool = BlockPool(1, len(groups))
+        self._coordinator = make_coordinator(groups, self._pool, self.hash_block_size, True)
+        self.guess_ttl = guess_ttl
+        self._guesses: dict[tuple[int, BlockHash], float] = {}
+        """Guessed keys not confirmed by an event yet -> when they expire."""
+        self._guess_order: deque[tuple[float, int, BlockHash]] = deque()
+        self.next_seq = 0
+        """Sequence number of the next event batch to replay."""
+
+    @property
+    def num_keys(self) -> int:
+        return sum(len(hash_map) for hash_map in self._pool.hash_maps)
+
+    def block_hashes(
+        self, token_ids: Sequence[int], cache_salt: str | None = None
+    ) -> list[BlockHash]:
+        """The engine's block hashes of a prompt."""
+        hashes: list[BlockHash] = []
+        extend_block_hashes(hashes, token_ids, self.hash_block_size, cache_salt)
+        return hashes
+
+    def predict_hit(self, block_hashes: Sequence[BlockHash], num_tokens: int, now: float) -> int:
+        """Tokens of a `num_tokens`-token prompt the engine would serve from its cache."""
+        self._expire(now)
+        return self._coordinator.find_longest_cache_hit(block_hashes, num_tokens - 1).num_tokens
+
+    def guess_stored(self, block_hashes: Sequence[BlockHash], num_tokens: int, now: float) -> None:
+        """Index what the engine will cache once it has computed these tokens (its reachable
+        full blocks in every group), until events confirm it or `guess_ttl` passes."""
+        expiry = now + self.guess_ttl
+        for manager in self._coordinator.managers:
+            hash_map = self._pool.hash_maps[manager.group_id]
+            num_full = min(
+                num_tokens // manager.block_size, len(block_hashes) // manager.hash_ratio
+            )
+            for index in range(num_full):
+                if not manager.is_reachable(index):
+                    continue
+                key = manager.hash_of(block_hashes, index)
+                if key in hash_map and (manager.group_id, key) not in self._guesses:
+                    continue  # known from an event
+                hash_map[key] = _INDEXED
+                self._guesses[(manager.group_id, key)] = expiry
+                self._guess_order.append((expiry, manager.group_id, key))
+
+    def replay(self, window: KVEventWindow) -> None:
+        """Apply the batches of `window` not replayed yet; after a gap (batches that left the
+        engine's log unseen, or a new log) start over from what the window holds."""
+        if window.first_seq > self.next_seq or window.next_seq < self.next_seq:
+            logger.info("KV events missed (%d..%d): index rebuilt", self.next_seq, window.first_seq)
+            self.clear()
+            self.next_seq = window.first_seq
+        for batch in window.batches[self.next_seq - window.first_seq :]:
+            self.apply(batch)
+        self.next_seq = window.next_seq
+
+    def apply(self, batch: KVEventBatch) -> None:
+        """Replay one batch of events."""
+        if batch.cleared:
+            self.clear()
+        guesses = self._guesses
+        for group_id, (stored, removed) in enumerate(zip(batch.stored, batch.removed, strict=True)):
+            hash_map = self._pool.hash_maps[group_id]
+            for key in removed:
+                hash_map.pop(key, None)
+                guesses.pop((group_id, key), None)
+            for key in stored:
+                hash_map[key] = _INDEXED
+                guesses.pop((group_id, key), None)
+
+    def clear(self) -> None:
+        """Forget every key."""
+        for hash_map in self._pool.hash_maps:
+            hash_map.clear()
+        self._guesses.clear()
+        self._guess_order.clear()
+
+    def _expire(self, now: float) -> None:
+        order = self._guess_order
+        while order and order[0][0] <= now:
+            expiry, group_id, key = order.popleft()
+            if self._guesses.get((group_id, key)) == expiry:
+                del self._guesses[(group_id, key)]
+                self._pool.hash_maps[group_id].pop(key, None)
