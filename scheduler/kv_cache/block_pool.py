@@ -79,7 +79,7 @@ class BlockPool:
                 if (
                     not self._duplicates
                     and hash_map.get(block_hash) is block
-                    and not self.event_sink
+                    and self.event_sink is None
                 ):
                     del hash_map[block_hash]  # the common case of _drop_hash, inlined
                     block.block_hash = None
