@@ -20,7 +20,7 @@ from typing import Protocol
 
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
 
-from cluster.serve.hybrid_policy import HybridRoutingPolicy, PromptKeys
+from cluster.serve.hybrid_policy import HybridRoutingPolicy
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache.events import KVEventLog
 from scheduler.kv_cache.spec import KVCacheConfig, KVCacheSpec, MambaCacheMode

@@ -122,11 +122,10 @@ class HybridRoutingPolicy(Generic[Key]):
         allowed = [case for case in cases.values() if case.in_flight < bound]
         best_hit = max(case.predicted_hit for case in allowed)
         num_tokens = prompt.num_tokens if prompt is not None else 0
-        if best_hit >= self.options.match_fraction * num_tokens > 0:
-            order = _by_hit
-        else:
-            order = _by_work
-        ordered = sorted(keys, key=lambda key: (cases[key].in_flight >= bound, order(cases[key])))
+        follows_hit = best_hit >= self.options.match_fraction * num_tokens > 0
+        ordered = sorted(
+            keys, key=lambda key: (cases[key].in_flight >= bound, *_rank(cases[key], follows_hit))
+        )
         return [ordered[:1], ordered[1:]] if len(ordered) > 1 else [ordered]
 
     def predicted_hit(self, key: Key, prompt: PromptKeys | None, now: float) -> int:
@@ -153,9 +152,8 @@ class HybridRoutingPolicy(Generic[Key]):
         return replica.in_flight if replica is not None else 0
 
 
-def _by_hit(case: Candidate) -> tuple[int, int, float, float]:
-    return (-case.predicted_hit, case.in_flight, case.recent_work, case.kv_usage)
-
-
-def _by_work(case: Candidate) -> tuple[float, int, int, float]:
+def _rank(case: Candidate, follows_hit: bool) -> tuple[float, ...]:
+    """Sort key: the longest hit first, or (a new conversation) the least recent work first."""
+    if follows_hit:
+        return (-case.predicted_hit, case.in_flight, case.recent_work, case.kv_usage)
     return (case.recent_work, case.in_flight, -case.predicted_hit, case.kv_usage)

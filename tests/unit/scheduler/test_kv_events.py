@@ -90,7 +90,10 @@ def test_reset_and_a_missed_window_rebuild_the_index() -> None:
             clock[0] += 1.0
     index.replay(log.window())  # the first batches aged out unseen: a gap
     assert index.next_seq == log.window().next_seq
-    assert all(keys <= engine for keys, engine in zip(index_keys(index), engine_keys(scheduler)))
+    assert all(
+        keys <= engine
+        for keys, engine in zip(index_keys(index), engine_keys(scheduler), strict=True)
+    )
     assert scheduler.reset_prefix_cache()
     log.record(scheduler.kv_cache_manager.take_events())
     index.replay(log.window())
