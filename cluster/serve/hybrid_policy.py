@@ -73,7 +73,7 @@ class _Replica:
     work_time: float = 0.0
 
     def recent_work(self, now: float, half_life: float) -> float:
-        return self.work * 0.5 ** (max(now - self.work_time, 0.0) / half_life)
+        return self.work * math.pow(0.5, max(now - self.work_time, 0.0) / half_life)
 
 
 @dataclass

@@ -74,17 +74,12 @@ class HybridPrefixRouter(FIFOMixin, RequestRouter):
     """Routes each request to the replica predicted to serve the longest prefix from its
     hybrid cache (valid for every KV cache group), within a load bound."""
 
-    def initialize_state(
-        self,
-        tokenizer_source: str | None = None,
-        load_factor: float = RoutingOptions.load_factor,
-        match_fraction: float = RoutingOptions.match_fraction,
-        guess_ttl_s: float = RoutingOptions.guess_ttl_s,
-    ) -> None:
-        options = RoutingOptions(
-            load_factor=load_factor, match_fraction=match_fraction, guess_ttl_s=guess_ttl_s
-        )
-        self.policy: HybridRoutingPolicy[ReplicaID] = HybridRoutingPolicy(options)
+    def initialize_state(self, **kwargs: Any) -> None:
+        """`request_router_kwargs`: `tokenizer_source` (the builder sets the model's), and the
+        `RoutingOptions` fields (`load_factor`, `match_fraction`, `work_half_life_s`,
+        `guess_ttl_s`)."""
+        tokenizer_source = kwargs.pop("tokenizer_source", None)
+        self.policy: HybridRoutingPolicy[ReplicaID] = HybridRoutingPolicy(RoutingOptions(**kwargs))
         self._tokenizer_source = tokenizer_source
         self._inputs: InputProcessor | None = None
         self._prompts: dict[str, PromptKeys | None] = {}
@@ -150,15 +145,14 @@ class HybridPrefixRouter(FIFOMixin, RequestRouter):
             if isinstance(request, ChatCompletionRequest):
                 generation = request.add_generation_prompt
                 prompt = inputs.chat(request.messages, request.chat_template, generation)
-            elif isinstance(request, CompletionRequest) and not isinstance(request.prompt, list):
-                prompt = inputs.prompt(request.prompt)  # type: ignore[arg-type]
             elif isinstance(request, CompletionRequest):
-                return [int(token) for token in request.prompt]  # type: ignore[union-attr]
+                prompt = inputs.prompt(request.prompt)  # type: ignore[arg-type]
             else:
                 return None
         except (ValueError, TypeError):
             return None
-        pending_request.kwargs[PROMPT_TOKEN_IDS_KWARG] = prompt.token_ids
+        if prompt.text is not None:  # tokenized here: the replica need not do it again
+            pending_request.kwargs[PROMPT_TOKEN_IDS_KWARG] = prompt.token_ids
         return prompt.token_ids
 
     def _input_processor(self) -> InputProcessor:

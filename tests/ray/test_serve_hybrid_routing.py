@@ -47,6 +47,8 @@ KV_BYTES = {"gemma3": 1 << 20, "bamba": 2 << 20}
 NUM_SESSIONS = 6
 NUM_TURNS = 3
 MAX_TOKENS = 3
+FLOOD_PROMPTS = 240
+"""Most 40-token prompts sent to turn every replica's pool over (each holds a few hundred)."""
 
 
 @dataclass
@@ -187,10 +189,13 @@ def test_evictions_reach_the_router(routed: Routed, sessions: list[list[dict[str
     router = _router(handle)
     after_guesses = time.monotonic() + RoutingOptions.guess_ttl_s + 1
     assert len(_holders(router, token_ids, after_guesses)) == 1
-    for number in range(60):  # distinct prompts fill every replica's pool several times
+    for number in range(FLOOD_PROMPTS):  # distinct prompts, until the pools have turned over
         words = " ".join(f"t{(number * 37 + i * 11) % 230 + 20}" for i in range(40))
         _complete(handle, words, f"flood-{number}")
-    time.sleep(1.0)
+        if number % 20 == 19:
+            time.sleep(0.5)
+            if not _holders(router, token_ids, after_guesses):
+                break
     assert _holders(router, token_ids, after_guesses) == []
 
 
