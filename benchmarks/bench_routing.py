@@ -7,7 +7,11 @@ replica holding the combined pool (and the combined batch limits). Prints the cl
 hit rate against the reference, max/mean load over replicas (requests routed, tokens computed),
 and for our router how far the predicted hit is from the hit the engine got.
 
-    .venv/bin/python benchmarks/bench_routing.py [--quick] [--delay 5] [--load-factor 1.25]
+With `--serve`, then a short real-Serve run (`routing_serve`): two CPU replicas of a tiny
+sliding-window hybrid, chat sessions over HTTP, per router the hit rate of the later turns.
+
+    .venv/bin/python benchmarks/bench_routing.py [--quick] [--delay 10] [--load-factor 2.0]
+        [--serve [--serve-sessions 8]]
 """
 
 from __future__ import annotations
@@ -85,6 +89,9 @@ def main() -> None:
     parser.add_argument("--load-factor", type=float, default=2.0)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--serve", action="store_true", help="also the short real-Serve run")
+    parser.add_argument("--serve-sessions", type=int, default=8)
+    parser.add_argument("--serve-kv-bytes", type=int, default=1 << 20)
     args = parser.parse_args()
     start = time.perf_counter()
     print(
@@ -99,6 +106,13 @@ def main() -> None:
                 for row in measure(model, pressure, sessions, replicas, args):
                     print(row, flush=True)
     print(f"\n{time.perf_counter() - start:.0f} s")
+    if args.serve:
+        from routing_serve import run_serve
+
+        print("\n| router | sessions | turns | hit rate of later turns | wall (s) |")
+        print("|---|---|---|---|---|")
+        for row in run_serve(args.serve_sessions, 4, args.serve_kv_bytes):
+            print(row, flush=True)
 
 
 if __name__ == "__main__":

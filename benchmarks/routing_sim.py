@@ -30,6 +30,8 @@ from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler
 
 VOCAB = 32000
+STEP_S = 0.025
+"""Seconds per simulated step, to read the router's time options (half-life, guess lifetime)."""
 MODELS: dict[str, list[KVCacheSpec]] = {
     "sliding+full": [make_spec("full_attention", 16), make_spec("sliding_window", 16, 128)],
     "mamba+full": [
@@ -181,10 +183,11 @@ class HybridPrefix:
 
     def choose(self, replicas: list[SimReplica], token_ids: list[int], now: int) -> int:
         keys = self.policy.prompt_keys(token_ids, None)
-        ranks = self.policy.choose(list(range(len(replicas))), keys, float(now))
+        seconds = now * STEP_S
+        ranks = self.policy.choose(list(range(len(replicas))), keys, seconds)
         chosen = ranks[0][0]
-        self._last = (chosen, self.policy.predicted_hit(chosen, keys, float(now)))
-        self.policy.routed(chosen, keys, float(now))
+        self._last = (chosen, self.policy.predicted_hit(chosen, keys, seconds))
+        self.policy.routed(chosen, keys, seconds)
         return chosen
 
     def on_step(self, replicas: list[SimReplica], now: int) -> None:

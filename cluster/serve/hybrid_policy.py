@@ -1,13 +1,17 @@
 """The routing decision of `HybridPrefixRouter`, free of Ray so the benchmark drives the same code.
 
 Per replica: a `CacheIndex` (the replica's prefix-cache keys from its KV events, plus guesses for
-what was just sent there) and the requests in flight. A request goes to the replica whose index
-predicts the longest hit valid for every KV cache group, among the replicas under the load bound
-(bounded-load consistent hashing: none takes more than `load_factor` times the mean share of the
-requests in flight, counting the new one); ties go to the least loaded, then the emptiest cache.
+what was just sent there), the requests in flight and the recent prompt work. For a request:
+
+  1. every replica's predicted hit: the longest prefix valid for every KV cache group at once;
+  2. replicas whose requests in flight would pass `load_factor` x the mean are out (bounded
+     load); unless the best hit left is the conversation's own history (>= `strong_fraction` of
+     the prompt), so are replicas whose recent work would pass `work_factor` x the mean;
+  3. among the rest: the longest hit if it covers >= `match_fraction` of the prompt, else (a new
+     conversation) the least recent work; excluded replicas come last, in the same order.
 
     choose(candidates, prompt) ─► ranks [[best], [others by preference]]
-    routed(replica, prompt)     ─► in flight + 1, index guesses the prompt's blocks
+    routed(replica, prompt)     ─► in flight + 1, work + prompt, index guesses the prompt's blocks
     completed(replica)          ─► in flight - 1
     replay(replica, window)     ─► index follows the replica's events
 """
@@ -15,7 +19,7 @@ requests in flight, counting the new one); ties go to the least loaded, then the
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, NamedTuple, TypeVar
 
@@ -33,18 +37,27 @@ class RoutingOptions:
     load_factor: float = 2.0
     """A replica takes a new request only while its requests in flight stay within this
     multiple of the mean (rounded up); >= 1."""
-    match_fraction: float = 0.5
+    work_factor: float = 1.25
+    """Below a strong hit, a replica takes a new request only while its recent prompt work
+    stays within this multiple of the mean (a prefix cached in one place must not draw every
+    new conversation there); >= 1."""
+    strong_fraction: float = 0.5
+    """A predicted hit covering this much of the prompt is the conversation's own history:
+    only the in-flight bound can send it elsewhere."""
+    match_fraction: float = 0.25
     """A request whose best predicted hit covers less of its prompt than this starts a new
     conversation (a shared system prompt at most): it goes where the least prompt work was sent
     lately, so conversations, and the cache they fill, spread evenly."""
     work_half_life_s: float = 60.0
     """Half-life of the recent prompt work counted per replica."""
-    guess_ttl_s: float = 30.0
+    guess_ttl_s: float = 10.0
     """How long a guessed cached block counts before the replica's events must confirm it."""
 
     def __post_init__(self) -> None:
         if self.load_factor < 1.0:
             raise ValueError(f"load_factor must be >= 1, got {self.load_factor}")
+        if self.work_factor < 1.0:
+            raise ValueError(f"work_factor must be >= 1, got {self.work_factor}")
 
 
 class PromptKeys(NamedTuple):
@@ -97,12 +110,11 @@ class HybridRoutingPolicy(Generic[Key]):
         for key in [key for key in self._replicas if key not in alive]:
             del self._replicas[key]
 
-    def prompt_keys(self, token_ids: Sequence[int], cache_salt: str | None) -> PromptKeys | None:
-        """The prompt's block hashes, once some replica's index says how to hash (else None)."""
+    def prompt_keys(self, token_ids: Sequence[int], cache_salt: str | None) -> PromptKeys:
+        """The prompt's block hashes (none until some replica's index says how to hash)."""
         index = next((r.index for r in self._replicas.values() if r.index is not None), None)
-        if index is None:
-            return None
-        return PromptKeys(index.block_hashes(token_ids, cache_salt), len(token_ids))
+        hashes = index.block_hashes(token_ids, cache_salt) if index is not None else []
+        return PromptKeys(hashes, len(token_ids))
 
     def candidate(self, key: Key, prompt: PromptKeys | None, now: float) -> Candidate:
         replica = self._replicas.get(key) or _Replica()
@@ -117,15 +129,15 @@ class HybridRoutingPolicy(Generic[Key]):
         if not keys:
             return []
         cases = {key: self.candidate(key, prompt, now) for key in keys}
-        total = sum(case.in_flight for case in cases.values()) + 1
-        bound = math.ceil(self.options.load_factor * total / len(keys))
-        allowed = [case for case in cases.values() if case.in_flight < bound]
-        best_hit = max(case.predicted_hit for case in allowed)
         num_tokens = prompt.num_tokens if prompt is not None else 0
-        follows_hit = best_hit >= self.options.match_fraction * num_tokens > 0
-        ordered = sorted(
-            keys, key=lambda key: (cases[key].in_flight >= bound, *_rank(cases[key], follows_hit))
-        )
+        options = self.options
+        over = _over_in_flight(cases, options.load_factor)
+        if _best_hit(cases, over) < options.strong_fraction * num_tokens:
+            # Not a conversation's own history: keep shared prefixes from drawing every
+            # new conversation to the replicas that happen to hold them.
+            over |= _over_work(cases, num_tokens, options.work_factor)
+        follows_hit = _best_hit(cases, over) >= options.match_fraction * num_tokens > 0
+        ordered = sorted(keys, key=lambda key: (key in over, *_rank(cases[key], follows_hit)))
         return [ordered[:1], ordered[1:]] if len(ordered) > 1 else [ordered]
 
     def predicted_hit(self, key: Key, prompt: PromptKeys | None, now: float) -> int:
@@ -150,6 +162,25 @@ class HybridRoutingPolicy(Generic[Key]):
     def in_flight(self, key: Key) -> int:
         replica = self._replicas.get(key)
         return replica.in_flight if replica is not None else 0
+
+
+def _over_in_flight(cases: Mapping[Key, Candidate], load_factor: float) -> set[Key]:
+    """Replicas whose requests in flight would pass `load_factor` times the mean."""
+    total = sum(case.in_flight for case in cases.values()) + 1
+    bound = math.ceil(load_factor * total / len(cases))
+    return {key for key, case in cases.items() if case.in_flight >= bound}
+
+
+def _over_work(cases: Mapping[Key, Candidate], num_tokens: int, work_factor: float) -> set[Key]:
+    """Replicas whose recent prompt work would pass `work_factor` times the mean."""
+    work = sum(case.recent_work for case in cases.values()) + num_tokens
+    bound = work_factor * work / len(cases)
+    return {key for key, case in cases.items() if case.recent_work + num_tokens > bound}
+
+
+def _best_hit(cases: Mapping[Key, Candidate], excluded: set[Key]) -> int:
+    allowed = [case for key, case in cases.items() if key not in excluded]
+    return max(case.predicted_hit for case in allowed or cases.values())
 
 
 def _rank(case: Candidate, follows_hit: bool) -> tuple[float, ...]:

@@ -18,7 +18,9 @@ from scheduler.block_hash import BlockHash, extend_block_hashes
 from scheduler.kv_cache.block_pool import BlockPool, KVCacheBlock
 from scheduler.kv_cache.coordinator import make_coordinator
 from scheduler.kv_cache.events import KVEventBatch, KVEventWindow
-from scheduler.kv_cache.spec import KVCacheGroupSpec
+from scheduler.kv_cache.mamba_manager import MambaManager
+from scheduler.kv_cache.single_type_manager import SingleTypeManager
+from scheduler.kv_cache.spec import KVCacheGroupSpec, MambaCacheMode
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +31,7 @@ _INDEXED = KVCacheBlock(1)
 class CacheIndex:
     """Keys (hash, group) one engine can hit, replayed from its events plus recent guesses."""
 
-    def __init__(self, groups: Sequence[KVCacheGroupSpec], guess_ttl: float = 30.0) -> None:
+    def __init__(self, groups: Sequence[KVCacheGroupSpec], guess_ttl: float = 10.0) -> None:
         if not groups:
             raise ValueError("a cache index needs at least one KV cache group")
         self.groups = tuple(groups)
@@ -71,7 +73,7 @@ class CacheIndex:
             num_full = min(
                 num_tokens // manager.block_size, len(block_hashes) // manager.hash_ratio
             )
-            for index in range(num_full):
+            for index in _guessed_blocks(manager, num_full):
                 if not manager.is_reachable(index):
                     continue
                 key = manager.hash_of(block_hashes, index)
@@ -120,3 +122,11 @@ class CacheIndex:
             if self._guesses.get((group_id, key)) == expiry:
                 del self._guesses[(group_id, key)]
                 self._pool.hash_maps[group_id].pop(key, None)
+
+
+def _guessed_blocks(manager: SingleTypeManager, num_full: int) -> range:
+    """Blocks of a prompt's `num_full` full blocks its engine will register: all of them, but
+    in a Mamba group kept in ALIGN mode only the state where the prompt's last chunk ends."""
+    if isinstance(manager, MambaManager) and manager.mode is MambaCacheMode.ALIGN:
+        return range(max(num_full - 1, 0), num_full)
+    return range(num_full)
