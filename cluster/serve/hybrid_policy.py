@@ -104,6 +104,11 @@ class HybridRoutingPolicy(Generic[Key]):
         replica.index.replay(window)
         replica.kv_usage = kv_usage
 
+    @property
+    def replicas(self) -> tuple[Key, ...]:
+        """Replicas with an index or a load."""
+        return tuple(self._replicas)
+
     def keep_only(self, keys: Sequence[Key]) -> None:
         """Forget replicas that are gone (dead, or scaled down)."""
         alive = set(keys)

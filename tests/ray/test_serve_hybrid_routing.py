@@ -1,6 +1,8 @@
 """`HybridPrefixRouter` on real Ray Serve: two replicas of a tiny hybrid model behind one ingress.
 
-Sliding window + full attention (gemma3) in the default suite, a Mamba hybrid (bamba) as @slow.
+Sliding window + full attention (gemma3) in the default suite, a Mamba hybrid (bamba) as @slow;
+one app per model, shared by the tests of the module (the replica killed last is not replaced
+before the module ends).
 Multi-turn chat sessions come back to the replica that holds them (every later turn is served
 from the cache, which a router blind to the caches gets right for about half the turns), greedy
 outputs equal the offline `LLM`'s, a replica's evictions reach the router's index, and a replica
@@ -199,7 +201,6 @@ def test_evictions_reach_the_router(routed: Routed, sessions: list[list[dict[str
     assert _holders(router, token_ids, after_guesses) == []
 
 
-@pytest.mark.slow
 def test_a_dead_replica_leaves_the_index(routed: Routed) -> None:
     handle = serve.get_deployment_handle(deployment_name(MODEL), app_name=APP)
     _complete(handle, "t30 t31 t32 t33 t34 t35 t36 t37 t38", "probe-dead")
@@ -211,5 +212,5 @@ def test_a_dead_replica_leaves_the_index(routed: Routed) -> None:
         _complete(handle, "t40 t41 t42 t43 t44", f"after-{time.monotonic()}")
         time.sleep(0.5)
     assert victim not in router.curr_replicas
-    assert victim not in router.policy._replicas
+    assert victim not in router.policy.replicas
     _complete(handle, "t50 t51 t52", "still-served")

@@ -79,6 +79,7 @@ def test_dead_replicas_are_forgotten() -> None:
     assert keys is not None
     policy.replay("a", window_of(keys.block_hashes, keys.block_hashes))
     policy.keep_only(["b", "c"])
+    assert policy.replicas == ("b", "c")
     assert policy.predicted_hit("a", keys, 0.0) == 0
 
 
