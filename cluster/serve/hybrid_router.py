@@ -55,6 +55,15 @@ def with_router_defaults(config: dict[str, Any], tokenizer_source: str) -> dict[
     """`request_router_config` of our router with a short stats period and the model's
     tokenizer filled in where the user set neither."""
     kwargs = {"tokenizer_source": tokenizer_source, **(config.get("request_router_kwargs") or {})}
+    options = {key: value for key, value in kwargs.items() if key != "tokenizer_source"}
+    try:
+        RoutingOptions(**options)
+    except TypeError:
+        known = ", ".join(["tokenizer_source", *RoutingOptions.__dataclass_fields__])
+        raise ValueError(
+            f"request_router_kwargs of HybridPrefixRouter: unknown key among {sorted(options)}; "
+            f"known: {known}"
+        ) from None
     return {
         "request_routing_stats_period_s": DEFAULT_STATS_PERIOD_S,
         **config,

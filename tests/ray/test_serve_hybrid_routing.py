@@ -1,8 +1,7 @@
 """`HybridPrefixRouter` on real Ray Serve: two replicas of a tiny hybrid model behind one ingress.
 
 Sliding window + full attention (gemma3) in the default suite, a Mamba hybrid (bamba) as @slow;
-one app per model, shared by the tests of the module (the replica killed last is not replaced
-before the module ends).
+one app per model, shared by the tests of the module (the test that kills a replica runs last).
 Multi-turn chat sessions come back to the replica that holds them (every later turn is served
 from the cache, which a router blind to the caches gets right for about half the turns), greedy
 outputs equal the offline `LLM`'s, a replica's evictions reach the router's index, and a replica

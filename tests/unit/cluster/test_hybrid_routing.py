@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from cluster.config import LLMConfig
+from cluster.engine.input_processor import InputProcessor
+from cluster.openai_api.protocol import ChatCompletionRequest
 from cluster.serve.hybrid_policy import HybridRoutingPolicy, RoutingOptions
 from cluster.serve.hybrid_router import kv_events_enabled
 from cluster.serve.routing import resolve_request_router
@@ -83,6 +85,18 @@ def test_dead_replicas_are_forgotten() -> None:
     assert policy.predicted_hit("a", keys, 0.0) == 0
 
 
+def test_token_ids_from_the_router_are_not_tokenized_again() -> None:
+    """The replica's input processor takes the router's token IDs as the prompt: with no
+    tokenizer at all, a chat request still becomes those tokens."""
+    inputs = InputProcessor(None, vocab_size=100, max_model_len=64, model_path="m")
+    chat = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}])
+    prompt, params = inputs.openai(chat, token_ids=[5, 6, 7])
+    assert prompt.token_ids == [5, 6, 7]
+    assert params.max_tokens == 61
+    with pytest.raises(ValueError, match="tokenizer"):
+        inputs.openai(chat)
+
+
 def test_load_factor_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="load_factor"):
         RoutingOptions(load_factor=0.9)
@@ -100,5 +114,9 @@ def test_serve_config_gets_the_router_defaults_and_events_turn_on() -> None:
     assert resolve_request_router(mine, llm)["request_routing_stats_period_s"] == 2.0  # type: ignore[index]
     assert kv_events_enabled({"request_router_config": resolved})
     assert not kv_events_enabled({})
+    with pytest.raises(ValueError, match="load_factr"):
+        resolve_request_router({**mine, "request_router_kwargs": {"load_factr": 2}}, llm)
+    with pytest.raises(ValueError, match="load_factor must be >= 1"):
+        resolve_request_router({**mine, "request_router_kwargs": {"load_factor": 0.5}}, llm)
     other = {"request_router_class": "x.y:Z"}
     assert resolve_request_router(other, llm) == other
