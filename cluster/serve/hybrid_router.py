@@ -41,6 +41,8 @@ KV_USAGE_STAT = "kv_cache_usage"
 PROMPT_TOKEN_IDS_KWARG = "prompt_token_ids"
 """The keyword under which the router hands the replica the prompt it tokenized."""
 DEFAULT_STATS_PERIOD_S = 0.5
+MAX_TRACKED_REQUESTS = 1 << 14
+"""Prompts kept between choosing a replica and hearing the request was routed there."""
 _NO_LIMIT = 1 << 62
 
 
@@ -139,6 +141,8 @@ class HybridPrefixRouter(FIFOMixin, RequestRouter):
         if token_ids:
             cache_salt = getattr(pending_request.args[0], "cache_salt", None)
             keys = self.policy.prompt_keys(token_ids, cache_salt)
+        if len(self._prompts) >= MAX_TRACKED_REQUESTS:  # requests that were never routed
+            del self._prompts[next(iter(self._prompts))]
         self._prompts[request_id] = keys
         return keys
 

@@ -97,14 +97,15 @@ class KVEventWindow:
 class KVEventLog:
     """One engine's recent event batches, numbered; bounded by age and by keys held.
 
-    Written by the engine step (a worker thread), read by whoever polls: one lock.
+    Written by the engine step (a worker thread), read by whoever polls: one lock. The bounds
+    are modest because a poller may copy and hash the whole window at every poll (Serve does).
     """
 
     def __init__(
         self,
         groups: tuple[KVCacheGroupSpec, ...],
-        max_keys: int = 1 << 16,
-        max_age_s: float = 10.0,
+        max_keys: int = 1 << 14,
+        max_age_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.groups = groups
