@@ -80,6 +80,23 @@ def measure(
     return rows
 
 
+def event_overhead(args: argparse.Namespace) -> str:
+    """Wall time of one replica playing a trace with KV events on (taken every step into the
+    log) against off, same trace, same run."""
+    workload = Workload(num_sessions=64, num_turns=args.turns, seed=args.seed)
+    sched = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=8192)
+    config = model_config("sliding+full", PRESSURES["heavy"] * 64 + 1)
+    times = {}
+    for events in (False, True) * 3:
+        began = time.perf_counter()
+        run(workload, config, sched, 1, lambda n: RoundRobin(), events=events)
+        times[events] = min(times.get(events, float("inf")), time.perf_counter() - began)
+    return (
+        f"KV events on one replica (64 sessions, heavy pressure, best of 3): "
+        f"{times[True]:.2f} s on, {times[False]:.2f} s off ({times[True] / times[False]:.3f}x)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two small cases only")
@@ -106,6 +123,7 @@ def main() -> None:
                 for row in measure(model, pressure, sessions, replicas, args):
                     print(row, flush=True)
     print(f"\n{time.perf_counter() - start:.0f} s")
+    print(event_overhead(args))
     if args.serve:
         from routing_serve import run_serve
 

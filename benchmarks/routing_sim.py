@@ -228,6 +228,7 @@ def run(
     sched: SchedulerConfig,
     num_replicas: int,
     make_router: Callable[[int], Router],
+    events: bool | None = None,
 ) -> RunResult:
     """Play the workload through `num_replicas` simulated replicas behind one router."""
     rng = random.Random(workload.seed)
@@ -242,7 +243,8 @@ def run(
         for _ in range(workload.num_sessions)
     ]
     router = make_router(num_replicas)
-    events = isinstance(router, HybridPrefix)
+    if events is None:  # only our router reads them
+        events = isinstance(router, HybridPrefix)
     replicas = [SimReplica(kv_config, sched, events) for _ in range(num_replicas)]
     owner: dict[str, tuple[int, int, Request]] = {}
     result = RunResult()
