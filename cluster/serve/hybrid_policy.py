@@ -28,6 +28,8 @@ from scheduler.kv_cache.cache_index import CacheIndex
 from scheduler.kv_cache.events import KVEventWindow
 
 Key = TypeVar("Key", bound=Hashable)
+MAX_UNINDEXED_PROMPTS = 256
+"""Prompts remembered per replica until its first events arrive."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,8 @@ class PromptKeys(NamedTuple):
 
     block_hashes: list[BlockHash]
     num_tokens: int
+    token_ids: Sequence[int] = ()
+    cache_salt: str | None = None
 
 
 class Candidate(NamedTuple):
@@ -84,6 +88,8 @@ class _Replica:
     work: float = 0.0
     """Prompt tokens routed here, decayed with `work_half_life_s`, as of `work_time`."""
     work_time: float = 0.0
+    unindexed: list[tuple[PromptKeys, float]] = field(default_factory=list)
+    """Prompts routed here before its first events (guessed once the index exists)."""
 
     def recent_work(self, now: float, half_life: float) -> float:
         return self.work * math.pow(0.5, max(now - self.work_time, 0.0) / half_life)
@@ -101,6 +107,10 @@ class HybridRoutingPolicy(Generic[Key]):
         replica = self._replicas.setdefault(key, _Replica())
         if replica.index is None or replica.index.groups != window.groups:
             replica.index = CacheIndex(window.groups, self.options.guess_ttl_s)
+            for prompt, routed_at in replica.unindexed:
+                hashes = replica.index.block_hashes(prompt.token_ids, prompt.cache_salt)
+                replica.index.guess_stored(hashes, prompt.num_tokens, routed_at)
+            replica.unindexed.clear()
         replica.index.replay(window)
         replica.kv_usage = kv_usage
 
@@ -119,7 +129,7 @@ class HybridRoutingPolicy(Generic[Key]):
         """The prompt's block hashes (none until some replica's index says how to hash)."""
         index = next((r.index for r in self._replicas.values() if r.index is not None), None)
         hashes = index.block_hashes(token_ids, cache_salt) if index is not None else []
-        return PromptKeys(hashes, len(token_ids))
+        return PromptKeys(hashes, len(token_ids), token_ids, cache_salt)
 
     def candidate(self, key: Key, prompt: PromptKeys | None, now: float) -> Candidate:
         replica = self._replicas.get(key) or _Replica()
@@ -158,6 +168,8 @@ class HybridRoutingPolicy(Generic[Key]):
             replica.work_time = now
         if prompt is not None and replica.index is not None:
             replica.index.guess_stored(prompt.block_hashes, prompt.num_tokens, now)
+        elif prompt is not None and len(replica.unindexed) < MAX_UNINDEXED_PROMPTS:
+            replica.unindexed.append((prompt, now))
 
     def completed(self, key: Key) -> None:
         replica = self._replicas.get(key)

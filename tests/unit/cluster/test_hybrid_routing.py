@@ -120,3 +120,14 @@ def test_serve_config_gets_the_router_defaults_and_events_turn_on() -> None:
         resolve_request_router({**mine, "request_router_kwargs": {"load_factor": 0.5}}, llm)
     other = {"request_router_class": "x.y:Z"}
     assert resolve_request_router(other, llm) == other
+
+
+def test_prompts_routed_before_the_first_events_are_guessed_once_they_come() -> None:
+    policy: HybridRoutingPolicy[str] = HybridRoutingPolicy()
+    policy.replay("b", window_of([], [], first_seq=0))  # a knows nothing yet
+    keys = policy.prompt_keys(PROMPT, None)
+    policy.routed("a", keys, 0.0)
+    assert policy.predicted_hit("a", keys, 1.0) == 0
+    policy.replay("a", window_of([], [], first_seq=0))
+    assert policy.predicted_hit("a", keys, 1.0) == 40
+    assert policy.predicted_hit("a", keys, RoutingOptions.guess_ttl_s + 1) == 0
