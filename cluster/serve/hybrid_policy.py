@@ -5,8 +5,9 @@ what was just sent there), the requests in flight and the recent prompt work. Fo
 
   1. every replica's predicted hit: the longest prefix valid for every KV cache group at once;
   2. replicas whose requests in flight would pass `load_factor` x the mean are out (bounded
-     load); unless the best hit left is the conversation's own history (>= `strong_fraction` of
-     the prompt), so are replicas whose recent work would pass `work_factor` x the mean;
+     load); unless the request continues a conversation (it extends a prompt routed to one of
+     the others, or its best hit covers >= `strong_fraction` of it), so are replicas whose
+     recent work would pass `work_factor` x the mean;
   3. among the rest: the longest hit if it covers >= `match_fraction` of the prompt, else (a new
      conversation) the least recent work; excluded replicas come last, in the same order.
 
@@ -28,6 +29,8 @@ from scheduler.kv_cache.cache_index import CacheIndex
 from scheduler.kv_cache.events import KVEventWindow
 
 Key = TypeVar("Key", bound=Hashable)
+MAX_PROMPT_ENDS = 1 << 16
+"""Prompt ends remembered per replica (the oldest are forgotten first)."""
 MAX_UNINDEXED_PROMPTS = 256
 """Prompts remembered per replica until its first events arrive."""
 
@@ -78,6 +81,8 @@ class Candidate(NamedTuple):
     in_flight: int
     recent_work: float
     kv_usage: float
+    continues: bool = False
+    """The prompt extends one routed there (through that prompt's last full block)."""
 
 
 @dataclass
@@ -88,6 +93,8 @@ class _Replica:
     work: float = 0.0
     """Prompt tokens routed here, decayed with `work_half_life_s`, as of `work_time`."""
     work_time: float = 0.0
+    prompt_ends: dict[BlockHash, None] = field(default_factory=dict)
+    """Hash of the last full block of each recent prompt routed here (oldest first)."""
     unindexed: list[tuple[PromptKeys, float]] = field(default_factory=list)
     """Prompts routed here before its first events (guessed once the index exists)."""
 
@@ -134,10 +141,13 @@ class HybridRoutingPolicy(Generic[Key]):
     def candidate(self, key: Key, prompt: PromptKeys | None, now: float) -> Candidate:
         replica = self._replicas.get(key) or _Replica()
         hit = 0
+        continues = False
         if prompt is not None and replica.index is not None:
             hit = replica.index.predict_hit(prompt.block_hashes, prompt.num_tokens, now)
+            ends = replica.prompt_ends
+            continues = hit > 0 and any(h in ends for h in prompt.block_hashes)
         work = replica.recent_work(now, self.options.work_half_life_s)
-        return Candidate(hit, replica.in_flight, work, replica.kv_usage)
+        return Candidate(hit, replica.in_flight, work, replica.kv_usage, continues)
 
     def choose(self, keys: Sequence[Key], prompt: PromptKeys | None, now: float) -> list[list[Key]]:
         """Preference ranks over `keys`: the best replica alone, then the rest in order."""
@@ -147,7 +157,8 @@ class HybridRoutingPolicy(Generic[Key]):
         num_tokens = prompt.num_tokens if prompt is not None else 0
         options = self.options
         over = _over_in_flight(cases, options.load_factor)
-        if _best_hit(cases, over) < options.strong_fraction * num_tokens:
+        continued = any(case.continues for key, case in cases.items() if key not in over)
+        if not continued and _best_hit(cases, over) < options.strong_fraction * num_tokens:
             # Not a conversation's own history: keep shared prefixes from drawing every
             # new conversation to the replicas that happen to hold them.
             over |= _over_work(cases, num_tokens, options.work_factor)
@@ -166,6 +177,8 @@ class HybridRoutingPolicy(Generic[Key]):
             replica.work = replica.recent_work(now, self.options.work_half_life_s)
             replica.work += prompt.num_tokens
             replica.work_time = now
+        if prompt is not None and prompt.block_hashes:
+            _remember_end(replica.prompt_ends, prompt.block_hashes)
         if prompt is not None and replica.index is not None:
             replica.index.guess_stored(prompt.block_hashes, prompt.num_tokens, now)
         elif prompt is not None and len(replica.unindexed) < MAX_UNINDEXED_PROMPTS:
@@ -179,6 +192,16 @@ class HybridRoutingPolicy(Generic[Key]):
     def in_flight(self, key: Key) -> int:
         replica = self._replicas.get(key)
         return replica.in_flight if replica is not None else 0
+
+
+def _remember_end(ends: dict[BlockHash, None], block_hashes: list[BlockHash]) -> None:
+    """Keep the prompt's last block hash: a later prompt holding it extends this one through
+    its last full block (missed when that block holds the generation prompt: then the hit's
+    length decides, as for any other request)."""
+    ends.pop(block_hashes[-1], None)
+    ends[block_hashes[-1]] = None
+    while len(ends) > MAX_PROMPT_ENDS:
+        del ends[next(iter(ends))]
 
 
 def _over_in_flight(cases: Mapping[Key, Candidate], load_factor: float) -> set[Key]:

@@ -131,3 +131,23 @@ def test_prompts_routed_before_the_first_events_are_guessed_once_they_come() -> 
     policy.replay("a", window_of([], [], first_seq=0))
     assert policy.predicted_hit("a", keys, 1.0) == 40
     assert policy.predicted_hit("a", keys, RoutingOptions.guess_ttl_s + 1) == 0
+
+
+def test_a_conversation_stays_even_when_its_history_is_a_small_part_of_the_prompt() -> None:
+    """The second turn repeats 40 % of its prompt (below `strong_fraction`) and its replica has
+    had more recent work than the work bound allows: it stays, since it extends a prompt sent
+    there; a prompt that shares the same prefix but extends no routed prompt is moved."""
+    policy = make_policy()
+    first = policy.prompt_keys(PROMPT, None)
+    policy.routed("a", first, 0.0)
+    for number in range(2):
+        policy.routed("a", policy.prompt_keys([200 + number] * 60, None), 0.0)
+    for _ in range(3):
+        policy.completed("a")
+    policy.replay("b", window_of([], [], first_seq=1))
+    second_turn = policy.prompt_keys([*PROMPT, *range(100, 160)], None)
+    assert policy.predicted_hit("a", second_turn, 1.0) == 40
+    assert policy.choose(["a", "b", "c"], second_turn, 1.0)[0] == ["a"]
+    stranger = policy.prompt_keys([*PROMPT[:36], *range(100, 165)], None)
+    assert 0 < policy.predicted_hit("a", stranger, 1.0) < 0.5 * stranger.num_tokens
+    assert policy.choose(["a", "b", "c"], stranger, 1.0)[0] != ["a"]
