@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 
 from cluster.config import LLMConfig
 from cluster.engine.input_processor import InputProcessor
@@ -13,6 +14,7 @@ from cluster.serve.routing import resolve_request_router
 from scheduler.kv_cache.events import KVEventBatch, KVEventWindow
 from scheduler.kv_cache.spec import KVCacheGroupSpec
 from scheduler.kv_cache.spec_factory import make_spec
+from tests.helpers.readme import code_block
 
 GROUPS = (
     KVCacheGroupSpec(("full",), make_spec("full_attention", 4)),
@@ -151,3 +153,14 @@ def test_a_conversation_stays_even_when_its_history_is_a_small_part_of_the_promp
     stranger = policy.prompt_keys([*PROMPT[:36], *range(100, 165)], None)
     assert 0 < policy.predicted_hit("a", stranger, 1.0) < 0.5 * stranger.num_tokens
     assert policy.choose(["a", "b", "c"], stranger, 1.0)[0] != ["a"]
+
+
+def test_the_readme_router_config_is_a_valid_deployment_config() -> None:
+    block = yaml.safe_load(code_block("request_router_class: cluster.serve", "yaml"))
+    llm = LLMConfig.model_validate(
+        {"model_loading_config": {"model_id": "m"}, "deployment_config": block["deployment_config"]}
+    )
+    assert kv_events_enabled(llm.deployment_config)
+    resolved = resolve_request_router(llm.deployment_config["request_router_config"], llm)
+    assert resolved is not None
+    assert resolved["request_router_kwargs"]["load_factor"] == 2.0
