@@ -17,6 +17,14 @@ at once (decode growth included). `held` is `held_requests`, the same at full le
 `max_concurrency` (every request at its full length holding a whole step beyond its window).
 
     .venv/bin/python benchmarks/bench_capacity.py [--budget-gib 80]
+
+`--model qwen3.5-27b` / `--model qwen3-next-80b-a3b` give the same rows for gated DeltaNet
+hybrids (`scheduler.linear_attention_capacity`: three DeltaNet layers per full-attention layer,
+states in align mode): "hybrid on" pages the states like Mamba state; the hybrid manager cannot
+be turned off for state layers, so the baseline row is the same depth with every layer full
+attention (the memory of serving these models as plain transformers).
+
+    .venv/bin/python benchmarks/bench_capacity.py --model qwen3-next-80b-a3b --budget-gib 40
 """
 
 from __future__ import annotations
@@ -32,6 +40,13 @@ from scheduler.kv_cache.spec import (
     KVCacheConfig,
     KVCacheSpec,
     SlidingWindowSpec,
+)
+from scheduler.linear_attention_capacity import (
+    QWEN3_5_27B,
+    QWEN3_NEXT_80B_A3B,
+    LinearHybridShape,
+    all_attention_specs,
+    linear_hybrid_specs,
 )
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.request import Request, SamplingParams
@@ -134,14 +149,34 @@ class Row(NamedTuple):
     worst_case: int
 
 
-def capacity_rows(budget: int) -> list[Row]:
-    """Measured and worst-case concurrency for each layout and request length."""
-    layouts = {
+Layouts = dict[str, tuple[dict[str, KVCacheSpec], bool]]
+"""Row name -> (layer specs, disable_hybrid)."""
+
+LINEAR_HYBRIDS: dict[str, LinearHybridShape] = {
+    "qwen3.5-27b": QWEN3_5_27B,
+    "qwen3-next-80b-a3b": QWEN3_NEXT_80B_A3B,
+}
+
+
+def gemma4_layouts() -> Layouts:
+    return {
         "hybrid off": (gemma4_31b_specs(), True),
         "hybrid on": (gemma4_31b_specs(), False),
         "hybrid off, K and V both stored": (gemma4_31b_specs(keys_from_values=False), True),
         "hybrid on, K and V both stored": (gemma4_31b_specs(keys_from_values=False), False),
     }
+
+
+def linear_hybrid_layouts(shape: LinearHybridShape) -> Layouts:
+    return {
+        "all layers full attention": (all_attention_specs(shape, BLOCK_SIZE), True),
+        "hybrid on (DeltaNet states paged)": (linear_hybrid_specs(shape, BLOCK_SIZE), False),
+    }
+
+
+def capacity_rows(budget: int, layouts: Layouts | None = None) -> list[Row]:
+    """Measured and worst-case concurrency for each layout (Gemma 4 by default) and length."""
+    layouts = layouts if layouts is not None else gemma4_layouts()
     rows = []
     for length in LENGTHS:
         for name, (specs, disable_hybrid) in layouts.items():
@@ -160,12 +195,16 @@ def capacity_rows(budget: int) -> list[Row]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--budget-gib", type=float, default=80.0)
+    parser.add_argument("--model", choices=["gemma-4-31b", *LINEAR_HYBRIDS], default="gemma-4-31b")
     args = parser.parse_args()
     budget = int(args.budget_gib * GIB)
-    print(f"KV budget {args.budget_gib} GiB, block size {BLOCK_SIZE}, step budget {BATCHED}")
+    shape = LINEAR_HYBRIDS.get(args.model)
+    layouts = linear_hybrid_layouts(shape) if shape is not None else gemma4_layouts()
+    print(f"{args.model}: KV budget {args.budget_gib} GiB, block size {BLOCK_SIZE}, ", end="")
+    print(f"step budget {BATCHED}")
     print("| request tokens | layout | KV cache groups | measured | held (formula) | worst case |")
     print("|---|---|---|---|---|---|")
-    for row in capacity_rows(budget):
+    for row in capacity_rows(budget, layouts):
         print("| " + " | ".join(str(value) for value in row) + " |")
 
 

@@ -10,7 +10,7 @@ first hits 24k tokens. Lookup, allocation and free are timed per call (median ov
 also per hashed token (ns / (prompt tokens)). Hash candidates are timed on one 32k-token prompt and
 reported as ratios to the one `scheduler.block_hash` uses, measured in the same run.
 
-    .venv/bin/python benchmarks/bench_kv_cache.py [--requests 20]
+    .venv/bin/python benchmarks/bench_kv_cache.py [--requests 20] [--eviction chain|lru]
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from collections.abc import Callable
 import xxhash
 
 from scheduler.block_hash import SEED, extend_block_hashes
+from scheduler.kv_cache.eviction import EvictionPolicy
 from scheduler.kv_cache.manager import KVCacheManager
 from scheduler.kv_cache.spec import KVCacheSpec, MambaCacheMode
 from scheduler.kv_cache.spec_factory import (
@@ -60,9 +61,11 @@ def model_specs() -> dict[str, list[KVCacheSpec]]:
     }
 
 
-def make_manager(specs: list[KVCacheSpec], num_blocks: int) -> KVCacheManager:
+def make_manager(
+    specs: list[KVCacheSpec], num_blocks: int, eviction: EvictionPolicy = EvictionPolicy.CHAIN
+) -> KVCacheManager:
     config = one_layer_groups_config(num_blocks, specs)
-    return KVCacheManager(config, max_model_len=2 * PROMPT)
+    return KVCacheManager(config, max_model_len=2 * PROMPT, eviction=eviction)
 
 
 def make_prompt(index: int) -> list[int]:
@@ -90,8 +93,10 @@ def prefill(manager: KVCacheManager, request: Request) -> tuple[float, float]:
     return looked_up - start, time.perf_counter() - looked_up
 
 
-def bench_prefill(name: str, specs: list[KVCacheSpec], num_requests: int) -> dict[str, float]:
-    manager = make_manager(specs, num_blocks=len(specs) * 2 * PROMPT // BLOCK + 16)
+def bench_prefill(
+    specs: list[KVCacheSpec], num_requests: int, eviction: EvictionPolicy
+) -> dict[str, float]:
+    manager = make_manager(specs, len(specs) * 2 * PROMPT // BLOCK + 16, eviction)
     lookups, allocs, frees = [], [], []
     for index in range(num_requests + 1):
         request = Request(f"r{index}", make_prompt(index), SamplingParams(), BLOCK)
@@ -109,9 +114,11 @@ def bench_prefill(name: str, specs: list[KVCacheSpec], num_requests: int) -> dic
     }
 
 
-def bench_decode(specs: list[KVCacheSpec], num_requests: int = 256, steps: int = 64) -> float:
+def bench_decode(
+    specs: list[KVCacheSpec], eviction: EvictionPolicy, num_requests: int = 256, steps: int = 64
+) -> float:
     """Median seconds of one decode step: allocate_slots(1 token) for every running request."""
-    manager = make_manager(specs, num_blocks=len(specs) * num_requests * 80 + 16)
+    manager = make_manager(specs, len(specs) * num_requests * 80 + 16, eviction)
     requests = []
     for index in range(num_requests):
         request = Request(f"d{index}", [index % 7] * 500 + [index, 1, 2], SamplingParams(), BLOCK)
@@ -212,7 +219,9 @@ def bench_hashes(repeats: int = 7) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=20)
+    parser.add_argument("--eviction", choices=[p.value for p in EvictionPolicy], default="chain")
     args = parser.parse_args()
+    eviction = EvictionPolicy(args.eviction)
     print(
         f"prompts of {PROMPT} tokens ({SHARED} shared), block {BLOCK}; medians over "
         f"{args.requests} requests"
@@ -223,8 +232,8 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|---|")
     for name, specs in model_specs().items():
-        times = bench_prefill(name, specs, args.requests)
-        decode = bench_decode(specs)
+        times = bench_prefill(specs, args.requests, eviction)
+        decode = bench_decode(specs, eviction)
         per_call = " | ".join(f"{times[k] * 1e6:.0f}" for k in ("lookup", "allocate", "free"))
         per_token = " | ".join(
             f"{times[k] * 1e9 / PROMPT:.1f}" for k in ("lookup", "allocate", "free")

@@ -3,6 +3,8 @@
 `select_mamba_kernels` follows the attention backend choice: "torch" gives the reference,
 "triton" the Triton kernels (ValueError when unavailable), "flash_attn" and "auto" the Triton
 kernels on CUDA when triton imports, else the reference. Kernel modules load only when chosen.
+The gated DeltaNet layers' delta rule kernels come along (`kernels.gated_delta_registry`):
+fla-core on CUDA when installed, unless "torch" was asked.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.gated_delta_registry import GatedDeltaKernels, select_gated_delta_kernels
 from kernels.registry import BACKEND_NAMES, triton_import_error
 
 logger = logging.getLogger(__name__)
@@ -28,6 +31,8 @@ class MambaKernels:
     name: str
     causal_conv1d: ConvFn
     ssd_scan: ScanFn
+    gated_delta: GatedDeltaKernels
+    """Kernels of the gated DeltaNet layers (fla-core on CUDA unless "torch" was asked)."""
 
 
 def select_mamba_kernels(name: str, device: str | torch.device) -> MambaKernels:
@@ -36,15 +41,15 @@ def select_mamba_kernels(name: str, device: str | torch.device) -> MambaKernels:
         raise ValueError(f"unknown backend {name!r}; choose one of {BACKEND_NAMES}")
     device = torch.device(device)
     if name == "torch":
-        return _build("torch")
+        return _build("torch", device, allow_fla=False)
     reason = _triton_unavailable_reason(device)
     if name == "triton" and reason is not None:
         raise ValueError(f"Triton Mamba kernels are unavailable: {reason}")
     if reason is None:
         logger.info("Mamba kernels: triton on %s", device)
-        return _build("triton")
+        return _build("triton", device, allow_fla=True)
     logger.info("Mamba kernels: torch (%s)", reason)
-    return _build("torch")
+    return _build("torch", device, allow_fla=True)
 
 
 def _triton_unavailable_reason(device: torch.device) -> str | None:
@@ -60,11 +65,12 @@ def _triton_unavailable_reason(device: torch.device) -> str | None:
     return f"Triton kernels need a CUDA device, not {device.type}"
 
 
-def _build(name: str) -> MambaKernels:
+def _build(name: str, device: torch.device, allow_fla: bool) -> MambaKernels:
+    gated = select_gated_delta_kernels(device, allow_fla=allow_fla)
     if name == "torch":
         from kernels import mamba_reference
 
-        return MambaKernels(name, mamba_reference.causal_conv1d, mamba_reference.ssd_scan)
+        return MambaKernels(name, mamba_reference.causal_conv1d, mamba_reference.ssd_scan, gated)
     from kernels import triton_mamba
 
-    return MambaKernels(name, triton_mamba.causal_conv1d, triton_mamba.ssd_scan)
+    return MambaKernels(name, triton_mamba.causal_conv1d, triton_mamba.ssd_scan, gated)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from scheduler.kv_cache.eviction import EvictionPolicy
+
 
 class SchedulingPolicy(enum.Enum):
     """Order of the waiting queue, and which running request is preempted first."""
@@ -39,6 +41,9 @@ class SchedulerConfig:
     """Waiting-queue order and preemption victim choice."""
     enable_prefix_caching: bool = True
     """Reuse KV blocks of earlier requests that share a prompt prefix."""
+    prefix_cache_eviction: EvictionPolicy = EvictionPolicy.CHAIN
+    """Which cached blocks are reused first: `chain` (whole prefix chains, resists many
+    sessions taking turns) or `lru` (vLLM's order)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

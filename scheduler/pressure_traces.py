@@ -61,7 +61,13 @@ def pressure_trace(
         ops.append({"op": "decode", "id": request_id, "tokens": [rng.randrange(1, 2000)]})
         live.append(request_id)
     ops.extend({"op": "free", "id": request_id} for request_id in live)
-    return {"groups": groups, "num_blocks": num_blocks, "max_model_len": 256, "ops": ops}
+    return {
+        "groups": groups,
+        "num_blocks": num_blocks,
+        "max_model_len": 256,
+        "prefix_cache_eviction": "lru",  # the registration policies compared in vLLM's order
+        "ops": ops,
+    }
 
 
 def hit_tokens(results: list[dict[str, Any]]) -> list[int]:

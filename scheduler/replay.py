@@ -3,21 +3,25 @@
 Each file holds a KV cache configuration and a list of prefill / decode / free operations; the
 tool prints one JSON line per file with one record per operation (hit length, whether the blocks
 could be allocated, free blocks, block tables), or `{"error": ...}` for a file it cannot run, and
-exits with status 2 if any file failed. For capacity planning and for comparing semantics.
+exits with status 2 if any file failed; unknown configuration keys are reported on stderr and
+under "warnings". For capacity planning and for comparing semantics.
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import sys
 from collections.abc import Sequence
 from typing import Any
 
+from scheduler.kv_cache.eviction import EvictionPolicy
 from scheduler.kv_cache.manager import KVCacheBlocks, KVCacheManager
 from scheduler.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, MambaCacheMode
 from scheduler.kv_cache.spec_factory import make_spec
 from scheduler.prefill_split import block_aligned_num_tokens
+from scheduler.replay_keys import unknown_key_warnings
 from scheduler.request import Request, SamplingParams
 
 Record = dict[str, Any]
@@ -27,6 +31,8 @@ TRACE_GROUP_TYPES = {
     "sliding_window": "sliding_window",
     "chunked_local": "chunked_local_attention",
     "mamba": "mamba",
+    "gated_delta_net": "gated_delta_net",
+    "short_conv": "short_conv",
 }
 """A trace's group `type` -> the spec kind it names (traces keep their short spellings)."""
 
@@ -56,7 +62,9 @@ def _get_tokens(op: dict[str, Any]) -> list[int]:
     return tokens
 
 
-def build_spec(entry: dict[str, Any], enable_caching: bool) -> KVCacheSpec:
+def build_spec(
+    entry: dict[str, Any], enable_caching: bool, mamba_mode: MambaCacheMode = MambaCacheMode.ALIGN
+) -> KVCacheSpec:
     """The spec of one entry of a trace's "groups" list (dummy page sizes: they do not matter
     to the replay)."""
     group_type = entry.get("type")
@@ -68,7 +76,7 @@ def build_spec(entry: dict[str, Any], enable_caching: bool) -> KVCacheSpec:
         size = _get_int(entry, "sliding_window")
     elif kind == "chunked_local_attention":
         size = _get_int(entry, "attention_chunk_size")
-    mode = MambaCacheMode.ALIGN if enable_caching else MambaCacheMode.NONE
+    mode = mamba_mode if enable_caching else MambaCacheMode.NONE
     return make_spec(kind, _get_int(entry, "block_size"), size, mamba_cache_mode=mode)
 
 
@@ -77,6 +85,7 @@ def build_manager(trace: dict[str, Any]) -> KVCacheManager:
     enable_caching = trace.get("enable_caching", True)
     if not isinstance(enable_caching, bool):
         raise ValueError(f"'enable_caching' must be a boolean, got {enable_caching!r}")
+    mamba_mode = MambaCacheMode(_get_choice(trace, "mamba_cache_mode", "align", MambaCacheMode))
     groups = []
     entries = _get_objects(trace, "groups")
     if not entries:
@@ -84,7 +93,7 @@ def build_manager(trace: dict[str, Any]) -> KVCacheManager:
     for index, entry in enumerate(entries):
         num_layers = _get_int(entry, "num_layers", 1)
         names = tuple(f"group{index}.layer{layer}" for layer in range(num_layers))
-        groups.append(KVCacheGroupSpec(names, build_spec(entry, enable_caching)))
+        groups.append(KVCacheGroupSpec(names, build_spec(entry, enable_caching, mamba_mode)))
     config = KVCacheConfig(
         num_blocks=_get_int(trace, "num_blocks"), groups=tuple(groups), tensors=()
     )
@@ -96,7 +105,18 @@ def build_manager(trace: dict[str, Any]) -> KVCacheManager:
         max_model_len=_get_int(trace, "max_model_len"),
         enable_caching=enable_caching,
         cache_unreachable_blocks=register_all,
+        eviction=EvictionPolicy(
+            _get_choice(trace, "prefix_cache_eviction", "chain", EvictionPolicy)
+        ),
     )
+
+
+def _get_choice(trace: dict[str, Any], key: str, default: str, choices: type[enum.Enum]) -> str:
+    value = trace.get(key, default)
+    allowed = [member.value for member in choices]
+    if value not in allowed:
+        raise ValueError(f"{key!r} must be one of {allowed}, got {value!r}")
+    return str(value)
 
 
 class TraceReplayer:
@@ -105,6 +125,8 @@ class TraceReplayer:
     def __init__(self, manager: KVCacheManager) -> None:
         self.manager = manager
         self.requests: dict[str, Request] = {}
+        self.miss_totals: list[dict[str, int]] = [{} for _ in range(manager.num_groups)]
+        """Per group, tokens of every prefill's lookup it could not serve, by reason."""
 
     def run(self, ops: Sequence[dict[str, Any]]) -> list[Record]:
         """One record per op, in order; an invalid op raises ValueError naming its index."""
@@ -154,6 +176,10 @@ class TraceReplayer:
         self._check_length(req_id, len(tokens))
         request = Request(req_id, tokens, SamplingParams(), self.manager.hash_block_size)
         hit = self.manager.get_computed_blocks(request)
+        misses = [dict(group) for group in hit.misses] or [{} for _ in self.miss_totals]
+        for totals, group in zip(self.miss_totals, misses, strict=True):
+            for reason, count in group.items():
+                totals[reason] = totals.get(reason, 0) + count
         chunks = self._schedule_prompt(request, hit.num_tokens, hit.blocks, hit.junction_tokens)
         allocated = chunks is not None
         if allocated:
@@ -164,6 +190,7 @@ class TraceReplayer:
             "block_ids": self._table(req_id),
             "chunks": chunks or [],
             "shared_prefix_boundary": hit.junction_tokens,
+            "misses": misses,
         }
 
     def _schedule_prompt(
@@ -225,11 +252,18 @@ class TraceReplayer:
 
 
 def replay_trace(trace: dict[str, Any]) -> dict[str, Any]:
-    """The output object of one trace: {"results": [...]}."""
+    """The output object of one trace: {"results": [...]}, plus "warnings" naming the keys the
+    tool does not know (each with the closest known one), when there are any."""
     if not isinstance(trace, dict):
         raise ValueError("a trace must be a JSON object")
+    warnings = unknown_key_warnings(trace)
     manager = build_manager(trace)
-    return {"results": TraceReplayer(manager).run(_get_objects(trace, "ops"))}
+    replayer = TraceReplayer(manager)
+    output: dict[str, Any] = {"results": replayer.run(_get_objects(trace, "ops"))}
+    output["miss_tokens"] = replayer.miss_totals
+    if warnings:
+        output["warnings"] = warnings
+    return output
 
 
 def replay_file(path: str) -> tuple[dict[str, Any], bool]:
@@ -253,6 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     status = 0
     for path in args.files:
         output, ok = replay_file(path)
+        for warning in output.get("warnings", ()):
+            sys.stderr.write(f"{path}: warning: {warning}\n")
         sys.stdout.write(json.dumps(output) + "\n")
         sys.stdout.flush()
         if not ok:

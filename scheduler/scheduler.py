@@ -31,6 +31,7 @@ from scheduler.request import Request, RequestStatus
 from scheduler.stats import SchedulerStats
 from scheduler.step_plan import StepPlan, WorkerView
 from scheduler.stop_rules import apply_sampled_tokens, make_step_output
+from scheduler.window_admission import fitting_chunk
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,7 @@ class Scheduler:
             kv_cache_config,
             max_model_len=config.max_model_len,
             enable_caching=config.enable_prefix_caching,
+            eviction=config.prefix_cache_eviction,
         )
         self.requests: dict[str, Request] = {}
         """Unfinished requests (waiting and running) by ID."""
@@ -173,6 +175,8 @@ class Scheduler:
                     index += 1
                     continue
             blocks = allocate_slots(request, num_new)
+            if blocks is None and num_new > 1:
+                num_new, blocks = self._allocate_shorter_chunk(request, num_new)
             if blocks is None:
                 blocks = self._allocate_with_preemption(request, num_new, plan)
                 if blocks is None:
@@ -209,12 +213,28 @@ class Scheduler:
             if num_new == 0:
                 return
             blocks = manager.allocate_slots(request, num_new, hit.num_tokens, hit.blocks)
+            if blocks is None:
+                num_new, blocks = self._allocate_shorter_chunk(request, num_new, hit)
             if blocks is not None:
                 self._start_running(self.waiting.pop(), hit, num_new, blocks, plan)
             elif self.running:
                 return  # room comes back as running requests finish
             else:
                 self._drop_unfittable(self.waiting.pop())  # the whole pool cannot hold it
+
+    def _allocate_shorter_chunk(
+        self, request: Request, num_new: int, hit: CacheHit | None = None
+    ) -> tuple[int, KVCacheBlocks | None]:
+        """After a failed allocation of a prefill chunk: the longest shorter chunk that fits
+        (window + chunk, see `scheduler.window_admission`) and its blocks, else (num_new, None)."""
+        if not self.config.enable_chunked_prefill:
+            return num_new, None
+        manager = self.kv_cache_manager
+        num_hit, hit_blocks = (hit.num_tokens, hit.blocks) if hit is not None else (0, None)
+        shorter = fitting_chunk(manager, request, num_new, num_hit, hit_blocks)
+        if not 0 < shorter < num_new:
+            return num_new, None
+        return shorter, manager.allocate_slots(request, shorter, num_hit, hit_blocks)
 
     def _start_running(
         self, request: Request, hit: CacheHit, num_new: int, blocks: KVCacheBlocks, plan: StepPlan

@@ -37,6 +37,9 @@ class SchedulerStats:
     """Requests preempted since the scheduler started (cumulative)."""
     num_evictions: int
     """Cached blocks evicted to make room since the scheduler started (cumulative)."""
+    prefix_cache_misses: tuple[tuple[tuple[str, int], ...], ...] = ()
+    """Per group: tokens of admitted lookups the group could not serve, as (reason, tokens)
+    pairs; reasons are `MissReason` values (cumulative)."""
 
     @classmethod
     def from_kv_stats(
@@ -58,4 +61,5 @@ class SchedulerStats:
             prefix_cache_hit_tokens=kv_stats.hit_tokens,
             num_preemptions=num_preemptions,
             num_evictions=kv_stats.num_evictions,
+            prefix_cache_misses=kv_stats.group_miss_tokens,
         )

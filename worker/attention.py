@@ -55,9 +55,9 @@ class ForwardContext:
     """Per-step inputs of the attention layers, found by layer name."""
 
     metadata: dict[str, AttentionMetadata]
-    kv_caches: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    kv_caches: dict[str, tuple[torch.Tensor, ...]]
     """Per layer: key and value caches [num_blocks, block_size, num_kv_heads, head_size]; for a
-    Mamba layer its conv and SSM state views [num_blocks, ...]."""
+    state layer (Mamba, gated DeltaNet, short conv) one view [num_blocks, ...] per state."""
     mamba_metadata: dict[str, MambaMetadata] = field(default_factory=dict)
     """Per Mamba layer: its KV cache group's state blocks for this step."""
 

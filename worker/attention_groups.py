@@ -133,7 +133,7 @@ def build_forward_context(
     groups: Sequence[AttentionGroup],
     batch: InputBatch,
     step: StepRows,
-    kv_caches: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    kv_caches: dict[str, tuple[torch.Tensor, ...]],
     stats: MetadataBuildStats | None = None,
 ) -> ForwardContext:
     """Metadata of every layer for this step, built once per attention group.

@@ -29,6 +29,13 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 
+TEXT_MODEL_OF = {
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
+"""Multimodal checkpoints served as their text model: architecture -> the text model's (its
+config is the checkpoint's `text_config`; the model class skips the vision weights)."""
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
@@ -53,7 +60,8 @@ class ModelConfig:
     model_path: str
     """Local folder holding config.json and the safetensors checkpoint."""
     architecture: str
-    """First entry of the checkpoint's `architectures`, e.g. `LlamaForCausalLM`."""
+    """First entry of the checkpoint's `architectures`, e.g. `LlamaForCausalLM` (a multimodal
+    checkpoint served as its text model names the text model: `TEXT_MODEL_OF`)."""
     hf_config: PretrainedConfig
     """The parsed transformers config (read-only by convention)."""
     dtype: torch.dtype
@@ -98,11 +106,14 @@ class ModelConfig:
         architectures = getattr(hf_config, "architectures", None) or []
         if not architectures:
             raise ValueError(f"{folder}/config.json lists no `architectures`")
+        architecture = architectures[0]
+        if architecture in TEXT_MODEL_OF:
+            hf_config, architecture = _text_config(hf_config), TEXT_MODEL_OF[architecture]
         if device_type is None:
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
         return cls(
             model_path=str(folder),
-            architecture=architectures[0],
+            architecture=architecture,
             hf_config=hf_config,
             dtype=resolve_dtype(dtype, _config_dtype(hf_config), device_type),
             max_model_len=_resolve_max_model_len(hf_config, max_model_len),
@@ -115,6 +126,13 @@ class ModelConfig:
     def dtype_bytes(self) -> int:
         """Bytes per element of `dtype` (what KV cache specs carry)."""
         return self.dtype.itemsize
+
+
+def _text_config(hf_config: PretrainedConfig) -> PretrainedConfig:
+    """The text model's config of a multimodal checkpoint; embedding tying is the checkpoint's."""
+    text: PretrainedConfig = hf_config.text_config
+    text.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+    return text
 
 
 def resolve_dtype(

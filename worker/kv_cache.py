@@ -40,8 +40,9 @@ logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 """KV budget on CPU when none is configured."""
 
-KVCaches = dict[str, tuple[torch.Tensor, torch.Tensor]]
-"""Layer name -> (key cache, value cache), each [num_kernel_blocks, kbs, num_kv_heads, head]."""
+KVCaches = dict[str, tuple[torch.Tensor, ...]]
+"""Layer name -> (key cache, value cache), each [num_kernel_blocks, kbs, num_kv_heads, head];
+a state layer's entry holds one view per state instead."""
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from worker.distributed import all_reduce
 from worker.layers.linear import RowParallelLinear
 from worker.layers.loading import ShardId, WeightSource, copy_checked, new_parameter, read_part
 from worker.mamba_metadata import MambaWave
+from worker.state_layer import StateLayer
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ class _Params(nn.Module):
         self.bias = bias
 
 
-class MambaMixer2(nn.Module):
+class MambaMixer2(StateLayer):
     """Mamba-2 mixer (transformers' `BambaMixer` / `NemotronHMamba2Mixer` numerics)."""
 
     def __init__(self, cfg: MambaConfig, parallel: ParallelConfig) -> None:
@@ -198,7 +199,7 @@ class MambaMixer2(nn.Module):
         xbc: torch.Tensor,
         dt: torch.Tensor,
         wave: MambaWave,
-        caches: tuple[torch.Tensor, torch.Tensor],
+        caches: tuple[torch.Tensor, ...],
         kernels: object,
     ) -> torch.Tensor:
         """Conv, then scan, of one wave's tokens; states read before and written after."""

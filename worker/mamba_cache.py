@@ -27,16 +27,16 @@ from scheduler.kv_cache.spec import (
     manager_spec,
 )
 from worker.attention import Attention
-from worker.mamba import MambaMixer2
+from worker.state_layer import StateLayer
 
 
 class HasModules(Protocol):
     def modules(self) -> Iterator[nn.Module]: ...
 
 
-def mamba_layers(model: HasModules) -> list[MambaMixer2]:
-    """The model's Mamba mixers in module order."""
-    return [module for module in model.modules() if isinstance(module, MambaMixer2)]
+def mamba_layers(model: HasModules) -> list[StateLayer]:
+    """The model's state layers (Mamba mixers, gated DeltaNet, short conv) in module order."""
+    return [module for module in model.modules() if isinstance(module, StateLayer)]
 
 
 def has_mamba_groups(config: KVCacheConfig) -> bool:
@@ -53,7 +53,7 @@ def model_order_specs(
     """Attention and Mamba specs together, in the order the layers appear in the model."""
     specs: dict[str, KVCacheSpec] = {}
     for module in model.modules():
-        if isinstance(module, MambaMixer2):
+        if isinstance(module, StateLayer):
             specs[module.layer_name] = module.kv_cache_spec(block_size, dtype_bytes, mode)
         elif isinstance(module, Attention) and module.layer_name in attention_specs:
             specs[module.layer_name] = attention_specs[module.layer_name]
@@ -62,8 +62,8 @@ def model_order_specs(
 
 def mamba_view(
     buffer: torch.Tensor, spec: MambaSpec, num_blocks: int, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(conv state [num_blocks, ...], SSM state [num_blocks, ...]) views of a raw buffer."""
+) -> tuple[torch.Tensor, ...]:
+    """One view [num_blocks, *shape] of a raw buffer per state (Mamba-2: conv, then SSM)."""
     page = spec.page_size_bytes
     if page % dtype.itemsize:
         raise ValueError(f"Mamba page of {page} bytes is not a whole number of {dtype} elements")
@@ -75,8 +75,7 @@ def mamba_view(
         size = math.prod(shape)
         views.append(pages[:, offset : offset + size].view(num_blocks, *shape))
         offset += size
-    conv, ssm = views
-    return conv, ssm
+    return tuple(views)
 
 
 def block_contiguous_attention_view(

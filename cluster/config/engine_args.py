@@ -48,6 +48,9 @@ class EngineArgs(StrictModel):
     """Longest request (prompt + output); default: the model's max_position_embeddings."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of shared prompt prefixes."""
+    prefix_cache_eviction: Literal["chain", "lru"] = "chain"
+    """Which cached KV blocks are reused first: chain (whole prefix chains, a protected subset
+    when many sessions take turns) or lru (vLLM's order, to compare with vLLM exactly)."""
     disable_hybrid_kv_cache_manager: bool = False
     """Keep every layer's KV for every token in one group (no per-type groups)."""
     tensor_parallel_size: int = Field(1, ge=1)
@@ -70,8 +73,9 @@ class EngineArgs(StrictModel):
     kv_sharing_fast_prefill: bool = False
     """Run the trailing KV-sharing layers (Gemma 3n) only on the rows that reach the LM head."""
     mamba_cache_mode: Literal["none", "align", "all"] = "align"
-    """Prefix caching of Mamba states: none | align (states at hit-aligned chunk ends) | all
-    (every block end); with enable_prefix_caching off it is none."""
+    """Prefix caching of recurrent states (Mamba, gated DeltaNet, short conv): none | align
+    (states at hit-aligned chunk ends) | all (every block end); with enable_prefix_caching off
+    it is none."""
     distributed_executor_backend: ExecutorBackend | None = None
     """uni (one rank in-process) | mp (a process per rank) | ray (an actor per rank); default:
     ray inside a Ray job or actor, else mp when tensor_parallel_size > 1, else uni."""

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from cluster.config.engine_args import EngineArgs
 from scheduler.config import SchedulerConfig, SchedulingPolicy
+from scheduler.kv_cache.eviction import EvictionPolicy
 
 if TYPE_CHECKING:  # torch-heavy: imported where the workers run, not by callers
     from worker.config import ModelConfig
@@ -81,6 +82,7 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
         max_model_len=model.max_model_len,
         policy=SchedulingPolicy(args.scheduling_policy),
         enable_prefix_caching=args.enable_prefix_caching,
+        prefix_cache_eviction=EvictionPolicy(args.prefix_cache_eviction),
     )
     return EngineConfigs(
         model,

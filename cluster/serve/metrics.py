@@ -84,6 +84,12 @@ class EngineMetrics:
             "Prefix-cache hit tokens per KV cache group, before groups agree.",
             "group",
         )
+        self.group_misses = _counter(
+            "hybridserve:prefix_cache_misses_total",
+            "Prompt tokens a KV cache group could not serve from the prefix cache, by reason.",
+            "group",
+            "reason",
+        )
         self.worker_alive = _gauge("hybridserve:worker_alive", "1 if the rank is alive.", "rank")
         for counter in (
             self.pc_queries,
@@ -112,7 +118,16 @@ class EngineMetrics:
         for group, hits in enumerate(stats.prefix_cache_hits):
             before = last.prefix_cache_hits[group] if last is not None else 0
             _inc(self.group_hits, hits, before, {**tags, "group": str(group)})
+        self._record_misses(stats, last)
         self._last = stats
+
+    def _record_misses(self, stats: SchedulerStats, last: SchedulerStats | None) -> None:
+        before = last.prefix_cache_misses if last is not None else ()
+        for group, misses in enumerate(stats.prefix_cache_misses):
+            earlier = dict(before[group]) if group < len(before) else {}
+            for reason, tokens in misses:
+                tags = {**self.tags, "group": str(group), "reason": reason}
+                _inc(self.group_misses, tokens, earlier.get(reason, 0), tags)
 
     def record_workers(self, alive: Sequence[bool]) -> None:
         for rank, up in enumerate(alive):

@@ -15,6 +15,8 @@ from collections.abc import Iterable, Sequence
 
 from scheduler.block_hash import BlockHash
 from scheduler.kv_cache.events import KVEventSink
+from scheduler.kv_cache.eviction import ChainProtection, EvictionPolicy, Tier, TieredFreeQueue
+from scheduler.kv_cache.eviction_history import EvictionHistory
 from scheduler.kv_cache.free_block_queue import FreeBlockQueue, KVCacheBlock
 
 __all__ = ["BlockPool", "FreeBlockQueue", "KVCacheBlock"]
@@ -30,13 +32,23 @@ class BlockPool:
     while an identical one is cached) wait in `_duplicates` and are promoted on eviction.
     """
 
-    def __init__(self, num_blocks: int, num_groups: int) -> None:
+    def __init__(
+        self, num_blocks: int, num_groups: int, eviction: EvictionPolicy = EvictionPolicy.LRU
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1 (the null block), got {num_blocks}")
         self.num_blocks = num_blocks
         self.blocks = [KVCacheBlock(block_id) for block_id in range(num_blocks)]
         self.null_block = self.blocks[0]
         self.free_queue = FreeBlockQueue(self.blocks[1:])
+        self.eviction_history = EvictionHistory(num_blocks)
+        """Recently evicted (group, key) pairs, for miss reasons and the `chain` policy."""
+        self.chains: ChainProtection | None = None
+        """The `chain` policy's state (None: LRU, the queue drawn above)."""
+        if eviction is EvictionPolicy.CHAIN:
+            tiered = TieredFreeQueue(self.blocks[1:])
+            self.free_queue = tiered
+            self.chains = ChainProtection(tiered, num_blocks - 1, self.eviction_history)
         self.hash_maps: list[dict[BlockHash, KVCacheBlock]] = [{} for _ in range(num_groups)]
         """Per group: hash -> first-registered block holding it (what a lookup returns)."""
         self._duplicates: dict[tuple[int, BlockHash], dict[int, KVCacheBlock]] = {}
@@ -75,6 +87,7 @@ class BlockPool:
         for block in blocks:
             block_hash = block.block_hash
             if block_hash is not None:
+                self.eviction_history.record(block.group_id, block_hash)
                 hash_map = maps[block.group_id]
                 if (
                     not self._duplicates
@@ -89,11 +102,22 @@ class BlockPool:
             block.ref_cnt = 1
             block.group_id = group_id
         self._num_used[group_id] += count
+        if self.chains is not None:
+            born = self.chains.clock
+            for block in blocks:
+                block.tier = Tier.FRESH  # not from any chain until freed again
+                block.stamp = -1
+                block.num_hits = 0
+                block.born = born
+            self.chains.note_in_use(self.num_blocks - 1 - self.free_queue.num_free_blocks)
         return blocks
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference on each block (a prefix hit); revive free ones."""
         null = self.null_block
+        if self.chains is not None:
+            self._touch_tiered(blocks)
+            return
         num_revived = 0
         for block in blocks:
             if block is null:
@@ -111,12 +135,40 @@ class BlockPool:
             block.ref_cnt += 1
         self.free_queue.num_free_blocks -= num_revived
 
+    def _touch_tiered(self, blocks: Iterable[KVCacheBlock]) -> None:
+        assert self.chains is not None
+        null = self.null_block
+        for block in blocks:
+            if block is null:
+                continue
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+                self._num_used[block.group_id] += 1
+                self.chains.num_held_hits += 1  # its tier stays set: not a new allocation
+            block.ref_cnt += 1
+            block.num_hits += 1
+
+    def free_chain(
+        self, ordered_blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash]
+    ) -> None:
+        """Free a finished request's blocks (its chain, `block_hashes` naming its tokens)."""
+        self._release(ordered_blocks, block_hashes)
+
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference on each block, in order; queue those that reach 0.
 
         Unhashed ones go to the front (the first given is reused first), hashed ones to the tail
-        in the given order, so callers pass a request's blocks tail first.
+        in the given order, so callers pass a request's blocks tail first. With the `chain`
+        policy hashed ones join the transient tier.
         """
+        self._release(ordered_blocks, None)
+
+    def _release(
+        self, ordered_blocks: Iterable[KVCacheBlock], chain_hashes: Sequence[BlockHash] | None
+    ) -> None:
+        if self.chains is not None:
+            self._release_tiered(ordered_blocks, chain_hashes)
+            return
         null = self.null_block
         to_front: list[KVCacheBlock] = []
         to_tail: list[KVCacheBlock] = []
@@ -130,6 +182,38 @@ class BlockPool:
                 num_used[block.group_id] -= 1
                 (to_front if block.block_hash is None else to_tail).append(block)
         self.free_queue.append_n(to_tail)
+        if to_front:
+            self.free_queue.prepend_n(to_front)
+
+    def _release_tiered(
+        self, ordered_blocks: Iterable[KVCacheBlock], chain_hashes: Sequence[BlockHash] | None
+    ) -> None:
+        """`_release` for the `chain` policy: also counts the freed blocks that were hits (their
+        tier stays set while held; newly allocated ones are FRESH) and protected ones."""
+        chains = self.chains
+        assert chains is not None
+        null = self.null_block
+        to_front: list[KVCacheBlock] = []
+        to_tail: list[KVCacheBlock] = []
+        num_used = self._num_used
+        num_hits = num_protected = 0
+        for block in ordered_blocks:
+            if block is null:
+                continue
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, f"{block} freed more often than taken"
+            if block.ref_cnt == 0:
+                num_used[block.group_id] -= 1
+                tier = block.tier
+                if tier:
+                    num_hits += 1
+                    num_protected += tier == Tier.PROTECTED
+                (to_front if block.block_hash is None else to_tail).append(block)
+        chains.num_held_hits -= num_hits
+        if chain_hashes is not None:
+            chains.queue_chain(to_tail, chain_hashes, num_protected > 0)
+        else:
+            chains.queue_left_behind(to_tail)
         if to_front:
             self.free_queue.prepend_n(to_front)
 

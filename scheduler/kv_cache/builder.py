@@ -145,28 +145,34 @@ def choose_grouping(
     """The hybrid grouping, unless folding every layer into full attention holds more requests
     of `max_model_len` (`held_requests`) in the same memory: with requests no longer than the
     windows, windows save nothing while unified block sizes and padding layers still cost.
-    The choice is logged; models that cannot be folded (Mamba) keep the hybrid grouping."""
+    The choice and its reason are logged; models that cannot be folded (Mamba) keep the hybrid
+    grouping."""
+    length = limits.max_model_len
     try:
         folded = group_layers(fold_to_full_attention(owners), disable_hybrid=True)
-    except ValueError:
+    except ValueError as error:
+        logger.info("KV cache grouping: hybrid, because folding is impossible (%s)", error)
         return hybrid
     if folded == hybrid:
+        logger.info("KV cache grouping: one grouping, because no layer is windowed or chunked")
         return hybrid
     on = grouping_capacity(hybrid, *limits)
     off = grouping_capacity(folded, *limits)
     if off > on:
         logger.warning(
-            "KV cache grouping: the hybrid groups would hold %d requests of %d tokens, folding "
-            "every layer into full attention holds %d; using the folded grouping",
-            on,
-            limits.max_model_len,
+            "KV cache grouping: folded (every layer full attention), because it holds %d "
+            "requests of %d tokens where the hybrid groups would hold %d",
             off,
+            length,
+            on,
         )
         return folded
     logger.info(
-        "KV cache grouping: hybrid groups hold %d requests of %d tokens (%d folded)",
+        "KV cache grouping: hybrid (%d groups), because it holds %d requests of %d tokens "
+        "where folding every layer into full attention would hold %d",
+        len(hybrid),
         on,
-        limits.max_model_len,
+        length,
         off,
     )
     return hybrid

@@ -141,12 +141,21 @@ class KVCacheCoordinator:
         for manager in self.managers:
             manager.remove_skipped_blocks(req_id, total_computed)
 
-    def free(self, req_id: str) -> None:
-        """Free the request's blocks: group by group, each group's table tail first."""
-        ordered: list[KVCacheBlock] = []
-        for manager in self.managers:
-            ordered.extend(manager.pop_blocks(req_id))
-        self.pool.free_blocks(ordered)
+    def free(self, req_id: str, block_hashes: Sequence[BlockHash] = ()) -> None:
+        """Free the request's blocks: LRU, group by group, each group's table tail first; the
+        `chain` policy, as one chain from its last token to its first over every group."""
+        per_group = [manager.pop_blocks(req_id) for manager in self.managers]
+        if self.pool.chains is None:
+            self.pool.free_blocks([block for blocks in per_group for block in blocks])
+            return
+        merged: list[KVCacheBlock] = []
+        positions: list[int] = []  # no (position, block) tuples: they would wake the GC
+        for manager, blocks in zip(self.managers, per_group, strict=True):
+            size = manager.block_size  # `blocks` is tail first: positions count down
+            merged.extend(blocks)
+            positions.extend(range((len(blocks) - 1) * size, -1, -size))
+        order = sorted(range(len(merged)), key=positions.__getitem__, reverse=True)  # stable
+        self.pool.free_chain([merged[index] for index in order], block_hashes)
 
     def get_blocks(self, req_id: str) -> GroupBlocks:
         """The request's current tables (live lists: do not mutate)."""

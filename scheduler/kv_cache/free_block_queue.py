@@ -14,7 +14,18 @@ from scheduler.block_hash import BlockHash
 class KVCacheBlock:
     """One block ID with its bookkeeping; also a node of the free queue."""
 
-    __slots__ = ("block_hash", "block_id", "group_id", "next_free", "prev_free", "ref_cnt")
+    __slots__ = (
+        "block_hash",
+        "block_id",
+        "born",
+        "group_id",
+        "next_free",
+        "num_hits",
+        "prev_free",
+        "ref_cnt",
+        "stamp",
+        "tier",
+    )
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -25,6 +36,15 @@ class KVCacheBlock:
         """KV cache group that last allocated the block (the group part of the cache key)."""
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
+        # The `chain` eviction policy's bookkeeping (scheduler.kv_cache.eviction).
+        self.tier = 0
+        """Free-queue tier the block was last queued in."""
+        self.stamp = 0
+        """Clock of the request free that queued it (its chain's identity and recency)."""
+        self.num_hits = 0
+        """Prefix hits that reused the block since it was allocated."""
+        self.born = 0
+        """Request frees counted when the block was allocated."""
 
     def __repr__(self) -> str:
         hashed = self.block_hash is not None
@@ -104,6 +124,16 @@ class FreeBlockQueue:
         self._head.next_free = node
         node.prev_free = self._head
         self.num_free_blocks += len(blocks)
+
+    def last(self) -> KVCacheBlock | None:
+        """The block at the tail, if any."""
+        node = self._tail.prev_free
+        return None if node is None or node is self._head else node
+
+    def first(self) -> KVCacheBlock | None:
+        """The block the next pop returns, if any."""
+        node = self._head.next_free
+        return None if node is None or node is self._tail else node
 
     def block_ids(self) -> list[int]:
         """Block IDs from front to tail (tests and invariant checks)."""

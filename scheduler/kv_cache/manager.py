@@ -13,7 +13,10 @@ from typing import ClassVar, NamedTuple
 from scheduler.kv_cache.block_pool import BlockPool, KVCacheBlock
 from scheduler.kv_cache.coordinator import make_coordinator
 from scheduler.kv_cache.events import KVEventBatch, KVEventSink
+from scheduler.kv_cache.eviction import EvictionPolicy
+from scheduler.kv_cache.miss_reasons import GroupMisses, explain_misses
 from scheduler.kv_cache.spec import KVCacheConfig, MambaCacheMode, MambaSpec, manager_spec
+from scheduler.kv_cache.window_managers import ChunkedLocalManager, SlidingWindowManager
 from scheduler.request import Request
 
 
@@ -49,6 +52,9 @@ class CacheHit(NamedTuple):
     group_hit_tokens: tuple[int, ...]
     """Per group, the hit its own bucket found before the groups agreed; empty when nothing was
     looked up (caching off, or a request that reads no hit)."""
+    misses: tuple[GroupMisses, ...] = ()
+    """Per group, the tokens it could not serve and why (`MissReason` values), measured at the
+    lookup; empty when nothing was looked up."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,8 @@ class KVCacheStats:
     """Tokens actually served from the cache (the reconciled hits)."""
     num_evictions: int
     """Cached blocks reused for other data."""
+    group_miss_tokens: tuple[GroupMisses, ...] = ()
+    """Per group, tokens of admitted lookups it could not serve, by `MissReason` value."""
 
 
 class KVCacheManager:
@@ -85,10 +93,12 @@ class KVCacheManager:
         max_model_len: int,
         enable_caching: bool = True,
         cache_unreachable_blocks: bool = False,
+        eviction: EvictionPolicy = EvictionPolicy.CHAIN,
     ) -> None:
         """`cache_unreachable_blocks` registers every full block as vLLM does, also those no
         prefix hit can use (a block a sliding window or chunk never reads at an aligned end);
-        by default they stay unregistered and go back to the front of the free queue."""
+        by default they stay unregistered and go back to the front of the free queue.
+        `eviction` picks which cached blocks are reused first (`EvictionPolicy`)."""
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         sizes = config.block_sizes
@@ -98,7 +108,7 @@ class KVCacheManager:
         self.alignment_tokens = math.lcm(*sizes) if sizes else max_model_len
         """Hit lengths and block-aligned prefill chunks are multiples of this (lcm)."""
         self._hash_block_size = math.gcd(*sizes) if self.enable_caching else self.alignment_tokens
-        self.pool = BlockPool(config.num_blocks, self.num_groups)
+        self.pool = BlockPool(config.num_blocks, self.num_groups, eviction)
         self.coordinator = make_coordinator(
             config.groups,
             self.pool,
@@ -112,6 +122,12 @@ class KVCacheManager:
         )
         """Prefill must end chunks at block boundaries (a Mamba group keeps states only at
         chunk ends); see `scheduler.prefill_split`."""
+        self.has_windowed_groups = not self.needs_block_aligned_prefill and any(
+            isinstance(manager, ChunkedLocalManager | SlidingWindowManager)
+            for manager in self.coordinator.managers
+        )
+        """Some group frees a request's old blocks as it advances (sliding window, chunked
+        local): a prompt computed in chunks holds fewer blocks than computed at once."""
         self._quiet: dict[str, tuple[int, int, int]] = {}
         """Per request holding tables: (slots, computed, cached) limits below which a step
         changes nothing (see `SingleTypeManager.quiet_limits`)."""
@@ -121,6 +137,7 @@ class KVCacheManager:
         self._query_tokens = 0
         self._hit_tokens = 0
         self._group_hit_tokens = [0] * self.num_groups
+        self._miss_tokens: list[dict[str, int]] = [{} for _ in range(self.num_groups)]
 
     @property
     def hash_block_size(self) -> int:
@@ -156,8 +173,15 @@ class KVCacheManager:
             request.block_hashes, request.num_tokens - 1
         )
         junction = max(found.num_tokens, *found.group_hit_tokens)
+        misses = explain_misses(
+            self.coordinator.managers,
+            self.pool,
+            request,
+            found.group_hit_tokens,
+            self.alignment_tokens,
+        )
         return CacheHit(
-            KVCacheBlocks(found.blocks), found.num_tokens, junction, found.group_hit_tokens
+            KVCacheBlocks(found.blocks), found.num_tokens, junction, found.group_hit_tokens, misses
         )
 
     def record_lookup(self, request: Request, hit: CacheHit) -> None:
@@ -173,6 +197,9 @@ class KVCacheManager:
         self._hit_tokens += hit.num_tokens
         for group_id, tokens in enumerate(hit.group_hit_tokens):
             self._group_hit_tokens[group_id] += tokens
+        for totals, misses in zip(self._miss_tokens, hit.misses, strict=True):
+            for reason, tokens in misses:
+                totals[reason] = totals.get(reason, 0) + tokens
 
     def get_num_blocks_to_allocate(
         self,
@@ -275,7 +302,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release every block of a finished or preempted request (cached ones stay hit-able)."""
         if self._quiet.pop(request.req_id, None) is not None:
-            self.coordinator.free(request.req_id)
+            self.coordinator.free(request.req_id, request.block_hashes)
 
     def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
         """The request's current table per group (null entries are 0)."""
@@ -319,6 +346,7 @@ class KVCacheManager:
             group_hit_tokens=tuple(self._group_hit_tokens),
             hit_tokens=self._hit_tokens,
             num_evictions=self.pool.num_evictions,
+            group_miss_tokens=tuple(tuple(misses.items()) for misses in self._miss_tokens),
         )
 
     def check_invariants(self) -> None:

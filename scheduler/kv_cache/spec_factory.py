@@ -6,6 +6,7 @@ benchmarks.
     make_spec("sliding_window", 16, 1024)                   window of 1024 tokens
     make_spec("chunked_local_attention", 16, 8192)          chunks of 8192 tokens
     make_spec("mamba", 16, mamba_cache_mode=MambaCacheMode.ALIGN)
+    make_spec("gated_delta_net", 16)                        also "short_conv": Mamba-managed states
 
 The default shapes are dummies (one KV head of size 1, 4-byte elements; a one-element Mamba
 state) for tools where page sizes do not matter; pass `shape` for realistic pages.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from scheduler.kv_cache.linear_state_spec import GatedDeltaNetSpec, ShortConvSpec
 from scheduler.kv_cache.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -26,7 +28,13 @@ from scheduler.kv_cache.spec import (
     SlidingWindowSpec,
 )
 
-SPEC_KINDS = ("full_attention", "sliding_window", "chunked_local_attention", "mamba")
+STATE_SPECS: dict[str, type[MambaSpec]] = {
+    "mamba": MambaSpec,
+    "gated_delta_net": GatedDeltaNetSpec,
+    "short_conv": ShortConvSpec,
+}
+"""Recurrent-state kinds (one `MambaShape` each), all managed by the Mamba manager."""
+SPEC_KINDS = ("full_attention", "sliding_window", "chunked_local_attention", *STATE_SPECS)
 """The kind names `make_spec` takes: `make_spec(kind, ...).kind == kind`."""
 
 
@@ -56,11 +64,11 @@ def make_spec(
     """The spec of one layer of `kind` (one of `SPEC_KINDS`); `size` is the window of
     "sliding_window" and the chunk of "chunked_local_attention". ValueError on an unknown kind,
     a missing size or a shape of the wrong kind."""
-    if kind == "mamba":
+    if kind in STATE_SPECS:
         state = shape if shape is not None else MambaShape()
         if not isinstance(state, MambaShape):
-            raise ValueError(f"a mamba spec needs a MambaShape, got {state!r}")
-        return MambaSpec(
+            raise ValueError(f"a {kind} spec needs a MambaShape, got {state!r}")
+        return STATE_SPECS[kind](
             block_size=block_size,
             shapes=state.shapes,
             dtype_bytes=state.dtype_bytes,

@@ -10,10 +10,16 @@ from worker.models.gemma3n import Gemma3nForCausalLM
 from worker.models.gemma4 import Gemma4ForCausalLM
 from worker.models.gpt_oss import GptOssForCausalLM
 from worker.models.granitemoehybrid import GraniteMoeHybridForCausalLM
+from worker.models.lfm2 import Lfm2ForCausalLM
 from worker.models.llama import LlamaForCausalLM, MistralForCausalLM
 from worker.models.llama4 import Llama4ForCausalLM
 from worker.models.nemotron_h import NemotronHForCausalLM
 from worker.models.qwen2 import Qwen2ForCausalLM
+from worker.models.qwen3_next import (
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3NextForCausalLM,
+)
 
 _MODELS: dict[str, type[DecoderForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -28,6 +34,10 @@ _MODELS: dict[str, type[DecoderForCausalLM]] = {
     "BambaForCausalLM": BambaForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,
     "NemotronHForCausalLM": NemotronHForCausalLM,
+    "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
+    "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Lfm2ForCausalLM": Lfm2ForCausalLM,
 }
 
 

@@ -29,7 +29,7 @@ def test_replay_command_prints_one_line_per_trace(capsys: pytest.CaptureFixture[
     assert main(["replay", *files]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == len(files)
-    expected = json.loads(Path(files[0]).read_text())["hand_expected"]
+    expected = json.loads(Path(files[0]).read_text())["meta"]["hand_expected"]
     first = json.loads(lines[0])["results"]
     assert {k: first[int(k)]["hit_tokens"] for k in expected if "hit_tokens" in expected[k]} == {
         k: v["hit_tokens"] for k, v in expected.items() if "hit_tokens" in v

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from scheduler.kv_cache.block_pool import BlockPool
 from scheduler.kv_cache.coordinator import make_manager as make_group_manager
+from scheduler.kv_cache.eviction import EvictionPolicy
 from scheduler.kv_cache.manager import KVCacheBlocks, KVCacheManager
 from scheduler.kv_cache.single_type_manager import SingleTypeManager
 from scheduler.kv_cache.spec import KVCacheConfig, KVCacheSpec, MambaCacheMode
@@ -39,12 +40,18 @@ def make_config(num_blocks: int, *specs: KVCacheSpec) -> KVCacheConfig:
 
 
 def make_manager(
-    num_blocks: int, *specs: KVCacheSpec, max_model_len: int = 8192, enable_caching: bool = True
+    num_blocks: int,
+    *specs: KVCacheSpec,
+    max_model_len: int = 8192,
+    enable_caching: bool = True,
+    eviction: EvictionPolicy = EvictionPolicy.LRU,
 ) -> KVCacheManager:
+    """A manager of one-layer groups; LRU by default, the policy of the worked scenarios."""
     return KVCacheManager(
         make_config(num_blocks, *specs),
         max_model_len=max_model_len,
         enable_caching=enable_caching,
+        eviction=eviction,
     )
 
 

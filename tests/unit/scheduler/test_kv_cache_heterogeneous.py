@@ -122,7 +122,7 @@ def test_chosen_grouping_is_never_below_hybrid_off_at_any_max_model_len(caplog):
     assert chose == {"hybrid", "folded"}  # requests within the window fold, longer ones do not
     assert build_kv_cache_config(specs, memory, max_model_len=32).groups == folded
     assert build_kv_cache_config(specs, memory, max_model_len=128).groups == hybrid
-    assert "using the folded grouping" in caplog.text
+    assert "KV cache grouping: folded (every layer full attention), because" in caplog.text
 
 
 @pytest.mark.parametrize(

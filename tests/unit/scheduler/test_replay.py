@@ -15,7 +15,7 @@ from scheduler.replay import replay_trace
 
 ROOT = Path(__file__).resolve().parents[3]
 TRACES = sorted((Path(__file__).parent / "replay_traces").glob("H*.json"))
-"""The five hand-checked traces H1-H5 (expected values under "hand_expected")."""
+"""The five hand-checked traces H1-H5 (expected values under meta.hand_expected)."""
 
 
 def run_replay(*paths: Path) -> subprocess.CompletedProcess[str]:
@@ -36,6 +36,7 @@ def test_every_hand_expected_field_of_the_five_traces_matches(tmp_path: Path) ->
     for path in TRACES:
         trace = json.loads(path.read_text())
         trace["cache_unreachable_blocks"] = True
+        trace["prefix_cache_eviction"] = "lru"
         vllm_policy.append(tmp_path / path.name)
         vllm_policy[-1].write_text(json.dumps(trace))
     result = run_replay(*vllm_policy)
@@ -46,7 +47,7 @@ def test_every_hand_expected_field_of_the_five_traces_matches(tmp_path: Path) ->
         records = json.loads(line)["results"]
         trace = json.loads(path.read_text())
         assert [record["op_index"] for record in records] == list(range(len(trace["ops"])))
-        for index, fields in trace["hand_expected"].items():
+        for index, fields in trace["meta"]["hand_expected"].items():
             record = records[int(index)]
             for name, value in fields.items():
                 assert record[name] == value, (path.name, index, name)
@@ -145,7 +146,9 @@ def test_records_carry_chunks_boundary_evictions_and_skips() -> None:
         {"op": "decode", "id": "never", "tokens": [1]},
     ]
     groups = [full4, {"type": "mamba", "block_size": 4}]
-    records = replay_trace(_trace(groups, ops, num_blocks=12))["results"]
+    records = replay_trace(_trace(groups, ops, num_blocks=12, prefix_cache_eviction="lru"))[
+        "results"
+    ]
     assert (records[0]["id"], records[0]["chunks"], records[0]["shared_prefix_boundary"]) == (
         "1",
         [8, 2],

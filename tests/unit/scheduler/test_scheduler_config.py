@@ -37,6 +37,7 @@ def test_every_config_field_has_an_attribute_docstring() -> None:
         "long_prefill_token_threshold",
         "policy",
         "enable_prefix_caching",
+        "prefix_cache_eviction",
     }
     docs = _field_docstrings(SchedulerConfig)
     assert set(docs) == names

@@ -47,6 +47,13 @@ def test_a_spec_is_of_the_kind_it_was_built_by(kind):
     assert make_spec(kind, 16, 64).kind == kind
 
 
+def test_linear_attention_states_are_mamba_managed_specs_of_their_own_kind():
+    spec = make_spec("gated_delta_net", 8, shape=MambaShape(((4, 3), (2, 2, 2)), (2, 2)))
+    assert isinstance(spec, MambaSpec)
+    assert spec.page_size_bytes == (12 + 8) * 2
+    assert make_spec("short_conv", 8, mamba_cache_mode=MambaCacheMode.NONE).kind == "short_conv"
+
+
 def test_default_shapes_are_one_element_dummies():
     assert make_spec("full_attention", 4).page_size_bytes == 4 * 2 * 4  # tokens x (K, V) x 4 bytes
     assert make_spec("mamba", 4).page_size_bytes == 4

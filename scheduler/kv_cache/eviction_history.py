@@ -1,0 +1,30 @@
+"""A bounded memory of evicted prefix-cache keys, so a later miss can say "evicted".
+
+`BlockPool` records every eviction; `scheduler.kv_cache.miss_reasons` reads it.
+"""
+
+from __future__ import annotations
+
+from scheduler.block_hash import BlockHash
+
+
+class EvictionHistory:
+    """The groups that evicted each of the last `capacity` keys, oldest key forgotten first."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(capacity, 1)
+        self._groups: dict[BlockHash, int] = {}
+        """Key -> bit mask of the groups that evicted it (insertion order: oldest first)."""
+
+    def record(self, group_id: int, block_hash: BlockHash) -> None:
+        """Remember that `group_id` evicted the block cached under `block_hash`."""
+        groups = self._groups
+        groups[block_hash] = groups.pop(block_hash, 0) | (1 << group_id)
+        if len(groups) > self.capacity:
+            del groups[next(iter(groups))]
+
+    def was_evicted(self, group_id: int, block_hash: BlockHash) -> bool:
+        return bool(self._groups.get(block_hash, 0) >> group_id & 1)
+
+    def was_evicted_anywhere(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._groups

@@ -1,0 +1,52 @@
+"""`hybridserve:prefix_cache_misses_total{group, reason}` grows by each snapshot's new misses."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from cluster.serve.metrics import EngineMetrics, metric_name
+from scheduler.stats import SchedulerStats
+
+
+class RecordingCounter:
+    """Keeps what the engine adds to the Ray counter (the exporter is not under test)."""
+
+    def __init__(self) -> None:
+        self.added: list[tuple[int, dict[str, str]]] = []
+
+    def inc(self, value: int, tags: dict[str, str]) -> None:
+        self.added.append((value, tags))
+
+
+def _stats(misses: tuple[tuple[tuple[str, int], ...], ...]) -> SchedulerStats:
+    return SchedulerStats(
+        num_running_reqs=0,
+        num_waiting_reqs=0,
+        kv_cache_usage=0.0,
+        kv_cache_usage_per_group=(0.0, 0.0),
+        prefix_cache_queries=(0, 0),
+        prefix_cache_hits=(0, 0),
+        prefix_cache_hit_tokens=0,
+        num_preemptions=0,
+        num_evictions=0,
+        prefix_cache_misses=misses,
+    )
+
+
+def test_miss_counters_grow_by_group_and_reason() -> None:
+    metrics = EngineMetrics("m", ["full_attention", "sliding_window"])
+    assert metric_name("hybridserve:prefix_cache_misses_total") in metrics.group_misses._name
+    recorder = RecordingCounter()
+    metrics.group_misses = recorder  # type: ignore[assignment]
+    first = _stats(((("never_seen", 64),), (("never_seen", 64), ("evicted", 32))))
+    metrics.record_stats(first)
+    second = replace(
+        first, prefix_cache_misses=((("never_seen", 80),), (("never_seen", 64), ("evicted", 48)))
+    )
+    metrics.record_stats(second)
+    by_key = {}
+    for value, tags in recorder.added:
+        key = (tags["group"], tags["reason"])
+        by_key[key] = by_key.get(key, 0) + value
+        assert tags["model_name"] == "m"
+    assert by_key == {("0", "never_seen"): 80, ("1", "never_seen"): 64, ("1", "evicted"): 48}

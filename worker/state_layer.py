@@ -1,0 +1,71 @@
+"""The base of every layer whose per-request memory is a recurrent state kept in the paged KV
+pool (Mamba-2 mixers, gated DeltaNet, short convolution).
+
+The runner finds these layers by this type, asks each for its `MambaSpec` (one page per state)
+and hands each its Mamba metadata (`worker.mamba_metadata`) and state views every step.
+`state_waves` is the loop every such layer runs: the step's tokens in waves, so that a request
+reading a state another request writes in the same step runs after it.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from scheduler.kv_cache.spec import MambaCacheMode, MambaSpec
+from worker.mamba_metadata import MambaMetadata, MambaWave
+
+
+class StateLayer(nn.Module, abc.ABC):
+    """A layer holding a recurrent state per request in its KV cache group."""
+
+    @property
+    @abc.abstractmethod
+    def layer_name(self) -> str:
+        """The key of the layer's KV cache spec, state views and metadata."""
+
+    @abc.abstractmethod
+    def kv_cache_spec(self, block_size: int, dtype_bytes: int, mode: MambaCacheMode) -> MambaSpec:
+        """This rank's state spec: every state tensor in the model dtype."""
+
+
+Rows = Callable[[torch.Tensor], torch.Tensor]
+"""Takes a wave's rows of a step tensor [T, *] (the identity when the wave is the whole step)."""
+
+
+def state_waves(
+    meta: MambaMetadata, like: torch.Tensor, run: Callable[[Rows, MambaWave], torch.Tensor]
+) -> torch.Tensor:
+    """`run` once per wave; its outputs [n, F] placed at the wave's rows of a [T, F] result.
+
+    `like` [T, *] gives the result's length, dtype and device."""
+    if len(meta.waves) == 1 and meta.waves[0].token_index is None:
+        return run(lambda x: x, meta.waves[0])
+    out: torch.Tensor | None = None
+    for wave in meta.waves:
+        index = wave.token_index
+        assert index is not None
+        part = run(lambda x, index=index: x[index], wave)  # type: ignore[misc]
+        if out is None:
+            out = like.new_empty(like.shape[0], *part.shape[1:])
+        out[index] = part
+    assert out is not None
+    return out
+
+
+def initial_states(cache: torch.Tensor, wave: MambaWave, dtype: torch.dtype) -> torch.Tensor:
+    """The states the wave's sequences start from: their read blocks, zeros for fresh ones."""
+    keep = wave.has_state.view(-1, *([1] * (cache.dim() - 1)))
+    return torch.where(keep, cache[wave.read_blocks].to(dtype), 0)
+
+
+def store_states(
+    cache: torch.Tensor, wave: MambaWave, final: torch.Tensor, cut: torch.Tensor
+) -> None:
+    """Write the wave's final states (and the states at its cut positions) into the pool."""
+    cache[wave.write_blocks] = final.to(cache.dtype)
+    if wave.cut_positions:
+        cache[wave.cut_blocks] = cut.to(cache.dtype)
