@@ -93,7 +93,8 @@ class SimReplica:
             self.num_computed_tokens += out.total_num_scheduled_tokens
             scheduler.update_from_output(out, self._sample(out))
             if self.log is not None:
-                self.log.record(scheduler.kv_cache_manager.take_events())
+                manager = scheduler.kv_cache_manager
+                self.log.record(manager.take_events(), manager.eviction_outlook())
         done = [r for r in self.live if r.status.is_finished]
         if done:
             self.live = [r for r in self.live if not r.status.is_finished]

@@ -110,7 +110,8 @@ class EngineCore:
 
     def _record_kv_events(self) -> None:
         if self.kv_events is not None:
-            self.kv_events.record(self.scheduler.kv_cache_manager.take_events())
+            manager = self.scheduler.kv_cache_manager
+            self.kv_events.record(manager.take_events(), manager.eviction_outlook())
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

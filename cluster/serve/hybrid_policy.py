@@ -163,7 +163,7 @@ class HybridRoutingPolicy(Generic[Key]):
             # new conversation to the replicas that happen to hold them.
             over |= _over_work(cases, num_tokens, options.work_factor)
         follows_hit = _best_hit(cases, over) >= options.match_fraction * num_tokens > 0
-        ordered = sorted(keys, key=lambda key: (key in over, *_rank(cases[key], follows_hit)))
+        ordered = sorted(keys, key=lambda key: _order(key in over, cases[key], follows_hit))
         return [ordered[:1], ordered[1:]] if len(ordered) > 1 else [ordered]
 
     def predicted_hit(self, key: Key, prompt: PromptKeys | None, now: float) -> int:
@@ -221,6 +221,13 @@ def _over_work(cases: Mapping[Key, Candidate], num_tokens: int, work_factor: flo
 def _best_hit(cases: Mapping[Key, Candidate], excluded: set[Key]) -> int:
     allowed = [case for key, case in cases.items() if key not in excluded]
     return max(case.predicted_hit for case in allowed or cases.values())
+
+
+def _order(excluded: bool, case: Candidate, follows_hit: bool) -> tuple[float, ...]:
+    """Sort key: allowed replicas first, among them the one the conversation continues on
+    (even if its history was evicted there: it comes back cached where it stays), then
+    `_rank`."""
+    return (excluded, not case.continues, *_rank(case, follows_hit))
 
 
 def _rank(case: Candidate, follows_hit: bool) -> tuple[float, ...]:

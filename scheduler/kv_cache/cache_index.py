@@ -5,6 +5,13 @@ own guesses (`guess_stored`: the prompt it just sent there will be cached; a gue
 not confirm within `guess_ttl` is forgotten). `predict_hit` runs the scheduler's own coordinator
 (the fixed point across groups) on hash maps that hold the indexed keys, so a replica that lost
 the window tail or the Mamba state of a prefix is predicted to miss it, as the engine will.
+
+Events arrive a poll period late, and meanwhile the engine evicts to make room for the requests
+the router keeps sending it. So the index anticipates evictions: the blocks the engine will
+allocate are the guesses its events have not confirmed yet; they come from the free blocks the
+engine's last `EvictionOutlook` lists, in its eviction order (those a routed prompt hits are
+taken back by its request, not evicted); the keys they would evict are left out of the index
+until the engine's events say whether they went.
 """
 
 from __future__ import annotations
@@ -13,14 +20,16 @@ import logging
 import math
 from collections import deque
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from scheduler.block_hash import BlockHash, extend_block_hashes
 from scheduler.kv_cache.block_pool import BlockPool, KVCacheBlock
 from scheduler.kv_cache.coordinator import make_coordinator
-from scheduler.kv_cache.events import KVEventBatch, KVEventWindow
+from scheduler.kv_cache.events import EvictionOutlook, KVEventBatch, KVEventWindow
 from scheduler.kv_cache.mamba_manager import MambaManager
 from scheduler.kv_cache.single_type_manager import SingleTypeManager
 from scheduler.kv_cache.spec import KVCacheGroupSpec, MambaCacheMode
+from scheduler.kv_cache.window_managers import SlidingWindowManager
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +54,11 @@ class CacheIndex:
         """Guessed keys not confirmed by an event yet -> when they expire."""
         self._guess_order: deque[tuple[float, int, BlockHash]] = deque()
         self.next_seq = 0
+        self._outlook: EvictionOutlook | None = None
+        self._victims: dict[tuple[int, BlockHash], None] = {}
+        """Keys the engine holds as of its events but is expected to evict by now."""
+        self._pending: list[_Pending] = []
+        """Routed prompts not computed yet, as far as the events say."""
         """Sequence number of the next event batch to replay."""
 
     @property
@@ -68,20 +82,43 @@ class CacheIndex:
         """Index what the engine will cache once it has computed these tokens (its reachable
         full blocks in every group), until events confirm it or `guess_ttl` passes."""
         expiry = now + self.guess_ttl
+        guessed: list[tuple[int, BlockHash]] = []
+        hit = self._coordinator.find_longest_cache_hit(block_hashes, num_tokens - 1)
+        hits = self._hit_keys(hit.blocks, block_hashes)
+        num_new = 0
         for manager in self._coordinator.managers:
             hash_map = self._pool.hash_maps[manager.group_id]
             num_full = min(
                 num_tokens // manager.block_size, len(block_hashes) // manager.hash_ratio
             )
+            num_new += _num_new_blocks(manager, num_tokens, hit.num_tokens)
             for index in _guessed_blocks(manager, num_full):
                 if not manager.is_reachable(index):
                     continue
                 key = manager.hash_of(block_hashes, index)
+                if (manager.group_id, key) in self._victims:
+                    continue  # the engine may still hold it: its events will say
                 if key in hash_map and (manager.group_id, key) not in self._guesses:
                     continue  # known from an event
                 hash_map[key] = _INDEXED
                 self._guesses[(manager.group_id, key)] = expiry
                 self._guess_order.append((expiry, manager.group_id, key))
+                guessed.append((manager.group_id, key))
+        if guessed:
+            self._pending.append(_Pending(guessed, hits, num_new))
+        self._anticipate_evictions()
+
+    def _hit_keys(
+        self, blocks: Sequence[Sequence[KVCacheBlock]], block_hashes: Sequence[BlockHash]
+    ) -> list[tuple[int, BlockHash]]:
+        """The keys of a hit's blocks (its skipped blocks are the null block)."""
+        null = self._pool.null_block
+        return [
+            (manager.group_id, manager.hash_of(block_hashes, index))
+            for manager in self._coordinator.managers
+            for index, block in enumerate(blocks[manager.group_id])
+            if block is not null
+        ]
 
     def replay(self, window: KVEventWindow) -> None:
         """Apply the batches of `window` not replayed yet; after a gap (batches that left the
@@ -93,6 +130,35 @@ class CacheIndex:
         for batch in window.batches[self.next_seq - window.first_seq :]:
             self.apply(batch)
         self.next_seq = window.next_seq
+        self._outlook = window.outlook
+        self._anticipate_evictions()
+
+    def _anticipate_evictions(self) -> None:
+        """Leave out of the index the keys the engine evicts for the blocks it still has to
+        allocate (the unconfirmed guesses), in its last outlook's order."""
+        maps = self._pool.hash_maps
+        for group_id, key in self._victims:
+            maps[group_id][key] = _INDEXED
+        self._victims.clear()
+        if self._outlook is None:
+            return
+        guesses = self._guesses
+        self._pending = [
+            pending
+            for pending in self._pending
+            if all(entry in guesses for entry in pending.guessed)
+        ]
+        taken_back = {entry for pending in self._pending for entry in pending.hits}
+        demand = sum(pending.num_new_blocks for pending in self._pending)
+        for entry in self._outlook.order:
+            if demand <= 0:
+                break
+            if entry is not None and entry in taken_back:
+                continue
+            demand -= 1
+            if entry is not None and entry[1] in maps[entry[0]] and entry not in guesses:
+                del maps[entry[0]][entry[1]]
+                self._victims[entry] = None
 
     def apply(self, batch: KVEventBatch) -> None:
         """Replay one batch of events."""
@@ -104,6 +170,7 @@ class CacheIndex:
             for key in removed:
                 hash_map.pop(key, None)
                 guesses.pop((group_id, key), None)
+                self._victims.pop((group_id, key), None)
             for key in stored:
                 hash_map[key] = _INDEXED
                 guesses.pop((group_id, key), None)
@@ -114,6 +181,8 @@ class CacheIndex:
             hash_map.clear()
         self._guesses.clear()
         self._guess_order.clear()
+        self._victims.clear()
+        self._pending.clear()
 
     def _expire(self, now: float) -> None:
         order = self._guess_order
@@ -122,6 +191,26 @@ class CacheIndex:
             if self._guesses.get((group_id, key)) == expiry:
                 del self._guesses[(group_id, key)]
                 self._pool.hash_maps[group_id].pop(key, None)
+
+
+class _Pending(NamedTuple):
+    """A routed prompt whose guesses the engine's events have not all confirmed yet."""
+
+    guessed: list[tuple[int, BlockHash]]
+    hits: list[tuple[int, BlockHash]]
+    """Keys it hits: its request takes them back from the free blocks before allocating."""
+    num_new_blocks: int
+    """Blocks its request allocates over every group (its prompt past the hit)."""
+
+
+def _num_new_blocks(manager: SingleTypeManager, num_tokens: int, hit_tokens: int) -> int:
+    """Blocks a request for `num_tokens` tokens with a `hit_tokens` hit takes from the free
+    queue in this group and still holds once its prompt is computed (a sliding window gives
+    back what leaves it as the prefill goes, to be reused by the same prefill)."""
+    num_new = -(-num_tokens // manager.block_size) - hit_tokens // manager.block_size
+    if isinstance(manager, SlidingWindowManager):
+        num_new = min(num_new, manager.num_run_blocks + 1)
+    return max(num_new, 0)
 
 
 def _guessed_blocks(manager: SingleTypeManager, num_full: int) -> range:

@@ -4,6 +4,10 @@ The `BlockPool` calls an attached `KVEventSink` where a key enters its hash map 
 (a duplicate block taking over a key changes nothing, so the events mirror the set of keys a
 lookup can find). The engine takes one `KVEventBatch` per step; a router replays the batches
 into a `CacheIndex` to predict each replica's hit. Off unless a sink is attached.
+
+With each step the engine also gives its `EvictionOutlook`: the keys its pool would evict next,
+in its eviction policy's order, so that a router whose events arrive a poll period late can
+drop what the engine evicts meanwhile for the requests the router has sent it since.
 """
 
 from __future__ import annotations
@@ -78,6 +82,18 @@ class KVEventSink:
         return batch
 
 
+OUTLOOK_BLOCKS = 512
+"""Free blocks an `EvictionOutlook` covers (what a busy engine may allocate in a poll period)."""
+
+
+@dataclass(frozen=True)
+class EvictionOutlook:
+    """The next free blocks one engine's pool would hand out, in its eviction order: per block
+    the key (group id, hash) its reuse would evict, or None for a block that holds no key."""
+
+    order: tuple[tuple[int, BlockHash] | None, ...]
+
+
 @dataclass(frozen=True)
 class KVEventWindow:
     """The latest batches of one engine's event log, as a reader polls them."""
@@ -87,6 +103,8 @@ class KVEventWindow:
     first_seq: int
     """Sequence number of `batches[0]` (batches are numbered from 0 without gaps)."""
     batches: tuple[KVEventBatch, ...]
+    outlook: EvictionOutlook | None = None
+    """The engine's eviction order after the last of `batches` (None: not given)."""
 
     @property
     def next_seq(self) -> int:
@@ -115,10 +133,14 @@ class KVEventLog:
         self._entries: deque[tuple[float, KVEventBatch]] = deque()
         self._first_seq = 0
         self._num_keys = 0
+        self._outlook: EvictionOutlook | None = None
         self._lock = threading.Lock()
 
-    def record(self, batch: KVEventBatch | None) -> None:
-        """Append a batch (None is ignored) and drop what is too old or too much."""
+    def record(self, batch: KVEventBatch | None, outlook: EvictionOutlook | None = None) -> None:
+        """Append a batch (None is ignored) and drop what is too old or too much; keep the
+        engine's eviction order as of this step when given."""
+        if outlook is not None:
+            self._outlook = outlook
         if batch is None:
             return
         with self._lock:
@@ -131,7 +153,7 @@ class KVEventLog:
         with self._lock:
             self._prune()
             batches = tuple(batch for _, batch in self._entries)
-            return KVEventWindow(self.groups, self._first_seq, batches)
+            return KVEventWindow(self.groups, self._first_seq, batches, self._outlook)
 
     def _prune(self) -> None:
         oldest = self._clock() - self.max_age_s
