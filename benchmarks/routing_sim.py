@@ -94,7 +94,9 @@ class SimReplica:
             scheduler.update_from_output(out, self._sample(out))
             if self.log is not None:
                 manager = scheduler.kv_cache_manager
-                self.log.record(manager.take_events(), manager.eviction_outlook())
+                self.log.record(
+                    manager.take_events(), manager.eviction_outlook(len(scheduler.running))
+                )
         done = [r for r in self.live if r.status.is_finished]
         if done:
             self.live = [r for r in self.live if not r.status.is_finished]
@@ -175,7 +177,9 @@ class HybridPrefix:
     def __init__(self, num_replicas: int, delay: int, load_factor: float) -> None:
         from cluster.serve.hybrid_policy import RoutingOptions
 
-        self.policy: HybridRoutingPolicy[int] = HybridRoutingPolicy(RoutingOptions(load_factor))
+        self.policy: HybridRoutingPolicy[int] = HybridRoutingPolicy(
+            RoutingOptions(load_factor, event_age_steps=delay + 1)
+        )
         self.delay = delay
         self._pending: deque[tuple[int, list[object]]] = deque()
         self.predictions: dict[str, tuple[int, int]] = {}

@@ -111,7 +111,9 @@ class EngineCore:
     def _record_kv_events(self) -> None:
         if self.kv_events is not None:
             manager = self.scheduler.kv_cache_manager
-            self.kv_events.record(manager.take_events(), manager.eviction_outlook())
+            self.kv_events.record(
+                manager.take_events(), manager.eviction_outlook(len(self.scheduler.running))
+            )
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

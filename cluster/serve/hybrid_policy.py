@@ -57,6 +57,10 @@ class RoutingOptions:
     """Half-life of the recent prompt work counted per replica."""
     guess_ttl_s: float = 10.0
     """How long a guessed cached block counts before the replica's events must confirm it."""
+    event_age_steps: float = 10.0
+    """Engine steps from the state a replica's events describe to the admission of a request
+    routed now (the events' poll period in steps, and one): what the replica's running
+    requests allocate meanwhile is anticipated as evicting its next free blocks."""
 
     def __post_init__(self) -> None:
         if self.load_factor < 1.0:
@@ -113,7 +117,9 @@ class HybridRoutingPolicy(Generic[Key]):
         """Bring the replica's index up to its event log (the first window creates it)."""
         replica = self._replicas.setdefault(key, _Replica())
         if replica.index is None or replica.index.groups != window.groups:
-            replica.index = CacheIndex(window.groups, self.options.guess_ttl_s)
+            replica.index = CacheIndex(
+                window.groups, self.options.guess_ttl_s, self.options.event_age_steps
+            )
             for prompt, routed_at in replica.unindexed:
                 hashes = replica.index.block_hashes(prompt.token_ids, prompt.cache_salt)
                 replica.index.guess_stored(hashes, prompt.num_tokens, routed_at)

@@ -40,7 +40,12 @@ _INDEXED = KVCacheBlock(1)
 class CacheIndex:
     """Keys (hash, group) one engine can hit, replayed from its events plus recent guesses."""
 
-    def __init__(self, groups: Sequence[KVCacheGroupSpec], guess_ttl: float = 10.0) -> None:
+    def __init__(
+        self,
+        groups: Sequence[KVCacheGroupSpec],
+        guess_ttl: float = 10.0,
+        steps_ahead: float = 0.0,
+    ) -> None:
         if not groups:
             raise ValueError("a cache index needs at least one KV cache group")
         self.groups = tuple(groups)
@@ -50,6 +55,10 @@ class CacheIndex:
         self._pool = BlockPool(1, len(groups))
         self._coordinator = make_coordinator(groups, self._pool, self.hash_block_size, True)
         self.guess_ttl = guess_ttl
+        self.steps_ahead = steps_ahead
+        """Engine steps from the eviction outlook the index holds to the admission of a request
+        routed now (the poll period in steps, and one): the running requests' decodes
+        allocate meanwhile."""
         self._guesses: dict[tuple[int, BlockHash], float] = {}
         """Guessed keys not confirmed by an event yet -> when they expire."""
         self._guess_order: deque[tuple[float, int, BlockHash]] = deque()
@@ -108,6 +117,12 @@ class CacheIndex:
             self._pending.append(_Pending(guessed, hits, num_new))
         self._anticipate_evictions()
 
+    def _decode_blocks(self, num_running: int) -> int:
+        """Blocks `num_running` decoding requests allocate over `steps_ahead` steps (on
+        average: each group's block fills every block size of tokens)."""
+        per_step = sum(1 / manager.block_size for manager in self._coordinator.managers)
+        return round(num_running * per_step * self.steps_ahead)
+
     def _hit_keys(
         self, blocks: Sequence[Sequence[KVCacheBlock]], block_hashes: Sequence[BlockHash]
     ) -> list[tuple[int, BlockHash]]:
@@ -150,6 +165,7 @@ class CacheIndex:
         ]
         taken_back = {entry for pending in self._pending for entry in pending.hits}
         demand = sum(pending.num_new_blocks for pending in self._pending)
+        demand += self._decode_blocks(self._outlook.num_running)
         for entry in self._outlook.order:
             if demand <= 0:
                 break
@@ -197,6 +213,7 @@ class _Pending(NamedTuple):
     """A routed prompt whose guesses the engine's events have not all confirmed yet."""
 
     guessed: list[tuple[int, BlockHash]]
+    """Its guesses: the first one confirmed says its prefill began (allocated its blocks)."""
     hits: list[tuple[int, BlockHash]]
     """Keys it hits: its request takes them back from the free blocks before allocating."""
     num_new_blocks: int

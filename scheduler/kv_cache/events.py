@@ -92,6 +92,9 @@ class EvictionOutlook:
     the key (group id, hash) its reuse would evict, or None for a block that holds no key."""
 
     order: tuple[tuple[int, BlockHash] | None, ...]
+    num_running: int = 0
+    """Requests running then: each decoding one takes a block per group every block size of
+    tokens it generates, from the same queue."""
 
 
 @dataclass(frozen=True)

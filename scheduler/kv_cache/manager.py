@@ -337,8 +337,11 @@ class KVCacheManager:
         sink = self.pool.event_sink
         return sink.take() if sink is not None else None
 
-    def eviction_outlook(self, limit: int = OUTLOOK_BLOCKS) -> EvictionOutlook | None:
-        """The keys the pool would evict next, in its order (None: events off)."""
+    def eviction_outlook(
+        self, num_running: int, limit: int = OUTLOOK_BLOCKS
+    ) -> EvictionOutlook | None:
+        """The keys the pool would evict next, in its order, with the requests running (None:
+        events off)."""
         pool = self.pool
         if pool.event_sink is None:
             return None
@@ -348,7 +351,7 @@ class KVCacheManager:
             block_hash = block.block_hash
             keyed = block_hash is not None and maps[block.group_id].get(block_hash) is block
             order.append((block.group_id, block_hash) if keyed else None)  # type: ignore[arg-type]
-        return EvictionOutlook(tuple(order))
+        return EvictionOutlook(tuple(order), num_running)
 
     def make_stats(self) -> KVCacheStats:
         """A snapshot of usage and the cumulative prefix-cache counters."""
