@@ -29,7 +29,6 @@ from scheduler.kv_cache.events import EvictionOutlook, KVEventBatch, KVEventWind
 from scheduler.kv_cache.mamba_manager import MambaManager
 from scheduler.kv_cache.single_type_manager import SingleTypeManager
 from scheduler.kv_cache.spec import KVCacheGroupSpec, MambaCacheMode
-from scheduler.kv_cache.window_managers import SlidingWindowManager
 
 logger = logging.getLogger(__name__)
 
@@ -222,12 +221,9 @@ class _Pending(NamedTuple):
 
 def _num_new_blocks(manager: SingleTypeManager, num_tokens: int, hit_tokens: int) -> int:
     """Blocks a request for `num_tokens` tokens with a `hit_tokens` hit takes from the free
-    queue in this group and still holds once its prompt is computed (a sliding window gives
-    back what leaves it as the prefill goes, to be reused by the same prefill)."""
-    num_new = -(-num_tokens // manager.block_size) - hit_tokens // manager.block_size
-    if isinstance(manager, SlidingWindowManager):
-        num_new = min(num_new, manager.num_run_blocks + 1)
-    return max(num_new, 0)
+    queue in this group as its prefill runs (a sliding window too: a chunk's blocks are all
+    allocated before those that leave the window are given back)."""
+    return max(-(-num_tokens // manager.block_size) - hit_tokens // manager.block_size, 0)
 
 
 def _guessed_blocks(manager: SingleTypeManager, num_full: int) -> range:
