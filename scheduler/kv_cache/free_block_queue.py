@@ -137,7 +137,7 @@ class FreeBlockQueue:
 
     def eviction_order(self, limit: int) -> list[KVCacheBlock]:
         """The first `limit` blocks pops would take, in that order (without taking them)."""
-        out = []
+        out: list[KVCacheBlock] = []
         node = self._head.next_free
         while node is not None and node is not self._tail and len(out) < limit:
             out.append(node)

@@ -10,7 +10,7 @@ from scheduler_fake_runner import FakeModelRunner
 
 from scheduler.kv_cache.cache_index import CacheIndex
 from scheduler.kv_cache.events import KVEventLog
-from scheduler.kv_cache.eviction import EvictionPolicy
+from scheduler.kv_cache.eviction import EvictionPolicy, Tier
 from scheduler.kv_cache.spec import KVCacheSpec
 from scheduler.scheduler import Scheduler
 
@@ -66,3 +66,23 @@ def test_routed_prompts_evict_in_the_index_what_they_evict_in_the_engine(
 
     index.replay(log.window())  # the events agree
     assert [index.predict_hit(index.block_hashes(t), len(t), now=0.0) for t in turns] == actual
+
+
+@pytest.mark.parametrize("policy", list(EvictionPolicy))
+def test_the_outlook_lists_blocks_in_the_order_the_pool_evicts_them(policy: EvictionPolicy) -> None:
+    config = make_config(40, full(4), window(4, 8))
+    scheduler = make_scheduler(config, max_model_len=128, prefix_cache_eviction=policy)
+    scheduler.kv_cache_manager.enable_events()
+    runner = FakeModelRunner(config)
+    log = KVEventLog(config.groups, max_keys=1 << 20, max_age_s=1e9)
+    sessions = [list(range(100 * s + 1, 100 * s + 14)) for s in range(5)]
+    for turn in range(4):  # sessions taking turns in a pool too small for all: chains protected
+        for number, history in enumerate(sessions):
+            history.extend(range(50 + turn * 7, 57 + turn * 7))
+            serve(scheduler, runner, log, f"s{number}-{turn}", list(history))
+    pool = scheduler.kv_cache_manager.pool
+    if pool.chains is not None:
+        assert pool.free_queue.tier_size(Tier.PROTECTED) > 0, "no chain protected"
+    num_free = pool.num_free_blocks
+    order = [block.block_id for block in pool.free_queue.eviction_order(num_free)]
+    assert order == [block.block_id for block in pool.get_new_blocks(num_free, 0)]
