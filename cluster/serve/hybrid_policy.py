@@ -8,8 +8,9 @@ what was just sent there), the requests in flight and the recent prompt work. Fo
      load); unless the request continues a conversation (it extends a prompt routed to one of
      the others, or its best hit covers >= `strong_fraction` of it), so are replicas whose
      recent work would pass `work_factor` x the mean;
-  3. among the rest: the longest hit if it covers >= `match_fraction` of the prompt, else (a new
-     conversation) the least recent work; excluded replicas come last, in the same order.
+  3. among the rest: the replica whose conversation the request continues, then the longest
+     hit if it covers >= `match_fraction` of the prompt, else (a new conversation) the least
+     recent work; excluded replicas come last, in the same order.
 
     choose(candidates, prompt) ─► ranks [[best], [others by preference]]
     routed(replica, prompt)     ─► in flight + 1, work + prompt, index guesses the prompt's blocks
