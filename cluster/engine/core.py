@@ -29,6 +29,7 @@ from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
 from cluster.engine.structured import StructuredOutputManager
 from scheduler.kv_cache.builder import build_kv_cache_config
+from scheduler.kv_cache.events import KVEventLog
 from scheduler.kv_cache.spec import KVCacheConfig
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler
@@ -59,6 +60,8 @@ class EngineCore:
         )
         self.dead: EngineDeadError | None = None
         """Why the engine can no longer run requests (None while it can)."""
+        self.kv_events: KVEventLog | None = None
+        """Recent KV event batches, one per step that changed the prefix cache (None: off)."""
 
     @property
     def model_config(self) -> ModelConfig:
@@ -110,7 +113,23 @@ class EngineCore:
         if stopped:  # ended by a stop string: free their blocks now
             self.scheduler.abort(stopped)
             self.structured.forget(stopped)
+        self._record_kv_events()
         return deltas
+
+    def enable_kv_events(self) -> None:
+        """Keep the prefix-cache keys each step stores and removes in `kv_events` (for a router
+        that predicts this engine's hits); nothing happens when prefix caching is off."""
+        manager = self.scheduler.kv_cache_manager
+        manager.enable_events()
+        if manager.enable_caching and self.kv_events is None:
+            self.kv_events = KVEventLog(self.scheduler.kv_cache_config.groups)
+
+    def _record_kv_events(self) -> None:
+        if self.kv_events is not None:
+            manager = self.scheduler.kv_cache_manager
+            self.kv_events.record(
+                manager.take_events(), manager.eviction_outlook(len(self.scheduler.running))
+            )
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
@@ -133,6 +152,7 @@ class EngineCore:
         self.scheduler.abort(list(self.scheduler.requests))
         if not self.scheduler.reset_prefix_cache():
             self._mark_dead("its prefix cache could not be reset after a failed step")
+        self._record_kv_events()
 
     def restart_workers(self) -> None:
         """Replace the workers when the executor can, and set their KV caches up again (the

@@ -115,11 +115,17 @@ class InputProcessor:
         return Prompt(text, self._ids(index, ids))
 
     def openai(
-        self, request: CompletionRequest | ChatCompletionRequest
+        self,
+        request: CompletionRequest | ChatCompletionRequest,
+        token_ids: Sequence[int] | None = None,
     ) -> tuple[Prompt, SamplingParams]:
         """An OpenAI request's prompt and sampling parameters (`max_tokens` checked against
-        the room its prompt leaves in the context)."""
-        if isinstance(request, ChatCompletionRequest):
+        the room its prompt leaves in the context); `token_ids`: the prompt as a router
+        already tokenized it with this model's tokenizer."""
+        if token_ids is not None:
+            text = request.prompt if isinstance(request, CompletionRequest) else None
+            prompt = Prompt(text if isinstance(text, str) else None, self._ids(0, token_ids))
+        elif isinstance(request, ChatCompletionRequest):
             generation = request.add_generation_prompt
             prompt = self.chat(
                 request.messages, request.chat_template, generation, tools=tool_dicts(request)

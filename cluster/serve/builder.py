@@ -76,7 +76,9 @@ def llm_deployment_options(
     options = {**DEFAULT_MODEL_OPTIONS, **config.deployment_config, **(overrides or {})}
     options.setdefault("name", deployment_name(config.model_id))
     if options.get("request_router_config"):
-        options["request_router_config"] = resolve_request_router(options["request_router_config"])
+        options["request_router_config"] = resolve_request_router(
+            options["request_router_config"], config
+        )
     if name_prefix:
         options["name"] = name_prefix + options["name"]
     actor_options = dict(options.get("ray_actor_options") or {})

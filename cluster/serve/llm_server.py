@@ -41,6 +41,7 @@ from cluster.openai_api.sampling import UnsupportedFieldError
 from cluster.openai_api.tools import tool_call_plan
 from cluster.serve import errors
 from cluster.serve.formatting import DONE, ChatFormatter, CompletionFormatter, sse
+from cluster.serve.hybrid_router import kv_events_enabled, routing_stats
 from cluster.serve.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
@@ -82,21 +83,25 @@ class LLMServer:
         self._stats_task: asyncio.Task[None] | None = None
         if self.config.log_engine_metrics:
             self.metrics = EngineMetrics(self.model_id, group_kinds(self.engine))
+        if kv_events_enabled(self.config.deployment_config):
+            self.engine.core.enable_kv_events()
 
     async def generate(
         self,
         request: CompletionRequest | ChatCompletionRequest,
         request_id: str,
         as_sse: bool = True,
+        prompt_token_ids: list[int] | None = None,
     ) -> AsyncGenerator[ServerItem, None]:
         """The request's OpenAI bodies: an error, or the stream's chunks (SSE lines ending with
-        `[DONE]`, or chunk models when not `as_sse`), or one response (not `request.stream`)."""
+        `[DONE]`, or chunk models when not `as_sse`), or one response (not `request.stream`).
+        `prompt_token_ids`: the prompt as the request router tokenized it."""
         self._ensure_stats_task()
         if self.draining:
             yield errors.unavailable("the server is shutting down")
             return
         try:
-            engine_request, formatter = self._prepare(request, request_id)
+            engine_request, formatter = self._prepare(request, request_id, prompt_token_ids)
             stream = await self.engine.add_request(engine_request)
         except UnsupportedFieldError as error:
             yield errors.bad_request(str(error), param=error.param)
@@ -180,9 +185,12 @@ class LLMServer:
             self.metrics.record_tokens(delta)
 
     def _prepare(
-        self, request: CompletionRequest | ChatCompletionRequest, request_id: str
+        self,
+        request: CompletionRequest | ChatCompletionRequest,
+        request_id: str,
+        prompt_token_ids: list[int] | None = None,
     ) -> tuple[EngineRequest, Formatter]:
-        prompt, params = self.inputs.openai(request)
+        prompt, params = self.inputs.openai(request, prompt_token_ids)
         text, token_ids = prompt.text, prompt.token_ids
         engine_request = EngineRequest(
             request_id=request_id,
@@ -210,6 +218,10 @@ class LLMServer:
             root=self.config.model_loading_config.source,
             max_model_len=self.max_model_len,
         )
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Serve polls this for the request routers: KV events and usage ({} when off)."""
+        return routing_stats(self.engine.core)
 
     async def check_health(self) -> None:
         """Serve's health check: raises when the engine or a worker is dead."""

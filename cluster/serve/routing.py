@@ -1,5 +1,8 @@
 """Request routers for the model deployments.
 
+`HybridPrefixRouter` (`cluster.serve.routing:HybridPrefixRouter`) routes by the hit each
+replica's hybrid KV cache would give (see `cluster.serve.hybrid_router`).
+
 Ray's prefix-cache affinity router, named as users name it
 (`ray.serve.llm.request_router.PrefixCacheAffinityRouter`), is replaced by the subclass here:
 
@@ -20,6 +23,12 @@ from typing import Any
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_aware_router import (
     PrefixCacheAffinityRouter as _PrefixCacheAffinityRouter,
 )
+
+from cluster.config import LLMConfig
+from cluster.config.llm_config import resolve_source
+from cluster.serve.hybrid_router import HybridPrefixRouter, kv_events_enabled, with_router_defaults
+
+__all__ = ["HybridPrefixRouter", "PrefixCacheAffinityRouter", "resolve_request_router"]
 
 _PUBLIC_NAMES = {
     "ray.serve.llm.request_router.PrefixCacheAffinityRouter",
@@ -49,8 +58,15 @@ class PrefixCacheAffinityRouter(_PrefixCacheAffinityRouter):
         return text or _token_text(pending_request.args) or " "
 
 
-def resolve_request_router(config: dict[str, Any] | None) -> dict[str, Any] | None:
-    """`request_router_config` with Ray's prefix-cache affinity router swapped for ours."""
+def resolve_request_router(
+    config: dict[str, Any] | None, llm_config: LLMConfig | None = None
+) -> dict[str, Any] | None:
+    """`request_router_config` with Ray's prefix-cache affinity router swapped for ours, and
+    `HybridPrefixRouter`'s defaults (stats period, the model's tokenizer) filled in."""
+    if config and kv_events_enabled({"request_router_config": config}):
+        loading = llm_config.model_loading_config if llm_config is not None else None
+        source = (loading.tokenizer_source or loading.source) if loading is not None else ""
+        return with_router_defaults(config, resolve_source(source) if source else "")
     if not config or config.get("request_router_class") not in _PUBLIC_NAMES:
         return config
     return {**config, "request_router_class": OURS}

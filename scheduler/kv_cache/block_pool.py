@@ -14,6 +14,7 @@ import logging
 from collections.abc import Iterable, Sequence
 
 from scheduler.block_hash import BlockHash
+from scheduler.kv_cache.events import KVEventSink
 from scheduler.kv_cache.eviction import ChainProtection, EvictionPolicy, Tier, TieredFreeQueue
 from scheduler.kv_cache.eviction_history import EvictionHistory
 from scheduler.kv_cache.free_block_queue import FreeBlockQueue, KVCacheBlock
@@ -54,6 +55,8 @@ class BlockPool:
         self._num_used = [0] * num_groups
         self.num_evictions = 0
         """Cached blocks whose hash was dropped to reuse them (cumulative)."""
+        self.event_sink: KVEventSink | None = None
+        """Told when a key (hash, group) enters or leaves the hash maps (KV events); None: off."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -86,7 +89,11 @@ class BlockPool:
             if block_hash is not None:
                 self.eviction_history.record(block.group_id, block_hash)
                 hash_map = maps[block.group_id]
-                if not self._duplicates and hash_map.get(block_hash) is block:
+                if (
+                    not self._duplicates
+                    and hash_map.get(block_hash) is block
+                    and self.event_sink is None
+                ):
                     del hash_map[block_hash]  # the common case of _drop_hash, inlined
                     block.block_hash = None
                 else:
@@ -236,6 +243,8 @@ class BlockPool:
                 self._duplicates.setdefault((group_id, block_hash), {})[block.block_id] = block
             else:
                 hash_map[block_hash] = block
+                if self.event_sink is not None:
+                    self.event_sink.stored(group_id, block_hash)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Forget the hashes of these blocks (their contents can no longer be trusted)."""
@@ -255,6 +264,8 @@ class BlockPool:
         for hash_map in self.hash_maps:
             hash_map.clear()
         self._duplicates.clear()
+        if self.event_sink is not None:
+            self.event_sink.cleared()
         for block in self.blocks:
             block.block_hash = None
         return True
@@ -273,6 +284,8 @@ class BlockPool:
                     del self._duplicates[key]
             else:
                 del hash_map[block_hash]
+                if self.event_sink is not None:
+                    self.event_sink.removed(block.group_id, block_hash)
         else:
             others = self._duplicates[key]
             del others[block.block_id]

@@ -99,6 +99,33 @@ class TieredFreeQueue(FreeBlockQueue):
         self.num_free_blocks -= count
         return out
 
+    def eviction_order(self, limit: int) -> list[KVCacheBlock]:
+        """The first `limit` blocks `popleft_n` would take, in that order (without taking them)."""
+        out: list[KVCacheBlock] = []
+        for tier, queue in enumerate(self.tiers):
+            if len(out) >= limit:
+                break
+            if tier == Tier.PROTECTED:
+                out.extend(self._recent_chains(limit - len(out)))
+            else:
+                out.extend(queue.eviction_order(limit - len(out)))
+        return out
+
+    def _recent_chains(self, limit: int) -> list[KVCacheBlock]:
+        """PROTECTED's blocks in `_pop_recent_chains` order: the most recently freed chain
+        first, each from its first-queued block."""
+        out: list[KVCacheBlock] = []
+        last = self.tiers[Tier.PROTECTED].last()
+        while last is not None and len(out) < limit:
+            chain = [last]
+            node = last.prev_free
+            while node is not None and node.block_id >= 0 and node.stamp == last.stamp:
+                chain.append(node)
+                node = node.prev_free
+            out.extend(reversed(chain))
+            last = node if node is not None and node.block_id >= 0 else None
+        return out[:limit]
+
     def _pop_recent_chains(self, count: int) -> list[KVCacheBlock]:
         queue = self.tiers[Tier.PROTECTED]
         out: list[KVCacheBlock] = []

@@ -135,6 +135,15 @@ class FreeBlockQueue:
         node = self._head.next_free
         return None if node is None or node is self._tail else node
 
+    def eviction_order(self, limit: int) -> list[KVCacheBlock]:
+        """The first `limit` blocks pops would take, in that order (without taking them)."""
+        out: list[KVCacheBlock] = []
+        node = self._head.next_free
+        while node is not None and node is not self._tail and len(out) < limit:
+            out.append(node)
+            node = node.next_free
+        return out
+
     def block_ids(self) -> list[int]:
         """Block IDs from front to tail (tests and invariant checks)."""
         ids = []

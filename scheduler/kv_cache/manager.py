@@ -10,9 +10,11 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
+from scheduler.block_hash import BlockHash
 from scheduler.kv_cache.block_pool import BlockPool, KVCacheBlock
 from scheduler.kv_cache.checkpoints import StateCheckpoints
 from scheduler.kv_cache.coordinator import make_coordinator
+from scheduler.kv_cache.events import OUTLOOK_BLOCKS, EvictionOutlook, KVEventBatch, KVEventSink
 from scheduler.kv_cache.eviction import EvictionPolicy
 from scheduler.kv_cache.miss_reasons import GroupMisses, explain_misses
 from scheduler.kv_cache.spec import KVCacheConfig, MambaCacheMode, MambaSpec, manager_spec
@@ -404,6 +406,32 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; fails (False) while any request holds blocks."""
         return self.pool.reset_prefix_cache()
+
+    def enable_events(self) -> None:
+        """Start collecting KV events (prefix-cache keys stored and removed) for `take_events`."""
+        if self.pool.event_sink is None and self.enable_caching:
+            self.pool.event_sink = KVEventSink(self.num_groups)
+
+    def take_events(self) -> KVEventBatch | None:
+        """The KV events since the last take (None: none, or events off)."""
+        sink = self.pool.event_sink
+        return sink.take() if sink is not None else None
+
+    def eviction_outlook(
+        self, num_running: int, limit: int = OUTLOOK_BLOCKS
+    ) -> EvictionOutlook | None:
+        """The keys the pool would evict next, in its order, with the requests running (None:
+        events off)."""
+        pool = self.pool
+        if pool.event_sink is None:
+            return None
+        maps = pool.hash_maps
+        order: list[tuple[int, BlockHash] | None] = []
+        for block in pool.free_queue.eviction_order(limit):
+            block_hash = block.block_hash
+            keyed = block_hash is not None and maps[block.group_id].get(block_hash) is block
+            order.append((block.group_id, block_hash) if keyed else None)  # type: ignore[arg-type]
+        return EvictionOutlook(tuple(order), num_running)
 
     def make_stats(self) -> KVCacheStats:
         """A snapshot of usage and the cumulative prefix-cache counters."""

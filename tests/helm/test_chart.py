@@ -399,3 +399,15 @@ def test_dashboard_charts_every_series_per_model_and_ships_in_the_chart() -> Non
     assert len(ids) == len(set(ids))
     shipped = _render({})["ConfigMap/dashboard"]["data"]["hybridserve.json"]
     assert json.loads(shipped) == dashboard
+
+
+def test_request_router_values_reach_the_model_deployment() -> None:
+    router = "cluster.serve.routing:HybridPrefixRouter"
+    values = {"serve": {"requestRouter": {"class": router, "kwargs": {"load_factor": 1.5}}}}
+    (config,) = _serving_args(_render(values)["RayService"]).llm_configs
+    assert config.deployment_config["request_router_config"] == {
+        "request_router_class": router,
+        "request_router_kwargs": {"load_factor": 1.5},
+    }
+    (default,) = _serving_args(_render({})["RayService"]).llm_configs
+    assert "request_router_config" not in default.deployment_config

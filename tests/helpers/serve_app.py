@@ -26,6 +26,11 @@ MAX_MODEL_LEN = 1024
 def save_tiny_served_model(path: Path, vocab_size: int = 256) -> Path:
     """A tiny llama with a whitespace tokenizer over the words t0..t255 and a chat template."""
     save_tiny_model("llama", path, max_position_embeddings=MAX_MODEL_LEN)
+    return save_word_tokenizer(path, vocab_size)
+
+
+def save_word_tokenizer(path: Path, vocab_size: int = 256) -> Path:
+    """A whitespace tokenizer over the words t0..t{vocab_size - 1} with a chat template."""
     vocab = {f"t{i}": i for i in range(vocab_size)}
     backend = Tokenizer(WordLevel(vocab, unk_token="t0"))
     backend.pre_tokenizer = WhitespaceSplit()

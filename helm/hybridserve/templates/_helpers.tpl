@@ -60,6 +60,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $serve := .Values.serve -}}
 {{- $autoscaling := dict "min_replicas" (int $serve.replicas.min) "max_replicas" (int $serve.replicas.max) "target_ongoing_requests" (int $serve.replicas.targetOngoingRequests) -}}
 {{- $deployment := dict "autoscaling_config" $autoscaling "max_ongoing_requests" (int $serve.maxOngoingRequests) "graceful_shutdown_timeout_s" $serve.gracefulShutdownTimeoutS -}}
+{{- with $serve.requestRouter.class -}}
+{{- $_ := set $deployment "request_router_config" (dict "request_router_class" . "request_router_kwargs" $serve.requestRouter.kwargs) -}}
+{{- end -}}
 {{- $loading := dict "model_id" .Values.model.id "model_source" .Values.model.source -}}
 {{- $config := dict "model_loading_config" $loading "engine_kwargs" (include "hybridserve.engineKwargs" . | fromYaml) "deployment_config" $deployment -}}
 {{- with .Values.worker.acceleratorType -}}

@@ -1,0 +1,146 @@
+"""Routing across replicas that knows each replica's hybrid cache: simulated replicas.
+
+Per model (sliding window + full attention, Mamba + full attention), session count and replica
+count, plays the same multi-session chat trace (`routing_sim`) through round-robin, Ray's
+prefix-cache affinity policy and `HybridRoutingPolicy`, and, as the reference, through one
+replica holding the combined pool (and the combined batch limits). Prints the cluster prefix-cache
+hit rate against the reference, max/mean load over replicas (requests routed, tokens computed),
+and for our router how far the predicted hit is from the hit the engine got.
+
+With `--serve`, then a short real-Serve run (`routing_serve`): two CPU replicas of a tiny
+sliding-window hybrid, chat sessions over HTTP, per router the hit rate of the later turns.
+
+    .venv/bin/python benchmarks/bench_routing.py [--quick] [--delay 10] [--load-factor 2.0]
+        [--serve [--serve-sessions 8]]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import replace
+
+from routing_sim import (
+    MODELS,
+    HybridPrefix,
+    RayPrefixAffinity,
+    RoundRobin,
+    RunResult,
+    Workload,
+    model_config,
+    run,
+)
+
+from scheduler.config import SchedulerConfig
+
+GRID = [(8, 2), (32, 4), (64, 2), (128, 4), (256, 8)]
+QUICK_GRID = [(8, 2), (32, 4)]
+PRESSURES = {"heavy": 40, "moderate": 60}
+"""Pool blocks per session over the cluster (16-token blocks): 40 holds about half of what the
+sessions' final histories need in the two groups, 60 about three quarters."""
+
+
+def _imbalance(values: list[int]) -> float:
+    mean = sum(values) / len(values)
+    return max(values) / mean if mean else 1.0
+
+
+def _relative_errors(result: RunResult) -> list[float]:
+    """Per request: |predicted - actual| / actual hit tokens (a hit predicted where the engine
+    found none counts as 100 %, none predicted and none found as 0)."""
+    return [abs(p - a) / a if a else float(p > 0) for p, a in result.prediction_pairs]
+
+
+def _prediction_error(result: RunResult) -> str:
+    """Mean and p90 of the per-request relative error, and Σ|predicted - actual| / Σ actual."""
+    errors = sorted(_relative_errors(result))
+    mean = sum(errors) / len(errors)
+    p90 = errors[min(int(0.9 * len(errors)), len(errors) - 1)]
+    actual = sum(a for _, a in result.prediction_pairs)
+    total = sum(abs(p - a) for p, a in result.prediction_pairs) / max(actual, 1)
+    return f"{mean:.1%} / {p90:.1%} / {total:.1%}"
+
+
+def measure(
+    model: str, pressure: str, sessions: int, replicas: int, args: argparse.Namespace
+) -> list[str]:
+    workload = Workload(num_sessions=sessions, num_turns=args.turns, seed=args.seed)
+    total_blocks = PRESSURES[pressure] * sessions
+    per_replica = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=1024, max_model_len=8192)
+    config = model_config(model, total_blocks // replicas + 1)
+    whole = replace(per_replica, max_num_seqs=32 * replicas, max_num_batched_tokens=1024 * replicas)
+    reference = run(
+        workload, model_config(model, total_blocks + 1), whole, 1, lambda n: RoundRobin()
+    )
+    routers = {
+        "round-robin": lambda n: RoundRobin(),
+        "ray-prefix-affinity": lambda n: RayPrefixAffinity(n),
+        "hybrid-prefix (ours)": lambda n: HybridPrefix(n, args.delay, args.load_factor),
+    }
+    rows = []
+    for name, make in routers.items():
+        result = run(workload, config, per_replica, replicas, make)
+        error = _prediction_error(result) if result.prediction_pairs else "-"
+        rows.append(
+            f"| {model} | {pressure} | {sessions} | {replicas} | {name} | {result.hit_rate:.1%} | "
+            f"{result.hit_rate / max(reference.hit_rate, 1e-9):.2f} | "
+            f"{_imbalance(result.routed):.2f} | {_imbalance(result.computed):.2f} | {error} |"
+        )
+    return rows
+
+
+def event_overhead(args: argparse.Namespace) -> str:
+    """Wall time of one replica playing a trace with KV events on (taken every step into the
+    log) against off, same trace, same run."""
+    workload = Workload(num_sessions=64, num_turns=args.turns, seed=args.seed)
+    sched = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=8192)
+    config = model_config("sliding+full", PRESSURES["heavy"] * 64 + 1)
+    times = {}
+    for events in (False, True) * 3:
+        began = time.perf_counter()
+        run(workload, config, sched, 1, lambda n: RoundRobin(), events=events)
+        times[events] = min(times.get(events, float("inf")), time.perf_counter() - began)
+    return (
+        f"KV events on one replica (64 sessions, heavy pressure, best of 3): "
+        f"{times[True]:.2f} s on, {times[False]:.2f} s off ({times[True] / times[False]:.3f}x)"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="two small cases only")
+    parser.add_argument(
+        "--delay", type=int, default=10, help="steps before events reach the router"
+    )
+    parser.add_argument("--load-factor", type=float, default=2.0)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--serve", action="store_true", help="also the short real-Serve run")
+    parser.add_argument("--serve-sessions", type=int, default=8)
+    parser.add_argument("--serve-kv-bytes", type=int, default=1 << 20)
+    args = parser.parse_args()
+    start = time.perf_counter()
+    print(
+        "| model | pool pressure | sessions | replicas | router | cluster hit rate "
+        "| vs one replica, whole pool | max/mean requests | max/mean tokens computed "
+        "| predicted-hit error: mean / p90 / total |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for model in MODELS:
+        for pressure in PRESSURES:
+            for sessions, replicas in QUICK_GRID if args.quick else GRID:
+                for row in measure(model, pressure, sessions, replicas, args):
+                    print(row, flush=True)
+    print(f"\n{time.perf_counter() - start:.0f} s")
+    print(event_overhead(args))
+    if args.serve:
+        from routing_serve import run_serve
+
+        print("\n| router | sessions | turns | hit rate of later turns | wall (s) |")
+        print("|---|---|---|---|---|")
+        for row in run_serve(args.serve_sessions, 4, args.serve_kv_bytes):
+            print(row, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,302 @@
+"""Replicas simulated in one process for the routing benchmark: the real scheduler and hybrid KV
+coordinator per replica, no model (a token is a hash of its request and position), multi-session
+chat traffic, and the routers compared: round-robin, Ray's prefix-cache affinity policy on Ray's
+own `PrefixTree`, and `HybridRoutingPolicy` fed by the replicas' KV events.
+
+Time is the step: every replica steps once per tick; a finished turn's session sends its next turn
+(previous prompt + answer + a new user message) a few ticks later. Events reach the router
+`event_delay` ticks after the step that made them (the poll period of the real deployment).
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Protocol
+
+from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
+
+from cluster.serve.hybrid_policy import HybridRoutingPolicy
+from scheduler.config import SchedulerConfig
+from scheduler.kv_cache.events import KVEventLog
+from scheduler.kv_cache.spec import KVCacheConfig, KVCacheSpec, MambaCacheMode
+from scheduler.kv_cache.spec_factory import make_spec, one_layer_groups_config
+from scheduler.output import ModelRunnerOutput, SchedulerOutput
+from scheduler.request import Request, SamplingParams
+from scheduler.scheduler import Scheduler
+
+VOCAB = 32000
+STEP_S = 0.025
+"""Seconds per simulated step, to read the router's time options (half-life, guess lifetime)."""
+MODELS: dict[str, list[KVCacheSpec]] = {
+    "sliding+full": [make_spec("full_attention", 16), make_spec("sliding_window", 16, 128)],
+    "mamba+full": [
+        make_spec("full_attention", 16),
+        make_spec("mamba", 16, mamba_cache_mode=MambaCacheMode.ALIGN),
+    ],
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Multi-session chat: a shared system prompt, then turns that grow each session."""
+
+    num_sessions: int
+    num_turns: int = 6
+    system_tokens: int = 96
+    first_user_tokens: tuple[int, int] = (96, 320)
+    user_tokens: tuple[int, int] = (24, 96)
+    output_tokens: tuple[int, int] = (16, 64)
+    think_ticks: tuple[int, int] = (10, 100)
+    """Steps between an answer and the next turn (a step is some 10-50 ms on a GPU)."""
+    seed: int = 0
+
+
+@dataclass
+class Session:
+    history: list[int]
+    turns_left: int
+    due: int = 0
+
+
+class Router(Protocol):
+    name: str
+
+    def choose(self, replicas: list[SimReplica], token_ids: list[int], now: int) -> int: ...
+    def on_step(self, replicas: list[SimReplica], now: int) -> None: ...
+    def finished(self, replica: int) -> None: ...
+
+
+class SimReplica:
+    """One engine: a scheduler and a runner that needs no model."""
+
+    def __init__(self, kv_config: KVCacheConfig, sched: SchedulerConfig, events: bool) -> None:
+        self.scheduler = Scheduler(sched, kv_config)
+        self.clock = 0.0
+        self.log: KVEventLog | None = None
+        if events:
+            self.scheduler.kv_cache_manager.enable_events()
+            self.log = KVEventLog(kv_config.groups, max_age_s=1e9, clock=lambda: self.clock)
+        self.num_routed = 0
+        self.num_computed_tokens = 0
+        self.live: list[Request] = []
+
+    def step(self) -> list[Request]:
+        """One engine step; the requests it finished."""
+        scheduler = self.scheduler
+        if scheduler.has_unfinished_requests():
+            out = scheduler.schedule()
+            self.num_computed_tokens += out.total_num_scheduled_tokens
+            scheduler.update_from_output(out, self._sample(out))
+            if self.log is not None:
+                manager = scheduler.kv_cache_manager
+                self.log.record(
+                    manager.take_events(), manager.eviction_outlook(len(scheduler.running))
+                )
+        done = [r for r in self.live if r.status.is_finished]
+        if done:
+            self.live = [r for r in self.live if not r.status.is_finished]
+        return done
+
+    def add(self, request: Request) -> None:
+        self.num_routed += 1
+        self.scheduler.add_request(request)
+        self.live.append(request)
+
+    def _sample(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        requests = self.scheduler.requests
+        sampled = []
+        for req_id in out.num_scheduled_tokens:
+            request = requests[req_id]
+            done = request.num_computed_tokens >= request.num_tokens
+            sampled.append([token_at(req_id, request.num_tokens)] if done else [])
+        return ModelRunnerOutput(req_ids=list(out.num_scheduled_tokens), sampled_token_ids=sampled)
+
+
+def token_at(req_id: str, position: int) -> int:
+    return 1 + zlib.crc32(f"{req_id}:{position}".encode()) % (VOCAB - 1)
+
+
+class RoundRobin:
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._next = count()
+
+    def choose(self, replicas: list[SimReplica], token_ids: list[int], now: int) -> int:
+        return next(self._next) % len(replicas)
+
+    def on_step(self, replicas: list[SimReplica], now: int) -> None:
+        pass
+
+    def finished(self, replica: int) -> None:
+        pass
+
+
+class RayPrefixAffinity:
+    """Ray Serve LLM's `PrefixCacheAffinityRouter` decision on Ray's `PrefixTree` (prompt text:
+    token IDs joined by spaces, as our subclass routes them): the replicas with the longest
+    matched prefix when it covers >= 10 % of the text, else those with the fewest characters
+    indexed; the least loaded of them."""
+
+    name = "ray-prefix-affinity"
+
+    def __init__(self, num_replicas: int, match_rate_threshold: float = 0.1) -> None:
+        self.tree = PrefixTree()
+        self.tenants = [f"r{i}" for i in range(num_replicas)]
+        self.tree.add_tenants(self.tenants, 0.0)
+        self.match_rate_threshold = match_rate_threshold
+        self.in_flight = [0] * num_replicas
+
+    def choose(self, replicas: list[SimReplica], token_ids: list[int], now: int) -> int:
+        text = " ".join(map(str, token_ids))
+        matched, tenants = self.tree.prefix_match(text, self.tenants)
+        if len(matched) / len(text) < self.match_rate_threshold or not tenants:
+            tenants = self.tree.get_smallest_tenants() or self.tenants
+        chosen = min((self.tenants.index(t) for t in tenants), key=lambda i: self.in_flight[i])
+        self.tree.insert(text, self.tenants[chosen], float(now))
+        self.in_flight[chosen] += 1
+        return chosen
+
+    def on_step(self, replicas: list[SimReplica], now: int) -> None:
+        pass
+
+    def finished(self, replica: int) -> None:
+        self.in_flight[replica] -= 1
+
+
+class HybridPrefix:
+    """`HybridRoutingPolicy`, its indexes fed by each replica's event log `delay` ticks late."""
+
+    name = "hybrid-prefix (ours)"
+
+    def __init__(self, num_replicas: int, delay: int, load_factor: float) -> None:
+        from cluster.serve.hybrid_policy import RoutingOptions
+
+        self.policy: HybridRoutingPolicy[int] = HybridRoutingPolicy(
+            RoutingOptions(load_factor, event_age_steps=delay + 1)
+        )
+        self.delay = delay
+        self._pending: deque[tuple[int, list[object]]] = deque()
+        self.predictions: dict[str, tuple[int, int]] = {}
+        """Request ID -> (replica, predicted hit)."""
+        self._next_id = count()
+
+    def choose(self, replicas: list[SimReplica], token_ids: list[int], now: int) -> int:
+        keys = self.policy.prompt_keys(token_ids, None)
+        seconds = now * STEP_S
+        ranks = self.policy.choose(list(range(len(replicas))), keys, seconds)
+        chosen = ranks[0][0]
+        self._last = (chosen, self.policy.predicted_hit(chosen, keys, seconds))
+        self.policy.routed(chosen, keys, seconds)
+        return chosen
+
+    def on_step(self, replicas: list[SimReplica], now: int) -> None:
+        windows = [replica.log.window() if replica.log else None for replica in replicas]
+        self._pending.append((now + self.delay, windows))  # type: ignore[arg-type]
+        while self._pending and self._pending[0][0] <= now:
+            _, ready = self._pending.popleft()
+            for key, window in enumerate(ready):
+                if window is not None:
+                    self.policy.replay(key, window)  # type: ignore[arg-type]
+
+    def finished(self, replica: int) -> None:
+        self.policy.completed(replica)
+
+
+@dataclass
+class RunResult:
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    routed: list[int] = field(default_factory=list)
+    computed: list[int] = field(default_factory=list)
+    prediction_pairs: list[tuple[int, int]] = field(default_factory=list)
+    """(predicted, actual) hit per request routed by our policy."""
+    ticks: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / max(self.prompt_tokens, 1)
+
+
+def _draw(rng: random.Random, bounds: tuple[int, int]) -> int:
+    return rng.randint(*bounds)
+
+
+def run(
+    workload: Workload,
+    kv_config: KVCacheConfig,
+    sched: SchedulerConfig,
+    num_replicas: int,
+    make_router: Callable[[int], Router],
+    events: bool | None = None,
+) -> RunResult:
+    """Play the workload through `num_replicas` simulated replicas behind one router."""
+    rng = random.Random(workload.seed)
+    system = [_draw(rng, (1, VOCAB - 1)) for _ in range(workload.system_tokens)]
+    sessions = [
+        Session(
+            system
+            + [rng.randrange(1, VOCAB) for _ in range(_draw(rng, workload.first_user_tokens))],
+            workload.num_turns,
+            due=rng.randrange(0, 4 * workload.num_sessions),
+        )
+        for _ in range(workload.num_sessions)
+    ]
+    router = make_router(num_replicas)
+    if events is None:  # only our router reads them
+        events = isinstance(router, HybridPrefix)
+    replicas = [SimReplica(kv_config, sched, events) for _ in range(num_replicas)]
+    owner: dict[str, tuple[int, int, Request]] = {}
+    result = RunResult()
+    ids = count()
+    tick = 0
+    while any(s.turns_left for s in sessions) or owner:
+        for number, session in enumerate(sessions):
+            if session.turns_left and session.due == tick:
+                session.turns_left -= 1
+                session.due = -1
+                req_id = f"s{number}-{next(ids)}"
+                chosen = router.choose(replicas, session.history, tick)
+                params = SamplingParams(
+                    max_tokens=_draw(rng, workload.output_tokens), ignore_eos=True
+                )
+                request = Request(
+                    req_id,
+                    list(session.history),
+                    params,
+                    replicas[chosen].scheduler.hash_block_size,
+                )
+                replicas[chosen].add(request)
+                owner[req_id] = (chosen, number, request)
+                if isinstance(router, HybridPrefix):
+                    router.predictions[req_id] = router._last
+        for index, replica in enumerate(replicas):
+            replica.clock = float(tick)
+            for request in replica.step():
+                _, number, _ = owner.pop(request.req_id)
+                router.finished(index)
+                session = sessions[number]
+                session.history = request.all_token_ids + [
+                    rng.randrange(1, VOCAB) for _ in range(_draw(rng, workload.user_tokens))
+                ]
+                session.due = tick + _draw(rng, workload.think_ticks)
+                result.prompt_tokens += request.num_prompt_tokens
+                result.hit_tokens += request.num_cached_tokens or 0
+                if isinstance(router, HybridPrefix):
+                    _, predicted = router.predictions.pop(request.req_id)
+                    result.prediction_pairs.append((predicted, request.num_cached_tokens or 0))
+        router.on_step(replicas, tick)
+        tick += 1
+    result.routed = [r.num_routed for r in replicas]
+    result.computed = [r.num_computed_tokens for r in replicas]
+    result.ticks = tick
+    return result
+
+
+def model_config(model: str, num_blocks: int) -> KVCacheConfig:
+    return one_layer_groups_config(num_blocks, MODELS[model])

@@ -1,0 +1,244 @@
+"""The routing decision of `HybridPrefixRouter`, free of Ray so the benchmark drives the same code.
+
+Per replica: a `CacheIndex` (the replica's prefix-cache keys from its KV events, plus guesses for
+what was just sent there), the requests in flight and the recent prompt work. For a request:
+
+  1. every replica's predicted hit: the longest prefix valid for every KV cache group at once;
+  2. replicas whose requests in flight would pass `load_factor` x the mean are out (bounded
+     load); unless the request continues a conversation (it extends a prompt routed to one of
+     the others, or its best hit covers >= `strong_fraction` of it), so are replicas whose
+     recent work would pass `work_factor` x the mean;
+  3. among the rest: the replica whose conversation the request continues, then the longest
+     hit if it covers >= `match_fraction` of the prompt, else (a new conversation) the least
+     recent work; excluded replicas come last, in the same order.
+
+    choose(candidates, prompt) ─► ranks [[best], [others by preference]]
+    routed(replica, prompt)     ─► in flight + 1, work + prompt, index guesses the prompt's blocks
+    completed(replica)          ─► in flight - 1
+    replay(replica, window)     ─► index follows the replica's events
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, NamedTuple, TypeVar
+
+from scheduler.block_hash import BlockHash
+from scheduler.kv_cache.cache_index import CacheIndex
+from scheduler.kv_cache.events import KVEventWindow
+
+Key = TypeVar("Key", bound=Hashable)
+MAX_PROMPT_ENDS = 1 << 16
+"""Prompt ends remembered per replica (the oldest are forgotten first)."""
+MAX_UNINDEXED_PROMPTS = 256
+"""Prompts remembered per replica until its first events arrive."""
+
+
+@dataclass(frozen=True)
+class RoutingOptions:
+    """How hits are weighed against load."""
+
+    load_factor: float = 2.0
+    """A replica takes a new request only while its requests in flight stay within this
+    multiple of the mean (rounded up); >= 1."""
+    work_factor: float = 1.25
+    """Below a strong hit, a replica takes a new request only while its recent prompt work
+    stays within this multiple of the mean (a prefix cached in one place must not draw every
+    new conversation there); >= 1."""
+    strong_fraction: float = 0.5
+    """A predicted hit covering this much of the prompt is the conversation's own history:
+    only the in-flight bound can send it elsewhere."""
+    match_fraction: float = 0.25
+    """A request whose best predicted hit covers less of its prompt than this starts a new
+    conversation (a shared system prompt at most): it goes where the least prompt work was sent
+    lately, so conversations, and the cache they fill, spread evenly."""
+    work_half_life_s: float = 60.0
+    """Half-life of the recent prompt work counted per replica."""
+    guess_ttl_s: float = 10.0
+    """How long a guessed cached block counts before the replica's events must confirm it."""
+    event_age_steps: float = 10.0
+    """Engine steps from the state a replica's events describe to the admission of a request
+    routed now (the events' poll period in steps, and one): what the replica's running
+    requests allocate meanwhile is anticipated as evicting its next free blocks."""
+
+    def __post_init__(self) -> None:
+        if self.load_factor < 1.0:
+            raise ValueError(f"load_factor must be >= 1, got {self.load_factor}")
+        if self.work_factor < 1.0:
+            raise ValueError(f"work_factor must be >= 1, got {self.work_factor}")
+
+
+class PromptKeys(NamedTuple):
+    """A prompt as the indexes read it."""
+
+    block_hashes: list[BlockHash]
+    num_tokens: int
+    token_ids: Sequence[int] = ()
+    cache_salt: str | None = None
+
+
+class Candidate(NamedTuple):
+    """One replica's case for a request."""
+
+    predicted_hit: int
+    in_flight: int
+    recent_work: float
+    kv_usage: float
+    continues: bool = False
+    """The prompt extends one routed there (through that prompt's last full block)."""
+
+
+@dataclass
+class _Replica:
+    index: CacheIndex | None = None
+    in_flight: int = 0
+    kv_usage: float = 0.0
+    work: float = 0.0
+    """Prompt tokens routed here, decayed with `work_half_life_s`, as of `work_time`."""
+    work_time: float = 0.0
+    prompt_ends: dict[BlockHash, None] = field(default_factory=dict)
+    """Hash of the last full block of each recent prompt routed here (oldest first)."""
+    unindexed: list[tuple[PromptKeys, float]] = field(default_factory=list)
+    """Prompts routed here before its first events (guessed once the index exists)."""
+
+    def recent_work(self, now: float, half_life: float) -> float:
+        return self.work * math.pow(0.5, max(now - self.work_time, 0.0) / half_life)
+
+
+@dataclass
+class HybridRoutingPolicy(Generic[Key]):
+    """Per-replica cache indexes and loads, and the choice they imply."""
+
+    options: RoutingOptions = field(default_factory=RoutingOptions)
+    _replicas: dict[Key, _Replica] = field(default_factory=dict)
+
+    def replay(self, key: Key, window: KVEventWindow, kv_usage: float = 0.0) -> None:
+        """Bring the replica's index up to its event log (the first window creates it)."""
+        replica = self._replicas.setdefault(key, _Replica())
+        if replica.index is None or replica.index.groups != window.groups:
+            replica.index = CacheIndex(
+                window.groups, self.options.guess_ttl_s, self.options.event_age_steps
+            )
+            for prompt, routed_at in replica.unindexed:
+                hashes = replica.index.block_hashes(prompt.token_ids, prompt.cache_salt)
+                replica.index.guess_stored(hashes, prompt.num_tokens, routed_at)
+            replica.unindexed.clear()
+        replica.index.replay(window)
+        replica.kv_usage = kv_usage
+
+    @property
+    def replicas(self) -> tuple[Key, ...]:
+        """Replicas with an index or a load."""
+        return tuple(self._replicas)
+
+    def keep_only(self, keys: Sequence[Key]) -> None:
+        """Forget replicas that are gone (dead, or scaled down)."""
+        alive = set(keys)
+        for key in [key for key in self._replicas if key not in alive]:
+            del self._replicas[key]
+
+    def prompt_keys(self, token_ids: Sequence[int], cache_salt: str | None) -> PromptKeys:
+        """The prompt's block hashes (none until some replica's index says how to hash)."""
+        index = next((r.index for r in self._replicas.values() if r.index is not None), None)
+        hashes = index.block_hashes(token_ids, cache_salt) if index is not None else []
+        return PromptKeys(hashes, len(token_ids), token_ids, cache_salt)
+
+    def candidate(self, key: Key, prompt: PromptKeys | None, now: float) -> Candidate:
+        replica = self._replicas.get(key) or _Replica()
+        hit = 0
+        continues = False
+        if prompt is not None and replica.index is not None:
+            hit = replica.index.predict_hit(prompt.block_hashes, prompt.num_tokens, now)
+            ends = replica.prompt_ends
+            continues = hit > 0 and any(h in ends for h in prompt.block_hashes)
+        work = replica.recent_work(now, self.options.work_half_life_s)
+        return Candidate(hit, replica.in_flight, work, replica.kv_usage, continues)
+
+    def choose(self, keys: Sequence[Key], prompt: PromptKeys | None, now: float) -> list[list[Key]]:
+        """Preference ranks over `keys`: the best replica alone, then the rest in order."""
+        if not keys:
+            return []
+        cases = {key: self.candidate(key, prompt, now) for key in keys}
+        num_tokens = prompt.num_tokens if prompt is not None else 0
+        options = self.options
+        over = _over_in_flight(cases, options.load_factor)
+        continued = any(case.continues for key, case in cases.items() if key not in over)
+        if not continued and _best_hit(cases, over) < options.strong_fraction * num_tokens:
+            # Not a conversation's own history: keep shared prefixes from drawing every
+            # new conversation to the replicas that happen to hold them.
+            over |= _over_work(cases, num_tokens, options.work_factor)
+        follows_hit = _best_hit(cases, over) >= options.match_fraction * num_tokens > 0
+        ordered = sorted(keys, key=lambda key: _order(key in over, cases[key], follows_hit))
+        return [ordered[:1], ordered[1:]] if len(ordered) > 1 else [ordered]
+
+    def predicted_hit(self, key: Key, prompt: PromptKeys | None, now: float) -> int:
+        return self.candidate(key, prompt, now).predicted_hit
+
+    def routed(self, key: Key, prompt: PromptKeys | None, now: float) -> None:
+        """A request went to `key`: count it, and guess its prompt will be cached there."""
+        replica = self._replicas.setdefault(key, _Replica())
+        replica.in_flight += 1
+        if prompt is not None:
+            replica.work = replica.recent_work(now, self.options.work_half_life_s)
+            replica.work += prompt.num_tokens
+            replica.work_time = now
+        if prompt is not None and prompt.block_hashes:
+            _remember_end(replica.prompt_ends, prompt.block_hashes)
+        if prompt is not None and replica.index is not None:
+            replica.index.guess_stored(prompt.block_hashes, prompt.num_tokens, now)
+        elif prompt is not None and len(replica.unindexed) < MAX_UNINDEXED_PROMPTS:
+            replica.unindexed.append((prompt, now))
+
+    def completed(self, key: Key) -> None:
+        replica = self._replicas.get(key)
+        if replica is not None and replica.in_flight > 0:
+            replica.in_flight -= 1
+
+    def in_flight(self, key: Key) -> int:
+        replica = self._replicas.get(key)
+        return replica.in_flight if replica is not None else 0
+
+
+def _remember_end(ends: dict[BlockHash, None], block_hashes: list[BlockHash]) -> None:
+    """Keep the prompt's last block hash: a later prompt holding it extends this one through
+    its last full block (missed when that block holds the generation prompt: then the hit's
+    length decides, as for any other request)."""
+    ends.pop(block_hashes[-1], None)
+    ends[block_hashes[-1]] = None
+    while len(ends) > MAX_PROMPT_ENDS:
+        del ends[next(iter(ends))]
+
+
+def _over_in_flight(cases: Mapping[Key, Candidate], load_factor: float) -> set[Key]:
+    """Replicas whose requests in flight would pass `load_factor` times the mean."""
+    total = sum(case.in_flight for case in cases.values()) + 1
+    bound = math.ceil(load_factor * total / len(cases))
+    return {key for key, case in cases.items() if case.in_flight >= bound}
+
+
+def _over_work(cases: Mapping[Key, Candidate], num_tokens: int, work_factor: float) -> set[Key]:
+    """Replicas whose recent prompt work would pass `work_factor` times the mean."""
+    work = sum(case.recent_work for case in cases.values()) + num_tokens
+    bound = work_factor * work / len(cases)
+    return {key for key, case in cases.items() if case.recent_work + num_tokens > bound}
+
+
+def _best_hit(cases: Mapping[Key, Candidate], excluded: set[Key]) -> int:
+    allowed = [case for key, case in cases.items() if key not in excluded]
+    return max(case.predicted_hit for case in allowed or cases.values())
+
+
+def _order(excluded: bool, case: Candidate, follows_hit: bool) -> tuple[float, ...]:
+    """Sort key: allowed replicas first, among them the one the conversation continues on
+    (even if its history was evicted there: it comes back cached where it stays), then
+    `_rank`."""
+    return (excluded, not case.continues, *_rank(case, follows_hit))
+
+
+def _rank(case: Candidate, follows_hit: bool) -> tuple[float, ...]:
+    """Sort key: the longest hit first, or (a new conversation) the least recent work first."""
+    if follows_hit:
+        return (-case.predicted_hit, case.in_flight, case.recent_work, case.kv_usage)
+    return (case.recent_work, case.in_flight, -case.predicted_hit, case.kv_usage)

@@ -1,0 +1,176 @@
+"""`HybridPrefixRouter`: a Ray Serve request router that knows each replica's hybrid KV cache.
+
+    replica: engine step ─► KV event log ─► record_routing_stats() {kv_events, kv_cache_usage}
+    controller polls every request_routing_stats_period_s ─► routers get it with the replicas
+    router (in the caller, e.g. the ingress): tokenize once ─► HybridRoutingPolicy.choose
+        ─► the prompt's token IDs travel with the request (the replica does not tokenize again)
+
+The decision itself is `cluster.serve.hybrid_policy` (Ray-free, driven by the benchmark too).
+Replicas turn their events on when their deployment names this router (`kv_events_enabled`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from ray.serve.request_router import (
+    FIFOMixin,
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
+
+from cluster.engine.core import EngineCore
+from cluster.engine.input_processor import InputProcessor
+from cluster.engine.tokenizer import load_tokenizer
+from cluster.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.serve.hybrid_policy import HybridRoutingPolicy, PromptKeys, RoutingOptions
+from scheduler.kv_cache.events import KVEventWindow
+
+logger = logging.getLogger(__name__)
+
+ROUTER_NAMES = frozenset(
+    {"cluster.serve.routing:HybridPrefixRouter", "cluster.serve.routing.HybridPrefixRouter"}
+)
+KV_EVENTS_STAT = "kv_events"
+KV_USAGE_STAT = "kv_cache_usage"
+PROMPT_TOKEN_IDS_KWARG = "prompt_token_ids"
+"""The keyword under which the router hands the replica the prompt it tokenized."""
+DEFAULT_STATS_PERIOD_S = 0.5
+MAX_TRACKED_REQUESTS = 1 << 14
+"""Prompts kept between choosing a replica and hearing the request was routed there."""
+_NO_LIMIT = 1 << 62
+
+
+def kv_events_enabled(deployment_config: Mapping[str, Any]) -> bool:
+    """Whether a model deployment is routed by `HybridPrefixRouter` (its replicas then keep
+    KV events; off otherwise, e.g. for a single replica behind Serve's default router)."""
+    router = deployment_config.get("request_router_config") or {}
+    return router.get("request_router_class") in ROUTER_NAMES
+
+
+def with_router_defaults(config: dict[str, Any], tokenizer_source: str) -> dict[str, Any]:
+    """`request_router_config` of our router with a short stats period and the model's
+    tokenizer filled in where the user set neither."""
+    kwargs = {"tokenizer_source": tokenizer_source, **(config.get("request_router_kwargs") or {})}
+    options = {key: value for key, value in kwargs.items() if key != "tokenizer_source"}
+    try:
+        RoutingOptions(**options)
+    except TypeError:
+        known = ", ".join(["tokenizer_source", *RoutingOptions.__dataclass_fields__])
+        raise ValueError(
+            f"request_router_kwargs of HybridPrefixRouter: unknown key among {sorted(options)}; "
+            f"known: {known}"
+        ) from None
+    return {
+        "request_routing_stats_period_s": DEFAULT_STATS_PERIOD_S,
+        **config,
+        "request_router_kwargs": kwargs,
+    }
+
+
+def routing_stats(core: EngineCore) -> dict[str, Any]:
+    """What a replica tells the routers: its recent KV events and KV usage ({} when off)."""
+    if core.kv_events is None:
+        return {}
+    usage = core.scheduler.kv_cache_manager.usage
+    return {KV_EVENTS_STAT: core.kv_events.window(), KV_USAGE_STAT: usage}
+
+
+class HybridPrefixRouter(FIFOMixin, RequestRouter):
+    """Routes each request to the replica predicted to serve the longest prefix from its
+    hybrid cache (valid for every KV cache group), within a load bound."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        """`request_router_kwargs`: `tokenizer_source` (the builder sets the model's), and the
+        `RoutingOptions` fields (`load_factor`, `match_fraction`, `work_half_life_s`,
+        `guess_ttl_s`)."""
+        tokenizer_source = kwargs.pop("tokenizer_source", None)
+        self.policy: HybridRoutingPolicy[ReplicaID] = HybridRoutingPolicy(RoutingOptions(**kwargs))
+        self._tokenizer_source = tokenizer_source
+        self._inputs: InputProcessor | None = None
+        self._prompts: dict[str, PromptKeys | None] = {}
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        for replica in replicas:
+            stats = replica.routing_stats or {}
+            window = stats.get(KV_EVENTS_STAT)
+            if isinstance(window, KVEventWindow):
+                usage = float(stats.get(KV_USAGE_STAT, 0.0))
+                self.policy.replay(replica.replica_id, window, usage)
+        self.policy.keep_only([replica.replica_id for replica in replicas])
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        self.policy.keep_only(list(self.curr_replicas))
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        prompt = self._prompt_keys(pending_request)
+        by_id = {replica.replica_id: replica for replica in candidate_replicas}
+        ranks = self.policy.choose(list(by_id), prompt, time.monotonic())
+        return [[by_id[key] for key in rank] for rank in ranks if rank]
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any
+    ) -> None:
+        prompt = self._prompts.pop(pending_request.metadata.internal_request_id, None)
+        self.policy.routed(replica_id, prompt, time.monotonic())
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._prompts.pop(internal_request_id, None)
+        self.policy.completed(replica_id)
+
+    def _prompt_keys(self, pending_request: PendingRequest | None) -> PromptKeys | None:
+        """The request's block hashes (tokenized once: a retry reuses them)."""
+        if pending_request is None:
+            return None
+        request_id = pending_request.metadata.internal_request_id
+        if request_id in self._prompts:
+            return self._prompts[request_id]
+        keys = None
+        token_ids = self._token_ids(pending_request)
+        if token_ids:
+            cache_salt = getattr(pending_request.args[0], "cache_salt", None)
+            keys = self.policy.prompt_keys(token_ids, cache_salt)
+        if len(self._prompts) >= MAX_TRACKED_REQUESTS:  # requests that were never routed
+            del self._prompts[next(iter(self._prompts))]
+        self._prompts[request_id] = keys
+        return keys
+
+    def _token_ids(self, pending_request: PendingRequest) -> list[int] | None:
+        """The prompt's token IDs, handed on to the replica; None when the request is not an
+        OpenAI request or does not tokenize (the replica then answers its error)."""
+        given = pending_request.kwargs.get(PROMPT_TOKEN_IDS_KWARG)
+        if given is not None:
+            return list(given)
+        request = pending_request.args[0] if pending_request.args else None
+        inputs = self._input_processor()
+        try:
+            if isinstance(request, ChatCompletionRequest):
+                generation = request.add_generation_prompt
+                prompt = inputs.chat(request.messages, request.chat_template, generation)
+            elif isinstance(request, CompletionRequest):
+                prompt = inputs.prompt(request.prompt)  # type: ignore[arg-type]
+            else:
+                return None
+        except (ValueError, TypeError):
+            return None
+        if prompt.text is not None:  # tokenized here: the replica need not do it again
+            pending_request.kwargs[PROMPT_TOKEN_IDS_KWARG] = prompt.token_ids
+        return prompt.token_ids
+
+    def _input_processor(self) -> InputProcessor:
+        if self._inputs is None:
+            source = self._tokenizer_source or ""
+            tokenizer = load_tokenizer(source) if source else None
+            self._inputs = InputProcessor(tokenizer, _NO_LIMIT, _NO_LIMIT, source)
+        return self._inputs

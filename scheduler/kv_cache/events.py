@@ -1,0 +1,166 @@
+"""KV cache events: which prefix-cache keys (block hash, group) appeared and disappeared.
+
+The `BlockPool` calls an attached `KVEventSink` where a key enters its hash map and where it leaves
+(a duplicate block taking over a key changes nothing, so the events mirror the set of keys a
+lookup can find). The engine takes one `KVEventBatch` per step; a router replays the batches
+into a `CacheIndex` to predict each replica's hit. Off unless a sink is attached.
+
+With each step the engine also gives its `EvictionOutlook`: the keys its pool would evict next,
+in its eviction policy's order, so that a router whose events arrive a poll period late can
+drop what the engine evicts meanwhile for the requests the router has sent it since.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from scheduler.block_hash import BlockHash
+from scheduler.kv_cache.spec import KVCacheGroupSpec
+
+
+@dataclass(frozen=True)
+class KVEventBatch:
+    """The net change of one engine's prefix-cache keys over one step (or a few).
+
+    Replay order: if `cleared`, forget every key; then drop `removed`, then add `stored`
+    (disjoint per group).
+    """
+
+    stored: tuple[tuple[BlockHash, ...], ...]
+    """Per group, keys now findable that were not at the start of the batch."""
+    removed: tuple[tuple[BlockHash, ...], ...]
+    """Per group, keys no longer findable."""
+    cleared: bool = False
+    """Every key was dropped (prefix cache reset) before the keys in `stored` came."""
+
+    @property
+    def num_keys(self) -> int:
+        return sum(map(len, self.stored)) + sum(map(len, self.removed))
+
+
+class KVEventSink:
+    """Collects key changes between two `take()`s as net per-group sets."""
+
+    def __init__(self, num_groups: int) -> None:
+        self.num_groups = num_groups
+        self._stored: list[dict[BlockHash, None]] = [{} for _ in range(num_groups)]
+        self._removed: list[dict[BlockHash, None]] = [{} for _ in range(num_groups)]
+        self._cleared = False
+
+    def stored(self, group_id: int, block_hash: BlockHash) -> None:
+        """A key became findable."""
+        self._removed[group_id].pop(block_hash, None)
+        self._stored[group_id][block_hash] = None
+
+    def removed(self, group_id: int, block_hash: BlockHash) -> None:
+        """A key stopped being findable (removing a key the replayer lacks is harmless)."""
+        self._stored[group_id].pop(block_hash, None)
+        self._removed[group_id][block_hash] = None
+
+    def cleared(self) -> None:
+        """Every key was dropped."""
+        for keys in (*self._stored, *self._removed):
+            keys.clear()
+        self._cleared = True
+
+    def take(self) -> KVEventBatch | None:
+        """The changes since the last take, or None when there were none."""
+        if not self._cleared and not any(self._stored) and not any(self._removed):
+            return None
+        batch = KVEventBatch(
+            stored=tuple(tuple(keys) for keys in self._stored),
+            removed=tuple(tuple(keys) for keys in self._removed),
+            cleared=self._cleared,
+        )
+        for keys in (*self._stored, *self._removed):
+            keys.clear()
+        self._cleared = False
+        return batch
+
+
+OUTLOOK_BLOCKS = 512
+"""Free blocks an `EvictionOutlook` covers (what a busy engine may allocate in a poll period)."""
+
+
+@dataclass(frozen=True)
+class EvictionOutlook:
+    """The next free blocks one engine's pool would hand out, in its eviction order: per block
+    the key (group id, hash) its reuse would evict, or None for a block that holds no key."""
+
+    order: tuple[tuple[int, BlockHash] | None, ...]
+    num_running: int = 0
+    """Requests running then: each decoding one takes a block per group every block size of
+    tokens it generates, from the same queue."""
+
+
+@dataclass(frozen=True)
+class KVEventWindow:
+    """The latest batches of one engine's event log, as a reader polls them."""
+
+    groups: tuple[KVCacheGroupSpec, ...]
+    """The engine's KV cache groups (what a reader needs to predict hits)."""
+    first_seq: int
+    """Sequence number of `batches[0]` (batches are numbered from 0 without gaps)."""
+    batches: tuple[KVEventBatch, ...]
+    outlook: EvictionOutlook | None = None
+    """The engine's eviction order after the last of `batches` (None: not given)."""
+
+    @property
+    def next_seq(self) -> int:
+        """Sequence number the engine's next batch will get."""
+        return self.first_seq + len(self.batches)
+
+
+class KVEventLog:
+    """One engine's recent event batches, numbered; bounded by age and by keys held.
+
+    Written by the engine step (a worker thread), read by whoever polls: one lock. The bounds
+    are modest because a poller may copy and hash the whole window at every poll (Serve does).
+    """
+
+    def __init__(
+        self,
+        groups: tuple[KVCacheGroupSpec, ...],
+        max_keys: int = 1 << 14,
+        max_age_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.groups = groups
+        self.max_keys = max_keys
+        self.max_age_s = max_age_s
+        self._clock = clock
+        self._entries: deque[tuple[float, KVEventBatch]] = deque()
+        self._first_seq = 0
+        self._num_keys = 0
+        self._outlook: EvictionOutlook | None = None
+        self._lock = threading.Lock()
+
+    def record(self, batch: KVEventBatch | None, outlook: EvictionOutlook | None = None) -> None:
+        """Append a batch (None is ignored) and drop what is too old or too much; keep the
+        engine's eviction order as of this step when given."""
+        if outlook is not None:
+            self._outlook = outlook
+        if batch is None:
+            return
+        with self._lock:
+            self._entries.append((self._clock(), batch))
+            self._num_keys += batch.num_keys
+            self._prune()
+
+    def window(self) -> KVEventWindow:
+        """Every batch still held."""
+        with self._lock:
+            self._prune()
+            batches = tuple(batch for _, batch in self._entries)
+            return KVEventWindow(self.groups, self._first_seq, batches, self._outlook)
+
+    def _prune(self) -> None:
+        oldest = self._clock() - self.max_age_s
+        entries = self._entries
+        while len(entries) > 1 and (entries[0][0] < oldest or self._num_keys > self.max_keys):
+            self._num_keys -= entries.popleft()[1].num_keys
+            self._first_seq += 1
