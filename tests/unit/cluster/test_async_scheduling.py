@@ -9,34 +9,43 @@ from pathlib import Path
 import pytest
 
 from cluster.config.engine_args import EngineArgs
+from cluster.engine.configs import engine_configs
 from cluster.engine.core import build_engine_core
+from cluster.engine.executor.multiproc import MultiprocExecutor
 from cluster.engine.request import EngineRequest
 from scheduler.request import SamplingParams
-from tests.helpers.async_workload import RunResult, run_engine, workload
+from tests.helpers.async_workload import RunResult, run_engine, run_workload, workload
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from tests.helpers.tiny_models import save_tiny_model
 
 BASE = {"block_size": 4, "max_model_len": 64, "max_num_batched_tokens": 64}
-# KV pools small enough that the workload preempts (checked below).
-CASES = {
-    "llama": (save_tiny_model, {"kv_cache_memory_bytes": 60 * 2048}),
-    "gemma2": (save_tiny_model, {"kv_cache_memory_bytes": 1 << 20}),
-    "bamba": (save_tiny_hybrid, {"kv_cache_memory_bytes": 1 << 20}),
+SAVERS = {"llama": save_tiny_model, "gemma2": save_tiny_model, "bamba": save_tiny_hybrid}
+# case -> (family, engine args); KV pools small enough that the workload preempts.
+CASES: dict[str, tuple[str, dict[str, object]]] = {
+    "llama": ("llama", {"kv_cache_memory_bytes": 60 * 2048}),
+    "gemma2-sliding-window": ("gemma2", {"kv_cache_memory_bytes": 1 << 17}),
+    "bamba-mamba": ("bamba", {"kv_cache_memory_bytes": 1 << 17}),
+    "bamba-state-checkpoints": (
+        "bamba",
+        {"kv_cache_memory_bytes": 1 << 17, "prefix_match_unit": 2},
+    ),
 }
 
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     dirs = {}
-    for family, (save, _) in CASES.items():
+    for family, save in SAVERS.items():
         path = tmp_path_factory.mktemp(family)
         save(family, path)
         dirs[family] = path
     return dirs
 
 
-def _args(path: Path, family: str, **overrides: object) -> EngineArgs:
-    return EngineArgs(model=str(path), **{**BASE, **CASES[family][1], **overrides})  # type: ignore[arg-type]
+def _args(model_dirs: dict[str, Path], case: str, **overrides: object) -> EngineArgs:
+    family, case_args = CASES[case]
+    merged = {**BASE, **case_args, **overrides}
+    return EngineArgs(model=str(model_dirs[family]), **merged)  # type: ignore[arg-type]
 
 
 def _check_identical(sync: RunResult, overlapped: RunResult) -> None:
@@ -47,30 +56,40 @@ def _check_identical(sync: RunResult, overlapped: RunResult) -> None:
     assert sync.num_cached_tokens > 0 and overlapped.num_cached_tokens > 0  # prefix hits
 
 
-@pytest.mark.parametrize("family", list(CASES))
-def test_async_steps_give_the_tokens_of_sync_steps(model_dirs, family: str) -> None:
-    sync = run_engine(_args(model_dirs[family], family))
-    overlapped = run_engine(_args(model_dirs[family], family, async_scheduling=True))
+@pytest.mark.parametrize("case", list(CASES))
+def test_async_steps_give_the_tokens_of_sync_steps(model_dirs, case: str) -> None:
+    sync = run_engine(_args(model_dirs, case))
+    overlapped = run_engine(_args(model_dirs, case, async_scheduling=True))
     _check_identical(sync, overlapped)
-    if family == "llama":
-        assert sync.num_preemptions > 0 and overlapped.num_preemptions > 0
+    assert sync.num_preemptions > 0 and overlapped.num_preemptions > 0
+
+
+def test_the_checkpoint_case_saves_state_checkpoints(model_dirs) -> None:
+    core = build_engine_core(_args(model_dirs, "bamba-state-checkpoints"))
+    try:
+        assert core.scheduler.kv_cache_manager.checkpoints is not None
+    finally:
+        core.shutdown()
 
 
 def test_async_steps_on_the_mp_executor(model_dirs) -> None:
-    path = model_dirs["llama"]
-    sync = run_engine(_args(path, "llama"), num_requests=4)
-    overlapped = run_engine(
-        _args(path, "llama", async_scheduling=True, distributed_executor_backend="mp"),
-        num_requests=4,
-    )
+    """Steps submitted over the rank channel (the mp and Ray executors' transport): a rank
+    process receives step N+1 while it still runs step N."""
+    sync = run_engine(_args(model_dirs, "llama"), num_requests=4)
+    args = _args(model_dirs, "llama", async_scheduling=True)
+    executor = MultiprocExecutor(args, engine_configs(args))  # one rank, in its own process
+    core = build_engine_core(args, executor)
+    try:
+        overlapped = run_workload(core, num_requests=4)
+    finally:
+        core.shutdown()
     _check_identical(sync, overlapped)
 
 
 def test_abort_with_a_step_in_flight_leaves_the_others_unchanged(model_dirs) -> None:
-    path = model_dirs["llama"]
     results = []
     for async_scheduling in (False, True):
-        core = build_engine_core(_args(path, "llama", async_scheduling=async_scheduling))
+        core = build_engine_core(_args(model_dirs, "llama", async_scheduling=async_scheduling))
         try:
             for request in workload(0, 3):
                 core.add_request(request)
