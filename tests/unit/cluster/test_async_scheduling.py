@@ -4,6 +4,7 @@ pool, prefix hits, a sliding-window hybrid and a Mamba hybrid, on the uni and mp
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,11 @@ from cluster.config.engine_args import EngineArgs
 from cluster.engine.configs import engine_configs
 from cluster.engine.core import build_engine_core
 from cluster.engine.executor.multiproc import MultiprocExecutor
-from cluster.engine.request import EngineRequest
+from cluster.llm import LLM
 from scheduler.request import SamplingParams
+from scheduler.structured_outputs import StructuredOutputsParams
 from tests.helpers.async_workload import RunResult, run_engine, run_workload, workload
+from tests.helpers.byte_model import save_byte_model
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from tests.helpers.tiny_models import save_tiny_model
 
@@ -53,7 +56,8 @@ def _check_identical(sync: RunResult, overlapped: RunResult) -> None:
     reasons = [reason for _, reason in sync.samples.values()]
     assert "stop" in reasons
     assert "length" in reasons
-    assert sync.num_cached_tokens > 0 and overlapped.num_cached_tokens > 0  # prefix hits
+    assert sync.num_cached_tokens > 0  # prefix hits
+    assert overlapped.num_cached_tokens > 0
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -61,7 +65,8 @@ def test_async_steps_give_the_tokens_of_sync_steps(model_dirs, case: str) -> Non
     sync = run_engine(_args(model_dirs, case))
     overlapped = run_engine(_args(model_dirs, case, async_scheduling=True))
     _check_identical(sync, overlapped)
-    assert sync.num_preemptions > 0 and overlapped.num_preemptions > 0
+    assert sync.num_preemptions > 0
+    assert overlapped.num_preemptions > 0
 
 
 def test_the_checkpoint_case_saves_state_checkpoints(model_dirs) -> None:
@@ -100,9 +105,42 @@ def test_abort_with_a_step_in_flight_leaves_the_others_unchanged(model_dirs) -> 
             while core.has_unfinished_requests():
                 for delta in core.step():
                     tokens.setdefault(delta.request_id, []).extend(delta.outputs[0].token_ids)
-            assert not core.scheduler.requests and core.scheduler.kv_cache_manager is not None
+            assert not core.scheduler.requests
         finally:
             core.shutdown()
         results.append(tokens)
     assert results[0] == results[1]
     assert "w0-1" not in results[1]
+
+
+def test_structured_requests_fall_back_to_sync_steps(tmp_path: Path) -> None:
+    """A grammar's bitmask needs the token the step in flight samples: while a constrained
+    request runs the engine takes each output before scheduling, so the grammar still holds and
+    every text (constrained or not) is the synchronous one."""
+    model = save_byte_model(tmp_path / "byte-model")
+    regex = r"[0-9]{3}-[a-z]{2,4}"
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12),
+        SamplingParams(
+            temperature=1.0,
+            seed=3,
+            max_tokens=24,
+            structured_outputs=StructuredOutputsParams(regex=regex),
+        ),
+        SamplingParams(temperature=1.0, seed=4, max_tokens=12),
+    ]
+    texts = []
+    for async_scheduling in (False, True):
+        llm = LLM(
+            str(model),
+            block_size=16,
+            kv_cache_memory_bytes=4 << 20,
+            async_scheduling=async_scheduling,
+        )
+        try:
+            outs = llm.generate(["abc", "def", "ghij"], params, use_tqdm=False)
+        finally:
+            llm.shutdown()
+        texts.append([out.outputs[0].text for out in outs])
+    assert texts[0] == texts[1]
+    assert re.fullmatch(regex, texts[1][1])
