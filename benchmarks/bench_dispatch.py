@@ -217,7 +217,12 @@ def bench_e2e(
         return total / (time.perf_counter() - start)
 
     def args(**kwargs: Any) -> EngineArgs:
-        return EngineArgs(enable_prefix_caching=False, kv_cache_memory_bytes=256 << 20, **kwargs)
+        return EngineArgs(
+            enable_prefix_caching=False,
+            max_model_len=1024,
+            kv_cache_memory_bytes=256 << 20,
+            **kwargs,
+        )
 
     torch.set_num_threads(threads)
     placement = PlacementSpec(({"CPU": float(threads)},))
