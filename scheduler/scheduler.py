@@ -204,10 +204,12 @@ class Scheduler:
     def _allocate_with_preemption(
         self, request: Request, num_new: int, plan: StepPlan
     ) -> KVCacheBlocks | None:
-        """Preempt victims until `request` fits; None when `request` itself left the running set."""
+        """Preempt victims until `request` fits; None when `request` itself left the running set
+        (or, alone with tokens in flight, waits for them before it is dropped)."""
         while True:
             if len(self.running) == 1:
-                self._drop_unfittable(request)  # alone and still no room: it never will be
+                if not request.num_output_placeholders:  # else: wait, its tokens are owed
+                    self._drop_unfittable(request)  # alone and still no room: it never will be
                 return None
             victim = self._pick_victim()
             self._preempt(victim, plan)
