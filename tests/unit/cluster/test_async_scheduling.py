@@ -113,13 +113,18 @@ def test_abort_with_a_step_in_flight_leaves_the_others_unchanged(model_dirs) -> 
     assert "w0-1" not in results[1]
 
 
-def test_structured_requests_fall_back_to_sync_steps(tmp_path: Path) -> None:
-    """A grammar's bitmask needs the token the step in flight samples: while a constrained
-    request runs the engine takes each output before scheduling, so the grammar still holds and
-    every text (constrained or not) is the synchronous one."""
+def test_stop_strings_and_structured_requests_match_sync_steps(tmp_path: Path) -> None:
+    """Stop strings end requests whose next step is already in flight (its token is dropped).
+    A grammar's bitmask needs the token the step in flight samples: while a constrained request
+    runs the engine takes each output before scheduling, so the grammar still holds. Every text
+    (stopped, constrained or neither) is the synchronous one."""
     model = save_byte_model(tmp_path / "byte-model")
     regex = r"[0-9]{3}-[a-z]{2,4}"
-    params = [
+    stopped = [
+        SamplingParams(temperature=1.0, seed=seed, max_tokens=40, stop=["a", "e", "o"])
+        for seed in range(4)
+    ]
+    mixed = [
         SamplingParams(temperature=0.0, max_tokens=12),
         SamplingParams(
             temperature=1.0,
@@ -129,7 +134,7 @@ def test_structured_requests_fall_back_to_sync_steps(tmp_path: Path) -> None:
         ),
         SamplingParams(temperature=1.0, seed=4, max_tokens=12),
     ]
-    texts = []
+    runs = []
     for async_scheduling in (False, True):
         llm = LLM(
             str(model),
@@ -138,9 +143,11 @@ def test_structured_requests_fall_back_to_sync_steps(tmp_path: Path) -> None:
             async_scheduling=async_scheduling,
         )
         try:
-            outs = llm.generate(["abc", "def", "ghij"], params, use_tqdm=False)
+            outs = llm.generate(["abc", "def", "ghij", "k"], stopped, use_tqdm=False)
+            outs += llm.generate(["abc", "def", "ghij"], mixed, use_tqdm=False)
         finally:
             llm.shutdown()
-        texts.append([out.outputs[0].text for out in outs])
-    assert texts[0] == texts[1]
-    assert re.fullmatch(regex, texts[1][1])
+        runs.append([(out.outputs[0].text, out.outputs[0].finish_reason) for out in outs])
+    assert runs[0] == runs[1]
+    assert sum(reason == "stop" for _, reason in runs[1][:4]) >= 2
+    assert re.fullmatch(regex, runs[1][5][0])
