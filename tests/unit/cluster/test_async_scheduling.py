@@ -151,3 +151,13 @@ def test_stop_strings_and_structured_requests_match_sync_steps(tmp_path: Path) -
     assert runs[0] == runs[1]
     assert sum(reason == "stop" for _, reason in runs[1][:4]) >= 2
     assert re.fullmatch(regex, runs[1][5][0])
+
+
+def test_tensor_parallel_engines_keep_synchronous_steps(model_dirs) -> None:
+    """Only rank 0 samples, so the other ranks could not fill a placeholder themselves."""
+    one_rank = engine_configs(_args(model_dirs, "llama", async_scheduling=True))
+    two_ranks = engine_configs(
+        _args(model_dirs, "llama", async_scheduling=True, tensor_parallel_size=2)
+    )
+    assert one_rank.scheduler.async_scheduling
+    assert not two_ranks.scheduler.async_scheduling
