@@ -7,7 +7,8 @@ Candidates, for TP = 1 and TP = 2:
   - ray-cgraph:    a Ray compiled graph (shared-memory channels), `ray.get` of rank 0's ref
   - ray-conn:      Ray actors serving a direct connection each (what `RayExecutor` uses)
   - mp-pipes:      spawned processes on pipes (the multi-process executor's transport)
-Then end-to-end tokens/s of the default model through the Ray engine actor vs in-process.
+Then end-to-end tokens/s of the default model in-process and through the Ray engine actor, each
+with synchronous steps and with async scheduling.
 
     python benchmarks/bench_dispatch.py [--rounds 5] [--steps 300] [--skip-e2e]
 """
@@ -180,12 +181,16 @@ def measure_dispatch(rounds: int, steps: int) -> dict[tuple[str, int], float]:
     return {key: statistics.median(values) for key, values in per_round.items()}
 
 
+ENGINES = ("in-process", "in-process async", "ray", "ray async")
+"""The end-to-end engines: in-process or the Ray engine actor, synchronous or async steps."""
+
+
 def bench_e2e(
     num_prompts: int, max_tokens: int, threads: int, rounds: int = 1
-) -> tuple[float, float]:
-    """Tokens/s of the default model: (in-process, Ray engine actor), greedy, same prompts; on
-    CPU both run torch on `threads` threads (the rank actor gets a bundle of that many CPUs).
-    Both engines live through `rounds` alternating runs; the median of each side's runs."""
+) -> dict[str, list[float]]:
+    """Tokens/s of the default model on each of `ENGINES`, greedy, same prompts; on CPU each
+    runs torch on `threads` threads (the rank actor gets a bundle of that many CPUs). All
+    engines live through `rounds` rounds that run each once in turn; every run's figure."""
     import torch
 
     from cluster.config.engine_args import EngineArgs
@@ -211,22 +216,37 @@ def bench_e2e(
         total = sum(len(collect(s).outputs[0].token_ids) for s in streams)
         return total / (time.perf_counter() - start)
 
+    def args(**kwargs: Any) -> EngineArgs:
+        return EngineArgs(
+            enable_prefix_caching=False,
+            max_model_len=1024,
+            kv_cache_memory_bytes=256 << 20,
+            **kwargs,
+        )
+
     torch.set_num_threads(threads)
-    local = InProcessEngineClient.from_engine_args(
-        EngineArgs(distributed_executor_backend="uni", enable_prefix_caching=False)
-    )
     placement = PlacementSpec(({"CPU": float(threads)},))
-    remote = RayEngineClient.start(EngineArgs(enable_prefix_caching=False), placement=placement)
-    runs: dict[str, list[float]] = {"local": [], "ray": []}
+    clients = {
+        "in-process": InProcessEngineClient.from_engine_args(
+            args(distributed_executor_backend="uni")
+        ),
+        "in-process async": InProcessEngineClient.from_engine_args(
+            args(distributed_executor_backend="uni", async_scheduling=True)
+        ),
+        "ray": RayEngineClient.start(args(), placement=placement),
+        "ray async": RayEngineClient.start(args(async_scheduling=True), placement=placement),
+    }
+    runs: dict[str, list[float]] = {name: [] for name in ENGINES}
     try:
         for _ in range(rounds):
-            runs["local"].append(tokens_per_s(local))
-            runs["ray"].append(tokens_per_s(remote))
-            print(f"e2e round: {runs['local'][-1]:.1f} / {runs['ray'][-1]:.1f} tok/s", flush=True)
+            for name in ENGINES:
+                runs[name].append(tokens_per_s(clients[name]))
+            row = " / ".join(f"{runs[name][-1]:.1f}" for name in ENGINES)
+            print(f"e2e round ({' / '.join(ENGINES)}): {row} tok/s", flush=True)
     finally:
-        local.shutdown()
-        remote.shutdown()
-    return statistics.median(runs["local"]), statistics.median(runs["ray"])
+        for client in clients.values():
+            client.shutdown()
+    return runs
 
 
 CANDIDATES: dict[str, Callable[[int], tuple[Step, Callable[[], None]]]] = {
@@ -267,14 +287,14 @@ def main() -> None:
         for name in CANDIDATES:
             print(f"| {name} | {results[name, 1]:.0f} | {results[name, 2]:.0f} |", flush=True)
     if not opts.skip_e2e:
-        in_process, on_ray = bench_e2e(
-            opts.num_prompts, opts.max_tokens, opts.threads, opts.e2e_rounds
-        )
-        print(
-            f"default model, {opts.num_prompts} prompts x {opts.max_tokens} tokens: "
-            f"in-process {in_process:.1f} tok/s, Ray engine actor {on_ray:.1f} tok/s "
-            f"({on_ray / in_process:.2f}x)"
-        )
+        runs = bench_e2e(opts.num_prompts, opts.max_tokens, opts.threads, opts.e2e_rounds)
+        base = runs["in-process"]
+        print(f"default model, {opts.num_prompts} prompts x {opts.max_tokens} tokens (tok/s):")
+        print("| engine | median tok/s | median of per-round ratios to in-process |")
+        print("|---|---:|---:|")
+        for name in ENGINES:
+            ratio = statistics.median(r / b for r, b in zip(runs[name], base, strict=True))
+            print(f"| {name} | {statistics.median(runs[name]):.1f} | {ratio:.2f}x |")
     ray.shutdown()
 
 

@@ -50,6 +50,11 @@ class SchedulerConfig:
     also save state checkpoints on this grid (`scheduler.kv_cache.checkpoints`), so hits need
     not end on the (often hundreds of tokens long) unified block. None: the block grid only."""
 
+    async_scheduling: bool = False
+    """Schedule step N+1 before step N's sampled tokens are back: a running request's token in
+    flight is a placeholder (`Request.num_output_placeholders`), computed tokens advance
+    optimistically, and the workers append the tokens they sample themselves."""
+
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)

@@ -109,6 +109,9 @@ class SchedulerOutput:
     """Block copies to run after the step's forward (attention pages of new checkpoints)."""
     grammar_bitmask: GrammarBitmask | None = None
     """Allowed tokens of the constrained requests that sample this step (set by the engine)."""
+    workers_append_sampled: bool = False
+    """Async scheduling: the workers append the tokens they sample to their own copy of each
+    request (deltas carry no sampled tokens; the next step may already compute them)."""
 
     @property
     def is_empty(self) -> bool:

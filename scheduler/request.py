@@ -54,6 +54,9 @@ class Request:
     """Isolates this request's prefix-cache entries from requests with another salt."""
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_output_placeholders: int = 0
+    """Async scheduling: output tokens of scheduled steps not yet back (computed tokens already
+    count them; at most two)."""
     num_cached_tokens: int | None = None
     """Prefix-cache hit length at first admission; set once (None until admitted)."""
     status: RequestStatus = RequestStatus.WAITING

@@ -28,6 +28,7 @@ from scheduler.output import (
 )
 from scheduler.queue import make_request_queue
 from scheduler.request import Request, RequestStatus
+from scheduler.run_ahead import may_run_ahead, samples_this_step
 from scheduler.stats import SchedulerStats
 from scheduler.step_plan import StepPlan, WorkerView
 from scheduler.stop_rules import apply_sampled_tokens, make_step_output
@@ -54,7 +55,9 @@ class Scheduler:
         self.waiting = make_request_queue(config.policy)
         self.running: list[Request] = []
         self.num_preemptions = 0
-        self._worker_view = WorkerView(self.kv_cache_manager)
+        self._worker_view = WorkerView(
+            self.kv_cache_manager, sends_sampled=not config.async_scheduling
+        )
         self._junction_tokens: dict[str, int] = {}
         # Outputs of requests finished inside schedule(), returned by the next update.
         self._pending_outputs: list[RequestStepOutput] = []
@@ -91,6 +94,7 @@ class Scheduler:
         max_model_len = self.config.max_model_len
         logprobs = model_runner_output.logprobs
         prompt_logprobs = model_runner_output.prompt_logprobs
+        in_flight = self.config.async_scheduling
         outputs, self._pending_outputs = self._pending_outputs, []
         finished: list[Request] = []
         for req_id, token_ids in zip(
@@ -99,16 +103,21 @@ class Scheduler:
             request = requests.get(req_id)
             if request is None or req_id not in scheduled:
                 continue  # aborted while the step ran
+            was_preempted = request.status is RequestStatus.PREEMPTED  # its token was in flight
             output = apply_sampled_tokens(
                 request,
                 token_ids,
                 max_model_len,
                 logprobs.get(req_id) if logprobs else None,
                 prompt_logprobs.get(req_id) if prompt_logprobs else None,
+                in_flight=in_flight,
             )
             if output is not None:
                 outputs.append(output)
-                if output.finish_reason is not None:
+                if output.finish_reason is not None and was_preempted:
+                    self.waiting.remove([req_id])
+                    self._release(request, holds_blocks=False)
+                elif output.finish_reason is not None:
                     finished.append(request)
         if finished:
             for request in finished:
@@ -166,11 +175,16 @@ class Scheduler:
     def _schedule_running(self, plan: StepPlan) -> None:
         """Grow running requests in order; preempt when the pool runs out."""
         running = self.running  # _preempt removes from this same list
-        allocate_slots = self.kv_cache_manager.allocate_slots
+        manager = self.kv_cache_manager
+        allocate_slots = manager.allocate_slots
         index = 0
         while index < len(running) and plan.budget > 0:
             request = running[index]
-            num_new = len(request.all_token_ids) - request.num_computed_tokens
+            in_flight = request.num_output_placeholders
+            if in_flight and not may_run_ahead(request, self.config.max_model_len, manager):
+                index += 1  # its last token is in flight, or a checkpoint needs it known
+                continue
+            num_new = len(request.all_token_ids) + in_flight - request.num_computed_tokens
             if num_new != 1:  # a prefill chunk (a decode token needs no cap nor alignment)
                 num_new = self._num_new_tokens(request, request.num_computed_tokens, plan.budget)
                 if num_new == 0:
@@ -190,10 +204,12 @@ class Scheduler:
     def _allocate_with_preemption(
         self, request: Request, num_new: int, plan: StepPlan
     ) -> KVCacheBlocks | None:
-        """Preempt victims until `request` fits; None when `request` itself left the running set."""
+        """Preempt victims until `request` fits; None when `request` itself left the running set
+        (or, alone with tokens in flight, waits for them before it is dropped)."""
         while True:
             if len(self.running) == 1:
-                self._drop_unfittable(request)  # alone and still no room: it never will be
+                if not request.num_output_placeholders:  # else: wait, its tokens are owed
+                    self._drop_unfittable(request)  # alone and still no room: it never will be
                 return None
             victim = self._pick_victim()
             self._preempt(victim, plan)
@@ -208,6 +224,8 @@ class Scheduler:
         manager = self.kv_cache_manager
         while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if request.num_output_placeholders:
+                return  # preempted with a token in flight: it resumes once the token is back
             hit = manager.get_computed_blocks(request)
             if manager.needs_block_aligned_prefill:
                 self._junction_tokens[request.req_id] = hit.junction_tokens
@@ -283,6 +301,7 @@ class Scheduler:
         cached_reqs: list[CachedRequestData] = []
         request_data = self._worker_view.request_data
         counts, new_blocks = plan.num_scheduled_tokens, plan.new_blocks
+        run_ahead = self.config.async_scheduling
         for request in plan.scheduled:
             req_id = request.req_id
             data = request_data(request, new_blocks[req_id])
@@ -291,6 +310,8 @@ class Scheduler:
             else:
                 new_reqs.append(data)
             request.num_computed_tokens += counts[req_id]  # the message keeps the old value
+            if run_ahead and samples_this_step(request):
+                request.num_output_placeholders += 1
         before, saves, after = self.kv_cache_manager.take_step_ops()
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -303,6 +324,7 @@ class Scheduler:
             copies_before_step=tuple(before),
             state_saves=tuple(saves),
             copies_after_step=tuple(after),
+            workers_append_sampled=run_ahead,
         )
 
     def _num_common_prefix_blocks(self) -> tuple[int, ...]:

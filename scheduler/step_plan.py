@@ -57,8 +57,10 @@ class WorkerView:
     and blocks; one preempted after the workers saw it as a resumed delta with complete lists.
     """
 
-    def __init__(self, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(self, kv_cache_manager: KVCacheManager, sends_sampled: bool = True) -> None:
         self._manager = kv_cache_manager
+        self._sends_sampled = sends_sampled
+        """False under async scheduling: the workers append their sampled tokens themselves."""
         self._num_sent_tokens: dict[str, int] = {}
         self._resumed_req_ids: set[str] = set()
         self.finished_req_ids: set[str] = set()
@@ -75,7 +77,7 @@ class WorkerView:
             return CachedRequestData(  # positional: this runs for every request every step
                 req_id,
                 request.num_computed_tokens,
-                request.all_token_ids[num_sent:],
+                request.all_token_ids[num_sent:] if self._sends_sampled else [],
                 None if new_blocks.is_empty else new_blocks.get_block_ids(),
             )
         if num_sent is None:

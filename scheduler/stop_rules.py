@@ -40,12 +40,20 @@ def apply_sampled_tokens(
     max_model_len: int,
     logprobs: list[TokenLogprobs] | None = None,
     prompt_logprobs: list[TokenLogprobs] | None = None,
+    *,
+    in_flight: bool = False,
 ) -> RequestStepOutput | None:
     """Append one step's sampled tokens to `request`, stopping at the first stop condition.
 
+    `in_flight` (async scheduling): the step's tokens were placeholders, and computed tokens
+    (already advanced by the next step, or reset by a preemption) say nothing about whether
+    the step sampled, so the tokens are taken as they are.
+
     Returns the request's output for this step, or None when there is nothing to report.
     """
-    if request.num_computed_tokens < len(request.all_token_ids):
+    if in_flight:
+        request.num_output_placeholders = max(0, request.num_output_placeholders - len(token_ids))
+    elif request.num_computed_tokens < len(request.all_token_ids):
         token_ids = []  # a prefill chunk that is not the last samples nothing
     elif len(token_ids) == 1:  # the common case: one token per step
         request.append_output_token_ids(token_ids)

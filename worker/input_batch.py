@@ -29,7 +29,8 @@ class CachedRequestState:
     req_id: str
     prompt_token_ids: list[int]
     token_ids: list[int]
-    """Prompt plus the sampled tokens the scheduler has sent back."""
+    """Prompt plus the sampled tokens the scheduler has sent back (under async scheduling, the
+    runner's own samples)."""
     num_computed_tokens: int
     block_ids: tuple[list[int], ...]
     """Per KV cache group, append-only except on resume."""

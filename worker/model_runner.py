@@ -271,10 +271,13 @@ class ModelRunner:
             tensors = replace(tensors, grammar=grammar)
         out = self.sampler.sample(logits, tensors)
         logprobs: dict[str, list[TokenLogprobs]] = {}
+        keep_sampled = scheduler_output.workers_append_sampled
         for idx, req, token, entry in zip(
             batch.sampled_req_idx, sampled, out.token_ids.tolist(), out.logprobs, strict=True
         ):
             sampled_ids[idx] = [token]
+            if keep_sampled:  # async scheduling: the next step may already compute it
+                req.token_ids.append(token)
             if entry is not None:
                 logprobs[req.req_id] = [entry]
         return ModelRunnerOutput(

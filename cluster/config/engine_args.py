@@ -83,6 +83,10 @@ class EngineArgs(StrictModel):
     """Prefix caching of recurrent states (Mamba, gated DeltaNet, short conv): none | align
     (states at hit-aligned chunk ends) | all (every block end); with enable_prefix_caching off
     it is none."""
+    async_scheduling: bool = False
+    """Schedule step N+1 while step N runs, so scheduling and output processing overlap the
+    model (outputs identical to synchronous steps). Steps with structured-output requests, and
+    engines with tensor_parallel_size > 1, stay synchronous."""
     distributed_executor_backend: ExecutorBackend | None = None
     """uni (one rank in-process) | mp (a process per rank) | ray (an actor per rank); default:
     ray inside a Ray job or actor, else mp when tensor_parallel_size > 1, else uni."""

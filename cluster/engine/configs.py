@@ -7,12 +7,15 @@ depend on it; the executors call it where their ranks run.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from cluster.config.engine_args import EngineArgs
 from scheduler.config import SchedulerConfig, SchedulingPolicy
 from scheduler.kv_cache.eviction import EvictionPolicy
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # torch-heavy: imported where the workers run, not by callers
     from worker.config import ModelConfig
@@ -84,6 +87,7 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_cache_eviction=EvictionPolicy(args.prefix_cache_eviction),
         prefix_match_unit=args.prefix_match_unit,
+        async_scheduling=_async_scheduling(args),
     )
     return EngineConfigs(
         model,
@@ -92,3 +96,11 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
         args.tensor_parallel_size,
         args.disable_hybrid_kv_cache_manager,
     )
+
+
+def _async_scheduling(args: EngineArgs) -> bool:
+    """Async scheduling needs every rank to sample (only rank 0 does): one rank only."""
+    if args.async_scheduling and args.tensor_parallel_size > 1:
+        logger.warning("async_scheduling needs tensor_parallel_size 1: steps stay synchronous")
+        return False
+    return args.async_scheduling

@@ -23,6 +23,7 @@ from cluster.config.engine_args import EngineArgs
 from cluster.engine.bad_words import attach_bad_words_token_ids
 from cluster.engine.errors import EngineDeadError
 from cluster.engine.executor import Executor, create_executor
+from cluster.engine.executor.base import PendingStep
 from cluster.engine.input_processor import check_token_ids
 from cluster.engine.output_processor import OutputProcessor, child_request_id, now
 from cluster.engine.outputs import RequestOutput
@@ -31,6 +32,7 @@ from cluster.engine.structured import StructuredOutputManager
 from scheduler.kv_cache.builder import build_kv_cache_config
 from scheduler.kv_cache.events import KVEventLog
 from scheduler.kv_cache.spec import KVCacheConfig
+from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler
 from scheduler.stats import SchedulerStats
@@ -38,6 +40,9 @@ from worker.config import ModelConfig
 from worker.kv_cache import KVCacheSpecReport
 
 logger = logging.getLogger(__name__)
+
+_SubmittedStep = tuple[SchedulerOutput, PendingStep]
+"""A step sent to the workers, and the handle to its output."""
 
 
 class EngineCore:
@@ -62,6 +67,8 @@ class EngineCore:
         """Why the engine can no longer run requests (None while it can)."""
         self.kv_events: KVEventLog | None = None
         """Recent KV event batches, one per step that changed the prefix cache (None: off)."""
+        self._in_flight: _SubmittedStep | None = None
+        """Async scheduling: the step submitted to the workers whose output is not taken yet."""
 
     @property
     def model_config(self) -> ModelConfig:
@@ -95,16 +102,61 @@ class EngineCore:
         return deltas
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     def step(self) -> list[RequestOutput]:
         """Run one step; the output deltas of the requests it advanced."""
-        scheduler_output = self.structured.with_bitmask(self.scheduler.schedule())
+        if self.scheduler.config.async_scheduling:
+            return self._step_overlapped()
+        scheduler_output = self._schedule()
         try:
             runner_output = self.executor.execute(scheduler_output)
         except BaseException:
             self.scheduler.discard_failed_step(scheduler_output)  # no stale prefix-cache hits
             raise
+        return self._process(scheduler_output, runner_output)
+
+    def _step_overlapped(self) -> list[RequestOutput]:
+        """Async scheduling: submit the next step before taking the output of the one in
+        flight, so scheduling and output processing overlap the workers' forward.
+
+        Steps stay synchronous while a structured-output request runs (its grammar bitmask
+        needs the token the step in flight samples).
+        """
+        current = self._in_flight or self._submit(self._schedule())
+        self._in_flight = None
+        following = None if self.structured.matchers else self._submit(self._schedule())
+        try:
+            deltas = self._finish(current)
+        except BaseException:
+            if following is not None:  # recovery drops its requests; the workers restart
+                self.scheduler.discard_failed_step(following[0])
+            raise
+        if following is not None and following[0].is_empty:
+            deltas += self._finish(following)  # only drops finished requests: take it now
+        else:
+            self._in_flight = following
+        return deltas
+
+    def _schedule(self) -> SchedulerOutput:
+        return self.structured.with_bitmask(self.scheduler.schedule())
+
+    def _submit(self, scheduler_output: SchedulerOutput) -> _SubmittedStep:
+        return scheduler_output, self.executor.submit(scheduler_output)
+
+    def _finish(self, submitted: _SubmittedStep) -> list[RequestOutput]:
+        scheduler_output, pending = submitted
+        try:
+            runner_output = pending.result()
+        except BaseException:
+            self.scheduler.discard_failed_step(scheduler_output)
+            raise
+        return self._process(scheduler_output, runner_output)
+
+    def _process(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestOutput]:
+        """Apply a step's sampled tokens; the output deltas of the requests it advanced."""
         step_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.structured.advance(step_outputs)
         step_time = now()

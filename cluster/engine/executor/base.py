@@ -18,6 +18,12 @@ if TYPE_CHECKING:
     from worker.worker import WorkerSpec
 
 
+class PendingStep(Protocol):
+    """A submitted step; `result()` waits for its output (raising the step's error)."""
+
+    def result(self) -> ModelRunnerOutput: ...
+
+
 class Executor(Protocol):
     """What the engine core needs from the workers of one model."""
 
@@ -29,6 +35,11 @@ class Executor(Protocol):
         ...
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def submit(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        """Start a step without waiting for it (async scheduling); steps run, and their
+        results must be taken, in the order they were submitted."""
+        ...
 
     def check_health(self) -> None:
         """Raise RuntimeError when a rank is dead or stuck."""

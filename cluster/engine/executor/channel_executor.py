@@ -11,6 +11,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 from cluster.config.engine_args import EngineArgs
+from cluster.engine.executor.base import PendingStep
 from cluster.engine.executor.rank_channel import Deadline, RankChannels
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 
@@ -26,10 +27,17 @@ class ChannelExecutor(ABC):
         return self._require_channels().call(method, args, self._start_deadline())
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        deadline = Deadline.after(self.args.worker_step_timeout_s, "worker_step_timeout_s")
-        output = self._require_channels().call("execute", (scheduler_output,), deadline)[0]
+        output = self._require_channels().call(
+            "execute", (scheduler_output,), _step_deadline(self.args)
+        )[0]
         assert isinstance(output, ModelRunnerOutput), "rank 0 always returns an output"
         return output
+
+    def submit(self, scheduler_output: SchedulerOutput) -> PendingStep:
+        """Send the step to every rank now; its replies are read by `result()` (in order)."""
+        channels = self._require_channels()
+        channels.submit("execute", (scheduler_output,), _step_deadline(self.args))
+        return _SubmittedStep(channels)
 
     def check_health(self) -> None:
         """Raise RuntimeError if a rank died or the call in flight is past its deadline."""
@@ -48,3 +56,19 @@ class ChannelExecutor(ABC):
         if self._channels is None:
             raise RuntimeError("the executor's workers are not running")
         return self._channels
+
+
+class _SubmittedStep:
+    """A step sent to the ranks whose replies are not read yet."""
+
+    def __init__(self, channels: RankChannels) -> None:
+        self._channels = channels
+
+    def result(self) -> ModelRunnerOutput:
+        output = self._channels.collect()[0]
+        assert isinstance(output, ModelRunnerOutput), "rank 0 always returns an output"
+        return output
+
+
+def _step_deadline(args: EngineArgs) -> Deadline:
+    return Deadline.after(args.worker_step_timeout_s, "worker_step_timeout_s")

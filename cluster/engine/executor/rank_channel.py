@@ -20,6 +20,7 @@ import logging
 import pickle
 import time
 import traceback
+from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
@@ -143,6 +144,8 @@ class RankChannels:
         """A call failed midway: replies may be owed, so no further call may be sent."""
         self._unread: dict[int, Connection] = {}
         """Ranks whose reply to the last call sent has not been read yet."""
+        self._submitted: deque[tuple[str, Deadline]] = deque()
+        """Calls sent by `submit` whose replies `collect` has not read yet (oldest first)."""
 
     def call(self, method: str, args: tuple[object, ...], deadline: Deadline) -> list[object]:
         """Run `method(*args)` on every rank; results in rank order (a rank's error raised).
@@ -152,6 +155,8 @@ class RankChannels:
         """
         if self.is_broken:
             raise RankDeadError("the ranks' connections failed earlier; restart the workers")
+        if self._submitted:
+            raise RuntimeError("submitted calls must be collected before another call")
         payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
         self.is_broken = True  # until every reply is read
         self.deadline = deadline
@@ -169,6 +174,41 @@ class RankChannels:
         finally:
             self.deadline = None
         self.is_broken = False
+        for rank, value in enumerate(results):
+            if isinstance(value, RankFailure):
+                raise value.to_exception(rank)
+        return results
+
+    def submit(self, method: str, args: tuple[object, ...], deadline: Deadline) -> None:
+        """Send `method(*args)` to every rank without waiting; `collect` reads the replies of
+        submitted calls in the order they were sent (each rank answers its calls in order)."""
+        if self.is_broken:
+            raise RankDeadError("the ranks' connections failed earlier; restart the workers")
+        if self._unread and not self._submitted:
+            logger.warning("dropping the replies of an interrupted call")
+            self._read_replies("an interrupted call", deadline)
+        payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            for rank, conn in enumerate(self._conns):
+                self._send(rank, conn, payload)
+        except BaseException:
+            self.is_broken = True  # some ranks got the call, some did not
+            raise
+        self._submitted.append((method, deadline))
+        self.deadline = self._submitted[0][1]
+
+    def collect(self) -> list[object]:
+        """The results of the oldest submitted call, in rank order (a rank's error raised)."""
+        method, deadline = self._submitted.popleft()
+        self.deadline = deadline
+        self._unread = dict(enumerate(self._conns))
+        try:
+            results = self._read_replies(method, deadline)
+        except BaseException:
+            self.is_broken = True  # replies are owed and cannot be matched any more
+            raise
+        finally:
+            self.deadline = self._submitted[0][1] if self._submitted else None
         for rank, value in enumerate(results):
             if isinstance(value, RankFailure):
                 raise value.to_exception(rank)

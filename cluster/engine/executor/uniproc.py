@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+
 from cluster.engine.configs import EngineConfigs
 from cluster.engine.executor.base import LocalTokenizer, worker_spec
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -14,6 +16,8 @@ class InProcessExecutor(LocalTokenizer):
     def __init__(self, configs: EngineConfigs) -> None:
         self.configs = configs
         self.worker = start_worker(worker_spec(configs, rank=0))
+        self._step_thread: ThreadPoolExecutor | None = None
+        """Runs submitted steps, in order, while the caller schedules the next (async)."""
 
     def collective_rpc(self, method: str, *args: object) -> list[object]:
         return [getattr(self.worker, method)(*args)]
@@ -23,6 +27,11 @@ class InProcessExecutor(LocalTokenizer):
         assert output is not None, "rank 0 always returns an output"
         return output
 
+    def submit(self, scheduler_output: SchedulerOutput) -> Future[ModelRunnerOutput]:
+        if self._step_thread is None:
+            self._step_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        return self._step_thread.submit(self.execute, scheduler_output)
+
     def check_health(self) -> None:
         return None  # the worker runs in this very process
 
@@ -30,4 +39,6 @@ class InProcessExecutor(LocalTokenizer):
         return False  # the worker is this process: it goes on as it is
 
     def shutdown(self) -> None:
+        if self._step_thread is not None:
+            self._step_thread.shutdown(wait=True)
         self.worker.shutdown()

@@ -90,7 +90,10 @@ def test_failed_step_fails_in_flight_requests_and_the_engine_recovers(args: Engi
     assert executor.num_restarts == 1
 
 
-def test_in_process_client_recovers_the_same_way(args: EngineArgs) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_in_process_client_recovers_the_same_way(args: EngineArgs, async_scheduling: bool) -> None:
+    """With async scheduling, the step submitted behind the failed one is discarded too."""
+    args = args.model_copy(update={"async_scheduling": async_scheduling})
     executor = FailingOnceExecutor(engine_configs(args))
     client = InProcessEngineClient(build_engine_core(args, executor))
     before = generate(client, EngineRequest("before", PROMPT, PARAMS))

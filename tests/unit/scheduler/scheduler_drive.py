@@ -111,8 +111,9 @@ def check_step(scheduler: Scheduler, out: SchedulerOutput) -> None:
     if out.preempted_req_ids:  # no admission in a step that preempted
         assert not out.scheduled_new_reqs
         assert not any(r.is_resumed for r in out.scheduled_cached_reqs)
-    for request in scheduler.running:
-        assert request.num_computed_tokens <= request.num_tokens
+    for request in scheduler.running:  # placeholders: async scheduling's tokens in flight
+        assert request.num_computed_tokens <= request.num_tokens + request.num_output_placeholders
+        assert request.num_output_placeholders <= 2
 
 
 def check_worker_tables(scheduler: Scheduler, runner: FakeModelRunner) -> None:

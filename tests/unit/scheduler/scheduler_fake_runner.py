@@ -90,8 +90,11 @@ class FakeModelRunner:
         self.requests: dict[str, _WorkerRequest] = {}
         self.check_full_reads = check_full_reads
         self.num_steps = 0
+        self.appends_sampled = False
+        """Async scheduling: keep each sampled token (the next step may compute it already)."""
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.appends_sampled = out.workers_append_sampled
         for req_id in out.finished_req_ids:
             self.requests.pop(req_id, None)
         for req_id in out.preempted_req_ids:
@@ -248,5 +251,8 @@ class FakeModelRunner:
             token = self.kv[0][self._state_slot(state, 0, end - 1)] % VOCAB_SIZE
         else:
             token = self.kv[0][self._slot(state, 0, end - 1)] % VOCAB_SIZE
-        state.sampled.append(token)
+        if self.appends_sampled:
+            state.tokens.append(token)
+        else:
+            state.sampled.append(token)
         return [token]

@@ -26,7 +26,7 @@ from scheduler_fake_runner import VOCAB_SIZE, FakeModelRunner, reference_tokens
 from scheduler.admission import max_chunk_tokens, worst_case_blocks
 from scheduler.config import SchedulerConfig, SchedulingPolicy
 from scheduler.kv_cache.spec import KVCacheConfig, KVCacheSpec, MambaCacheMode, cdiv
-from scheduler.output import FinishReason
+from scheduler.output import FinishReason, ModelRunnerOutput, SchedulerOutput
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler
 
@@ -68,11 +68,16 @@ def _random_config(rng: random.Random) -> SchedulerConfig:
 
 
 def _random_scheduler(
-    rng: random.Random, kv_cache_config: KVCacheConfig, unit: int | None = None
+    rng: random.Random,
+    kv_cache_config: KVCacheConfig,
+    unit: int | None = None,
+    async_scheduling: bool = False,
 ) -> Scheduler:
     while True:
         try:
-            config = dataclasses.replace(_random_config(rng), prefix_match_unit=unit)
+            config = dataclasses.replace(
+                _random_config(rng), prefix_match_unit=unit, async_scheduling=async_scheduling
+            )
             return Scheduler(config, kv_cache_config)
         except ValueError:  # a budget below the block-aligned split's minimum chunk
             continue
@@ -113,14 +118,14 @@ def _first_request(rng: random.Random, num_tokens: int, hash_block_size: int) ->
 class Workload:
     """One seed's scheduler, runner, arrivals and aborts, and what every request received."""
 
-    def __init__(self, seed: int, unit: int | None = None) -> None:
+    def __init__(self, seed: int, unit: int | None = None, async_scheduling: bool = False) -> None:
         rng = random.Random(seed)
         num_blocks = rng.randint(2, 60)
         specs = _random_model(rng)
         first_len = rng.randint(2, 12)  # the first request's length, prompt and output
         num_blocks = max(num_blocks, 1 + sum(cdiv(first_len, spec.block_size) for spec in specs))
         kv_cache_config: KVCacheConfig = make_config(num_blocks, *specs)
-        self.scheduler = _random_scheduler(rng, kv_cache_config, unit)
+        self.scheduler = _random_scheduler(rng, kv_cache_config, unit, async_scheduling)
         self.runner = FakeModelRunner(kv_cache_config)
         self.arrivals: dict[int, list[Request]] = {}
         self.aborts: dict[int, list[str]] = {}
@@ -144,9 +149,13 @@ class Workload:
         self.num_checkpoint_restores = 0
 
     def run(self) -> None:
+        """Schedule, run and update each step in turn; under async scheduling step N+1 is
+        scheduled (and run by the in-order runner) before step N's output is applied."""
         scheduler = self.scheduler
+        overlapped = scheduler.config.async_scheduling
+        in_flight: tuple[SchedulerOutput, ModelRunnerOutput] | None = None
         step = 0
-        while scheduler.has_unfinished_requests() or self.arrivals:
+        while scheduler.has_unfinished_requests() or self.arrivals or in_flight:
             assert step < 5000, "no progress"
             for request in self.arrivals.pop(step, []):
                 try:
@@ -159,14 +168,27 @@ class Workload:
             out = scheduler.schedule()
             check_step(scheduler, out)
             self.num_checkpoint_restores += len(out.copies_before_step)
-            for output in scheduler.update_from_output(out, self.runner.execute(out)):
-                self.tokens.setdefault(output.req_id, []).extend(output.new_token_ids)
-                if output.finish_reason is not None:
-                    assert output.req_id not in self.finish
-                    self.finish[output.req_id] = output.finish_reason
+            submitted = (out, self.runner.execute(out))
+            if not overlapped:
+                self._apply(*submitted)
+            else:  # apply the previous step's output; an empty step's at once
+                previous, in_flight = in_flight, submitted
+                if previous is not None:
+                    self._apply(*previous)
+                if out.is_empty:
+                    self._apply(*submitted)
+                    in_flight = None
             scheduler.kv_cache_manager.check_invariants()
-            check_worker_tables(scheduler, self.runner)
+            if not overlapped:
+                check_worker_tables(scheduler, self.runner)
             step += 1
+
+    def _apply(self, out: SchedulerOutput, output: ModelRunnerOutput) -> None:
+        for step_output in self.scheduler.update_from_output(out, output):
+            self.tokens.setdefault(step_output.req_id, []).extend(step_output.new_token_ids)
+            if step_output.finish_reason is not None:
+                assert step_output.req_id not in self.finish
+                self.finish[step_output.req_id] = step_output.finish_reason
 
 
 @pytest.mark.parametrize("seed", range(60))
@@ -174,6 +196,26 @@ def test_random_workload_gives_every_request_its_reference_tokens(seed: int) -> 
     workload = Workload(seed)
     workload.run()
     check_outcome(workload)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_async_scheduling_gives_every_request_its_reference_tokens(seed: int) -> None:
+    """The same workloads with step N+1 scheduled before step N's tokens are back."""
+    workload = Workload(seed, async_scheduling=True)
+    workload.run()
+    check_outcome(workload)
+
+
+def test_async_scheduling_with_state_checkpoints_gives_the_reference_tokens() -> None:
+    num_runs = 0
+    for seed in range(300):
+        workload = Workload(seed, random.Random(-seed).randint(1, 3), async_scheduling=True)
+        if workload.scheduler.kv_cache_manager.checkpoints is None:
+            continue
+        workload.run()
+        check_outcome(workload)
+        num_runs += 1
+    assert num_runs >= 20
 
 
 def test_random_workloads_with_state_checkpoints_give_the_reference_tokens() -> None:
