@@ -39,6 +39,7 @@ def test_every_config_field_has_an_attribute_docstring() -> None:
         "enable_prefix_caching",
         "prefix_cache_eviction",
         "prefix_match_unit",
+        "async_scheduling",
     }
     docs = _field_docstrings(SchedulerConfig)
     assert set(docs) == names
