@@ -11,10 +11,12 @@ called directly, with the ingress's tokenization included), then in one run:
    Serve's own floors with no model: one hop (proxy -> a deployment streaming SSE lines at once)
    and two hops (proxy -> a relaying ingress -> that deployment);
 2. a concurrency sweep (streaming `/v1/completions`, `--concurrency`): TTFT and inter-token
-   latency p50/p99 and output tokens/s for each topology and for the engine direct, the three
-   measured back to back at each level;
+   latency p50/p99 and output tokens/s for each topology, for each floor (the same number of
+   one-token chunks, no model) and for the engine direct, measured back to back at each level,
+   with the CPU seconds each process role spent on the level (`serve_cpu.py`);
 3. the goals as ratios of this run: TTFT added over the engine direct vs the one-hop floor + 3 ms,
-   ITL p50 added at concurrency 1, output tokens/s at concurrency 64 vs the engine direct.
+   ITL p50 added at concurrency 1, output tokens/s at concurrency 64 vs the engine direct (and
+   the floors' tokens/s vs the engine direct: the most Serve and the HTTP client carry here).
 
     python benchmarks/bench_serve.py [--concurrency 1,2,4,8,16,32,64,128] [--max-tokens 32]
 """
@@ -40,6 +42,7 @@ from starlette.responses import StreamingResponse
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from serve_cpu import cpu_by_role, snapshot
 from serve_load import engine_stream, http_stream, prompt_text, sweep_level
 
 from tests.helpers.ray_local import NODE_IP, start_local_ray
@@ -47,21 +50,35 @@ from tests.helpers.serve_app import free_port, llm_config, save_tiny_served_mode
 
 MODEL_ID = "bench"
 TOPOLOGIES = ("two_hop", "one_hop")
+FLOORS = {"one_hop": "floor1", "two_hop": "floor2"}
+"""The apps that stream as many one-token chunks as asked for, with no model."""
 FLOOR_LINE = 'data: {"choices": [{"text": "x"}]}\n\n'
+FLOOR_MAX_ONGOING = 256  # the model deployments take as many: no queueing in front of a floor
 RELAY_APP = FastAPI()
 DIRECT_APP = FastAPI()
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0})
+async def _floor_lines(count: int, interval_ms: float) -> Any:
+    """`count` one-token completion chunks, `interval_ms` apart (the engine's pace; 0: at
+    once), the usage chunk and `[DONE]`: our stream's shape with no model behind it."""
+    for index in range(count):
+        if index and interval_ms:
+            await asyncio.sleep(interval_ms / 1000)
+        yield FLOOR_LINE
+    usage = {"choices": [], "usage": {"completion_tokens": count}}
+    yield f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n"
+
+
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=FLOOR_MAX_ONGOING)
 class FloorAnswer:
     """Streams `count` completion chunks at once: the model replica with no model."""
 
-    async def generate(self, count: int) -> Any:
-        for _ in range(count):
-            yield FLOOR_LINE
+    async def generate(self, count: int, interval_ms: float) -> Any:
+        async for line in _floor_lines(count, interval_ms):
+            yield line
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=FLOOR_MAX_ONGOING)
 @serve.ingress(RELAY_APP)
 class FloorRelay:
     """Peeks the first line of the answer's stream and relays the rest, as our ingress does."""
@@ -70,8 +87,8 @@ class FloorRelay:
         self.answer = answer
 
     @RELAY_APP.post("/v1/completions")
-    async def completions(self) -> StreamingResponse:
-        stream = self.answer.options(stream=True).generate.remote(4)
+    async def completions(self, tokens: int = 4, interval_ms: float = 0) -> StreamingResponse:
+        stream = self.answer.options(stream=True).generate.remote(tokens, interval_ms)
         first = await stream.__anext__()
 
         async def relay() -> Any:
@@ -82,18 +99,14 @@ class FloorRelay:
         return StreamingResponse(relay(), media_type="text/event-stream")
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0})
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=FLOOR_MAX_ONGOING)
 @serve.ingress(DIRECT_APP)
 class FloorDirect:
     """The one-hop floor: the deployment behind the proxy streams the lines itself."""
 
     @DIRECT_APP.post("/v1/completions")
-    async def completions(self) -> StreamingResponse:
-        async def lines() -> Any:
-            for _ in range(4):
-                yield FLOOR_LINE
-
-        return StreamingResponse(lines(), media_type="text/event-stream")
+    async def completions(self, tokens: int = 4, interval_ms: float = 0) -> StreamingResponse:
+        return StreamingResponse(_floor_lines(tokens, interval_ms), media_type="text/event-stream")
 
 
 def _body(index: int, args: argparse.Namespace, max_tokens: int | None = None) -> dict[str, Any]:
@@ -188,7 +201,6 @@ def _setup(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     config = llm_config(model_dir, MODEL_ID, max_num_seqs=128)
     if args.default_model or args.model:
         config["engine_kwargs"].update({"block_size": 16, "kv_cache_memory_bytes": 512 << 20})
-    config["deployment_config"]["ray_actor_options"] = {"num_cpus": 1}
     start_local_ray(num_cpus=16)  # logical: two model replicas, the engine direct, the floors
     port = free_port()
     serve.start(http_options=HTTPOptions(host=NODE_IP, port=port))
@@ -222,25 +234,32 @@ async def _ttft_medians(
 
 
 async def _sweep(base: str, direct: DirectEngine, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Each level: both topologies over HTTP, then the engine direct, back to back."""
+    """Each level, back to back: the engine direct, the floors paced at the engine direct's
+    inter-token latency of that level, both topologies over HTTP."""
     rows = []
     limits = httpx.Limits(max_connections=max(args.concurrency) + 8)
     async with httpx.AsyncClient(timeout=600, limits=limits) as client:
 
-        def over_http(topology: str) -> Any:
-            url = f"{base}/{topology}/v1/completions"
+        def over_http(target: str, engine_row: dict[str, Any]) -> Any:
+            url = f"{base}/{target}/v1/completions"
+            if target in FLOORS.values():  # as many chunks as the model, at the engine's pace
+                url += f"?tokens={args.max_tokens}&interval_ms={engine_row['itl_p50_ms']:.2f}"
             return lambda i: http_stream(client, url, _body(i, args))
 
         def on_engine(i: int) -> Any:
             return engine_stream(direct.engine, lambda j: direct.request(_body(j, args)), i)
 
-        targets = {**{t: over_http(t) for t in TOPOLOGIES}, "engine": on_engine}
         for concurrency in args.concurrency:
             requests = max(args.requests, 2 * concurrency)
-            for target, one_request in targets.items():
+            engine_row: dict[str, Any] = {}
+            for target in ("engine", *FLOORS.values(), *TOPOLOGIES):
+                one_request = on_engine if target == "engine" else over_http(target, engine_row)
+                before = snapshot()
                 row = {"target": target, **await sweep_level(one_request, concurrency, requests)}
+                row["cpu_s"] = cpu_by_role(before, snapshot())
                 print(json.dumps(row), flush=True)
                 rows.append(row)
+                engine_row = engine_row or row
     return rows
 
 
@@ -260,9 +279,14 @@ def _goals(ttft: dict[str, float], sweep: list[dict[str, Any]]) -> dict[str, Any
                 low["itl_p50_ms"] - low_engine["itl_p50_ms"], 2
             )
         high, high_engine = level(topology, 64), level("engine", 64)
+        high_floor = level(FLOORS[topology], 64)
         if high and high_engine:
             goals[f"{topology}_tok_s_ratio_c64"] = round(
                 high["output_tok_s"] / high_engine["output_tok_s"], 3
+            )
+        if high_floor and high_engine:  # the most Serve and the client carry here, no model
+            goals[f"{topology}_floor_tok_s_ratio_c64"] = round(
+                high_floor["output_tok_s"] / high_engine["output_tok_s"], 3
             )
     return goals
 

@@ -53,6 +53,8 @@ class EngineMetrics:
         self.tags = {"model_name": model_name}
         self.group_kinds = list(group_kinds)
         self._last: SchedulerStats | None = None
+        self._unflushed_tokens = 0
+        self._unflushed_itls: list[float] = []
         self.running = _gauge("vllm:num_requests_running", "Requests in the running batch.")
         self.waiting = _gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = _gauge("vllm:kv_cache_usage_perc", "KV cache usage (1 = full).")
@@ -105,6 +107,7 @@ class EngineMetrics:
     def record_stats(self, stats: SchedulerStats) -> None:
         """Gauges from a scheduler snapshot; counters by their growth since the last one."""
         tags = self.tags
+        self.flush_tokens()
         self.running.set(stats.num_running_reqs, tags)
         self.waiting.set(stats.num_waiting_reqs, tags)
         self.kv_usage.set(stats.kv_cache_usage, tags)
@@ -134,14 +137,26 @@ class EngineMetrics:
             self.worker_alive.set(1.0 if up else 0.0, {**self.tags, "rank": str(rank)})
 
     def record_tokens(self, delta: RequestOutput) -> None:
-        """Per stream item: generated tokens and their inter-token latencies."""
-        self.generation_tokens.inc(sum(len(part.token_ids) for part in delta.outputs), self.tags)
+        """Per stream item: generated tokens and their inter-token latencies, kept here until
+        `flush_tokens` (a Ray metric call per stream item was most of the replica's own cost
+        per token)."""
+        self._unflushed_tokens += sum(len(part.token_ids) for part in delta.outputs)
         if delta.metrics is not None:
-            for latency in delta.metrics.inter_token_latencies:
-                self.itl.observe(latency, self.tags)
+            self._unflushed_itls.extend(delta.metrics.inter_token_latencies)
+
+    def flush_tokens(self) -> None:
+        """Hand the tokens and latencies kept since the last flush to Ray's metrics."""
+        if self._unflushed_tokens:
+            self.generation_tokens.inc(self._unflushed_tokens, self.tags)
+            self._unflushed_tokens = 0
+        latencies, self._unflushed_itls = self._unflushed_itls, []
+        for latency in latencies:
+            self.itl.observe(latency, self.tags)
 
     def record_finished(self, output: RequestOutput) -> None:
-        """Once per request: prompt tokens, latencies and finish reasons."""
+        """Once per request: prompt tokens, latencies and finish reasons (and the tokens kept
+        since the last flush, so a finished request's tokens are exported with it)."""
+        self.flush_tokens()
         tags = self.tags
         self.prompt_tokens.inc(len(output.prompt_token_ids), tags)
         for part in output.outputs:
