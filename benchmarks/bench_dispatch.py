@@ -25,6 +25,7 @@ from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
 import ray
+from serve_cpu import cpu_by_role, snapshot
 
 from cluster.engine.executor.rank_channel import RankChannels, serve_rank
 from scheduler.output import CachedRequestData, ModelRunnerOutput, SchedulerOutput
@@ -204,17 +205,22 @@ def bench_e2e(
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     counter = iter(range(1 << 30))
 
-    def tokens_per_s(client: Any) -> float:
+    cpu: dict[str, dict[str, float]] = {name: {} for name in ENGINES}
+
+    def tokens_per_s(client: Any, name: str) -> float:
         tag = next(counter)
         requests = [
             EngineRequest(f"{tag}-{i}", tuple(range(1 + i, 33 + i)), params)
             for i in range(num_prompts)
         ]
         collect(client.add_request(EngineRequest(f"warm-{tag}", (1, 2, 3), params)))
-        start = time.perf_counter()
+        before, start = snapshot(), time.perf_counter()
         streams = [client.add_request(request) for request in requests]
         total = sum(len(collect(s).outputs[0].token_ids) for s in streams)
-        return total / (time.perf_counter() - start)
+        elapsed = time.perf_counter() - start
+        for role, seconds in cpu_by_role(before, snapshot()).items():  # CPU ms per token
+            cpu[name][role] = cpu[name].get(role, 0.0) + 1000 * seconds / total / rounds
+        return total / elapsed
 
     def args(**kwargs: Any) -> EngineArgs:
         return EngineArgs(
@@ -240,12 +246,15 @@ def bench_e2e(
     try:
         for _ in range(rounds):
             for name in ENGINES:
-                runs[name].append(tokens_per_s(clients[name]))
+                runs[name].append(tokens_per_s(clients[name], name))
             row = " / ".join(f"{runs[name][-1]:.1f}" for name in ENGINES)
             print(f"e2e round ({' / '.join(ENGINES)}): {row} tok/s", flush=True)
     finally:
         for client in clients.values():
             client.shutdown()
+    for name in ENGINES:
+        spent = ", ".join(f"{role} {ms:.2f}" for role, ms in cpu[name].items() if ms >= 0.01)
+        print(f"CPU ms per output token, {name}: {spent}", flush=True)
     return runs
 
 
