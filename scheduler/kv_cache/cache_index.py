@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 from scheduler.block_hash import BlockHash, extend_block_hashes
 from scheduler.kv_cache.block_pool import BlockPool, KVCacheBlock
-from scheduler.kv_cache.coordinator import make_coordinator
+from scheduler.kv_cache.coordinator import CoordinatorHit, make_coordinator
 from scheduler.kv_cache.events import EvictionOutlook, KVEventBatch, KVEventWindow
 from scheduler.kv_cache.mamba_manager import MambaManager
 from scheduler.kv_cache.single_type_manager import SingleTypeManager
@@ -99,8 +99,9 @@ class CacheIndex:
             num_full = min(
                 num_tokens // manager.block_size, len(block_hashes) // manager.hash_ratio
             )
-            num_new += _num_new_blocks(manager, num_tokens, hit.num_tokens)
-            for index in _guessed_blocks(manager, num_full):
+            registered = _guessed_blocks(manager, num_tokens, hit, num_full)
+            num_new += _num_new_blocks(manager, num_tokens, hit.num_tokens, len(registered))
+            for index in registered:
                 if not manager.is_reachable(index):
                     continue
                 key = manager.hash_of(block_hashes, index)
@@ -219,16 +220,35 @@ class _Pending(NamedTuple):
     """Blocks its request allocates over every group (its prompt past the hit)."""
 
 
-def _num_new_blocks(manager: SingleTypeManager, num_tokens: int, hit_tokens: int) -> int:
+def _num_new_blocks(
+    manager: SingleTypeManager, num_tokens: int, hit_tokens: int, num_registered: int
+) -> int:
     """Blocks a request for `num_tokens` tokens with a `hit_tokens` hit takes from the free
     queue in this group as its prefill runs (a sliding window too: a chunk's blocks are all
-    allocated before those that leave the window are given back)."""
+    allocated before those that leave the window are given back). A Mamba group in ALIGN mode
+    holds one real block at a time: it keeps the `num_registered` states where its chunks end,
+    and the running state (the blocks it steps past are given back without a key, and are the
+    first reused)."""
+    if isinstance(manager, MambaManager) and manager.mode is MambaCacheMode.ALIGN:
+        return num_registered + 1
     return max(-(-num_tokens // manager.block_size) - hit_tokens // manager.block_size, 0)
 
 
-def _guessed_blocks(manager: SingleTypeManager, num_full: int) -> range:
-    """Blocks of a prompt's `num_full` full blocks its engine will register: all of them, but
-    in a Mamba group kept in ALIGN mode only the state where the prompt's last chunk ends."""
-    if isinstance(manager, MambaManager) and manager.mode is MambaCacheMode.ALIGN:
-        return range(max(num_full - 1, 0), num_full)
-    return range(num_full)
+def _guessed_blocks(
+    manager: SingleTypeManager, num_tokens: int, hit: CoordinatorHit, num_full: int
+) -> list[int]:
+    """Blocks of a prompt's `num_full` full blocks its engine will register when its prefill
+    starts from a `hit_tokens` hit: those it computes (the blocks before the hit that the
+    engine lacks, e.g. a window's, it does not compute again), but in a Mamba group kept in
+    ALIGN mode only the states where its prefill chunks end: the shared-prefix junction (the
+    longest hit of any single group, where the engine stops a chunk so that the next prompt
+    sharing that prefix hits it) and the last block boundary before the prompt's last token."""
+    hit_tokens = hit.num_tokens
+    junction_tokens = max(hit_tokens, *hit.group_hit_tokens)
+    first = hit_tokens // manager.block_size
+    if not (isinstance(manager, MambaManager) and manager.mode is MambaCacheMode.ALIGN):
+        return list(range(first, num_full))
+    ends = {min((num_tokens - 1) // manager.block_size, num_full) - 1}
+    if hit_tokens < junction_tokens and junction_tokens // manager.block_size < num_full:
+        ends.add(junction_tokens // manager.block_size - 1)
+    return sorted(index for index in ends if index >= first)
