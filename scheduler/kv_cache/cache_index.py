@@ -32,6 +32,8 @@ from scheduler.kv_cache.spec import KVCacheGroupSpec, MambaCacheMode
 
 logger = logging.getLogger(__name__)
 
+MAX_TRACKED_PROMPTS = 1 << 12
+"""Routed prompts whose completion the index watches for (the oldest are forgotten)."""
 _INDEXED = KVCacheBlock(1)
 """What an index hash map holds for every key: lookups only ask whether a key is there."""
 
@@ -67,6 +69,10 @@ class CacheIndex:
         """Keys the engine holds as of its events but is expected to evict by now."""
         self._pending: list[_Pending] = []
         """Routed prompts not computed yet, as far as the events say."""
+        self._last_guesses: dict[tuple[int, BlockHash], list[tuple[int, BlockHash]]] = {}
+        """The last-ending guess of each routed prompt -> all its guesses: once an event
+        confirms it, the prompt's prefill is done, and its guesses still unconfirmed are keys
+        the engine did not store (they were in its hit, or its chunks ended elsewhere)."""
         """Sequence number of the next event batch to replay."""
 
     @property
@@ -94,6 +100,7 @@ class CacheIndex:
         hit = self._coordinator.find_longest_cache_hit(block_hashes, num_tokens - 1)
         hits = self._hit_keys(hit.blocks, block_hashes)
         num_new = 0
+        last: tuple[int, tuple[int, BlockHash]] | None = None
         for manager in self._coordinator.managers:
             hash_map = self._pool.hash_maps[manager.group_id]
             num_full = min(
@@ -113,8 +120,15 @@ class CacheIndex:
                 self._guesses[(manager.group_id, key)] = expiry
                 self._guess_order.append((expiry, manager.group_id, key))
                 guessed.append((manager.group_id, key))
+                end = (index + 1) * manager.block_size
+                if last is None or end > last[0]:
+                    last = (end, (manager.group_id, key))
         if guessed:
             self._pending.append(_Pending(guessed, hits, num_new))
+        if last is not None:
+            self._last_guesses[last[1]] = guessed
+            while len(self._last_guesses) > MAX_TRACKED_PROMPTS:
+                del self._last_guesses[next(iter(self._last_guesses))]
         self._anticipate_evictions()
 
     def _decode_blocks(self, num_running: int) -> int:
@@ -181,6 +195,7 @@ class CacheIndex:
         if batch.cleared:
             self.clear()
         guesses = self._guesses
+        done: list[tuple[int, BlockHash]] = []
         for group_id, (stored, removed) in enumerate(zip(batch.stored, batch.removed, strict=True)):
             hash_map = self._pool.hash_maps[group_id]
             for key in removed:
@@ -190,6 +205,10 @@ class CacheIndex:
             for key in stored:
                 hash_map[key] = _INDEXED
                 guesses.pop((group_id, key), None)
+                done.extend(self._last_guesses.pop((group_id, key), ()))
+        for entry in done:  # guesses of prompts whose prefill is done, not confirmed
+            if guesses.pop(entry, None) is not None:
+                self._pool.hash_maps[entry[0]].pop(entry[1], None)
 
     def clear(self) -> None:
         """Forget every key."""
@@ -199,6 +218,7 @@ class CacheIndex:
         self._guess_order.clear()
         self._victims.clear()
         self._pending.clear()
+        self._last_guesses.clear()
 
     def _expire(self, now: float) -> None:
         order = self._guess_order
