@@ -151,6 +151,8 @@ class HybridRoutingPolicy(Generic[Key]):
             for prompt, routed_at in replica.unindexed:
                 hashes = replica.index.block_hashes(prompt.token_ids, prompt.cache_salt)
                 replica.index.guess_stored(hashes, prompt.num_tokens, routed_at)
+                if hashes:  # its conversation's next turn will find it
+                    _remember_end(replica.prompt_ends, hashes, (prompt.num_tokens, routed_at))
             replica.unindexed.clear()
         replica.index.replay(window)
         replica.kv_usage = kv_usage
@@ -285,5 +287,5 @@ def _order(excluded: bool, case: Candidate, follows_hit: bool) -> tuple[float, .
 def _rank(case: Candidate, follows_hit: bool) -> tuple[float, ...]:
     """Sort key: the longest hit first, or (a new conversation) the least recent work first."""
     if follows_hit:
-        return (-case.predicted_hit, case.in_flight, case.recent_work, case.kv_usage)
+        return (-case.predicted_hit, round(case.conversations), case.in_flight, case.recent_work)
     return (round(case.conversations), case.recent_work, case.in_flight, -case.predicted_hit)
