@@ -181,7 +181,7 @@ class HybridRoutingPolicy(Generic[Key]):
         if prompt is not None and replica.index is not None:
             hit = replica.index.predict_hit(prompt.block_hashes, prompt.num_tokens, now)
             ends = replica.prompt_ends
-            continues = hit > 0 and any(h in ends for h in prompt.block_hashes)
+            continues = any(h in ends for h in prompt.block_hashes)
         half_life = self.options.work_half_life_s
         work = replica.recent_work(now, half_life)
         conversations = replica.recent_conversations(now, half_life)
