@@ -258,17 +258,17 @@ def _guessed_blocks(
     manager: SingleTypeManager, num_tokens: int, hit: CoordinatorHit, num_full: int
 ) -> list[int]:
     """Blocks of a prompt's `num_full` full blocks its engine will register when its prefill
-    starts from a `hit_tokens` hit: those it computes (the blocks before the hit that the
-    engine lacks, e.g. a window's, it does not compute again), but in a Mamba group kept in
-    ALIGN mode only the states where its prefill chunks end: the shared-prefix junction (the
-    longest hit of any single group, where the engine stops a chunk so that the next prompt
-    sharing that prefix hits it) and the last block boundary before the prompt's last token."""
-    hit_tokens = hit.num_tokens
-    junction_tokens = max(hit_tokens, *hit.group_hit_tokens)
-    first = hit_tokens // manager.block_size
+    starts from its `hit`: those it computes (the blocks before the hit that the engine lacks,
+    e.g. a window's, it does not compute again), but in a Mamba group kept in ALIGN mode only
+    the states where its prefill chunks end on a block boundary: the shared-prefix junction
+    (the longest hit of any single group, where the engine stops a chunk so that the next
+    prompt sharing that prefix hits it), the last aligned boundary before the prompt's last
+    token, and the prompt's end."""
+    size = manager.block_size
+    first = hit.num_tokens // size
     if not (isinstance(manager, MambaManager) and manager.mode is MambaCacheMode.ALIGN):
         return list(range(first, num_full))
-    ends = {min((num_tokens - 1) // manager.block_size, num_full) - 1}
-    if hit_tokens < junction_tokens and junction_tokens // manager.block_size < num_full:
-        ends.add(junction_tokens // manager.block_size - 1)
-    return sorted(index for index in ends if index >= first)
+    junction = max(hit.num_tokens, *hit.group_hit_tokens)
+    last_boundary = (num_tokens - 1) // manager.hit_alignment * manager.hit_alignment
+    ends = {end // size - 1 for end in (junction, last_boundary, num_tokens) if end % size == 0}
+    return sorted(index for index in ends if first <= index < num_full)
