@@ -106,9 +106,8 @@ class CacheIndex:
             num_full = min(
                 num_tokens // manager.block_size, len(block_hashes) // manager.hash_ratio
             )
-            registered = _guessed_blocks(manager, num_tokens, hit, num_full)
-            num_new += _num_new_blocks(manager, num_tokens, hit.num_tokens, len(registered))
-            for index in registered:
+            num_new += _num_new_blocks(manager, num_tokens, hit)
+            for index in _guessed_blocks(manager, num_tokens, hit, num_full):
                 if not manager.is_reachable(index):
                     continue
                 key = manager.hash_of(block_hashes, index)
@@ -240,18 +239,14 @@ class _Pending(NamedTuple):
     """Blocks its request allocates over every group (its prompt past the hit)."""
 
 
-def _num_new_blocks(
-    manager: SingleTypeManager, num_tokens: int, hit_tokens: int, num_registered: int
-) -> int:
-    """Blocks a request for `num_tokens` tokens with a `hit_tokens` hit takes from the free
-    queue in this group as its prefill runs (a sliding window too: a chunk's blocks are all
-    allocated before those that leave the window are given back). A Mamba group in ALIGN mode
-    holds one real block at a time: it keeps the `num_registered` states where its chunks end,
-    and the running state (the blocks it steps past are given back without a key, and are the
-    first reused)."""
-    if isinstance(manager, MambaManager) and manager.mode is MambaCacheMode.ALIGN:
-        return num_registered + 1
-    return max(-(-num_tokens // manager.block_size) - hit_tokens // manager.block_size, 0)
+def _num_new_blocks(manager: SingleTypeManager, num_tokens: int, hit: CoordinatorHit) -> int:
+    """Blocks a request for `num_tokens` tokens takes from the free queue in this group as its
+    prefill runs from its `hit` (a sliding window too: a chunk's blocks are all allocated before
+    those that leave the window are given back); in a Mamba group in ALIGN mode, one per
+    prefill chunk (its state block)."""
+    if _aligned_mamba(manager):
+        return len(_chunk_ends(manager, num_tokens, hit))
+    return max(-(-num_tokens // manager.block_size) - hit.num_tokens // manager.block_size, 0)
 
 
 def _guessed_blocks(
@@ -260,15 +255,23 @@ def _guessed_blocks(
     """Blocks of a prompt's `num_full` full blocks its engine will register when its prefill
     starts from its `hit`: those it computes (the blocks before the hit that the engine lacks,
     e.g. a window's, it does not compute again), but in a Mamba group kept in ALIGN mode only
-    the states where its prefill chunks end on a block boundary: the shared-prefix junction
-    (the longest hit of any single group, where the engine stops a chunk so that the next
-    prompt sharing that prefix hits it), the last aligned boundary before the prompt's last
-    token, and the prompt's end."""
+    the states where its prefill chunks end on a block boundary."""
     size = manager.block_size
-    first = hit.num_tokens // size
-    if not (isinstance(manager, MambaManager) and manager.mode is MambaCacheMode.ALIGN):
-        return list(range(first, num_full))
+    if not _aligned_mamba(manager):
+        return list(range(hit.num_tokens // size, num_full))
+    ends = _chunk_ends(manager, num_tokens, hit)
+    return sorted({end // size - 1 for end in ends if end % size == 0 and end // size <= num_full})
+
+
+def _chunk_ends(manager: SingleTypeManager, num_tokens: int, hit: CoordinatorHit) -> set[int]:
+    """Where the engine ends a prompt's prefill chunks in a Mamba ALIGN group (the token budget
+    permitting): the shared-prefix junction (the longest hit of any single group, where it
+    stops so that the next prompt sharing that prefix hits the state there), the last aligned
+    boundary before the prompt's last token, and the prompt's end."""
     junction = max(hit.num_tokens, *hit.group_hit_tokens)
     last_boundary = (num_tokens - 1) // manager.hit_alignment * manager.hit_alignment
-    ends = {end // size - 1 for end in (junction, last_boundary, num_tokens) if end % size == 0}
-    return sorted(index for index in ends if first <= index < num_full)
+    return {end for end in (junction, last_boundary, num_tokens) if end > hit.num_tokens}
+
+
+def _aligned_mamba(manager: SingleTypeManager) -> bool:
+    return isinstance(manager, MambaManager) and manager.mode is MambaCacheMode.ALIGN

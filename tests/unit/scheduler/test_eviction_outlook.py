@@ -18,6 +18,7 @@ from scheduler.scheduler import Scheduler
 MODELS: dict[str, tuple[int, tuple[KVCacheSpec, ...]]] = {
     "full": (8, (full(4),)),
     "full+sliding": (14, (full(4), window(4, 5))),
+    "full+mamba-align": (14, (full(4), mamba(4, MambaCacheMode.ALIGN))),
 }
 """Model -> (pool blocks, specs): after two 3-block sessions, room for one more but not two."""
 
