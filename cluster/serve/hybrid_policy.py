@@ -1,19 +1,24 @@
 """The routing decision of `HybridPrefixRouter`, free of Ray so the benchmark drives the same code.
 
 Per replica: a `CacheIndex` (the replica's prefix-cache keys from its KV events, plus guesses for
-what was just sent there), the requests in flight and the recent prompt work. For a request:
+what was just sent there), the requests in flight, and its recent conversations: how many, and
+their footprint (the tokens of each one's latest prompt; a conversation counts once, on the
+replica its latest prompt went to). For a request:
 
   1. every replica's predicted hit: the longest prefix valid for every KV cache group at once;
   2. replicas whose requests in flight would pass `load_factor` x the mean are out (bounded
      load); unless the request continues a conversation (it extends a prompt routed to one of
      the others, or its best hit covers >= `strong_fraction` of it), so are replicas whose
-     recent work would pass `work_factor` x the mean;
+     conversations' footprint would pass `work_factor` x the mean;
   3. among the rest: the replica whose conversation the request continues, then the longest
-     hit if it covers >= `match_fraction` of the prompt, else (a new conversation) the least
-     recent work; excluded replicas come last, in the same order.
+     hit if it exceeds the shortest by >= `match_fraction` of the prompt (a prefix every
+     replica holds, e.g. a shared system prompt, says nothing), else (a new conversation) the
+     fewest conversations, then the least footprint; excluded replicas come last, in the same
+     order.
 
     choose(candidates, prompt) ─► ranks [[best], [others by preference]]
-    routed(replica, prompt)     ─► in flight + 1, work + prompt, index guesses the prompt's blocks
+    routed(replica, prompt)     ─► in flight + 1, the prompt's conversation moves to it (counted
+                                   with this prompt), index guesses the prompt's blocks
     completed(replica)          ─► in flight - 1
     replay(replica, window)     ─► index follows the replica's events
 """
@@ -44,18 +49,18 @@ class RoutingOptions:
     """A replica takes a new request only while its requests in flight stay within this
     multiple of the mean (rounded up); >= 1."""
     work_factor: float = 1.25
-    """Below a strong hit, a replica takes a new request only while its recent prompt work
-    stays within this multiple of the mean (a prefix cached in one place must not draw every
-    new conversation there); >= 1."""
+    """Below a strong hit, a replica takes a new request only while its conversations'
+    footprint stays within this multiple of the mean (a prefix cached in one place must not
+    draw every new conversation there); >= 1."""
     strong_fraction: float = 0.5
     """A predicted hit covering this much of the prompt is the conversation's own history:
     only the in-flight bound can send it elsewhere."""
     match_fraction: float = 0.25
-    """A request whose best predicted hit covers less of its prompt than this starts a new
-    conversation (a shared system prompt at most): it goes where the least prompt work was sent
-    lately, so conversations, and the cache they fill, spread evenly."""
+    """A request whose best predicted hit exceeds the shortest by less than this part of its
+    prompt starts a new conversation (a prefix all replicas hold at most): it goes where the
+    fewest conversations are, so conversations, and the cache they fill, spread evenly."""
     work_half_life_s: float = 60.0
-    """Half-life of the recent prompt work counted per replica."""
+    """Half-life with which a replica's conversations (their count and footprint) fade."""
     guess_ttl_s: float = 10.0
     """How long a guessed cached block counts before the replica's events must confirm it."""
     event_age_steps: float = 10.0
@@ -85,10 +90,12 @@ class Candidate(NamedTuple):
     predicted_hit: int
     in_flight: int
     recent_work: float
+    """The footprint of its recent conversations (tokens of their latest prompts)."""
     kv_usage: float
     continues: bool = False
     """The prompt extends one routed there (through that prompt's last full block)."""
     conversations: float = 0.0
+    """Its recent conversations (each fading with `work_half_life_s`)."""
 
 
 @dataclass
@@ -257,7 +264,7 @@ def _over_in_flight(cases: Mapping[Key, Candidate], load_factor: float) -> set[K
 
 
 def _over_work(cases: Mapping[Key, Candidate], num_tokens: int, work_factor: float) -> set[Key]:
-    """Replicas whose recent prompt work would pass `work_factor` times the mean."""
+    """Replicas whose conversations' footprint would pass `work_factor` times the mean."""
     work = sum(case.recent_work for case in cases.values()) + num_tokens
     bound = max(work_factor * work / len(cases), num_tokens)  # an idle replica takes it
     return {key for key, case in cases.items() if case.recent_work + num_tokens > bound}
@@ -285,7 +292,9 @@ def _order(excluded: bool, case: Candidate, follows_hit: bool) -> tuple[float, .
 
 
 def _rank(case: Candidate, follows_hit: bool) -> tuple[float, ...]:
-    """Sort key: the longest hit first, or (a new conversation) the least recent work first."""
+    """Sort key: the longest hit first, or (a new conversation) the fewest conversations (in
+    whole numbers: they fade slowly), then the least footprint."""
     if follows_hit:
-        return (-case.predicted_hit, round(case.conversations), case.in_flight, case.recent_work)
-    return (round(case.conversations), case.recent_work, case.in_flight, -case.predicted_hit)
+        return (-case.predicted_hit, case.in_flight, case.recent_work, case.kv_usage)
+    conversations = round(case.conversations)
+    return (conversations, case.recent_work, case.in_flight, -case.predicted_hit, case.kv_usage)
