@@ -130,11 +130,15 @@ class CacheIndex:
                 del self._last_guesses[next(iter(self._last_guesses))]
         self._anticipate_evictions()
 
-    def _decode_blocks(self, num_running: int) -> int:
-        """Blocks `num_running` decoding requests allocate over `steps_ahead` steps (on
-        average: each group's block fills every block size of tokens)."""
-        per_step = sum(1 / manager.block_size for manager in self._coordinator.managers)
-        return round(num_running * per_step * self.steps_ahead)
+    def _decode_blocks(self, running: Sequence[tuple[int, int]]) -> int:
+        """Blocks the `running` requests (tokens computed, most tokens left) allocate over
+        `steps_ahead` decode steps: one in a group each time a request crosses its block size."""
+        steps = int(self.steps_ahead)
+        return sum(
+            -(-(computed + min(steps, left)) // size) - -(-computed // size)
+            for computed, left in running
+            for size in (manager.block_size for manager in self._coordinator.managers)
+        )
 
     def _hit_keys(
         self, blocks: Sequence[Sequence[KVCacheBlock]], block_hashes: Sequence[BlockHash]
@@ -178,7 +182,7 @@ class CacheIndex:
         ]
         taken_back = {entry for pending in self._pending for entry in pending.hits}
         demand = sum(pending.num_new_blocks for pending in self._pending)
-        demand += self._decode_blocks(self._outlook.num_running)
+        demand += self._decode_blocks(self._outlook.running)
         for entry in self._outlook.order:
             if demand <= 0:
                 break

@@ -30,7 +30,7 @@ def serve(
     while scheduler.has_unfinished_requests():
         run_step(scheduler, runner)
         manager = scheduler.kv_cache_manager
-        log.record(manager.take_events(), manager.eviction_outlook(len(scheduler.running)))
+        log.record(manager.take_events(), manager.eviction_outlook(scheduler.running))
 
 
 def engine_hit(scheduler: Scheduler, prompt: list[int]) -> int:
@@ -125,7 +125,7 @@ def test_the_index_guesses_the_keys_a_routed_prompt_makes_the_engine_store(model
         if number == 2:  # the engine dropped the first turn's early window blocks
             evict_early_window_blocks(scheduler, index.block_hashes(first)[:3])
             manager = scheduler.kv_cache_manager
-            log.record(manager.take_events(), manager.eviction_outlook(0))
+            log.record(manager.take_events(), manager.eviction_outlook(scheduler.running))
             index.replay(log.window())
         index.guess_stored(index.block_hashes(prompt), len(prompt), now=0.0)
         guessed = index_keys(index)
@@ -166,3 +166,41 @@ def test_guesses_a_prompt_did_not_store_go_once_its_prefill_is_seen_done() -> No
     third_hashes = index.block_hashes(third)
     assert engine_hit(scheduler, third) == 0
     assert index.predict_hit(third_hashes, len(third), now=0.0) == 0
+
+
+@pytest.mark.parametrize("policy", list(EvictionPolicy))
+def test_the_index_anticipates_the_blocks_running_requests_decode_into(
+    policy: EvictionPolicy,
+) -> None:
+    """A request decodes while two sessions' chains wait in the free queue, nothing else free:
+    over the next six steps it crosses one block boundary, so it evicts one block (not the 1.5
+    an average rate of one block per block size of tokens gives), and the index, six steps
+    behind, predicts the hits the engine then gives."""
+    config = make_config(10, full(4))
+    scheduler = make_scheduler(config, max_model_len=64, prefix_cache_eviction=policy)
+    scheduler.kv_cache_manager.enable_events()
+    runner = FakeModelRunner(config)
+    log = KVEventLog(config.groups, max_keys=1 << 20, max_age_s=1e9)
+    index = CacheIndex(config.groups, steps_ahead=6)
+    first, second = list(range(1, 13)), list(range(21, 33))
+    serve(scheduler, runner, log, "first", first)
+    serve(scheduler, runner, log, "second", second)
+    decoding = make_request(scheduler, "decoding", list(range(61, 67)), max_tokens=30)
+    scheduler.add_request(decoding)
+    while decoding.num_computed_tokens < 9:
+        step_and_record(scheduler, runner, log)
+    assert scheduler.kv_cache_manager.pool.num_free_blocks == 6
+    index.replay(log.window())
+    turns = [[*first, 99, 98, 97, 96], [*second, 99, 98, 97, 96]]
+    predicted = [index.predict_hit(index.block_hashes(t), len(t), now=0.0) for t in turns]
+    for _ in range(6):
+        step_and_record(scheduler, runner, log)
+    actual = [engine_hit(scheduler, t) for t in turns]
+    assert predicted == actual
+    assert sorted(actual) == [8, 12], "not one block evicted: the trace proves nothing"
+
+
+def step_and_record(scheduler: Scheduler, runner: FakeModelRunner, log: KVEventLog) -> None:
+    run_step(scheduler, runner)
+    manager = scheduler.kv_cache_manager
+    log.record(manager.take_events(), manager.eviction_outlook(scheduler.running))
