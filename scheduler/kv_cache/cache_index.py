@@ -1,8 +1,9 @@
 """An approximate copy of one engine's prefix-cache keys, and the hit that engine would find.
 
 A router keeps one `CacheIndex` per replica, fed by the replica's KV events (`replay`) and by its
-own guesses (`guess_stored`: the prompt it just sent there will be cached; a guess the events do
-not confirm within `guess_ttl` is forgotten). `predict_hit` runs the scheduler's own coordinator
+own guesses (`guess_stored`: the blocks the prompt it just sent there will compute will be cached;
+a guess the events do not confirm within `guess_ttl`, or by the time they show that prompt's
+prefill done, is forgotten). `predict_hit` runs the scheduler's own coordinator
 (the fixed point across groups) on hash maps that hold the indexed keys, so a replica that lost
 the window tail or the Mamba state of a prefix is predicted to miss it, as the engine will.
 
@@ -64,6 +65,7 @@ class CacheIndex:
         """Guessed keys not confirmed by an event yet -> when they expire."""
         self._guess_order: deque[tuple[float, int, BlockHash]] = deque()
         self.next_seq = 0
+        """Sequence number of the next event batch to replay."""
         self._outlook: EvictionOutlook | None = None
         self._victims: dict[tuple[int, BlockHash], None] = {}
         """Keys the engine holds as of its events but is expected to evict by now."""
@@ -73,7 +75,6 @@ class CacheIndex:
         """The last-ending guess of each routed prompt -> all its guesses: once an event
         confirms it, the prompt's prefill is done, and its guesses still unconfirmed are keys
         the engine did not store (they were in its hit, or its chunks ended elsewhere)."""
-        """Sequence number of the next event batch to replay."""
 
     @property
     def num_keys(self) -> int:
