@@ -94,9 +94,7 @@ class SimReplica:
             scheduler.update_from_output(out, self._sample(out))
             if self.log is not None:
                 manager = scheduler.kv_cache_manager
-                self.log.record(
-                    manager.take_events(), manager.eviction_outlook(len(scheduler.running))
-                )
+                self.log.record(manager.take_events(), manager.eviction_outlook(scheduler.running))
         done = [r for r in self.live if r.status.is_finished]
         if done:
             self.live = [r for r in self.live if not r.status.is_finished]

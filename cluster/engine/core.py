@@ -180,7 +180,7 @@ class EngineCore:
         if self.kv_events is not None:
             manager = self.scheduler.kv_cache_manager
             self.kv_events.record(
-                manager.take_events(), manager.eviction_outlook(len(self.scheduler.running))
+                manager.take_events(), manager.eviction_outlook(self.scheduler.running)
             )
 
     def get_stats(self) -> SchedulerStats:

@@ -1,19 +1,24 @@
 """The routing decision of `HybridPrefixRouter`, free of Ray so the benchmark drives the same code.
 
 Per replica: a `CacheIndex` (the replica's prefix-cache keys from its KV events, plus guesses for
-what was just sent there), the requests in flight and the recent prompt work. For a request:
+what was just sent there), the requests in flight, and its recent conversations: how many, and
+their footprint (the tokens of each one's latest prompt; a conversation counts once, on the
+replica its latest prompt went to). For a request:
 
   1. every replica's predicted hit: the longest prefix valid for every KV cache group at once;
   2. replicas whose requests in flight would pass `load_factor` x the mean are out (bounded
      load); unless the request continues a conversation (it extends a prompt routed to one of
      the others, or its best hit covers >= `strong_fraction` of it), so are replicas whose
-     recent work would pass `work_factor` x the mean;
+     conversations' footprint would pass `work_factor` x the mean;
   3. among the rest: the replica whose conversation the request continues, then the longest
-     hit if it covers >= `match_fraction` of the prompt, else (a new conversation) the least
-     recent work; excluded replicas come last, in the same order.
+     hit if it exceeds the shortest by >= `match_fraction` of the prompt (a prefix every
+     replica holds, e.g. a shared system prompt, says nothing), else (a new conversation) the
+     fewest conversations, then the least footprint; excluded replicas come last, in the same
+     order.
 
     choose(candidates, prompt) ─► ranks [[best], [others by preference]]
-    routed(replica, prompt)     ─► in flight + 1, work + prompt, index guesses the prompt's blocks
+    routed(replica, prompt)     ─► in flight + 1, the prompt's conversation moves to it (counted
+                                   with this prompt), index guesses the prompt's blocks
     completed(replica)          ─► in flight - 1
     replay(replica, window)     ─► index follows the replica's events
 """
@@ -44,18 +49,18 @@ class RoutingOptions:
     """A replica takes a new request only while its requests in flight stay within this
     multiple of the mean (rounded up); >= 1."""
     work_factor: float = 1.25
-    """Below a strong hit, a replica takes a new request only while its recent prompt work
-    stays within this multiple of the mean (a prefix cached in one place must not draw every
-    new conversation there); >= 1."""
+    """Below a strong hit, a replica takes a new request only while its conversations'
+    footprint stays within this multiple of the mean (a prefix cached in one place must not
+    draw every new conversation there); >= 1."""
     strong_fraction: float = 0.5
     """A predicted hit covering this much of the prompt is the conversation's own history:
     only the in-flight bound can send it elsewhere."""
     match_fraction: float = 0.25
-    """A request whose best predicted hit covers less of its prompt than this starts a new
-    conversation (a shared system prompt at most): it goes where the least prompt work was sent
-    lately, so conversations, and the cache they fill, spread evenly."""
+    """A request whose best predicted hit exceeds the shortest by less than this part of its
+    prompt starts a new conversation (a prefix all replicas hold at most): it goes where the
+    fewest conversations are, so conversations, and the cache they fill, spread evenly."""
     work_half_life_s: float = 60.0
-    """Half-life of the recent prompt work counted per replica."""
+    """Half-life with which a replica's conversations (their count and footprint) fade."""
     guess_ttl_s: float = 10.0
     """How long a guessed cached block counts before the replica's events must confirm it."""
     event_age_steps: float = 10.0
@@ -85,9 +90,12 @@ class Candidate(NamedTuple):
     predicted_hit: int
     in_flight: int
     recent_work: float
+    """The footprint of its recent conversations (tokens of their latest prompts)."""
     kv_usage: float
     continues: bool = False
     """The prompt extends one routed there (through that prompt's last full block)."""
+    conversations: float = 0.0
+    """Its recent conversations (each fading with `work_half_life_s`)."""
 
 
 @dataclass
@@ -96,15 +104,41 @@ class _Replica:
     in_flight: int = 0
     kv_usage: float = 0.0
     work: float = 0.0
-    """Prompt tokens routed here, decayed with `work_half_life_s`, as of `work_time`."""
+    """The conversations' footprint: the tokens of the latest prompt of each conversation
+    routed here, each decayed with `work_half_life_s` since, as of `work_time`."""
     work_time: float = 0.0
-    prompt_ends: dict[BlockHash, None] = field(default_factory=dict)
-    """Hash of the last full block of each recent prompt routed here (oldest first)."""
+    prompt_ends: dict[BlockHash, tuple[int, float]] = field(default_factory=dict)
+    """Hash of the last full block of each conversation's latest prompt routed here (oldest
+    first) -> its tokens and when it was routed."""
     unindexed: list[tuple[PromptKeys, float]] = field(default_factory=list)
     """Prompts routed here before its first events (guessed once the index exists)."""
 
+    conversations: float = 0.0
+    """The conversations routed here, counted like `work` (1 each)."""
+
     def recent_work(self, now: float, half_life: float) -> float:
-        return self.work * math.pow(0.5, max(now - self.work_time, 0.0) / half_life)
+        return self.work * _decay(now - self.work_time, half_life)
+
+    def recent_conversations(self, now: float, half_life: float) -> float:
+        return self.conversations * _decay(now - self.work_time, half_life)
+
+    def add_work(self, tokens: float, count: float, now: float, half_life: float) -> None:
+        self.work = max(self.recent_work(now, half_life) + tokens, 0.0)
+        self.conversations = max(self.recent_conversations(now, half_life) + count, 0.0)
+        self.work_time = now
+
+    def forget_prompts(
+        self, block_hashes: Sequence[BlockHash], now: float, half_life: float
+    ) -> None:
+        """Take out the earlier prompts of the conversation these hashes continue (a
+        conversation counts with its latest prompt only, wherever that went)."""
+        ends = self.prompt_ends
+        for block_hash in block_hashes:
+            earlier = ends.pop(block_hash, None)
+            if earlier is not None:
+                tokens, routed_at = earlier
+                decay = _decay(now - routed_at, half_life)
+                self.add_work(-tokens * decay, -decay, now, half_life)
 
 
 @dataclass
@@ -124,6 +158,8 @@ class HybridRoutingPolicy(Generic[Key]):
             for prompt, routed_at in replica.unindexed:
                 hashes = replica.index.block_hashes(prompt.token_ids, prompt.cache_salt)
                 replica.index.guess_stored(hashes, prompt.num_tokens, routed_at)
+                if hashes:  # its conversation's next turn will find it
+                    _remember_end(replica.prompt_ends, hashes, (prompt.num_tokens, routed_at))
             replica.unindexed.clear()
         replica.index.replay(window)
         replica.kv_usage = kv_usage
@@ -152,9 +188,11 @@ class HybridRoutingPolicy(Generic[Key]):
         if prompt is not None and replica.index is not None:
             hit = replica.index.predict_hit(prompt.block_hashes, prompt.num_tokens, now)
             ends = replica.prompt_ends
-            continues = hit > 0 and any(h in ends for h in prompt.block_hashes)
-        work = replica.recent_work(now, self.options.work_half_life_s)
-        return Candidate(hit, replica.in_flight, work, replica.kv_usage, continues)
+            continues = any(h in ends for h in prompt.block_hashes)
+        half_life = self.options.work_half_life_s
+        work = replica.recent_work(now, half_life)
+        conversations = replica.recent_conversations(now, half_life)
+        return Candidate(hit, replica.in_flight, work, replica.kv_usage, continues, conversations)
 
     def choose(self, keys: Sequence[Key], prompt: PromptKeys | None, now: float) -> list[list[Key]]:
         """Preference ranks over `keys`: the best replica alone, then the rest in order."""
@@ -169,7 +207,7 @@ class HybridRoutingPolicy(Generic[Key]):
             # Not a conversation's own history: keep shared prefixes from drawing every
             # new conversation to the replicas that happen to hold them.
             over |= _over_work(cases, num_tokens, options.work_factor)
-        follows_hit = _best_hit(cases, over) >= options.match_fraction * num_tokens > 0
+        follows_hit = _distinct_hit(cases, over) >= options.match_fraction * num_tokens > 0
         ordered = sorted(keys, key=lambda key: _order(key in over, cases[key], follows_hit))
         return [ordered[:1], ordered[1:]] if len(ordered) > 1 else [ordered]
 
@@ -180,12 +218,13 @@ class HybridRoutingPolicy(Generic[Key]):
         """A request went to `key`: count it, and guess its prompt will be cached there."""
         replica = self._replicas.setdefault(key, _Replica())
         replica.in_flight += 1
+        half_life = self.options.work_half_life_s
         if prompt is not None:
-            replica.work = replica.recent_work(now, self.options.work_half_life_s)
-            replica.work += prompt.num_tokens
-            replica.work_time = now
+            for other in self._replicas.values():
+                other.forget_prompts(prompt.block_hashes, now, half_life)
+            replica.add_work(prompt.num_tokens, 1.0, now, half_life)
         if prompt is not None and prompt.block_hashes:
-            _remember_end(replica.prompt_ends, prompt.block_hashes)
+            _remember_end(replica.prompt_ends, prompt.block_hashes, (prompt.num_tokens, now))
         if prompt is not None and replica.index is not None:
             replica.index.guess_stored(prompt.block_hashes, prompt.num_tokens, now)
         elif prompt is not None and len(replica.unindexed) < MAX_UNINDEXED_PROMPTS:
@@ -201,12 +240,18 @@ class HybridRoutingPolicy(Generic[Key]):
         return replica.in_flight if replica is not None else 0
 
 
-def _remember_end(ends: dict[BlockHash, None], block_hashes: list[BlockHash]) -> None:
+def _decay(age: float, half_life: float) -> float:
+    return math.pow(0.5, max(age, 0.0) / half_life)
+
+
+def _remember_end(
+    ends: dict[BlockHash, tuple[int, float]], block_hashes: list[BlockHash], end: tuple[int, float]
+) -> None:
     """Keep the prompt's last block hash: a later prompt holding it extends this one through
     its last full block (missed when that block holds the generation prompt: then the hit's
     length decides, as for any other request)."""
     ends.pop(block_hashes[-1], None)
-    ends[block_hashes[-1]] = None
+    ends[block_hashes[-1]] = end
     while len(ends) > MAX_PROMPT_ENDS:
         del ends[next(iter(ends))]
 
@@ -219,10 +264,19 @@ def _over_in_flight(cases: Mapping[Key, Candidate], load_factor: float) -> set[K
 
 
 def _over_work(cases: Mapping[Key, Candidate], num_tokens: int, work_factor: float) -> set[Key]:
-    """Replicas whose recent prompt work would pass `work_factor` times the mean."""
+    """Replicas whose conversations' footprint would pass `work_factor` times the mean."""
     work = sum(case.recent_work for case in cases.values()) + num_tokens
-    bound = work_factor * work / len(cases)
+    bound = max(work_factor * work / len(cases), num_tokens)  # an idle replica takes it
     return {key for key, case in cases.items() if case.recent_work + num_tokens > bound}
+
+
+def _distinct_hit(cases: Mapping[Key, Candidate], excluded: set[Key]) -> int:
+    """How much longer the best predicted hit is than the shortest: what only some replicas
+    hold (a prefix all of them hold, e.g. a shared system prompt, says nothing of where the
+    request's conversation lives)."""
+    allowed = [case.predicted_hit for key, case in cases.items() if key not in excluded]
+    hits = allowed or [case.predicted_hit for case in cases.values()]
+    return max(hits) - min(hits)
 
 
 def _best_hit(cases: Mapping[Key, Candidate], excluded: set[Key]) -> int:
@@ -238,7 +292,9 @@ def _order(excluded: bool, case: Candidate, follows_hit: bool) -> tuple[float, .
 
 
 def _rank(case: Candidate, follows_hit: bool) -> tuple[float, ...]:
-    """Sort key: the longest hit first, or (a new conversation) the least recent work first."""
+    """Sort key: the longest hit first, or (a new conversation) the fewest conversations (in
+    whole numbers: they fade slowly), then the least footprint."""
     if follows_hit:
         return (-case.predicted_hit, case.in_flight, case.recent_work, case.kv_usage)
-    return (case.recent_work, case.in_flight, -case.predicted_hit, case.kv_usage)
+    conversations = round(case.conversations)
+    return (conversations, case.recent_work, case.in_flight, -case.predicted_hit, case.kv_usage)

@@ -1,8 +1,9 @@
 """An approximate copy of one engine's prefix-cache keys, and the hit that engine would find.
 
 A router keeps one `CacheIndex` per replica, fed by the replica's KV events (`replay`) and by its
-own guesses (`guess_stored`: the prompt it just sent there will be cached; a guess the events do
-not confirm within `guess_ttl` is forgotten). `predict_hit` runs the scheduler's own coordinator
+own guesses (`guess_stored`: the blocks the prompt it just sent there will compute will be cached;
+a guess the events do not confirm within `guess_ttl`, or by the time they show that prompt's
+prefill done, is forgotten). `predict_hit` runs the scheduler's own coordinator
 (the fixed point across groups) on hash maps that hold the indexed keys, so a replica that lost
 the window tail or the Mamba state of a prefix is predicted to miss it, as the engine will.
 
@@ -24,7 +25,7 @@ from typing import NamedTuple
 
 from scheduler.block_hash import BlockHash, extend_block_hashes
 from scheduler.kv_cache.block_pool import BlockPool, KVCacheBlock
-from scheduler.kv_cache.coordinator import make_coordinator
+from scheduler.kv_cache.coordinator import CoordinatorHit, make_coordinator
 from scheduler.kv_cache.events import EvictionOutlook, KVEventBatch, KVEventWindow
 from scheduler.kv_cache.mamba_manager import MambaManager
 from scheduler.kv_cache.single_type_manager import SingleTypeManager
@@ -32,6 +33,8 @@ from scheduler.kv_cache.spec import KVCacheGroupSpec, MambaCacheMode
 
 logger = logging.getLogger(__name__)
 
+MAX_TRACKED_PROMPTS = 1 << 12
+"""Routed prompts whose completion the index watches for (the oldest are forgotten)."""
 _INDEXED = KVCacheBlock(1)
 """What an index hash map holds for every key: lookups only ask whether a key is there."""
 
@@ -62,12 +65,16 @@ class CacheIndex:
         """Guessed keys not confirmed by an event yet -> when they expire."""
         self._guess_order: deque[tuple[float, int, BlockHash]] = deque()
         self.next_seq = 0
+        """Sequence number of the next event batch to replay."""
         self._outlook: EvictionOutlook | None = None
         self._victims: dict[tuple[int, BlockHash], None] = {}
         """Keys the engine holds as of its events but is expected to evict by now."""
         self._pending: list[_Pending] = []
         """Routed prompts not computed yet, as far as the events say."""
-        """Sequence number of the next event batch to replay."""
+        self._last_guesses: dict[tuple[int, BlockHash], list[tuple[int, BlockHash]]] = {}
+        """The last-ending guess of each routed prompt -> all its guesses: once an event
+        confirms it, the prompt's prefill is done, and its guesses still unconfirmed are keys
+        the engine did not store (they were in its hit, or its chunks ended elsewhere)."""
 
     @property
     def num_keys(self) -> int:
@@ -94,13 +101,14 @@ class CacheIndex:
         hit = self._coordinator.find_longest_cache_hit(block_hashes, num_tokens - 1)
         hits = self._hit_keys(hit.blocks, block_hashes)
         num_new = 0
+        last: tuple[int, tuple[int, BlockHash]] | None = None
         for manager in self._coordinator.managers:
             hash_map = self._pool.hash_maps[manager.group_id]
             num_full = min(
                 num_tokens // manager.block_size, len(block_hashes) // manager.hash_ratio
             )
-            num_new += _num_new_blocks(manager, num_tokens, hit.num_tokens)
-            for index in _guessed_blocks(manager, num_full):
+            num_new += _num_new_blocks(manager, num_tokens, hit)
+            for index in _guessed_blocks(manager, num_tokens, hit, num_full):
                 if not manager.is_reachable(index):
                     continue
                 key = manager.hash_of(block_hashes, index)
@@ -112,15 +120,26 @@ class CacheIndex:
                 self._guesses[(manager.group_id, key)] = expiry
                 self._guess_order.append((expiry, manager.group_id, key))
                 guessed.append((manager.group_id, key))
+                end = (index + 1) * manager.block_size
+                if last is None or end > last[0]:
+                    last = (end, (manager.group_id, key))
         if guessed:
             self._pending.append(_Pending(guessed, hits, num_new))
+        if last is not None:
+            self._last_guesses[last[1]] = guessed
+            while len(self._last_guesses) > MAX_TRACKED_PROMPTS:
+                del self._last_guesses[next(iter(self._last_guesses))]
         self._anticipate_evictions()
 
-    def _decode_blocks(self, num_running: int) -> int:
-        """Blocks `num_running` decoding requests allocate over `steps_ahead` steps (on
-        average: each group's block fills every block size of tokens)."""
-        per_step = sum(1 / manager.block_size for manager in self._coordinator.managers)
-        return round(num_running * per_step * self.steps_ahead)
+    def _decode_blocks(self, running: Sequence[tuple[int, int]]) -> int:
+        """Blocks the `running` requests (tokens computed, most tokens left) allocate over
+        `steps_ahead` decode steps: one in a group each time a request crosses its block size."""
+        steps = int(self.steps_ahead)
+        return sum(
+            -(-(computed + min(steps, left)) // size) - -(-computed // size)
+            for computed, left in running
+            for size in (manager.block_size for manager in self._coordinator.managers)
+        )
 
     def _hit_keys(
         self, blocks: Sequence[Sequence[KVCacheBlock]], block_hashes: Sequence[BlockHash]
@@ -164,7 +183,7 @@ class CacheIndex:
         ]
         taken_back = {entry for pending in self._pending for entry in pending.hits}
         demand = sum(pending.num_new_blocks for pending in self._pending)
-        demand += self._decode_blocks(self._outlook.num_running)
+        demand += self._decode_blocks(self._outlook.running)
         for entry in self._outlook.order:
             if demand <= 0:
                 break
@@ -180,6 +199,7 @@ class CacheIndex:
         if batch.cleared:
             self.clear()
         guesses = self._guesses
+        done: list[tuple[int, BlockHash]] = []
         for group_id, (stored, removed) in enumerate(zip(batch.stored, batch.removed, strict=True)):
             hash_map = self._pool.hash_maps[group_id]
             for key in removed:
@@ -189,6 +209,10 @@ class CacheIndex:
             for key in stored:
                 hash_map[key] = _INDEXED
                 guesses.pop((group_id, key), None)
+                done.extend(self._last_guesses.pop((group_id, key), ()))
+        for entry in done:  # guesses of prompts whose prefill is done, not confirmed
+            if guesses.pop(entry, None) is not None:
+                self._pool.hash_maps[entry[0]].pop(entry[1], None)
 
     def clear(self) -> None:
         """Forget every key."""
@@ -198,6 +222,7 @@ class CacheIndex:
         self._guess_order.clear()
         self._victims.clear()
         self._pending.clear()
+        self._last_guesses.clear()
 
     def _expire(self, now: float) -> None:
         order = self._guess_order
@@ -219,16 +244,39 @@ class _Pending(NamedTuple):
     """Blocks its request allocates over every group (its prompt past the hit)."""
 
 
-def _num_new_blocks(manager: SingleTypeManager, num_tokens: int, hit_tokens: int) -> int:
-    """Blocks a request for `num_tokens` tokens with a `hit_tokens` hit takes from the free
-    queue in this group as its prefill runs (a sliding window too: a chunk's blocks are all
-    allocated before those that leave the window are given back)."""
-    return max(-(-num_tokens // manager.block_size) - hit_tokens // manager.block_size, 0)
+def _num_new_blocks(manager: SingleTypeManager, num_tokens: int, hit: CoordinatorHit) -> int:
+    """Blocks a request for `num_tokens` tokens takes from the free queue in this group as its
+    prefill runs from its `hit` (a sliding window too: a chunk's blocks are all allocated before
+    those that leave the window are given back); in a Mamba group in ALIGN mode, one per
+    prefill chunk (its state block)."""
+    if _aligned_mamba(manager):
+        return len(_chunk_ends(manager, num_tokens, hit))
+    return max(-(-num_tokens // manager.block_size) - hit.num_tokens // manager.block_size, 0)
 
 
-def _guessed_blocks(manager: SingleTypeManager, num_full: int) -> range:
-    """Blocks of a prompt's `num_full` full blocks its engine will register: all of them, but
-    in a Mamba group kept in ALIGN mode only the state where the prompt's last chunk ends."""
-    if isinstance(manager, MambaManager) and manager.mode is MambaCacheMode.ALIGN:
-        return range(max(num_full - 1, 0), num_full)
-    return range(num_full)
+def _guessed_blocks(
+    manager: SingleTypeManager, num_tokens: int, hit: CoordinatorHit, num_full: int
+) -> list[int]:
+    """Blocks of a prompt's `num_full` full blocks its engine will register when its prefill
+    starts from its `hit`: those it computes (the blocks before the hit that the engine lacks,
+    e.g. a window's, it does not compute again), but in a Mamba group kept in ALIGN mode only
+    the states where its prefill chunks end on a block boundary."""
+    size = manager.block_size
+    if not _aligned_mamba(manager):
+        return list(range(hit.num_tokens // size, num_full))
+    ends = _chunk_ends(manager, num_tokens, hit)
+    return sorted({end // size - 1 for end in ends if end % size == 0 and end // size <= num_full})
+
+
+def _chunk_ends(manager: SingleTypeManager, num_tokens: int, hit: CoordinatorHit) -> set[int]:
+    """Where the engine ends a prompt's prefill chunks in a Mamba ALIGN group (the token budget
+    permitting): the shared-prefix junction (the longest hit of any single group, where it
+    stops so that the next prompt sharing that prefix hits the state there), the last aligned
+    boundary before the prompt's last token, and the prompt's end."""
+    junction = max(hit.num_tokens, *hit.group_hit_tokens)
+    last_boundary = (num_tokens - 1) // manager.hit_alignment * manager.hit_alignment
+    return {end for end in (junction, last_boundary, num_tokens) if end > hit.num_tokens}
+
+
+def _aligned_mamba(manager: SingleTypeManager) -> bool:
+    return isinstance(manager, MambaManager) and manager.mode is MambaCacheMode.ALIGN

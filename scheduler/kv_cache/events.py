@@ -92,9 +92,10 @@ class EvictionOutlook:
     the key (group id, hash) its reuse would evict, or None for a block that holds no key."""
 
     order: tuple[tuple[int, BlockHash] | None, ...]
-    num_running: int = 0
-    """Requests running then: each decoding one takes a block per group every block size of
-    tokens it generates, from the same queue."""
+    running: tuple[tuple[int, int], ...] = ()
+    """Per request running then: its tokens computed and the most it may still generate.
+    Decoding, it takes a block in each group from the same queue whenever it crosses a block
+    boundary."""
 
 
 @dataclass(frozen=True)

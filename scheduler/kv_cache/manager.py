@@ -7,6 +7,7 @@ KV cache group -> one shared `BlockPool`. Block lists are always one per group, 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
@@ -418,10 +419,10 @@ class KVCacheManager:
         return sink.take() if sink is not None else None
 
     def eviction_outlook(
-        self, num_running: int, limit: int = OUTLOOK_BLOCKS
+        self, running: Sequence[Request], limit: int = OUTLOOK_BLOCKS
     ) -> EvictionOutlook | None:
-        """The keys the pool would evict next, in its order, with the requests running (None:
-        events off)."""
+        """The keys the pool would evict next, in its order, with how far the `running`
+        requests are (None: events off)."""
         pool = self.pool
         if pool.event_sink is None:
             return None
@@ -431,7 +432,7 @@ class KVCacheManager:
             block_hash = block.block_hash
             keyed = block_hash is not None and maps[block.group_id].get(block_hash) is block
             order.append((block.group_id, block_hash) if keyed else None)  # type: ignore[arg-type]
-        return EvictionOutlook(tuple(order), num_running)
+        return EvictionOutlook(tuple(order), tuple(map(_decode_progress, running)))
 
     def make_stats(self) -> KVCacheStats:
         """A snapshot of usage and the cumulative prefix-cache counters."""
@@ -453,3 +454,9 @@ class KVCacheManager:
         if self.num_groups:
             held = set().union(*(manager.req_to_blocks for manager in self.coordinator.managers))
             assert set(self._quiet) == held, (set(self._quiet), held)
+
+
+def _decode_progress(request: Request) -> tuple[int, int]:
+    """A running request's tokens computed and the most tokens it may still generate."""
+    left = request.sampling_params.max_tokens - request.num_output_tokens
+    return request.num_computed_tokens, left
