@@ -7,7 +7,7 @@ from cluster.serve.metrics import EngineMetrics
 
 
 class RecordingMetric:
-    """Keeps what the engine hands to a Ray counter or histogram (the exporter is not under test)."""
+    """What the engine hands to a Ray counter or histogram (the exporter is not under test)."""
 
     def __init__(self) -> None:
         self.calls: list[float] = []
@@ -42,12 +42,14 @@ def test_tokens_wait_for_a_flush_then_arrive_in_one_call() -> None:
     metrics, tokens, itl = _recording_metrics()
     for step in range(5):
         metrics.record_tokens(_delta([step, step + 1], [0.01 * step]))
-    assert tokens.calls == [] and itl.calls == []
+    assert tokens.calls == []
+    assert itl.calls == []
     metrics.flush_tokens()
     assert tokens.calls == [10]
     assert itl.calls == [0.0, 0.01, 0.02, 0.03, 0.04]
     metrics.flush_tokens()  # nothing new: nothing recorded
-    assert tokens.calls == [10] and len(itl.calls) == 5
+    assert tokens.calls == [10]
+    assert len(itl.calls) == 5
 
 
 def test_a_finished_request_flushes_its_tokens() -> None:
