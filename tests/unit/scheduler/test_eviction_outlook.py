@@ -12,7 +12,7 @@ from scheduler.block_hash import BlockHash
 from scheduler.kv_cache.cache_index import CacheIndex
 from scheduler.kv_cache.events import KVEventLog
 from scheduler.kv_cache.eviction import EvictionPolicy, Tier
-from scheduler.kv_cache.spec import KVCacheSpec, MambaCacheMode
+from scheduler.kv_cache.spec import KVCacheConfig, KVCacheSpec, MambaCacheMode
 from scheduler.scheduler import Scheduler
 
 MODELS: dict[str, tuple[int, tuple[KVCacheSpec, ...]]] = {
@@ -96,6 +96,16 @@ GUESS_MODELS: dict[str, tuple[KVCacheSpec, ...]] = {
 }
 
 
+def engine_with_index(
+    config: KVCacheConfig,
+) -> tuple[Scheduler, FakeModelRunner, KVEventLog, CacheIndex]:
+    """A scheduler publishing KV events, its fake runner, the event log and an empty index."""
+    scheduler = make_scheduler(config, max_model_len=128)
+    scheduler.kv_cache_manager.enable_events()
+    log = KVEventLog(config.groups, max_keys=1 << 20, max_age_s=1e9)
+    return scheduler, FakeModelRunner(config), log, CacheIndex(config.groups)
+
+
 def engine_keys(scheduler: Scheduler) -> list[set[BlockHash]]:
     return [set(hash_map) for hash_map in scheduler.kv_cache_manager.pool.hash_maps]
 
@@ -112,11 +122,7 @@ def test_the_index_guesses_the_keys_a_routed_prompt_makes_the_engine_store(model
     size (no state at its last block), a next turn after the engine dropped window blocks the
     hit no longer reads (not computed again, so not stored again); and the events agree."""
     config = make_config(200, *GUESS_MODELS[model])
-    scheduler = make_scheduler(config, max_model_len=128)
-    scheduler.kv_cache_manager.enable_events()
-    runner = FakeModelRunner(config)
-    log = KVEventLog(config.groups, max_keys=1 << 20, max_age_s=1e9)
-    index = CacheIndex(config.groups)
+    scheduler, runner, log, index = engine_with_index(config)
     system = list(range(1, 11))
     first = [*system, *range(100, 114)]
     second = [*system, *range(200, 218)]  # 28 tokens: 7 whole blocks
@@ -152,11 +158,7 @@ def test_guesses_a_prompt_did_not_store_go_once_its_prefill_is_seen_done() -> No
     drops that guess and predicts, like the engine, no hit for a third prompt on the system
     prompt."""
     config = make_config(200, full(4), mamba(4, MambaCacheMode.ALIGN))
-    scheduler = make_scheduler(config, max_model_len=128)
-    scheduler.kv_cache_manager.enable_events()
-    runner = FakeModelRunner(config)
-    log = KVEventLog(config.groups, max_keys=1 << 20, max_age_s=1e9)
-    index = CacheIndex(config.groups)
+    scheduler, runner, log, index = engine_with_index(config)
     system = list(range(1, 9))
     first, second, third = ([*system, *range(base, base + 9)] for base in (100, 200, 300))
     for prompt in (first, second):
