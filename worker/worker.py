@@ -100,6 +100,10 @@ class Worker:
         output = self.model_runner.execute(scheduler_output)
         return output if self.rank == 0 else None
 
+    def cpu_threads(self) -> int:
+        """Torch's intra-op threads in this rank's process."""
+        return torch.get_num_threads()
+
     def shutdown(self) -> None:
         """Leave the process group (the model is freed with the worker)."""
         destroy_distributed()

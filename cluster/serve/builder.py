@@ -16,15 +16,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import ray
-import torch
 from pydantic import ValidationError
 from ray import serve
 from ray.serve import Application
 
 from cluster.config import LLMConfig, LLMServingArgs, format_validation_error
 from cluster.serve.ingress import OpenAiIngressDeployment
-from cluster.serve.llm_server import LLMServer
+from cluster.serve.llm_server import LLMServer, rank_placement
 from cluster.serve.one_hop import OpenAiServerDeployment
 from cluster.serve.routing import resolve_request_router
 
@@ -48,7 +46,7 @@ def deployment_name(model_id: str) -> str:
 
 def replica_bundles(config: LLMConfig, actor_options: dict[str, Any]) -> list[dict[str, float]]:
     """The replica's placement-group bundles, the replica's own resources added into bundle 0."""
-    bundles = config.placement_bundles(use_gpu=_uses_gpus(config))
+    bundles = [dict(bundle) for bundle in rank_placement(config).bundles]
     first = bundles[0]
     for option, resource in _ACTOR_RESOURCE_KEYS.items():
         amount = actor_options.get(option, _REPLICA_DEFAULTS.get(option, 0))
@@ -57,16 +55,6 @@ def replica_bundles(config: LLMConfig, actor_options: dict[str, Any]) -> list[di
     for resource, amount in (actor_options.get("resources") or {}).items():
         first[resource] = first.get(resource, 0.0) + float(amount)
     return bundles
-
-
-def _uses_gpus(config: LLMConfig) -> bool:
-    """GPU bundles when the model may run on GPUs and the cluster has some (asked of Ray, not
-    of this process: a CPU-only head builds the apps of GPU workers)."""
-    if config.engine_kwargs.get("device") == "cpu":
-        return False
-    if ray.is_initialized():
-        return float(ray.cluster_resources().get("GPU", 0)) > 0  # type: ignore[no-untyped-call]
-    return torch.cuda.is_available()
 
 
 def llm_deployment_options(

@@ -28,6 +28,8 @@ from cluster.config import EngineArgs, LLMConfig, resolve_executor_backend
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.core import build_engine_core
 from cluster.engine.errors import EngineDeadError
+from cluster.engine.executor import create_executor
+from cluster.engine.executor.placement import PlacementSpec, uses_gpus
 from cluster.engine.input_processor import InputProcessor
 from cluster.engine.outputs import OutputAccumulator, RequestOutput
 from cluster.engine.request import EngineRequest
@@ -58,6 +60,14 @@ def serving_engine_args(config: LLMConfig) -> EngineArgs:
     return args.model_copy(update={"distributed_executor_backend": backend})
 
 
+def rank_placement(config: LLMConfig) -> PlacementSpec:
+    """The ranks' own bundles: the replica's group also holds the replica in bundle 0, and a
+    rank's torch threads count only its own CPUs."""
+    device = config.engine_kwargs.get("device")
+    bundles = config.placement_bundles(use_gpu=uses_gpus(device))
+    return PlacementSpec(tuple(bundles), config.placement_strategy)
+
+
 def group_kinds(engine: AsyncEngine) -> list[str]:
     """`full_attention`, `sliding_window`, ... per KV cache group."""
     return [group.spec.kind for group in engine.core.scheduler.kv_cache_config.groups]
@@ -70,7 +80,9 @@ class LLMServer:
         self.config = LLMConfig.model_validate(llm_config)
         self.model_id = self.config.model_id
         args = serving_engine_args(self.config)
-        self.engine = AsyncEngine(build_engine_core(args))
+        self.engine = AsyncEngine(
+            build_engine_core(args, create_executor(args, rank_placement(self.config)))
+        )
         self.tokenizer = self.engine.core.tokenizer
         model = self.engine.core.model_config
         self.max_model_len = model.max_model_len

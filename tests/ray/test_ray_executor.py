@@ -25,6 +25,7 @@ from cluster.engine.executor.ray import RayExecutor
 from cluster.engine.local import InProcessEngineClient
 from cluster.engine.request import EngineRequest
 from scheduler.request import SamplingParams
+from tests.helpers.rank_caller import BundleCaller
 from tests.helpers.ray_local import NODE_IP, REPO_ROOT
 from tests.helpers.ray_state import live_engine_actors, live_placement_groups
 from tests.helpers.tiny_models import save_tiny_model
@@ -211,3 +212,28 @@ def test_stopping_after_ray_shut_down_calls_no_ray(model_dirs: dict[str, Path]) 
     seconds = float(line.split()[2])
     assert seconds < 2.0, line
     assert line.endswith("ray: False"), line
+
+
+def test_a_rank_sharing_the_callers_bundle_runs_the_threads_of_its_own_share(
+    ray_cluster: None, model_dirs: dict[str, Path]
+) -> None:
+    """A Serve replica sits in bundle 0 of its group beside rank 0, so the bundle holds both
+    shares (here 1 CPU each). Given the ranks' own bundles, rank 0 runs one torch thread, not
+    two threads spinning against the replica on the same cores."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    group = placement_group([{"CPU": 2.0}])
+    ray.get(group.ready(), timeout=30)
+    strategy = PlacementGroupSchedulingStrategy(
+        group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True
+    )
+    model = str(model_dirs["llama"])
+    try:
+        caller = BundleCaller.options(scheduling_strategy=strategy).remote()
+        own_share = PlacementSpec(({"CPU": 1.0},))
+        assert ray.get(caller.rank_threads.remote(model, own_share), timeout=180) == [1]
+        assert ray.get(caller.rank_threads.remote(model, None), timeout=180) == [2]
+    finally:
+        remove_placement_group(group)

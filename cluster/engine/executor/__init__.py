@@ -11,18 +11,24 @@ them when one is asked for, so the transport loads neither torch nor Ray.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from cluster.config.engine_args import EngineArgs, resolve_executor_backend
 from cluster.engine.configs import engine_configs
 from cluster.engine.executor.base import Executor
 
+if TYPE_CHECKING:
+    from cluster.engine.executor.placement import PlacementSpec
 
-def create_executor(args: EngineArgs) -> Executor:
-    """The executor `args.distributed_executor_backend` names (resolved: uni, mp or ray)."""
+
+def create_executor(args: EngineArgs, placement: PlacementSpec | None = None) -> Executor:
+    """The executor `args.distributed_executor_backend` names (resolved: uni, mp or ray);
+    `placement`: the Ray ranks' bundles (see `acquire_placement`)."""
     backend = resolve_executor_backend(args, "offline")
     if backend == "ray":
         from cluster.engine.executor.ray import RayExecutor
 
-        return RayExecutor(args)
+        return RayExecutor(args, placement)
     from cluster.engine.executor.base import check_layout
 
     configs = engine_configs(args)  # this machine runs the workers: resolve here

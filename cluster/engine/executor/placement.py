@@ -67,10 +67,14 @@ class RankPlacement:
 def acquire_placement(
     tp_size: int, spec: PlacementSpec | None = None, timeout_s: float = 120.0
 ) -> RankPlacement:
-    """The current placement group if there is one, else a new one (waited for until ready)."""
+    """The current placement group if there is one (its bundles, or `spec`'s when given: the
+    ranks' own shares of a group that also holds the caller), else a new one from `spec` (waited
+    for until ready)."""
     current = get_current_placement_group()
     if current is not None:
-        bundles = tuple(current.bundle_specs)
+        # The caller sits in bundle 0 too (a Serve replica): `spec`, when given, holds the
+        # ranks' own shares, which size their threads.
+        bundles = tuple(current.bundle_specs) if spec is None else spec.bundles
         _check_bundle_count(len(bundles), tp_size, "the current placement group")
         return RankPlacement(current, bundles, is_owned=False)
     cluster: dict[str, float] = ray.cluster_resources()  # type: ignore[no-untyped-call]
@@ -86,6 +90,19 @@ def acquire_placement(
         remove_placement_group(group)
         raise
     return RankPlacement(group, spec.bundles, is_owned=True)
+
+
+def uses_gpus(device: str | None) -> bool:
+    """Whether a model whose `device` engine argument is `device` gets GPU bundles: not when
+    pinned to the CPU, else when the cluster has GPUs (asked of Ray, not of this process: a
+    CPU-only head builds the apps of GPU workers; this process's CUDA before Ray starts)."""
+    if device == "cpu":
+        return False
+    if ray.is_initialized():
+        return float(ray.cluster_resources().get("GPU", 0)) > 0  # type: ignore[no-untyped-call]
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def check_feasible(
