@@ -8,6 +8,7 @@ fp32 inputs: fp32 prefill runs the torch reference instead (fp32 models are for 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -50,12 +51,7 @@ def chunked_gated_delta_rule(
     chunk_size: int = 64,
 ) -> DeltaRuleOutput:
     """fla's chunked kernel (its own chunk size; `chunk_size` is the reference's)."""
-
-    def core(
-        x: DeltaRuleInputs, s: torch.Tensor, st: list[int], sc: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return _fla_core(x, s, st, sc, chunked=True)
-
+    core = functools.partial(_fla_core, chunked=True)
     return run_with_cuts(core, inputs, initial_states, query_start_loc, scale, cut_positions)
 
 
@@ -67,10 +63,5 @@ def recurrent_gated_delta_rule(
     cut_positions: Sequence[int] = (),
 ) -> DeltaRuleOutput:
     """fla's fused recurrent kernel (decode steps)."""
-
-    def core(
-        x: DeltaRuleInputs, s: torch.Tensor, st: list[int], sc: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return _fla_core(x, s, st, sc, chunked=False)
-
+    core = functools.partial(_fla_core, chunked=False)
     return run_with_cuts(core, inputs, initial_states, query_start_loc, scale, cut_positions)

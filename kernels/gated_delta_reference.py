@@ -17,6 +17,7 @@ Query and key heads are shared by groups of value heads (q, k: `[T, Hk, K]`, v: 
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
@@ -206,12 +207,7 @@ def chunked_gated_delta_rule(
     chunk_size: int = 64,
 ) -> DeltaRuleOutput:
     """The chunked (prefill) form; see the module docstring."""
-
-    def core(
-        x: DeltaRuleInputs, s: torch.Tensor, st: list[int], sc: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return _chunked_core(x, s, st, sc, chunk_size)
-
+    core = functools.partial(_chunked_core, chunk_size=chunk_size)
     return run_with_cuts(core, inputs, initial_states, query_start_loc, scale, cut_positions)
 
 

@@ -45,6 +45,11 @@ class PagedBatch:
     keys: tuple[torch.Tensor, ...]  # per request [seq_len, num_kv_heads, head_size]
     values: tuple[torch.Tensor, ...]
 
+    def kernel_args(self, scale: float) -> tuple[object, ...]:
+        """The positional arguments every backend's `paged_attention` takes."""
+        tensors = (self.query, self.key_cache, self.value_cache, self.block_table)
+        return (*tensors, self.query_start_loc, self.seq_lens, scale)
+
 
 def allocate_caches(
     num_blocks: int, spec: BatchSpec, device: torch.device | str = "cpu"

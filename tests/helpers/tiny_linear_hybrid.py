@@ -13,19 +13,10 @@ from pathlib import Path
 import torch
 import transformers
 
+from tests.helpers import tiny_hybrid
 from tests.helpers.tiny_models import random_eager_model
 
-COMMON: dict[str, object] = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "eos_token_id": None,
-    "bos_token_id": None,
-    "pad_token_id": None,
-    "tie_word_embeddings": False,
-}
+COMMON: dict[str, object] = {**tiny_hybrid.COMMON, "tie_word_embeddings": False}
 DELTA_NET: dict[str, object] = {
     "head_dim": 16,
     "num_hidden_layers": 4,

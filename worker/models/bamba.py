@@ -15,7 +15,6 @@ from worker.layers.rotary import RotaryEmbedding, rope_parameters
 from worker.models.decoder import DecoderMLP, DecoderOptions, LayerOptions, head_size_of
 from worker.models.mamba_hybrid import (
     ATTENTION,
-    MAMBA,
     HybridAttention,
     HybridForCausalLM,
     HybridLayerSpec,
@@ -61,12 +60,8 @@ class BambaForCausalLM(HybridForCausalLM):
     def build_model(self, hf_config: PretrainedConfig, parallel: ParallelConfig) -> nn.Module:
         attn = set(hf_config.attn_layer_indices or ())
         specs = [
-            HybridLayerSpec(
-                ATTENTION if i in attn else MAMBA,
-                "self_attn" if i in attn else "mamba",
-                "input_layernorm",
-                "feed_forward",
-                "pre_ff_layernorm",
+            HybridLayerSpec.state_or_attention(
+                i not in attn, "mamba", "input_layernorm", "feed_forward", "pre_ff_layernorm"
             )
             for i in range(hf_config.num_hidden_layers)
         ]

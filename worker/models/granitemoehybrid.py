@@ -31,7 +31,6 @@ from worker.models.bamba import mamba_sizes
 from worker.models.decoder import DecoderOptions, LayerOptions, head_size_of
 from worker.models.mamba_hybrid import (
     ATTENTION,
-    MAMBA,
     HybridAttention,
     HybridForCausalLM,
     HybridLayerSpec,
@@ -169,9 +168,9 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
         self.logits_divisor = float(hf_config.logits_scaling or 1.0)
         kinds = hf_config.layer_types
         specs = [
-            HybridLayerSpec(
-                MAMBA if kind in ("mamba", "linear_attention") else ATTENTION,
-                "mamba" if kind in ("mamba", "linear_attention") else "self_attn",
+            HybridLayerSpec.state_or_attention(
+                kind in ("mamba", "linear_attention"),
+                "mamba",
                 "input_layernorm",
                 "ffn",
                 "post_attention_layernorm",

@@ -26,7 +26,6 @@ from worker.models.decoder import (
 from worker.models.llama4_moe import Llama4MLP as GatedMLP
 from worker.models.mamba_hybrid import (
     ATTENTION,
-    MAMBA,
     HybridForCausalLM,
     HybridLayerSpec,
     HybridModel,
@@ -80,12 +79,8 @@ class Lfm2ForCausalLM(HybridForCausalLM):
 
     def build_model(self, hf_config: PretrainedConfig, parallel: ParallelConfig) -> nn.Module:
         specs = [
-            HybridLayerSpec(
-                MAMBA if kind == "conv" else ATTENTION,
-                "conv" if kind == "conv" else "self_attn",
-                "operator_norm",
-                "feed_forward",
-                "ffn_norm",
+            HybridLayerSpec.state_or_attention(
+                kind == "conv", "conv", "operator_norm", "feed_forward", "ffn_norm"
             )
             for kind in hf_config.layer_types
         ]

@@ -56,6 +56,16 @@ class HybridLayerSpec:
     ffn_name: str | None = None
     ffn_norm_name: str | None = None
 
+    @classmethod
+    def state_or_attention(
+        cls, has_state: bool, state_mixer: str, norm: str, ffn: str, ffn_norm: str
+    ) -> HybridLayerSpec:
+        """A layer holding a state mixer named `state_mixer` (MAMBA kind) when `has_state`,
+        else attention named `self_attn`; the other names are the same either way."""
+        if has_state:
+            return cls(MAMBA, state_mixer, norm, ffn, ffn_norm)
+        return cls(ATTENTION, "self_attn", norm, ffn, ffn_norm)
+
 
 def mamba_config(hf_config: PretrainedConfig, layer_idx: int, **sizes: object) -> MambaConfig:
     """A `MambaConfig` for layer `layer_idx`: the sizes given, named as in `MambaConfig`."""

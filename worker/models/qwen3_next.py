@@ -29,7 +29,6 @@ from worker.models.decoder import DecoderOptions, LayerOptions, head_size_of, la
 from worker.models.llama4_moe import Llama4MLP as GatedMLP
 from worker.models.mamba_hybrid import (
     ATTENTION,
-    MAMBA,
     HybridAttention,
     HybridForCausalLM,
     HybridLayerSpec,
@@ -149,9 +148,9 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
     def build_model(self, hf_config: PretrainedConfig, parallel: ParallelConfig) -> nn.Module:
         kinds = list(hf_config.layer_types)
         specs = [
-            HybridLayerSpec(
-                MAMBA if kind == LINEAR_ATTENTION else ATTENTION,
-                "linear_attn" if kind == LINEAR_ATTENTION else "self_attn",
+            HybridLayerSpec.state_or_attention(
+                kind == LINEAR_ATTENTION,
+                "linear_attn",
                 "input_layernorm",
                 "mlp",
                 "post_attention_layernorm",

@@ -30,15 +30,7 @@ SCALE = 0.3
 
 
 def run_both(batch: PagedBatch, **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
-    args = (
-        batch.query,
-        batch.key_cache,
-        batch.value_cache,
-        batch.block_table,
-        batch.query_start_loc,
-        batch.seq_lens,
-        SCALE,
-    )
+    args = batch.kernel_args(SCALE)
     got = batched_attention.paged_attention(*args, **kwargs)  # type: ignore[arg-type]
     want = reference.paged_attention(*args, **kwargs)  # type: ignore[arg-type]
     return got, want

@@ -28,16 +28,7 @@ SCALE = 0.3
 
 
 def run_reference(batch: PagedBatch, **kwargs: float | int | None) -> torch.Tensor:
-    return reference.paged_attention(
-        batch.query,
-        batch.key_cache,
-        batch.value_cache,
-        batch.block_table,
-        batch.query_start_loc,
-        batch.seq_lens,
-        SCALE,
-        **kwargs,  # type: ignore[arg-type]
-    )
+    return reference.paged_attention(*batch.kernel_args(SCALE), **kwargs)  # type: ignore[arg-type]
 
 
 def assert_matches_dense(
