@@ -58,8 +58,12 @@ class Workload:
 
 @dataclass
 class Session:
+    """One conversation, its randomness its own: every router (and the reference) plays the
+    same trace, whatever order turns finish in."""
+
     history: list[int]
     turns_left: int
+    rng: random.Random
     due: int = 0
 
 
@@ -67,6 +71,7 @@ class Router(Protocol):
     name: str
 
     def choose(self, replicas: list[SimReplica], token_ids: list[int], now: int) -> int: ...
+    def start(self, replicas: list[SimReplica]) -> None: ...
     def on_step(self, replicas: list[SimReplica], now: int) -> None: ...
     def finished(self, replica: int) -> None: ...
 
@@ -128,6 +133,9 @@ class RoundRobin:
     def choose(self, replicas: list[SimReplica], token_ids: list[int], now: int) -> int:
         return next(self._next) % len(replicas)
 
+    def start(self, replicas: list[SimReplica]) -> None:
+        pass
+
     def on_step(self, replicas: list[SimReplica], now: int) -> None:
         pass
 
@@ -159,6 +167,9 @@ class RayPrefixAffinity:
         self.tree.insert(text, self.tenants[chosen], float(now))
         self.in_flight[chosen] += 1
         return chosen
+
+    def start(self, replicas: list[SimReplica]) -> None:
+        pass
 
     def on_step(self, replicas: list[SimReplica], now: int) -> None:
         pass
@@ -193,6 +204,13 @@ class HybridPrefix:
         self.policy.routed(chosen, keys, seconds)
         return chosen
 
+    def start(self, replicas: list[SimReplica]) -> None:
+        """The first poll, once the replicas are up and before traffic: their (empty) logs
+        tell the router the block size and the groups."""
+        for key, replica in enumerate(replicas):
+            if replica.log is not None:
+                self.policy.replay(key, replica.log.window())
+
     def on_step(self, replicas: list[SimReplica], now: int) -> None:
         windows = [replica.log.window() if replica.log else None for replica in replicas]
         self._pending.append((now + self.delay, windows))  # type: ignore[arg-type]
@@ -225,6 +243,16 @@ def _draw(rng: random.Random, bounds: tuple[int, int]) -> int:
     return rng.randint(*bounds)
 
 
+def _user_message(rng: random.Random, bounds: tuple[int, int]) -> list[int]:
+    return [rng.randrange(1, VOCAB) for _ in range(_draw(rng, bounds))]
+
+
+def _session(workload: Workload, system: list[int], rng: random.Random) -> Session:
+    history = system + _user_message(rng, workload.first_user_tokens)
+    due = rng.randrange(0, 4 * workload.num_sessions)
+    return Session(history, workload.num_turns, rng, due)
+
+
 def run(
     workload: Workload,
     kv_config: KVCacheConfig,
@@ -237,18 +265,14 @@ def run(
     rng = random.Random(workload.seed)
     system = [_draw(rng, (1, VOCAB - 1)) for _ in range(workload.system_tokens)]
     sessions = [
-        Session(
-            system
-            + [rng.randrange(1, VOCAB) for _ in range(_draw(rng, workload.first_user_tokens))],
-            workload.num_turns,
-            due=rng.randrange(0, 4 * workload.num_sessions),
-        )
-        for _ in range(workload.num_sessions)
+        _session(workload, system, random.Random(f"{workload.seed}:{number}"))
+        for number in range(workload.num_sessions)
     ]
     router = make_router(num_replicas)
     if events is None:  # only our router reads them
         events = isinstance(router, HybridPrefix)
     replicas = [SimReplica(kv_config, sched, events) for _ in range(num_replicas)]
+    router.start(replicas)
     owner: dict[str, tuple[int, int, Request]] = {}
     result = RunResult()
     ids = count()
@@ -261,7 +285,7 @@ def run(
                 req_id = f"s{number}-{next(ids)}"
                 chosen = router.choose(replicas, session.history, tick)
                 params = SamplingParams(
-                    max_tokens=_draw(rng, workload.output_tokens), ignore_eos=True
+                    max_tokens=_draw(session.rng, workload.output_tokens), ignore_eos=True
                 )
                 request = Request(
                     req_id,
@@ -279,10 +303,10 @@ def run(
                 _, number, _ = owner.pop(request.req_id)
                 router.finished(index)
                 session = sessions[number]
-                session.history = request.all_token_ids + [
-                    rng.randrange(1, VOCAB) for _ in range(_draw(rng, workload.user_tokens))
-                ]
-                session.due = tick + _draw(rng, workload.think_ticks)
+                session.history = request.all_token_ids + _user_message(
+                    session.rng, workload.user_tokens
+                )
+                session.due = tick + _draw(session.rng, workload.think_ticks)
                 result.prompt_tokens += request.num_prompt_tokens
                 result.hit_tokens += request.num_cached_tokens or 0
                 if isinstance(router, HybridPrefix):
