@@ -17,16 +17,19 @@ sliding-window hybrid, chat sessions over HTTP, per router the hit rate of the l
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from routing_sim import (
     MODELS,
+    FixedPlacement,
     HybridPrefix,
     RayPrefixAffinity,
     RoundRobin,
     RunResult,
     Workload,
+    balanced_placements,
     model_config,
     run,
 )
@@ -38,6 +41,12 @@ QUICK_GRID = [(8, 2), (32, 4)]
 PRESSURES = {"heavy": 40, "moderate": 60}
 """Pool blocks per session over the cluster (16-token blocks): 40 holds about half of what the
 sessions' final histories need in the two groups, 60 about three quarters."""
+HIT_GOAL = 0.9
+"""Cluster hit rate against one replica holding the combined pool."""
+LOAD_GOAL = 1.3
+"""Max/mean over replicas, of requests routed and of tokens computed."""
+ERROR_GOAL = 0.05
+"""Σ|predicted - actual hit| / Σ actual hit."""
 
 
 def _imbalance(values: list[int]) -> float:
@@ -51,20 +60,35 @@ def _relative_errors(result: RunResult) -> list[float]:
     return [abs(p - a) / a if a else float(p > 0) for p, a in result.prediction_pairs]
 
 
+def _total_error(result: RunResult) -> float:
+    """Σ|predicted - actual| / Σ actual hit tokens."""
+    pairs = result.prediction_pairs
+    return sum(abs(p - a) for p, a in pairs) / max(sum(a for _, a in pairs), 1)
+
+
 def _prediction_error(result: RunResult) -> str:
     """Mean and p90 of the per-request relative error, and Σ|predicted - actual| / Σ actual."""
     errors = sorted(_relative_errors(result))
     mean = sum(errors) / len(errors)
     p90 = errors[min(int(0.9 * len(errors)), len(errors) - 1)]
-    actual = sum(a for _, a in result.prediction_pairs)
-    total = sum(abs(p - a) for p, a in result.prediction_pairs) / max(actual, 1)
-    return f"{mean:.1%} / {p90:.1%} / {total:.1%}"
+    return f"{mean:.1%} / {p90:.1%} / {_total_error(result):.1%}"
 
 
-def measure(
-    model: str, pressure: str, sessions: int, replicas: int, args: argparse.Namespace
-) -> list[str]:
-    workload = Workload(num_sessions=sessions, num_turns=args.turns, seed=args.seed)
+@dataclass
+class CaseResult:
+    """One case (model, pressure, sessions, replicas) on one trace, ratios to the reference."""
+
+    reference_hit_rate: float
+    routers: dict[str, RunResult]
+
+    def ratio(self, result: RunResult) -> float:
+        return result.hit_rate / max(self.reference_hit_rate, 1e-9)
+
+
+def measure_case(
+    model: str, pressure: str, sessions: int, replicas: int, args: argparse.Namespace, seed: int
+) -> CaseResult:
+    workload = Workload(num_sessions=sessions, num_turns=args.turns, seed=seed)
     total_blocks = PRESSURES[pressure] * sessions
     per_replica = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=1024, max_model_len=8192)
     config = model_config(model, total_blocks // replicas + 1)
@@ -77,16 +101,71 @@ def measure(
         "ray-prefix-affinity": lambda n: RayPrefixAffinity(n),
         "hybrid-prefix (ours)": lambda n: HybridPrefix(n, args.delay, args.load_factor),
     }
+    placements = balanced_placements(sessions, replicas, args.placements, seed)
+    for number, placement in enumerate(placements):
+        routers[f"placement {number}"] = lambda n, p=placement: FixedPlacement(p)
+    results = {
+        name: run(workload, config, per_replica, replicas, make) for name, make in routers.items()
+    }
+    return CaseResult(reference.hit_rate, results)
+
+
+def measure(
+    model: str, pressure: str, sessions: int, replicas: int, args: argparse.Namespace
+) -> list[str]:
+    """Table rows of one case on the trace of `args.seed`."""
+    case = measure_case(model, pressure, sessions, replicas, args, args.seed)
     rows = []
-    for name, make in routers.items():
-        result = run(workload, config, per_replica, replicas, make)
+    for name, result in case.routers.items():
+        if name.startswith("placement"):
+            continue
         error = _prediction_error(result) if result.prediction_pairs else "-"
         rows.append(
             f"| {model} | {pressure} | {sessions} | {replicas} | {name} | {result.hit_rate:.1%} | "
-            f"{result.hit_rate / max(reference.hit_rate, 1e-9):.2f} | "
+            f"{case.ratio(result):.2f} | "
             f"{_imbalance(result.routed):.2f} | {_imbalance(result.computed):.2f} | {error} |"
         )
     return rows
+
+
+def measure_seeds(
+    model: str, pressure: str, sessions: int, replicas: int, args: argparse.Namespace
+) -> str:
+    """One row over `args.seeds` traces: per router the median and the lowest hit ratio; for
+    ours the traces meeting every goal, the worst token imbalance and prediction error; for
+    the random fixed placements the spread of their hit ratios."""
+    seeds = range(args.seed, args.seed + args.seeds)
+    cases = [measure_case(model, pressure, sessions, replicas, args, seed) for seed in seeds]
+    cells = []
+    for name in ("round-robin", "ray-prefix-affinity", "hybrid-prefix (ours)"):
+        ratios = sorted(case.ratio(case.routers[name]) for case in cases)
+        cells.append(f"{statistics.median(ratios):.2f} / {ratios[0]:.2f}")
+    ours = [case.routers["hybrid-prefix (ours)"] for case in cases]
+    met = sum(
+        case.ratio(result) >= HIT_GOAL
+        and max(_imbalance(result.routed), _imbalance(result.computed)) <= LOAD_GOAL
+        and _total_error(result) <= ERROR_GOAL
+        for case, result in zip(cases, ours, strict=True)
+    )
+    tokens = max(_imbalance(result.computed) for result in ours)
+    error = max(_total_error(result) for result in ours)
+    placed = sorted(
+        case.ratio(result)
+        for case in cases
+        for name, result in case.routers.items()
+        if name.startswith("placement")
+    )
+    spread = "-"
+    if placed:
+        reaching = sum(ratio >= HIT_GOAL for ratio in placed) / len(placed)
+        spread = (
+            f"{placed[0]:.2f} / {statistics.median(placed):.2f} / {placed[-1]:.2f} "
+            f"({reaching:.0%} >= {HIT_GOAL})"
+        )
+    return (
+        f"| {model} | {pressure} | {sessions} | {replicas} | {' | '.join(cells)} | "
+        f"{met}/{len(cases)} | {tokens:.2f} | {error:.1%} | {spread} |"
+    )
 
 
 def event_overhead(args: argparse.Namespace) -> str:
@@ -115,22 +194,25 @@ def main() -> None:
     parser.add_argument("--load-factor", type=float, default=2.0)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seeds", type=int, default=1, help="traces per case (from --seed on): a summary row each"
+    )
+    parser.add_argument(
+        "--placements",
+        type=int,
+        default=0,
+        help="also this many random fixed placements per trace (with --seeds > 1)",
+    )
     parser.add_argument("--serve", action="store_true", help="also the short real-Serve run")
     parser.add_argument("--serve-sessions", type=int, default=8)
     parser.add_argument("--serve-kv-bytes", type=int, default=1 << 20)
     args = parser.parse_args()
     start = time.perf_counter()
-    print(
-        "| model | pool pressure | sessions | replicas | router | cluster hit rate "
-        "| vs one replica, whole pool | max/mean requests | max/mean tokens computed "
-        "| predicted-hit error: mean / p90 / total |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for model in MODELS:
-        for pressure in PRESSURES:
-            for sessions, replicas in QUICK_GRID if args.quick else GRID:
-                for row in measure(model, pressure, sessions, replicas, args):
-                    print(row, flush=True)
+    grid = QUICK_GRID if args.quick else GRID
+    if args.seeds > 1:
+        print_seeds(args, grid)
+    else:
+        print_trace(args, grid)
     print(f"\n{time.perf_counter() - start:.0f} s")
     print(event_overhead(args))
     if args.serve:
@@ -140,6 +222,37 @@ def main() -> None:
         print("|---|---|---|---|---|")
         for row in run_serve(args.serve_sessions, 4, args.serve_kv_bytes):
             print(row, flush=True)
+
+
+def print_seeds(args: argparse.Namespace, grid: list[tuple[int, int]]) -> None:
+    print(
+        f"Over {args.seeds} traces (seeds {args.seed}..{args.seed + args.seeds - 1}); hit rate "
+        "vs one replica with the whole pool, median / lowest\n"
+    )
+    print(
+        "| model | pool pressure | sessions | replicas | round-robin | ray-prefix-affinity "
+        "| hybrid-prefix (ours) | ours: traces meeting every goal | ours: worst max/mean tokens "
+        "| ours: worst total error | random fixed placements: lowest / median / highest |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for model in MODELS:
+        for pressure in PRESSURES:
+            for sessions, replicas in grid:
+                print(measure_seeds(model, pressure, sessions, replicas, args), flush=True)
+
+
+def print_trace(args: argparse.Namespace, grid: list[tuple[int, int]]) -> None:
+    print(
+        "| model | pool pressure | sessions | replicas | router | cluster hit rate "
+        "| vs one replica, whole pool | max/mean requests | max/mean tokens computed "
+        "| predicted-hit error: mean / p90 / total |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for model in MODELS:
+        for pressure in PRESSURES:
+            for sessions, replicas in grid:
+                for row in measure(model, pressure, sessions, replicas, args):
+                    print(row, flush=True)
 
 
 if __name__ == "__main__":

@@ -70,7 +70,9 @@ class Session:
 class Router(Protocol):
     name: str
 
-    def choose(self, replicas: list[SimReplica], token_ids: list[int], now: int) -> int: ...
+    def choose(
+        self, replicas: list[SimReplica], token_ids: list[int], now: int, session: int
+    ) -> int: ...
     def start(self, replicas: list[SimReplica]) -> None: ...
     def on_step(self, replicas: list[SimReplica], now: int) -> None: ...
     def finished(self, replica: int) -> None: ...
@@ -130,7 +132,9 @@ class RoundRobin:
     def __init__(self) -> None:
         self._next = count()
 
-    def choose(self, replicas: list[SimReplica], token_ids: list[int], now: int) -> int:
+    def choose(
+        self, replicas: list[SimReplica], token_ids: list[int], now: int, session: int
+    ) -> int:
         return next(self._next) % len(replicas)
 
     def start(self, replicas: list[SimReplica]) -> None:
@@ -141,6 +145,44 @@ class RoundRobin:
 
     def finished(self, replica: int) -> None:
         pass
+
+
+class FixedPlacement:
+    """Each conversation on the replica a given placement names, every turn (what any router
+    that keeps a conversation where it began does, with that placement); the sessions are
+    known to it, which no real router knows."""
+
+    name = "fixed placement"
+
+    def __init__(self, placement: list[int]) -> None:
+        self.placement = placement
+
+    def choose(
+        self, replicas: list[SimReplica], token_ids: list[int], now: int, session: int
+    ) -> int:
+        return self.placement[session]
+
+    def start(self, replicas: list[SimReplica]) -> None:
+        pass
+
+    def on_step(self, replicas: list[SimReplica], now: int) -> None:
+        pass
+
+    def finished(self, replica: int) -> None:
+        pass
+
+
+def balanced_placements(
+    num_sessions: int, num_replicas: int, count: int, seed: int
+) -> list[list[int]]:
+    """`count` random placements of the sessions, the same number on each replica (±1)."""
+    rng = random.Random(f"placements:{seed}")
+    placements = []
+    for _ in range(count):
+        placement = [number % num_replicas for number in range(num_sessions)]
+        rng.shuffle(placement)
+        placements.append(placement)
+    return placements
 
 
 class RayPrefixAffinity:
@@ -158,7 +200,9 @@ class RayPrefixAffinity:
         self.match_rate_threshold = match_rate_threshold
         self.in_flight = [0] * num_replicas
 
-    def choose(self, replicas: list[SimReplica], token_ids: list[int], now: int) -> int:
+    def choose(
+        self, replicas: list[SimReplica], token_ids: list[int], now: int, session: int
+    ) -> int:
         text = " ".join(map(str, token_ids))
         matched, tenants = self.tree.prefix_match(text, self.tenants)
         if len(matched) / len(text) < self.match_rate_threshold or not tenants:
@@ -195,7 +239,9 @@ class HybridPrefix:
         """Request ID -> (replica, predicted hit)."""
         self._next_id = count()
 
-    def choose(self, replicas: list[SimReplica], token_ids: list[int], now: int) -> int:
+    def choose(
+        self, replicas: list[SimReplica], token_ids: list[int], now: int, session: int
+    ) -> int:
         keys = self.policy.prompt_keys(token_ids, None)
         seconds = now * STEP_S
         ranks = self.policy.choose(list(range(len(replicas))), keys, seconds)
@@ -283,7 +329,7 @@ def run(
                 session.turns_left -= 1
                 session.due = -1
                 req_id = f"s{number}-{next(ids)}"
-                chosen = router.choose(replicas, session.history, tick)
+                chosen = router.choose(replicas, session.history, tick, number)
                 params = SamplingParams(
                     max_tokens=_draw(session.rng, workload.output_tokens), ignore_eos=True
                 )
