@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from routing_sim import (
@@ -27,6 +28,7 @@ from routing_sim import (
     HybridPrefix,
     RayPrefixAffinity,
     RoundRobin,
+    Router,
     RunResult,
     Workload,
     balanced_placements,
@@ -85,6 +87,10 @@ class CaseResult:
         return result.hit_rate / max(self.reference_hit_rate, 1e-9)
 
 
+def _fixed(placement: list[int]) -> Callable[[int], Router]:
+    return lambda num_replicas: FixedPlacement(placement)
+
+
 def measure_case(
     model: str, pressure: str, sessions: int, replicas: int, args: argparse.Namespace, seed: int
 ) -> CaseResult:
@@ -96,14 +102,14 @@ def measure_case(
     reference = run(
         workload, model_config(model, total_blocks + 1), whole, 1, lambda n: RoundRobin()
     )
-    routers = {
+    routers: dict[str, Callable[[int], Router]] = {
         "round-robin": lambda n: RoundRobin(),
         "ray-prefix-affinity": lambda n: RayPrefixAffinity(n),
         "hybrid-prefix (ours)": lambda n: HybridPrefix(n, args.delay, args.load_factor),
     }
     placements = balanced_placements(sessions, replicas, args.placements, seed)
     for number, placement in enumerate(placements):
-        routers[f"placement {number}"] = lambda n, p=placement: FixedPlacement(p)
+        routers[f"placement {number}"] = _fixed(placement)
     results = {
         name: run(workload, config, per_replica, replicas, make) for name, make in routers.items()
     }
@@ -174,7 +180,7 @@ def event_overhead(args: argparse.Namespace) -> str:
     workload = Workload(num_sessions=64, num_turns=args.turns, seed=args.seed)
     sched = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=2048, max_model_len=8192)
     config = model_config("sliding+full", PRESSURES["heavy"] * 64 + 1)
-    times = {}
+    times: dict[bool, float] = {}
     for events in (False, True) * 3:
         began = time.perf_counter()
         run(workload, config, sched, 1, lambda n: RoundRobin(), events=events)

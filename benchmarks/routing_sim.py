@@ -22,7 +22,7 @@ from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import Pr
 
 from cluster.serve.hybrid_policy import HybridRoutingPolicy
 from scheduler.config import SchedulerConfig
-from scheduler.kv_cache.events import KVEventLog
+from scheduler.kv_cache.events import KVEventLog, KVEventWindow
 from scheduler.kv_cache.spec import KVCacheConfig, KVCacheSpec, MambaCacheMode
 from scheduler.kv_cache.spec_factory import make_spec, one_layer_groups_config
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -234,7 +234,7 @@ class HybridPrefix:
             RoutingOptions(load_factor, event_age_steps=delay + 1)
         )
         self.delay = delay
-        self._pending: deque[tuple[int, list[object]]] = deque()
+        self._pending: deque[tuple[int, list[tuple[KVEventWindow, float]]]] = deque()
         self.predictions: dict[str, tuple[int, int]] = {}
         """Request ID -> (replica, predicted hit)."""
         self._next_id = count()
@@ -258,13 +258,16 @@ class HybridPrefix:
                 self.policy.replay(key, replica.log.window())
 
     def on_step(self, replicas: list[SimReplica], now: int) -> None:
-        windows = [replica.log.window() if replica.log else None for replica in replicas]
-        self._pending.append((now + self.delay, windows))  # type: ignore[arg-type]
+        polled = [
+            (replica.log.window(), replica.scheduler.kv_cache_manager.usage)
+            for replica in replicas
+            if replica.log is not None
+        ]
+        self._pending.append((now + self.delay, polled))
         while self._pending and self._pending[0][0] <= now:
             _, ready = self._pending.popleft()
-            for key, window in enumerate(ready):
-                if window is not None:
-                    self.policy.replay(key, window)  # type: ignore[arg-type]
+            for key, (window, usage) in enumerate(ready):
+                self.policy.replay(key, window, usage)
 
     def finished(self, replica: int) -> None:
         self.policy.completed(replica)

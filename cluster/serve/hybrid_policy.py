@@ -6,10 +6,11 @@ their footprint (the tokens of each one's latest prompt; a conversation counts o
 replica its latest prompt went to). For a request:
 
   1. every replica's predicted hit: the longest prefix valid for every KV cache group at once;
-  2. replicas whose requests in flight would pass `load_factor` x the mean are out (bounded
-     load); unless the request continues a conversation (it extends a prompt routed to one of
-     the others, or its best hit covers >= `strong_fraction` of it), so are replicas whose
-     conversations' footprint would pass `work_factor` x the mean;
+  2. replicas whose requests in flight would pass `load_factor` x the mean (and at least
+     `min_in_flight_bound`) are out (bounded load); unless the request continues a
+     conversation (it extends a prompt routed to one of the others, or its best hit covers
+     >= `strong_fraction` of it), so are replicas whose conversations' footprint would pass
+     `work_factor` x the mean;
   3. among the rest: the replica whose conversation the request continues, then the longest
      hit if it exceeds the shortest by >= `match_fraction` of the prompt (a prefix every
      replica holds, e.g. a shared system prompt, says nothing), else (a new conversation) the
@@ -48,6 +49,9 @@ class RoutingOptions:
     load_factor: float = 2.0
     """A replica takes a new request only while its requests in flight stay within this
     multiple of the mean (rounded up); >= 1."""
+    min_in_flight_bound: int = 8
+    """The in-flight bound is never below this: a batching engine serves a few requests about
+    as fast as one, while a conversation sent away from its replica loses its whole hit."""
     work_factor: float = 1.25
     """Below a strong hit, a replica takes a new request only while its conversations'
     footprint stays within this multiple of the mean (a prefix cached in one place must not
@@ -71,6 +75,8 @@ class RoutingOptions:
     def __post_init__(self) -> None:
         if self.load_factor < 1.0:
             raise ValueError(f"load_factor must be >= 1, got {self.load_factor}")
+        if self.min_in_flight_bound < 1:
+            raise ValueError(f"min_in_flight_bound must be >= 1, got {self.min_in_flight_bound}")
         if self.work_factor < 1.0:
             raise ValueError(f"work_factor must be >= 1, got {self.work_factor}")
 
@@ -201,7 +207,7 @@ class HybridRoutingPolicy(Generic[Key]):
         cases = {key: self.candidate(key, prompt, now) for key in keys}
         num_tokens = prompt.num_tokens if prompt is not None else 0
         options = self.options
-        over = _over_in_flight(cases, options.load_factor)
+        over = _over_in_flight(cases, options.load_factor, options.min_in_flight_bound)
         continued = any(case.continues for key, case in cases.items() if key not in over)
         if not continued and _best_hit(cases, over) < options.strong_fraction * num_tokens:
             # Not a conversation's own history: keep shared prefixes from drawing every
@@ -256,10 +262,11 @@ def _remember_end(
         del ends[next(iter(ends))]
 
 
-def _over_in_flight(cases: Mapping[Key, Candidate], load_factor: float) -> set[Key]:
-    """Replicas whose requests in flight would pass `load_factor` times the mean."""
+def _over_in_flight(cases: Mapping[Key, Candidate], load_factor: float, min_bound: int) -> set[Key]:
+    """Replicas whose requests in flight would pass `load_factor` times the mean (and
+    `min_bound`)."""
     total = sum(case.in_flight for case in cases.values()) + 1
-    bound = math.ceil(load_factor * total / len(cases))
+    bound = max(math.ceil(load_factor * total / len(cases)), min_bound)
     return {key for key, case in cases.items() if case.in_flight >= bound}
 
 

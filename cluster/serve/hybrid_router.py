@@ -87,8 +87,8 @@ class HybridPrefixRouter(FIFOMixin, RequestRouter):
 
     def initialize_state(self, **kwargs: Any) -> None:
         """`request_router_kwargs`: `tokenizer_source` (the builder sets the model's), and the
-        `RoutingOptions` fields (`load_factor`, `match_fraction`, `work_half_life_s`,
-        `guess_ttl_s`)."""
+        `RoutingOptions` fields (`load_factor`, `min_in_flight_bound`, `match_fraction`,
+        `work_half_life_s`, `guess_ttl_s`)."""
         tokenizer_source = kwargs.pop("tokenizer_source", None)
         self.policy: HybridRoutingPolicy[ReplicaID] = HybridRoutingPolicy(RoutingOptions(**kwargs))
         self._tokenizer_source = tokenizer_source

@@ -66,7 +66,7 @@ def test_sessions_stick_and_new_conversations_spread() -> None:
 
 
 def test_the_load_bound_overrides_the_hit() -> None:
-    policy = make_policy(load_factor=1.0)
+    policy = make_policy(load_factor=1.0, min_in_flight_bound=1)
     keys = policy.prompt_keys(PROMPT, None)
     assert keys is not None
     policy.replay("a", window_of(keys.block_hashes, keys.block_hashes))
@@ -75,6 +75,25 @@ def test_the_load_bound_overrides_the_hit() -> None:
     ranks = policy.choose(["a", "b", "c"], keys, 0.0)
     assert ranks[0] != ["a"]
     assert ranks[1][-1] == "a"
+
+
+def test_below_the_least_bound_a_conversation_stays_with_its_hit() -> None:
+    """Four in flight against none elsewhere passes 2x the mean, but not the least bound: a
+    batching replica serves five requests about as fast as one, so the hit decides."""
+    policy = make_policy(load_factor=2.0, min_in_flight_bound=5)
+    keys = policy.prompt_keys(PROMPT, None)
+    assert keys is not None
+    policy.replay("a", window_of(keys.block_hashes, keys.block_hashes))
+    for _ in range(4):
+        policy.routed("a", keys, 0.0)
+    assert policy.choose(["a", "b", "c"], keys, 0.0)[0] == ["a"]
+    policy.routed("a", keys, 0.0)
+    assert policy.choose(["a", "b", "c"], keys, 0.0)[0] != ["a"]
+
+
+def test_the_least_bound_is_at_least_one() -> None:
+    with pytest.raises(ValueError, match="min_in_flight_bound"):
+        RoutingOptions(min_in_flight_bound=0)
 
 
 def test_dead_replicas_are_forgotten() -> None:
