@@ -1,6 +1,6 @@
 """`HybridPrefixRouter` on real Ray Serve: two replicas of a tiny hybrid model behind one ingress.
 
-Sliding window + full attention (gemma3) in the default suite, a Mamba hybrid (bamba) as @slow;
+Sliding window + full attention (gemma3) and a Mamba hybrid (bamba), both in the default suite;
 one app per model, shared by the tests of the module (the test that kills a replica runs last).
 Multi-turn chat sessions come back to the replica that holds them (every later turn is served
 from the cache, which a router blind to the caches gets right for about half the turns), greedy
@@ -91,7 +91,7 @@ def _app_config(model_dir: Path, family: str) -> dict[str, Any]:
     return {"llm_configs": [config], "ingress_deployment_config": ingress}
 
 
-@pytest.fixture(scope="module", params=["gemma3", pytest.param("bamba", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=["gemma3", "bamba"])
 def routed(
     ray_cluster: None, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[Routed]:
