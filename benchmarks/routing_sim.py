@@ -126,16 +126,8 @@ def token_at(req_id: str, position: int) -> int:
     return 1 + zlib.crc32(f"{req_id}:{position}".encode()) % (VOCAB - 1)
 
 
-class RoundRobin:
-    name = "round-robin"
-
-    def __init__(self) -> None:
-        self._next = count()
-
-    def choose(
-        self, replicas: list[SimReplica], token_ids: list[int], now: int, session: int
-    ) -> int:
-        return next(self._next) % len(replicas)
+class BlindRouter:
+    """A router that reads nothing of the replicas: no polls, no completions."""
 
     def start(self, replicas: list[SimReplica]) -> None:
         pass
@@ -147,7 +139,19 @@ class RoundRobin:
         pass
 
 
-class FixedPlacement:
+class RoundRobin(BlindRouter):
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._next = count()
+
+    def choose(
+        self, replicas: list[SimReplica], token_ids: list[int], now: int, session: int
+    ) -> int:
+        return next(self._next) % len(replicas)
+
+
+class FixedPlacement(BlindRouter):
     """Each conversation on the replica a given placement names, every turn (what any router
     that keeps a conversation where it began does, with that placement); the sessions are
     known to it, which no real router knows."""
@@ -161,15 +165,6 @@ class FixedPlacement:
         self, replicas: list[SimReplica], token_ids: list[int], now: int, session: int
     ) -> int:
         return self.placement[session]
-
-    def start(self, replicas: list[SimReplica]) -> None:
-        pass
-
-    def on_step(self, replicas: list[SimReplica], now: int) -> None:
-        pass
-
-    def finished(self, replica: int) -> None:
-        pass
 
 
 def balanced_placements(
@@ -185,7 +180,7 @@ def balanced_placements(
     return placements
 
 
-class RayPrefixAffinity:
+class RayPrefixAffinity(BlindRouter):
     """Ray Serve LLM's `PrefixCacheAffinityRouter` decision on Ray's `PrefixTree` (prompt text:
     token IDs joined by spaces, as our subclass routes them): the replicas with the longest
     matched prefix when it covers >= 10 % of the text, else those with the fewest characters
@@ -211,12 +206,6 @@ class RayPrefixAffinity:
         self.tree.insert(text, self.tenants[chosen], float(now))
         self.in_flight[chosen] += 1
         return chosen
-
-    def start(self, replicas: list[SimReplica]) -> None:
-        pass
-
-    def on_step(self, replicas: list[SimReplica], now: int) -> None:
-        pass
 
     def finished(self, replica: int) -> None:
         self.in_flight[replica] -= 1
