@@ -72,8 +72,6 @@ def acquire_placement(
     for until ready)."""
     current = get_current_placement_group()
     if current is not None:
-        # The caller sits in bundle 0 too (a Serve replica): `spec`, when given, holds the
-        # ranks' own shares, which size their threads.
         bundles = tuple(current.bundle_specs) if spec is None else spec.bundles
         _check_bundle_count(len(bundles), tp_size, "the current placement group")
         return RankPlacement(current, bundles, is_owned=False)

@@ -8,7 +8,7 @@ import yaml
 from cluster.config import LLMConfig
 from cluster.engine.input_processor import InputProcessor
 from cluster.openai_api.protocol import ChatCompletionRequest
-from cluster.serve.hybrid_policy import HybridRoutingPolicy, RoutingOptions
+from cluster.serve.hybrid_policy import HybridRoutingPolicy, PromptKeys, RoutingOptions
 from cluster.serve.hybrid_router import kv_events_enabled
 from cluster.serve.routing import resolve_request_router
 from scheduler.kv_cache.events import KVEventBatch, KVEventWindow
@@ -65,13 +65,20 @@ def test_sessions_stick_and_new_conversations_spread() -> None:
     assert policy.choose(["a", "b", "c"], other, 1.0)[0] != [chosen]
 
 
-def test_the_load_bound_overrides_the_hit() -> None:
-    policy = make_policy(load_factor=1.0, min_in_flight_bound=1)
+def _holding_the_prompt(
+    in_flight: int, **options: float
+) -> tuple[HybridRoutingPolicy[str], PromptKeys]:
+    """A policy whose replica "a" caches `PROMPT` and has `in_flight` requests of it in flight."""
+    policy = make_policy(**options)
     keys = policy.prompt_keys(PROMPT, None)
-    assert keys is not None
     policy.replay("a", window_of(keys.block_hashes, keys.block_hashes))
-    for _ in range(2):
+    for _ in range(in_flight):
         policy.routed("a", keys, 0.0)
+    return policy, keys
+
+
+def test_the_load_bound_overrides_the_hit() -> None:
+    policy, keys = _holding_the_prompt(2, load_factor=1.0, min_in_flight_bound=1)
     ranks = policy.choose(["a", "b", "c"], keys, 0.0)
     assert ranks[0] != ["a"]
     assert ranks[1][-1] == "a"
@@ -80,12 +87,7 @@ def test_the_load_bound_overrides_the_hit() -> None:
 def test_below_the_least_bound_a_conversation_stays_with_its_hit() -> None:
     """Four in flight against none elsewhere passes 2x the mean, but not the least bound: a
     batching replica serves five requests about as fast as one, so the hit decides."""
-    policy = make_policy(load_factor=2.0, min_in_flight_bound=5)
-    keys = policy.prompt_keys(PROMPT, None)
-    assert keys is not None
-    policy.replay("a", window_of(keys.block_hashes, keys.block_hashes))
-    for _ in range(4):
-        policy.routed("a", keys, 0.0)
+    policy, keys = _holding_the_prompt(4, load_factor=2.0, min_in_flight_bound=5)
     assert policy.choose(["a", "b", "c"], keys, 0.0)[0] == ["a"]
     policy.routed("a", keys, 0.0)
     assert policy.choose(["a", "b", "c"], keys, 0.0)[0] != ["a"]
