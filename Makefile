@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 GPU_STAMP := $(VENV)/.installed-gpu-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 PYTEST_ARGS ?=
 
-.PHONY: install test test-all test-gpu lint generate serve grpc bench image image-cpu clean
+.PHONY: install test test-all test-gpu gpu-wheels gpu-check lint generate serve grpc bench image image-cpu clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,20 @@ test-all: install
 
 test-gpu: $(GPU_STAMP)
 	REQUIRE_FLASH_ATTN=1 $(BIN)/python -m pytest -m gpu -q $(PYTEST_ARGS)
+
+# The GPU check on a bare GPU machine (python3 with torch, no registry): wheels from .whl, then
+# the gpu tests and the kernel and end-to-end figures into GPU_CHECK_OUT (JSON + Markdown).
+# `make gpu-wheels` fetches the wheels first, on a machine that reaches PyPI.
+GPU_CHECK_OUT ?= gpu-check-out
+GPU_CHECK_ARGS ?=
+
+gpu-wheels:
+	python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d .whl -r benchmarks/gpu_wheels.txt
+
+gpu-check:
+	sh benchmarks/gpu_check.sh $(GPU_CHECK_OUT) $(GPU_CHECK_ARGS)
 
 lint: install
 	$(BIN)/ruff check .

@@ -29,23 +29,38 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+LOAD_FORMATS = ("auto", "dummy")
+
+
 def load_model(
-    model_config: ModelConfig, parallel: ParallelConfig, device: str | torch.device
+    model_config: ModelConfig,
+    parallel: ParallelConfig,
+    device: str | torch.device,
+    load_format: str = "auto",
 ) -> DecoderForCausalLM:
     """The model of `model_config`, with this rank's shard of every weight, in eval mode.
 
+    `load_format` "dummy" reads no checkpoint: every parameter is drawn from U(-1e-3, 1e-3)
+    (vLLM's dummy format, for benchmarks of model shapes without their weights).
     Raises ValueError when the checkpoint leaves any parameter unfilled.
     """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(
+            f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}"
+        )
     start = time.perf_counter()
     model_cls = get_model_class(model_config.architecture)
     with _default_dtype(model_config.dtype), torch.device(device):
         model = model_cls(model_config, parallel)
-    loaded = model.load_weights(
-        iterate_weights(
-            model_config.model_path, show_progress=parallel.rank == 0 and sys.stderr.isatty()
+    if load_format == "dummy":
+        _fill_dummy_weights(model)
+    else:
+        loaded = model.load_weights(
+            iterate_weights(
+                model_config.model_path, show_progress=parallel.rank == 0 and sys.stderr.isatty()
+            )
         )
-    )
-    _check_complete(model, loaded, model_config.model_path)
+        _check_complete(model, loaded, model_config.model_path)
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())
     logger.info(
@@ -70,6 +85,12 @@ def check_parallel_layout(model_config: ModelConfig, parallel: ParallelConfig) -
     model_cls = get_model_class(model_config.architecture)
     with _default_dtype(model_config.dtype), torch.device("meta"):
         model_cls(model_config, parallel)
+
+
+@torch.no_grad()
+def _fill_dummy_weights(model: nn.Module) -> None:
+    for param in model.parameters():
+        param.uniform_(-1e-3, 1e-3)
 
 
 def _check_complete(model: nn.Module, loaded: set[str], path: str) -> None:

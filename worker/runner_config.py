@@ -36,6 +36,8 @@ class RunnerConfig:
     reorder_batch_threshold: int | None = None
     """Order each step's batch decode -> extend -> prefill; requests with at most this many
     scheduled tokens count as decodes. None keeps the scheduler's order."""
+    load_format: str = "auto"
+    """"auto" reads the checkpoint's weights; "dummy" draws random ones (no weight files)."""
     mamba_cache_mode: str = "align"
     """Which Mamba states the KV pool keeps: "none" (one per request, no prefix hits on
     Mamba groups), "align" (states at block ends where prefill chunks end; the scheduler splits

@@ -64,7 +64,7 @@ class Worker:
         """Build the model and read this rank's shard of the weights."""
         spec = self.spec
         torch.manual_seed(spec.runner.seed)
-        model = load_model(spec.model_config, spec.parallel, self.device)
+        model = load_model(spec.model_config, spec.parallel, self.device, spec.runner.load_format)
         settings = ModelSettings(
             dtype=spec.model_config.dtype,
             max_model_len=spec.model_config.max_model_len,

@@ -35,6 +35,9 @@ class EngineArgs(StrictModel):
     model: str | None = None
     """Local Hugging Face model folder or Hugging Face model ID (`org/name`, downloaded on first
     use unless HF_HUB_OFFLINE is set); None serves the embedded default model."""
+    load_format: Literal["auto", "dummy"] = "auto"
+    """auto (the checkpoint's safetensors) | dummy (random weights, no weight files read: the
+    folder needs only config.json; for benchmarks of a model's shape)."""
     download_dir: str | None = None
     """Hub cache folder that model IDs are downloaded into and read from; default HF_HUB_CACHE
     (HF_HOME/hub)."""

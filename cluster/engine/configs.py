@@ -74,6 +74,7 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_sharing_fast_prefill=args.kv_sharing_fast_prefill,
+        load_format=args.load_format,
         mamba_cache_mode=args.mamba_cache_mode if args.enable_prefix_caching else "none",
     )
     batched = args.max_num_batched_tokens or max(

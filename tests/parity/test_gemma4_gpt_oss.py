@@ -21,77 +21,23 @@ from typing import NamedTuple
 
 import pytest
 import torch
-import transformers
 
 from cluster import LLM, SamplingParams
 from kernels import HAS_TRITON
 from scheduler.kv_cache.spec import UniformTypeKVCacheSpecs
 from tests.helpers.paged_driver import PagedDriver
-from tests.helpers.tiny_models import hf_greedy, load_our_model, random_eager_model
+from tests.helpers.tiny_gemma4_gpt_oss import (
+    GEMMA4,
+    GEMMA4_MOE,
+    GEMMA4_PLAIN,
+    GPT_OSS,
+    save_gemma4_or_gpt_oss,
+)
+from tests.helpers.tiny_models import hf_greedy, load_our_model
 from worker.models.decoder import attention_layer_name
 
 pytestmark = pytest.mark.parity
 
-COMMON = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 256,
-    "sliding_window": 6,
-    "eos_token_id": None,
-    "bos_token_id": None,
-    "pad_token_id": None,
-}
-GEMMA4 = {
-    **COMMON,
-    "intermediate_size": 96,
-    "num_hidden_layers": 6,
-    "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
-    "global_head_dim": 64,
-    "num_key_value_heads": 1,
-    "num_global_key_value_heads": 1,
-    "attention_k_eq_v": True,
-    "num_kv_shared_layers": 2,
-    "use_double_wide_mlp": True,
-    "hidden_size_per_layer_input": 8,
-    "vocab_size_per_layer_input": 256,
-    "final_logit_softcapping": 5.0,
-    "attention_bias": True,  # False in released checkpoints; True exercises every projection
-}
-GEMMA4_MOE = {
-    **GEMMA4,
-    "enable_moe_block": True,
-    "num_experts": 4,
-    "top_k_experts": 2,
-    "moe_intermediate_size": 16,
-}
-# The large checkpoints' shape: no per-layer inputs, no KV sharing, one global layer per six.
-GEMMA4_PLAIN = {
-    **GEMMA4,
-    "num_hidden_layers": 6,
-    "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
-    "num_kv_shared_layers": 0,
-    "hidden_size_per_layer_input": 0,
-    "final_logit_softcapping": None,
-}
-GPT_OSS = {
-    **COMMON,
-    "intermediate_size": 32,
-    "num_hidden_layers": 4,
-    "num_local_experts": 4,
-    "num_experts_per_tok": 2,
-    "rope_parameters": {  # YaRN with a short original context, so the ramp matters
-        "rope_type": "yarn",
-        "rope_theta": 10000.0,
-        "factor": 4.0,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "truncate": False,
-        "original_max_position_embeddings": 32,
-    },
-}
 PROMPTS = [
     [(7 * i + 3) % 256 for i in range(30)],
     [(11 * i + 5) % 256 for i in range(5)],
@@ -114,18 +60,7 @@ class Saved(NamedTuple):
 
 
 def _save(config_cls: str, model_cls: str, kwargs: dict, path: Path) -> Saved:
-    config = getattr(transformers, config_cls)(**kwargs)
-    model = random_eager_model(
-        config,
-        model_cls,
-        lambda name: "norm" in name or "scale" in name,
-        # sinks spread wider so that they change the attention weights visibly
-        spread=lambda name: 0.5 if name.endswith("sinks") else 0.1,
-    )
-    for name, buffer in model.named_buffers():
-        if name.endswith("layer_scalar"):
-            buffer.fill_(0.9)
-    model.save_pretrained(path)
+    model = save_gemma4_or_gpt_oss(config_cls, model_cls, kwargs, path)
     greedy = [hf_greedy(model, prompt, NUM_NEW) for prompt in PROMPTS + PREFIX_PROMPTS]
     return Saved(path, model, greedy)
 

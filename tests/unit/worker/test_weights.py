@@ -119,3 +119,20 @@ def test_registry_lists_supported_architectures() -> None:
         "Gemma2ForCausalLM",
         "Gemma3ForCausalLM",
     }
+
+
+def test_dummy_load_format_needs_only_the_config(tmp_path: Path) -> None:
+    """`load_format="dummy"` builds the model from config.json alone, every parameter small and
+    random; the default format refuses a folder without weights."""
+    save_tiny_model("llama", tmp_path)
+    for weights in tmp_path.glob("*.safetensors"):
+        weights.unlink()
+    config = ModelConfig.from_pretrained(tmp_path)
+    model = load_model(config, ParallelConfig(), "cpu", load_format="dummy")
+    for name, param in model.named_parameters():
+        assert param.abs().max() <= 1e-3, name
+        assert param.std() > 1e-4, name
+    with pytest.raises(ValueError, match="safetensors"):
+        load_model(config, ParallelConfig(), "cpu")
+    with pytest.raises(ValueError, match="load_format"):
+        load_model(config, ParallelConfig(), "cpu", load_format="npz")

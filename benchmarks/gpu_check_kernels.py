@@ -1,0 +1,197 @@
+"""The kernel figures of the GPU check: paged attention and the recurrent kernels.
+
+- Decode attention: the Triton paged kernel's achieved bandwidth (K/V, query and output bytes
+  over kernel time) as a fraction of a device-to-device copy measured in the same run.
+- Prefill attention: causal TFLOP/s of the Triton paged kernel at head size 128 against
+  `scaled_dot_product_attention` on unpaged K/V, restricted to its flash backend on CUDA.
+- Mamba-2 (conv1d + SSD scan) and the gated delta rule: tokens/s of the GPU kernels (Triton,
+  fla-core when installed) against the torch reference kernels, for a prefill and a decode step.
+
+Shapes shrink with `tiny` (the CPU dry run); every figure is a plain dict for the JSON report.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from bench_attention import Inputs, Workload, copy_bandwidth, make_inputs, time_call
+
+from kernels import gated_delta_reference, mamba_reference, select_backend
+from kernels.gated_delta_registry import select_gated_delta_kernels
+from kernels.mamba_testing import make_mamba_batch
+
+Figures = list[dict[str, object]]
+
+
+def measure_copy_bandwidth(device: torch.device, tiny: bool) -> float:
+    """GB/s of a device-to-device copy, bytes read plus bytes written."""
+    return copy_bandwidth(device, (1 << 24) if tiny else (1 << 30), 5 if tiny else 20)
+
+
+def attention_workloads(tiny: bool) -> list[Workload]:
+    if tiny:
+        small = {"num_q_heads": 4, "num_kv_heads": 2, "head_size": 128}
+        return [Workload("decode", 4, 1, 1024, **small), Workload("prefill", 1, 256, 256, **small)]
+    decodes = [Workload("decode", 64, 1, ctx) for ctx in (4096, 16384)]
+    return [*decodes, Workload("prefill", 1, 8192, 8192), Workload("prefill", 4, 4096, 4096)]
+
+
+def attention_figures(
+    device: torch.device, dtype: torch.dtype, tiny: bool, copy_gbs: float
+) -> Figures:
+    """One row per workload: our kernel's time and figure against the baseline's."""
+    return [_attention_case(work, device, dtype, copy_gbs) for work in attention_workloads(tiny)]
+
+
+def _attention_case(
+    work: Workload, device: torch.device, dtype: torch.dtype, copy_gbs: float
+) -> dict[str, object]:
+    backend_name = "triton" if device.type == "cuda" else "torch"
+    inputs = make_inputs(work, dtype, device)
+    backend = select_backend(backend_name, device=device, block_size=work.block_size,
+                             head_size=work.head_size, dtype=dtype)  # fmt: skip
+    ours = time_call(partial(_paged, backend.paged_attention, inputs, work), device, 10)
+    sdpa = time_call(_sdpa_call(inputs, work, device), device, 10)
+    return _attention_row(work, backend_name, ours, sdpa, copy_gbs, inputs)
+
+
+def _paged(fn: Callable[..., torch.Tensor], inputs: Inputs, work: Workload) -> torch.Tensor:
+    return fn(inputs.query, inputs.key_cache, inputs.value_cache, inputs.block_table,
+              inputs.query_start_loc, inputs.seq_lens, work.head_size**-0.5)  # fmt: skip
+
+
+def _sdpa_call(inputs: Inputs, work: Workload, device: torch.device) -> Callable[[], object]:
+    """SDPA on unpaged K/V (heads repeated for GQA outside the timed call), flash on CUDA."""
+    query = inputs.query.view(work.num_reqs, work.q_len, work.num_q_heads, -1).transpose(1, 2)
+    group = work.num_q_heads // work.num_kv_heads
+    keys = inputs.keys.repeat_interleave(group, dim=1)
+    values = inputs.values.repeat_interleave(group, dim=1)
+
+    def call() -> object:
+        with _flash_only(device):
+            return F.scaled_dot_product_attention(
+                query, keys, values, is_causal=work.kind == "prefill", scale=work.head_size**-0.5
+            )
+
+    return call
+
+
+@contextlib.contextmanager
+def _flash_only(device: torch.device) -> Iterator[None]:
+    if device.type != "cuda":
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        yield
+
+
+def _attention_row(
+    work: Workload, backend: str, ours_s: float, sdpa_s: float, copy_gbs: float, inputs: Inputs
+) -> dict[str, object]:
+    row: dict[str, object] = {
+        "workload": f"{work.kind} {work.num_reqs}x{work.seq_len}",
+        "kernel": backend,
+        "ours_ms": round(ours_s * 1e3, 4),
+        "sdpa_ms": round(sdpa_s * 1e3, 4),
+    }
+    if work.kind == "decode":
+        kv_bytes = 2 * inputs.keys.numel() * inputs.keys.element_size()
+        io_bytes = 2 * inputs.query.numel() * inputs.query.element_size()
+        achieved = (kv_bytes + io_bytes) / ours_s / 1e9
+        row |= {
+            "ours_gbs": round(achieved, 1),
+            "fraction_of_copy_bw": round(achieved / copy_gbs, 3),
+        }
+    else:
+        pairs = work.q_len * (work.q_len + 1) / 2
+        flops = 4 * work.num_reqs * work.num_q_heads * work.head_size * pairs
+        row |= {
+            "ours_tflops": round(flops / ours_s / 1e12, 2),
+            "sdpa_flash_tflops": round(flops / sdpa_s / 1e12, 2),
+            "ratio_to_sdpa_flash": round(sdpa_s / ours_s, 3),
+        }
+    return row
+
+
+def mamba_figures(device: torch.device, dtype: torch.dtype, tiny: bool) -> Figures:
+    """Conv1d and SSD scan tokens/s, GPU kernels against the torch reference."""
+    kernels = {"torch": (mamba_reference.causal_conv1d, mamba_reference.ssd_scan)}
+    if device.type == "cuda":
+        from kernels import triton_mamba
+
+        kernels["triton"] = (triton_mamba.causal_conv1d, triton_mamba.ssd_scan)
+    heads, prefill, decodes = (4, 256, 4) if tiny else (32, 4096, 64)
+    cases = {
+        f"prefill {prefill}": ((prefill, False),),
+        f"decode x{decodes}": ((1, True),) * decodes,
+    }
+    rows: Figures = []
+    for case, seqs in cases.items():
+        batch = make_mamba_batch(
+            seqs, heads=heads, head_dim=64, state=128, device=device, dtype=dtype
+        )
+        conv_args = (batch.xbc, batch.conv_weight, batch.conv_bias, batch.conv_init, batch.qsl)
+        scan_args = (batch.x, batch.dt, batch.A, batch.B, batch.C, batch.D, batch.dt_bias,
+                     batch.ssm_init, batch.qsl, 256)  # fmt: skip
+        times = {
+            name: (time_call(partial(conv, *conv_args), device, 5),
+                   time_call(partial(scan, *scan_args), device, 5))
+            for name, (conv, scan) in kernels.items()
+        }  # fmt: skip
+        for name, (conv_s, scan_s) in times.items():
+            rows.append({
+                "case": case, "kernel": name,
+                "conv1d_tok_s": round(batch.qsl[-1] / conv_s),
+                "scan_tok_s": round(batch.qsl[-1] / scan_s),
+                "scan_vs_torch": round(times["torch"][1] / scan_s, 2),
+            })  # fmt: skip
+    return rows
+
+
+def gated_delta_figures(device: torch.device, dtype: torch.dtype, tiny: bool) -> Figures:
+    """Chunked (prefill) and recurrent (decode) gated delta rule tokens/s, the selected
+    kernels (fla-core on CUDA when installed) against the torch reference."""
+    selected = select_gated_delta_kernels(device)
+    k_heads, prefill, decodes = (2, 256, 4) if tiny else (8, 4096, 64)
+    cases = {
+        f"prefill {prefill}": ([0, prefill], "chunked"),
+        f"decode x{decodes}": (list(range(decodes + 1)), "recurrent"),
+    }
+    rows: Figures = []
+    for case, (starts, form) in cases.items():
+        inputs = _delta_inputs(starts[-1], k_heads, device, dtype)
+        states = torch.zeros(len(starts) - 1, 2 * k_heads, 128, 128, device=device)
+        reference = getattr(gated_delta_reference, f"{form}_gated_delta_rule")
+        kernels = {"torch": reference, selected.name: getattr(selected, form)}
+        times = {
+            name: time_call(partial(fn, inputs, states, starts, 128**-0.5), device, 5)
+            for name, fn in kernels.items()
+        }
+        for name, seconds in times.items():
+            rows.append({
+                "case": case, "kernel": name, "tok_s": round(starts[-1] / seconds),
+                "vs_torch": round(times["torch"] / seconds, 2),
+            })  # fmt: skip
+    return rows
+
+
+def _delta_inputs(
+    num_tokens: int, k_heads: int, device: torch.device, dtype: torch.dtype
+) -> gated_delta_reference.DeltaRuleInputs:
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device)
+
+    norm = gated_delta_reference.l2_normalize
+    return gated_delta_reference.DeltaRuleInputs(
+        q=norm(rand(num_tokens, k_heads, 128)).to(dtype),
+        k=norm(rand(num_tokens, k_heads, 128)).to(dtype),
+        v=rand(num_tokens, 2 * k_heads, 128).to(dtype),
+        g=-F.softplus(rand(num_tokens, 2 * k_heads)),
+        beta=torch.sigmoid(rand(num_tokens, 2 * k_heads)).to(dtype),
+    )

@@ -1,0 +1,59 @@
+"""The GPU check's CPU dry run: `benchmarks/gpu_check.sh OUT --device cpu --tiny` runs every
+section on tiny shapes (the gpu tests only collected) and writes the JSON and Markdown report,
+so the script cannot rot while no GPU is at hand."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_dry_run_writes_every_section(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_WHEELS": str(tmp_path / "none")}
+    proc = subprocess.run(
+        ["sh", "benchmarks/gpu_check.sh", str(out), "--device", "cpu", "--tiny", "--commit", "c0"],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "gpu-check.json").read_text())
+    assert report["commit"] == "c0"
+    sections = report["sections"]
+    assert list(sections) == ["tests", "attention", "recurrent", "e2e"]
+    assert not [name for name, section in sections.items() if "error" in section]
+    assert sections["tests"]["collected"] >= 100
+    decode, prefill = sections["attention"]["rows"]
+    assert decode["fraction_of_copy_bw"] > 0
+    assert prefill["ratio_to_sdpa_flash"] > 0
+    assert {row["kernel"] for row in sections["recurrent"]["mamba2"]} == {"torch"}
+    e2e = sections["e2e"]
+    assert e2e["ours_tok_s"] > 0
+    assert e2e["sdpa_tok_s"] > 0
+    assert 0 < e2e["ours_fraction_of_roofline"] < 1
+    markdown = (out / "gpu-check.md").read_text()
+    assert "commit c0" in markdown
+    assert "## e2e" in markdown
+    assert "| decode 4x1024 |" in markdown
+
+
+def test_a_failing_section_is_reported_and_fails_the_run(tmp_path: Path) -> None:
+    """A section that raises keeps its error in the report, and the exit code is 1."""
+    out = tmp_path / "out"
+    code = (
+        "import sys; sys.argv[0] = 'gpu_check'; sys.path.insert(0, 'benchmarks');"
+        "import gpu_check;"
+        "gpu_check.run_recurrent = lambda args, device: 1 / 0;"
+        f"sys.exit(gpu_check.main(['--out', {str(out)!r}, '--device', 'cpu', '--tiny',"
+        "'--sections', 'recurrent,attention']))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=300, check=False)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    sections = json.loads((out / "gpu-check.json").read_text())["sections"]
+    assert sections["recurrent"]["error"].startswith("ZeroDivisionError")
+    assert "rows" in sections["attention"]
