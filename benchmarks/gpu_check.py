@@ -37,12 +37,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 import torch  # noqa: E402
-from gpu_check_e2e import decode_run, e2e_figures  # noqa: E402
+from gpu_check_e2e import decode_run, e2e_figures, profile_decode  # noqa: E402
 from gpu_check_kernels import (  # noqa: E402
     attention_figures,
     gated_delta_figures,
     mamba_figures,
     measure_copy_bandwidth,
+    prefill_tile_sweep,
 )
 
 SECTIONS = ("tests", "attention", "recurrent", "e2e")
@@ -85,7 +86,8 @@ def junit_counts(junit: Path) -> Report:
 def run_attention(args: argparse.Namespace, device: torch.device) -> Report:
     copy_gbs = measure_copy_bandwidth(device, args.tiny)
     rows = attention_figures(device, _dtype(device), args.tiny, copy_gbs)
-    return {"copy_bandwidth_gbs": round(copy_gbs, 1), "rows": rows}
+    sweep = prefill_tile_sweep(device, _dtype(device), args.tiny)
+    return {"copy_bandwidth_gbs": round(copy_gbs, 1), "rows": rows, "prefill_tiles": sweep}
 
 
 def run_recurrent(args: argparse.Namespace, device: torch.device) -> Report:
@@ -98,9 +100,10 @@ def run_recurrent(args: argparse.Namespace, device: torch.device) -> Report:
 
 def run_e2e(args: argparse.Namespace, device: torch.device) -> Report:
     copy_gbs = measure_copy_bandwidth(device, args.tiny)
-    return {"copy_bandwidth_gbs": round(copy_gbs, 1)} | e2e_figures(
-        decode_run(args.tiny, device), copy_gbs
-    )
+    run = decode_run(args.tiny, device)
+    figures = e2e_figures(run, copy_gbs)
+    (args.out / "e2e-profile.txt").write_text(profile_decode(run))
+    return {"copy_bandwidth_gbs": round(copy_gbs, 1)} | figures
 
 
 def _dtype(device: torch.device) -> torch.dtype:

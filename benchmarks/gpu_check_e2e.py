@@ -126,10 +126,7 @@ def _decode_seconds(generate: Callable[[int], object], run: DecodeRun) -> float:
 def _ours_decode_tok_s(run: DecodeRun) -> float:
     prompts = run.prompts()
     with tempfile.TemporaryDirectory() as folder:
-        run.config.save_pretrained(folder)
-        llm = LLM(folder, load_format="dummy", device=run.device, dtype=str(run.dtype)[6:],
-                  max_num_seqs=run.batch, enable_prefix_caching=False, max_model_len=run.max_len,
-                  kv_cache_memory_bytes=_kv_bytes(run))  # fmt: skip
+        llm = _our_llm(run, folder)
         try:
 
             def generate(num: int) -> object:
@@ -140,6 +137,14 @@ def _ours_decode_tok_s(run: DecodeRun) -> float:
         finally:
             llm.shutdown()
     return run.batch * run.new_tokens / seconds
+
+
+def _our_llm(run: DecodeRun, folder: str) -> LLM:
+    """Our engine on a random model of the run's shape, saved as config.json in `folder`."""
+    run.config.save_pretrained(folder)
+    return LLM(folder, load_format="dummy", device=run.device, dtype=str(run.dtype)[6:],
+               max_num_seqs=run.batch, enable_prefix_caching=False, max_model_len=run.max_len,
+               kv_cache_memory_bytes=_kv_bytes(run))  # fmt: skip
 
 
 def _kv_bytes(run: DecodeRun) -> int:
@@ -166,6 +171,37 @@ def _transformers_decode_tok_s(run: DecodeRun) -> float:
 
     seconds = _decode_seconds(generate, run)
     return run.batch * run.new_tokens / seconds
+
+
+def profile_decode(run: DecodeRun, steps: int = 16) -> str:
+    """torch.profiler's tables (by self CPU time, then by device time) of our engine generating
+    `steps` tokens for the batch from 16-token prompts (a short prefill, so decode dominates),
+    headed by the wall time per step and the device-busy share of it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    short = DecodeRun(run.shape, run.batch, 16, steps, run.dtype, run.device)
+    activities = [ProfilerActivity.CPU]
+    if run.device == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with tempfile.TemporaryDirectory() as folder:
+        llm = _our_llm(short, folder)
+        params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True)
+        try:
+            llm.generate(short.prompts(), params, use_tqdm=False)  # warm-up
+            start = time.perf_counter()
+            with profile(activities=activities) as prof:
+                llm.generate(short.prompts(), params, use_tqdm=False)
+            wall = time.perf_counter() - start
+        finally:
+            llm.shutdown()
+    averages = prof.key_averages()
+    device_us = sum(event.self_device_time_total for event in averages)
+    head = (f"{steps} steps of batch {run.batch}: {wall / steps * 1e3:.2f} ms per step (wall, "
+            f"profiled), device busy {device_us / 1e3 / wall / 10:.1f} % of it")  # fmt: skip
+    by_cpu = averages.table(sort_by="self_cpu_time_total", row_limit=25)
+    by_device = averages.table(sort_by="self_device_time_total", row_limit=25)
+    _release_memory()
+    return f"{head}\n\nby self CPU time:\n{by_cpu}\n\nby device time:\n{by_device}\n"
 
 
 def _release_memory() -> None:

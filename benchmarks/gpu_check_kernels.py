@@ -119,6 +119,40 @@ def _attention_row(
     return row
 
 
+# (rows per query tile, key positions per step, warps, pipelining stages); the first is the
+# default `choose_launch_config` picks for a head-128 GQA-4 prefill.
+PREFILL_TILES = [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3),
+                 (64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (64, 128, 4, 2)]  # fmt: skip
+
+
+def prefill_tile_sweep(device: torch.device, dtype: torch.dtype, tiny: bool) -> Figures:
+    """TFLOP/s of the Triton prefill kernel per tile shape, each checked against the default
+    tiles' output (bf16 tolerance); empty off CUDA (the interpreter has no timing to speak of)."""
+    if device.type != "cuda":
+        return []
+    from kernels import triton_attention
+
+    work = attention_workloads(tiny)[2]
+    inputs = make_inputs(work, dtype, device)
+    group = work.num_q_heads // work.num_kv_heads
+    pairs = work.q_len * (work.q_len + 1) / 2
+    flops = 4 * work.num_reqs * work.num_q_heads * work.head_size * pairs
+    want = _paged(triton_attention.paged_attention, inputs, work)
+    rows: Figures = []
+    for block_m, block_n, warps, stages in PREFILL_TILES:
+        launch = triton_attention.LaunchConfig(block_m // group, block_n, 1, warps, stages)
+        call = partial(
+            _paged, partial(triton_attention.paged_attention, launch=launch), inputs, work
+        )
+        got = call()
+        rows.append({
+            "block_m": block_m, "block_n": block_n, "warps": warps, "stages": stages,
+            "tflops": round(flops / time_call(call, device, 10) / 1e12, 2),
+            "max_abs_diff": round(float((got.float() - want.float()).abs().max()), 4),
+        })  # fmt: skip
+    return rows
+
+
 def mamba_figures(device: torch.device, dtype: torch.dtype, tiny: bool) -> Figures:
     """Conv1d and SSD scan tokens/s, GPU kernels against the torch reference."""
     kernels = {"torch": (mamba_reference.causal_conv1d, mamba_reference.ssd_scan)}

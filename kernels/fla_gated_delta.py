@@ -34,10 +34,11 @@ def _fla_core(
     q, k = (x.repeat_interleave(ratio, dim=1) for x in (inputs.q, inputs.k))
     cu_seqlens = torch.tensor(starts, dtype=torch.long, device=q.device)
     fn = chunk_gated_delta_rule if chunked else fused_recurrent_gated_delta_rule
+    # By keyword: fla-core 0.6 put per-key and per-value decays (gk, gv) between g and beta.
     out, final = fn(
-        q[None], k[None], inputs.v[None], inputs.g[None].float(), inputs.beta[None].to(q.dtype),
-        scale=scale, initial_state=states.float().contiguous(), output_final_state=True,
-        cu_seqlens=cu_seqlens,
+        q[None], k[None], inputs.v[None], g=inputs.g[None].float(),
+        beta=inputs.beta[None].to(q.dtype), scale=scale,
+        initial_state=states.float().contiguous(), output_final_state=True, cu_seqlens=cu_seqlens,
     )  # fmt: skip
     return out[0], final
 

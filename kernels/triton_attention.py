@@ -35,6 +35,8 @@ class LaunchConfig(NamedTuple):
     num_splits: int
     """Splits of each key range (a power of two); > 1 adds a merge kernel."""
     num_warps: int = 4
+    num_stages: int = 3
+    """Software-pipelining stages of the key loop (Triton's default on CUDA)."""
 
 
 def is_interpreted() -> bool:
@@ -307,6 +309,7 @@ def paged_attention(  # the signature shared by every backend
         KEY_FROM_VALUE=key_from_value is not None, ROTARY_DIM=derived[3],
         DOT_FP32=is_interpreted() or is_fp32,
         DOT_PRECISION="ieee" if is_fp32 else "tf32", num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
     )  # fmt: skip
     if launch.num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_q_heads)](
