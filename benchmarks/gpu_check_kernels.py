@@ -119,14 +119,14 @@ def _attention_row(
     return row
 
 
-# (rows per query tile, key positions per step, warps, pipelining stages); the first is the
-# default `choose_launch_config` picks for a head-128 GQA-4 prefill.
+# (rows per query tile, key positions per step, warps, pipelining stages); the sixth is what
+# `choose_launch_config` picks for a head-128 GQA-4 prefill, the first what it picked before.
 PREFILL_TILES = [(64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 32, 4, 3),
                  (64, 64, 4, 2), (128, 64, 8, 2), (128, 128, 8, 2), (64, 128, 4, 2)]  # fmt: skip
 
 
 def prefill_tile_sweep(device: torch.device, dtype: torch.dtype, tiny: bool) -> Figures:
-    """TFLOP/s of the Triton prefill kernel per tile shape, each checked against the default
+    """TFLOP/s of the Triton prefill kernel per tile shape, each checked against the chosen
     tiles' output (bf16 tolerance); empty off CUDA (the interpreter has no timing to speak of)."""
     if device.type != "cuda":
         return []
