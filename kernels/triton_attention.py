@@ -232,6 +232,7 @@ def choose_launch_config(
     group: int,
     head_size: int,
     device: torch.device,
+    keys_from_values: bool = False,
 ) -> LaunchConfig:
     """Tile sizes from host-known sizes only (no device sync).
 
@@ -244,9 +245,11 @@ def choose_launch_config(
     block_n = 64 if head_size <= 128 else 32
     if head_size > 256:  # Gemma 4's global heads: keep the fp32 accumulator tile small
         block_m, block_n = max(16, group_pad), 16
-    if not is_decode and head_size <= 128:
+    if not is_decode and head_size <= 128 and not keys_from_values:
         # Prefill at head <= 128: 128-row tiles over 8 warps with two stages measured 1.13x
-        # the 64-row, 4-warp, 3-stage tiles on an H200 (docs/benchmarks.md, GPU check).
+        # the 64-row, 4-warp, 3-stage tiles on an H200 (docs/benchmarks.md, GPU check). Keys
+        # rebuilt from values gave wrong results with these tiles there (Triton 3.6), so they
+        # keep the smaller ones.
         return LaunchConfig(max(128, group_pad) // group_pad, block_n, 1, num_warps=8, num_stages=2)
     num_splits = 1
     if is_decode and device.type == "cuda":
@@ -289,8 +292,9 @@ def paged_attention(  # the signature shared by every backend
     group = num_q_heads // num_kv_heads
     if launch is None:
         launch = choose_launch_config(
-            num_tokens, num_reqs, num_kv_heads, group, head_size, query.device
-        )
+            num_tokens, num_reqs, num_kv_heads, group, head_size, query.device,
+            keys_from_values=key_from_value is not None,
+        )  # fmt: skip
     output = torch.empty_like(query)
     if num_reqs == 0 or num_tokens == 0:
         return output
