@@ -20,6 +20,7 @@ from cluster.batch.rows import (
     BatchItem,
     make_sampling_params,
     openai_request,
+    prompt_logprobs_column,
     result_row,
     tool_call_column,
 )
@@ -78,6 +79,8 @@ class EngineReplica:
         calls = tool_call_column(item.request or {}, completion.text)
         if calls is not None:
             row["tool_calls"] = calls
+        if output.prompt_logprobs is not None:
+            row["prompt_logprobs"] = prompt_logprobs_column(output.prompt_logprobs)
         return row
 
     def _engine_request(self, item: BatchItem) -> EngineRequest:

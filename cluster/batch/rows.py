@@ -17,13 +17,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
 from cluster.config.errors import format_validation_error, unknown_key_message
-from cluster.openai_api.protocol import ChatCompletionRequest, CompletionRequest
+from cluster.openai_api.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    prompt_logprobs_body,
+)
 from cluster.openai_api.sampling import to_sampling_params
 from cluster.openai_api.tool_output import tool_calls
 from cluster.openai_api.tools import tool_call_plan
@@ -143,6 +148,8 @@ def openai_request(url: str, body: dict[str, Any]) -> CompletionRequest | ChatCo
         raise ValueError(
             f"n must be 1 in batch runs (one output row per input row), got {request.n}"
         )
+    if isinstance(request, CompletionRequest) and len(request.prompts) != 1:
+        raise ValueError("prompt must be one prompt in batch runs (one output row per line)")
     return request
 
 
@@ -188,3 +195,13 @@ def result_row(
         "num_generated_tokens": len(token_ids),
         "finish_reason": reason,
     }
+
+
+def prompt_logprobs_column(
+    positions: Sequence[Mapping[int, Any] | None],
+) -> list[dict[str, dict[str, Any]] | None]:
+    """The `prompt_logprobs` column of a row that asked for them (vLLM's shape, as JSON)."""
+    return [
+        None if position is None else {key: entry.model_dump() for key, entry in position.items()}
+        for position in prompt_logprobs_body(positions)
+    ]

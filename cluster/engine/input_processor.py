@@ -194,6 +194,8 @@ def _max_tokens(request: CompletionRequest | ChatCompletionRequest, room: int) -
         asked = request.max_completion_tokens
     if asked is None:
         return room
+    if asked == 0:  # echo only (checked by the request model): score the prompt, keep nothing
+        return 1
     if asked > room:
         raise ValueError(
             f"max_tokens={asked} is too large: the prompt leaves room for {room} tokens "

@@ -161,7 +161,7 @@ class OutputProcessor:
                 state.last_token_time = now
         if step_output.num_cached_tokens:
             state.num_cached_tokens = max(state.num_cached_tokens, step_output.num_cached_tokens)
-        if step_output.prompt_logprobs:
+        if step_output.prompt_logprobs and sequence.index == 0:  # n > 1: each child scores
             state.pending_prompt_logprobs.extend(self._convert(step_output.prompt_logprobs))
         text = sequence.detokenizer.update(new_ids, final=step_output.finish_reason is not None)
         logprobs = None

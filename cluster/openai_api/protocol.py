@@ -7,10 +7,12 @@ depend on the engine (vocabulary, context length) happen in the LLM server, not 
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from typing_extensions import TypedDict
 
 from cluster.openai_api.tool_models import (
@@ -24,8 +26,28 @@ from cluster.openai_api.tool_models import (
 MAX_TOP_LOGPROBS = 20
 
 
+logger = logging.getLogger(__name__)
+
+
 class _Request(BaseModel):
+    """Unknown fields are ignored with a warning naming them (vLLM does the same)."""
+
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _warn_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            unknown = sorted(set(data) - _known_names(cls))
+            if unknown:
+                logger.warning("request fields ignored (not supported): %s", ", ".join(unknown))
+        return data
+
+
+def _known_names(model: type[BaseModel]) -> set[str]:
+    names = set(model.model_fields)
+    names.update(f.alias for f in model.model_fields.values() if f.alias)
+    return names
 
 
 class StreamOptions(BaseModel):
@@ -62,6 +84,8 @@ class SamplingFields(_Request):
     response_format: ResponseFormat | None = None
     structured_outputs: dict[str, Any] | None = None
     """vLLM's extra body: {"json" | "regex" | "choice" | "grammar" | ...: ...}."""
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    """vLLM's extra field: the logprob of every prompt token (and this many alternatives)."""
 
     @field_validator("stop")
     @classmethod
@@ -83,7 +107,9 @@ class CompletionRequest(SamplingFields):
     """`POST /v1/completions`."""
 
     prompt: str | list[str] | TokenIds | list[TokenIds]
-    max_tokens: int | None = Field(16, ge=1)
+    """One prompt (text or token IDs), or a batch of them: one choice per prompt (times `n`)."""
+    max_tokens: int | None = Field(16, ge=0)
+    """0 only with `echo`: the prompt is scored, nothing is generated."""
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(None, ge=1)
@@ -91,14 +117,28 @@ class CompletionRequest(SamplingFields):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value: Any) -> Any:
-        if isinstance(value, list) and value and isinstance(value[0], str | list):
-            if len(value) != 1:
-                raise ValueError("give one prompt per request (lists of prompts are not supported)")
-            return value[0]
+    def _check_prompt(cls, value: Any) -> Any:
         if isinstance(value, list) and not value:
             raise ValueError("prompt must not be empty")
+        if isinstance(value, list) and isinstance(value[0], str | list):
+            if len(value) == 1:
+                return value[0]
+            if any(isinstance(one, list) and not one for one in value):
+                raise ValueError("prompt must not be empty")
         return value
+
+    @model_validator(mode="after")
+    def _check_max_tokens(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens must be at least 1 (0 only with echo)")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts of the request: one, or a batch."""
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str | list):
+            return list(self.prompt)
+        return [self.prompt]  # type: ignore[list-item]
 
 
 class ContentPart(TypedDict, total=False):
@@ -158,12 +198,41 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One token's entry at one prompt position, as vLLM returns `prompt_logprobs`."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+"""Per prompt position (the first is None): token ID (as a string) -> its entry."""
+
+
+def prompt_logprobs_body(positions: Sequence[Mapping[int, Any] | None]) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs` from the engine's positions (token ID -> an entry with
+    `logprob`, `rank` and `decoded_token`)."""
+    return [
+        None
+        if position is None
+        else {
+            str(token_id): PromptLogprob(
+                logprob=entry.logprob, rank=entry.rank, decoded_token=entry.decoded_token
+            )
+            for token_id, entry in position.items()
+        }
+        for position in positions
+    ]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 def _now() -> int:
@@ -216,6 +285,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    """vLLM's place for the prompt's logprobs in a chat response (one prompt per request)."""
 
 
 class DeltaMessage(BaseModel):
@@ -239,6 +310,8 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    """In the first chunk with choices once the prompt's logprobs are complete."""
 
 
 class ModelCard(BaseModel):

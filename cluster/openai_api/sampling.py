@@ -29,10 +29,13 @@ def openai_sampling_kwargs(
     request: CompletionRequest | ChatCompletionRequest, max_tokens: int
 ) -> dict[str, Any]:
     """Every sampling field of `request` under its vLLM name (None: not set by the client)."""
+    prompt_logprobs = request.prompt_logprobs
     if isinstance(request, ChatCompletionRequest):
         logprobs = request.top_logprobs or 0 if request.logprobs else None
     else:
         logprobs = request.logprobs
+        if request.echo and logprobs is not None:  # the echoed prompt carries its logprobs
+            prompt_logprobs = max(prompt_logprobs or 0, logprobs)
     stop = [request.stop] if isinstance(request.stop, str) else request.stop
     return {
         "n": request.n,
@@ -45,6 +48,7 @@ def openai_sampling_kwargs(
         "min_tokens": request.min_tokens,
         "ignore_eos": request.ignore_eos,
         "logprobs": logprobs,
+        "prompt_logprobs": prompt_logprobs,
         "stop_token_ids": tuple(request.stop_token_ids) if request.stop_token_ids else None,
         "stop": tuple(stop) if stop else None,
         "presence_penalty": request.presence_penalty,

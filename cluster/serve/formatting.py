@@ -6,6 +6,10 @@ One formatter per request turns the engine's `RequestOutput` deltas into the chu
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
 from pydantic import BaseModel
 
 from cluster.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
@@ -18,12 +22,15 @@ from cluster.openai_api.protocol import (
     ChatResponseMessage,
     CompletionChoice,
     CompletionLogprobs,
+    CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    PromptLogprobs,
     TokenLogprob,
     TopLogprob,
     Usage,
     UsageDetails,
+    prompt_logprobs_body,
 )
 from cluster.openai_api.tool_output import ToolCallStream, finish_reason, tool_calls
 from cluster.openai_api.tools import ToolCallPlan
@@ -90,53 +97,183 @@ def chat_logprobs(part: CompletionOutput, num_top: int) -> ChatLogprobs | None:
     return ChatLogprobs(content=content)
 
 
-class CompletionFormatter:
-    """`/v1/completions` bodies of one request."""
+def echo_logprobs(
+    prompt_ids: list[int],
+    positions: list[PositionLogprobs | None],
+    num_top: int,
+    first_token_text: str,
+) -> CompletionLogprobs:
+    """The echoed prompt in OpenAI's legacy logprobs: the first token's logprob is None (it has
+    no context), offsets run over the decoded tokens from 0."""
+    result = CompletionLogprobs()
+    offset = 0
+    for token_id, position in zip(prompt_ids, positions, strict=True):
+        if position is None:
+            text, logprob, top = first_token_text, None, None
+        else:
+            text, logprob = _chosen(position, token_id)
+            top = dict(_top(position, token_id)[:num_top])
+        result.tokens.append(text)
+        result.token_logprobs.append(logprob)
+        result.top_logprobs.append(top)
+        result.text_offset.append(offset)
+        offset += len(text)
+    return result
 
-    def __init__(self, response_id: str, model: str, echo_text: str | None) -> None:
+
+@dataclass(frozen=True)
+class CompletionOptions:
+    """What a `/v1/completions` request asks of its bodies beyond the generated text."""
+
+    echo_text: str | None = None
+    """The prompt's text, put before each choice's text (`echo`); None: no echo."""
+    echo_logprobs: int | None = None
+    """With echo and `logprobs`: the echoed tokens get logprobs with this many alternatives."""
+    prompt_logprobs: bool = False
+    """vLLM's `prompt_logprobs` list in each choice."""
+    keep_completion: bool = True
+    """False for `max_tokens=0`: only the echoed prompt is returned."""
+    decode: Callable[[int], str] = lambda token_id: ""
+    """The text of one token (the echoed prompt's first token has no logprob entry to read)."""
+
+
+def completion_options(
+    request: CompletionRequest, prompt_text: str | None, tokenizer: Any
+) -> CompletionOptions:
+    """What `request` asks of its bodies; `prompt_text`: the prompt as text (for the echo)."""
+
+    def decode(token_id: int) -> str:
+        return "" if tokenizer is None else str(tokenizer.decode([token_id]))
+
+    return CompletionOptions(
+        echo_text=(prompt_text or "") if request.echo else None,
+        echo_logprobs=request.logprobs if request.echo else None,
+        prompt_logprobs=request.prompt_logprobs is not None,
+        keep_completion=request.max_tokens != 0,
+        decode=decode,
+    )
+
+
+class CompletionFormatter:
+    """`/v1/completions` bodies of one request.
+
+    Prompt logprobs arrive with the prefill steps, possibly over several deltas; each choice's
+    first body waits until the prompt's are complete when the echo or `prompt_logprobs` needs
+    them, then carries the echoed prompt (text, and logprobs) ahead of the generated tokens."""
+
+    def __init__(
+        self, response_id: str, model: str, options: CompletionOptions | None = None
+    ) -> None:
         self.response_id = response_id
         self.model = model
-        self.echo_text = echo_text
-        self._echoed: set[int] = set()
+        self.options = options or CompletionOptions()
+        self._started: set[int] = set()
         self._offsets: dict[int, int] = {}
+        self._prompt_positions: list[PositionLogprobs | None] = []
+        self._held: dict[int, list[CompletionOutput]] = {}
 
-    def _text(self, part: CompletionOutput) -> str:
-        if self.echo_text is None or part.index in self._echoed:
-            return part.text
-        self._echoed.add(part.index)
-        return self.echo_text + part.text
-
-    def _choice(self, part: CompletionOutput) -> CompletionChoice:
-        offset = self._offsets.get(part.index, 0)
-        text = self._text(part)
-        self._offsets[part.index] = offset + len(text)
-        return CompletionChoice(
-            index=part.index,
-            text=text,
-            logprobs=completion_logprobs(part, offset),
-            finish_reason=part.finish_reason,
-            stop_reason=part.stop_reason,
+    @property
+    def _needs_prompt_logprobs(self) -> bool:
+        return self.options.prompt_logprobs or (
+            self.options.echo_text is not None and self.options.echo_logprobs is not None
         )
 
+    def _prompt_ready(self, output: RequestOutput) -> bool:
+        if output.prompt_logprobs:
+            self._prompt_positions.extend(output.prompt_logprobs)
+        if not self._needs_prompt_logprobs:
+            return True
+        return len(self._prompt_positions) >= len(output.prompt_token_ids)
+
+    def _choice(self, part: CompletionOutput, output: RequestOutput) -> CompletionChoice:
+        choice = CompletionChoice(
+            index=part.index, text="", finish_reason=part.finish_reason,
+            stop_reason=part.stop_reason,
+        )  # fmt: skip
+        if part.index not in self._started:
+            self._started.add(part.index)
+            self._start(choice, output)
+        if self.options.keep_completion:
+            offset = self._offsets.get(part.index, 0)
+            logprobs = completion_logprobs(part, offset)
+            if logprobs is not None:
+                choice.logprobs = _joined(choice.logprobs, logprobs)
+            choice.text += part.text
+            self._offsets[part.index] = offset + len(part.text)
+        return choice
+
+    def _start(self, choice: CompletionChoice, output: RequestOutput) -> None:
+        """The first body of a choice: the echoed prompt and the prompt's logprobs."""
+        options = self.options
+        if options.prompt_logprobs:
+            choice.prompt_logprobs = prompt_logprobs_body(self._prompt_positions)
+        if options.echo_text is None:
+            return
+        choice.text = options.echo_text
+        if options.echo_logprobs is not None:
+            first = options.decode(output.prompt_token_ids[0])
+            choice.logprobs = echo_logprobs(
+                output.prompt_token_ids, self._prompt_positions, options.echo_logprobs, first
+            )
+            self._offsets[choice.index] = sum(map(len, choice.logprobs.tokens))
+        else:
+            self._offsets[choice.index] = len(options.echo_text)
+
     def chunk(self, delta: RequestOutput) -> CompletionResponse | None:
-        choices = [self._choice(part) for part in delta.outputs]
+        if not self._prompt_ready(delta):
+            for part in delta.outputs:  # tokens before the prompt's logprobs are complete
+                self._held.setdefault(part.index, []).append(part)
+            return None
+        parts = [_merged([*self._held.pop(part.index, []), part]) for part in delta.outputs]
+        choices = [self._choice(part, delta) for part in parts]
         if not choices:
             return None
         return CompletionResponse(id=self.response_id, model=self.model, choices=choices)
 
     def usage_chunk(self, output: RequestOutput, completion_tokens: int) -> CompletionResponse:
-        usage = usage_of(output, completion_tokens)
+        usage = usage_of(output, self._kept(completion_tokens))
         return CompletionResponse(id=self.response_id, model=self.model, choices=[], usage=usage)
 
     def response(self, output: RequestOutput) -> CompletionResponse:
-        choices = [self._choice(part) for part in output.outputs]
+        self._prompt_ready(output)
+        choices = [self._choice(part, output) for part in output.outputs]
         completion_tokens = sum(len(part.token_ids) for part in output.outputs)
         return CompletionResponse(
             id=self.response_id,
             model=self.model,
             choices=choices,
-            usage=usage_of(output, completion_tokens),
+            usage=usage_of(output, self._kept(completion_tokens)),
         )
+
+    def _kept(self, completion_tokens: int) -> int:
+        return completion_tokens if self.options.keep_completion else 0
+
+
+def _joined(first: CompletionLogprobs | None, second: CompletionLogprobs) -> CompletionLogprobs:
+    if first is None:
+        return second
+    return CompletionLogprobs(
+        text_offset=first.text_offset + second.text_offset,
+        token_logprobs=first.token_logprobs + second.token_logprobs,
+        tokens=first.tokens + second.tokens,
+        top_logprobs=first.top_logprobs + second.top_logprobs,
+    )
+
+
+def _merged(parts: list[CompletionOutput]) -> CompletionOutput:
+    """Consecutive deltas of one choice as one."""
+    if len(parts) == 1:
+        return parts[0]
+    last = parts[-1]
+    logprobs = None
+    if all(part.logprobs is not None for part in parts):
+        logprobs = [position for part in parts for position in part.logprobs or []]
+    return replace(
+        last,
+        text="".join(part.text for part in parts),
+        token_ids=[token for part in parts for token in part.token_ids],
+        logprobs=logprobs,
+    )
 
 
 class ChatFormatter:
@@ -148,14 +285,27 @@ class ChatFormatter:
         model: str,
         num_top_logprobs: int,
         tools: ToolCallPlan | None = None,
+        prompt_logprobs: bool = False,
     ) -> None:
         self.response_id = response_id
         self.model = model
         self.num_top = num_top_logprobs
         self.tools = tools
         """How tool calls are read from the reply (None: plain text)."""
+        self.prompt_logprobs = prompt_logprobs
+        """vLLM's `prompt_logprobs`: in the response, or in one chunk of a stream."""
         self._started: set[int] = set()
         self._tool_streams: dict[int, ToolCallStream] = {}
+        self._prompt_positions: list[PositionLogprobs | None] = []
+        self._sent_prompt_logprobs = False
+
+    def _take_prompt_logprobs(self, output: RequestOutput) -> PromptLogprobs | None:
+        """The prompt's logprobs once complete (once per request), else None."""
+        complete = len(self._prompt_positions) >= len(output.prompt_token_ids)
+        if not self.prompt_logprobs or self._sent_prompt_logprobs or not complete:
+            return None
+        self._sent_prompt_logprobs = True
+        return prompt_logprobs_body(self._prompt_positions)
 
     def _choice(self, part: CompletionOutput) -> ChatChunkChoice:
         role = None
@@ -189,16 +339,20 @@ class ChatFormatter:
         return message, finish_reason(part.finish_reason, bool(parsed.calls))
 
     def chunk(self, delta: RequestOutput) -> ChatCompletionChunk | None:
+        self._prompt_positions.extend(delta.prompt_logprobs or [])
         choices = [self._choice(part) for part in delta.outputs]
         if not choices:
             return None
-        return ChatCompletionChunk(id=self.response_id, model=self.model, choices=choices)
+        chunk = ChatCompletionChunk(id=self.response_id, model=self.model, choices=choices)
+        chunk.prompt_logprobs = self._take_prompt_logprobs(delta)
+        return chunk
 
     def usage_chunk(self, output: RequestOutput, completion_tokens: int) -> ChatCompletionChunk:
         usage = usage_of(output, completion_tokens)
         return ChatCompletionChunk(id=self.response_id, model=self.model, choices=[], usage=usage)
 
     def response(self, output: RequestOutput) -> ChatCompletionResponse:
+        self._prompt_positions.extend(output.prompt_logprobs or [])
         choices = []
         for part in output.outputs:
             message, reason = self._message(part)
@@ -217,4 +371,5 @@ class ChatFormatter:
             model=self.model,
             choices=choices,
             usage=usage_of(output, completion_tokens),
+            prompt_logprobs=self._take_prompt_logprobs(output),
         )

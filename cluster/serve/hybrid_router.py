@@ -159,12 +159,13 @@ class HybridPrefixRouter(FIFOMixin, RequestRouter):
                 generation = request.add_generation_prompt
                 prompt = inputs.chat(request.messages, request.chat_template, generation)
             elif isinstance(request, CompletionRequest):
-                prompt = inputs.prompt(request.prompt)  # type: ignore[arg-type]
+                prompt = inputs.prompt(request.prompts[0])  # a batch is routed by its first
             else:
                 return None
         except (ValueError, TypeError):
             return None
-        if prompt.text is not None:  # tokenized here: the replica need not do it again
+        is_single = not isinstance(request, CompletionRequest) or len(request.prompts) == 1
+        if prompt.text is not None and is_single:  # the replica need not tokenize it again
             pending_request.kwargs[PROMPT_TOKEN_IDS_KWARG] = prompt.token_ids
         return prompt.token_ids
 

@@ -42,7 +42,14 @@ from cluster.openai_api.protocol import (
 from cluster.openai_api.sampling import UnsupportedFieldError
 from cluster.openai_api.tools import tool_call_plan
 from cluster.serve import errors
-from cluster.serve.formatting import DONE, ChatFormatter, CompletionFormatter, sse
+from cluster.serve.completion_batch import batched_completion
+from cluster.serve.formatting import (
+    DONE,
+    ChatFormatter,
+    CompletionFormatter,
+    completion_options,
+    sse,
+)
 from cluster.serve.hybrid_router import kv_events_enabled, routing_stats
 from cluster.serve.metrics import EngineMetrics
 
@@ -111,6 +118,10 @@ class LLMServer:
         self._ensure_stats_task()
         if self.draining:
             yield errors.unavailable("the server is shutting down")
+            return
+        if isinstance(request, CompletionRequest) and len(request.prompts) > 1:
+            async for item in batched_completion(self.generate, request, request_id, as_sse):
+                yield item
             return
         try:
             engine_request, formatter = self._prepare(request, request_id, prompt_token_ids)
@@ -216,12 +227,11 @@ class LLMServer:
         if isinstance(request, ChatCompletionRequest):
             top = request.top_logprobs or 0
             plan = tool_call_plan(request, self.config.tool_call_parser) if request.tools else None
-            formatter = ChatFormatter(f"chatcmpl-{request_id}", self.model_id, top, plan)
+            scored = request.prompt_logprobs is not None
+            formatter = ChatFormatter(f"chatcmpl-{request_id}", self.model_id, top, plan, scored)
         else:
-            if request.echo and request.logprobs is not None:
-                raise ValueError("echo together with logprobs is not supported")
-            echo = (text or "") if request.echo else None
-            formatter = CompletionFormatter(f"cmpl-{request_id}", self.model_id, echo)
+            options = completion_options(request, text, self.tokenizer)
+            formatter = CompletionFormatter(f"cmpl-{request_id}", self.model_id, options)
         return engine_request, formatter
 
     async def model_card(self) -> ModelCard:

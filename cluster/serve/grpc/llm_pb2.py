@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63luster/serve/grpc/llm.proto\x12\x0ehybridserve.v1\x1a\x1cgoogle/protobuf/struct.proto\"&\n\rStreamOptions\x12\x15\n\rinclude_usage\x18\x01 \x01(\x08\"\xc4\x04\n\x11\x43ompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x05\x88\x01\x01\x12\x0e\n\x01n\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x12\x0c\n\x04\x65\x63ho\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x07\x88\x01\x01\x12\x35\n\x0estream_options\x18\x10 \x01(\x0b\x32\x1d.hybridserve.v1.StreamOptions\x12\x12\n\nrequest_id\x18\x11 \x01(\t\x12\x30\n\x0fresponse_format\x18\x12 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x33\n\x12structured_outputs\x18\x13 \x01(\x0b\x32\x17.google.protobuf.StructB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobs\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xe8\x05\n\x15\x43hatCompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12-\n\x08messages\x18\x02 \x03(\x0b\x32\x1b.hybridserve.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\"\n\x15max_completion_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x06\x88\x01\x01\x12\x0e\n\x01n\x18\n \x01(\x05H\x07\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x12\x35\n\x0estream_options\x18\x0e \x01(\x0b\x32\x1d.hybridserve.v1.StreamOptions\x12\x12\n\nrequest_id\x18\x0f \x01(\t\x12\x30\n\x0fresponse_format\x18\x10 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x33\n\x12structured_outputs\x18\x11 \x01(\x0b\x32\x17.google.protobuf.Struct\x12&\n\x05tools\x18\x12 \x03(\x0b\x32\x17.google.protobuf.Struct\x12+\n\x0btool_choice\x18\x13 \x01(\x0b\x32\x16.google.protobuf.Value\x12 \n\x13parallel_tool_calls\x18\x14 \x01(\x08H\x08\x88\x01\x01\x42\r\n\x0b_max_tokensB\x18\n\x16_max_completion_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x04\n\x02_nB\x16\n\x14_parallel_tool_calls\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\"F\n\x10\x43ompletionChoice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\"\x99\x01\n\x12\x43ompletionResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12\x31\n\x07\x63hoices\x18\x04 \x03(\x0b\x32 .hybridserve.v1.CompletionChoice\x12$\n\x05usage\x18\x05 \x01(\x0b\x32\x15.hybridserve.v1.Usage\"/\n\x0c\x46unctionCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\t\"c\n\x08ToolCall\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04type\x18\x03 \x01(\t\x12.\n\x08\x66unction\x18\x04 \x01(\x0b\x32\x1c.hybridserve.v1.FunctionCall\"X\n\tChatDelta\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12,\n\ntool_calls\x18\x03 \x03(\x0b\x32\x18.hybridserve.v1.ToolCall\"\x88\x01\n\nChatChoice\x12\r\n\x05index\x18\x01 \x01(\x05\x12*\n\x07message\x18\x02 \x01(\x0b\x32\x19.hybridserve.v1.ChatDelta\x12(\n\x05\x64\x65lta\x18\x03 \x01(\x0b\x32\x19.hybridserve.v1.ChatDelta\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\"\x97\x01\n\x16\x43hatCompletionResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12+\n\x07\x63hoices\x18\x04 \x03(\x0b\x32\x1a.hybridserve.v1.ChatChoice\x12$\n\x05usage\x18\x05 \x01(\x0b\x32\x15.hybridserve.v1.Usage\"\x13\n\x11ListModelsRequest\".\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\"?\n\x12ListModelsResponse\x12)\n\x06models\x18\x01 \x03(\x0b\x32\x19.hybridserve.v1.ModelInfo2\xdd\x03\n\nLLMService\x12S\n\nCompletion\x12!.hybridserve.v1.CompletionRequest\x1a\".hybridserve.v1.CompletionResponse\x12[\n\x10\x43ompletionStream\x12!.hybridserve.v1.CompletionRequest\x1a\".hybridserve.v1.CompletionResponse0\x01\x12_\n\x0e\x43hatCompletion\x12%.hybridserve.v1.ChatCompletionRequest\x1a&.hybridserve.v1.ChatCompletionResponse\x12g\n\x14\x43hatCompletionStream\x12%.hybridserve.v1.ChatCompletionRequest\x1a&.hybridserve.v1.ChatCompletionResponse0\x01\x12S\n\nListModels\x12!.hybridserve.v1.ListModelsRequest\x1a\".hybridserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x63luster/serve/grpc/llm.proto\x12\x0ehybridserve.v1\x1a\x1cgoogle/protobuf/struct.proto\"&\n\rStreamOptions\x12\x15\n\rinclude_usage\x18\x01 \x01(\x08\"\xf6\x04\n\x11\x43ompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x05\x88\x01\x01\x12\x0e\n\x01n\x18\n \x01(\x05H\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x12\x0c\n\x04\x65\x63ho\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x07\x88\x01\x01\x12\x35\n\x0estream_options\x18\x10 \x01(\x0b\x32\x1d.hybridserve.v1.StreamOptions\x12\x12\n\nrequest_id\x18\x11 \x01(\t\x12\x30\n\x0fresponse_format\x18\x12 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x33\n\x12structured_outputs\x18\x13 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x1c\n\x0fprompt_logprobs\x18\x14 \x01(\x05H\x08\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x9a\x06\n\x15\x43hatCompletionRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12-\n\x08messages\x18\x02 \x03(\x0b\x32\x1b.hybridserve.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x03 \x01(\x05H\x00\x88\x01\x01\x12\"\n\x15max_completion_tokens\x18\x04 \x01(\x05H\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x02H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x02H\x05\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x06\x88\x01\x01\x12\x0e\n\x01n\x18\n \x01(\x05H\x07\x88\x01\x01\x12\x0c\n\x04stop\x18\x0b \x03(\t\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x12\x35\n\x0estream_options\x18\x0e \x01(\x0b\x32\x1d.hybridserve.v1.StreamOptions\x12\x12\n\nrequest_id\x18\x0f \x01(\t\x12\x30\n\x0fresponse_format\x18\x10 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x33\n\x12structured_outputs\x18\x11 \x01(\x0b\x32\x17.google.protobuf.Struct\x12&\n\x05tools\x18\x12 \x03(\x0b\x32\x17.google.protobuf.Struct\x12+\n\x0btool_choice\x18\x13 \x01(\x0b\x32\x16.google.protobuf.Value\x12 \n\x13parallel_tool_calls\x18\x14 \x01(\x08H\x08\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x15 \x01(\x05H\t\x88\x01\x01\x42\r\n\x0b_max_tokensB\x18\n\x16_max_completion_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x04\n\x02_nB\x16\n\x14_parallel_tool_callsB\x12\n\x10_prompt_logprobs\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\"\xa6\x01\n\x10\x43ompletionChoice\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x15\n\rfinish_reason\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x33\n\x0fprompt_logprobs\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.ListValue\"\x99\x01\n\x12\x43ompletionResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12\x31\n\x07\x63hoices\x18\x04 \x03(\x0b\x32 .hybridserve.v1.CompletionChoice\x12$\n\x05usage\x18\x05 \x01(\x0b\x32\x15.hybridserve.v1.Usage\"/\n\x0c\x46unctionCall\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\targuments\x18\x02 \x01(\t\"c\n\x08ToolCall\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04type\x18\x03 \x01(\t\x12.\n\x08\x66unction\x18\x04 \x01(\x0b\x32\x1c.hybridserve.v1.FunctionCall\"X\n\tChatDelta\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12,\n\ntool_calls\x18\x03 \x03(\x0b\x32\x18.hybridserve.v1.ToolCall\"\x88\x01\n\nChatChoice\x12\r\n\x05index\x18\x01 \x01(\x05\x12*\n\x07message\x18\x02 \x01(\x0b\x32\x19.hybridserve.v1.ChatDelta\x12(\n\x05\x64\x65lta\x18\x03 \x01(\x0b\x32\x19.hybridserve.v1.ChatDelta\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\"\xcc\x01\n\x16\x43hatCompletionResponse\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0f\n\x07\x63reated\x18\x03 \x01(\x03\x12+\n\x07\x63hoices\x18\x04 \x03(\x0b\x32\x1a.hybridserve.v1.ChatChoice\x12$\n\x05usage\x18\x05 \x01(\x0b\x32\x15.hybridserve.v1.Usage\x12\x33\n\x0fprompt_logprobs\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.ListValue\"\x13\n\x11ListModelsRequest\".\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\"?\n\x12ListModelsResponse\x12)\n\x06models\x18\x01 \x03(\x0b\x32\x19.hybridserve.v1.ModelInfo2\xdd\x03\n\nLLMService\x12S\n\nCompletion\x12!.hybridserve.v1.CompletionRequest\x1a\".hybridserve.v1.CompletionResponse\x12[\n\x10\x43ompletionStream\x12!.hybridserve.v1.CompletionRequest\x1a\".hybridserve.v1.CompletionResponse0\x01\x12_\n\x0e\x43hatCompletion\x12%.hybridserve.v1.ChatCompletionRequest\x1a&.hybridserve.v1.ChatCompletionResponse\x12g\n\x14\x43hatCompletionStream\x12%.hybridserve.v1.ChatCompletionRequest\x1a&.hybridserve.v1.ChatCompletionResponse0\x01\x12S\n\nListModels\x12!.hybridserve.v1.ListModelsRequest\x1a\".hybridserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,33 +35,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STREAMOPTIONS']._serialized_start=78
   _globals['_STREAMOPTIONS']._serialized_end=116
   _globals['_COMPLETIONREQUEST']._serialized_start=119
-  _globals['_COMPLETIONREQUEST']._serialized_end=699
-  _globals['_CHATMESSAGE']._serialized_start=701
-  _globals['_CHATMESSAGE']._serialized_end=745
-  _globals['_CHATCOMPLETIONREQUEST']._serialized_start=748
-  _globals['_CHATCOMPLETIONREQUEST']._serialized_end=1492
-  _globals['_USAGE']._serialized_start=1494
-  _globals['_USAGE']._serialized_end=1573
-  _globals['_COMPLETIONCHOICE']._serialized_start=1575
-  _globals['_COMPLETIONCHOICE']._serialized_end=1645
-  _globals['_COMPLETIONRESPONSE']._serialized_start=1648
-  _globals['_COMPLETIONRESPONSE']._serialized_end=1801
-  _globals['_FUNCTIONCALL']._serialized_start=1803
-  _globals['_FUNCTIONCALL']._serialized_end=1850
-  _globals['_TOOLCALL']._serialized_start=1852
-  _globals['_TOOLCALL']._serialized_end=1951
-  _globals['_CHATDELTA']._serialized_start=1953
-  _globals['_CHATDELTA']._serialized_end=2041
-  _globals['_CHATCHOICE']._serialized_start=2044
-  _globals['_CHATCHOICE']._serialized_end=2180
-  _globals['_CHATCOMPLETIONRESPONSE']._serialized_start=2183
-  _globals['_CHATCOMPLETIONRESPONSE']._serialized_end=2334
-  _globals['_LISTMODELSREQUEST']._serialized_start=2336
-  _globals['_LISTMODELSREQUEST']._serialized_end=2355
-  _globals['_MODELINFO']._serialized_start=2357
-  _globals['_MODELINFO']._serialized_end=2403
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2405
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2468
-  _globals['_LLMSERVICE']._serialized_start=2471
-  _globals['_LLMSERVICE']._serialized_end=2948
+  _globals['_COMPLETIONREQUEST']._serialized_end=749
+  _globals['_CHATMESSAGE']._serialized_start=751
+  _globals['_CHATMESSAGE']._serialized_end=795
+  _globals['_CHATCOMPLETIONREQUEST']._serialized_start=798
+  _globals['_CHATCOMPLETIONREQUEST']._serialized_end=1592
+  _globals['_USAGE']._serialized_start=1594
+  _globals['_USAGE']._serialized_end=1673
+  _globals['_COMPLETIONCHOICE']._serialized_start=1676
+  _globals['_COMPLETIONCHOICE']._serialized_end=1842
+  _globals['_COMPLETIONRESPONSE']._serialized_start=1845
+  _globals['_COMPLETIONRESPONSE']._serialized_end=1998
+  _globals['_FUNCTIONCALL']._serialized_start=2000
+  _globals['_FUNCTIONCALL']._serialized_end=2047
+  _globals['_TOOLCALL']._serialized_start=2049
+  _globals['_TOOLCALL']._serialized_end=2148
+  _globals['_CHATDELTA']._serialized_start=2150
+  _globals['_CHATDELTA']._serialized_end=2238
+  _globals['_CHATCHOICE']._serialized_start=2241
+  _globals['_CHATCHOICE']._serialized_end=2377
+  _globals['_CHATCOMPLETIONRESPONSE']._serialized_start=2380
+  _globals['_CHATCOMPLETIONRESPONSE']._serialized_end=2584
+  _globals['_LISTMODELSREQUEST']._serialized_start=2586
+  _globals['_LISTMODELSREQUEST']._serialized_end=2605
+  _globals['_MODELINFO']._serialized_start=2607
+  _globals['_MODELINFO']._serialized_end=2653
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2655
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2718
+  _globals['_LLMSERVICE']._serialized_start=2721
+  _globals['_LLMSERVICE']._serialized_end=3198
 # @@protoc_insertion_point(module_scope)
