@@ -60,6 +60,18 @@ def _check_structured_examples(port: int) -> None:
         assert arguments["unit"] in ("celsius", "fahrenheit")
 
 
+def _check_scoring_example(port: int) -> None:
+    """The README's scoring `curl` echoes the scored prompt: its tokens, the first one's logprob
+    null, every later one's a log probability, and nothing generated."""
+    block = code_block('"echo": true', "bash").replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+    reply = subprocess.run(["bash", "-c", block], capture_output=True, text=True, timeout=60)
+    (choice,) = json.loads(reply.stdout)["choices"]
+    logprobs = choice["logprobs"]
+    assert "".join(logprobs["tokens"]).strip() == choice["text"] == "The capital of France is Paris"
+    assert logprobs["token_logprobs"][0] is None
+    assert all(value <= 0 for value in logprobs["token_logprobs"][1:])
+
+
 def _streaming_example(port: int) -> str:
     block = code_block("stream=True", "python")
     return block.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
@@ -97,6 +109,7 @@ def test_make_serve_answers_the_readme_examples_and_stops_on_ctrl_c(
         assert printed[-1][0] > printed[0][0]
 
         _check_structured_examples(port)
+        _check_scoring_example(port)
 
         cli.ctrl_c()
         code, seconds = cli.wait_exit(30)

@@ -540,6 +540,67 @@ def test_grpc_chat_and_models(served: Served) -> None:
     assert [m.id for m in models.models] == served.model_ids
 
 
+def test_scoring_through_the_client(served: Served, reference: LLM) -> None:
+    """echo + logprobs in OpenAI's legacy format, vLLM's prompt_logprobs, and a batch of
+    prompts, each scored as the offline API scores it."""
+    prompt = "t5 t17 t33 t2 t9"
+    want = reference.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+    result = served.client.completions.create(
+        model="tiny", prompt=[prompt, "t100 t3"], echo=True, logprobs=1, max_tokens=1,
+        temperature=0, extra_body={"prompt_logprobs": 1},
+    )  # fmt: skip
+    first, second = sorted(result.choices, key=lambda choice: choice.index)
+    assert first.logprobs.tokens[:5] == prompt.split()
+    assert second.logprobs.tokens[:2] == ["t100", "t3"]
+    assert first.logprobs.token_logprobs[0] is None
+    expected = [want.prompt_logprobs[i][want.prompt_token_ids[i]].logprob for i in range(1, 5)]
+    assert first.logprobs.token_logprobs[1:5] == pytest.approx(expected, abs=1e-5)
+    scored = first.model_extra["prompt_logprobs"]
+    assert scored[0] is None
+    assert [scored[i][str(want.prompt_token_ids[i])]["logprob"] for i in range(1, 5)] == (
+        pytest.approx(expected, abs=1e-5)
+    )
+
+
+def test_grpc_scoring(served: Served) -> None:
+    request = llm_pb2.CompletionRequest(
+        model="tiny", prompt="t3 t4 t5", max_tokens=1, temperature=0, echo=True, logprobs=1,
+        prompt_logprobs=0,
+    )  # fmt: skip
+    (choice,) = served.stub.Completion(request, metadata=METADATA).choices
+    logprobs = json_format.MessageToDict(choice.logprobs)
+    assert logprobs["tokens"] == ["t3", "t4", "t5", choice.text.split()[-1]]
+    assert logprobs["token_logprobs"][0] is None
+    positions = json_format.MessageToDict(choice)["promptLogprobs"]
+    assert positions[0] is None
+    assert len(positions) == 3
+
+
+def test_lm_evaluation_harness_scores_a_multiple_choice_task(
+    served: Served, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """lm-evaluation-harness's `local-completions` model against the server, on a task from a
+    local JSON file: it finishes with an accuracy, and each choice's loglikelihood equals
+    transformers' over the same weights."""
+    from tests.helpers import lm_eval_task
+
+    for name, value in lm_eval_task.harness_environment(tmp_path, API_KEY).items():
+        monkeypatch.setenv(name, value)
+    task_dir = lm_eval_task.write_task(tmp_path)
+    results = lm_eval_task.run_harness(served.base_url, served.model_dir, task_dir)
+    (task,) = results["results"].values()
+    assert 0.0 <= task["acc,none"] <= 1.0
+    (samples,) = results["samples"].values()
+    got = [[resp[0][0] for resp in sample["resps"]] for sample in sorted(samples, key=_doc_id)]
+    want = lm_eval_task.offline_loglikelihoods(served.model_dir)
+    for ours, theirs in zip(got, want, strict=True):
+        assert ours == pytest.approx(theirs, abs=1e-4)
+
+
+def _doc_id(sample: dict[str, Any]) -> int:
+    return int(sample["doc_id"])
+
+
 @pytest.mark.parametrize(
     ("fields", "metadata", "code"),
     [
