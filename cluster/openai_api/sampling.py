@@ -64,6 +64,11 @@ def to_sampling_params(
     request: CompletionRequest | ChatCompletionRequest, max_tokens: int
 ) -> SamplingParams:
     """The engine's sampling parameters; ValueError (a 400) for invalid or unsupported ones."""
+    if isinstance(request, CompletionRequest):
+        if request.suffix:
+            raise UnsupportedFieldError("suffix")
+        if request.best_of is not None and request.best_of != request.n:
+            raise UnsupportedFieldError("best_of")
     kwargs: dict[str, Any] = {"structured_outputs": request_constraint(request)}
     for name, value in openai_sampling_kwargs(request, max_tokens).items():
         if value is None or (name == "ignore_eos" and value is False):

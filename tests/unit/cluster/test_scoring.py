@@ -6,17 +6,20 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
 from transformers import AutoModelForCausalLM
 
 from cluster import LLM, SamplingParams
+from cluster.batch.rows import parse_line
 from cluster.openai_api.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from cluster.serve.llm_server import LLMServer
 from tests.helpers.serve_app import llm_config, save_tiny_served_model
@@ -175,3 +178,45 @@ def test_an_unknown_field_is_ignored_with_a_warning(
     with caplog.at_level(logging.WARNING):
         _one(server, {"prompt": PROMPT, "max_tokens": 1, "best_guess": 3})
     assert "best_guess" in caplog.text
+
+
+@pytest.mark.parametrize(("field", "value"), [("suffix", "t9"), ("best_of", 3)])
+def test_a_known_field_the_engine_cannot_honour_is_a_400(
+    server: LLMServer, field: str, value: Any
+) -> None:
+    (item,) = _items(server, {"prompt": PROMPT, "max_tokens": 1, field: value})
+    assert isinstance(item, ErrorResponse)
+    assert item.error.param == field
+
+
+@pytest.fixture(scope="module")
+def replica(model_dir: Path) -> Iterator[Any]:
+    from cluster.batch.replica import EngineReplica
+    from cluster.config.engine_args import validate_engine_kwargs
+
+    replica = EngineReplica(validate_engine_kwargs({"model": str(model_dir), **ENGINE}))
+    yield replica
+    replica.client.shutdown()
+
+
+def _batch_rows(replica: Any, lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    records = [parse_line(i, json.dumps(line)).to_record()["item"] for i, line in enumerate(lines)]
+    rows = replica({"item": np.array(records, dtype=object)})["row"]
+    return [json.loads(row) for row in rows]
+
+
+def test_batch_rows_carry_prompt_logprobs(replica: Any, reference_logprobs: torch.Tensor) -> None:
+    """A Ray Data LLM row and an OpenAI batch line ask for prompt logprobs and get the column;
+    a batch line with several prompts is an error row (one output row per line)."""
+    body = {"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 0}
+    row, line, several = _batch_rows(replica, [
+        {"prompt": PROMPT, "sampling_params": {"max_tokens": 1, "prompt_logprobs": 0}},
+        {"custom_id": "a", "url": "/v1/completions", "body": body},
+        {"custom_id": "b", "url": "/v1/completions", "body": {**body, "prompt": [PROMPT, "t9"]}},
+    ])  # fmt: skip
+    for scored in (row, line):
+        positions = scored["prompt_logprobs"]
+        assert positions[0] is None
+        got = [positions[i + 1][str(IDS[i + 1])]["logprob"] for i in range(len(IDS) - 1)]
+        assert got == pytest.approx(_expected(reference_logprobs), abs=1e-4)
+    assert "one prompt" in several["error"]
