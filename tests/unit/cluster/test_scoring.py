@@ -220,3 +220,15 @@ def test_batch_rows_carry_prompt_logprobs(replica: Any, reference_logprobs: torc
         got = [positions[i + 1][str(IDS[i + 1])]["logprob"] for i in range(len(IDS) - 1)]
         assert got == pytest.approx(_expected(reference_logprobs), abs=1e-4)
     assert "one prompt" in several["error"]
+
+
+def test_a_chat_stream_carries_the_prompt_logprobs_once(server: LLMServer) -> None:
+    body = {"messages": [{"role": "user", "content": "t9 t10"}], "prompt_logprobs": 0,
+            "max_tokens": 3, "stream": True}  # fmt: skip
+    chunks = _items(server, body)
+    carrying = [chunk for chunk in chunks if chunk.prompt_logprobs is not None]
+    assert len(carrying) == 1
+    whole = _one(server, {**body, "stream": False})
+    assert [position is None for position in carrying[0].prompt_logprobs] == [
+        position is None for position in whole["prompt_logprobs"]
+    ]
