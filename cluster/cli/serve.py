@@ -15,16 +15,13 @@ deployed and stops the Ray instance it started, leaving no process behind.
 from __future__ import annotations
 
 import argparse
-import importlib
-import sys
 from pathlib import Path
 from typing import Any
 
+from cluster.cli.serve_apps import say
 from cluster.config.engine_flags import add_engine_arg_flags, engine_kwargs_from_args
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
-DEFAULT_IMPORT_PATH = "cluster.serve:build_openai_app"
-SERVICER = "cluster.serve.grpc.llm_pb2_grpc.add_LLMServiceServicer_to_server"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -100,30 +97,3 @@ def run(args: argparse.Namespace) -> int:
         finally:
             session.stop()
     return 0
-
-
-def say(line: str) -> None:
-    """A progress line of the command on stdout (flushed: tests and scripts read it live)."""
-    sys.stdout.write(f"hybridserve: {line}\n")
-    sys.stdout.flush()
-
-
-def builder(import_path: str) -> Any:
-    """The application builder an import path (`module:attr`) names."""
-    module, _, attr = import_path.replace(":", ".").rpartition(".")
-    return getattr(importlib.import_module(module), attr)
-
-
-def with_api_key(app_args: dict[str, Any], api_key: str | None) -> dict[str, Any]:
-    """The app's args with the ingress's environment holding the API key."""
-    if api_key is None:
-        return app_args
-    from cluster.config.env import API_KEY_ENV
-
-    ingress = dict(app_args.get("ingress_deployment_config") or {})
-    actor = dict(ingress.get("ray_actor_options") or {})
-    env = dict(actor.get("runtime_env") or {})
-    env["env_vars"] = {**env.get("env_vars", {}), API_KEY_ENV: api_key}
-    actor["runtime_env"] = env
-    ingress["ray_actor_options"] = actor
-    return {**app_args, "ingress_deployment_config": ingress}

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from cluster.cli.errors import StartupFailedError
+from cluster.cli.serve_apps import DEFAULT_IMPORT_PATH, SERVICER, builder, say, with_api_key
 from cluster.ray_cluster import ClusterTarget, connect
 
 _POLL_S = 0.5
@@ -76,7 +77,6 @@ class ServeSession:
 
     def start(self, apps: list[dict[str, Any]]) -> None:
         """Connect, deploy `apps` and wait until every one of them runs."""
-        from cluster.cli.serve import say
 
         say("connecting to Ray")
         self.target = connect(
@@ -106,7 +106,6 @@ class ServeSession:
         if self._is_stopped:
             return
         self._is_stopped = True
-        from cluster.cli.serve import say
 
         say("shutting down (draining requests in flight)" if self.is_ready else "stopping")
         ray = sys.modules.get("ray")
@@ -124,8 +123,6 @@ class ServeSession:
         from ray import serve
         from ray.serve.config import HTTPOptions, gRPCOptions
 
-        from cluster.cli.serve import SERVICER
-
         grpc_options = self.grpc
         if self.args.grpc_port is not None:
             grpc_options = {"port": self.args.grpc_port, "grpc_servicer_functions": [SERVICER]}
@@ -136,8 +133,6 @@ class ServeSession:
 
     def _deploy(self, apps: list[dict[str, Any]]) -> None:
         from ray import serve
-
-        from cluster.cli.serve import DEFAULT_IMPORT_PATH, builder, say, with_api_key
 
         targets = []
         for app in apps:
