@@ -55,7 +55,13 @@ class SchedulerConfig:
     flight is a placeholder (`Request.num_output_placeholders`), computed tokens advance
     optimistically, and the workers append the tokens they sample themselves."""
 
+    kv_offloading_bytes: int = 0
+    """Bytes of the host-memory offload tier below the device pool (0: none): blocks the pool
+    evicts are kept there and prefix hits load them back (`scheduler.kv_cache.offload`)."""
+
     def __post_init__(self) -> None:
+        if self.kv_offloading_bytes < 0:
+            raise ValueError(f"kv_offloading_bytes must be >= 0, got {self.kv_offloading_bytes}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:

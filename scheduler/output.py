@@ -38,6 +38,38 @@ class StateSave(NamedTuple):
     block_id: int
 
 
+class OffloadStore(NamedTuple):
+    """Copy block `block_id` of group `group_id` (every layer owning memory) into the offload
+    tier's `slot`, before the step writes anything (the device pool just evicted it)."""
+
+    slot: int
+    group_id: int
+    block_id: int
+
+
+class OffloadLoad(NamedTuple):
+    """Copy the offload tier's `slot` into block `block_id` of group `group_id` for request
+    `req_id` (a prefix hit held in the tier); the request waits until the load is reported."""
+
+    req_id: str
+    slot: int
+    group_id: int
+    block_id: int
+
+
+class OffloadOps(NamedTuple):
+    """One step's offload-tier work, run in this order before the step's forward."""
+
+    stores: tuple[OffloadStore, ...] = ()
+    loads: tuple[OffloadLoad, ...] = ()
+    drops: tuple[int, ...] = ()
+    """Slots the tier no longer holds (after the loads that read them)."""
+
+
+NO_OFFLOAD_OPS = OffloadOps()
+"""A step without offload-tier work."""
+
+
 @dataclass(frozen=True)
 class NewRequestData:
     """A request the workers have not seen: everything they need to run it."""
@@ -107,6 +139,8 @@ class SchedulerOutput:
     """Recurrent states to keep at positions inside (or at the end of) this step's tokens."""
     copies_after_step: tuple[BlockCopy, ...] = ()
     """Block copies to run after the step's forward (attention pages of new checkpoints)."""
+    offload: OffloadOps = NO_OFFLOAD_OPS
+    """Copies between the device pool and the offload tier (before the forward)."""
     grammar_bitmask: GrammarBitmask | None = None
     """Allowed tokens of the constrained requests that sample this step (set by the engine)."""
     workers_append_sampled: bool = False
@@ -143,6 +177,12 @@ class ModelRunnerOutput:
     """Per request: logprobs of the sampled tokens, when the request asked for them."""
     prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None
     """Per request: logprobs of the prompt tokens computed this step (position 0 has none)."""
+    finished_loads: tuple[str, ...] = ()
+    """Requests whose offload-tier loads all completed (their blocks hold the hit)."""
+    failed_loads: tuple[str, ...] = ()
+    """Requests with an offload-tier load that failed or timed out (they recompute)."""
+    load_seconds: float = 0.0
+    """Wall time of the offload-tier loads completed this step."""
 
 
 class FinishReason(enum.Enum):

@@ -30,6 +30,7 @@ from scheduler.output import (
     FinishReason,
     ModelRunnerOutput,
     NewRequestData,
+    OffloadOps,
     SchedulerOutput,
 )
 from scheduler.request import SamplingParams
@@ -92,6 +93,11 @@ class FakeModelRunner:
         self.num_steps = 0
         self.appends_sampled = False
         """Async scheduling: keep each sampled token (the next step may compute it already)."""
+        self.offloaded: dict[int, tuple[int, list[int | None]]] = {}
+        """Offload-tier slot -> (group, the block's slot values)."""
+        self.fail_loads = False
+        """Report every offload-tier load as failed (and write garbage into its blocks)."""
+        self.num_loaded_blocks = 0
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.appends_sampled = out.workers_append_sampled
@@ -107,6 +113,7 @@ class FakeModelRunner:
             *(r.req_id for r in out.scheduled_new_reqs),
             *(r.req_id for r in out.scheduled_cached_reqs),
         }
+        loaded, failed = self._run_offload(out.offload)
         self._copy_blocks(out.copies_before_step)
         for req_id, num_tokens in out.num_scheduled_tokens.items():
             self._write(self.requests[req_id], num_tokens)
@@ -116,7 +123,39 @@ class FakeModelRunner:
             self._read_and_sample(req_id, n) for req_id, n in out.num_scheduled_tokens.items()
         ]
         self.num_steps += 1
-        return ModelRunnerOutput(req_ids=list(out.num_scheduled_tokens), sampled_token_ids=sampled)
+        return ModelRunnerOutput(
+            req_ids=list(out.num_scheduled_tokens),
+            sampled_token_ids=sampled,
+            finished_loads=loaded,
+            failed_loads=failed,
+        )
+
+    def _run_offload(self, ops: OffloadOps) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Stores, loads, drops, in this order; (requests loaded, requests whose load failed)."""
+        for store in ops.stores:
+            assert store.slot not in self.offloaded, store
+            bs = self.groups[store.group_id].block_size
+            kv = self.kv[store.group_id]
+            values = [kv.get(store.block_id * bs + offset) for offset in range(bs)]
+            self.offloaded[store.slot] = (store.group_id, values)
+        req_ids: dict[str, None] = {}
+        for load in ops.loads:
+            group, values = self.offloaded[load.slot]
+            assert group == load.group_id, load
+            bs = self.groups[group].block_size
+            for offset, value in enumerate(values):
+                slot = load.block_id * bs + offset
+                if value is None or self.fail_loads:
+                    self.kv[group].pop(slot, None)
+                else:
+                    self.kv[group][slot] = value
+            req_ids[load.req_id] = None
+            self.num_loaded_blocks += 1
+        for slot in ops.drops:
+            del self.offloaded[slot]
+        if self.fail_loads:
+            return (), tuple(req_ids)
+        return tuple(req_ids), ()
 
     def _copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
         """Every slot of each source block onto its destination (all read before any write)."""
