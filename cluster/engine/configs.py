@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # torch-heavy: imported where the workers run, not by callers
     from worker.runner_config import RunnerConfig
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+GIB = 1 << 30
 
 
 class EngineConfigs(NamedTuple):
@@ -75,6 +76,7 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_sharing_fast_prefill=args.kv_sharing_fast_prefill,
         mamba_cache_mode=args.mamba_cache_mode if args.enable_prefix_caching else "none",
+        offload_load_timeout_s=args.kv_offloading_load_timeout_s,
     )
     batched = args.max_num_batched_tokens or max(
         DEFAULT_MAX_NUM_BATCHED_TOKENS, model.max_model_len
@@ -88,6 +90,7 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
         prefix_cache_eviction=EvictionPolicy(args.prefix_cache_eviction),
         prefix_match_unit=args.prefix_match_unit,
         async_scheduling=_async_scheduling(args),
+        kv_offloading_bytes=offload_bytes_per_rank(args),
     )
     return EngineConfigs(
         model,
@@ -96,6 +99,13 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
         args.tensor_parallel_size,
         args.disable_hybrid_kv_cache_manager,
     )
+
+
+def offload_bytes_per_rank(args: EngineArgs) -> int:
+    """Bytes of one rank's host offload tier: `kv_offloading_size` GiB over the ranks."""
+    if not args.kv_offloading_size:
+        return 0
+    return int(args.kv_offloading_size * GIB / args.tensor_parallel_size)
 
 
 def _async_scheduling(args: EngineArgs) -> bool:

@@ -1,0 +1,145 @@
+"""The worker's side of the offload tier: block pages kept in host memory, by the scheduler's slot.
+
+Each step's `OffloadOps` run before anything else of the step, in order: stores (device → host,
+on the compute stream, so they precede the writes of this step's forward), loads (host → device,
+on their own stream on CUDA, so the forward does not wait for them), drops. A request's loads are
+reported done once their copies have completed (on CPU: at once); a load that raises, reads a
+slot this store does not hold, or is still running after `load_timeout_s`, is reported failed,
+and the scheduler recomputes instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from scheduler.output import OffloadLoad, OffloadOps, OffloadStore
+from worker.block_copies import GroupTensors
+from worker.block_export import BlockPages, export_blocks, import_blocks
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class OffloadReport:
+    """Loads that ended since the last report, and what the tier moved."""
+
+    finished: tuple[str, ...] = ()
+    failed: tuple[str, ...] = ()
+    load_seconds: float = 0.0
+    """Wall time from issue to completion of the loads that finished, summed per request."""
+
+
+@dataclass
+class _LoadBatch:
+    req_ids: tuple[str, ...]
+    started: float
+    event: torch.cuda.Event | None
+
+
+@dataclass
+class HostOffloadStore:
+    """Block pages by slot, in (pinned, on CUDA) host memory."""
+
+    tensors: GroupTensors
+    num_pool_blocks: int
+    device: torch.device
+    load_timeout_s: float = 10.0
+    pages: dict[int, BlockPages] = field(default_factory=dict)
+    _in_flight: list[_LoadBatch] = field(default_factory=list)
+    _stream: torch.cuda.Stream | None = None
+
+    def __post_init__(self) -> None:
+        if self.device.type == "cuda":
+            self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(pages.nbytes for pages in self.pages.values())
+
+    def run(self, ops: OffloadOps) -> OffloadReport:
+        """One step's stores, loads and drops; the loads that ended since the last call."""
+        if ops.stores:
+            self._store(ops.stores)
+        failed: list[str] = []
+        if ops.loads:
+            failed = self._load(ops.loads)
+        for slot in ops.drops:
+            self.pages.pop(slot, None)
+        if not self._in_flight and not failed:
+            return OffloadReport()
+        return self._collect(failed)
+
+    def _store(self, stores: Iterable[OffloadStore]) -> None:
+        by_group: dict[int, list[OffloadStore]] = {}
+        for store in stores:
+            by_group.setdefault(store.group_id, []).append(store)
+        for group_id, group_stores in by_group.items():
+            block_ids = [store.block_id for store in group_stores]
+            pages = export_blocks(self.tensors, group_id, block_ids, self.num_pool_blocks)
+            for index, store in enumerate(group_stores):
+                self.pages[store.slot] = pages.block(index)
+
+    def _load(self, loads: Iterable[OffloadLoad]) -> list[str]:
+        """Issue the loads; the requests whose loads could not even start."""
+        by_req: dict[str, list[OffloadLoad]] = {}
+        for load in loads:
+            by_req.setdefault(load.req_id, []).append(load)
+        issued: list[str] = []
+        failed: list[str] = []
+        stream = self._stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # after this step's stores
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for req_id, req_loads in by_req.items():
+                try:
+                    self._load_request(req_loads)
+                except (KeyError, RuntimeError, AssertionError) as error:
+                    logger.warning("offload-tier load of %s failed: %s", req_id, error)
+                    failed.append(req_id)
+                else:
+                    issued.append(req_id)
+        event = None
+        if stream is not None:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+        self._in_flight.append(_LoadBatch(tuple(issued), time.perf_counter(), event))
+        return failed
+
+    def _load_request(self, loads: list[OffloadLoad]) -> None:
+        for load in loads:
+            pages = self.pages[load.slot]
+            assert pages.group_id == load.group_id, "slot of another group"
+            import_blocks(self.tensors, pages, [load.block_id], self.num_pool_blocks)
+
+    def _collect(self, failed: list[str]) -> OffloadReport:
+        """Loads done or past their deadline; a timed-out batch is waited for by the compute
+        stream (its blocks may be reused) and reported failed."""
+        finished: list[str] = []
+        seconds = 0.0
+        now = time.perf_counter()
+        running: list[_LoadBatch] = []
+        for batch in self._in_flight:
+            done = batch.event is None or batch.event.query()  # type: ignore[no-untyped-call]
+            late = now - batch.started > self.load_timeout_s
+            if late:
+                if batch.event is not None:
+                    torch.cuda.current_stream(self.device).wait_event(batch.event)
+                logger.warning("offload-tier loads of %d requests timed out", len(batch.req_ids))
+                failed.extend(batch.req_ids)
+            elif done:
+                finished.extend(batch.req_ids)
+                seconds += (now - batch.started) * len(batch.req_ids)
+            else:
+                running.append(batch)
+        self._in_flight = running
+        return OffloadReport(tuple(finished), tuple(failed), seconds)
+
+    def clear(self) -> None:
+        """Forget every page (the scheduler's index was reset)."""
+        self.pages.clear()
