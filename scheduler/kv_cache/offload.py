@@ -85,7 +85,10 @@ class DeviceOrOffloaded(Mapping[BlockHash, KVCacheBlock]):
 
 
 def group_block_bytes(config: KVCacheConfig) -> tuple[int, ...]:
-    """Bytes one block of each group holds over the group's layers that own memory."""
+    """Bytes one block of each group holds over the group's layers that own memory; 1 per group
+    for a config without a tensor plan (a replay: the tier is then sized in blocks)."""
+    if not config.tensors:
+        return (1,) * len(config.groups)
     group_of = {name: gid for gid, group in enumerate(config.groups) for name in group.layer_names}
     out = [0] * len(config.groups)
     for tensor in config.tensors:
