@@ -22,6 +22,7 @@ from typing import Any
 
 from bench_prefix_sessions import pool_config, session_ops
 
+from scheduler.config import OffloadConfig
 from scheduler.hybrid_capacity import GRANITE_4_H_SMALL, hybrid_layer_specs
 from scheduler.kv_cache.builder import build_kv_cache_config
 from scheduler.kv_cache.manager import CacheHit, KVCacheManager
@@ -134,7 +135,7 @@ def bytes_per_hit(name: str, specs: dict[str, KVCacheSpec]) -> dict[str, int]:
     num_blocks = _pool_blocks(config, longest)
     config = build_kv_cache_config(specs, 64 * GIB, num_blocks_override=num_blocks)
     manager = KVCacheManager(config, max_model_len=longest + 512)
-    manager.enable_offload(16 * num_blocks * sum(group_block_bytes(config)))
+    manager.enable_offload(OffloadConfig(16 * num_blocks * sum(group_block_bytes(config))))
     meter = BytesMeter(manager, config)
     for ops in rounds:
         meter.run(ops)

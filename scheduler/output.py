@@ -48,22 +48,39 @@ class OffloadStore(NamedTuple):
 
 
 class OffloadLoad(NamedTuple):
-    """Copy the offload tier's `slot` into block `block_id` of group `group_id` for request
-    `req_id` (a prefix hit held in the tier); the request waits until the load is reported."""
+    """Copy an offload-tier entry (host `slot`, or disk `file`) into block `block_id` of group
+    `group_id` for request `req_id` (a prefix hit held in the tier); the request waits until
+    the load is reported."""
 
     req_id: str
-    slot: int
     group_id: int
     block_id: int
+    slot: int | None
+    file: str | None = None
+
+
+class OffloadSpill(NamedTuple):
+    """Write the host tier's `slot` to the disk tier's `file` (before the slot is dropped)."""
+
+    slot: int
+    file: str
 
 
 class OffloadOps(NamedTuple):
-    """One step's offload-tier work, run in this order before the step's forward."""
+    """One step's offload-tier work, run before the step's forward in this order: stores,
+    spills, loads, drops, disk drops."""
 
     stores: tuple[OffloadStore, ...] = ()
     loads: tuple[OffloadLoad, ...] = ()
     drops: tuple[int, ...] = ()
-    """Slots the tier no longer holds (after the loads that read them)."""
+    """Host slots the tier no longer holds."""
+    spills: tuple[OffloadSpill, ...] = ()
+    disk_drops: tuple[str, ...] = ()
+    """Disk files the tier no longer holds (deleted)."""
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.stores or self.loads or self.drops or self.spills or self.disk_drops)
 
 
 NO_OFFLOAD_OPS = OffloadOps()

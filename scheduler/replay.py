@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from scheduler.config import OffloadConfig
 from scheduler.kv_cache.eviction import EvictionPolicy
 from scheduler.kv_cache.manager import KVCacheBlocks, KVCacheManager
 from scheduler.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, MambaCacheMode
@@ -117,7 +118,7 @@ def build_manager(trace: dict[str, Any]) -> KVCacheManager:
     if offload_blocks < 0:
         raise ValueError(f"'kv_offloading_blocks' must be >= 0, got {offload_blocks}")
     if offload_blocks:
-        manager.enable_offload(offload_blocks)  # no tensor plan: one unit per group block
+        manager.enable_offload(OffloadConfig(offload_blocks))  # no tensor plan: 1 per block
     return manager
 
 

@@ -50,8 +50,8 @@ class Scheduler:
             eviction=config.prefix_cache_eviction,
             prefix_match_unit=config.prefix_match_unit,
         )
-        if config.kv_offloading_bytes:
-            self.kv_cache_manager.enable_offload(config.kv_offloading_bytes)
+        if config.kv_offloading is not None:
+            self.kv_cache_manager.enable_offload(config.kv_offloading)
         self.requests: dict[str, Request] = {}
         """Unfinished requests (waiting and running) by ID."""
         self.waiting = make_request_queue(config.policy)

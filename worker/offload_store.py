@@ -1,26 +1,29 @@
 """The worker's side of the offload tier: block pages kept in host memory, by the scheduler's slot.
 
 Each step's `OffloadOps` run before anything else of the step, in order: stores (device → host,
-on the compute stream, so they precede the writes of this step's forward), loads (host → device,
-on their own stream on CUDA, so the forward does not wait for them), drops. A request's loads are
-reported done once their copies have completed (on CPU: at once); a load that raises, reads a
-slot this store does not hold, or is still running after `load_timeout_s`, is reported failed,
-and the scheduler recomputes instead.
+on the compute stream, so they precede the writes of this step's forward), spills (host → a
+block file of the disk level), loads (host or file → device, on their own stream on CUDA, so the
+forward does not wait for them), drops, disk drops. A request's loads are reported done once
+their copies have completed (on CPU: at once); a load that raises, reads a slot this store does
+not hold or a file that fails its checks (foreign, truncated, corrupt: one log line), or is
+still running after `load_timeout_s`, is reported failed, and the scheduler recomputes instead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
-from scheduler.output import OffloadLoad, OffloadOps, OffloadStore
+from scheduler.output import OffloadLoad, OffloadOps, OffloadSpill, OffloadStore
 from worker.block_copies import GroupTensors
 from worker.block_export import BlockPages, export_blocks, import_blocks
+from worker.offload_disk import BlockFileError, read_block_file, write_block_file
 
 logger = logging.getLogger(__name__)
 
@@ -66,11 +69,16 @@ class HostOffloadStore:
         """One step's stores, loads and drops; the loads that ended since the last call."""
         if ops.stores:
             self._store(ops.stores)
+        if ops.spills:
+            self._spill(ops.spills)
         failed: list[str] = []
         if ops.loads:
             failed = self._load(ops.loads)
         for slot in ops.drops:
             self.pages.pop(slot, None)
+        for file in ops.disk_drops:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(file)
         if not self._in_flight and not failed:
             return OffloadReport()
         return self._collect(failed)
@@ -84,6 +92,14 @@ class HostOffloadStore:
             pages = export_blocks(self.tensors, group_id, block_ids, self.num_pool_blocks)
             for index, store in enumerate(group_stores):
                 self.pages[store.slot] = pages.block(index)
+
+    def _spill(self, spills: Iterable[OffloadSpill]) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # the stores have landed
+        for spill in spills:
+            pages = self.pages.get(spill.slot)
+            if pages is not None:
+                write_block_file(spill.file, pages)
 
     def _load(self, loads: Iterable[OffloadLoad]) -> list[str]:
         """Issue the loads; the requests whose loads could not even start."""
@@ -99,7 +115,7 @@ class HostOffloadStore:
             for req_id, req_loads in by_req.items():
                 try:
                     self._load_request(req_loads)
-                except (KeyError, RuntimeError, AssertionError) as error:
+                except (KeyError, RuntimeError, AssertionError, BlockFileError) as error:
                     logger.warning("offload-tier load of %s failed: %s", req_id, error)
                     failed.append(req_id)
                 else:
@@ -113,7 +129,11 @@ class HostOffloadStore:
 
     def _load_request(self, loads: list[OffloadLoad]) -> None:
         for load in loads:
-            pages = self.pages[load.slot]
+            if load.file is not None:
+                pages = read_block_file(load.file, load.group_id)
+            else:
+                assert load.slot is not None
+                pages = self.pages[load.slot]
             assert pages.group_id == load.group_id, "slot of another group"
             import_blocks(self.tensors, pages, [load.block_id], self.num_pool_blocks)
 

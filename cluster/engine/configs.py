@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from cluster.config.engine_args import EngineArgs
-from scheduler.config import SchedulerConfig, SchedulingPolicy
+from scheduler.config import OffloadConfig, SchedulerConfig, SchedulingPolicy
 from scheduler.kv_cache.eviction import EvictionPolicy
 
 logger = logging.getLogger(__name__)
@@ -90,7 +90,7 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
         prefix_cache_eviction=EvictionPolicy(args.prefix_cache_eviction),
         prefix_match_unit=args.prefix_match_unit,
         async_scheduling=_async_scheduling(args),
-        kv_offloading_bytes=offload_bytes_per_rank(args),
+        kv_offloading=offload_config(args, model),
     )
     return EngineConfigs(
         model,
@@ -101,11 +101,30 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
     )
 
 
-def offload_bytes_per_rank(args: EngineArgs) -> int:
-    """Bytes of one rank's host offload tier: `kv_offloading_size` GiB over the ranks."""
+def offload_config(args: EngineArgs, model: ModelConfig) -> OffloadConfig | None:
+    """One rank's share of the offload tier (sizes are GiB over all ranks, as vLLM's)."""
     if not args.kv_offloading_size:
-        return 0
-    return int(args.kv_offloading_size * GIB / args.tensor_parallel_size)
+        return None
+    ranks = args.tensor_parallel_size
+    disk_bytes = int((args.kv_offloading_disk_size or 0) * GIB / ranks)
+    return OffloadConfig(
+        host_bytes=int(args.kv_offloading_size * GIB / ranks),
+        disk_dir=args.kv_offloading_dir if disk_bytes else None,
+        disk_bytes=disk_bytes,
+        model_id=model_identity(model, ranks),
+    )
+
+
+def model_identity(model: ModelConfig, tp_size: int) -> str:
+    """The model's weights and numerics as far as the KV cache sees them: its folder's config
+    and weight files (names, sizes, times), dtype and tensor-parallel degree."""
+    folder = Path(model.model_path)
+    weights = sorted(
+        (path.name, path.stat().st_size, path.stat().st_mtime_ns)
+        for path in folder.glob("*.safetensors")
+    )
+    config = (folder / "config.json").read_text() if (folder / "config.json").exists() else ""
+    return repr((config, weights, str(model.dtype), tp_size))
 
 
 def _async_scheduling(args: EngineArgs) -> bool:

@@ -66,9 +66,10 @@ class BlockPool:
     def attach_offload(self, offload: OffloadIndex) -> None:
         """Keep evicted registered blocks in `offload` and let lookups find them there."""
         self.offload = offload
+        host, disk = offload.maps
         self.lookup_maps = [
-            DeviceOrOffloaded(device, offloaded)
-            for device, offloaded in zip(self.hash_maps, offload.maps, strict=True)
+            DeviceOrOffloaded(device, (host[group_id], disk[group_id]))
+            for group_id, device in enumerate(self.hash_maps)
         ]
 
     @property

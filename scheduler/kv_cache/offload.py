@@ -1,46 +1,46 @@
-"""The offload tier below the device pool: the scheduler's index of KV blocks kept in host memory.
+"""The offload tier below the device pool: the scheduler's index of KV blocks kept in host memory
+and, below it, on local disk.
 
 Keys are per group, (group id, block hash), as in the device pool. A block enters the tier when the
 device pool evicts it (`BlockPool.get_new_blocks`), so the tier holds exactly what the device pool
 registered: every block of a full-attention chain, the window blocks a later hit point can reach,
 recurrent states at hit-aligned ends, and the KV of donor layers only (sharing layers own no
-memory). Lookups see device ∪ tier through `DeviceOrOffloaded`; the fixed point over the groups is
-the coordinator's own, so a hit may be partly on the device and partly in the tier.
+memory). Lookups see device ∪ host ∪ disk (`DeviceOrOffloaded`); the fixed point over the groups
+is the coordinator's own, so a hit may be partly on the device and partly in the tier.
 
     device evicts (group, hash) ─► offer ─► OffloadStore(slot, group, block): device → host
-    hit holds an OffloadedBlock ─► fill ─► OffloadLoad(req, slot, group, block): host → device
-    tier full                   ─► LRU entry out (pending loads kept) ─► slot in `drops`
+    host full                   ─► LRU entry ─► OffloadSpill(slot, file): host → disk (or dropped)
+    disk full                   ─► LRU entry ─► its file in `disk_drops`
+    hit holds an OffloadedBlock ─► fill ─► OffloadLoad(req, slot | file, group, block) → device
 
-A loading request's fresh blocks are registered in the device pool when the workers report the
-load done (`finish`); a failed load drops the tier entries it read, so the retry recomputes.
+Entries read by pending loads are never evicted. A loading request's fresh blocks are registered
+in the device pool when the workers report the load done (`finish`); a failed load drops the
+entries it read (a corrupt file included), so the retry recomputes.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+import os
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from scheduler.block_hash import BlockHash
 from scheduler.kv_cache.free_block_queue import KVCacheBlock
-from scheduler.kv_cache.spec import KVCacheConfig
-from scheduler.output import OffloadLoad, OffloadOps, OffloadStore
+from scheduler.kv_cache.offload_levels import (
+    DeviceOrOffloaded,
+    Key,
+    OffloadedBlock,
+    TierLevel,
+    disk_file_name,
+    group_block_bytes,
+    scan_disk_folder,
+)
+from scheduler.output import OffloadLoad, OffloadOps, OffloadSpill, OffloadStore
 
 if TYPE_CHECKING:
     from scheduler.kv_cache.block_pool import BlockPool
 
-
-class OffloadedBlock(KVCacheBlock):
-    """A lookup result held in the tier, not on the device: `slot` names its host copy."""
-
-    __slots__ = ("key", "slot")
-
-    def __init__(self, group_id: int, block_hash: BlockHash, slot: int) -> None:
-        super().__init__(-1)  # never sent to a worker: `fill` swaps it for a device block
-        self.group_id = group_id
-        self.block_hash = block_hash
-        self.key = (group_id, block_hash)
-        self.slot = slot
+__all__ = ["DeviceOrOffloaded", "OffloadIndex", "OffloadedBlock", "group_block_bytes"]
 
 
 class PendingLoad(NamedTuple):
@@ -50,128 +50,105 @@ class PendingLoad(NamedTuple):
     block: KVCacheBlock
 
 
-class DeviceOrOffloaded(Mapping[BlockHash, KVCacheBlock]):
-    """One group's lookup map: the device block under a hash, else its tier entry."""
+class DiskTier(NamedTuple):
+    """Where and how large the disk level is."""
 
-    __slots__ = ("_device", "_offloaded")
-
-    def __init__(
-        self, device: dict[BlockHash, KVCacheBlock], offloaded: dict[BlockHash, OffloadedBlock]
-    ) -> None:
-        self._device = device
-        self._offloaded = offloaded
-
-    def get(self, key: BlockHash, default: KVCacheBlock | None = None) -> KVCacheBlock | None:  # type: ignore[override]
-        block = self._device.get(key)
-        if block is not None:
-            return block
-        return self._offloaded.get(key, default)
-
-    def __getitem__(self, key: BlockHash) -> KVCacheBlock:
-        block = self.get(key)
-        if block is None:
-            raise KeyError(key)
-        return block
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._device or key in self._offloaded
-
-    def __iter__(self) -> Iterator[BlockHash]:
-        yield from self._device
-        yield from (key for key in self._offloaded if key not in self._device)
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-
-def group_block_bytes(config: KVCacheConfig) -> tuple[int, ...]:
-    """Bytes one block of each group holds over the group's layers that own memory; 1 per group
-    for a config without a tensor plan (a replay: the tier is then sized in blocks)."""
-    if not config.tensors:
-        return (1,) * len(config.groups)
-    group_of = {name: gid for gid, group in enumerate(config.groups) for name in group.layer_names}
-    out = [0] * len(config.groups)
-    for tensor in config.tensors:
-        page = tensor.size_bytes // config.num_blocks
-        for name in tensor.shared_by:
-            out[group_of[name]] += page
-    return tuple(out)
+    folder: str
+    """The fingerprint folder: `kv_offloading_dir/<fingerprint>`."""
+    capacity_bytes: int
 
 
 class OffloadCounters(NamedTuple):
-    """Cumulative counters of the tier (never reset on read)."""
+    """Usage now and cumulative counters of the tier (never reset on read)."""
 
     used_bytes: int
     capacity_bytes: int
     num_blocks: int
-    """Entries held now."""
+    """Host entries held now."""
     stored_bytes: int
     loaded_bytes: int
     group_hit_tokens: tuple[int, ...]
     """Per group, tokens of admitted hits served by blocks loaded from the tier."""
     num_failed_loads: int
+    disk_used_bytes: int = 0
+    disk_capacity_bytes: int = 0
+    disk_num_blocks: int = 0
+    disk_loaded_bytes: int = 0
 
 
 class OffloadIndex:
-    """The tier's keys, slots and budget; emits the copies the workers run."""
+    """The tier's keys, slots, files and budgets; emits the copies the workers run."""
 
-    def __init__(self, capacity_bytes: int, block_bytes: Sequence[int], block_sizes: Sequence[int]):
-        if capacity_bytes < 0:
-            raise ValueError(f"offload capacity must be >= 0 bytes, got {capacity_bytes}")
-        self.capacity_bytes = capacity_bytes
+    def __init__(
+        self,
+        capacity_bytes: int,
+        block_bytes: Sequence[int],
+        block_sizes: Sequence[int],
+        disk: DiskTier | None = None,
+    ) -> None:
+        self.host = TierLevel(capacity_bytes, block_bytes)
+        self.disk = TierLevel(disk.capacity_bytes if disk else 0, block_bytes)
+        self.folder = disk.folder if disk else None
         self.block_bytes = tuple(block_bytes)
         self.block_sizes = tuple(block_sizes)
-        self.maps: list[dict[BlockHash, OffloadedBlock]] = [{} for _ in block_bytes]
-        """Per group: hash -> tier entry."""
-        self._lru: OrderedDict[tuple[int, BlockHash], OffloadedBlock] = OrderedDict()
+        self.maps = (self.host.maps, self.disk.maps)
+        """Per level, per group: hash -> entry."""
         self._pending: dict[str, list[PendingLoad]] = {}
-        self._pinned: dict[tuple[int, BlockHash], int] = {}
+        self._pinned: dict[Key, int] = {}
         """Entries read by pending loads (never evicted before the load ends), with a count."""
         self._to_fill: list[tuple[str, list[KVCacheBlock], int]] = []
         """Table entries adopted from the tier that `fill` has not given a device block yet."""
         self._next_slot = 1
-        self.used_bytes = 0
-        self._ops = _OpLists([], [], [])
-        self.stored_bytes = 0
-        self.loaded_bytes = 0
+        self._ops = _OpLists()
+        self.stored_bytes = self.loaded_bytes = self.disk_loaded_bytes = 0
         self.num_failed_loads = 0
         self._group_hit_tokens = [0] * len(self.block_bytes)
+        if self.folder is not None:
+            self._find_files(self.folder)
+
+    def _find_files(self, folder: str) -> None:
+        """Adopt the block files a previous engine of this fingerprint left (newest kept)."""
+        for key in reversed(scan_disk_folder(folder, len(self.block_bytes))):
+            if self.disk.used_bytes + self.block_bytes[key[0]] <= self.disk.capacity_bytes:
+                self.disk.add(OffloadedBlock(key, None, os.path.join(folder, disk_file_name(key))))
+                self.disk.lru.move_to_end(key, last=False)
 
     def offer(self, group_id: int, block_hash: BlockHash, block_id: int) -> None:
         """The device pool evicts this registered block: keep a copy unless the tier has one."""
         key = (group_id, block_hash)
-        if key in self._lru:
-            self._lru.move_to_end(key)
+        for level in (self.host, self.disk):
+            if key in level:
+                level.lru.move_to_end(key)
+                return
+        if not self._make_room(self.host, self.block_bytes[group_id]):
             return
-        size = self.block_bytes[group_id]
-        if not self._make_room(size):
-            return
-        entry = OffloadedBlock(group_id, block_hash, self._next_slot)
+        entry = OffloadedBlock(key, self._next_slot)
         self._next_slot += 1
-        self._lru[key] = entry
-        self.maps[group_id][block_hash] = entry
-        self.used_bytes += size
-        self.stored_bytes += size
-        self._ops.stores.append(OffloadStore(entry.slot, group_id, block_id))
+        self.host.add(entry)
+        self.stored_bytes += self.block_bytes[group_id]
+        self._ops.stores.append(OffloadStore(self._next_slot - 1, group_id, block_id))
 
-    def _make_room(self, size: int) -> bool:
-        """Drop least recently used entries (not those pending loads read) until `size` fits."""
-        if size > self.capacity_bytes:
+    def _make_room(self, level: TierLevel, size: int) -> bool:
+        victims = level.victims(size, self._pinned)
+        if victims is None:
             return False
-        victims = iter(list(self._lru))
-        while self.used_bytes + size > self.capacity_bytes:
-            key = next(victims, None)
-            if key is None:
-                return False
-            if key not in self._pinned:
-                self._remove(key)
+        for key in victims:
+            self._evict(level, key)
         return True
 
-    def _remove(self, key: tuple[int, BlockHash]) -> None:
-        entry = self._lru.pop(key)
-        del self.maps[key[0]][key[1]]
-        self.used_bytes -= self.block_bytes[key[0]]
+    def _evict(self, level: TierLevel, key: Key) -> None:
+        """Out of `level`: a host entry moves to disk when there is one, else is forgotten."""
+        entry = level.remove(key)
+        if entry.file is not None:
+            self._ops.disk_drops.append(entry.file)
+            return
+        assert entry.slot is not None
         self._ops.drops.append(entry.slot)
+        if self.folder is not None and self._make_room(self.disk, self.block_bytes[key[0]]):
+            entry.file = os.path.join(self.folder, disk_file_name(key))
+            self._ops.spills.append(OffloadSpill(entry.slot, entry.file))
+            entry.slot = None
+            self.disk.add(entry)
 
     def adopt(self, pool: BlockPool, table: list[KVCacheBlock], start: int, req_id: str) -> None:
         """A new table starts from a hit (entries from `start` on): touch its device blocks and
@@ -195,9 +172,8 @@ class OffloadIndex:
             (fresh,) = pool.get_new_blocks(1, source.group_id)
             table[index] = fresh
             self._pending.setdefault(req_id, []).append(PendingLoad(source, fresh))
-            self._ops.loads.append(
-                OffloadLoad(req_id, source.slot, source.group_id, fresh.block_id)
-            )
+            load = OffloadLoad(req_id, source.group_id, fresh.block_id, source.slot, source.file)
+            self._ops.loads.append(load)
         self._to_fill.clear()
 
     def is_loading(self, req_id: str) -> bool:
@@ -209,55 +185,83 @@ class OffloadIndex:
         or, after a failure, drop the entries read (their blocks stay unregistered)."""
         for source, block in self._pending.pop(req_id, ()):
             self._unpin(source.key)
+            level = self.disk if source.file is not None else self.host
             if not succeeded:
-                if self._lru.get(source.key) is source:
-                    self._remove(source.key)
+                if level.lru.get(source.key) is source:
+                    self._evict_for_good(level, source.key)
                 continue
-            self.loaded_bytes += self.block_bytes[source.group_id]
+            size = self.block_bytes[source.group_id]
+            self.loaded_bytes += size
+            if source.file is not None:
+                self.disk_loaded_bytes += size
             self._group_hit_tokens[source.group_id] += self.block_sizes[source.group_id]
             pool.register_block(block, source.key[1])
         if not succeeded:
             self.num_failed_loads += 1
+
+    def _evict_for_good(self, level: TierLevel, key: Key) -> None:
+        entry = level.remove(key)
+        if entry.file is not None:
+            self._ops.disk_drops.append(entry.file)
+        elif entry.slot is not None:
+            self._ops.drops.append(entry.slot)
 
     def cancel(self, req_id: str) -> None:
         """The request left while loading: its loads count for nothing."""
         for source, _ in self._pending.pop(req_id, ()):
             self._unpin(source.key)
 
-    def _unpin(self, key: tuple[int, BlockHash]) -> None:
+    def _unpin(self, key: Key) -> None:
         count = self._pinned.pop(key) - 1
         if count:
             self._pinned[key] = count
 
     def take_ops(self) -> OffloadOps:
         """The copies and drops of the step being scheduled (the lists start over)."""
-        ops, self._ops = self._ops, _OpLists([], [], [])
-        return OffloadOps(tuple(ops.stores), tuple(ops.loads), tuple(ops.drops))
+        ops, self._ops = self._ops, _OpLists()
+        return OffloadOps(
+            tuple(ops.stores),
+            tuple(ops.loads),
+            tuple(ops.drops),
+            tuple(ops.spills),
+            tuple(ops.disk_drops),
+        )
 
     def clear(self) -> None:
-        """Forget every entry not read by a pending load (a prefix-cache reset)."""
-        for key in [key for key in self._lru if key not in self._pinned]:
-            self._remove(key)
+        """Forget every entry not read by a pending load, on disk too (a prefix-cache reset)."""
+        for level in (self.host, self.disk):
+            for key in [key for key in level.lru if key not in self._pinned]:
+                self._evict_for_good(level, key)
 
     def counters(self) -> OffloadCounters:
         return OffloadCounters(
-            used_bytes=self.used_bytes,
-            capacity_bytes=self.capacity_bytes,
-            num_blocks=len(self._lru),
+            used_bytes=self.host.used_bytes,
+            capacity_bytes=self.host.capacity_bytes,
+            num_blocks=len(self.host),
             stored_bytes=self.stored_bytes,
             loaded_bytes=self.loaded_bytes,
             group_hit_tokens=tuple(self._group_hit_tokens),
             num_failed_loads=self.num_failed_loads,
+            disk_used_bytes=self.disk.used_bytes,
+            disk_capacity_bytes=self.disk.capacity_bytes,
+            disk_num_blocks=len(self.disk),
+            disk_loaded_bytes=self.disk_loaded_bytes,
         )
 
     def check_invariants(self) -> None:
-        """Bytes and maps agree with the entries (tests)."""
-        assert self.used_bytes == sum(self.block_bytes[g] for g, _ in self._lru)
-        assert self.used_bytes <= self.capacity_bytes or self._pinned
-        assert sum(map(len, self.maps)) == len(self._lru)
+        """Bytes and maps agree with the entries; no key in two levels (tests)."""
+        for level in (self.host, self.disk):
+            level.check()
+            assert level.used_bytes <= level.capacity_bytes or self._pinned
+        assert not set(self.host.lru) & set(self.disk.lru)
 
 
-class _OpLists(NamedTuple):
-    stores: list[OffloadStore]
-    loads: list[OffloadLoad]
-    drops: list[int]
+class _OpLists:
+    __slots__ = ("disk_drops", "drops", "loads", "spills", "stores")
+
+    def __init__(self) -> None:
+        self.stores: list[OffloadStore] = []
+        self.loads: list[OffloadLoad] = []
+        self.drops: list[int] = []
+        self.spills: list[OffloadSpill] = []
+        self.disk_drops: list[str] = []

@@ -89,12 +89,18 @@ def _sessions(path: Path, **kwargs: object) -> tuple[list[list[int]], LLM]:
 
 def _small_pool(path: Path) -> dict[str, int]:
     """A KV budget of one longest request and a few blocks more (read from a throwaway engine's
-    config): far less than three sessions' histories."""
+    config): far less than the sessions' histories."""
+    num_blocks, size = _pool_shape(path)
+    return {"kv_cache_memory_bytes": num_blocks * size}
+
+
+def _pool_shape(path: Path) -> tuple[int, int]:
+    """(blocks of one longest request plus a few, bytes per block) of this model."""
     llm = LLM(str(path), **LLM_ARGS, kv_cache_memory_bytes=1 << 22)
     try:
         config = llm.client.core.scheduler.kv_cache_config  # type: ignore[attr-defined]
         num_blocks = request_blocks(config, LLM_ARGS["max_model_len"]) + SPARE_BLOCKS
-        return {"kv_cache_memory_bytes": num_blocks * block_bytes(config)}
+        return num_blocks, block_bytes(config)
     finally:
         llm.shutdown()
 
@@ -133,3 +139,39 @@ def test_a_failed_or_timed_out_load_recomputes(tmp_path: Path) -> None:
     assert stats.offload is not None
     assert stats.offload.num_failed_loads > 0
     assert stats.offload.loaded_bytes == 0
+
+
+def test_the_disk_tier_is_found_again_after_a_restart_and_bad_files_are_ignored(
+    tmp_path: Path,
+) -> None:
+    """A host tier of two blocks spills to disk; a new engine on the same folder hits the files
+    (tokens equal); after every file is damaged, a third engine loads none and recomputes."""
+    model = tmp_path / "model"
+    save_tiny_model("gemma3", model)
+    num_blocks, size = _pool_shape(model)
+    args = {
+        "kv_cache_memory_bytes": num_blocks * size,
+        "kv_offloading_size": 2 * size / 2**30,
+        "kv_offloading_dir": str(tmp_path / "kv"),
+        "kv_offloading_disk_size": 0.01,
+    }
+    cold, llm = _sessions(model, enable_prefix_caching=False)
+    llm.shutdown()
+    first, llm = _sessions(model, **args)
+    llm.shutdown()
+    assert first == cold
+    files = sorted((tmp_path / "kv").rglob("*.kv"))
+    assert files
+    second, llm = _sessions(model, **args)
+    stats = llm.client.core.get_stats()  # type: ignore[attr-defined]
+    llm.shutdown()
+    assert second == cold
+    assert stats.offload.disk_loaded_bytes > 0
+    for index, file in enumerate(sorted((tmp_path / "kv").rglob("*.kv"))):
+        data = file.read_bytes()
+        file.write_bytes(data[: len(data) // 2] if index % 2 else data[:-8] + b"garbage!")
+    third, llm = _sessions(model, **args)
+    stats = llm.client.core.get_stats()  # type: ignore[attr-defined]
+    llm.shutdown()
+    assert third == cold
+    assert stats.offload.num_failed_loads > 0

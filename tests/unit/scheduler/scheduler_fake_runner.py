@@ -98,6 +98,8 @@ class FakeModelRunner:
         self.fail_loads = False
         """Report every offload-tier load as failed (and write garbage into its blocks)."""
         self.num_loaded_blocks = 0
+        self.files: dict[str, tuple[int, list[int | None]]] = {}
+        """Disk-level block files by name: (group, the block's slot values)."""
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.appends_sampled = out.workers_append_sampled
@@ -131,16 +133,23 @@ class FakeModelRunner:
         )
 
     def _run_offload(self, ops: OffloadOps) -> tuple[tuple[str, ...], tuple[str, ...]]:
-        """Stores, loads, drops, in this order; (requests loaded, requests whose load failed)."""
+        """Stores, spills, loads, drops, disk drops, in this order; (requests loaded, requests
+        whose load failed)."""
         for store in ops.stores:
             assert store.slot not in self.offloaded, store
             bs = self.groups[store.group_id].block_size
             kv = self.kv[store.group_id]
             values = [kv.get(store.block_id * bs + offset) for offset in range(bs)]
             self.offloaded[store.slot] = (store.group_id, values)
+        for spill in ops.spills:
+            self.files[spill.file] = self.offloaded[spill.slot]
         req_ids: dict[str, None] = {}
         for load in ops.loads:
-            group, values = self.offloaded[load.slot]
+            if load.file is not None:
+                group, values = self.files[load.file]
+            else:
+                assert load.slot is not None
+                group, values = self.offloaded[load.slot]
             assert group == load.group_id, load
             bs = self.groups[group].block_size
             for offset, value in enumerate(values):
@@ -153,6 +162,8 @@ class FakeModelRunner:
             self.num_loaded_blocks += 1
         for slot in ops.drops:
             del self.offloaded[slot]
+        for file in ops.disk_drops:
+            del self.files[file]
         if self.fail_loads:
             return (), tuple(req_ids)
         return tuple(req_ids), ()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from kv_cache_helpers import full, make_manager, make_request, window
 
+from scheduler.config import OffloadConfig
 from scheduler.kv_cache.manager import KVCacheManager
 from scheduler.kv_cache.offload import OffloadedBlock
 from scheduler.request import Request
@@ -24,7 +25,7 @@ def _compute(manager: KVCacheManager, request: Request) -> None:
 
 def _manager(num_blocks: int, *specs: object, tier_blocks: int = 100) -> KVCacheManager:
     manager = make_manager(num_blocks, *specs)  # type: ignore[arg-type]
-    manager.enable_offload(tier_blocks * 64)
+    manager.enable_offload(OffloadConfig(tier_blocks * 64))
     return manager
 
 

@@ -9,6 +9,7 @@ from kv_cache_helpers import chunked, full, make_config, window
 from scheduler_drive import drive, make_request, make_scheduler
 from scheduler_fake_runner import FakeModelRunner, reference_tokens
 
+from scheduler.config import OffloadConfig
 from scheduler.kv_cache.spec import KVCacheConfig, KVCacheSpec, MambaCacheMode, MambaSpec
 from scheduler.request import Request
 from scheduler.scheduler import Scheduler
@@ -30,13 +31,15 @@ LAYOUTS: dict[str, tuple[KVCacheSpec, ...]] = {
 }
 
 
-def _scheduler(config: KVCacheConfig, offload_blocks: int) -> Scheduler:
+def _scheduler(
+    config: KVCacheConfig, offload_blocks: int, disk_blocks: int = 0, folder: str = ""
+) -> Scheduler:
+    size = max(_block_bytes(config))
+    offload = None
+    if offload_blocks:
+        offload = OffloadConfig(offload_blocks * size, folder or None, disk_blocks * size)
     return make_scheduler(
-        config,
-        max_model_len=128,
-        max_num_batched_tokens=64,
-        max_num_seqs=4,
-        kv_offloading_bytes=offload_blocks * max(_block_bytes(config)),
+        config, max_model_len=128, max_num_batched_tokens=64, max_num_seqs=4, kv_offloading=offload
     )
 
 
@@ -69,9 +72,11 @@ def _sessions(scheduler: Scheduler, num_sessions: int, turns: int) -> dict[int, 
     return arrivals
 
 
-def _run(layout: str, offload_blocks: int) -> tuple[Scheduler, FakeModelRunner, dict]:
+def _run(
+    layout: str, offload_blocks: int, disk_blocks: int = 0, folder: str = ""
+) -> tuple[Scheduler, FakeModelRunner, dict]:
     config = _with_tensors(40, *LAYOUTS[layout])
-    scheduler = _scheduler(config, offload_blocks)
+    scheduler = _scheduler(config, offload_blocks, disk_blocks, folder)
     runner = FakeModelRunner(config)
     arrivals = _sessions(scheduler, num_sessions=4, turns=3)
     requests = [r for batch in arrivals.values() for r in batch]
@@ -146,3 +151,16 @@ def test_the_tier_evicts_least_recently_used_entries_within_its_size() -> None:
     assert 0 < offload.num_blocks <= 6
     assert offload.used_bytes <= offload.capacity_bytes
     assert len(runner.offloaded) == offload.num_blocks
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_disk_level_below_a_small_host_tier_serves_hits(layout: str, tmp_path) -> None:
+    scheduler, runner, _ = _run(layout, offload_blocks=4, disk_blocks=400, folder=str(tmp_path))
+    offload = scheduler.make_stats().offload
+    assert offload is not None
+    assert offload.disk_loaded_bytes > 0
+    assert offload.disk_num_blocks == len(runner.files)
+    assert all(name.startswith(str(tmp_path)) for name in runner.files)
+    assert scheduler.reset_prefix_cache()
+    runner.execute(scheduler.schedule())
+    assert runner.files == {}

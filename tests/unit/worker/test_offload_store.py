@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
+
+import pytest
 import torch
 
-from scheduler.output import OffloadLoad, OffloadOps, OffloadStore
+from scheduler.output import OffloadLoad, OffloadOps, OffloadSpill, OffloadStore
 from worker.block_export import export_blocks, import_blocks
 from worker.offload_store import HostOffloadStore
 
@@ -35,7 +39,7 @@ def test_store_load_round_trip_and_drop() -> None:
     state = tensors[1][0][2].clone()
     store.run(OffloadOps(stores=(OffloadStore(7, 1, 2),)))
     tensors[1][0][2] = 0  # the pool reuses the block
-    report = store.run(OffloadOps(loads=(OffloadLoad("r", 7, 1, 4),), drops=(7,)))
+    report = store.run(OffloadOps(loads=(OffloadLoad("r", 1, 4, slot=7),), drops=(7,)))
     assert report.finished == ("r",)
     assert report.failed == ()
     assert torch.equal(tensors[1][0][4], state)
@@ -44,7 +48,7 @@ def test_store_load_round_trip_and_drop() -> None:
 
 def test_a_load_of_a_missing_slot_fails() -> None:
     store = HostOffloadStore(_tensors(), NUM_BLOCKS, torch.device("cpu"))
-    report = store.run(OffloadOps(loads=(OffloadLoad("r", 9, 0, 1),)))
+    report = store.run(OffloadOps(loads=(OffloadLoad("r", 0, 1, slot=9),)))
     assert report.failed == ("r",)
     assert report.finished == ()
 
@@ -53,5 +57,56 @@ def test_a_load_past_its_deadline_fails() -> None:
     tensors = _tensors()
     store = HostOffloadStore(tensors, NUM_BLOCKS, torch.device("cpu"), load_timeout_s=0)
     store.run(OffloadOps(stores=(OffloadStore(1, 0, 2),)))
-    report = store.run(OffloadOps(loads=(OffloadLoad("r", 1, 0, 3),)))
+    report = store.run(OffloadOps(loads=(OffloadLoad("r", 0, 3, slot=1),)))
     assert report.failed == ("r",)
+
+
+def _spilled(tmp_path: Path) -> tuple[dict[int, list[torch.Tensor]], HostOffloadStore, str]:
+    """A store whose slot 1 (group 1, block 2) was spilled to a file and dropped from memory."""
+    tensors = _tensors()
+    store = HostOffloadStore(tensors, NUM_BLOCKS, torch.device("cpu"))
+    file = str(tmp_path / "fingerprint" / "g1-ab.kv")
+    store.run(OffloadOps(stores=(OffloadStore(1, 1, 2),)))
+    store.run(OffloadOps(spills=(OffloadSpill(1, file),), drops=(1,)))
+    assert store.pages == {}
+    return tensors, store, file
+
+
+def test_a_spilled_block_loads_back_from_its_file(tmp_path: Path) -> None:
+    tensors, store, file = _spilled(tmp_path)
+    state = tensors[1][0][2].clone()
+    report = store.run(OffloadOps(loads=(OffloadLoad("r", 1, 6, None, file),)))
+    assert report.finished == ("r",)
+    assert torch.equal(tensors[1][0][6], state)
+    store.run(OffloadOps(disk_drops=(file,)))
+    assert not Path(file).exists()
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "foreign", "other_group", "garbage"])
+def test_a_damaged_or_foreign_file_is_never_loaded(
+    tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    tensors, store, file = _spilled(tmp_path)
+    data = bytearray(Path(file).read_bytes())
+    group = 1
+    if damage == "corrupt":
+        data[-9] ^= 0xFF
+    elif damage == "truncated":
+        data = data[: len(data) // 2]
+    elif damage == "foreign":  # a valid file of another fingerprint, copied in
+        other = tmp_path / "another" / "g1-ab.kv"
+        other.parent.mkdir()
+        other.write_bytes(data)
+        file = str(other)
+    elif damage == "other_group":
+        group = 0
+    else:
+        data = bytearray(b"not a block file at all")
+    if damage not in ("foreign", "other_group"):
+        Path(file).write_bytes(data)
+    before = tensors[group][0].clone()
+    with caplog.at_level(logging.WARNING):
+        report = store.run(OffloadOps(loads=(OffloadLoad("r", group, 6, None, file),)))
+    assert report.failed == ("r",)
+    assert torch.equal(tensors[group][0], before)  # nothing was written
+    assert len([r for r in caplog.records if "offload-tier load" in r.getMessage()]) == 1
