@@ -7,7 +7,6 @@ KV cache group -> one shared `BlockPool`. Block lists are always one per group, 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
@@ -20,9 +19,7 @@ from scheduler.kv_cache.coordinator import make_coordinator
 from scheduler.kv_cache.events import OUTLOOK_BLOCKS, EvictionOutlook, KVEventBatch, KVEventSink
 from scheduler.kv_cache.eviction import EvictionPolicy
 from scheduler.kv_cache.miss_reasons import GroupMisses, explain_misses
-from scheduler.kv_cache.offload import DiskTier, OffloadCounters, OffloadedBlock, OffloadIndex
-from scheduler.kv_cache.offload_levels import group_block_bytes as offload_block_bytes
-from scheduler.kv_cache.offload_levels import layout_fingerprint
+from scheduler.kv_cache.offload import OffloadCounters, OffloadedBlock, build_offload_index
 from scheduler.kv_cache.spec import KVCacheConfig, MambaCacheMode, MambaSpec, manager_spec
 from scheduler.kv_cache.window_managers import ChunkedLocalManager, SlidingWindowManager
 from scheduler.output import BlockCopy, OffloadOps, StateSave
@@ -437,20 +434,17 @@ class KVCacheManager:
     def enable_offload(self, config: OffloadConfig) -> None:
         """Keep the blocks the pool evicts in an offload tier (host memory, then disk) and find
         hits there too (`scheduler.kv_cache.offload`); nothing without caching."""
-        if not self.enable_caching or self.pool.offload is not None:
-            return
-        disk = None
-        if config.disk_dir and config.disk_bytes:
-            fingerprint = layout_fingerprint(self._config, config.model_id)
-            disk = DiskTier(os.path.join(config.disk_dir, fingerprint), config.disk_bytes)
-        block_bytes = offload_block_bytes(self._config)
-        index = OffloadIndex(config.host_bytes, block_bytes, self._config.block_sizes, disk)
-        self.pool.attach_offload(index)
+        if self.enable_caching and self.pool.offload is None:
+            index = build_offload_index(self._config, config)
+            index.event_sink = self.pool.event_sink
+            self.pool.attach_offload(index)
 
     def enable_events(self) -> None:
         """Start collecting KV events (prefix-cache keys stored and removed) for `take_events`."""
         if self.pool.event_sink is None and self.enable_caching:
             self.pool.event_sink = KVEventSink(self.num_groups)
+            if self.pool.offload is not None:
+                self.pool.offload.event_sink = self.pool.event_sink
 
     def take_events(self) -> KVEventBatch | None:
         """The KV events since the last take (None: none, or events off)."""

@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
 from scheduler.block_hash import BlockHash
+from scheduler.config import OffloadConfig
+from scheduler.kv_cache.events import KVEventSink
 from scheduler.kv_cache.free_block_queue import KVCacheBlock
 from scheduler.kv_cache.offload_levels import (
     DeviceOrOffloaded,
@@ -33,8 +35,10 @@ from scheduler.kv_cache.offload_levels import (
     TierLevel,
     disk_file_name,
     group_block_bytes,
+    layout_fingerprint,
     scan_disk_folder,
 )
+from scheduler.kv_cache.spec import KVCacheConfig
 from scheduler.output import OffloadLoad, OffloadOps, OffloadSpill, OffloadStore
 
 if TYPE_CHECKING:
@@ -103,6 +107,8 @@ class OffloadIndex:
         self.stored_bytes = self.loaded_bytes = self.disk_loaded_bytes = 0
         self.num_failed_loads = 0
         self._group_hit_tokens = [0] * len(self.block_bytes)
+        self.event_sink: KVEventSink | None = None
+        """Told when a key enters or leaves the tier (KV events); None: off."""
         if self.folder is not None:
             self._find_files(self.folder)
 
@@ -125,6 +131,8 @@ class OffloadIndex:
         entry = OffloadedBlock(key, self._next_slot)
         self._next_slot += 1
         self.host.add(entry)
+        if self.event_sink is not None:
+            self.event_sink.tier_stored(group_id, block_hash)
         self.stored_bytes += self.block_bytes[group_id]
         self._ops.stores.append(OffloadStore(self._next_slot - 1, group_id, block_id))
 
@@ -138,17 +146,19 @@ class OffloadIndex:
 
     def _evict(self, level: TierLevel, key: Key) -> None:
         """Out of `level`: a host entry moves to disk when there is one, else is forgotten."""
-        entry = level.remove(key)
-        if entry.file is not None:
-            self._ops.disk_drops.append(entry.file)
+        if level is self.disk or self.folder is None:
+            self._evict_for_good(level, key)
             return
+        entry = level.remove(key)
         assert entry.slot is not None
         self._ops.drops.append(entry.slot)
-        if self.folder is not None and self._make_room(self.disk, self.block_bytes[key[0]]):
-            entry.file = os.path.join(self.folder, disk_file_name(key))
-            self._ops.spills.append(OffloadSpill(entry.slot, entry.file))
-            entry.slot = None
-            self.disk.add(entry)
+        if not self._make_room(self.disk, self.block_bytes[key[0]]):
+            self._forgotten(key)
+            return
+        entry.file = os.path.join(self.folder, disk_file_name(key))
+        self._ops.spills.append(OffloadSpill(entry.slot, entry.file))
+        entry.slot = None
+        self.disk.add(entry)
 
     def adopt(self, pool: BlockPool, table: list[KVCacheBlock], start: int, req_id: str) -> None:
         """A new table starts from a hit (entries from `start` on): touch its device blocks and
@@ -205,6 +215,11 @@ class OffloadIndex:
             self._ops.disk_drops.append(entry.file)
         elif entry.slot is not None:
             self._ops.drops.append(entry.slot)
+        self._forgotten(key)
+
+    def _forgotten(self, key: Key) -> None:
+        if self.event_sink is not None:
+            self.event_sink.tier_removed(*key)
 
     def cancel(self, req_id: str) -> None:
         """The request left while loading: its loads count for nothing."""
@@ -254,6 +269,17 @@ class OffloadIndex:
             level.check()
             assert level.used_bytes <= level.capacity_bytes or self._pinned
         assert not set(self.host.lru) & set(self.disk.lru)
+
+
+def build_offload_index(kv_config: KVCacheConfig, config: OffloadConfig) -> OffloadIndex:
+    """The tier `config` describes for this KV layout (its disk level in the folder of the
+    layout's fingerprint)."""
+    disk = None
+    if config.disk_dir and config.disk_bytes:
+        fingerprint = layout_fingerprint(kv_config, config.model_id)
+        disk = DiskTier(os.path.join(config.disk_dir, fingerprint), config.disk_bytes)
+    block_bytes = group_block_bytes(kv_config)
+    return OffloadIndex(config.host_bytes, block_bytes, kv_config.block_sizes, disk)
 
 
 class _OpLists:

@@ -99,8 +99,8 @@ class DeviceOrOffloaded(Mapping[BlockHash, KVCacheBlock]):
 
     def __init__(
         self,
-        device: dict[BlockHash, KVCacheBlock],
-        levels: Sequence[dict[BlockHash, OffloadedBlock]],
+        device: Mapping[BlockHash, KVCacheBlock],
+        levels: Sequence[Mapping[BlockHash, KVCacheBlock]],
     ) -> None:
         self._device = device
         self._levels = tuple(levels)
