@@ -58,6 +58,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.loading: dict[str, tuple[Request, CacheHit]] = {}
         """Requests admitted with blocks that wait for their offload-tier loads, by ID."""
+        self._offload_loads = (0.0, 0)
+        """Summed load seconds and loaded requests (cumulative, for metrics)."""
         self.num_preemptions = 0
         self._worker_view = WorkerView(
             self.kv_cache_manager, sends_sampled=not config.async_scheduling
@@ -177,6 +179,7 @@ class Scheduler:
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting) + len(self.loading),
             num_waiting_for_kv_reqs=len(self.loading),
+            offload_loads=self._offload_loads,
             num_preemptions=self.num_preemptions,
         )
 
@@ -279,7 +282,10 @@ class Scheduler:
         """Loaded requests start running; those with a failed load go back to the queue's front
         to recompute what the tier held (its entries are dropped)."""
         manager = self.kv_cache_manager
-        for req_id in model_runner_output.finished_loads:
+        seconds, count = self._offload_loads
+        finished = model_runner_output.finished_loads
+        self._offload_loads = (seconds + model_runner_output.load_seconds, count + len(finished))
+        for req_id in finished:
             request, hit = self.loading.pop(req_id, (None, None))
             if request is not None and hit is not None:
                 manager.finish_load(request, succeeded=True)

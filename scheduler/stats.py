@@ -45,6 +45,10 @@ class SchedulerStats:
     pairs; reasons are `MissReason` values (cumulative)."""
     offload: OffloadCounters | None = None
     """The offload tier's usage, bytes stored and loaded, hit tokens per group (None: no tier)."""
+    offload_load_seconds: float = 0.0
+    """Summed wall time of the requests' offload-tier loads, issue to completion (cumulative)."""
+    num_offload_loads: int = 0
+    """Requests whose offload-tier loads completed (cumulative)."""
 
     @classmethod
     def from_kv_stats(
@@ -55,6 +59,7 @@ class SchedulerStats:
         num_waiting_reqs: int,
         num_preemptions: int,
         num_waiting_for_kv_reqs: int = 0,
+        offload_loads: tuple[float, int] = (0.0, 0),
     ) -> SchedulerStats:
         """Combine the scheduler's counts with a KV cache manager snapshot."""
         return cls(
@@ -70,4 +75,6 @@ class SchedulerStats:
             prefix_cache_misses=kv_stats.group_miss_tokens,
             num_waiting_for_kv_reqs=num_waiting_for_kv_reqs,
             offload=kv_stats.offload,
+            offload_load_seconds=offload_loads[0],
+            num_offload_loads=offload_loads[1],
         )

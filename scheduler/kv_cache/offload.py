@@ -78,6 +78,8 @@ class OffloadCounters(NamedTuple):
     disk_capacity_bytes: int = 0
     disk_num_blocks: int = 0
     disk_loaded_bytes: int = 0
+    disk_stored_bytes: int = 0
+    """Bytes written to the disk level (host entries it took over)."""
 
 
 class OffloadIndex:
@@ -105,6 +107,7 @@ class OffloadIndex:
         self._next_slot = 1
         self._ops = _OpLists()
         self.stored_bytes = self.loaded_bytes = self.disk_loaded_bytes = 0
+        self.disk_stored_bytes = 0
         self.num_failed_loads = 0
         self._group_hit_tokens = [0] * len(self.block_bytes)
         self.event_sink: KVEventSink | None = None
@@ -157,6 +160,7 @@ class OffloadIndex:
             return
         entry.file = os.path.join(self.folder, disk_file_name(key))
         self._ops.spills.append(OffloadSpill(entry.slot, entry.file))
+        self.disk_stored_bytes += self.block_bytes[key[0]]
         entry.slot = None
         self.disk.add(entry)
 
@@ -261,6 +265,7 @@ class OffloadIndex:
             disk_capacity_bytes=self.disk.capacity_bytes,
             disk_num_blocks=len(self.disk),
             disk_loaded_bytes=self.disk_loaded_bytes,
+            disk_stored_bytes=self.disk_stored_bytes,
         )
 
     def check_invariants(self) -> None:
