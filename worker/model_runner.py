@@ -174,7 +174,11 @@ class ModelRunner:
         self._group_tensors = group_tensors(kv_cache_config, self.kv_caches)
         self._num_blocks = kv_cache_config.num_blocks
         self.offload = HostOffloadStore(
-            self._group_tensors, self._num_blocks, self.device, self.config.offload_load_timeout_s
+            self._group_tensors,
+            self._num_blocks,
+            self.device,
+            self.config.offload_load_timeout_s,
+            waits_for_loads=not self.is_driver,
         )
         self._mamba_kernels = select_mamba_kernels(self.config.attention_backend, self.device)
         logger.info(
@@ -202,7 +206,8 @@ class ModelRunner:
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step, after its offload-tier copies; an output with no scheduled tokens only
         updates the states (and reports loads)."""
-        report = self._require_offload().run(scheduler_output.offload)
+        offload = scheduler_output.offload
+        report = self._require_offload().run(offload, scheduler_output.finished_req_ids)
         output = self._run_step(scheduler_output)
         if not (report.finished or report.failed):
             return output

@@ -53,6 +53,9 @@ class HostOffloadStore:
     num_pool_blocks: int
     device: torch.device
     load_timeout_s: float = 10.0
+    waits_for_loads: bool = False
+    """A rank whose reports nobody reads (not rank 0): its forwards wait for its own loads, so
+    a request rank 0 found loaded is loaded here too."""
     pages: dict[int, BlockPages] = field(default_factory=dict)
     _in_flight: list[_LoadBatch] = field(default_factory=list)
     _stream: torch.cuda.Stream | None = None
@@ -65,8 +68,13 @@ class HostOffloadStore:
     def nbytes(self) -> int:
         return sum(pages.nbytes for pages in self.pages.values())
 
-    def run(self, ops: OffloadOps) -> OffloadReport:
-        """One step's stores, loads and drops; the loads that ended since the last call."""
+    def run(self, ops: OffloadOps, finished_req_ids: Iterable[str] = ()) -> OffloadReport:
+        """One step's stores, loads and drops; the loads that ended since the last call.
+
+        The compute stream waits for loads whose blocks may be written by this step's forward:
+        those of requests that finished (aborted while loading: their blocks are free again)
+        and, on a rank that does not report (rank 0 does), every load in flight."""
+        self._fence(set(finished_req_ids))
         if ops.stores:
             self._store(ops.stores)
         if ops.spills:
@@ -136,6 +144,14 @@ class HostOffloadStore:
                 pages = self.pages[load.slot]
             assert pages.group_id == load.group_id, "slot of another group"
             import_blocks(self.tensors, pages, [load.block_id], self.num_pool_blocks)
+
+    def _fence(self, finished: set[str]) -> None:
+        if not self._in_flight or self._stream is None:
+            return
+        compute = torch.cuda.current_stream(self.device)
+        for batch in self._in_flight:
+            if batch.event is not None and (self.waits_for_loads or finished & set(batch.req_ids)):
+                compute.wait_event(batch.event)
 
     def _collect(self, failed: list[str]) -> OffloadReport:
         """Loads done or past their deadline; a timed-out batch is waited for by the compute
