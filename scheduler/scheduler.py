@@ -219,8 +219,11 @@ class Scheduler:
         (or, alone with tokens in flight, waits for them before it is dropped)."""
         while True:
             if len(self.running) == 1:
-                if not request.num_output_placeholders:  # else: wait, its tokens are owed
-                    self._drop_unfittable(request)  # alone and still no room: it never will be
+                # Alone and still no room: it never will be, unless loading requests hold
+                # blocks (they run, and can be preempted, once loaded); a request with tokens
+                # in flight waits for them.
+                if not request.num_output_placeholders and not self.loading:
+                    self._drop_unfittable(request)
                 return None
             victim = self._pick_victim()
             self._preempt(victim, plan)
@@ -257,7 +260,7 @@ class Scheduler:
                 num_new, blocks = self._allocate_shorter_chunk(request, num_new, hit)
             if blocks is not None:
                 self._start_running(self.waiting.pop(), hit, num_new, blocks, plan)
-            elif self.running:
+            elif self.running or self.loading:
                 return  # room comes back as running requests finish
             else:
                 self._drop_unfittable(self.waiting.pop())  # the whole pool cannot hold it
@@ -347,7 +350,8 @@ class Scheduler:
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         """Free every block of `request` and queue it for recomputation at the front."""
         self.running.remove(request)
-        plan.withdraw(request)
+        if plan.withdraw(request):  # its allocation registered blocks this step will not fill
+            self.kv_cache_manager.uncache_uncomputed(request)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0

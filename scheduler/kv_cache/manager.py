@@ -19,7 +19,7 @@ from scheduler.kv_cache.coordinator import make_coordinator
 from scheduler.kv_cache.events import OUTLOOK_BLOCKS, EvictionOutlook, KVEventBatch, KVEventSink
 from scheduler.kv_cache.eviction import EvictionPolicy
 from scheduler.kv_cache.miss_reasons import GroupMisses, explain_misses
-from scheduler.kv_cache.offload import OffloadCounters, OffloadedBlock, build_offload_index
+from scheduler.kv_cache.offload import OffloadCounters, build_offload_index, count_offloaded
 from scheduler.kv_cache.spec import KVCacheConfig, MambaCacheMode, MambaSpec, manager_spec
 from scheduler.kv_cache.window_managers import ChunkedLocalManager, SlidingWindowManager
 from scheduler.output import BlockCopy, OffloadOps, StateSave
@@ -211,9 +211,7 @@ class KVCacheManager:
             group_hits,
             self.alignment_tokens,
         )
-        offloaded = 0
-        if self.pool.offload is not None:
-            offloaded = sum(isinstance(b, OffloadedBlock) for g in blocks.blocks for b in g)
+        offloaded = count_offloaded(blocks.blocks) if self.pool.offload is not None else 0
         return CacheHit(blocks, num_hit, junction, group_hits, misses, offloaded)
 
     def record_lookup(self, request: Request, hit: CacheHit) -> None:
@@ -426,6 +424,10 @@ class KVCacheManager:
             self.pool.evict_blocks(block_ids)
         if self.checkpoints is not None:
             self.checkpoints.forget(req_id, keep_sent=False)
+
+    def uncache_uncomputed(self, request: Request) -> None:
+        """Unregister the request's blocks past its computed tokens (their step was withdrawn)."""
+        self.coordinator.uncache_from(request.req_id, request.num_computed_tokens)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; fails (False) while any request holds blocks."""

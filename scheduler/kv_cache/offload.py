@@ -116,11 +116,17 @@ class OffloadIndex:
             self._find_files(self.folder)
 
     def _find_files(self, folder: str) -> None:
-        """Adopt the block files a previous engine of this fingerprint left (newest kept)."""
-        for key in reversed(scan_disk_folder(folder, len(self.block_bytes))):
-            if self.disk.used_bytes + self.block_bytes[key[0]] <= self.disk.capacity_bytes:
-                self.disk.add(OffloadedBlock(key, None, os.path.join(folder, disk_file_name(key))))
-                self.disk.lru.move_to_end(key, last=False)
+        """Adopt the block files a previous engine of this fingerprint left, newest first while
+        they fit (the others are deleted)."""
+        for found in reversed(scan_disk_folder(folder, len(self.block_bytes))):
+            self._next_slot = max(self._next_slot, found.slot + 1)  # new names never clash
+            size = self.block_bytes[found.key[0]]
+            if (
+                found.key not in self.disk
+                and self.disk.used_bytes + size <= self.disk.capacity_bytes
+            ):
+                self.disk.add(OffloadedBlock(found.key, None, os.path.join(folder, found.name)))
+                self.disk.lru.move_to_end(found.key, last=False)
 
     def offer(self, group_id: int, block_hash: BlockHash, block_id: int) -> None:
         """The device pool evicts this registered block: keep a copy unless the tier has one."""
@@ -158,7 +164,7 @@ class OffloadIndex:
         if not self._make_room(self.disk, self.block_bytes[key[0]]):
             self._forgotten(key)
             return
-        entry.file = os.path.join(self.folder, disk_file_name(key))
+        entry.file = os.path.join(self.folder, disk_file_name(key, entry.slot))
         self._ops.spills.append(OffloadSpill(entry.slot, entry.file))
         self.disk_stored_bytes += self.block_bytes[key[0]]
         entry.slot = None
@@ -274,6 +280,11 @@ class OffloadIndex:
             level.check()
             assert level.used_bytes <= level.capacity_bytes or self._pinned
         assert not set(self.host.lru) & set(self.disk.lru)
+
+
+def count_offloaded(blocks: Sequence[Sequence[KVCacheBlock]]) -> int:
+    """Blocks of a hit (one list per group) held in the tier."""
+    return sum(isinstance(block, OffloadedBlock) for group in blocks for block in group)
 
 
 def build_offload_index(kv_config: KVCacheConfig, config: OffloadConfig) -> OffloadIndex:

@@ -1,7 +1,9 @@
 """The levels of the offload tier (host memory, local disk): entries, budgets and LRU order.
 
 `scheduler.kv_cache.offload` drives two `TierLevel`s; this module knows no ops. A disk level's
-entries are files named after their key, `g<group>-<hash hex>.kv`, in a folder named after the
+entries are files named after their key and the host slot they came from (a name is never
+reused, so writing one entry never meets deleting another), `g<group>-<hash hex>-<slot>.kv`,
+in a folder named after the
 fingerprint of the model, KV layout and dtype, so a restarted engine of the same model finds
 them again (`scan_disk_folder`) and another model's never mix with them.
 """
@@ -12,6 +14,7 @@ import os
 import re
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
+from typing import NamedTuple
 
 import xxhash
 
@@ -22,7 +25,7 @@ from scheduler.kv_cache.spec import KVCacheConfig
 Key = tuple[int, BlockHash]
 """(group id, block hash): the key of a block in every level."""
 
-_FILE_NAME = re.compile(r"^g(\d+)-([0-9a-f]+)\.kv$")
+_FILE_NAME = re.compile(r"^g(\d+)-([0-9a-f]+)-(\d+)\.kv$")
 
 
 class OffloadedBlock(KVCacheBlock):
@@ -154,20 +157,29 @@ def layout_fingerprint(config: KVCacheConfig, model_id: str) -> str:
     return xxhash.xxh3_64_hexdigest(layout.encode())
 
 
-def disk_file_name(key: Key) -> str:
-    return f"g{key[0]}-{key[1].hex()}.kv"
+def disk_file_name(key: Key, slot: int) -> str:
+    return f"g{key[0]}-{key[1].hex()}-{slot}.kv"
 
 
-def scan_disk_folder(folder: str, num_groups: int) -> list[Key]:
-    """Keys of the block files a previous engine left in `folder`, oldest first (other files
-    are left alone)."""
+class FoundFile(NamedTuple):
+    """A block file a previous engine left."""
+
+    key: Key
+    slot: int
+    name: str
+
+
+def scan_disk_folder(folder: str, num_groups: int) -> list[FoundFile]:
+    """The block files a previous engine left in `folder`, oldest first (other files are left
+    alone)."""
     if not os.path.isdir(folder):
         return []
-    found: list[tuple[float, Key]] = []
+    found: list[tuple[float, FoundFile]] = []
     with os.scandir(folder) as entries:
         for entry in entries:
             match = _FILE_NAME.match(entry.name)
             if match is None or int(match[1]) >= num_groups:
                 continue
-            found.append((entry.stat().st_mtime, (int(match[1]), bytes.fromhex(match[2]))))
-    return [key for _, key in sorted(found)]
+            key = (int(match[1]), bytes.fromhex(match[2]))
+            found.append((entry.stat().st_mtime, FoundFile(key, int(match[3]), entry.name)))
+    return [file for _, file in sorted(found)]

@@ -98,6 +98,8 @@ class FakeModelRunner:
         self.fail_loads = False
         """Report every offload-tier load as failed (and write garbage into its blocks)."""
         self.num_loaded_blocks = 0
+        self.loaded_req_ids: set[str] = set()
+        """Requests whose offload-tier loads this runner reported done."""
         self.files: dict[str, tuple[int, list[int | None]]] = {}
         """Disk-level block files by name: (group, the block's slot values)."""
 
@@ -106,7 +108,11 @@ class FakeModelRunner:
         for req_id in out.finished_req_ids:
             self.requests.pop(req_id, None)
         for req_id in out.preempted_req_ids:
-            self._preempt(self.requests[req_id])
+            state = self.requests.get(req_id)
+            if state is None or state.block_ids is None:  # back from loads, preempted unrun
+                assert req_id in self.loaded_req_ids, req_id
+                continue
+            self._preempt(state)
         for new in out.scheduled_new_reqs:
             self._add(new)
         for cached in out.scheduled_cached_reqs:
@@ -166,6 +172,7 @@ class FakeModelRunner:
             del self.files[file]
         if self.fail_loads:
             return (), tuple(req_ids)
+        self.loaded_req_ids.update(req_ids)
         return tuple(req_ids), ()
 
     def _copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
