@@ -6,6 +6,9 @@ Mamba-2 hybrid (Bamba), gated DeltaNet hybrid (Qwen3.5) and short convolution (L
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,6 +22,7 @@ from tests.helpers.tiny_linear_hybrid import save_tiny_linear_hybrid
 from tests.helpers.tiny_models import random_eager_model, save_tiny_model
 
 pytestmark = pytest.mark.parity
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 NUM_SESSIONS = 6
 NUM_ROUNDS = 3
@@ -141,11 +145,31 @@ def test_a_failed_or_timed_out_load_recomputes(tmp_path: Path) -> None:
     assert stats.offload.loaded_bytes == 0
 
 
+def _sessions_in_a_process(model: Path, args: dict[str, object]) -> list[list[int]]:
+    """`_sessions` in a process of its own (which exits before this one goes on)."""
+    script = (
+        "import json, sys\n"
+        "from tests.parity.test_offload_tier import _sessions\n"
+        "tokens, llm = _sessions(sys.argv[1], **json.loads(sys.argv[2]))\n"
+        "llm.shutdown()\n"
+        "print(json.dumps(tokens))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(model), json.dumps(args)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO_ROOT,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
 def test_the_disk_tier_is_found_again_after_a_restart_and_bad_files_are_ignored(
     tmp_path: Path,
 ) -> None:
-    """A host tier of two blocks spills to disk; a new engine on the same folder hits the files
-    (tokens equal); after every file is damaged, a third engine loads none and recomputes."""
+    """A host tier of two blocks spills to disk in another process; an engine in this process
+    on the same folder hits the files (tokens equal); after every file is damaged, a third
+    engine loads none and recomputes."""
     model = tmp_path / "model"
     save_tiny_model("gemma3", model)
     num_blocks, size = _pool_shape(model)
@@ -157,8 +181,7 @@ def test_the_disk_tier_is_found_again_after_a_restart_and_bad_files_are_ignored(
     }
     cold, llm = _sessions(model, enable_prefix_caching=False)
     llm.shutdown()
-    first, llm = _sessions(model, **args)
-    llm.shutdown()
+    first = _sessions_in_a_process(model, args)
     assert first == cold
     files = sorted((tmp_path / "kv").rglob("*.kv"))
     assert files

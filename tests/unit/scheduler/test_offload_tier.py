@@ -164,3 +164,16 @@ def test_a_disk_level_below_a_small_host_tier_serves_hits(layout: str, tmp_path)
     assert scheduler.reset_prefix_cache()
     runner.execute(scheduler.schedule())
     assert runner.files == {}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_tier_hit_is_never_longer_than_a_pool_that_keeps_everything(layout: str) -> None:
+    """The tier holds what the pool registered, nothing more: each request's hit with a small
+    pool and a tier is at most its hit in a pool that never evicts (here: equal)."""
+    small, _, _ = _run(layout, offload_blocks=400)
+    config = _with_tensors(400, *LAYOUTS[layout])
+    scheduler = _scheduler(config, offload_blocks=0)
+    arrivals = _sessions(scheduler, num_sessions=4, turns=3)
+    drive(scheduler, FakeModelRunner(config), arrivals)
+    kept = scheduler.make_stats().prefix_cache_hit_tokens
+    assert small.make_stats().prefix_cache_hit_tokens == kept
