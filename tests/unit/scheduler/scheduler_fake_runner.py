@@ -98,6 +98,9 @@ class FakeModelRunner:
         self.fail_loads = False
         """Report every offload-tier load as failed (and write garbage into its blocks)."""
         self.num_loaded_blocks = 0
+        self.load_steps = 0
+        """Steps after the one that issues them that loads are reported done."""
+        self._slow_loads: list[tuple[int, str]] = []
         self.loaded_req_ids: set[str] = set()
         """Requests whose offload-tier loads this runner reported done."""
         self.files: dict[str, tuple[int, list[int | None]]] = {}
@@ -172,8 +175,11 @@ class FakeModelRunner:
             del self.files[file]
         if self.fail_loads:
             return (), tuple(req_ids)
-        self.loaded_req_ids.update(req_ids)
-        return tuple(req_ids), ()
+        self._slow_loads.extend((self.num_steps + self.load_steps, req_id) for req_id in req_ids)
+        done = tuple(req_id for step, req_id in self._slow_loads if step <= self.num_steps)
+        self._slow_loads = [(step, r) for step, r in self._slow_loads if step > self.num_steps]
+        self.loaded_req_ids.update(done)
+        return done, ()
 
     def _copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
         """Every slot of each source block onto its destination (all read before any write)."""

@@ -177,3 +177,28 @@ def test_a_tier_hit_is_never_longer_than_a_pool_that_keeps_everything(layout: st
     drive(scheduler, FakeModelRunner(config), arrivals)
     kept = scheduler.make_stats().prefix_cache_hit_tokens
     assert small.make_stats().prefix_cache_hit_tokens == kept
+
+
+def test_a_request_waits_for_its_loads_while_others_run() -> None:
+    """Loads reported three steps late: the loading request is counted as waiting for KV and
+    holds its blocks while the others keep being scheduled; its tokens are still right."""
+    config = _with_tensors(40, *LAYOUTS["full+sliding_window"])
+    scheduler = _scheduler(config, offload_blocks=400)
+    runner = FakeModelRunner(config)
+    runner.load_steps = 3
+    spread = _sessions(scheduler, num_sessions=4, turns=3)
+    arrivals: dict[int, list[Request]] = {}
+    for step, batch in spread.items():  # closer together: others run while one loads
+        arrivals.setdefault(step // 4, []).extend(batch)
+    requests = [r for batch in arrivals.values() for r in batch]
+    waits: list[tuple[int, int]] = []
+
+    def watch(step: int, scheduler: Scheduler) -> list[str]:
+        waits.append((scheduler.make_stats().num_waiting_for_kv_reqs, len(scheduler.running)))
+        return []
+
+    result = drive(scheduler, runner, arrivals, hook=watch)
+    for request in requests:
+        expected, _ = reference_tokens(request.prompt_token_ids, request.sampling_params, None, 128)
+        assert result.tokens[request.req_id] == expected
+    assert any(waiting and running for waiting, running in waits)
