@@ -44,9 +44,16 @@ BLOCK = 16
 GIB = 1 << 30
 
 
-def hit_rates(config: dict[str, Any], rounds: list[list[dict[str, Any]]]) -> list[float]:
-    """Hit tokens / prompt tokens of each round's prefills."""
-    replayer = TraceReplayer(build_manager(config))
+def hit_rates(
+    config: dict[str, Any], rounds: list[list[dict[str, Any]]]
+) -> tuple[list[float], int, int]:
+    """Hit tokens / prompt tokens of each round's prefills; blocks the tier stored (copies
+    device -> host when the pool evicts) and blocks the pool registered (what a write-through
+    tier would copy: every block it computes, at registration)."""
+    manager = build_manager(config)
+    manager.enable_events()
+    registered = _count_registrations(manager)
+    replayer = TraceReplayer(manager)
     rates = []
     for ops in rounds:
         records = replayer.run(ops)
@@ -54,7 +61,27 @@ def hit_rates(config: dict[str, Any], rounds: list[list[dict[str, Any]]]) -> lis
         hits = sum(record["hit_tokens"] for record in records if record["op"] == "prefill")
         assert all(record.get("allocated", True) for record in records), "pool too small"
         rates.append(hits / prompts)
-    return rates
+        manager.take_events()
+    offload = manager.make_stats().offload
+    if offload is None:
+        return rates, 0, registered[0]
+    # A block loaded from the tier is registered again, but a write-through tier has it.
+    return rates, offload.stored_bytes, registered[0] - offload.loaded_bytes
+
+
+def _count_registrations(manager: KVCacheManager) -> list[int]:
+    """A counter of the keys the pool registers, kept up to date as the replay runs."""
+    sink = manager.pool.event_sink
+    assert sink is not None
+    count = [0]
+    stored = sink.stored
+
+    def counting(group_id: int, block_hash: bytes) -> None:
+        count[0] += 1
+        stored(group_id, block_hash)
+
+    sink.stored = counting  # type: ignore[method-assign]
+    return count
 
 
 def _interleaved(num_layers: int, period: int, local: KVCacheSpec, global_: KVCacheSpec) -> dict:
@@ -180,9 +207,15 @@ def main() -> None:
     }
     print(f"| {args.sessions} sessions | " + " | ".join(f"r{i + 1}" for i in range(args.rounds)))
     print("|---|" + "---|" * args.rounds)
+    copies: dict[str, tuple[int, int]] = {}
     for case, config in cases.items():
-        rates = hit_rates(config, rounds)
+        rates, *copies[case] = hit_rates(config, rounds)
         print(f"| {case} | " + " | ".join(f"{rate:.3f}" for rate in rates) + " |", flush=True)
+    on_evict, registered = copies["host tier 4x"]
+    print(
+        f"\nblocks copied to the tier: {on_evict} when the pool evicts them, {registered} "
+        "written through at registration"
+    )
     print(
         "\n| layout | tier hits (trace) | loaded / lower bound | "
         "8k-token tier hit: hybrid / non-hybrid bytes |"
