@@ -12,7 +12,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import ErrorDetails
 
 from cluster.config.base import StrictModel
@@ -115,6 +115,16 @@ class EngineArgs(StrictModel):
     """How long the Ray executor's placement group (and, for `hybridserve serve`, each replica)
     may wait for resources other work holds before start-up fails, naming what the cluster has
     free (a Ray executor's group the cluster can never hold fails at once)."""
+
+    @model_validator(mode="after")
+    def _check_offloading(self) -> EngineArgs:
+        if self.kv_offloading_disk_size and not self.kv_offloading_dir:
+            raise ValueError("kv_offloading_disk_size needs kv_offloading_dir (the disk's folder)")
+        if self.kv_offloading_disk_size and not self.kv_offloading_size:
+            raise ValueError(
+                "the disk offload tier sits below host memory: set kv_offloading_size too"
+            )
+        return self
 
 
 def validate_engine_kwargs(kwargs: Mapping[str, object]) -> EngineArgs:

@@ -131,3 +131,17 @@ def test_the_readme_offload_example_and_flags_are_valid_engine_arguments() -> No
     assert (args.kv_offloading_size, args.kv_offloading_disk_size) == (64, 500)
     with pytest.raises(ValueError, match="kv_offloading_size"):
         validate_engine_kwargs({"kv_offloading_size": -1})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"kv_offloading_size": 1, "kv_offloading_disk_size": 5}, "needs kv_offloading_dir"),
+        ({"kv_offloading_dir": "/kv", "kv_offloading_disk_size": 5}, "set kv_offloading_size"),
+    ],
+)
+def test_a_disk_offload_tier_needs_its_folder_and_a_host_tier(kwargs: dict, message: str) -> None:
+    from cluster.config.engine_args import validate_engine_kwargs
+
+    with pytest.raises(ValueError, match=message):
+        validate_engine_kwargs(kwargs)
