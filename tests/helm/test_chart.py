@@ -407,6 +407,9 @@ SERIES = [
     "ray_vllm_num_preemptions_total", "ray_vllm_request_success_total",
     "ray_hybridserve_kv_cache_group_usage_perc", "ray_hybridserve_prefix_cache_group_hits",
     "ray_hybridserve_worker_alive",
+    "ray_vllm_kv_offload_usage_perc", "ray_vllm_kv_offload_bytes_total",
+    "ray_hybridserve_kv_offload_group_hit_tokens", "ray_vllm_num_requests_waiting_for_kvs",
+    "ray_vllm_kv_offload_load_seconds_total", "ray_vllm_kv_offload_failed_loads_total",
 ]  # fmt: skip
 
 
