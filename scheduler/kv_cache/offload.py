@@ -120,13 +120,13 @@ class OffloadIndex:
         they fit (the others are deleted)."""
         for found in reversed(scan_disk_folder(folder, len(self.block_bytes))):
             self._next_slot = max(self._next_slot, found.slot + 1)  # new names never clash
+            path = os.path.join(folder, found.name)
             size = self.block_bytes[found.key[0]]
-            if (
-                found.key not in self.disk
-                and self.disk.used_bytes + size <= self.disk.capacity_bytes
-            ):
-                self.disk.add(OffloadedBlock(found.key, None, os.path.join(folder, found.name)))
-                self.disk.lru.move_to_end(found.key, last=False)
+            if found.key in self.disk or self.disk.used_bytes + size > self.disk.capacity_bytes:
+                self._ops.disk_drops.append(path)  # an older copy, or no room: deleted
+                continue
+            self.disk.add(OffloadedBlock(found.key, None, path))
+            self.disk.lru.move_to_end(found.key, last=False)
 
     def offer(self, group_id: int, block_hash: BlockHash, block_id: int) -> None:
         """The device pool evicts this registered block: keep a copy unless the tier has one."""

@@ -109,3 +109,45 @@ def test_without_a_tier_evicted_blocks_are_gone() -> None:
     _compute(manager, make_request("b", [99] * 9, BLOCK))
     assert manager.take_offload_ops().stores == ()
     assert manager.get_computed_blocks(make_request("a2", prompt, BLOCK)).num_tokens == 8
+
+
+def test_a_new_engine_adopts_the_block_files_of_its_fingerprint_folder(tmp_path) -> None:
+    """Files named after their key (newest kept when a key has two; stray names and other
+    folders ignored); new slots never reuse a name; a hit on them loads from the file."""
+    import os
+    import time
+
+    from scheduler.kv_cache.offload_levels import layout_fingerprint
+
+    prompt = list(range(17))
+    probe = make_manager(6, full(BLOCK))
+    hashes = make_request("x", prompt, BLOCK).block_hashes
+    folder = tmp_path / layout_fingerprint(probe._config, "model-a")
+    folder.mkdir()
+    names = [
+        f"g0-{hashes[0].hex()}-3.kv",
+        f"g0-{hashes[0].hex()}-7.kv",
+        f"g0-{hashes[1].hex()}-5.kv",
+    ]
+    for age, name in enumerate(names):
+        (folder / name).write_bytes(b"x")
+        os.utime(folder / name, (time.time() - 100 + age, time.time() - 100 + age))
+    (folder / "notes.txt").write_text("not a block")
+    (tmp_path / "other-model").mkdir()
+    (tmp_path / "other-model" / f"g0-{hashes[2].hex()}-1.kv").write_bytes(b"x")
+    manager = make_manager(6, full(BLOCK))
+    manager.enable_offload(OffloadConfig(64, str(tmp_path), 64 * 10, "model-a"))
+    offload = manager.make_stats().offload
+    assert offload is not None
+    assert offload.disk_num_blocks == 2
+    assert manager.take_offload_ops().disk_drops == (str(folder / names[0]),)
+    request = make_request("a", prompt, BLOCK)
+    hit = manager.get_computed_blocks(request)
+    assert (hit.num_tokens, hit.num_offloaded_blocks) == (8, 2)
+    assert manager.allocate_slots(request, 0, hit.num_tokens, hit.blocks) is not None
+    loads = manager.take_offload_ops().loads
+    assert [load.file for load in loads] == [str(folder / names[1]), str(folder / names[2])]
+    _compute(manager, make_request("b", [99] * 9, BLOCK))
+    manager.free(request)
+    assert manager.pool.offload is not None
+    assert manager.pool.offload._next_slot > 7
