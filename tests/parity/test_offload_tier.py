@@ -198,3 +198,19 @@ def test_the_disk_tier_is_found_again_after_a_restart_and_bad_files_are_ignored(
     llm.shutdown()
     assert third == cold
     assert stats.offload.num_failed_loads > 0
+
+
+@pytest.mark.parametrize("family", ["gemma3", "bamba"])
+def test_tier_hits_with_async_scheduling_give_the_tokens_of_a_cold_prefill(
+    family: str, tmp_path: Path
+) -> None:
+    SAVERS[family](tmp_path)
+    small = _small_pool(tmp_path)
+    cold, llm = _sessions(tmp_path, enable_prefix_caching=False)
+    llm.shutdown()
+    tiered, llm = _sessions(tmp_path, **small, **TIER, async_scheduling=True)
+    stats = llm.client.core.get_stats()  # type: ignore[attr-defined]
+    llm.shutdown()
+    assert tiered == cold
+    assert stats.offload is not None
+    assert stats.offload.loaded_bytes > 0
