@@ -112,6 +112,8 @@ class OffloadIndex:
         self._group_hit_tokens = [0] * len(self.block_bytes)
         self.event_sink: KVEventSink | None = None
         """Told when a key enters or leaves the tier (KV events); None: off."""
+        self._device_only: set[Key] = set()
+        """Registered keys no tier lookup reads (state checkpoints): not stored when evicted."""
         if self.folder is not None:
             self._find_files(self.folder)
 
@@ -128,9 +130,16 @@ class OffloadIndex:
             self.disk.add(OffloadedBlock(found.key, None, path))
             self.disk.lru.move_to_end(found.key, last=False)
 
+    def keep_on_device(self, group_id: int, block_hash: BlockHash) -> None:
+        """A key only device lookups read (a state checkpoint): its eviction stores nothing."""
+        self._device_only.add((group_id, block_hash))
+
     def offer(self, group_id: int, block_hash: BlockHash, block_id: int) -> None:
         """The device pool evicts this registered block: keep a copy unless the tier has one."""
         key = (group_id, block_hash)
+        if self._device_only and key in self._device_only:
+            self._device_only.discard(key)
+            return
         for level in (self.host, self.disk):
             if key in level:
                 level.lru.move_to_end(key)
@@ -254,6 +263,7 @@ class OffloadIndex:
 
     def clear(self) -> None:
         """Forget every entry not read by a pending load, on disk too (a prefix-cache reset)."""
+        self._device_only.clear()
         for level in (self.host, self.disk):
             for key in [key for key in level.lru if key not in self._pinned]:
                 self._evict_for_good(level, key)

@@ -202,3 +202,29 @@ def test_a_request_waits_for_its_loads_while_others_run() -> None:
         expected, _ = reference_tokens(request.prompt_token_ids, request.sampling_params, None, 128)
         assert result.tokens[request.req_id] == expected
     assert any(waiting and running for waiting, running in waits)
+
+
+def test_state_checkpoints_stay_out_of_the_tier() -> None:
+    """Fine checkpoints (prefix_match_unit) are found on the device only: evicting them
+    stores nothing, while the blocks a hit can read still reach the tier."""
+    from scheduler.kv_cache.checkpoints import checkpoint_keys
+
+    config = _with_tensors(40, *LAYOUTS["full+mamba"])
+    offload = OffloadConfig(400 * max(_block_bytes(config)))
+    scheduler = make_scheduler(
+        config,
+        max_model_len=128,
+        max_num_batched_tokens=64,
+        max_num_seqs=4,
+        kv_offloading=offload,
+        prefix_match_unit=2,
+    )
+    arrivals = _sessions(scheduler, num_sessions=4, turns=3)
+    requests = [r for batch in arrivals.values() for r in batch]
+    drive(scheduler, FakeModelRunner(config), arrivals)
+    index = scheduler.kv_cache_manager.pool.offload
+    assert index is not None
+    tier_keys = {block_hash for _, block_hash in index.host.lru}
+    checkpoints = {k for r in requests for k in checkpoint_keys(r.all_token_ids, 2, None)}
+    assert tier_keys
+    assert not tier_keys & checkpoints

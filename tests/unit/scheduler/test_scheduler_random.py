@@ -282,14 +282,15 @@ def check_outcome(workload: Workload) -> None:
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_an_offload_tier_gives_every_request_its_reference_tokens(async_scheduling: bool) -> None:
     """The random workloads with a host tier of 1 to 40 blocks (and a disk level below it on
-    half the seeds): loads, aborts while loading, preemption and eviction from the tier; the
-    fake runner checks every read of a loaded block."""
+    half the seeds, state checkpoints on a third): loads, aborts while loading, preemption and
+    eviction from the tier; the fake runner checks every read of a loaded block."""
     num_loaded = 0
     for seed in range(150):
         rng = random.Random(-seed)
         disk = ("/kv", rng.randint(1, 40)) if seed % 2 else (None, 0)
         offload = OffloadConfig(rng.randint(1, 40), disk[0], disk[1])
-        workload = Workload(seed, async_scheduling=async_scheduling, offload=offload)
+        unit = rng.randint(1, 3) if seed % 3 == 0 else None  # state checkpoints too
+        workload = Workload(seed, unit, async_scheduling=async_scheduling, offload=offload)
         workload.run()
         check_outcome(workload)
         num_loaded += workload.runner.num_loaded_blocks
