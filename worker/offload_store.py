@@ -2,18 +2,19 @@
 
 Each step's `OffloadOps` run before anything else of the step, in order: stores (device → host,
 on the compute stream, so they precede the writes of this step's forward), spills (host → a
-block file of the disk level), loads (host or file → device, on their own stream on CUDA, so the
-forward does not wait for them), drops, disk drops. A request's loads are reported done once
-their copies have completed (on CPU: at once); a load that raises, reads a slot this store does
-not hold or a file that fails its checks (foreign, truncated, corrupt: one log line), or is
-still running after `load_timeout_s`, is reported failed, and the scheduler recomputes instead.
+block file of the disk level, written by a background thread), loads (host → device on their
+own stream on CUDA, so the forward does not wait for them; block files are read by the
+background thread and imported by a later step), drops, disk drops (by the thread, in order).
+A request's loads are reported done once their copies have completed (on CPU: at once); a load
+that raises, reads a slot this store does not hold or a file that fails its checks (foreign,
+truncated, corrupt: one log line), or is still running after `load_timeout_s`, is reported
+failed, and the scheduler recomputes instead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -23,7 +24,8 @@ import torch
 from scheduler.output import OffloadLoad, OffloadOps, OffloadSpill, OffloadStore
 from worker.block_copies import GroupTensors
 from worker.block_export import BlockPages, export_blocks, import_blocks
-from worker.offload_disk import BlockFileError, read_block_file, write_block_file
+from worker.offload_disk import BlockFileError
+from worker.offload_disk_io import DiskIO
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,8 @@ class HostOffloadStore:
     a request rank 0 found loaded is loaded here too."""
     pages: dict[int, BlockPages] = field(default_factory=dict)
     _in_flight: list[_LoadBatch] = field(default_factory=list)
+    disk_io: DiskIO = field(default_factory=DiskIO)
+    """The disk level's file work, on its own thread."""
     _stream: torch.cuda.Stream | None = None
 
     def __post_init__(self) -> None:
@@ -85,9 +89,8 @@ class HostOffloadStore:
         for slot in ops.drops:
             self.pages.pop(slot, None)
         for file in ops.disk_drops:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(file)
-        if not self._in_flight and not failed:
+            self.disk_io.remove(file)
+        if not self._in_flight and not failed and not self.disk_io.has_reads:
             return OffloadReport()
         return self._collect(failed)
 
@@ -102,12 +105,15 @@ class HostOffloadStore:
                 self.pages[store.slot] = pages.block(index)
 
     def _spill(self, spills: Iterable[OffloadSpill]) -> None:
+        """Hand the slots' pages to the disk thread (it waits for the stores into them)."""
+        stored = None
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()  # the stores have landed
+            stored = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            stored.record(torch.cuda.current_stream(self.device))
         for spill in spills:
             pages = self.pages.get(spill.slot)
             if pages is not None:
-                write_block_file(spill.file, pages)
+                self.disk_io.write(spill.file, pages, stored)
 
     def _load(self, loads: Iterable[OffloadLoad]) -> list[str]:
         """Issue the loads; the requests whose loads could not even start."""
@@ -116,6 +122,8 @@ class HostOffloadStore:
             by_req.setdefault(load.req_id, []).append(load)
         issued: list[str] = []
         failed: list[str] = []
+        for req_id in [r for r, req_loads in by_req.items() if any(x.file for x in req_loads)]:
+            self._read_files(req_id, by_req.pop(req_id))
         stream = self._stream
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))  # after this step's stores
@@ -137,15 +145,38 @@ class HostOffloadStore:
 
     def _load_request(self, loads: list[OffloadLoad]) -> None:
         for load in loads:
-            if load.file is not None:
-                pages = read_block_file(load.file, load.group_id)
-            else:
-                assert load.slot is not None
-                pages = self.pages[load.slot]
-            assert pages.group_id == load.group_id, "slot of another group"
-            import_blocks(self.tensors, pages, [load.block_id], self.num_pool_blocks)
+            assert load.slot is not None
+            self._import(load, self.pages[load.slot])
+
+    def _import(self, load: OffloadLoad, pages: BlockPages) -> None:
+        assert pages.group_id == load.group_id, "pages of another group"
+        import_blocks(self.tensors, pages, [load.block_id], self.num_pool_blocks)
+
+    def _read_files(self, req_id: str, loads: list[OffloadLoad]) -> None:
+        """A request with loads from disk: its files are read off the step (its host slots'
+        pages go along), and all its pages are imported once they are in memory."""
+        self.disk_io.read(req_id, [(x, self.pages.get(x.slot) if x.slot else None) for x in loads])
+
+    def _import_read(self, finished: list[str], failed: list[str]) -> float:
+        """Import the requests whose files are read; their seconds."""
+        ready, late = self.disk_io.take_ready(self.load_timeout_s)
+        failed.extend(late)
+        seconds = 0.0
+        for req_id, loaded, elapsed in ready:
+            try:
+                for load, pages in loaded:
+                    self._import(load, pages)
+            except (AssertionError, RuntimeError) as error:
+                logger.warning("offload-tier load of %s failed: %s", req_id, error)
+                failed.append(req_id)
+                continue
+            finished.append(req_id)
+            seconds += elapsed
+        return seconds
 
     def _fence(self, finished: set[str]) -> None:
+        if finished:
+            self.disk_io.cancel(finished)
         if not self._in_flight or self._stream is None:
             return
         compute = torch.cuda.current_stream(self.device)
@@ -174,6 +205,7 @@ class HostOffloadStore:
             else:
                 running.append(batch)
         self._in_flight = running
+        seconds += self._import_read(finished, failed)
         return OffloadReport(tuple(finished), tuple(failed), seconds)
 
     def clear(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from scheduler.output import OffloadLoad, OffloadOps, OffloadSpill, OffloadStore
 from worker.block_export import export_blocks, import_blocks
-from worker.offload_store import HostOffloadStore
+from worker.offload_store import HostOffloadStore, OffloadReport
 
 NUM_BLOCKS = 8
 
@@ -61,6 +62,16 @@ def test_a_load_past_its_deadline_fails() -> None:
     assert report.failed == ("r",)
 
 
+def _until_reported(store: HostOffloadStore, ops: OffloadOps) -> OffloadReport:
+    """Run `ops`, then empty steps until a load is reported (file reads run on a thread)."""
+    report = store.run(ops)
+    deadline = time.monotonic() + 10
+    while not (report.finished or report.failed) and time.monotonic() < deadline:
+        time.sleep(0.01)
+        report = store.run(OffloadOps())
+    return report
+
+
 def _spilled(tmp_path: Path) -> tuple[dict[int, list[torch.Tensor]], HostOffloadStore, str]:
     """A store whose slot 1 (group 1, block 2) was spilled to a file and dropped from memory."""
     tensors = _tensors()
@@ -69,16 +80,20 @@ def _spilled(tmp_path: Path) -> tuple[dict[int, list[torch.Tensor]], HostOffload
     store.run(OffloadOps(stores=(OffloadStore(1, 1, 2),)))
     store.run(OffloadOps(spills=(OffloadSpill(1, file),), drops=(1,)))
     assert store.pages == {}
+    store.disk_io.read("flush", [])  # the thread works in order: once this is read, so is the file
+    _until_reported(store, OffloadOps())
     return tensors, store, file
 
 
 def test_a_spilled_block_loads_back_from_its_file(tmp_path: Path) -> None:
     tensors, store, file = _spilled(tmp_path)
     state = tensors[1][0][2].clone()
-    report = store.run(OffloadOps(loads=(OffloadLoad("r", 1, 6, None, file),)))
+    report = _until_reported(store, OffloadOps(loads=(OffloadLoad("r", 1, 6, None, file),)))
     assert report.finished == ("r",)
     assert torch.equal(tensors[1][0][6], state)
     store.run(OffloadOps(disk_drops=(file,)))
+    store.disk_io.read("flush", [])
+    _until_reported(store, OffloadOps())
     assert not Path(file).exists()
 
 
@@ -106,7 +121,7 @@ def test_a_damaged_or_foreign_file_is_never_loaded(
         Path(file).write_bytes(data)
     before = tensors[group][0].clone()
     with caplog.at_level(logging.WARNING):
-        report = store.run(OffloadOps(loads=(OffloadLoad("r", group, 6, None, file),)))
+        report = _until_reported(store, OffloadOps(loads=(OffloadLoad("r", group, 6, None, file),)))
     assert report.failed == ("r",)
     assert torch.equal(tensors[group][0], before)  # nothing was written
     assert len([r for r in caplog.records if "offload-tier load" in r.getMessage()]) == 1
