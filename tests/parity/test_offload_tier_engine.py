@@ -149,7 +149,7 @@ def _sessions_in_a_process(model: Path, args: dict[str, object]) -> list[list[in
     """`_sessions` in a process of its own (which exits before this one goes on)."""
     script = (
         "import json, sys\n"
-        "from tests.parity.test_offload_tier import _sessions\n"
+        "from tests.parity.test_offload_tier_engine import _sessions\n"
         "tokens, llm = _sessions(sys.argv[1], **json.loads(sys.argv[2]))\n"
         "llm.shutdown()\n"
         "print(json.dumps(tokens))\n"
