@@ -81,6 +81,7 @@ bench: install
 	$(BIN)/python benchmarks/bench_attention.py
 	$(BIN)/python benchmarks/bench_mamba.py
 	$(BIN)/python benchmarks/bench_routing.py
+	$(BIN)/python benchmarks/bench_offload_tier.py
 
 # The image the Helm chart runs (values.yaml: image.repository, tag = the chart's appVersion),
 # built with docker, podman, nerdctl or buildah, whichever works here (docker/build-image.sh).

@@ -22,6 +22,29 @@ class SchedulingPolicy(enum.Enum):
 
 
 @dataclass(frozen=True)
+class OffloadConfig:
+    """Sizes and place of the offload tier (`scheduler.kv_cache.offload`), for one rank."""
+
+    host_bytes: int
+    """Bytes of host memory for evicted blocks."""
+    disk_dir: str | None = None
+    """Folder of the local-disk level below the host (None: no disk level)."""
+    disk_bytes: int = 0
+    """Bytes of block files the disk level keeps in `disk_dir`."""
+    model_id: str = ""
+    """Names the model's weights in the disk files' fingerprint (with the KV layout and dtype),
+    so files of another model are never read."""
+
+    def __post_init__(self) -> None:
+        if self.host_bytes < 1:
+            raise ValueError(f"the host offload tier needs >= 1 byte, got {self.host_bytes}")
+        if self.disk_bytes < 0:
+            raise ValueError(f"disk_bytes must be >= 0, got {self.disk_bytes}")
+        if self.disk_bytes and not self.disk_dir:
+            raise ValueError("a disk offload tier needs a folder: set kv_offloading_dir")
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     """Limits and policies of one scheduler (one engine)."""
 
@@ -54,6 +77,10 @@ class SchedulerConfig:
     """Schedule step N+1 before step N's sampled tokens are back: a running request's token in
     flight is a placeholder (`Request.num_output_placeholders`), computed tokens advance
     optimistically, and the workers append the tokens they sample themselves."""
+
+    kv_offloading: OffloadConfig | None = None
+    """The offload tier below the device pool (None: none): blocks the pool evicts are kept in
+    host memory (and on local disk below it) and prefix hits load them back."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

@@ -38,6 +38,55 @@ class StateSave(NamedTuple):
     block_id: int
 
 
+class OffloadStore(NamedTuple):
+    """Copy block `block_id` of group `group_id` (every layer owning memory) into the offload
+    tier's `slot`, before the step writes anything (the device pool just evicted it)."""
+
+    slot: int
+    group_id: int
+    block_id: int
+
+
+class OffloadLoad(NamedTuple):
+    """Copy an offload-tier entry (host `slot`, or disk `file`) into block `block_id` of group
+    `group_id` for request `req_id` (a prefix hit held in the tier); the request waits until
+    the load is reported."""
+
+    req_id: str
+    group_id: int
+    block_id: int
+    slot: int | None
+    file: str | None = None
+
+
+class OffloadSpill(NamedTuple):
+    """Write the host tier's `slot` to the disk tier's `file` (before the slot is dropped)."""
+
+    slot: int
+    file: str
+
+
+class OffloadOps(NamedTuple):
+    """One step's offload-tier work, run before the step's forward in this order: stores,
+    spills, loads, drops, disk drops."""
+
+    stores: tuple[OffloadStore, ...] = ()
+    loads: tuple[OffloadLoad, ...] = ()
+    drops: tuple[int, ...] = ()
+    """Host slots the tier no longer holds."""
+    spills: tuple[OffloadSpill, ...] = ()
+    disk_drops: tuple[str, ...] = ()
+    """Disk files the tier no longer holds (deleted)."""
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.stores or self.loads or self.drops or self.spills or self.disk_drops)
+
+
+NO_OFFLOAD_OPS = OffloadOps()
+"""A step without offload-tier work."""
+
+
 @dataclass(frozen=True)
 class NewRequestData:
     """A request the workers have not seen: everything they need to run it."""
@@ -107,6 +156,8 @@ class SchedulerOutput:
     """Recurrent states to keep at positions inside (or at the end of) this step's tokens."""
     copies_after_step: tuple[BlockCopy, ...] = ()
     """Block copies to run after the step's forward (attention pages of new checkpoints)."""
+    offload: OffloadOps = NO_OFFLOAD_OPS
+    """Copies between the device pool and the offload tier (before the forward)."""
     grammar_bitmask: GrammarBitmask | None = None
     """Allowed tokens of the constrained requests that sample this step (set by the engine)."""
     workers_append_sampled: bool = False
@@ -143,6 +194,12 @@ class ModelRunnerOutput:
     """Per request: logprobs of the sampled tokens, when the request asked for them."""
     prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None
     """Per request: logprobs of the prompt tokens computed this step (position 0 has none)."""
+    finished_loads: tuple[str, ...] = ()
+    """Requests whose offload-tier loads all completed (their blocks hold the hit)."""
+    failed_loads: tuple[str, ...] = ()
+    """Requests with an offload-tier load that failed or timed out (they recompute)."""
+    load_seconds: float = 0.0
+    """Wall time of the offload-tier loads completed this step."""
 
 
 class FinishReason(enum.Enum):

@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from scheduler.config import OffloadConfig
 from scheduler.kv_cache.eviction import EvictionPolicy
 from scheduler.kv_cache.manager import KVCacheBlocks, KVCacheManager
 from scheduler.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, MambaCacheMode
@@ -103,7 +104,7 @@ def build_manager(trace: dict[str, Any]) -> KVCacheManager:
     unit = trace.get("prefix_match_unit")
     if unit is not None and (not isinstance(unit, int) or isinstance(unit, bool) or unit < 1):
         raise ValueError(f"'prefix_match_unit' must be an integer >= 1, got {unit!r}")
-    return KVCacheManager(
+    manager = KVCacheManager(
         config,
         max_model_len=_get_int(trace, "max_model_len"),
         prefix_match_unit=unit,
@@ -113,6 +114,12 @@ def build_manager(trace: dict[str, Any]) -> KVCacheManager:
             _get_choice(trace, "prefix_cache_eviction", "chain", EvictionPolicy)
         ),
     )
+    offload_blocks = _get_int(trace, "kv_offloading_blocks", 0)
+    if offload_blocks < 0:
+        raise ValueError(f"'kv_offloading_blocks' must be >= 0, got {offload_blocks}")
+    if offload_blocks:
+        manager.enable_offload(OffloadConfig(offload_blocks))  # no tensor plan: 1 per block
+    return manager
 
 
 def _get_choice(trace: dict[str, Any], key: str, default: str, choices: type[enum.Enum]) -> str:
@@ -154,6 +161,7 @@ class TraceReplayer:
         evictions = self.manager.pool.num_evictions
         record: Record = {"op_index": index, "op": name, "id": req_id}
         record.update(handlers[name](req_id, op))
+        self.manager.take_offload_ops()  # the copies a worker would run: none here
         record["free_blocks"] = self.manager.num_free_blocks
         record["evicted"] = self.manager.pool.num_evictions - evictions
         return record
@@ -191,6 +199,7 @@ class TraceReplayer:
             self.requests[req_id] = request
         return {
             "hit_tokens": hit.num_tokens,
+            "offloaded_blocks": hit.num_offloaded_blocks,
             "allocated": allocated,
             "block_ids": self._table(req_id),
             "chunks": chunks or [],
@@ -228,6 +237,8 @@ class TraceReplayer:
             if new_blocks is None:
                 manager.free(request)
                 return None
+            if first and num_hit:
+                manager.finish_load(request, succeeded=True)  # loads are instant here
             computed += size
             request.num_computed_tokens = computed
             chunks.append(size)

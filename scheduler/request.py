@@ -21,6 +21,8 @@ class RequestStatus(enum.Enum):
     """Life cycle of a request inside the scheduler."""
 
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"
+    """Admitted with a prefix hit held in the offload tier: waits for its loads."""
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "finished_stopped"

@@ -50,10 +50,16 @@ class Scheduler:
             eviction=config.prefix_cache_eviction,
             prefix_match_unit=config.prefix_match_unit,
         )
+        if config.kv_offloading is not None:
+            self.kv_cache_manager.enable_offload(config.kv_offloading)
         self.requests: dict[str, Request] = {}
         """Unfinished requests (waiting and running) by ID."""
         self.waiting = make_request_queue(config.policy)
         self.running: list[Request] = []
+        self.loading: dict[str, tuple[Request, CacheHit]] = {}
+        """Requests admitted with blocks that wait for their offload-tier loads, by ID."""
+        self._offload_loads = (0.0, 0)
+        """Summed load seconds and loaded requests (cumulative, for metrics)."""
         self.num_preemptions = 0
         self._worker_view = WorkerView(
             self.kv_cache_manager, sends_sampled=not config.async_scheduling
@@ -96,6 +102,8 @@ class Scheduler:
         prompt_logprobs = model_runner_output.prompt_logprobs
         in_flight = self.config.async_scheduling
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self.loading:
+            self._end_loads(model_runner_output)
         finished: list[Request] = []
         for req_id, token_ids in zip(
             model_runner_output.req_ids, model_runner_output.sampled_token_ids, strict=True
@@ -134,10 +142,11 @@ class Scheduler:
             if request is None:
                 continue
             was_running = request.status is RequestStatus.RUNNING
-            if not was_running:
+            was_loading = self.loading.pop(req_id, None) is not None
+            if not was_running and not was_loading:
                 waiting_ids.append(req_id)
             request.status = RequestStatus.FINISHED_ABORTED
-            self._release(request, holds_blocks=was_running)
+            self._release(request, holds_blocks=was_running or was_loading)
             outputs.append(make_step_output(request, [], (FinishReason.ABORT, None)))
         if waiting_ids:
             self.waiting.remove(waiting_ids)
@@ -168,7 +177,9 @@ class Scheduler:
         return SchedulerStats.from_kv_stats(
             self.kv_cache_manager.make_stats(),
             num_running_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting),
+            num_waiting_reqs=len(self.waiting) + len(self.loading),
+            num_waiting_for_kv_reqs=len(self.loading),
+            offload_loads=self._offload_loads,
             num_preemptions=self.num_preemptions,
         )
 
@@ -208,8 +219,11 @@ class Scheduler:
         (or, alone with tokens in flight, waits for them before it is dropped)."""
         while True:
             if len(self.running) == 1:
-                if not request.num_output_placeholders:  # else: wait, its tokens are owed
-                    self._drop_unfittable(request)  # alone and still no room: it never will be
+                # Alone and still no room: it never will be, unless loading requests hold
+                # blocks (they run, and can be preempted, once loaded); a request with tokens
+                # in flight waits for them.
+                if not request.num_output_placeholders and not self.loading:
+                    self._drop_unfittable(request)
                 return None
             victim = self._pick_victim()
             self._preempt(victim, plan)
@@ -222,13 +236,22 @@ class Scheduler:
     def _schedule_waiting(self, plan: StepPlan) -> None:
         """Admit waiting requests in queue order while budget, seats and blocks last."""
         manager = self.kv_cache_manager
-        while self.waiting and plan.budget > 0 and len(self.running) < self.config.max_num_seqs:
+        max_num_seqs = self.config.max_num_seqs
+        while (
+            self.waiting
+            and plan.budget > 0
+            and len(self.running) + len(self.loading) < max_num_seqs
+        ):
             request = self.waiting.peek()
             if request.num_output_placeholders:
                 return  # preempted with a token in flight: it resumes once the token is back
             hit = manager.get_computed_blocks(request)
             if manager.needs_block_aligned_prefill:
                 self._junction_tokens[request.req_id] = hit.junction_tokens
+            if hit.num_offloaded_blocks:
+                if not self._start_loading(request, hit):
+                    return  # room comes back as running requests finish
+                continue
             num_new = self._num_new_tokens(request, hit.num_tokens, plan.budget)
             if num_new == 0:
                 return
@@ -237,10 +260,53 @@ class Scheduler:
                 num_new, blocks = self._allocate_shorter_chunk(request, num_new, hit)
             if blocks is not None:
                 self._start_running(self.waiting.pop(), hit, num_new, blocks, plan)
-            elif self.running:
+            elif self.running or self.loading:
                 return  # room comes back as running requests finish
             else:
                 self._drop_unfittable(self.waiting.pop())  # the whole pool cannot hold it
+
+    def _start_loading(self, request: Request, hit: CacheHit) -> bool:
+        """Admit the queue's head, whose hit is partly in the offload tier: it takes the hit's
+        blocks and waits (other requests run) until the workers report the loads. False: no
+        room now (a request that could never fit is finished instead)."""
+        manager = self.kv_cache_manager
+        if manager.allocate_slots(request, 0, hit.num_tokens, hit.blocks) is None:
+            if self.running or self.loading:
+                return False
+            self._drop_unfittable(self.waiting.pop())
+            return True
+        self.waiting.pop()
+        request.status = RequestStatus.WAITING_FOR_KV
+        request.num_computed_tokens = hit.num_tokens
+        self.loading[request.req_id] = (request, hit)
+        return True
+
+    def _end_loads(self, model_runner_output: ModelRunnerOutput) -> None:
+        """Loaded requests start running; those with a failed load go back to the queue's front
+        to recompute what the tier held (its entries are dropped)."""
+        manager = self.kv_cache_manager
+        seconds, count = self._offload_loads
+        finished = model_runner_output.finished_loads
+        self._offload_loads = (seconds + model_runner_output.load_seconds, count + len(finished))
+        for req_id in finished:
+            request, hit = self.loading.pop(req_id, (None, None))
+            if request is not None and hit is not None:
+                manager.finish_load(request, succeeded=True)
+                manager.record_lookup(request, hit)
+                request.status = RequestStatus.RUNNING
+                if request.num_cached_tokens is None:
+                    request.num_cached_tokens = hit.num_tokens
+                self.running.append(request)
+        for req_id in model_runner_output.failed_loads:
+            request, _ = self.loading.pop(req_id, (None, None))
+            if request is not None:
+                logger.warning("offload-tier load of %s failed: it recomputes", req_id)
+                manager.finish_load(request, succeeded=False)
+                manager.free(request)
+                request.status = RequestStatus.WAITING
+                request.num_computed_tokens = 0
+                self._junction_tokens.pop(req_id, None)
+                self.waiting.prepend(request)
 
     def _allocate_shorter_chunk(
         self, request: Request, num_new: int, hit: CacheHit | None = None
@@ -284,7 +350,8 @@ class Scheduler:
     def _preempt(self, request: Request, plan: StepPlan) -> None:
         """Free every block of `request` and queue it for recomputation at the front."""
         self.running.remove(request)
-        plan.withdraw(request)
+        if plan.withdraw(request):  # its allocation registered blocks this step will not fill
+            self.kv_cache_manager.uncache_uncomputed(request)
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -324,6 +391,7 @@ class Scheduler:
             copies_before_step=tuple(before),
             state_saves=tuple(saves),
             copies_after_step=tuple(after),
+            offload=self.kv_cache_manager.take_offload_ops(),
             workers_append_sampled=run_ahead,
         )
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from scheduler.kv_cache.manager import KVCacheStats
+    from scheduler.kv_cache.offload import OffloadCounters
 
 
 @dataclass(frozen=True)
@@ -37,9 +38,17 @@ class SchedulerStats:
     """Requests preempted since the scheduler started (cumulative)."""
     num_evictions: int
     """Cached blocks evicted to make room since the scheduler started (cumulative)."""
+    num_waiting_for_kv_reqs: int = 0
+    """Admitted requests waiting for their offload-tier loads (counted in `num_waiting_reqs`)."""
     prefix_cache_misses: tuple[tuple[tuple[str, int], ...], ...] = ()
     """Per group: tokens of admitted lookups the group could not serve, as (reason, tokens)
     pairs; reasons are `MissReason` values (cumulative)."""
+    offload: OffloadCounters | None = None
+    """The offload tier's usage, bytes stored and loaded, hit tokens per group (None: no tier)."""
+    offload_load_seconds: float = 0.0
+    """Summed wall time of the requests' offload-tier loads, issue to completion (cumulative)."""
+    num_offload_loads: int = 0
+    """Requests whose offload-tier loads completed (cumulative)."""
 
     @classmethod
     def from_kv_stats(
@@ -49,6 +58,8 @@ class SchedulerStats:
         num_running_reqs: int,
         num_waiting_reqs: int,
         num_preemptions: int,
+        num_waiting_for_kv_reqs: int = 0,
+        offload_loads: tuple[float, int] = (0.0, 0),
     ) -> SchedulerStats:
         """Combine the scheduler's counts with a KV cache manager snapshot."""
         return cls(
@@ -62,4 +73,8 @@ class SchedulerStats:
             num_preemptions=num_preemptions,
             num_evictions=kv_stats.num_evictions,
             prefix_cache_misses=kv_stats.group_miss_tokens,
+            num_waiting_for_kv_reqs=num_waiting_for_kv_reqs,
+            offload=kv_stats.offload,
+            offload_load_seconds=offload_loads[0],
+            num_offload_loads=offload_loads[1],
         )

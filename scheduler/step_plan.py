@@ -36,14 +36,15 @@ class StepPlan:
         self.new_blocks[request.req_id] = new_blocks
         self.budget -= num_tokens
 
-    def withdraw(self, request: Request) -> None:
-        """Undo `add` for a request preempted after it was scheduled (no-op otherwise)."""
+    def withdraw(self, request: Request) -> bool:
+        """Undo `add` for a request preempted after it was scheduled; False: it was not."""
         num_tokens = self.num_scheduled_tokens.pop(request.req_id, None)
         if num_tokens is None:
-            return
+            return False
         self.budget += num_tokens
         del self.new_blocks[request.req_id]
         self.scheduled.remove(request)
+        return True
 
     @property
     def total_num_scheduled_tokens(self) -> int:

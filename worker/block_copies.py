@@ -52,12 +52,13 @@ def copy_blocks(copies: Iterable[BlockCopy], tensors: GroupTensors, num_blocks: 
     for group_id, (sources, targets) in by_group.items():
         for tensor in tensors[group_id]:
             split = tensor.shape[0] // num_blocks
-            src = _rows(sources, split, tensor.device)
-            dst = _rows(targets, split, tensor.device)
+            src = block_rows(sources, split, tensor.device)
+            dst = block_rows(targets, split, tensor.device)
             tensor[dst] = tensor[src]
 
 
-def _rows(blocks: list[int], split: int, device: torch.device) -> torch.Tensor:
+def block_rows(blocks: list[int], split: int, device: torch.device) -> torch.Tensor:
+    """Leading-dimension rows of these pool blocks in a tensor with `split` rows per block."""
     ids = torch.tensor(blocks, dtype=torch.int64, device=device)
     if split == 1:
         return ids

@@ -48,6 +48,7 @@ from worker.kv_cache import (
 from worker.mamba_cache import mamba_layers, model_order_specs
 from worker.mamba_metadata import build_mamba_metadata, checkpoint_cuts, mamba_group_modes
 from worker.metadata_transforms import StepRows
+from worker.offload_store import HostOffloadStore
 from worker.runner_config import RunnerConfig
 from worker.sampler import Sampler, to_token_logprobs
 from worker.sampling_state import SamplingState
@@ -122,6 +123,8 @@ class ModelRunner:
         self._group_tensors: GroupTensors = {}
         """Every cache tensor of each KV cache group (block copies)."""
         self._num_blocks = 0
+        self.offload: HostOffloadStore | None = None
+        """Block pages of the offload tier in host memory (after `initialize_kv_cache`)."""
         self.states: RequestStates | None = None
         self.build_stats = MetadataBuildStats()
         self._backends: dict[tuple[int, KernelNeeds], AttentionBackend] = {}
@@ -170,6 +173,13 @@ class ModelRunner:
         self._mamba_modes = mamba_group_modes(kv_cache_config)
         self._group_tensors = group_tensors(kv_cache_config, self.kv_caches)
         self._num_blocks = kv_cache_config.num_blocks
+        self.offload = HostOffloadStore(
+            self._group_tensors,
+            self._num_blocks,
+            self.device,
+            self.config.offload_load_timeout_s,
+            waits_for_loads=not self.is_driver,
+        )
         self._mamba_kernels = select_mamba_kernels(self.config.attention_backend, self.device)
         logger.info(
             "KV cache bound: %d KV cache groups, %d attention groups, kernel block sizes %s",
@@ -194,7 +204,21 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step; an output with no scheduled tokens only updates the states."""
+        """Run one step, after its offload-tier copies; an output with no scheduled tokens only
+        updates the states (and reports loads)."""
+        offload = scheduler_output.offload
+        report = self._require_offload().run(offload, scheduler_output.finished_req_ids)
+        output = self._run_step(scheduler_output)
+        if not (report.finished or report.failed):
+            return output
+        return replace(
+            output,
+            finished_loads=report.finished,
+            failed_loads=report.failed,
+            load_seconds=report.load_seconds,
+        )
+
+    def _run_step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         states = self._require_states()
         states.update(scheduler_output)
         self.sampling_state.update(scheduler_output)
@@ -249,6 +273,11 @@ class ModelRunner:
         return batch_order(
             req_ids, self._require_states(), num_scheduled, self.config.reorder_batch_threshold
         )
+
+    def _require_offload(self) -> HostOffloadStore:
+        if self.offload is None:
+            raise RuntimeError("initialize_kv_cache must be called before execute")
+        return self.offload
 
     def _require_states(self) -> RequestStates:
         if self.states is None:

@@ -43,7 +43,15 @@ class RunnerConfig:
     Mamba groups), "align" (states at block ends where prefill chunks end; the scheduler splits
     prefills on the hit-alignment grid) or "all" (a state at every block end)."""
 
+    offload_load_timeout_s: float = 10.0
+    """Seconds an offload-tier load may take before it counts as failed (the request then
+    recomputes what it would have loaded)."""
+
     def __post_init__(self) -> None:
+        if self.offload_load_timeout_s < 0:
+            raise ValueError(
+                f"offload_load_timeout_s must be >= 0, got {self.offload_load_timeout_s}"
+            )
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.max_num_seqs < 1:

@@ -12,7 +12,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import ErrorDetails
 
 from cluster.config.base import StrictModel
@@ -73,6 +73,20 @@ class EngineArgs(StrictModel):
     CPU)."""
     kv_cache_memory_bytes: int | None = None
     """KV cache budget per rank; default measured on GPU, 1 GiB on CPU."""
+    kv_offloading_backend: Literal["native"] = "native"
+    """Backend of the KV offload tier below the device pool: native (this engine's own host
+    memory tier, hybrid-aware: only what a prefix hit can use is kept and moved)."""
+    kv_offloading_size: float | None = Field(None, ge=0)
+    """GiB of host memory for the KV offload tier, summed over the tensor-parallel ranks (as
+    vLLM's); blocks the device pool evicts are kept there and prefix hits load them back.
+    None or 0: no tier."""
+    kv_offloading_dir: str | None = None
+    """Folder of a local-disk tier below the host tier (survives restarts of a replica on the
+    same node); None: no disk tier."""
+    kv_offloading_disk_size: float | None = Field(None, ge=0)
+    """GiB of the disk tier in `kv_offloading_dir`, summed over the ranks."""
+    kv_offloading_load_timeout_s: float = Field(10.0, ge=0)
+    """Seconds a load from the offload tier may take before the request recomputes instead."""
     seed: int = 0
     """Seed of the sampler for requests without their own seed."""
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
@@ -104,6 +118,16 @@ class EngineArgs(StrictModel):
     """How long the Ray executor's placement group (and, for `hybridserve serve`, each replica)
     may wait for resources other work holds before start-up fails, naming what the cluster has
     free (a Ray executor's group the cluster can never hold fails at once)."""
+
+    @model_validator(mode="after")
+    def _check_offloading(self) -> EngineArgs:
+        if self.kv_offloading_disk_size and not self.kv_offloading_dir:
+            raise ValueError("kv_offloading_disk_size needs kv_offloading_dir (the disk's folder)")
+        if self.kv_offloading_disk_size and not self.kv_offloading_size:
+            raise ValueError(
+                "the disk offload tier sits below host memory: set kv_offloading_size too"
+            )
+        return self
 
 
 def validate_engine_kwargs(kwargs: Mapping[str, object]) -> EngineArgs:

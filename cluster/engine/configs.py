@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from cluster.config.engine_args import EngineArgs
-from scheduler.config import SchedulerConfig, SchedulingPolicy
+from scheduler.config import OffloadConfig, SchedulerConfig, SchedulingPolicy
 from scheduler.kv_cache.eviction import EvictionPolicy
 
 logger = logging.getLogger(__name__)
@@ -22,6 +22,7 @@ if TYPE_CHECKING:  # torch-heavy: imported where the workers run, not by callers
     from worker.runner_config import RunnerConfig
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+GIB = 1 << 30
 
 
 class EngineConfigs(NamedTuple):
@@ -76,6 +77,7 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
         kv_sharing_fast_prefill=args.kv_sharing_fast_prefill,
         load_format=args.load_format,
         mamba_cache_mode=args.mamba_cache_mode if args.enable_prefix_caching else "none",
+        offload_load_timeout_s=args.kv_offloading_load_timeout_s,
     )
     batched = args.max_num_batched_tokens or max(
         DEFAULT_MAX_NUM_BATCHED_TOKENS, model.max_model_len
@@ -89,6 +91,7 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
         prefix_cache_eviction=EvictionPolicy(args.prefix_cache_eviction),
         prefix_match_unit=args.prefix_match_unit,
         async_scheduling=_async_scheduling(args),
+        kv_offloading=offload_config(args, model),
     )
     return EngineConfigs(
         model,
@@ -97,6 +100,35 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
         args.tensor_parallel_size,
         args.disable_hybrid_kv_cache_manager,
     )
+
+
+def offload_config(args: EngineArgs, model: ModelConfig) -> OffloadConfig | None:
+    """One rank's share of the offload tier (sizes are GiB over all ranks, as vLLM's)."""
+    if not args.kv_offloading_size:
+        return None
+    ranks = args.tensor_parallel_size
+    disk_bytes = int((args.kv_offloading_disk_size or 0) * GIB / ranks)
+    if disk_bytes and ranks > 1:
+        logger.warning("the KV offload disk level needs tensor_parallel_size 1: host tier only")
+        disk_bytes = 0
+    return OffloadConfig(
+        host_bytes=int(args.kv_offloading_size * GIB / ranks),
+        disk_dir=args.kv_offloading_dir if disk_bytes else None,
+        disk_bytes=disk_bytes,
+        model_id=model_identity(model, ranks),
+    )
+
+
+def model_identity(model: ModelConfig, tp_size: int) -> str:
+    """The model's weights and numerics as far as the KV cache sees them: its folder's config
+    and weight files (names, sizes, times), dtype and tensor-parallel degree."""
+    folder = Path(model.model_path)
+    weights = sorted(
+        (path.name, path.stat().st_size, path.stat().st_mtime_ns)
+        for path in folder.glob("*.safetensors")
+    )
+    config = (folder / "config.json").read_text() if (folder / "config.json").exists() else ""
+    return repr((config, weights, str(model.dtype), tp_size))
 
 
 def _async_scheduling(args: EngineArgs) -> bool:

@@ -67,6 +67,9 @@ class RoutingOptions:
     """Half-life with which a replica's conversations (their count and footprint) fade."""
     guess_ttl_s: float = 10.0
     """How long a guessed cached block counts before the replica's events must confirm it."""
+    tier_hit_weight: float = 0.5
+    """What a token the replica would load from its KV offload tier counts, in tokens of a hit
+    on its device (a load is slower than a device hit, much faster than a recompute); 0..1."""
     event_age_steps: float = 10.0
     """Engine steps from the state a replica's events describe to the admission of a request
     routed now (the events' poll period in steps, and one): what the replica's running
@@ -79,6 +82,8 @@ class RoutingOptions:
             raise ValueError(f"min_in_flight_bound must be >= 1, got {self.min_in_flight_bound}")
         if self.work_factor < 1.0:
             raise ValueError(f"work_factor must be >= 1, got {self.work_factor}")
+        if not 0.0 <= self.tier_hit_weight <= 1.0:
+            raise ValueError(f"tier_hit_weight must be in [0, 1], got {self.tier_hit_weight}")
 
 
 class PromptKeys(NamedTuple):
@@ -192,13 +197,19 @@ class HybridRoutingPolicy(Generic[Key]):
         hit = 0
         continues = False
         if prompt is not None and replica.index is not None:
-            hit = replica.index.predict_hit(prompt.block_hashes, prompt.num_tokens, now)
+            hit = self._predicted_hit(replica.index, prompt, now)
             ends = replica.prompt_ends
             continues = any(h in ends for h in prompt.block_hashes)
         half_life = self.options.work_half_life_s
         work = replica.recent_work(now, half_life)
         conversations = replica.recent_conversations(now, half_life)
         return Candidate(hit, replica.in_flight, work, replica.kv_usage, continues, conversations)
+
+    def _predicted_hit(self, index: CacheIndex, prompt: PromptKeys, now: float) -> int:
+        """The device hit, plus the tokens only the offload tier holds at `tier_hit_weight`."""
+        hit = index.predict_hit(prompt.block_hashes, prompt.num_tokens, now)
+        tiered = index.predict_tier_hit(prompt.block_hashes, prompt.num_tokens)
+        return hit + int(self.options.tier_hit_weight * max(tiered - hit, 0))
 
     def choose(self, keys: Sequence[Key], prompt: PromptKeys | None, now: float) -> list[list[Key]]:
         """Preference ranks over `keys`: the best replica alone, then the rest in order."""

@@ -13,7 +13,13 @@ from collections.abc import Sequence
 from ray.util import metrics
 
 from cluster.engine.outputs import RequestOutput
+from cluster.serve.offload_metrics import OffloadMetrics
+from cluster.serve.ray_metric_names import counter as _counter
+from cluster.serve.ray_metric_names import gauge as _gauge
+from cluster.serve.ray_metric_names import metric_name
 from scheduler.stats import SchedulerStats
+
+__all__ = ["EngineMetrics", "metric_name"]
 
 TTFT_BUCKETS = [
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75,
@@ -27,19 +33,6 @@ LATENCY_BUCKETS = [
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
     40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0,
 ]  # fmt: skip
-
-
-def metric_name(name: str) -> str:
-    """The name Ray accepts: ':' becomes '_' (vLLM's sanitizing on Ray)."""
-    return name.replace(":", "_")
-
-
-def _gauge(name: str, doc: str, *tags: str) -> metrics.Gauge:
-    return metrics.Gauge(metric_name(name), doc, tag_keys=("model_name", *tags))
-
-
-def _counter(name: str, doc: str, *tags: str) -> metrics.Counter:
-    return metrics.Counter(metric_name(name), doc, tag_keys=("model_name", *tags))
 
 
 def _histogram(name: str, doc: str, buckets: list[float]) -> metrics.Histogram:
@@ -93,6 +86,8 @@ class EngineMetrics:
             "reason",
         )
         self.worker_alive = _gauge("hybridserve:worker_alive", "1 if the rank is alive.", "rank")
+        self.offload: OffloadMetrics | None = None
+        """The offload tier's series, made at the first snapshot that has a tier."""
         for counter in (
             self.pc_queries,
             self.pc_hits,
@@ -122,6 +117,10 @@ class EngineMetrics:
             before = last.prefix_cache_hits[group] if last is not None else 0
             _inc(self.group_hits, hits, before, {**tags, "group": str(group)})
         self._record_misses(stats, last)
+        if stats.offload is not None:
+            if self.offload is None:
+                self.offload = OffloadMetrics(tags["model_name"])
+            self.offload.record(stats)
         self._last = stats
 
     def _record_misses(self, stats: SchedulerStats, last: SchedulerStats | None) -> None:

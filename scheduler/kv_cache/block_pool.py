@@ -11,13 +11,14 @@ block: a placeholder for "nothing stored here", never handed out, cached or free
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from scheduler.block_hash import BlockHash
 from scheduler.kv_cache.events import KVEventSink
 from scheduler.kv_cache.eviction import ChainProtection, EvictionPolicy, Tier, TieredFreeQueue
 from scheduler.kv_cache.eviction_history import EvictionHistory
 from scheduler.kv_cache.free_block_queue import FreeBlockQueue, KVCacheBlock
+from scheduler.kv_cache.offload import DeviceOrOffloaded, OffloadIndex
 
 __all__ = ["BlockPool", "FreeBlockQueue", "KVCacheBlock"]
 
@@ -57,6 +58,19 @@ class BlockPool:
         """Cached blocks whose hash was dropped to reuse them (cumulative)."""
         self.event_sink: KVEventSink | None = None
         """Told when a key (hash, group) enters or leaves the hash maps (KV events); None: off."""
+        self.offload: OffloadIndex | None = None
+        """The offload tier below the pool (None: off); see `attach_offload`."""
+        self.lookup_maps: Sequence[Mapping[BlockHash, KVCacheBlock]] = self.hash_maps
+        """Per group, what prefix lookups read: the hash maps, or device ∪ offload tier."""
+
+    def attach_offload(self, offload: OffloadIndex) -> None:
+        """Keep evicted registered blocks in `offload` and let lookups find them there."""
+        self.offload = offload
+        host, disk = offload.maps
+        self.lookup_maps = [
+            DeviceOrOffloaded(device, (host[group_id], disk[group_id]))
+            for group_id, device in enumerate(self.hash_maps)
+        ]
 
     @property
     def num_free_blocks(self) -> int:
@@ -89,6 +103,8 @@ class BlockPool:
             if block_hash is not None:
                 self.eviction_history.record(block.group_id, block_hash)
                 hash_map = maps[block.group_id]
+                if self.offload is not None and hash_map.get(block_hash) is block:
+                    self.offload.offer(block.group_id, block_hash, block.block_id)
                 if (
                     not self._duplicates
                     and hash_map.get(block_hash) is block
@@ -111,6 +127,18 @@ class BlockPool:
                 block.born = born
             self.chains.note_in_use(self.num_blocks - 1 - self.free_queue.num_free_blocks)
         return blocks
+
+    def adopt_hit(self, table: list[KVCacheBlock], start: int, req_id: str) -> None:
+        """Take a reference on a new table's hit blocks (from `start` on); entries held in the
+        offload tier wait for `OffloadIndex.fill`, which swaps in blocks its loads fill."""
+        if self.offload is None:
+            self.touch(table[start:])
+        else:
+            self.offload.adopt(self, table, start, req_id)
+
+    def register_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        """Register one held block under `block_hash` in its group (a finished load)."""
+        self.cache_full_blocks([block_hash], [block], [0], block.group_id, 1)
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take one more reference on each block (a prefix hit); revive free ones."""
@@ -268,6 +296,8 @@ class BlockPool:
             self.event_sink.cleared()
         for block in self.blocks:
             block.block_hash = None
+        if self.offload is not None:
+            self.offload.clear()
         return True
 
     def _drop_hash(self, block: KVCacheBlock) -> None:

@@ -28,6 +28,7 @@ from scheduler.kv_cache.block_pool import BlockPool, KVCacheBlock
 from scheduler.kv_cache.coordinator import CoordinatorHit, make_coordinator
 from scheduler.kv_cache.events import EvictionOutlook, KVEventBatch, KVEventWindow
 from scheduler.kv_cache.mamba_manager import MambaManager
+from scheduler.kv_cache.offload_levels import DeviceOrOffloaded
 from scheduler.kv_cache.single_type_manager import SingleTypeManager
 from scheduler.kv_cache.spec import KVCacheGroupSpec, MambaCacheMode
 
@@ -56,6 +57,15 @@ class CacheIndex:
         """Tokens per block hash: the engine's (gcd of the group block sizes)."""
         self._pool = BlockPool(1, len(groups))
         self._coordinator = make_coordinator(groups, self._pool, self.hash_block_size, True)
+        self._tier_maps: list[dict[BlockHash, KVCacheBlock]] = [{} for _ in groups]
+        """Per group, the keys the engine's offload tier holds (from its events)."""
+        tiered = BlockPool(1, len(groups))
+        tiered.lookup_maps = [
+            DeviceOrOffloaded(device, (tier,))
+            for device, tier in zip(self._pool.hash_maps, self._tier_maps, strict=True)
+        ]
+        self._tiered_coordinator = make_coordinator(groups, tiered, self.hash_block_size, True)
+        """Finds hits over device ∪ tier keys (the engine's own lookup with a tier)."""
         self.guess_ttl = guess_ttl
         self.steps_ahead = steps_ahead
         """Engine steps from the eviction outlook the index holds to the admission of a request
@@ -89,9 +99,17 @@ class CacheIndex:
         return hashes
 
     def predict_hit(self, block_hashes: Sequence[BlockHash], num_tokens: int, now: float) -> int:
-        """Tokens of a `num_tokens`-token prompt the engine would serve from its cache."""
+        """Tokens of a `num_tokens`-token prompt the engine would serve from its device pool."""
         self._expire(now)
         return self._coordinator.find_longest_cache_hit(block_hashes, num_tokens - 1).num_tokens
+
+    def predict_tier_hit(self, block_hashes: Sequence[BlockHash], num_tokens: int) -> int:
+        """Tokens the engine would serve from its device pool and offload tier together (at
+        least `predict_hit`; the excess costs the engine a load)."""
+        if not any(self._tier_maps):
+            return 0
+        found = self._tiered_coordinator.find_longest_cache_hit(block_hashes, num_tokens - 1)
+        return found.num_tokens
 
     def guess_stored(self, block_hashes: Sequence[BlockHash], num_tokens: int, now: float) -> None:
         """Index what the engine will cache once it has computed these tokens (its reachable
@@ -213,10 +231,17 @@ class CacheIndex:
         for entry in done:  # guesses of prompts whose prefill is done, not confirmed
             if guesses.pop(entry, None) is not None:
                 self._pool.hash_maps[entry[0]].pop(entry[1], None)
+        for group_id, (stored, removed) in enumerate(
+            zip(batch.tier_stored, batch.tier_removed, strict=True)
+        ):
+            tier_map = self._tier_maps[group_id]
+            for key in removed:
+                tier_map.pop(key, None)
+            tier_map.update(dict.fromkeys(stored, _INDEXED))
 
     def clear(self) -> None:
         """Forget every key."""
-        for hash_map in self._pool.hash_maps:
+        for hash_map in (*self._pool.hash_maps, *self._tier_maps):
             hash_map.clear()
         self._guesses.clear()
         self._guess_order.clear()

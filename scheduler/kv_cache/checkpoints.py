@@ -278,6 +278,8 @@ class StateCheckpoints:
             for group_id, block in entry.written:
                 if entry.key not in self.pool.hash_maps[group_id]:
                     self.pool.cache_full_blocks([entry.key], [block], [0], group_id, 1)
+                    if self.pool.offload is not None:  # found by `find` on the device only
+                        self.pool.offload.keep_on_device(group_id, entry.key)
             self.pool.free_blocks([block for _, block in entry.written])
         if kept:
             self._pending[req_id] = kept

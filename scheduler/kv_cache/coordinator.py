@@ -157,6 +157,14 @@ class KVCacheCoordinator:
         order = sorted(range(len(merged)), key=positions.__getitem__, reverse=True)  # stable
         self.pool.free_chain([merged[index] for index in order], block_hashes)
 
+    def uncache_from(self, req_id: str, num_tokens: int) -> None:
+        """Drop the prefix-cache keys of the request's blocks not wholly within `num_tokens`."""
+        null = self.pool.null_block
+        for manager in self.managers:
+            blocks = manager.req_to_blocks.get(req_id, [])
+            first = num_tokens // manager.block_size
+            self.pool.evict_blocks(b.block_id for b in blocks[first:] if b is not null)
+
     def get_blocks(self, req_id: str) -> GroupBlocks:
         """The request's current tables (live lists: do not mutate)."""
         return tuple(manager.req_to_blocks.get(req_id, []) for manager in self.managers)

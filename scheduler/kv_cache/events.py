@@ -36,10 +36,16 @@ class KVEventBatch:
     """Per group, keys no longer findable."""
     cleared: bool = False
     """Every key was dropped (prefix cache reset) before the keys in `stored` came."""
+    tier_stored: tuple[tuple[BlockHash, ...], ...] = ()
+    """Per group, keys the offload tier (host or disk) now holds; empty without a tier. A hit
+    on them costs a load: a router scores them below keys on the device."""
+    tier_removed: tuple[tuple[BlockHash, ...], ...] = ()
+    """Per group, keys the offload tier no longer holds."""
 
     @property
     def num_keys(self) -> int:
-        return sum(map(len, self.stored)) + sum(map(len, self.removed))
+        lists = (self.stored, self.removed, self.tier_stored, self.tier_removed)
+        return sum(sum(map(len, per_group)) for per_group in lists)
 
 
 class KVEventSink:
@@ -49,7 +55,12 @@ class KVEventSink:
         self.num_groups = num_groups
         self._stored: list[dict[BlockHash, None]] = [{} for _ in range(num_groups)]
         self._removed: list[dict[BlockHash, None]] = [{} for _ in range(num_groups)]
+        self._tier_stored: list[dict[BlockHash, None]] = [{} for _ in range(num_groups)]
+        self._tier_removed: list[dict[BlockHash, None]] = [{} for _ in range(num_groups)]
         self._cleared = False
+
+    def _all(self) -> tuple[dict[BlockHash, None], ...]:
+        return (*self._stored, *self._removed, *self._tier_stored, *self._tier_removed)
 
     def stored(self, group_id: int, block_hash: BlockHash) -> None:
         """A key became findable."""
@@ -61,22 +72,35 @@ class KVEventSink:
         self._stored[group_id].pop(block_hash, None)
         self._removed[group_id][block_hash] = None
 
+    def tier_stored(self, group_id: int, block_hash: BlockHash) -> None:
+        """A key entered the offload tier."""
+        self._tier_removed[group_id].pop(block_hash, None)
+        self._tier_stored[group_id][block_hash] = None
+
+    def tier_removed(self, group_id: int, block_hash: BlockHash) -> None:
+        """A key left the offload tier."""
+        self._tier_stored[group_id].pop(block_hash, None)
+        self._tier_removed[group_id][block_hash] = None
+
     def cleared(self) -> None:
         """Every key was dropped."""
-        for keys in (*self._stored, *self._removed):
+        for keys in self._all():
             keys.clear()
         self._cleared = True
 
     def take(self) -> KVEventBatch | None:
         """The changes since the last take, or None when there were none."""
-        if not self._cleared and not any(self._stored) and not any(self._removed):
+        if not self._cleared and not any(self._all()):
             return None
+        has_tier = any(self._tier_stored) or any(self._tier_removed)
         batch = KVEventBatch(
             stored=tuple(tuple(keys) for keys in self._stored),
             removed=tuple(tuple(keys) for keys in self._removed),
             cleared=self._cleared,
+            tier_stored=tuple(tuple(keys) for keys in self._tier_stored) if has_tier else (),
+            tier_removed=tuple(tuple(keys) for keys in self._tier_removed) if has_tier else (),
         )
-        for keys in (*self._stored, *self._removed):
+        for keys in self._all():
             keys.clear()
         self._cleared = False
         return batch

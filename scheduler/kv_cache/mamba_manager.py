@@ -36,7 +36,7 @@ class MambaManager(SingleTypeManager):
         """The last cached state at an aligned block end, scanning right to left."""
         if self.mode is MambaCacheMode.NONE:
             return [[] for _ in group_ids]
-        maps = [self.pool.hash_maps[group_id] for group_id in group_ids]
+        maps = [self.pool.lookup_maps[group_id] for group_id in group_ids]
         null = self.pool.null_block
         for index in range(self.limit_blocks(block_hashes, max_length) - 1, -1, -1):
             if (index + 1) * self.block_size % alignment:

@@ -12,15 +12,17 @@ from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 from scheduler.block_hash import BlockHash
+from scheduler.config import OffloadConfig
 from scheduler.kv_cache.block_pool import BlockPool, KVCacheBlock
 from scheduler.kv_cache.checkpoints import StateCheckpoints
 from scheduler.kv_cache.coordinator import make_coordinator
 from scheduler.kv_cache.events import OUTLOOK_BLOCKS, EvictionOutlook, KVEventBatch, KVEventSink
 from scheduler.kv_cache.eviction import EvictionPolicy
 from scheduler.kv_cache.miss_reasons import GroupMisses, explain_misses
+from scheduler.kv_cache.offload import OffloadCounters, build_offload_index, count_offloaded
 from scheduler.kv_cache.spec import KVCacheConfig, MambaCacheMode, MambaSpec, manager_spec
 from scheduler.kv_cache.window_managers import ChunkedLocalManager, SlidingWindowManager
-from scheduler.output import BlockCopy, StateSave
+from scheduler.output import BlockCopy, OffloadOps, StateSave
 from scheduler.request import Request
 
 
@@ -63,6 +65,8 @@ class CacheHit(NamedTuple):
     misses: tuple[GroupMisses, ...] = ()
     """Per group, the tokens it could not serve and why (`MissReason` values), measured at the
     lookup; empty when nothing was looked up."""
+    num_offloaded_blocks: int = 0
+    """Blocks of the hit held in the offload tier: the request waits for their loads."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,8 @@ class KVCacheStats:
     """Cached blocks reused for other data."""
     group_miss_tokens: tuple[GroupMisses, ...] = ()
     """Per group, tokens of admitted lookups it could not serve, by `MissReason` value."""
+    offload: OffloadCounters | None = None
+    """The offload tier's usage and counters (None: no tier)."""
 
 
 class KVCacheManager:
@@ -146,6 +152,7 @@ class KVCacheManager:
         self._quiet: dict[str, tuple[int, int, int]] = {}
         """Per request holding tables: (slots, computed, cached) limits below which a step
         changes nothing (see `SingleTypeManager.quiet_limits`)."""
+        self._config = config
         self._no_blocks = KVCacheBlocks.empty(self.num_groups)
         self._no_hit = CacheHit(self._no_blocks, 0, 0, ())
         self._num_queries = 0
@@ -204,7 +211,8 @@ class KVCacheManager:
             group_hits,
             self.alignment_tokens,
         )
-        return CacheHit(blocks, num_hit, junction, group_hits, misses)
+        offloaded = count_offloaded(blocks.blocks) if self.pool.offload is not None else 0
+        return CacheHit(blocks, num_hit, junction, group_hits, misses, offloaded)
 
     def record_lookup(self, request: Request, hit: CacheHit) -> None:
         """Count an admitted request's lookup in the prefix-cache counters.
@@ -351,6 +359,8 @@ class KVCacheManager:
             return None
         if is_new:
             coordinator.allocate_new_computed_blocks(req_id, hits, local_computed)
+            if self.pool.offload is not None:
+                self.pool.offload.fill(self.pool)
             if new_computed_blocks is not None and new_computed_blocks.copy_sources:
                 assert self.checkpoints is not None
                 self.checkpoints.adopt(req_id, new_computed_blocks.copy_sources)
@@ -366,6 +376,8 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         """Release every block of a finished or preempted request (cached ones stay hit-able)."""
+        if self.pool.offload is not None:
+            self.pool.offload.cancel(request.req_id)
         if self._quiet.pop(request.req_id, None) is not None:
             self.coordinator.free(request.req_id, request.block_hashes)
         if self.checkpoints is not None:
@@ -377,6 +389,15 @@ class KVCacheManager:
         if self.checkpoints is None:
             return [], [], []
         return self.checkpoints.take_step_ops()
+
+    def finish_load(self, request: Request, succeeded: bool) -> None:
+        """The workers ended the request's offload-tier loads (see `OffloadIndex.finish`)."""
+        if self.pool.offload is not None:
+            self.pool.offload.finish(self.pool, request.req_id, succeeded)
+
+    def take_offload_ops(self) -> OffloadOps:
+        """The offload-tier copies of the step being scheduled (none without a tier)."""
+        return self.pool.offload.take_ops() if self.pool.offload is not None else OffloadOps()
 
     def begin_step(self) -> None:
         """Start scheduling a step: the checkpoints written by the steps sent so far become
@@ -404,14 +425,28 @@ class KVCacheManager:
         if self.checkpoints is not None:
             self.checkpoints.forget(req_id, keep_sent=False)
 
+    def uncache_uncomputed(self, request: Request) -> None:
+        """Unregister the request's blocks past its computed tokens (their step was withdrawn)."""
+        self.coordinator.uncache_from(request.req_id, request.num_computed_tokens)
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block; fails (False) while any request holds blocks."""
         return self.pool.reset_prefix_cache()
+
+    def enable_offload(self, config: OffloadConfig) -> None:
+        """Keep the blocks the pool evicts in an offload tier (host memory, then disk) and find
+        hits there too (`scheduler.kv_cache.offload`); nothing without caching."""
+        if self.enable_caching and self.pool.offload is None:
+            index = build_offload_index(self._config, config)
+            index.event_sink = self.pool.event_sink
+            self.pool.attach_offload(index)
 
     def enable_events(self) -> None:
         """Start collecting KV events (prefix-cache keys stored and removed) for `take_events`."""
         if self.pool.event_sink is None and self.enable_caching:
             self.pool.event_sink = KVEventSink(self.num_groups)
+            if self.pool.offload is not None:
+                self.pool.offload.event_sink = self.pool.event_sink
 
     def take_events(self) -> KVEventBatch | None:
         """The KV events since the last take (None: none, or events off)."""
@@ -445,12 +480,15 @@ class KVCacheManager:
             hit_tokens=self._hit_tokens,
             num_evictions=self.pool.num_evictions,
             group_miss_tokens=tuple(tuple(misses.items()) for misses in self._miss_tokens),
+            offload=self.pool.offload.counters() if self.pool.offload is not None else None,
         )
 
     def check_invariants(self) -> None:
         """Assert pool and table consistency (tests)."""
         pending = self.checkpoints.held_blocks() if self.checkpoints is not None else []
         self.coordinator.check_invariants(pending)
+        if self.pool.offload is not None:
+            self.pool.offload.check_invariants()
         if self.num_groups:
             held = set().union(*(manager.req_to_blocks for manager in self.coordinator.managers))
             assert set(self._quiet) == held, (set(self._quiet), held)

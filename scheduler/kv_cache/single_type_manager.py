@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import abc
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import islice
 
 from scheduler.block_hash import BlockHash
@@ -24,7 +24,7 @@ NO_BLOCKS: list[KVCacheBlock] = []
 
 
 def lookup_all(
-    hash_maps: Sequence[dict[BlockHash, KVCacheBlock]], block_hash: BlockHash
+    hash_maps: Sequence[Mapping[BlockHash, KVCacheBlock]], block_hash: BlockHash
 ) -> list[KVCacheBlock] | None:
     """The block cached under `block_hash` in every map, or None if any map misses."""
     found = []
@@ -151,10 +151,10 @@ class SingleTypeManager(abc.ABC):
         """Adopt a prefix hit as the start of a new request's table (skipped blocks untouched)."""
         assert req_id not in self.req_to_blocks, f"{req_id} already holds blocks"
         skipped = self.get_num_skipped_tokens(num_local_computed) // self.block_size
-        kept = list(new_computed_blocks[skipped:])
-        self.pool.touch(kept)
-        self.req_to_blocks[req_id] = [self.pool.null_block] * skipped + kept
-        self.num_cached_block[req_id] = skipped + len(kept)
+        table = [self.pool.null_block] * skipped + list(new_computed_blocks[skipped:])
+        self.pool.adopt_hit(table, skipped, req_id)
+        self.req_to_blocks[req_id] = table
+        self.num_cached_block[req_id] = len(table)
         self.num_dropped_block[req_id] = skipped
 
     def allocate_new_blocks(self, req_id: str, num_tokens: int) -> list[KVCacheBlock]:
@@ -240,7 +240,7 @@ class FullAttentionManager(SingleTypeManager):
         limit = self.limit_blocks(block_hashes, max_length)
         ratio = self.hash_ratio
         keys = islice(block_hashes, ratio - 1, limit * ratio, ratio)
-        maps = [self.pool.hash_maps[group_id] for group_id in group_ids]
+        maps = [self.pool.lookup_maps[group_id] for group_id in group_ids]
         if len(maps) == 1:
             hash_map = maps[0]
             hits: list[KVCacheBlock] = []

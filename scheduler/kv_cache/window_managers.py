@@ -43,7 +43,7 @@ class SlidingWindowManager(SingleTypeManager):
         if self.num_run_blocks == 0:
             num_aligned = limit * self.block_size // alignment * alignment
             return [[null] * (num_aligned // self.block_size) for _ in group_ids]
-        maps = [self.pool.hash_maps[group_id] for group_id in group_ids]
+        maps = [self.pool.lookup_maps[group_id] for group_id in group_ids]
         per_group = [[null] * limit for _ in group_ids]
         run = 0
         for index in range(limit - 1, -1, -1):
@@ -103,7 +103,7 @@ class ChunkedLocalManager(SingleTypeManager):
         assert alignment == self.block_size, "chunked local hits must align to their block size"
         start = (max_length // self.chunk_size) * self.chunk_size // self.block_size
         limit = self.limit_blocks(block_hashes, max_length)
-        maps = [self.pool.hash_maps[group_id] for group_id in group_ids]
+        maps = [self.pool.lookup_maps[group_id] for group_id in group_ids]
         per_group = [[self.pool.null_block] * start for _ in group_ids]
         for index in range(start, limit):
             found = lookup_all(maps, self.hash_of(block_hashes, index))

@@ -55,8 +55,10 @@ FULL = {
 BATCH = {"mode": "batch", "batch": {"replicas": 2, "extraArgs": ["--continue-on-error"],
                                     "dataVolume": {"claimName": "batch-data"}}}  # fmt: skip
 CPU = yaml.safe_load((CHART / "values-cpu.yaml").read_text())  # the CPU preset, as `-f` gives it
+KV_OFFLOAD = {"kvOffload": {"sizeGiB": 8, "disk": {"sizeGiB": 100, "hostPath": "/mnt/kv"}}}
 CASES = {
     "service-default": {},
+    "service-kv-offload": KV_OFFLOAD,
     "service-cpu": CPU,
     "service-tp2": TP2,
     "service-full": FULL,
@@ -251,6 +253,24 @@ def test_full_values_wire_secrets_volumes_grpc_and_accelerator() -> None:
     assert rayservice["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is True
 
 
+def test_kv_offload_values_reach_engine_kwargs_and_put_the_disk_level_on_a_volume() -> None:
+    rayservice = _render(KV_OFFLOAD)["RayService"]
+    (config,) = _serving_args(rayservice).llm_configs
+    args = config.engine_args()
+    assert (args.kv_offloading_backend, args.kv_offloading_size) == ("native", 8)
+    assert (args.kv_offloading_dir, args.kv_offloading_disk_size) == (
+        "/var/cache/hybridserve-kv",
+        100,
+    )
+    for pod in _pods(rayservice["spec"]["rayClusterConfig"]):
+        (container,) = pod["containers"]
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        volume = {v["name"]: v for v in pod["volumes"]}[mounts["/var/cache/hybridserve-kv"]]
+        assert volume["hostPath"] == {"path": "/mnt/kv", "type": "DirectoryOrCreate"}
+    default = _serving_args(_render({})["RayService"]).llm_configs[0].engine_args()
+    assert default.kv_offloading_size is None
+
+
 def test_batch_mode_renders_a_rayjob_running_the_batch_entry_point() -> None:
     objects = _render({**TP2, **BATCH})
     assert "RayService" not in objects
@@ -357,7 +377,11 @@ def _sample(field_schema: dict[str, Any]) -> Any:
     (option, *_) = [o for o in field_schema.get("anyOf", [field_schema]) if o["type"] != "null"]
     if "enum" in option:
         return option["enum"][0]
-    return {"string": "/x", "integer": option.get("minimum", 1)}[option["type"]]
+    return {
+        "string": "/x",
+        "integer": option.get("minimum", 1),
+        "number": option.get("minimum", 1),
+    }[option["type"]]
 
 
 def test_every_other_engine_argument_passes_through_extra_kwargs() -> None:
@@ -383,6 +407,9 @@ SERIES = [
     "ray_vllm_num_preemptions_total", "ray_vllm_request_success_total",
     "ray_hybridserve_kv_cache_group_usage_perc", "ray_hybridserve_prefix_cache_group_hits",
     "ray_hybridserve_worker_alive",
+    "ray_vllm_kv_offload_usage_perc", "ray_vllm_kv_offload_bytes_total",
+    "ray_hybridserve_kv_offload_group_hit_tokens", "ray_vllm_num_requests_waiting_for_kvs",
+    "ray_vllm_kv_offload_load_seconds_total", "ray_vllm_kv_offload_failed_loads_total",
 ]  # fmt: skip
 
 

@@ -46,6 +46,15 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if $engine.maxModelLen -}}
 {{- $_ := set $kwargs "max_model_len" (int $engine.maxModelLen) -}}
 {{- end -}}
+{{- $offload := .Values.kvOffload -}}
+{{- if $offload.sizeGiB -}}
+{{- $_ := set $kwargs "kv_offloading_backend" "native" -}}
+{{- $_ := set $kwargs "kv_offloading_size" $offload.sizeGiB -}}
+{{- if $offload.disk.sizeGiB -}}
+{{- $_ := set $kwargs "kv_offloading_dir" $offload.disk.mountPath -}}
+{{- $_ := set $kwargs "kv_offloading_disk_size" $offload.disk.sizeGiB -}}
+{{- end -}}
+{{- end -}}
 {{- range $key, $value := $engine.extraKwargs -}}
 {{- if hasKey $kwargs $key -}}
 {{- fail (printf "engine.extraKwargs.%s: set it through its own engine value (tensorParallelSize, maxModelLen, gpuMemoryUtilization, enablePrefixCaching)" $key) -}}
@@ -120,6 +129,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 - name: batch-data
   persistentVolumeClaim: {claimName: {{ .Values.batch.dataVolume.claimName | quote }}}
 {{- end }}
+{{- if and .Values.kvOffload.sizeGiB .Values.kvOffload.disk.sizeGiB }}
+- name: kv-offload
+{{- with .Values.kvOffload.disk.hostPath }}
+  hostPath: {path: {{ . | quote }}, type: DirectoryOrCreate}
+{{- else }}
+  emptyDir: {}
+{{- end }}
+{{- end }}
 {{- end -}}
 
 {{- define "hybridserve.volumeMounts" -}}
@@ -132,6 +149,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- if and (eq .Values.mode "batch") .Values.batch.dataVolume.claimName }}
 - {name: batch-data, mountPath: {{ .Values.batch.dataVolume.mountPath | quote }}}
+{{- end }}
+{{- if and .Values.kvOffload.sizeGiB .Values.kvOffload.disk.sizeGiB }}
+- {name: kv-offload, mountPath: {{ .Values.kvOffload.disk.mountPath | quote }}}
 {{- end }}
 {{- end -}}
 

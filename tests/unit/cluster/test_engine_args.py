@@ -113,3 +113,35 @@ def test_executor_backend_defaults_by_where_the_engine_runs(
 def test_a_serve_replica_runs_its_ranks_on_ray(kwargs: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="must be 'ray' \\(or absent\\) when serving"):
         resolve_executor_backend(EngineArgs(**kwargs), "serve_replica")
+
+
+def test_the_readme_offload_example_and_flags_are_valid_engine_arguments() -> None:
+    import ast
+
+    from cluster.config.engine_args import validate_engine_kwargs
+    from tests.helpers.readme import code_block
+
+    call = next(
+        node
+        for node in ast.walk(ast.parse(code_block("kv_offloading_backend", "python")))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "LLM"
+    )
+    kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords}
+    args = validate_engine_kwargs({"model": "/m", **kwargs})
+    assert (args.kv_offloading_size, args.kv_offloading_disk_size) == (64, 500)
+    with pytest.raises(ValueError, match="kv_offloading_size"):
+        validate_engine_kwargs({"kv_offloading_size": -1})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"kv_offloading_size": 1, "kv_offloading_disk_size": 5}, "needs kv_offloading_dir"),
+        ({"kv_offloading_dir": "/kv", "kv_offloading_disk_size": 5}, "set kv_offloading_size"),
+    ],
+)
+def test_a_disk_offload_tier_needs_its_folder_and_a_host_tier(kwargs: dict, message: str) -> None:
+    from cluster.config.engine_args import validate_engine_kwargs
+
+    with pytest.raises(ValueError, match=message):
+        validate_engine_kwargs(kwargs)

@@ -185,3 +185,22 @@ def test_the_readme_router_config_is_a_valid_deployment_config() -> None:
     resolved = resolve_request_router(llm.deployment_config["request_router_config"], llm)
     assert resolved is not None
     assert resolved["request_router_kwargs"]["load_factor"] == 2.0
+
+
+def test_a_tier_hit_counts_below_a_device_hit_and_above_none() -> None:
+    """Replica a holds the prompt's first 7 blocks on its device, b the same in its offload tier
+    only: b's hit counts half (tier_hit_weight 0.5); a is chosen over b, b over c."""
+    policy = make_policy()
+    keys = policy.prompt_keys(PROMPT, None)
+    assert keys is not None
+    hashes = keys.block_hashes[:7]
+    policy.replay("a", window_of(hashes, hashes))
+    tier = KVEventBatch(
+        stored=((), ()), removed=((), ()), tier_stored=(tuple(hashes), tuple(hashes)),
+        tier_removed=((), ()),
+    )  # fmt: skip
+    policy.replay("b", KVEventWindow(GROUPS, 1, (tier,)))
+    hits = {key: policy.predicted_hit(key, keys, 0.0) for key in "abc"}
+    assert hits == {"a": 28, "b": 14, "c": 0}
+    assert policy.choose(["a", "b", "c"], keys, 0.0)[0] == ["a"]
+    assert policy.choose(["b", "c"], keys, 0.0)[0] == ["b"]

@@ -50,3 +50,25 @@ def test_miss_counters_grow_by_group_and_reason() -> None:
         by_key[key] = by_key.get(key, 0) + value
         assert tags["model_name"] == "m"
     assert by_key == {("0", "never_seen"): 80, ("1", "never_seen"): 64, ("1", "evicted"): 48}
+
+
+def test_offload_counters_grow_by_tier_direction_and_group() -> None:
+    from scheduler.kv_cache.offload import OffloadCounters
+
+    metrics = EngineMetrics("m", ["full_attention", "sliding_window"])
+    first = OffloadCounters(100, 1000, 4, 400, 0, (0, 0), 0, 0, 2000, 0, 0, 0)
+    second = OffloadCounters(100, 1000, 4, 500, 300, (8, 4), 1, 64, 2000, 2, 64, 128)
+    metrics.record_stats(replace(_stats(((), ())), offload=first))
+    assert metrics.offload is not None
+    recorders = {name: RecordingCounter() for name in ("bytes", "group_hits", "failed", "loads")}
+    for name, recorder in recorders.items():
+        setattr(metrics.offload, name, recorder)
+    metrics.record_stats(
+        replace(_stats(((), ())), offload=second, num_offload_loads=3, offload_load_seconds=0.5)
+    )
+    moved = {(t["tier"], t["direction"]): v for v, t in recorders["bytes"].added}
+    assert moved == {("host", "store"): 100, ("host", "load"): 236, ("disk", "load"): 64,
+                     ("disk", "store"): 128}  # fmt: skip
+    assert [(v, t["group"]) for v, t in recorders["group_hits"].added] == [(8, "0"), (4, "1")]
+    assert [v for v, _ in recorders["failed"].added] == [1]
+    assert [v for v, _ in recorders["loads"].added] == [3]

@@ -3,7 +3,7 @@ scripted runner for exact token sequences."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from scheduler_fake_runner import EOS, FakeModelRunner
@@ -83,7 +83,7 @@ def drive(
             for output in scheduler.abort(hook(step, scheduler)):
                 result.finish[output.req_id] = output.finish_reason  # type: ignore[assignment]
         out = scheduler.schedule()
-        check_step(scheduler, out)
+        check_step(scheduler, out, runner.loaded_req_ids)
         result.max_batch_tokens = max(result.max_batch_tokens, out.total_num_scheduled_tokens)
         result.max_running = max(result.max_running, len(scheduler.running))
         for output in scheduler.update_from_output(out, runner.execute(out)):
@@ -98,8 +98,9 @@ def drive(
     return result
 
 
-def check_step(scheduler: Scheduler, out: SchedulerOutput) -> None:
-    """Invariants of every step's message."""
+def check_step(scheduler: Scheduler, out: SchedulerOutput, loaded: Collection[str] = ()) -> None:
+    """Invariants of every step's message (`loaded`: requests admitted earlier that waited for
+    offload-tier loads; they may be sent first in a step that preempts)."""
     config = scheduler.config
     counts = out.num_scheduled_tokens
     assert out.total_num_scheduled_tokens == sum(counts.values())
@@ -109,8 +110,8 @@ def check_step(scheduler: Scheduler, out: SchedulerOutput) -> None:
     assert all(n >= 1 for n in counts.values())
     assert not (out.preempted_req_ids & set(counts))
     if out.preempted_req_ids:  # no admission in a step that preempted
-        assert not out.scheduled_new_reqs
-        assert not any(r.is_resumed for r in out.scheduled_cached_reqs)
+        assert all(r.req_id in loaded for r in out.scheduled_new_reqs)
+        assert all(r.req_id in loaded for r in out.scheduled_cached_reqs if r.is_resumed)
     for request in scheduler.running:  # placeholders: async scheduling's tokens in flight
         assert request.num_computed_tokens <= request.num_tokens + request.num_output_placeholders
         assert request.num_output_placeholders <= 2
@@ -120,8 +121,13 @@ def check_worker_tables(scheduler: Scheduler, runner: FakeModelRunner) -> None:
     """What the workers built from the deltas is the scheduler's table, or a stale ID where the
     scheduler nulled an entry (S30: nulled entries are not sent)."""
     for request in scheduler.running:
+        if request.req_id not in runner.requests:
+            assert request.num_computed_tokens == request.num_cached_tokens  # loaded, unsent
+            continue
         worker_tables = runner.requests[request.req_id].block_ids
-        assert worker_tables is not None
+        if worker_tables is None:  # preempted, back from its loads, not resumed yet
+            assert request.req_id in scheduler._worker_view._resumed_req_ids
+            continue
         tables = scheduler.kv_cache_manager.get_block_ids(request.req_id)
         for worker_ids, ids in zip(worker_tables, tables, strict=True):
             assert len(worker_ids) == len(ids), (request.req_id, worker_ids, ids)

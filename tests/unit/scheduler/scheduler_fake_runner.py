@@ -30,6 +30,7 @@ from scheduler.output import (
     FinishReason,
     ModelRunnerOutput,
     NewRequestData,
+    OffloadOps,
     SchedulerOutput,
 )
 from scheduler.request import SamplingParams
@@ -92,13 +93,29 @@ class FakeModelRunner:
         self.num_steps = 0
         self.appends_sampled = False
         """Async scheduling: keep each sampled token (the next step may compute it already)."""
+        self.offloaded: dict[int, tuple[int, list[int | None]]] = {}
+        """Offload-tier slot -> (group, the block's slot values)."""
+        self.fail_loads = False
+        """Report every offload-tier load as failed (and write garbage into its blocks)."""
+        self.num_loaded_blocks = 0
+        self.load_steps = 0
+        """Steps after the one that issues them that loads are reported done."""
+        self._slow_loads: list[tuple[int, str]] = []
+        self.loaded_req_ids: set[str] = set()
+        """Requests whose offload-tier loads this runner reported done."""
+        self.files: dict[str, tuple[int, list[int | None]]] = {}
+        """Disk-level block files by name: (group, the block's slot values)."""
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.appends_sampled = out.workers_append_sampled
         for req_id in out.finished_req_ids:
             self.requests.pop(req_id, None)
         for req_id in out.preempted_req_ids:
-            self._preempt(self.requests[req_id])
+            state = self.requests.get(req_id)
+            if state is None or state.block_ids is None:  # back from loads, preempted unrun
+                assert req_id in self.loaded_req_ids, req_id
+                continue
+            self._preempt(state)
         for new in out.scheduled_new_reqs:
             self._add(new)
         for cached in out.scheduled_cached_reqs:
@@ -107,6 +124,7 @@ class FakeModelRunner:
             *(r.req_id for r in out.scheduled_new_reqs),
             *(r.req_id for r in out.scheduled_cached_reqs),
         }
+        loaded, failed = self._run_offload(out.offload)
         self._copy_blocks(out.copies_before_step)
         for req_id, num_tokens in out.num_scheduled_tokens.items():
             self._write(self.requests[req_id], num_tokens)
@@ -116,7 +134,52 @@ class FakeModelRunner:
             self._read_and_sample(req_id, n) for req_id, n in out.num_scheduled_tokens.items()
         ]
         self.num_steps += 1
-        return ModelRunnerOutput(req_ids=list(out.num_scheduled_tokens), sampled_token_ids=sampled)
+        return ModelRunnerOutput(
+            req_ids=list(out.num_scheduled_tokens),
+            sampled_token_ids=sampled,
+            finished_loads=loaded,
+            failed_loads=failed,
+        )
+
+    def _run_offload(self, ops: OffloadOps) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Stores, spills, loads, drops, disk drops, in this order; (requests loaded, requests
+        whose load failed)."""
+        for store in ops.stores:
+            assert store.slot not in self.offloaded, store
+            bs = self.groups[store.group_id].block_size
+            kv = self.kv[store.group_id]
+            values = [kv.get(store.block_id * bs + offset) for offset in range(bs)]
+            self.offloaded[store.slot] = (store.group_id, values)
+        for spill in ops.spills:
+            self.files[spill.file] = self.offloaded[spill.slot]
+        req_ids: dict[str, None] = {}
+        for load in ops.loads:
+            if load.file is not None:
+                group, values = self.files[load.file]
+            else:
+                assert load.slot is not None
+                group, values = self.offloaded[load.slot]
+            assert group == load.group_id, load
+            bs = self.groups[group].block_size
+            for offset, value in enumerate(values):
+                slot = load.block_id * bs + offset
+                if value is None or self.fail_loads:
+                    self.kv[group].pop(slot, None)
+                else:
+                    self.kv[group][slot] = value
+            req_ids[load.req_id] = None
+            self.num_loaded_blocks += 1
+        for slot in ops.drops:
+            del self.offloaded[slot]
+        for file in ops.disk_drops:
+            del self.files[file]
+        if self.fail_loads:
+            return (), tuple(req_ids)
+        self._slow_loads.extend((self.num_steps + self.load_steps, req_id) for req_id in req_ids)
+        done = tuple(req_id for step, req_id in self._slow_loads if step <= self.num_steps)
+        self._slow_loads = [(step, r) for step, r in self._slow_loads if step > self.num_steps]
+        self.loaded_req_ids.update(done)
+        return done, ()
 
     def _copy_blocks(self, copies: Sequence[BlockCopy]) -> None:
         """Every slot of each source block onto its destination (all read before any write)."""

@@ -252,3 +252,28 @@ def test_results_are_unchanged_when_every_block_is_reachable(layout: str) -> Non
     for seed in range(4):
         ours, theirs = _replay_both(pressure_trace(ALL_REACHABLE[layout], seed))
         assert ours == theirs
+
+
+@pytest.mark.parametrize("tier_blocks", [0, 64])
+def test_an_offload_tier_serves_what_the_pool_evicted(tier_blocks: int) -> None:
+    """Two prompts taking turns in a pool that holds one: with a tier, the third prefill hits
+    every block of the first prompt's full group and the window tail of its sliding group."""
+    groups = [
+        {"type": "full", "block_size": 4},
+        {"type": "sliding_window", "block_size": 4, "sliding_window": 8},
+    ]
+    first, second = list(range(33)), list(range(100, 133))
+    ops = [
+        {"op": "prefill", "id": "a", "tokens": first},
+        {"op": "free", "id": "a"},
+        {"op": "prefill", "id": "b", "tokens": second},
+        {"op": "free", "id": "b"},
+        {"op": "prefill", "id": "a2", "tokens": first},
+    ]
+    trace = _trace(groups, ops, num_blocks=20, max_model_len=64, kv_offloading_blocks=tier_blocks)
+    records = replay_trace(trace)["results"]
+    assert "warnings" not in replay_trace(trace)
+    if tier_blocks:
+        assert (records[4]["hit_tokens"], records[4]["offloaded_blocks"]) == (32, 8 + 2)
+    else:
+        assert (records[4]["hit_tokens"], records[4]["offloaded_blocks"]) == (0, 0)

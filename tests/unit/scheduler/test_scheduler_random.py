@@ -24,7 +24,7 @@ from scheduler_drive import check_step, check_worker_tables
 from scheduler_fake_runner import VOCAB_SIZE, FakeModelRunner, reference_tokens
 
 from scheduler.admission import max_chunk_tokens, worst_case_blocks
-from scheduler.config import SchedulerConfig, SchedulingPolicy
+from scheduler.config import OffloadConfig, SchedulerConfig, SchedulingPolicy
 from scheduler.kv_cache.spec import KVCacheConfig, KVCacheSpec, MambaCacheMode, cdiv
 from scheduler.output import FinishReason, ModelRunnerOutput, SchedulerOutput
 from scheduler.request import Request, SamplingParams
@@ -72,11 +72,15 @@ def _random_scheduler(
     kv_cache_config: KVCacheConfig,
     unit: int | None = None,
     async_scheduling: bool = False,
+    offload: OffloadConfig | None = None,
 ) -> Scheduler:
     while True:
         try:
             config = dataclasses.replace(
-                _random_config(rng), prefix_match_unit=unit, async_scheduling=async_scheduling
+                _random_config(rng),
+                prefix_match_unit=unit,
+                async_scheduling=async_scheduling,
+                kv_offloading=offload,
             )
             return Scheduler(config, kv_cache_config)
         except ValueError:  # a budget below the block-aligned split's minimum chunk
@@ -118,14 +122,20 @@ def _first_request(rng: random.Random, num_tokens: int, hash_block_size: int) ->
 class Workload:
     """One seed's scheduler, runner, arrivals and aborts, and what every request received."""
 
-    def __init__(self, seed: int, unit: int | None = None, async_scheduling: bool = False) -> None:
+    def __init__(
+        self,
+        seed: int,
+        unit: int | None = None,
+        async_scheduling: bool = False,
+        offload: OffloadConfig | None = None,
+    ) -> None:
         rng = random.Random(seed)
         num_blocks = rng.randint(2, 60)
         specs = _random_model(rng)
         first_len = rng.randint(2, 12)  # the first request's length, prompt and output
         num_blocks = max(num_blocks, 1 + sum(cdiv(first_len, spec.block_size) for spec in specs))
         kv_cache_config: KVCacheConfig = make_config(num_blocks, *specs)
-        self.scheduler = _random_scheduler(rng, kv_cache_config, unit, async_scheduling)
+        self.scheduler = _random_scheduler(rng, kv_cache_config, unit, async_scheduling, offload)
         self.runner = FakeModelRunner(kv_cache_config)
         self.arrivals: dict[int, list[Request]] = {}
         self.aborts: dict[int, list[str]] = {}
@@ -166,7 +176,7 @@ class Workload:
             for output in scheduler.abort(self.aborts.pop(step, [])):
                 self.finish[output.req_id] = output.finish_reason  # type: ignore[assignment]
             out = scheduler.schedule()
-            check_step(scheduler, out)
+            check_step(scheduler, out, self.runner.loaded_req_ids)
             self.num_checkpoint_restores += len(out.copies_before_step)
             submitted = (out, self.runner.execute(out))
             if not overlapped:
@@ -267,3 +277,21 @@ def check_outcome(workload: Workload) -> None:
         else:
             num_complete += 1
     assert num_complete > 0, "no request of this seed finished with all its tokens"
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_offload_tier_gives_every_request_its_reference_tokens(async_scheduling: bool) -> None:
+    """The random workloads with a host tier of 1 to 40 blocks (and a disk level below it on
+    half the seeds, state checkpoints on a third): loads, aborts while loading, preemption and
+    eviction from the tier; the fake runner checks every read of a loaded block."""
+    num_loaded = 0
+    for seed in range(150):
+        rng = random.Random(-seed)
+        disk = ("/kv", rng.randint(1, 40)) if seed % 2 else (None, 0)
+        offload = OffloadConfig(rng.randint(1, 40), disk[0], disk[1])
+        unit = rng.randint(1, 3) if seed % 3 == 0 else None  # state checkpoints too
+        workload = Workload(seed, unit, async_scheduling=async_scheduling, offload=offload)
+        workload.run()
+        check_outcome(workload)
+        num_loaded += workload.runner.num_loaded_blocks
+    assert num_loaded > 0

@@ -1,0 +1,216 @@
+"""The offload tier end to end on tiny random models (CPU fp32, offline `LLM`): chat sessions take
+turns in a device pool too small for all of them, so later turns hit blocks the pool evicted and
+the tier keeps; every token (greedy and seeded) equals a cold prefill and a warm device hit, and
+the tier's hits are asserted non-zero. Layouts: sliding window (Gemma 3), KV sharing (Gemma 3n),
+Mamba-2 hybrid (Bamba), gated DeltaNet hybrid (Qwen3.5) and short convolution (LFM2)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import transformers
+
+from cluster import LLM, SamplingParams
+from scheduler.kv_cache.builder import block_bytes, request_blocks
+from tests.helpers.tiny_hybrid import save_tiny_hybrid
+from tests.helpers.tiny_linear_hybrid import save_tiny_linear_hybrid
+from tests.helpers.tiny_models import random_eager_model, save_tiny_model
+
+pytestmark = pytest.mark.parity
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+NUM_SESSIONS = 6
+NUM_ROUNDS = 3
+LLM_ARGS = {"block_size": 4, "max_num_batched_tokens": 32, "max_model_len": 64}
+TIER = {"kv_offloading_size": 0.01}  # GiB: room for every session
+GEMMA3N = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 128,
+    "eos_token_id": None,
+    "bos_token_id": None,
+    "pad_token_id": None,
+    "vocab_size_per_layer_input": 128,
+    "intermediate_size": 96,
+    "num_hidden_layers": 6,
+    "layer_types": ["sliding_attention", "full_attention"] * 3,
+    "sliding_window": 6,
+    "num_kv_shared_layers": 3,
+    "hidden_size_per_layer_input": 8,
+    "laurel_rank": 4,
+    "altup_num_inputs": 3,
+    "activation_sparsity_pattern": [0.0] * 6,
+}
+
+
+def _save_gemma3n(path: Path) -> None:
+    config = transformers.Gemma3nTextConfig(**GEMMA3N)
+    random_eager_model(config, "Gemma3nForCausalLM", lambda name: "norm" in name).save_pretrained(
+        path
+    )
+
+
+SAVERS: dict[str, Callable[[Path], object]] = {
+    "gemma3": lambda path: save_tiny_model("gemma3", path),
+    "gemma3n": _save_gemma3n,
+    "bamba": lambda path: save_tiny_hybrid("bamba", path),
+    "qwen3_5": lambda path: save_tiny_linear_hybrid("qwen3_5", path),
+    "lfm2": lambda path: save_tiny_linear_hybrid("lfm2", path),
+}
+SPARE_BLOCKS = 4
+
+
+def _params(session: int, round_index: int) -> SamplingParams:
+    """Greedy for even sessions, seeded sampling for odd ones."""
+    if session % 2 == 0:
+        return SamplingParams(temperature=0, max_tokens=4)
+    return SamplingParams(temperature=1.0, max_tokens=4, seed=100 * session + round_index)
+
+
+def _sessions(path: Path, **kwargs: object) -> tuple[list[list[int]], LLM]:
+    """Tokens of every turn, session after session in each round, and the (open) engine."""
+    llm = LLM(str(path), **LLM_ARGS, **kwargs)
+    histories = [[(5 * s + 3 * i) % 250 + 1 for i in range(16)] for s in range(NUM_SESSIONS)]
+    tokens = []
+    for round_index in range(NUM_ROUNDS):
+        for session, history in enumerate(histories):
+            history.extend([(31 * session + 7 * round_index + i) % 250 + 1 for i in range(8)])
+            params = _params(session, round_index)
+            (result,) = llm.generate([{"prompt_token_ids": history}], params, use_tqdm=False)
+            output = list(result.outputs[0].token_ids)
+            tokens.append(output)
+            history.extend(output)
+    return tokens, llm
+
+
+def _small_pool(path: Path) -> dict[str, int]:
+    """A KV budget of one longest request and a few blocks more (read from a throwaway engine's
+    config): far less than the sessions' histories."""
+    num_blocks, size = _pool_shape(path)
+    return {"kv_cache_memory_bytes": num_blocks * size}
+
+
+def _pool_shape(path: Path) -> tuple[int, int]:
+    """(blocks of one longest request plus a few, bytes per block) of this model."""
+    llm = LLM(str(path), **LLM_ARGS, kv_cache_memory_bytes=1 << 22)
+    try:
+        config = llm.client.core.scheduler.kv_cache_config  # type: ignore[attr-defined]
+        num_blocks = request_blocks(config, LLM_ARGS["max_model_len"]) + SPARE_BLOCKS
+        return num_blocks, block_bytes(config)
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.parametrize("family", list(SAVERS))
+def test_tier_hits_give_the_tokens_of_a_cold_prefill_and_a_device_hit(
+    family: str, tmp_path: Path
+) -> None:
+    SAVERS[family](tmp_path)
+    small = _small_pool(tmp_path)
+    cold, llm = _sessions(tmp_path, enable_prefix_caching=False)
+    llm.shutdown()
+    warm, llm = _sessions(tmp_path, kv_cache_memory_bytes=1 << 22)
+    llm.shutdown()
+    assert warm == cold
+    tiered, llm = _sessions(tmp_path, **small, **TIER)
+    stats = llm.client.core.get_stats()  # type: ignore[attr-defined]
+    llm.shutdown()
+    assert tiered == cold
+    assert stats.offload is not None
+    assert stats.offload.loaded_bytes > 0, stats.offload
+    assert sum(stats.offload.group_hit_tokens) > 0
+    assert stats.offload.num_failed_loads == 0
+
+
+def test_a_failed_or_timed_out_load_recomputes(tmp_path: Path) -> None:
+    """A load past its deadline (0 s) counts as failed: the request recomputes, tokens equal."""
+    save_tiny_linear_hybrid("qwen3_5", tmp_path)
+    small = _small_pool(tmp_path)
+    cold, llm = _sessions(tmp_path, enable_prefix_caching=False)
+    llm.shutdown()
+    tiered, llm = _sessions(tmp_path, **small, **TIER, kv_offloading_load_timeout_s=0)
+    stats = llm.client.core.get_stats()  # type: ignore[attr-defined]
+    llm.shutdown()
+    assert tiered == cold
+    assert stats.offload is not None
+    assert stats.offload.num_failed_loads > 0
+    assert stats.offload.loaded_bytes == 0
+
+
+def _sessions_in_a_process(model: Path, args: dict[str, object]) -> list[list[int]]:
+    """`_sessions` in a process of its own (which exits before this one goes on)."""
+    script = (
+        "import json, sys\n"
+        "from tests.parity.test_offload_tier_engine import _sessions\n"
+        "tokens, llm = _sessions(sys.argv[1], **json.loads(sys.argv[2]))\n"
+        "llm.shutdown()\n"
+        "print(json.dumps(tokens))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(model), json.dumps(args)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO_ROOT,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_the_disk_tier_is_found_again_after_a_restart_and_bad_files_are_ignored(
+    tmp_path: Path,
+) -> None:
+    """A host tier of two blocks spills to disk in another process; an engine in this process
+    on the same folder hits the files (tokens equal); after every file is damaged, a third
+    engine loads none and recomputes."""
+    model = tmp_path / "model"
+    save_tiny_model("gemma3", model)
+    num_blocks, size = _pool_shape(model)
+    args = {
+        "kv_cache_memory_bytes": num_blocks * size,
+        "kv_offloading_size": 2 * size / 2**30,
+        "kv_offloading_dir": str(tmp_path / "kv"),
+        "kv_offloading_disk_size": 0.01,
+    }
+    cold, llm = _sessions(model, enable_prefix_caching=False)
+    llm.shutdown()
+    first = _sessions_in_a_process(model, args)
+    assert first == cold
+    files = sorted((tmp_path / "kv").rglob("*.kv"))
+    assert files
+    second, llm = _sessions(model, **args)
+    stats = llm.client.core.get_stats()  # type: ignore[attr-defined]
+    llm.shutdown()
+    assert second == cold
+    assert stats.offload.disk_loaded_bytes > 0
+    for index, file in enumerate(sorted((tmp_path / "kv").rglob("*.kv"))):
+        data = file.read_bytes()
+        file.write_bytes(data[: len(data) // 2] if index % 2 else data[:-8] + b"garbage!")
+    third, llm = _sessions(model, **args)
+    stats = llm.client.core.get_stats()  # type: ignore[attr-defined]
+    llm.shutdown()
+    assert third == cold
+    assert stats.offload.num_failed_loads > 0
+
+
+@pytest.mark.parametrize("family", ["gemma3", "bamba"])
+def test_tier_hits_with_async_scheduling_give_the_tokens_of_a_cold_prefill(
+    family: str, tmp_path: Path
+) -> None:
+    SAVERS[family](tmp_path)
+    small = _small_pool(tmp_path)
+    cold, llm = _sessions(tmp_path, enable_prefix_caching=False)
+    llm.shutdown()
+    tiered, llm = _sessions(tmp_path, **small, **TIER, async_scheduling=True)
+    stats = llm.client.core.get_stats()  # type: ignore[attr-defined]
+    llm.shutdown()
+    assert tiered == cold
+    assert stats.offload is not None
+    assert stats.offload.loaded_bytes > 0
