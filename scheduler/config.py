@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass
 
 from scheduler.kv_cache.eviction import EvictionPolicy
+from scheduler.spec_config import SpeculativeConfig
 
 
 class SchedulingPolicy(enum.Enum):
@@ -54,6 +55,9 @@ class SchedulerConfig:
     """Schedule step N+1 before step N's sampled tokens are back: a running request's token in
     flight is a placeholder (`Request.num_output_placeholders`), computed tokens advance
     optimistically, and the workers append the tokens they sample themselves."""
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding: decoding requests verify the workers' drafts, several tokens per
+    step (None: off). Needs synchronous steps (async_scheduling off)."""
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -71,6 +75,8 @@ class SchedulerConfig:
             raise TypeError(f"policy must be a SchedulingPolicy, got {self.policy!r}")
         if not self.enable_chunked_prefill:
             self._check_unchunked()
+        if self.speculative is not None and self.async_scheduling:
+            raise ValueError("speculative decoding needs async_scheduling off")
 
     def _check_unchunked(self) -> None:
         if self.max_num_batched_tokens < self.max_model_len:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from scheduler.kv_cache.manager import KVCacheStats
+    from scheduler.spec_decode import SpecDecodingStats
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class SchedulerStats:
     prefix_cache_misses: tuple[tuple[tuple[str, int], ...], ...] = ()
     """Per group: tokens of admitted lookups the group could not serve, as (reason, tokens)
     pairs; reasons are `MissReason` values (cumulative)."""
+    spec_decoding: SpecDecodingStats | None = None
+    """Speculative decoding acceptance counters (cumulative; None: speculation off)."""
 
     @classmethod
     def from_kv_stats(
@@ -49,6 +52,7 @@ class SchedulerStats:
         num_running_reqs: int,
         num_waiting_reqs: int,
         num_preemptions: int,
+        spec_decoding: SpecDecodingStats | None = None,
     ) -> SchedulerStats:
         """Combine the scheduler's counts with a KV cache manager snapshot."""
         return cls(
@@ -62,4 +66,5 @@ class SchedulerStats:
             num_preemptions=num_preemptions,
             num_evictions=kv_stats.num_evictions,
             prefix_cache_misses=kv_stats.group_miss_tokens,
+            spec_decoding=spec_decoding,
         )

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import BACKEND_NAMES
+from scheduler.spec_config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class RunnerConfig:
     """Which Mamba states the KV pool keeps: "none" (one per request, no prefix hits on
     Mamba groups), "align" (states at block ends where prefill chunks end; the scheduler splits
     prefills on the hit-alignment grid) or "all" (a state at every block end)."""
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding: the driver rank proposes drafts after sampling (None: off)."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

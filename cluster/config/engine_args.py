@@ -16,6 +16,7 @@ from pydantic import ConfigDict, Field, ValidationError
 from pydantic_core import ErrorDetails
 
 from cluster.config.base import StrictModel
+from cluster.config.speculative import SpeculativeConfigArgs
 
 ExecutorBackend = Literal["uni", "mp", "ray"]
 ExecutorSite = Literal["offline", "serve_replica", "batch_replica"]
@@ -87,6 +88,11 @@ class EngineArgs(StrictModel):
     """Schedule step N+1 while step N runs, so scheduling and output processing overlap the
     model (outputs identical to synchronous steps). Steps with structured-output requests, and
     engines with tensor_parallel_size > 1, stay synchronous."""
+    speculative_config: SpeculativeConfigArgs | None = None
+    """Speculative decoding, vLLM's keys: {"method": "ngram", "num_speculative_tokens": 3,
+    "prompt_lookup_max": 4}; keys: method, num_speculative_tokens, prompt_lookup_min,
+    prompt_lookup_max, model, disable_by_batch_size. Outputs are unchanged; steps stay
+    synchronous."""
     distributed_executor_backend: ExecutorBackend | None = None
     """uni (one rank in-process) | mp (a process per rank) | ray (an actor per rank); default:
     ray inside a Ray job or actor, else mp when tensor_parallel_size > 1, else uni."""
@@ -120,6 +126,9 @@ def engine_args_error(error: ValidationError) -> str:
 def _describe(item: ErrorDetails) -> str:
     if not item["loc"]:  # a model-level check: an unknown name
         return item["msg"].removeprefix("Value error, ")
+    if len(item["loc"]) > 1 or item["type"] == "value_error":  # inside a nested config
+        where = ".".join(str(part) for part in item["loc"])
+        return f"{where}: {item['msg'].removeprefix('Value error, ')}"
     name = str(item["loc"][0])
     value = item["input"]
     if item["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):

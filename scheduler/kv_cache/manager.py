@@ -17,8 +17,10 @@ from scheduler.kv_cache.checkpoints import StateCheckpoints
 from scheduler.kv_cache.coordinator import make_coordinator
 from scheduler.kv_cache.events import OUTLOOK_BLOCKS, EvictionOutlook, KVEventBatch, KVEventSink
 from scheduler.kv_cache.eviction import EvictionPolicy
+from scheduler.kv_cache.mamba_manager import MambaManager
 from scheduler.kv_cache.miss_reasons import GroupMisses, explain_misses
 from scheduler.kv_cache.spec import KVCacheConfig, MambaCacheMode, MambaSpec, manager_spec
+from scheduler.kv_cache.spec_slots import SpecStateSlots
 from scheduler.kv_cache.window_managers import ChunkedLocalManager, SlidingWindowManager
 from scheduler.output import BlockCopy, StateSave
 from scheduler.request import Request
@@ -131,6 +133,8 @@ class KVCacheManager:
             self.coordinator.managers, self.pool, prefix_match_unit, self.enable_caching
         )
         """Fine-grained hits of recurrent-state models (None: hits on the block grid only)."""
+        self.spec_slots: SpecStateSlots | None = None
+        """Draft-position states of recurrent groups (None: no speculation or no such group)."""
         self.needs_block_aligned_prefill = self.enable_caching and any(
             isinstance(spec, MambaSpec) and spec.mamba_cache_mode is MambaCacheMode.ALIGN
             for spec in (manager_spec(group.spec) for group in config.groups)
@@ -153,6 +157,13 @@ class KVCacheManager:
         self._hit_tokens = 0
         self._group_hit_tokens = [0] * self.num_groups
         self._miss_tokens: list[dict[str, int]] = [{} for _ in range(self.num_groups)]
+
+    def enable_spec_slots(self, num_speculative_tokens: int) -> None:
+        """Speculative decoding with k drafts: drafting requests hold k draft-position states
+        per recurrent group (`scheduler.kv_cache.spec_slots`). Call before any allocation."""
+        managers = [m for m in self.coordinator.managers if isinstance(m, MambaManager)]
+        if managers:
+            self.spec_slots = SpecStateSlots(managers, self.pool, num_speculative_tokens)
 
     @property
     def hash_block_size(self) -> int:
@@ -370,13 +381,23 @@ class KVCacheManager:
             self.coordinator.free(request.req_id, request.block_hashes)
         if self.checkpoints is not None:
             self.checkpoints.forget(request.req_id)
+        if self.spec_slots is not None:
+            self.spec_slots.free(request.req_id)
 
     def take_step_ops(self) -> tuple[list[BlockCopy], list[StateSave], list[BlockCopy]]:
         """The worker ops of the step being scheduled (copies before it, state saves, copies
-        after it); empty without fine checkpoints. Call once per step, as its output is built."""
-        if self.checkpoints is None:
-            return [], [], []
-        return self.checkpoints.take_step_ops()
+        after it): fine checkpoints, and draft-position states of speculative decoding. Call
+        once per step, as its output is built."""
+        before: list[BlockCopy] = []
+        saves: list[StateSave] = []
+        after: list[BlockCopy] = []
+        if self.checkpoints is not None:
+            before, saves, after = self.checkpoints.take_step_ops()
+        if self.spec_slots is not None:
+            restores, draft_saves = self.spec_slots.take_ops()
+            before += restores
+            saves += draft_saves
+        return before, saves, after
 
     def begin_step(self) -> None:
         """Start scheduling a step: the checkpoints written by the steps sent so far become
@@ -450,6 +471,8 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Assert pool and table consistency (tests)."""
         pending = self.checkpoints.held_blocks() if self.checkpoints is not None else []
+        if self.spec_slots is not None:
+            pending += self.spec_slots.held_blocks()
         self.coordinator.check_invariants(pending)
         if self.num_groups:
             held = set().union(*(manager.req_to_blocks for manager in self.coordinator.managers))

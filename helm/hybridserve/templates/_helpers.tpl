@@ -46,9 +46,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if $engine.maxModelLen -}}
 {{- $_ := set $kwargs "max_model_len" (int $engine.maxModelLen) -}}
 {{- end -}}
+{{- if $engine.speculativeConfig -}}
+{{- $_ := set $kwargs "speculative_config" $engine.speculativeConfig -}}
+{{- end -}}
 {{- range $key, $value := $engine.extraKwargs -}}
 {{- if hasKey $kwargs $key -}}
-{{- fail (printf "engine.extraKwargs.%s: set it through its own engine value (tensorParallelSize, maxModelLen, gpuMemoryUtilization, enablePrefixCaching)" $key) -}}
+{{- fail (printf "engine.extraKwargs.%s: set it through its own engine value (tensorParallelSize, maxModelLen, gpuMemoryUtilization, enablePrefixCaching, speculativeConfig)" $key) -}}
 {{- end -}}
 {{- $_ := set $kwargs $key $value -}}
 {{- end -}}

@@ -40,6 +40,7 @@ def test_every_config_field_has_an_attribute_docstring() -> None:
         "prefix_cache_eviction",
         "prefix_match_unit",
         "async_scheduling",
+        "speculative",
     }
     docs = _field_docstrings(SchedulerConfig)
     assert set(docs) == names
