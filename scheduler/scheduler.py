@@ -232,15 +232,22 @@ class Scheduler:
         self, request: Request, num_new: int, budget: int
     ) -> tuple[list[int], KVCacheBlocks | None]:
         """`allocate_slots` for a running request's step; a decoding request with drafts also
-        verifies some (none when the pool has no room for them). Returns (drafts, blocks)."""
+        verifies some (none when the pool has no room for them; then its draft states are given
+        back before anything is preempted). Returns (drafts, blocks)."""
         spec = self.spec
-        if num_new == 1 and spec is not None and request.spec_token_ids:
+        manager = self.kv_cache_manager
+        if spec is None:
+            return [], manager.allocate_slots(request, num_new)
+        if num_new == 1 and request.spec_token_ids:
             num_drafts = spec.num_drafts(request, budget, len(self.requests))
             if num_drafts:
-                blocks = self.kv_cache_manager.allocate_slots(request, 1 + num_drafts)
+                blocks = manager.allocate_slots(request, 1 + num_drafts)
                 if blocks is not None:
                     return spec.plan(request, num_drafts), blocks
-        return [], self.kv_cache_manager.allocate_slots(request, num_new)
+        blocks = manager.allocate_slots(request, num_new)
+        if blocks is None and manager.release_spec_slots(request.req_id):
+            blocks = manager.allocate_slots(request, num_new)
+        return [], blocks
 
     def _allocate_with_preemption(
         self, request: Request, num_new: int, plan: StepPlan

@@ -158,6 +158,10 @@ class KVCacheManager:
         self._group_hit_tokens = [0] * self.num_groups
         self._miss_tokens: list[dict[str, int]] = [{} for _ in range(self.num_groups)]
 
+    def release_spec_slots(self, req_id: str) -> bool:
+        """Free a running request's draft-state slots to make room (False: it held none)."""
+        return self.spec_slots is not None and self.spec_slots.release(req_id)
+
     def enable_spec_slots(self, num_speculative_tokens: int) -> None:
         """Speculative decoding with k drafts: drafting requests hold k draft-position states
         per recurrent group (`scheduler.kv_cache.spec_slots`). Call before any allocation."""
@@ -395,7 +399,7 @@ class KVCacheManager:
             before, saves, after = self.checkpoints.take_step_ops()
         if self.spec_slots is not None:
             restores, draft_saves = self.spec_slots.take_ops()
-            before += restores
+            before = restores + before  # read the slots before any copy may reuse them
             saves += draft_saves
         return before, saves, after
 

@@ -96,6 +96,15 @@ class SpecStateSlots:
         ]
         return max(1, min(limits, default=self.num_slots + 1))
 
+    def release(self, req_id: str) -> bool:
+        """Give a running request's slots back to make room (False: it held none). A restore
+        copy already planned stays: copies from slots run first among the step's copies, so
+        the state is read before the block can be written again."""
+        slots = self._slots.pop(req_id, None)
+        for per_group in slots or ():
+            self.pool.free_blocks(per_group)
+        return slots is not None
+
     def free(self, req_id: str) -> None:
         """Give a finished or preempted request's slots back; its planned ops are dropped
         (its blocks may go to another request in this very step)."""

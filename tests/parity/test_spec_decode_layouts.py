@@ -82,7 +82,9 @@ def _generate(llm: LLM) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module", params=LAYOUTS)
-def reference(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Reference:
+def reference(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Reference:
     path = tmp_path_factory.mktemp(request.param)
     _save(request.param, path)
     llm = LLM(str(path), **LLM_ARGS)
