@@ -127,8 +127,7 @@ def _describe(item: ErrorDetails) -> str:
     if not item["loc"]:  # a model-level check: an unknown name
         return item["msg"].removeprefix("Value error, ")
     if len(item["loc"]) > 1 or item["type"] == "value_error":  # inside a nested config
-        where = ".".join(str(part) for part in item["loc"])
-        return f"{where}: {item['msg'].removeprefix('Value error, ')}"
+        return _describe_nested(item)
     name = str(item["loc"][0])
     value = item["input"]
     if item["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
@@ -141,6 +140,19 @@ def _describe(item: ErrorDetails) -> str:
             f"got {type(value).__name__} {value!r}"
         )
     return f"{name}: {item['msg']}, got {value!r}"
+
+
+def _describe_nested(item: ErrorDetails) -> str:
+    """`speculative_config.num_speculative_tokens must be >= 1, got 0`."""
+    where = ".".join(str(part) for part in item["loc"])
+    bounds = item.get("ctx", {})
+    operator = next((key for key in _BOUND_OPERATORS if key in bounds), None)
+    if operator is not None:
+        bound = f"{_BOUND_OPERATORS[operator]} {bounds[operator]}"
+        return f"{where} must be {bound}, got {item['input']!r}"
+    if item["type"] == "missing":
+        return f"{where} is required"
+    return f"{where}: {item['msg'].removeprefix('Value error, ')}"
 
 
 def _allowed_range(name: str) -> str:
