@@ -103,7 +103,7 @@ def build_manager(trace: dict[str, Any]) -> KVCacheManager:
     unit = trace.get("prefix_match_unit")
     if unit is not None and (not isinstance(unit, int) or isinstance(unit, bool) or unit < 1):
         raise ValueError(f"'prefix_match_unit' must be an integer >= 1, got {unit!r}")
-    return KVCacheManager(
+    manager = KVCacheManager(
         config,
         max_model_len=_get_int(trace, "max_model_len"),
         prefix_match_unit=unit,
@@ -113,6 +113,9 @@ def build_manager(trace: dict[str, Any]) -> KVCacheManager:
             _get_choice(trace, "prefix_cache_eviction", "chain", EvictionPolicy)
         ),
     )
+    if _get_int(trace, "num_speculative_tokens", 0):
+        manager.enable_spec_slots(_get_int(trace, "num_speculative_tokens"))
+    return manager
 
 
 def _get_choice(trace: dict[str, Any], key: str, default: str, choices: type[enum.Enum]) -> str:
@@ -126,8 +129,11 @@ def _get_choice(trace: dict[str, Any], key: str, default: str, choices: type[enu
 class TraceReplayer:
     """Runs one trace's operations against one manager."""
 
-    def __init__(self, manager: KVCacheManager) -> None:
+    def __init__(self, manager: KVCacheManager, num_speculative_tokens: int = 0) -> None:
         self.manager = manager
+        self.num_lookahead = num_speculative_tokens
+        """Speculative decoding: each decode step also holds the blocks of k draft positions,
+        and each decoding request k states per recurrent group."""
         self.requests: dict[str, Request] = {}
         self.miss_totals: list[dict[str, int]] = [{} for _ in range(manager.num_groups)]
         """Per group, tokens of every prefill's lookup it could not serve, by reason."""
@@ -242,10 +248,14 @@ class TraceReplayer:
             return {"allocated": False, "skipped": True, "block_ids": self._table(req_id)}
         allocated = True
         self._check_length(req_id, request.num_tokens + len(tokens))
+        slots = self.manager.spec_slots
         for token in tokens:
             request.append_output_token_ids([token])
             num_new = request.num_tokens - request.num_computed_tokens
-            if self.manager.allocate_slots(request, num_new) is None:
+            blocks = self.manager.allocate_slots(
+                request, num_new, num_lookahead_tokens=self.num_lookahead
+            )
+            if blocks is None or (slots is not None and not slots.reserve(req_id)):
                 allocated = False
                 break
             request.num_computed_tokens += num_new
@@ -265,7 +275,7 @@ def replay_trace(trace: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("a trace must be a JSON object")
     warnings = unknown_key_warnings(trace)
     manager = build_manager(trace)
-    replayer = TraceReplayer(manager)
+    replayer = TraceReplayer(manager, _get_int(trace, "num_speculative_tokens", 0))
     output: dict[str, Any] = {"results": replayer.run(_get_objects(trace, "ops"))}
     output["miss_tokens"] = replayer.miss_totals
     if warnings:

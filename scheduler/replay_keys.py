@@ -20,6 +20,7 @@ TOP_LEVEL_KEYS = frozenset(
         "prefix_cache_eviction",
         "mamba_cache_mode",
         "prefix_match_unit",
+        "num_speculative_tokens",
         "ops",
         "meta",
     }

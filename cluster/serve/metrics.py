@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from ray.util import metrics
 
 from cluster.engine.outputs import RequestOutput
+from scheduler.spec_decode import SpecDecodingStats
 from scheduler.stats import SchedulerStats
 
 TTFT_BUCKETS = [
@@ -93,6 +94,7 @@ class EngineMetrics:
             "reason",
         )
         self.worker_alive = _gauge("hybridserve:worker_alive", "1 if the rank is alive.", "rank")
+        self.spec = SpecDecodeMetrics(self.tags)
         for counter in (
             self.pc_queries,
             self.pc_hits,
@@ -122,6 +124,8 @@ class EngineMetrics:
             before = last.prefix_cache_hits[group] if last is not None else 0
             _inc(self.group_hits, hits, before, {**tags, "group": str(group)})
         self._record_misses(stats, last)
+        if stats.spec_decoding is not None:
+            self.spec.record(stats.spec_decoding)
         self._last = stats
 
     def _record_misses(self, stats: SchedulerStats, last: SchedulerStats | None) -> None:
@@ -172,6 +176,33 @@ class EngineMetrics:
         ):
             if value is not None:
                 histogram.observe(max(value, 0.0), tags)
+
+
+class SpecDecodeMetrics:
+    """vLLM's speculative decoding counters, by their growth since the last snapshot."""
+
+    def __init__(self, tags: dict[str, str]) -> None:
+        self.tags = tags
+        self.drafts = _counter("vllm:spec_decode_num_drafts", "Verify steps with drafts.")
+        self.draft_tokens = _counter("vllm:spec_decode_num_draft_tokens", "Draft tokens.")
+        self.accepted = _counter("vllm:spec_decode_num_accepted_tokens", "Accepted drafts.")
+        self.per_pos = _counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted drafts by draft position.",
+            "position",
+        )
+        self._last = SpecDecodingStats()
+
+    def record(self, stats: SpecDecodingStats) -> None:
+        last, tags = self._last, self.tags
+        _inc(self.drafts, stats.num_drafts, last.num_drafts, tags)
+        _inc(self.draft_tokens, stats.num_draft_tokens, last.num_draft_tokens, tags)
+        _inc(self.accepted, stats.num_accepted_tokens, last.num_accepted_tokens, tags)
+        before = last.num_accepted_tokens_per_pos
+        for pos, count in enumerate(stats.num_accepted_tokens_per_pos):
+            earlier = before[pos] if pos < len(before) else 0
+            _inc(self.per_pos, count, earlier, {**tags, "position": str(pos)})
+        self._last = stats
 
 
 def _sum(stats: SchedulerStats | None, what: str) -> int:

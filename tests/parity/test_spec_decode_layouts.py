@@ -115,5 +115,7 @@ def test_greedy_tokens_equal_no_speculation(reference: Reference, k: int) -> Non
             assert new_accepted - accepted == new_drafted - drafted
         else:
             assert new_accepted - accepted < new_drafted - drafted
+    metrics = {metric.name: metric for metric in llm.get_metrics()}
+    assert metrics["vllm:spec_decode_num_draft_tokens"].value == new_drafted  # type: ignore[attr-defined]
     llm.client.core.scheduler.kv_cache_manager.check_invariants()
     llm.shutdown()
