@@ -30,9 +30,9 @@ class SpeculativeConfig:
     method: SpecMethod
     num_speculative_tokens: int
     """Most draft tokens verified per request per step (k)."""
-    prompt_lookup_min: int = 1
+    prompt_lookup_min: int = 5
     """ngram: shortest context tail looked up."""
-    prompt_lookup_max: int = 4
+    prompt_lookup_max: int = 5
     """ngram: longest context tail looked up (the longest match wins)."""
     model: str | None = None
     """draft_model: the draft model's folder or ID."""

@@ -26,9 +26,9 @@ class SpeculativeConfigArgs(StrictModel):
     num_speculative_tokens: int = Field(ge=1, le=16)
     """Most draft tokens verified per request per step (k)."""
     prompt_lookup_min: int | None = Field(None, ge=1)
-    """ngram: shortest context tail looked up (default 1, or prompt_lookup_max if smaller)."""
+    """ngram: shortest context tail looked up (default: prompt_lookup_max, else 5, as vLLM)."""
     prompt_lookup_max: int | None = Field(None, ge=1)
-    """ngram: longest context tail looked up (default 4, or prompt_lookup_min if larger)."""
+    """ngram: longest context tail looked up (default: prompt_lookup_min, else 5, as vLLM)."""
     model: str | None = None
     """draft_model: the draft model's folder or Hugging Face ID."""
     disable_by_batch_size: int | None = Field(None, ge=1)
@@ -64,10 +64,10 @@ class SpeculativeConfigArgs(StrictModel):
     def lookup_range(self) -> tuple[int, int]:
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         if low is None and high is None:
-            return 1, 4
+            return 5, 5
         if low is None:
-            return min(1, high or 1), high or 1
-        return low, high if high is not None else max(low, 4)
+            return high or 5, high or 5
+        return low, high if high is not None else low
 
     def to_config(self) -> SpeculativeConfig:
         low, high = self.lookup_range

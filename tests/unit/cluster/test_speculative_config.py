@@ -23,7 +23,7 @@ def _config(spec: dict) -> SpeculativeConfig:
 
 def test_ngram_defaults_and_overrides() -> None:
     assert _config({"method": "ngram", "num_speculative_tokens": 3}) == SpeculativeConfig(
-        SpecMethod.NGRAM, 3, prompt_lookup_min=1, prompt_lookup_max=4
+        SpecMethod.NGRAM, 3, prompt_lookup_min=5, prompt_lookup_max=5
     )
     spec = {
         "method": "ngram",
@@ -32,7 +32,7 @@ def test_ngram_defaults_and_overrides() -> None:
         "disable_by_batch_size": 8,
     }
     config = _config(spec)
-    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (1, 2)
+    assert (config.prompt_lookup_min, config.prompt_lookup_max) == (2, 2)  # vLLM's rule
     assert config.disable_by_batch_size == 8
 
 
