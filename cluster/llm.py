@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from cluster.config.engine_args import resolve_executor_backend, validate_engine_kwargs
 from cluster.engine.client import EngineClient, EngineInfo, collect
 from cluster.engine.input_processor import ChatMessage, InputProcessor, PromptInput
+from cluster.engine.metric_reader import Metric, read_metrics
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
 from cluster.llm_inputs import as_conversation_list, as_params_list, as_prompt_list
@@ -136,6 +137,12 @@ class LLM:
         (conv,) = as_conversation_list([conversation])
         (request,) = self._requests([self._render_chat(0, conv, chat_template, True)], [params])
         return self.client.add_request(request)
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's metrics under vLLM's names (request counts, KV usage, prefix cache,
+        speculative decoding acceptance), as vLLM's `LLM.get_metrics()` gives them."""
+        self._check_open()
+        return read_metrics(self.client.get_stats())
 
     def shutdown(self) -> None:
         """Stop the engine and its workers (also done when the LLM is garbage-collected and

@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass
 
 from scheduler.kv_cache.eviction import EvictionPolicy
+from scheduler.spec_config import SpeculativeConfig
 
 
 class SchedulingPolicy(enum.Enum):
@@ -77,6 +78,9 @@ class SchedulerConfig:
     """Schedule step N+1 before step N's sampled tokens are back: a running request's token in
     flight is a placeholder (`Request.num_output_placeholders`), computed tokens advance
     optimistically, and the workers append the tokens they sample themselves."""
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding: decoding requests verify the workers' drafts, several tokens per
+    step (None: off). Needs synchronous steps (async_scheduling off)."""
 
     kv_offloading: OffloadConfig | None = None
     """The offload tier below the device pool (None: none): blocks the pool evicts are kept in
@@ -98,6 +102,8 @@ class SchedulerConfig:
             raise TypeError(f"policy must be a SchedulingPolicy, got {self.policy!r}")
         if not self.enable_chunked_prefill:
             self._check_unchunked()
+        if self.speculative is not None and self.async_scheduling:
+            raise ValueError("speculative decoding needs async_scheduling off")
 
     def _check_unchunked(self) -> None:
         if self.max_num_batched_tokens < self.max_model_len:

@@ -8,7 +8,7 @@ deltas, block IDs as one list per KV cache group); `ModelRunnerOutput` comes bac
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import msgspec
@@ -163,6 +163,9 @@ class SchedulerOutput:
     workers_append_sampled: bool = False
     """Async scheduling: the workers append the tokens they sample to their own copy of each
     request (deltas carry no sampled tokens; the next step may already compute them)."""
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    """Speculative decoding: per request verified this step, its draft tokens, computed after
+    its last known token (they count in `num_scheduled_tokens`)."""
 
     @property
     def is_empty(self) -> bool:
@@ -189,7 +192,8 @@ class ModelRunnerOutput:
     req_ids: list[str]
     """Requests scheduled this step, in batch order."""
     sampled_token_ids: list[list[int]]
-    """Per request: the sampled token, or empty for a prefill chunk that is not the last."""
+    """Per request: the sampled token (a verify step: the accepted drafts, then the token
+    sampled after them), or empty for a prefill chunk that is not the last."""
     logprobs: dict[str, list[TokenLogprobs]] | None = None
     """Per request: logprobs of the sampled tokens, when the request asked for them."""
     prompt_logprobs: dict[str, list[TokenLogprobs]] | None = None
@@ -200,6 +204,8 @@ class ModelRunnerOutput:
     """Requests with an offload-tier load that failed or timed out (they recompute)."""
     load_seconds: float = 0.0
     """Wall time of the offload-tier loads completed this step."""
+    draft_token_ids: dict[str, list[int]] | None = None
+    """Speculative decoding: per request that sampled, the drafts proposed for the next step."""
 
 
 class FinishReason(enum.Enum):

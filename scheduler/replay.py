@@ -119,6 +119,8 @@ def build_manager(trace: dict[str, Any]) -> KVCacheManager:
         raise ValueError(f"'kv_offloading_blocks' must be >= 0, got {offload_blocks}")
     if offload_blocks:
         manager.enable_offload(OffloadConfig(offload_blocks))  # no tensor plan: 1 per block
+    if _get_int(trace, "num_speculative_tokens", 0):
+        manager.enable_spec_slots(_get_int(trace, "num_speculative_tokens"))
     return manager
 
 
@@ -133,8 +135,11 @@ def _get_choice(trace: dict[str, Any], key: str, default: str, choices: type[enu
 class TraceReplayer:
     """Runs one trace's operations against one manager."""
 
-    def __init__(self, manager: KVCacheManager) -> None:
+    def __init__(self, manager: KVCacheManager, num_speculative_tokens: int = 0) -> None:
         self.manager = manager
+        self.num_lookahead = num_speculative_tokens
+        """Speculative decoding: each decode step also holds the blocks of k draft positions,
+        and each decoding request k states per recurrent group."""
         self.requests: dict[str, Request] = {}
         self.miss_totals: list[dict[str, int]] = [{} for _ in range(manager.num_groups)]
         """Per group, tokens of every prefill's lookup it could not serve, by reason."""
@@ -253,10 +258,14 @@ class TraceReplayer:
             return {"allocated": False, "skipped": True, "block_ids": self._table(req_id)}
         allocated = True
         self._check_length(req_id, request.num_tokens + len(tokens))
+        slots = self.manager.spec_slots
         for token in tokens:
             request.append_output_token_ids([token])
             num_new = request.num_tokens - request.num_computed_tokens
-            if self.manager.allocate_slots(request, num_new) is None:
+            blocks = self.manager.allocate_slots(
+                request, num_new, num_lookahead_tokens=self.num_lookahead
+            )
+            if blocks is None or (slots is not None and not slots.reserve(req_id)):
                 allocated = False
                 break
             request.num_computed_tokens += num_new
@@ -276,7 +285,7 @@ def replay_trace(trace: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("a trace must be a JSON object")
     warnings = unknown_key_warnings(trace)
     manager = build_manager(trace)
-    replayer = TraceReplayer(manager)
+    replayer = TraceReplayer(manager, _get_int(trace, "num_speculative_tokens", 0))
     output: dict[str, Any] = {"results": replayer.run(_get_objects(trace, "ops"))}
     output["miss_tokens"] = replayer.miss_totals
     if warnings:

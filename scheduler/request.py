@@ -63,6 +63,9 @@ class Request:
     """Prefix-cache hit length at first admission; set once (None until admitted)."""
     status: RequestStatus = RequestStatus.WAITING
     block_hashes: list[BlockHash] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Speculative decoding: drafts proposed after the last token, verified by the next step
+    that schedules the request (never part of `all_token_ids` nor of the block hashes)."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

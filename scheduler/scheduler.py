@@ -11,6 +11,7 @@ decode tokens alike: every request's computed tokens catch up with its tokens.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 
@@ -29,6 +30,7 @@ from scheduler.output import (
 from scheduler.queue import make_request_queue
 from scheduler.request import Request, RequestStatus
 from scheduler.run_ahead import may_run_ahead, samples_this_step
+from scheduler.spec_decode import DraftVerification
 from scheduler.stats import SchedulerStats
 from scheduler.step_plan import StepPlan, WorkerView
 from scheduler.stop_rules import apply_sampled_tokens, make_step_output
@@ -52,6 +54,13 @@ class Scheduler:
         )
         if config.kv_offloading is not None:
             self.kv_cache_manager.enable_offload(config.kv_offloading)
+        self.spec: DraftVerification | None = None
+        """Speculative decoding (None: off)."""
+        if config.speculative is not None:
+            self.kv_cache_manager.enable_spec_slots(config.speculative.num_speculative_tokens)
+            self.spec = DraftVerification(
+                config.speculative, self.kv_cache_manager, config.max_model_len
+            )
         self.requests: dict[str, Request] = {}
         """Unfinished requests (waiting and running) by ID."""
         self.waiting = make_request_queue(config.policy)
@@ -101,6 +110,8 @@ class Scheduler:
         logprobs = model_runner_output.logprobs
         prompt_logprobs = model_runner_output.prompt_logprobs
         in_flight = self.config.async_scheduling
+        spec_tokens = scheduler_output.scheduled_spec_tokens
+        drafts = model_runner_output.draft_token_ids
         outputs, self._pending_outputs = self._pending_outputs, []
         if self.loading:
             self._end_loads(model_runner_output)
@@ -112,6 +123,8 @@ class Scheduler:
             if request is None or req_id not in scheduled:
                 continue  # aborted while the step ran
             was_preempted = request.status is RequestStatus.PREEMPTED  # its token was in flight
+            if self.spec is not None:
+                self._commit_drafts(request, spec_tokens.get(req_id), token_ids, drafts)
             output = apply_sampled_tokens(
                 request,
                 token_ids,
@@ -132,6 +145,20 @@ class Scheduler:
                 self._release(request, holds_blocks=True)
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return outputs
+
+    def _commit_drafts(
+        self,
+        request: Request,
+        verified: list[int] | None,
+        token_ids: list[int],
+        drafts: dict[str, list[int]] | None,
+    ) -> None:
+        """Speculative decoding: roll back past the rejected drafts, keep the next drafts."""
+        assert self.spec is not None
+        if verified:
+            self.spec.commit(request, len(verified), token_ids)
+        if token_ids:
+            request.spec_token_ids = drafts.get(request.req_id, []) if drafts else []
 
     def abort(self, req_ids: Iterable[str]) -> list[RequestStepOutput]:
         """Abort waiting or running requests at once; unknown IDs are ignored."""
@@ -174,7 +201,7 @@ class Scheduler:
 
     def make_stats(self) -> SchedulerStats:
         """Snapshot for metrics."""
-        return SchedulerStats.from_kv_stats(
+        stats = SchedulerStats.from_kv_stats(
             self.kv_cache_manager.make_stats(),
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting) + len(self.loading),
@@ -182,12 +209,14 @@ class Scheduler:
             offload_loads=self._offload_loads,
             num_preemptions=self.num_preemptions,
         )
+        if self.spec is None:
+            return stats
+        return dataclasses.replace(stats, spec_decoding=self.spec.make_stats())
 
     def _schedule_running(self, plan: StepPlan) -> None:
         """Grow running requests in order; preempt when the pool runs out."""
         running = self.running  # _preempt removes from this same list
         manager = self.kv_cache_manager
-        allocate_slots = manager.allocate_slots
         index = 0
         while index < len(running) and plan.budget > 0:
             request = running[index]
@@ -201,7 +230,8 @@ class Scheduler:
                 if num_new == 0:
                     index += 1
                     continue
-            blocks = allocate_slots(request, num_new)
+            drafts, blocks = self._allocate_with_drafts(request, num_new, plan.budget)
+            num_new += len(drafts)
             if blocks is None and num_new > 1:
                 num_new, blocks = self._allocate_shorter_chunk(request, num_new)
             if blocks is None:
@@ -209,8 +239,29 @@ class Scheduler:
                 if blocks is None:
                     return  # the request itself had to go: nothing behind it fits either
                 index = running.index(request)  # victims before it may have left the list
-            plan.add(request, num_new, blocks)
+            plan.add(request, num_new, blocks, drafts)
             index += 1
+
+    def _allocate_with_drafts(
+        self, request: Request, num_new: int, budget: int
+    ) -> tuple[list[int], KVCacheBlocks | None]:
+        """`allocate_slots` for a running request's step; a decoding request with drafts also
+        verifies some (none when the pool has no room for them; then its draft states are given
+        back before anything is preempted). Returns (drafts, blocks)."""
+        spec = self.spec
+        manager = self.kv_cache_manager
+        if spec is None:
+            return [], manager.allocate_slots(request, num_new)
+        if num_new == 1 and request.spec_token_ids:
+            num_drafts = spec.num_drafts(request, budget, len(self.requests))
+            if num_drafts:
+                blocks = manager.allocate_slots(request, 1 + num_drafts)
+                if blocks is not None:
+                    return spec.plan(request, num_drafts), blocks
+        blocks = manager.allocate_slots(request, num_new)
+        if blocks is None and manager.release_spec_slots(request.req_id):
+            blocks = manager.allocate_slots(request, num_new)
+        return [], blocks
 
     def _allocate_with_preemption(
         self, request: Request, num_new: int, plan: StepPlan
@@ -393,6 +444,7 @@ class Scheduler:
             copies_after_step=tuple(after),
             offload=self.kv_cache_manager.take_offload_ops(),
             workers_append_sampled=run_ahead,
+            scheduled_spec_tokens=plan.spec_tokens,
         )
 
     def _num_common_prefix_blocks(self) -> tuple[int, ...]:

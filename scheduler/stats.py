@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from scheduler.kv_cache.manager import KVCacheStats
     from scheduler.kv_cache.offload import OffloadCounters
+    from scheduler.spec_decode import SpecDecodingStats
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ class SchedulerStats:
     """Summed wall time of the requests' offload-tier loads, issue to completion (cumulative)."""
     num_offload_loads: int = 0
     """Requests whose offload-tier loads completed (cumulative)."""
+    spec_decoding: SpecDecodingStats | None = None
+    """Speculative decoding acceptance counters (cumulative; None: speculation off)."""
 
     @classmethod
     def from_kv_stats(

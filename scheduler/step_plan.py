@@ -28,10 +28,21 @@ class StepPlan:
     new_blocks: dict[str, KVCacheBlocks] = field(default_factory=dict)
     """Blocks newly allocated this step, per scheduled request."""
     preempted_req_ids: list[str] = field(default_factory=list)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    """Draft tokens verified this step, per scheduled request that has some."""
 
-    def add(self, request: Request, num_tokens: int, new_blocks: KVCacheBlocks) -> None:
-        """Schedule `num_tokens` of `request` with the blocks just allocated for them."""
+    def add(
+        self,
+        request: Request,
+        num_tokens: int,
+        new_blocks: KVCacheBlocks,
+        spec_tokens: list[int] | None = None,
+    ) -> None:
+        """Schedule `num_tokens` of `request` with the blocks just allocated for them (among
+        them `spec_tokens`, drafts to verify)."""
         self.scheduled.append(request)
+        if spec_tokens:
+            self.spec_tokens[request.req_id] = spec_tokens
         self.num_scheduled_tokens[request.req_id] = num_tokens
         self.new_blocks[request.req_id] = new_blocks
         self.budget -= num_tokens
@@ -43,6 +54,7 @@ class StepPlan:
             return False
         self.budget += num_tokens
         del self.new_blocks[request.req_id]
+        self.spec_tokens.pop(request.req_id, None)
         self.scheduled.remove(request)
         return True
 

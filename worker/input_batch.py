@@ -6,6 +6,8 @@ turns one step into flat numpy arrays on the host and moves them to the device i
 
     request i of the step:  tokens [num_computed ........ | scheduled ...... ]
                             query rows [query_start_loc[i], query_start_loc[i+1])
+    a verify step:          scheduled = [last known token | d1 .. dm drafts]; its m + 1 rows
+                            all reach the LM head (`logits_indices`)
 """
 
 from __future__ import annotations
@@ -122,7 +124,8 @@ class InputBatch:
     positions: torch.Tensor  # [num_tokens] int64
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32
     seq_lens: torch.Tensor  # [num_reqs] int32
-    logits_indices: torch.Tensor  # [num_sampled] int64: last query row of each sampling request
+    logits_indices: torch.Tensor  # [num_rows] int64: per sampling request, its last query row
+    # (a verify step: its last 1 + num_drafts rows)
     block_tables: tuple[torch.Tensor, ...]  # per group [num_reqs, max_blocks] int32
     slot_mappings: tuple[torch.Tensor, ...]  # per group [num_tokens] int64
     sampled_req_idx: list[int]
@@ -171,10 +174,14 @@ def batch_order(
 
 
 def build_input_batch(
-    req_ids: Sequence[str], states: RequestStates, num_scheduled: dict[str, int]
+    req_ids: Sequence[str],
+    states: RequestStates,
+    num_scheduled: dict[str, int],
+    spec_tokens: dict[str, list[int]] | None = None,
 ) -> InputBatch:
-    """Flat inputs of one step (in the order of `req_ids`), built on the host, one copy."""
-    host = _host_batch(req_ids, states, num_scheduled)
+    """Flat inputs of one step (in the order of `req_ids`), built on the host, one copy;
+    `spec_tokens`: drafts computed after each request's known tokens (speculative decoding)."""
+    host = _host_batch(req_ids, states, num_scheduled, spec_tokens or {})
     dev = to_device_packed(host.arrays, states.device)
     num_groups = len(states.block_tables)
     return InputBatch(
@@ -202,7 +209,10 @@ class _HostBatch(NamedTuple):
 
 
 def _host_batch(
-    req_ids: Sequence[str], states: RequestStates, num_scheduled: dict[str, int]
+    req_ids: Sequence[str],
+    states: RequestStates,
+    num_scheduled: dict[str, int],
+    spec_tokens: dict[str, list[int]],
 ) -> _HostBatch:
     """The step's arrays in numpy: per token (ids, positions, slots), per request, per group."""
     reqs = [states.requests[req_id] for req_id in req_ids]
@@ -218,7 +228,10 @@ def _host_batch(
     )
     input_ids = np.concatenate(
         [np.zeros(0, dtype=np.int64)]
-        + [_scheduled_tokens(req, n) for req, n in zip(reqs, num_sched.tolist(), strict=True)]
+        + [
+            _scheduled_tokens(req, n, spec_tokens.get(req.req_id, ()))
+            for req, n in zip(reqs, num_sched.tolist(), strict=True)
+        ]
     )
     seq_lens = num_computed + num_sched
     samples = seq_lens >= np.array([req.num_tokens for req in reqs], dtype=np.int64)
@@ -227,7 +240,7 @@ def _host_batch(
         "positions": positions,
         "query_start_loc": query_start_loc,
         "seq_lens": seq_lens,
-        "logits_indices": query_start_loc[1:][samples] - 1,
+        "logits_indices": _logits_indices(query_start_loc, samples, reqs, spec_tokens),
     }
     token_rows = rows[token_req_idx]
     for group_id, table in enumerate(states.block_tables.tables):
@@ -236,15 +249,36 @@ def _host_batch(
     return _HostBatch(arrays, samples, num_computed)
 
 
-def _scheduled_tokens(req: CachedRequestState, num_scheduled: int) -> np.ndarray:
+def _logits_indices(
+    query_start_loc: np.ndarray,
+    samples: np.ndarray,
+    reqs: Sequence[CachedRequestState],
+    spec_tokens: dict[str, list[int]],
+) -> np.ndarray:
+    """Per sampling request, its last row, or its last 1 + num_drafts rows."""
+    ends: np.ndarray = query_start_loc[1:][samples]
+    if not spec_tokens:
+        return ends - 1
+    sampling = [req for req, flag in zip(reqs, samples.tolist(), strict=True) if flag]
+    counts = np.array([1 + len(spec_tokens.get(req.req_id, ())) for req in sampling])
+    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    indices: np.ndarray = np.repeat(ends - counts, counts) + offsets
+    return indices
+
+
+def _scheduled_tokens(
+    req: CachedRequestState, num_scheduled: int, drafts: Sequence[int]
+) -> np.ndarray:
     start = req.num_computed_tokens
-    end = start + num_scheduled
-    if end > req.num_tokens:
+    end = start + num_scheduled - len(drafts)
+    if end > req.num_tokens or (drafts and end != req.num_tokens):
         raise RuntimeError(
-            f"request {req.req_id}: {num_scheduled} tokens scheduled from {start} but only "
-            f"{req.num_tokens} are known (missing new_token_ids?)"
+            f"request {req.req_id}: {num_scheduled} tokens ({len(drafts)} drafts) scheduled "
+            f"from {start} but {req.num_tokens} are known (missing new_token_ids?)"
         )
-    return np.asarray(req.token_ids[start:end], dtype=np.int64)
+    if not drafts:
+        return np.asarray(req.token_ids[start:end], dtype=np.int64)
+    return np.asarray([*req.token_ids[start:end], *drafts], dtype=np.int64)
 
 
 def to_device_packed(

@@ -21,6 +21,7 @@ from kernels.mamba_registry import select_mamba_kernels
 from scheduler.kv_cache.builder import group_of_layer
 from scheduler.kv_cache.spec import KVCacheConfig, MambaCacheMode
 from scheduler.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from scheduler.spec_config import supports_speculation
 from worker.attention import ForwardContext, KernelNeeds
 from worker.attention_groups import (
     AttentionGroup,
@@ -33,6 +34,7 @@ from worker.block_copies import GroupTensors, copy_blocks, group_tensors, saves_
 from worker.block_table import MultiGroupBlockTable
 from worker.grammar_mask import GrammarMask
 from worker.input_batch import (
+    CachedRequestState,
     InputBatch,
     RequestStates,
     batch_order,
@@ -52,6 +54,8 @@ from worker.offload_store import HostOffloadStore
 from worker.runner_config import RunnerConfig
 from worker.sampler import Sampler, to_token_logprobs
 from worker.sampling_state import SamplingState
+from worker.spec_decode.proposer import DraftProposer, DraftRequest, make_proposer
+from worker.spec_decode.verify import RowLayout, verify_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +122,10 @@ class ModelRunner:
         self._mamba_kernels = select_mamba_kernels("torch", device)
         self.sampler = Sampler(config.seed, device)
         self.sampling_state = SamplingState(device, settings.eos_token_ids)
+        self.proposer: DraftProposer | None = (
+            make_proposer(config.speculative) if config.speculative is not None else None
+        )
+        """Proposes the drafts the next step verifies (driver rank; None: no speculation)."""
         self.attention_groups: list[AttentionGroup] = []
         self.kv_caches: KVCaches = {}
         self._group_tensors: GroupTensors = {}
@@ -227,7 +235,10 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         batch = build_input_batch(
-            self._batch_req_ids(scheduler_output), states, scheduler_output.num_scheduled_tokens
+            self._batch_req_ids(scheduler_output),
+            states,
+            scheduler_output.num_scheduled_tokens,
+            scheduler_output.scheduled_spec_tokens,
         )
         prompt_rows = self._prompt_logprob_rows(batch)
         step = StepRows(batch.logits_indices, self._full_reqs(batch))
@@ -253,7 +264,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows])  # [num_rows, vocab] fp32
         if not self.is_driver:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
-        num_sampled = len(batch.sampled_req_idx)
+        num_sampled = len(batch.logits_indices)
         output = self._sample(batch, logits[:num_sampled], scheduler_output)
         if prompt_rows is None:
             return output
@@ -287,11 +298,71 @@ class ModelRunner:
     def _sample(
         self, batch: InputBatch, logits: torch.Tensor, scheduler_output: SchedulerOutput
     ) -> ModelRunnerOutput:
+        """Sample every request that reaches its last known token: one token, or (with drafts)
+        the accepted drafts and the token after them; then propose the next drafts."""
         states = self._require_states()
         sampled = [states.requests[batch.req_ids[idx]] for idx in batch.sampled_req_idx]
         sampled_ids: list[list[int]] = [[] for _ in batch.req_ids]
         if not sampled:
             return ModelRunnerOutput(req_ids=batch.req_ids, sampled_token_ids=sampled_ids)
+        spec = scheduler_output.scheduled_spec_tokens
+        drafts = [spec.get(req.req_id, []) for req in sampled]
+        tokens, entries = self._sample_rows(logits, sampled, drafts, scheduler_output)
+        logprobs: dict[str, list[TokenLogprobs]] = {}
+        keep_sampled = scheduler_output.workers_append_sampled
+        for idx, req, emitted, entry in zip(
+            batch.sampled_req_idx, sampled, tokens, entries, strict=True
+        ):
+            sampled_ids[idx] = emitted
+            if keep_sampled:  # async scheduling: the next step may already compute it
+                req.token_ids.extend(emitted)
+            if entry is not None:
+                logprobs[req.req_id] = entry
+        return ModelRunnerOutput(
+            req_ids=batch.req_ids,
+            sampled_token_ids=sampled_ids,
+            logprobs=logprobs or None,
+            draft_token_ids=self._propose(sampled, tokens, keep_sampled),
+        )
+
+    def _sample_rows(
+        self,
+        logits: torch.Tensor,
+        sampled: list[CachedRequestState],
+        drafts: list[list[int]],
+        scheduler_output: SchedulerOutput,
+    ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
+        """Tokens and logprobs per sampling request; `logits` has 1 + len(drafts) rows each."""
+        verified = [i for i, request_drafts in enumerate(drafts) if request_drafts]
+        if not verified:
+            return self._sample_last_rows(logits, sampled, scheduler_output)
+        layout = RowLayout.from_drafts(drafts)
+        plain = [i for i, request_drafts in enumerate(drafts) if not request_drafts]
+        tokens: list[list[int]] = [[] for _ in sampled]
+        entries: list[list[TokenLogprobs] | None] = [None] * len(sampled)
+        if plain:
+            rows = torch.tensor(layout.last_rows(plain), device=logits.device)
+            plain_reqs = [sampled[i] for i in plain]
+            plain_out = self._sample_last_rows(logits[rows], plain_reqs, scheduler_output)
+            for i, emitted, entry in zip(plain, *plain_out, strict=True):
+                tokens[i], entries[i] = emitted, entry
+        expanded = [sampled[i] for i in verified for _ in range(1 + len(drafts[i]))]
+        rows = torch.tensor(layout.all_rows(verified), device=logits.device)
+        tensors = self.sampling_state.build(expanded, logits.shape[-1])
+        result = verify_drafts(
+            logits[rows], [drafts[i] for i in verified], tensors, self.sampler.generator
+        )
+        for i, emitted, entry in zip(verified, result.token_ids, result.logprobs, strict=True):
+            tokens[i], entries[i] = emitted, entry
+        return tokens, entries
+
+    def _sample_last_rows(
+        self,
+        logits: torch.Tensor,
+        sampled: list[CachedRequestState],
+        scheduler_output: SchedulerOutput,
+    ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
+        """One token per request from its row of `logits` (the usual sampler)."""
         tensors = self.sampling_state.build(sampled, logits.shape[-1])
         grammar = GrammarMask.build(
             scheduler_output.grammar_bitmask, [req.req_id for req in sampled], self.device
@@ -299,21 +370,21 @@ class ModelRunner:
         if grammar is not None:
             tensors = replace(tensors, grammar=grammar)
         out = self.sampler.sample(logits, tensors)
-        logprobs: dict[str, list[TokenLogprobs]] = {}
-        keep_sampled = scheduler_output.workers_append_sampled
-        for idx, req, token, entry in zip(
-            batch.sampled_req_idx, sampled, out.token_ids.tolist(), out.logprobs, strict=True
-        ):
-            sampled_ids[idx] = [token]
-            if keep_sampled:  # async scheduling: the next step may already compute it
-                req.token_ids.append(token)
-            if entry is not None:
-                logprobs[req.req_id] = [entry]
-        return ModelRunnerOutput(
-            req_ids=batch.req_ids,
-            sampled_token_ids=sampled_ids,
-            logprobs=logprobs or None,
-        )
+        entries = [None if entry is None else [entry] for entry in out.logprobs]
+        return [[token] for token in out.token_ids.tolist()], entries
+
+    def _propose(
+        self, sampled: list[CachedRequestState], tokens: list[list[int]], appended: bool
+    ) -> dict[str, list[int]] | None:
+        """Drafts for the next step of the requests that may speculate (None: none)."""
+        if self.proposer is None:
+            return None
+        requests = [
+            DraftRequest(req.req_id, req.token_ids if appended else [*req.token_ids, *emitted])
+            for req, emitted in zip(sampled, tokens, strict=True)
+            if supports_speculation(req.sampling_params)
+        ]
+        return self.proposer.propose(requests) or None
 
     def _full_reqs(self, batch: InputBatch) -> torch.Tensor | None:
         """Batch indices of requests whose every row must be computed (prompt logprobs)."""

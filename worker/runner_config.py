@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import BACKEND_NAMES
+from scheduler.spec_config import SpeculativeConfig
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,8 @@ class RunnerConfig:
     """Which Mamba states the KV pool keeps: "none" (one per request, no prefix hits on
     Mamba groups), "align" (states at block ends where prefill chunks end; the scheduler splits
     prefills on the hit-alignment grid) or "all" (a state at every block end)."""
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding: the driver rank proposes drafts after sampling (None: off)."""
 
     offload_load_timeout_s: float = 10.0
     """Seconds an offload-tier load may take before it counts as failed (the request then

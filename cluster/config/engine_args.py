@@ -16,6 +16,7 @@ from pydantic import ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import ErrorDetails
 
 from cluster.config.base import StrictModel
+from cluster.config.speculative import SpeculativeConfigArgs
 
 ExecutorBackend = Literal["uni", "mp", "ray"]
 ExecutorSite = Literal["offline", "serve_replica", "batch_replica"]
@@ -104,6 +105,11 @@ class EngineArgs(StrictModel):
     """Schedule step N+1 while step N runs, so scheduling and output processing overlap the
     model (outputs identical to synchronous steps). Steps with structured-output requests, and
     engines with tensor_parallel_size > 1, stay synchronous."""
+    speculative_config: SpeculativeConfigArgs | None = None
+    """Speculative decoding, vLLM's keys: {"method": "ngram", "num_speculative_tokens": 3,
+    "prompt_lookup_max": 4}; keys: method, num_speculative_tokens, prompt_lookup_min,
+    prompt_lookup_max, model, disable_by_batch_size. Outputs are unchanged; steps stay
+    synchronous."""
     distributed_executor_backend: ExecutorBackend | None = None
     """uni (one rank in-process) | mp (a process per rank) | ray (an actor per rank); default:
     ray inside a Ray job or actor, else mp when tensor_parallel_size > 1, else uni."""
@@ -147,6 +153,8 @@ def engine_args_error(error: ValidationError) -> str:
 def _describe(item: ErrorDetails) -> str:
     if not item["loc"]:  # a model-level check: an unknown name
         return item["msg"].removeprefix("Value error, ")
+    if len(item["loc"]) > 1 or item["type"] == "value_error":  # inside a nested config
+        return _describe_nested(item)
     name = str(item["loc"][0])
     value = item["input"]
     if item["type"] in ("greater_than", "greater_than_equal", "less_than", "less_than_equal"):
@@ -159,6 +167,19 @@ def _describe(item: ErrorDetails) -> str:
             f"got {type(value).__name__} {value!r}"
         )
     return f"{name}: {item['msg']}, got {value!r}"
+
+
+def _describe_nested(item: ErrorDetails) -> str:
+    """`speculative_config.num_speculative_tokens must be >= 1, got 0`."""
+    where = ".".join(str(part) for part in item["loc"])
+    bounds = item.get("ctx", {})
+    operator = next((key for key in _BOUND_OPERATORS if key in bounds), None)
+    if operator is not None:
+        bound = f"{_BOUND_OPERATORS[operator]} {bounds[operator]}"
+        return f"{where} must be {bound}, got {item['input']!r}"
+    if item["type"] == "missing":
+        return f"{where} is required"
+    return f"{where}: {item['msg'].removeprefix('Value error, ')}"
 
 
 def _allowed_range(name: str) -> str:

@@ -2,13 +2,15 @@
 
 Each field becomes one flag in vLLM's spelling (underscores to dashes), typed by the field's JSON
 schema, with the field's docstring as help; booleans take `--flag` / `--no-flag`, choices come
-from `Literal` fields. Only flags given on the command line are returned, so they can override
-a config file's `engine_kwargs`; the values then go through `validate_engine_kwargs`.
+from `Literal` fields, a nested config (`--speculative-config`) takes a JSON object. Only flags
+given on the command line are returned, so they can override a config file's `engine_kwargs`;
+the values then go through `validate_engine_kwargs`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from cluster.config.engine_args import EngineArgs
@@ -48,9 +50,22 @@ def engine_kwargs_from_args(namespace: argparse.Namespace) -> dict[str, Any]:
 
 def _value_options(name: str, schema: dict[str, Any]) -> dict[str, Any]:
     """How argparse reads one field's value, from its JSON schema (null aside)."""
-    (value,) = [option for option in schema.get("anyOf", [schema]) if option["type"] != "null"]
+    (value,) = [option for option in schema.get("anyOf", [schema]) if option.get("type") != "null"]
+    if "$ref" in value:  # a nested config (speculative_config): JSON, as vLLM's flag takes it
+        return {"type": _json_object, "metavar": "JSON"}
     if value["type"] == "boolean":
         return {"action": argparse.BooleanOptionalAction}
     if "enum" in value:
         return {"type": _PARSERS[value["type"]], "choices": value["enum"]}
     return {"type": _PARSERS[value["type"]], "metavar": name.upper()}
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A flag value holding a JSON object (`--speculative-config '{"method": "ngram"}'`)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value

@@ -63,6 +63,7 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
     from worker.runner_config import RunnerConfig
 
     device = resolve_device(args.device)
+    speculative = args.speculative_config.to_config() if args.speculative_config else None
     model = ModelConfig.from_pretrained(
         model_folder(args), args.dtype, args.max_model_len, device_type=device
     )
@@ -78,6 +79,7 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
         load_format=args.load_format,
         mamba_cache_mode=args.mamba_cache_mode if args.enable_prefix_caching else "none",
         offload_load_timeout_s=args.kv_offloading_load_timeout_s,
+        speculative=speculative,
     )
     batched = args.max_num_batched_tokens or max(
         DEFAULT_MAX_NUM_BATCHED_TOKENS, model.max_model_len
@@ -92,6 +94,7 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
         prefix_match_unit=args.prefix_match_unit,
         async_scheduling=_async_scheduling(args),
         kv_offloading=offload_config(args, model),
+        speculative=speculative,
     )
     return EngineConfigs(
         model,
@@ -135,5 +138,8 @@ def _async_scheduling(args: EngineArgs) -> bool:
     """Async scheduling needs every rank to sample (only rank 0 does): one rank only."""
     if args.async_scheduling and args.tensor_parallel_size > 1:
         logger.warning("async_scheduling needs tensor_parallel_size 1: steps stay synchronous")
+        return False
+    if args.async_scheduling and args.speculative_config is not None:
+        logger.warning("speculative decoding verifies drafts in synchronous steps")
         return False
     return args.async_scheduling

@@ -17,6 +17,7 @@ from cluster.serve.offload_metrics import OffloadMetrics
 from cluster.serve.ray_metric_names import counter as _counter
 from cluster.serve.ray_metric_names import gauge as _gauge
 from cluster.serve.ray_metric_names import metric_name
+from scheduler.spec_decode import SpecDecodingStats
 from scheduler.stats import SchedulerStats
 
 __all__ = ["EngineMetrics", "metric_name"]
@@ -88,6 +89,7 @@ class EngineMetrics:
         self.worker_alive = _gauge("hybridserve:worker_alive", "1 if the rank is alive.", "rank")
         self.offload: OffloadMetrics | None = None
         """The offload tier's series, made at the first snapshot that has a tier."""
+        self.spec = SpecDecodeMetrics(self.tags)
         for counter in (
             self.pc_queries,
             self.pc_hits,
@@ -121,6 +123,8 @@ class EngineMetrics:
             if self.offload is None:
                 self.offload = OffloadMetrics(tags["model_name"])
             self.offload.record(stats)
+        if stats.spec_decoding is not None:
+            self.spec.record(stats.spec_decoding)
         self._last = stats
 
     def _record_misses(self, stats: SchedulerStats, last: SchedulerStats | None) -> None:
@@ -171,6 +175,33 @@ class EngineMetrics:
         ):
             if value is not None:
                 histogram.observe(max(value, 0.0), tags)
+
+
+class SpecDecodeMetrics:
+    """vLLM's speculative decoding counters, by their growth since the last snapshot."""
+
+    def __init__(self, tags: dict[str, str]) -> None:
+        self.tags = tags
+        self.drafts = _counter("vllm:spec_decode_num_drafts", "Verify steps with drafts.")
+        self.draft_tokens = _counter("vllm:spec_decode_num_draft_tokens", "Draft tokens.")
+        self.accepted = _counter("vllm:spec_decode_num_accepted_tokens", "Accepted drafts.")
+        self.per_pos = _counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted drafts by draft position.",
+            "position",
+        )
+        self._last = SpecDecodingStats()
+
+    def record(self, stats: SpecDecodingStats) -> None:
+        last, tags = self._last, self.tags
+        _inc(self.drafts, stats.num_drafts, last.num_drafts, tags)
+        _inc(self.draft_tokens, stats.num_draft_tokens, last.num_draft_tokens, tags)
+        _inc(self.accepted, stats.num_accepted_tokens, last.num_accepted_tokens, tags)
+        before = last.num_accepted_tokens_per_pos
+        for pos, count in enumerate(stats.num_accepted_tokens_per_pos):
+            earlier = before[pos] if pos < len(before) else 0
+            _inc(self.per_pos, count, earlier, {**tags, "position": str(pos)})
+        self._last = stats
 
 
 def _sum(stats: SchedulerStats | None, what: str) -> int:

@@ -8,90 +8,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import ClassVar
 
 from scheduler.block_hash import BlockHash
 from scheduler.config import OffloadConfig
-from scheduler.kv_cache.block_pool import BlockPool, KVCacheBlock
+from scheduler.kv_cache.block_pool import BlockPool
 from scheduler.kv_cache.checkpoints import StateCheckpoints
 from scheduler.kv_cache.coordinator import make_coordinator
 from scheduler.kv_cache.events import OUTLOOK_BLOCKS, EvictionOutlook, KVEventBatch, KVEventSink
 from scheduler.kv_cache.eviction import EvictionPolicy
-from scheduler.kv_cache.miss_reasons import GroupMisses, explain_misses
-from scheduler.kv_cache.offload import OffloadCounters, build_offload_index, count_offloaded
+from scheduler.kv_cache.mamba_manager import MambaManager
+from scheduler.kv_cache.manager_types import CacheHit, KVCacheBlocks, KVCacheStats
+from scheduler.kv_cache.miss_reasons import explain_misses
+from scheduler.kv_cache.offload import build_offload_index, count_offloaded
 from scheduler.kv_cache.spec import KVCacheConfig, MambaCacheMode, MambaSpec, manager_spec
+from scheduler.kv_cache.spec_slots import SpecStateSlots
 from scheduler.kv_cache.window_managers import ChunkedLocalManager, SlidingWindowManager
 from scheduler.output import BlockCopy, OffloadOps, StateSave
 from scheduler.request import Request
 
-
-@dataclass(frozen=True)
-class KVCacheBlocks:
-    """Blocks per KV cache group (hit blocks, or blocks allocated by one call); read-only."""
-
-    blocks: tuple[list[KVCacheBlock], ...]
-    copy_sources: tuple[KVCacheBlock | None, ...] = ()
-    """A hit at a fine checkpoint: per group, the block a fresh block appended after `blocks`
-    is copied from (None: nothing to append); empty for every other hit."""
-
-    def get_block_ids(self) -> tuple[list[int], ...]:
-        """Block IDs per group (the null block is 0)."""
-        return tuple([block.block_id for block in group] for group in self.blocks)
-
-    @property
-    def is_empty(self) -> bool:
-        """No block in any group."""
-        return not any(self.blocks)
-
-    @classmethod
-    def empty(cls, num_groups: int) -> KVCacheBlocks:
-        return cls(tuple([] for _ in range(num_groups)))
-
-
-class CacheHit(NamedTuple):
-    """Result of a prefix-cache lookup for a new request."""
-
-    blocks: KVCacheBlocks
-    num_tokens: int
-    """Hit length: a multiple of every group's block size (of `prefix_match_unit` at a state
-    checkpoint), at most the prompt length - 1."""
-    junction_tokens: int
-    """The longest hit one bucket of equal specs found alone, if longer than `num_tokens`, else
-    `num_tokens`: where a prefill chunk should end so that a state lands there (Mamba)."""
-    group_hit_tokens: tuple[int, ...]
-    """Per group, the hit its own bucket found before the groups agreed; empty when nothing was
-    looked up (caching off, or a request that reads no hit)."""
-    misses: tuple[GroupMisses, ...] = ()
-    """Per group, the tokens it could not serve and why (`MissReason` values), measured at the
-    lookup; empty when nothing was looked up."""
-    num_offloaded_blocks: int = 0
-    """Blocks of the hit held in the offload tier: the request waits for their loads."""
-
-
-@dataclass(frozen=True)
-class KVCacheStats:
-    """KV cache counters. Prefix-cache and eviction counters are cumulative since construction
-    (never reset on read): rates come from differences between two snapshots."""
-
-    usage: float
-    """Fraction of the usable blocks held by requests."""
-    group_usage: tuple[float, ...]
-    """Per group, fraction of the usable blocks its tables hold."""
-    num_queries: int
-    """Lookups of admitted requests (a resumed request counts again)."""
-    query_tokens: tuple[int, ...]
-    """Per group, tokens of those requests when looked up."""
-    group_hit_tokens: tuple[int, ...]
-    """Per group, tokens its own bucket could serve (before reconciliation across groups)."""
-    hit_tokens: int
-    """Tokens actually served from the cache (the reconciled hits)."""
-    num_evictions: int
-    """Cached blocks reused for other data."""
-    group_miss_tokens: tuple[GroupMisses, ...] = ()
-    """Per group, tokens of admitted lookups it could not serve, by `MissReason` value."""
-    offload: OffloadCounters | None = None
-    """The offload tier's usage and counters (None: no tier)."""
+__all__ = ["CacheHit", "KVCacheBlocks", "KVCacheManager", "KVCacheStats"]
 
 
 class KVCacheManager:
@@ -137,6 +73,8 @@ class KVCacheManager:
             self.coordinator.managers, self.pool, prefix_match_unit, self.enable_caching
         )
         """Fine-grained hits of recurrent-state models (None: hits on the block grid only)."""
+        self.spec_slots: SpecStateSlots | None = None
+        """Draft-position states of recurrent groups (None: no speculation or no such group)."""
         self.needs_block_aligned_prefill = self.enable_caching and any(
             isinstance(spec, MambaSpec) and spec.mamba_cache_mode is MambaCacheMode.ALIGN
             for spec in (manager_spec(group.spec) for group in config.groups)
@@ -160,6 +98,17 @@ class KVCacheManager:
         self._hit_tokens = 0
         self._group_hit_tokens = [0] * self.num_groups
         self._miss_tokens: list[dict[str, int]] = [{} for _ in range(self.num_groups)]
+
+    def release_spec_slots(self, req_id: str) -> bool:
+        """Free a running request's draft-state slots to make room (False: it held none)."""
+        return self.spec_slots is not None and self.spec_slots.release(req_id)
+
+    def enable_spec_slots(self, num_speculative_tokens: int) -> None:
+        """Speculative decoding with k drafts: drafting requests hold k draft-position states
+        per recurrent group (`scheduler.kv_cache.spec_slots`). Call before any allocation."""
+        managers = [m for m in self.coordinator.managers if isinstance(m, MambaManager)]
+        if managers:
+            self.spec_slots = SpecStateSlots(managers, self.pool, num_speculative_tokens)
 
     @property
     def hash_block_size(self) -> int:
@@ -382,13 +331,23 @@ class KVCacheManager:
             self.coordinator.free(request.req_id, request.block_hashes)
         if self.checkpoints is not None:
             self.checkpoints.forget(request.req_id)
+        if self.spec_slots is not None:
+            self.spec_slots.free(request.req_id)
 
     def take_step_ops(self) -> tuple[list[BlockCopy], list[StateSave], list[BlockCopy]]:
         """The worker ops of the step being scheduled (copies before it, state saves, copies
-        after it); empty without fine checkpoints. Call once per step, as its output is built."""
-        if self.checkpoints is None:
-            return [], [], []
-        return self.checkpoints.take_step_ops()
+        after it): fine checkpoints, and draft-position states of speculative decoding. Call
+        once per step, as its output is built."""
+        before: list[BlockCopy] = []
+        saves: list[StateSave] = []
+        after: list[BlockCopy] = []
+        if self.checkpoints is not None:
+            before, saves, after = self.checkpoints.take_step_ops()
+        if self.spec_slots is not None:
+            restores, draft_saves = self.spec_slots.take_ops()
+            before = restores + before  # read the slots before any copy may reuse them
+            saves += draft_saves
+        return before, saves, after
 
     def finish_load(self, request: Request, succeeded: bool) -> None:
         """The workers ended the request's offload-tier loads (see `OffloadIndex.finish`)."""
@@ -486,6 +445,8 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Assert pool and table consistency (tests)."""
         pending = self.checkpoints.held_blocks() if self.checkpoints is not None else []
+        if self.spec_slots is not None:
+            pending += self.spec_slots.held_blocks()
         self.coordinator.check_invariants(pending)
         if self.pool.offload is not None:
             self.pool.offload.check_invariants()

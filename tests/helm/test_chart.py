@@ -331,8 +331,19 @@ def _snake(camel: str) -> str:
 
 
 def _as_values_schema(field_schema: dict[str, Any]) -> dict[str, Any]:
-    """An `EngineArgs` field's JSON schema in the values schema's shape (one type list)."""
+    """An `EngineArgs` field's JSON schema in the values schema's shape (one type list; a
+    nested config's keys inline)."""
     options = field_schema.get("anyOf", [field_schema])
+    ref = next((option["$ref"] for option in options if "$ref" in option), None)
+    if ref is not None:
+        nested = EngineArgs.model_json_schema()["$defs"][ref.rsplit("/", 1)[-1]]
+        return {
+            "type": ["object", "null"],
+            "description": " ".join(field_schema["description"].split()),
+            "properties": {k: _as_values_schema(v) for k, v in nested["properties"].items()},
+            "additionalProperties": False,
+            "required": nested["required"],
+        }
     types = [option["type"] for option in options]
     constraints = {
         key: value
@@ -362,12 +373,14 @@ def test_named_engine_values_mirror_their_engine_args_field(name: str) -> None:
 
 def test_named_engine_values_reach_their_engine_args_field() -> None:
     values = {"tensorParallelSize": 2, "maxModelLen": 77, "gpuMemoryUtilization": 0.5,
-              "enablePrefixCaching": False}  # fmt: skip
+              "enablePrefixCaching": False,
+              "speculativeConfig": {"method": "ngram", "num_speculative_tokens": 3}}  # fmt: skip
     assert set(values) == set(NAMED_ENGINE_VALUES)
     rayservice = _render({"engine": values, "worker": {"gpusPerPod": 2}})["RayService"]
     args = _serving_args(rayservice).llm_configs[0].engine_args()
     for name, value in values.items():
-        assert getattr(args, _snake(name)) == value
+        got = getattr(args, _snake(name))
+        assert (got.model_dump(exclude_none=True) if name == "speculativeConfig" else got) == value
 
 
 def _sample(field_schema: dict[str, Any]) -> Any:

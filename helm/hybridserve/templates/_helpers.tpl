@@ -55,9 +55,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $_ := set $kwargs "kv_offloading_disk_size" $offload.disk.sizeGiB -}}
 {{- end -}}
 {{- end -}}
+{{- if $engine.speculativeConfig -}}
+{{- $_ := set $kwargs "speculative_config" $engine.speculativeConfig -}}
+{{- end -}}
 {{- range $key, $value := $engine.extraKwargs -}}
 {{- if hasKey $kwargs $key -}}
-{{- fail (printf "engine.extraKwargs.%s: set it through its own engine value (tensorParallelSize, maxModelLen, gpuMemoryUtilization, enablePrefixCaching)" $key) -}}
+{{- fail (printf "engine.extraKwargs.%s: set it through its own engine value (tensorParallelSize, maxModelLen, gpuMemoryUtilization, enablePrefixCaching, speculativeConfig)" $key) -}}
 {{- end -}}
 {{- $_ := set $kwargs $key $value -}}
 {{- end -}}

@@ -277,3 +277,23 @@ def test_an_offload_tier_serves_what_the_pool_evicted(tier_blocks: int) -> None:
         assert (records[4]["hit_tokens"], records[4]["offloaded_blocks"]) == (32, 8 + 2)
     else:
         assert (records[4]["hit_tokens"], records[4]["offloaded_blocks"]) == (0, 0)
+
+
+def test_num_speculative_tokens_holds_lookahead_blocks_and_k_states() -> None:
+    """k = 3: a decode at 11 tokens holds the blocks of 3 draft positions (up to 14 tokens: one
+    more block in each group, mode all keeps a state block per block) and 3 draft states."""
+    trace: dict = {
+        "groups": [{"type": "full", "block_size": 4}, {"type": "mamba", "block_size": 4}],
+        "num_blocks": 40,
+        "max_model_len": 64,
+        "mamba_cache_mode": "all",
+        "ops": [
+            {"op": "prefill", "id": "a", "tokens": list(range(10))},
+            {"op": "decode", "id": "a", "tokens": [10]},
+        ],
+    }
+    plain = replay_trace(trace)["results"]
+    speculative = replay_trace({**trace, "num_speculative_tokens": 3})["results"]
+    assert "warnings" not in replay_trace({**trace, "num_speculative_tokens": 3})
+    assert plain[0]["free_blocks"] == speculative[0]["free_blocks"]
+    assert plain[1]["free_blocks"] - speculative[1]["free_blocks"] == 3 + 2

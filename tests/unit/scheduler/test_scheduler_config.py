@@ -41,6 +41,7 @@ def test_every_config_field_has_an_attribute_docstring() -> None:
         "prefix_match_unit",
         "async_scheduling",
         "kv_offloading",
+        "speculative",
     }
     docs = _field_docstrings(SchedulerConfig)
     assert set(docs) == names

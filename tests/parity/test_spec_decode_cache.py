@@ -1,0 +1,99 @@
+"""Speculative decoding and the KV cache of recurrent hybrids: every Mamba cache mode, prefix
+caching off, fine state checkpoints, preemption, and the A -> B -> A poisoning probe (CPU fp32,
+tiny random models, the offline `LLM`). Greedy tokens must equal those without speculation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import pytest
+
+from cluster import LLM, SamplingParams
+from tests.helpers.drafters import ScriptedProposer, install_proposer
+from tests.helpers.engine_probe import engine_stats
+from tests.helpers.tiny_hybrid import save_tiny_hybrid
+from tests.helpers.tiny_linear_hybrid import save_tiny_linear_hybrid
+
+pytestmark = pytest.mark.parity
+
+NUM_NEW = 24
+PROMPT_A = [(7 * i + 3) % 256 for i in range(30)]
+PROMPT_B = [*PROMPT_A[:24], 9, 8, 7, 6]  # shares two hybrid blocks of 12 with A
+PROMPTS = [PROMPT_A, [(11 * i + 5) % 256 for i in range(9)], PROMPT_B]
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW)
+LLM_ARGS: dict[str, Any] = {
+    "block_size": 4,
+    "max_num_batched_tokens": 24,
+    "kv_cache_memory_bytes": 1 << 21,
+}
+CASES = {
+    "align": {},
+    "all": {"mamba_cache_mode": "all"},
+    "no_caching": {"enable_prefix_caching": False},
+    "checkpoints": {"prefix_match_unit": 4},
+    "preemption": {"kv_cache_memory_bytes": 18 * 3072, "max_model_len": 72},
+}
+
+
+class Saved(NamedTuple):
+    path: Path
+    sequences: list[list[int]]
+    """Prompt + greedy output without speculation, per prompt of PROMPTS."""
+
+
+def _generate(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [r.outputs[0].token_ids for r in llm.generate(prompts, GREEDY, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module", params=["bamba", "qwen3_next"])
+def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Saved:
+    path = tmp_path_factory.mktemp(request.param)
+    if request.param == "bamba":
+        save_tiny_hybrid("bamba", path)
+    else:
+        save_tiny_linear_hybrid("qwen3_next", path)
+    llm = LLM(str(path), enable_prefix_caching=False, **LLM_ARGS)
+    tokens = [_generate(llm, [prompt])[0] for prompt in PROMPTS]
+    llm.shutdown()
+    return Saved(path, [[*p, *t] for p, t in zip(PROMPTS, tokens, strict=True)])
+
+
+def _expected(saved: Saved, prompts: list[list[int]]) -> list[list[int]]:
+    by_prompt = {
+        tuple(s[: len(p)]): s[len(p) :] for p, s in zip(PROMPTS, saved.sequences, strict=True)
+    }
+    return [by_prompt[tuple(prompt)] for prompt in prompts]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_cache_modes_and_preemption_keep_the_tokens(saved: Saved, case: str) -> None:
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    llm = LLM(str(saved.path), speculative_config=spec, **{**LLM_ARGS, **CASES[case]})
+    for kind in ("oracle", "perturbed"):
+        install_proposer(llm, ScriptedProposer(3, saved.sequences, kind))
+        assert _generate(llm, PROMPTS) == _expected(saved, PROMPTS), kind
+    stats = engine_stats(llm)
+    assert stats.spec_decoding is not None
+    assert stats.spec_decoding.num_accepted_tokens > 0
+    if case == "preemption":
+        assert stats.num_preemptions > 0
+    llm.client.core.scheduler.kv_cache_manager.check_invariants()
+    llm.shutdown()
+
+
+def test_a_then_b_then_a_gives_a_the_same_answer(saved: Saved) -> None:
+    """Prompt A, then B sharing A's prefix, then A again, each alone: A's answers equal, over
+    20 rounds of drafts that are mostly rejected (a stale draft state would poison the cache)."""
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    llm = LLM(str(saved.path), speculative_config=spec, **LLM_ARGS)
+    (answer_a,) = _expected(saved, [PROMPT_A])
+    for round_index in range(20):
+        kind = "perturbed" if round_index % 2 else "random"
+        install_proposer(llm, ScriptedProposer(4, saved.sequences, kind))
+        assert _generate(llm, [PROMPT_A]) == [answer_a], round_index
+        assert _generate(llm, [PROMPT_B]) == _expected(saved, [PROMPT_B]), round_index
+        assert _generate(llm, [PROMPT_A]) == [answer_a], round_index
+    stats = engine_stats(llm)
+    assert stats.prefix_cache_hit_tokens > 0
+    llm.shutdown()

@@ -1,0 +1,142 @@
+"""The scheduler's side of speculative decoding, with exact outcomes: drafts scheduled after
+the last token, rejected ones rolled back, nothing cached past the accepted point, k state slots
+per drafting request in recurrent groups (and the restore copy), the block-end rule and the
+batch-size switch."""
+
+from __future__ import annotations
+
+import pytest
+from kv_cache_helpers import full, make_config, mamba
+
+from scheduler.config import SchedulerConfig
+from scheduler.kv_cache.spec import KVCacheSpec, MambaCacheMode
+from scheduler.output import BlockCopy, ModelRunnerOutput, SchedulerOutput, StateSave
+from scheduler.request import Request, SamplingParams
+from scheduler.scheduler import Scheduler
+from scheduler.spec_config import SpecMethod, SpeculativeConfig
+
+
+def _scheduler(
+    *specs: KVCacheSpec, k: int = 3, num_blocks: int = 64, **config: object
+) -> Scheduler:
+    extra: dict = config.pop("spec", {})  # type: ignore[assignment]
+    speculative = SpeculativeConfig(SpecMethod.NGRAM, k, **extra) if k else None
+    settings = SchedulerConfig(speculative=speculative, **config)  # type: ignore[arg-type]
+    return Scheduler(settings, make_config(num_blocks, *specs))
+
+
+def _add(scheduler: Scheduler, req_id: str, prompt: list[int], max_tokens: int = 32) -> Request:
+    request = Request(
+        req_id,
+        prompt,
+        SamplingParams(temperature=0, max_tokens=max_tokens),
+        scheduler.hash_block_size,
+    )
+    scheduler.add_request(request)
+    return request
+
+
+def _step(
+    scheduler: Scheduler, sampled: dict[str, list[int]], drafts: dict[str, list[int]]
+) -> SchedulerOutput:
+    out = scheduler.schedule()
+    req_ids = list(out.num_scheduled_tokens)
+    runner = ModelRunnerOutput(
+        req_ids=req_ids,
+        sampled_token_ids=[sampled.get(req_id, []) for req_id in req_ids],
+        draft_token_ids=drafts,
+    )
+    scheduler.update_from_output(out, runner)
+    return out
+
+
+def test_drafts_are_verified_and_rejected_ones_rolled_back() -> None:
+    scheduler = _scheduler(full(4))
+    request = _add(scheduler, "a", list(range(6)))
+    _step(scheduler, {"a": [100]}, {"a": [1, 2, 3]})
+    out = _step(scheduler, {"a": [1, 50]}, {"a": [7, 8, 9]})  # d1 accepted, then 50
+    assert out.num_scheduled_tokens == {"a": 4}
+    assert out.scheduled_spec_tokens == {"a": [1, 2, 3]}
+    assert request.output_token_ids == [100, 1, 50]
+    assert request.num_computed_tokens == 8  # the prompt, 100 and the accepted draft
+    assert request.spec_token_ids == [7, 8, 9]
+    stats = scheduler.make_stats().spec_decoding
+    assert stats is not None
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (1, 3, 1)
+    assert stats.num_accepted_tokens_per_pos == (1, 0, 0)
+    scheduler.kv_cache_manager.check_invariants()
+
+
+def test_no_block_past_the_accepted_point_is_cached() -> None:
+    scheduler = _scheduler(full(4), k=4)
+    _add(scheduler, "a", [5, 6, 7])
+    _step(scheduler, {"a": [8]}, {"a": [1, 2, 3, 4]})  # 4 tokens known: one full block
+    out = _step(scheduler, {"a": [9]}, {})  # drafts fill block 1: all rejected
+    assert out.scheduled_spec_tokens == {"a": [1, 2, 3, 4]}
+    pool = scheduler.kv_cache_manager.pool
+    assert len(pool.hash_maps[0]) == 1  # block 0 only: block 1 held drafts
+    _step(scheduler, {"a": [10]}, {})
+    assert len(pool.hash_maps[0]) == 1  # 6 tokens known: still one full block
+
+
+@pytest.mark.parametrize("mode", [MambaCacheMode.ALIGN, MambaCacheMode.ALL, MambaCacheMode.NONE])
+def test_recurrent_groups_hold_k_states_per_drafting_request(mode: MambaCacheMode) -> None:
+    """Memory arithmetic: speculation costs exactly k state blocks per drafting request per
+    recurrent group, beyond what the tables hold without it."""
+    used = {}
+    for k in (0, 3):
+        scheduler = _scheduler(full(4), mamba(4, mode), k=k, num_blocks=64)
+        for req_id in ("a", "b"):
+            _add(scheduler, req_id, list(range(9)))
+        _step(scheduler, {"a": [100], "b": [101]}, {"a": [1, 2], "b": [3]})
+        _step(scheduler, {"a": [1, 60], "b": [3, 61]}, {})  # every draft accepted
+        used[k] = (
+            scheduler.kv_cache_manager.pool.num_blocks - scheduler.kv_cache_manager.num_free_blocks
+        )
+        scheduler.kv_cache_manager.check_invariants()
+    assert used[3] - used[0] == 2 * 3
+
+
+def test_rejection_restores_the_accepted_state_before_the_next_step() -> None:
+    scheduler = _scheduler(full(4), mamba(16, MambaCacheMode.NONE), k=3)
+    request = _add(scheduler, "a", list(range(5)))
+    _step(scheduler, {"a": [100]}, {"a": [1, 2, 3]})
+    out = _step(scheduler, {"a": [1, 70]}, {})  # one of three accepted
+    assert request.num_computed_tokens == 7
+    slots = scheduler.kv_cache_manager.spec_slots
+    assert slots is not None
+    (slot_blocks,) = slots._slots["a"]
+    group = 1
+    assert list(out.state_saves) == [
+        StateSave("a", 6 + j, group, slot_blocks[j].block_id) for j in range(3)
+    ]
+    following = scheduler.schedule()
+    (state_block,) = scheduler.kv_cache_manager.get_block_ids("a")[group]
+    assert following.copies_before_step == (BlockCopy(group, slot_blocks[1].block_id, state_block),)
+
+
+def test_verify_steps_stop_short_of_a_recurrent_block_end() -> None:
+    """Block size 8: from 13 computed tokens a verify step may compute 2 (13, 14); token 15,
+    the block's last, is computed by a plain step so its state lands as without drafts."""
+    scheduler = _scheduler(full(8), mamba(8, MambaCacheMode.ALL), k=4)
+    _add(scheduler, "a", list(range(13)))
+    _step(scheduler, {"a": [100]}, {"a": [1, 2, 3, 4]})
+    out = _step(scheduler, {"a": [1, 9]}, {"a": [5, 6]})
+    assert out.scheduled_spec_tokens == {"a": [1]}
+    out = _step(scheduler, {"a": [11]}, {"a": [5]})  # computed 15: the block's last token
+    assert out.scheduled_spec_tokens == {}
+
+
+def test_disable_by_batch_size_turns_drafts_off_under_load() -> None:
+    scheduler = _scheduler(full(4), k=2, spec={"disable_by_batch_size": 2})
+    _add(scheduler, "a", list(range(5)))
+    _add(scheduler, "b", list(range(7)))
+    _step(scheduler, {"a": [1], "b": [2]}, {"a": [3, 4], "b": [5, 6]})
+    out = _step(scheduler, {"a": [1], "b": [2]}, {})
+    assert out.scheduled_spec_tokens == {}
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1}
+
+
+def test_speculation_needs_synchronous_steps() -> None:
+    with pytest.raises(ValueError, match="async_scheduling off"):
+        SchedulerConfig(speculative=SpeculativeConfig(SpecMethod.NGRAM, 2), async_scheduling=True)

@@ -1,0 +1,1 @@
+"""Speculative decoding on the workers: draft proposers and the lossless verifier."""
