@@ -20,6 +20,7 @@ from cluster import LLM, SamplingParams
 from scheduler.kv_cache.builder import build_kv_cache_config
 from tests.helpers.paged_driver import PagedDriver
 from tests.helpers.shared_kv_reference import greedy_with_shared_kv
+from tests.helpers.tiny_gemma3n import GEMMA3N as TINY_GEMMA3N
 from tests.helpers.tiny_models import hf_greedy, load_our_model, random_eager_model
 from worker.attention import Attention, ForwardContext
 from worker.config import ModelConfig, ParallelConfig
@@ -44,18 +45,8 @@ COMMON = {
     "pad_token_id": None,
 }
 GEMMA3N = {
-    **COMMON,
-    "vocab_size_per_layer_input": 128,
-    "intermediate_size": 96,
-    "num_hidden_layers": 6,
-    "layer_types": ["sliding_attention", "full_attention"] * 3,
-    "sliding_window": 6,
-    "num_kv_shared_layers": 3,
-    "hidden_size_per_layer_input": 8,
-    "laurel_rank": 4,
-    "altup_num_inputs": 3,
+    **TINY_GEMMA3N,
     "final_logit_softcapping": 5.0,
-    "activation_sparsity_pattern": [0.95, 0.95, 0.0, 0.0, 0.0, 0.0],
     "attention_bias": True,  # False in released checkpoints; True exercises every projection
 }
 LLAMA4 = {

@@ -13,13 +13,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import transformers
 
 from cluster import LLM, SamplingParams
 from scheduler.kv_cache.builder import block_bytes, request_blocks
+from tests.helpers.tiny_gemma3n import save_tiny_gemma3n
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from tests.helpers.tiny_linear_hybrid import save_tiny_linear_hybrid
-from tests.helpers.tiny_models import random_eager_model, save_tiny_model
+from tests.helpers.tiny_models import save_tiny_model
 
 pytestmark = pytest.mark.parity
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -28,34 +28,10 @@ NUM_SESSIONS = 6
 NUM_ROUNDS = 3
 LLM_ARGS = {"block_size": 4, "max_num_batched_tokens": 32, "max_model_len": 64}
 TIER = {"kv_offloading_size": 0.01}  # GiB: room for every session
-GEMMA3N = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 128,
-    "eos_token_id": None,
-    "bos_token_id": None,
-    "pad_token_id": None,
-    "vocab_size_per_layer_input": 128,
-    "intermediate_size": 96,
-    "num_hidden_layers": 6,
-    "layer_types": ["sliding_attention", "full_attention"] * 3,
-    "sliding_window": 6,
-    "num_kv_shared_layers": 3,
-    "hidden_size_per_layer_input": 8,
-    "laurel_rank": 4,
-    "altup_num_inputs": 3,
-    "activation_sparsity_pattern": [0.0] * 6,
-}
 
 
 def _save_gemma3n(path: Path) -> None:
-    config = transformers.Gemma3nTextConfig(**GEMMA3N)
-    random_eager_model(config, "Gemma3nForCausalLM", lambda name: "norm" in name).save_pretrained(
-        path
-    )
+    save_tiny_gemma3n(path, activation_sparsity_pattern=[0.0] * 6)
 
 
 SAVERS: dict[str, Callable[[Path], object]] = {

@@ -13,14 +13,14 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-import transformers
 
 from cluster import LLM, SamplingParams
 from tests.helpers.drafters import ScriptedProposer, install_proposer
 from tests.helpers.engine_probe import engine_stats
+from tests.helpers.tiny_gemma3n import save_tiny_gemma3n
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from tests.helpers.tiny_linear_hybrid import save_tiny_linear_hybrid
-from tests.helpers.tiny_models import random_eager_model, save_tiny_model
+from tests.helpers.tiny_models import save_tiny_model
 
 pytestmark = pytest.mark.parity
 
@@ -33,28 +33,6 @@ PROMPTS = [
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW)
 LLM_ARGS = {"block_size": 4, "max_num_batched_tokens": 24, "kv_cache_memory_bytes": 1 << 22}
-# Gemma 3n text: the last 3 layers read the KV of earlier ones (cross-layer KV sharing).
-GEMMA3N = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 128,
-    "eos_token_id": None,
-    "bos_token_id": None,
-    "pad_token_id": None,
-    "vocab_size_per_layer_input": 128,
-    "intermediate_size": 96,
-    "num_hidden_layers": 6,
-    "layer_types": ["sliding_attention", "full_attention"] * 3,
-    "sliding_window": 6,
-    "num_kv_shared_layers": 3,
-    "hidden_size_per_layer_input": 8,
-    "laurel_rank": 4,
-    "altup_num_inputs": 3,
-    "activation_sparsity_pattern": [0.95, 0.95, 0.0, 0.0, 0.0, 0.0],
-}
 LAYOUTS = ["gemma3", "llama4", "gemma3n", "bamba", "nemotron_h", "qwen3_next", "lfm2"]
 
 
@@ -72,9 +50,7 @@ def _save(layout: str, path: Path) -> None:
     elif layout in ("qwen3_next", "lfm2"):
         save_tiny_linear_hybrid(layout, path)
     else:
-        config = transformers.Gemma3nTextConfig(**GEMMA3N)
-        model = random_eager_model(config, "Gemma3nForCausalLM", lambda name: "norm" in name)
-        model.save_pretrained(path)
+        save_tiny_gemma3n(path)
 
 
 def _generate(llm: LLM) -> list[list[int]]:
