@@ -179,6 +179,21 @@ def to_token_logprobs(
     ]
 
 
+def sampling_probs(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
+    """Per row, the distribution random sampling draws from: temperature, then min-p, top-k
+    and top-p where a row asks for them. [num_rows, vocab] fp32."""
+    scaled = logits / tensors.temperature[:, None]
+    if tensors.uses_min_p:
+        scaled = apply_min_p(scaled, tensors.min_p)
+    if tensors.uses_top_k or tensors.uses_top_p:
+        scaled = apply_top_k_top_p(
+            scaled,
+            tensors.top_k if tensors.uses_top_k else None,
+            tensors.top_p if tensors.uses_top_p else None,
+        )
+    return torch.softmax(scaled, dim=-1)
+
+
 class Sampler:
     """Samples one token per row of a `[N, vocab]` fp32 logits tensor."""
 
@@ -204,16 +219,7 @@ class Sampler:
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
 
     def _random_sample(self, logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
-        logits = logits / tensors.temperature[:, None]
-        if tensors.uses_min_p:
-            logits = apply_min_p(logits, tensors.min_p)
-        if tensors.uses_top_k or tensors.uses_top_p:
-            logits = apply_top_k_top_p(
-                logits,
-                tensors.top_k if tensors.uses_top_k else None,
-                tensors.top_p if tensors.uses_top_p else None,
-            )
-        probs = torch.softmax(logits, dim=-1)
+        probs = sampling_probs(logits, tensors)
         noise = exponential_noise(probs.shape, tensors.generators, self.generator, self.device)
         return (probs / noise).argmax(dim=-1)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.sampler import SamplingTensors, apply_min_p, apply_top_k_top_p, exponential_noise
+from worker.sampler import SamplingTensors, exponential_noise, sampling_probs
 
 
 @dataclass(frozen=True)
@@ -42,16 +42,7 @@ class VerifyRows:
 def target_probs(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
     """Per row, the distribution the sampler draws from (temperature, min-p, top-k, top-p);
     one-hot at the argmax on greedy rows. [num_rows, vocab] fp32."""
-    scaled = logits / tensors.temperature[:, None]
-    if tensors.uses_min_p:
-        scaled = apply_min_p(scaled, tensors.min_p)
-    if tensors.uses_top_k or tensors.uses_top_p:
-        scaled = apply_top_k_top_p(
-            scaled,
-            tensors.top_k if tensors.uses_top_k else None,
-            tensors.top_p if tensors.uses_top_p else None,
-        )
-    probs = torch.softmax(scaled, dim=-1)
+    probs = sampling_probs(logits, tensors)
     greedy = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).to(probs.dtype)
     return torch.where(tensors.is_greedy[:, None], greedy, probs)
 
