@@ -102,10 +102,8 @@ def _roofline_tok_s(run: DecodeRun, copy_gbs: float) -> float:
         model = transformers.LlamaForCausalLM(config)
     element = torch.tensor([], dtype=run.dtype).element_size()
     weight_bytes = sum(p.numel() for p in model.parameters()) * element
-    head_dim = config.hidden_size // config.num_attention_heads
-    kv_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element
     mean_context = run.prompt_len + run.new_tokens / 2
-    step_bytes = weight_bytes + run.batch * mean_context * kv_per_token
+    step_bytes = weight_bytes + run.batch * mean_context * _kv_bytes_per_token(run)
     return run.batch * copy_gbs * 1e9 / step_bytes
 
 
@@ -149,11 +147,15 @@ def _our_llm(run: DecodeRun, folder: str) -> LLM:
 
 def _kv_bytes(run: DecodeRun) -> int:
     """Room for every request's whole sequence, twice over."""
+    return 2 * run.batch * run.max_len * _kv_bytes_per_token(run)
+
+
+def _kv_bytes_per_token(run: DecodeRun) -> int:
+    """K and V of one token over every layer."""
     config = run.config
     element = torch.tensor([], dtype=run.dtype).element_size()
     head_dim = config.hidden_size // config.num_attention_heads
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element
-    return 2 * run.batch * run.max_len * per_token
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * element
 
 
 def _transformers_decode_tok_s(run: DecodeRun) -> float:

@@ -34,13 +34,15 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_served_model(tmp_path_factory.mktemp("tiny"))
 
 
+LOOP = asyncio.new_event_loop()
+"""One event loop for every call: the replica's engine binds its events to the first it runs on."""
+
+
 @pytest.fixture(scope="module")
 def server(model_dir: Path) -> Iterator[LLMServer]:
     server = LLMServer(llm_config(model_dir, **ENGINE))
-    server.loop = asyncio.new_event_loop()  # type: ignore[attr-defined]
     yield server
     server.engine.core.shutdown()
-    server.loop.close()  # type: ignore[attr-defined]
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +61,7 @@ def _items(server: LLMServer, body: dict[str, Any]) -> list[Any]:
     async def collect() -> list[Any]:
         return [item async for item in server.generate(request, "r", as_sse=False)]
 
-    return server.loop.run_until_complete(collect())  # type: ignore[attr-defined]
+    return LOOP.run_until_complete(collect())
 
 
 def _one(server: LLMServer, body: dict[str, Any]) -> Any:

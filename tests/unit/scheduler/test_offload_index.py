@@ -58,7 +58,8 @@ def test_evicted_blocks_enter_the_tier_and_a_hit_splits_between_device_and_tier(
     assert found.num_offloaded_blocks == 0  # the loaded blocks are registered on the device
 
 
-def test_loaded_blocks_are_not_hit_before_the_load_is_done() -> None:
+def _admitted_with_a_tier_hit() -> tuple[KVCacheManager, list[int], Request]:
+    """A prompt evicted to the tier by another one, then admitted again: its loads pending."""
     manager = _manager(6, full(BLOCK))
     prompt = list(range(17))
     _compute(manager, make_request("a", prompt, BLOCK))
@@ -66,17 +67,16 @@ def test_loaded_blocks_are_not_hit_before_the_load_is_done() -> None:
     again = make_request("a2", prompt, BLOCK)
     hit = manager.get_computed_blocks(again)
     assert manager.allocate_slots(again, 0, hit.num_tokens, hit.blocks) is not None
+    return manager, prompt, again
+
+
+def test_loaded_blocks_are_not_hit_before_the_load_is_done() -> None:
+    manager, prompt, _ = _admitted_with_a_tier_hit()
     assert manager.get_computed_blocks(make_request("a3", prompt, BLOCK)).num_offloaded_blocks == 2
 
 
 def test_a_failed_load_drops_the_entries_it_read() -> None:
-    manager = _manager(6, full(BLOCK))
-    prompt = list(range(17))
-    _compute(manager, make_request("a", prompt, BLOCK))
-    _compute(manager, make_request("b", [99] * 9, BLOCK))
-    again = make_request("a2", prompt, BLOCK)
-    hit = manager.get_computed_blocks(again)
-    assert manager.allocate_slots(again, 0, hit.num_tokens, hit.blocks) is not None
+    manager, prompt, again = _admitted_with_a_tier_hit()
     manager.take_offload_ops()
     manager.finish_load(again, succeeded=False)
     manager.free(again)
