@@ -186,7 +186,6 @@ class ModelRunner:
             self._num_blocks,
             self.device,
             self.config.offload_load_timeout_s,
-            waits_for_loads=not self.is_driver,
         )
         self._mamba_kernels = select_mamba_kernels(self.config.attention_backend, self.device)
         logger.info(
