@@ -118,7 +118,9 @@ def build_manager(trace: dict[str, Any]) -> KVCacheManager:
     if offload_blocks < 0:
         raise ValueError(f"'kv_offloading_blocks' must be >= 0, got {offload_blocks}")
     if offload_blocks:
-        manager.enable_offload(OffloadConfig(offload_blocks))  # no tensor plan: 1 per block
+        eviction = _get_choice(trace, "kv_offloading_eviction", "chain", EvictionPolicy)
+        tier = OffloadConfig(offload_blocks, eviction=EvictionPolicy(eviction))
+        manager.enable_offload(tier)  # no tensor plan: 1 per block
     if _get_int(trace, "num_speculative_tokens", 0):
         manager.enable_spec_slots(_get_int(trace, "num_speculative_tokens"))
     return manager
@@ -243,6 +245,7 @@ class TraceReplayer:
                 manager.free(request)
                 return None
             if first and num_hit:
+                request.num_computed_tokens = num_hit  # the hit, as the scheduler has it
                 manager.finish_load(request, succeeded=True)  # loads are instant here
             computed += size
             request.num_computed_tokens = computed

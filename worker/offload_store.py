@@ -17,6 +17,7 @@ the scheduler recomputes instead.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -27,7 +28,7 @@ import torch
 from scheduler.output import OffloadLoad, OffloadOps, OffloadSpill, OffloadStore
 from worker.block_copies import GroupTensors
 from worker.block_export import BlockPages, export_blocks, import_blocks
-from worker.distributed import all_reduce, tp_size
+from worker.distributed import all_reduce, tp_rank, tp_size
 from worker.offload_disk_io import LOAD_ERRORS, DiskIO, LoadedPages, LoadJob
 
 logger = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class HostOffloadStore:
         for slot in ops.drops:
             self.pages.pop(slot, None)
         for file in ops.disk_drops:
-            self.disk_io.remove(file)
+            self.disk_io.remove(shard_file(file))
         if not self._loads:
             return OffloadReport()
         return self._report()
@@ -128,7 +129,7 @@ class HostOffloadStore:
         for spill in spills:
             pages = self.pages.get(spill.slot)
             if pages is not None:
-                self.disk_io.write(spill.file, pages, stored)
+                self.disk_io.write(shard_file(spill.file), pages, stored)
 
     def _issue(self, loads: Iterable[OffloadLoad]) -> None:
         """Start each request's loads: host pages in memory on CUDA's load stream, the rest
@@ -140,7 +141,7 @@ class HostOffloadStore:
             state = _RequestLoads(time.perf_counter())
             self._loads[req_id] = state
             try:
-                sources = [(x, None if x.file else self.pages[_slot(x)]) for x in req_loads]
+                sources = [(_shard_load(x), self._in_memory(x)) for x in req_loads]
             except KeyError as error:
                 logger.warning("offload-tier load of %s failed: no slot %s", req_id, error)
                 state.failed = True
@@ -150,6 +151,15 @@ class HostOffloadStore:
             else:
                 apply = self._apply if self._stream is None else None
                 state.job = self.disk_io.load(req_id, sources, apply)
+
+    def _in_memory(self, load: OffloadLoad) -> BlockPages | None:
+        """The pages of a host load (KeyError: this store has none under its slot); None for a
+        file."""
+        if load.file is not None:
+            return None
+        if load.slot is None:
+            raise KeyError("none")
+        return self.pages[load.slot]
 
     def _apply(self, loaded: LoadedPages) -> None:
         for load, pages in loaded:
@@ -239,7 +249,17 @@ class HostOffloadStore:
         self.pages.clear()
 
 
-def _slot(load: OffloadLoad) -> int:
-    if load.slot is None:
-        raise KeyError("none")
-    return load.slot
+def shard_file(file: str) -> str:
+    """This rank's block file for the scheduler's `file`: the same name in the folder of the
+    fingerprint with `-rank<r>` appended on ranks other than 0 (each rank keeps its own shard,
+    and the scheduler's index of rank 0's files is authoritative: a shard missing on one rank
+    is a failed load)."""
+    rank = tp_rank()
+    if rank == 0:
+        return file
+    folder, name = os.path.split(file)
+    return os.path.join(f"{folder}-rank{rank}", name)
+
+
+def _shard_load(load: OffloadLoad) -> OffloadLoad:
+    return load if load.file is None else load._replace(file=shard_file(load.file))

@@ -111,9 +111,6 @@ def offload_config(args: EngineArgs, model: ModelConfig) -> OffloadConfig | None
         return None
     ranks = args.tensor_parallel_size
     disk_bytes = int((args.kv_offloading_disk_size or 0) * GIB / ranks)
-    if disk_bytes and ranks > 1:
-        logger.warning("the KV offload disk level needs tensor_parallel_size 1: host tier only")
-        disk_bytes = 0
     return OffloadConfig(
         host_bytes=int(args.kv_offloading_size * GIB / ranks),
         disk_dir=args.kv_offloading_dir if disk_bytes else None,

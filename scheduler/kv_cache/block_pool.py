@@ -104,7 +104,8 @@ class BlockPool:
                 self.eviction_history.record(block.group_id, block_hash)
                 hash_map = maps[block.group_id]
                 if self.offload is not None and hash_map.get(block_hash) is block:
-                    self.offload.offer(block.group_id, block_hash, block.block_id)
+                    stamp = block.stamp if self.chains is not None else -1
+                    self.offload.offer(block.group_id, block_hash, block.block_id, stamp)
                 if (
                     not self._duplicates
                     and hash_map.get(block_hash) is block

@@ -190,3 +190,43 @@ def test_tier_hits_with_async_scheduling_give_the_tokens_of_a_cold_prefill(
     assert tiered == cold
     assert stats.offload is not None
     assert stats.offload.loaded_bytes > 0
+
+
+@pytest.mark.slow  # two tensor-parallel engines (minutes on a shared CPU); the ranks' agreement
+# and shard files are in the default suite: tests/unit/worker/test_offload_ranks.py
+def test_the_disk_tier_with_two_ranks_keeps_a_shard_per_rank_and_a_missing_shard_recomputes(
+    tmp_path: Path,
+) -> None:
+    """Tensor parallel 2: each rank spills its own shard files (rank 1 in the fingerprint's
+    folder with `-rank1`) and hits load them back (tokens equal); an engine restarted with rank
+    1's files gone finds rank 0's alone, which are no hit: the loads fail on every rank and
+    recompute."""
+    model = tmp_path / "model"
+    save_tiny_model("gemma3", model)
+    num_blocks, size = _pool_shape(model)
+    args = {
+        "tensor_parallel_size": 2,
+        "kv_cache_memory_bytes": num_blocks * size,
+        "kv_offloading_size": 2 * size / 2**30,
+        "kv_offloading_dir": str(tmp_path / "kv"),
+        "kv_offloading_disk_size": 0.01,
+    }
+    cold, llm = _sessions(model, enable_prefix_caching=False)
+    llm.shutdown()
+    first, llm = _sessions(model, **args)
+    stats = llm.client.core.get_stats()  # type: ignore[attr-defined]
+    llm.shutdown()
+    assert first == cold
+    assert stats.offload.disk_loaded_bytes > 0
+    assert stats.offload.num_failed_loads == 0
+    (rank0,) = [p for p in (tmp_path / "kv").iterdir() if not p.name.endswith("-rank1")]
+    rank1 = rank0.with_name(f"{rank0.name}-rank1")
+    assert sorted(p.name for p in rank0.glob("*.kv")) == sorted(p.name for p in rank1.glob("*.kv"))
+    assert list(rank0.glob("*.kv"))
+    for file in rank1.glob("*.kv"):
+        file.unlink()
+    second, llm = _sessions(model, **args)
+    stats = llm.client.core.get_stats()  # type: ignore[attr-defined]
+    llm.shutdown()
+    assert second == cold
+    assert stats.offload.num_failed_loads > 0

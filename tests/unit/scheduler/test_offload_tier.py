@@ -224,7 +224,7 @@ def test_state_checkpoints_stay_out_of_the_tier() -> None:
     drive(scheduler, FakeModelRunner(config), arrivals)
     index = scheduler.kv_cache_manager.pool.offload
     assert index is not None
-    tier_keys = {block_hash for _, block_hash in index.host.lru}
+    tier_keys = {block_hash for _, block_hash in index.host.entries}
     checkpoints = {k for r in requests for k in checkpoint_keys(r.all_token_ids, 2, None)}
     assert tier_keys
     assert not tier_keys & checkpoints
