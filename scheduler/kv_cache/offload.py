@@ -86,6 +86,8 @@ class OffloadCounters(NamedTuple):
     disk_loaded_bytes: int = 0
     disk_stored_bytes: int = 0
     """Bytes written to the disk level (host entries it took over)."""
+    disk_group_hit_tokens: tuple[int, ...] = ()
+    """Per group, the part of `group_hit_tokens` served from the disk level."""
 
 
 class OffloadIndex:
@@ -117,6 +119,7 @@ class OffloadIndex:
         self.disk_stored_bytes = 0
         self.num_failed_loads = 0
         self._group_hit_tokens = [0] * len(self.block_bytes)
+        self._disk_group_hit_tokens = [0] * len(self.block_bytes)
         self.event_sink: KVEventSink | None = None
         """Told when a key enters or leaves the tier (KV events); None: off."""
         self._device_only: set[Key] = set()
@@ -234,9 +237,11 @@ class OffloadIndex:
                 continue
             size = self.block_bytes[source.group_id]
             self.loaded_bytes += size
+            tokens = self.block_sizes[source.group_id]
             if source.file is not None:
                 self.disk_loaded_bytes += size
-            self._group_hit_tokens[source.group_id] += self.block_sizes[source.group_id]
+                self._disk_group_hit_tokens[source.group_id] += tokens
+            self._group_hit_tokens[source.group_id] += tokens
             pool.register_block(block, source.key[1])
         if not succeeded:
             self.num_failed_loads += 1
@@ -304,6 +309,7 @@ class OffloadIndex:
             disk_num_blocks=len(self.disk),
             disk_loaded_bytes=self.disk_loaded_bytes,
             disk_stored_bytes=self.disk_stored_bytes,
+            disk_group_hit_tokens=tuple(self._disk_group_hit_tokens),
         )
 
     def check_invariants(self) -> None:

@@ -159,6 +159,7 @@ def test_a_disk_level_below_a_small_host_tier_serves_hits(layout: str, tmp_path)
     offload = scheduler.make_stats().offload
     assert offload is not None
     assert offload.disk_loaded_bytes > 0
+    assert 0 < sum(offload.disk_group_hit_tokens) <= sum(offload.group_hit_tokens)
     assert offload.disk_num_blocks == len(runner.files)
     assert all(name.startswith(str(tmp_path)) for name in runner.files)
     assert scheduler.reset_prefix_cache()
