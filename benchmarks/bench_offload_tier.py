@@ -2,7 +2,8 @@
 
 1. Hit rate: the 32-session chat trace of `bench_prefix_sessions` (Gemma-4-31B-shaped pool,
    8,765 blocks, `chain` policy), per round: the device pool alone, with a host tier of 4x the
-   pool, and the keep-everything ceiling (a pool that never evicts).
+   pool, and the keep-everything ceiling (a pool that never evicts); then the tier's own
+   eviction, `lru` against `chain` (`kv_offloading_eviction`), with tiers of 1x-4x the pool.
 2. Bytes moved per tier hit, on real layouts (bf16, one rank, 8 sessions x 4 rounds of the same
    trace in a pool of about two sessions, a tier of 16x the pool): what the tier loads, against
    the hybrid lower bound (per group, the blocks a hit of L tokens needs that the device does
@@ -193,6 +194,24 @@ def _pool_blocks(config: KVCacheConfig, longest: int) -> int:
     return 2 * per_session + 1
 
 
+def compare_tier_eviction(
+    device: dict[str, Any], rounds: list[list[dict[str, Any]]], num_rounds: int
+) -> None:
+    """Hit rate per round with tiers of several sizes, the tier evicting in LRU or chain order."""
+    print(
+        f"\n| tier | eviction | " + " | ".join(f"r{i + 1}" for i in range(num_rounds)) + " | mean |"
+    )
+    print("|---|---|" + "---|" * (num_rounds + 1))
+    for multiple in (1, 1.5, 2, 4):
+        blocks = int(multiple * (device["num_blocks"] - 1))
+        for eviction in ("lru", "chain"):
+            config = {**device, "kv_offloading_blocks": blocks, "kv_offloading_eviction": eviction}
+            rates, *_ = hit_rates(config, rounds)
+            cells = " | ".join(f"{rate:.3f}" for rate in rates)
+            mean = sum(rates) / len(rates)
+            print(f"| {multiple}x | {eviction} | {cells} | {mean:.3f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=32)
@@ -216,6 +235,7 @@ def main() -> None:
         f"\nblocks copied to the tier: {on_evict} when the pool evicts them, {registered} "
         "written through at registration"
     )
+    compare_tier_eviction(device, rounds, args.rounds)
     print(
         "\n| layout | tier hits (trace) | loaded / lower bound | "
         "8k-token tier hit: hybrid / non-hybrid bytes |"
