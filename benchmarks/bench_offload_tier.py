@@ -199,7 +199,7 @@ def compare_tier_eviction(
 ) -> None:
     """Hit rate per round with tiers of several sizes, the tier evicting in LRU or chain order."""
     print(
-        f"\n| tier | eviction | " + " | ".join(f"r{i + 1}" for i in range(num_rounds)) + " | mean |"
+        "\n| tier | eviction | " + " | ".join(f"r{i + 1}" for i in range(num_rounds)) + " | mean |"
     )
     print("|---|---|" + "---|" * (num_rounds + 1))
     for multiple in (1, 1.5, 2, 4):
