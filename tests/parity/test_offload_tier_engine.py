@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 
 from cluster import LLM, SamplingParams
 from scheduler.kv_cache.builder import block_bytes, request_blocks
+from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from tests.helpers.tiny_gemma3n import save_tiny_gemma3n
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from tests.helpers.tiny_linear_hybrid import save_tiny_linear_hybrid
@@ -230,3 +232,50 @@ def test_the_disk_tier_with_two_ranks_keeps_a_shard_per_rank_and_a_missing_shard
     llm.shutdown()
     assert second == cold
     assert stats.offload.num_failed_loads > 0
+
+
+def test_a_step_runs_other_requests_while_a_tier_hit_loads(tmp_path: Path) -> None:
+    """The worker's copy thread is held: the request whose hit is in the tier waits for its
+    loads, counted as waiting for KV, while a request that arrived with it runs; once the copy
+    thread goes on, the waiting request runs too, and both give the tokens of a cold prefill."""
+    save_tiny_model("gemma3", tmp_path)
+    small = _small_pool(tmp_path)
+    history = [(7 * i) % 250 + 1 for i in range(40)]
+    others = [[(11 * i + 3 * s) % 250 + 1 for i in range(40)] for s in range(1, 4)]
+    later = [{"prompt_token_ids": [*history, 9, 8, 7]}, {"prompt_token_ids": [5] * 20}]
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    llm = LLM(str(tmp_path), **LLM_ARGS, enable_prefix_caching=False)
+    cold = [list(r.outputs[0].token_ids) for r in llm.generate(later, greedy, use_tqdm=False)]
+    llm.shutdown()
+    llm = LLM(str(tmp_path), **LLM_ARGS, **small, **TIER)
+    core = llm.client.core  # type: ignore[attr-defined]
+    for prompt in [history, *others]:  # the later turns push the history into the tier
+        llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)
+    release = threading.Event()
+    store = core.executor.worker.model_runner.offload
+    store.disk_io.load("gate", [], lambda _: release.wait(30))
+    steps: list[tuple[set[str], set[str], int]] = []
+    execute = core.executor.execute
+
+    def recording(scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        stats = core.scheduler.make_stats()
+        scheduled = set(scheduler_output.num_scheduled_tokens)
+        steps.append((scheduled, set(core.scheduler.loading), stats.num_waiting_for_kv_reqs))
+        if scheduled and core.scheduler.loading:
+            release.set()  # another request ran while one waited for its loads
+        return execute(scheduler_output)
+
+    core.executor.execute = recording
+    try:
+        outputs = llm.generate(later, greedy, use_tqdm=False)
+        stats = core.get_stats()
+    finally:
+        release.set()
+        llm.shutdown()
+    assert [list(r.outputs[0].token_ids) for r in outputs] == cold
+    assert stats.offload.loaded_bytes > 0
+    overlapping = [s for s in steps if s[0] and s[1]]
+    assert overlapping, steps
+    scheduled, loading, num_waiting_for_kv = overlapping[0]
+    assert not scheduled & loading
+    assert num_waiting_for_kv == len(loading) == 1
