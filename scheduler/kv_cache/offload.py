@@ -9,13 +9,16 @@ memory). Lookups see device ∪ host ∪ disk (`DeviceOrOffloaded`); the fixed p
 is the coordinator's own, so a hit may be partly on the device and partly in the tier.
 
     device evicts (group, hash) ─► offer ─► OffloadStore(slot, group, block): device → host
-    host full                   ─► LRU entry ─► OffloadSpill(slot, file): host → disk (or dropped)
-    disk full                   ─► LRU entry ─► its file in `disk_drops`
+    host full                   ─► first to go ─► OffloadSpill(slot, file): host → disk (or dropped)
+    disk full                   ─► first to go ─► its file in `disk_drops`
     hit holds an OffloadedBlock ─► fill ─► OffloadLoad(req, slot | file, group, block) → device
 
-Entries read by pending loads are never evicted. A loading request's fresh blocks are registered
-in the device pool when the workers report the load done (`finish`); a failed load drops the
-entries it read (a corrupt file included), so the retry recomputes.
+Which entry goes first is the level's eviction order (`scheduler.kv_cache.offload_eviction`):
+a hit cut short by an entry the tier gave up for room (`thrashes_on`) has its request's chain
+protected (`protect`). Entries read by pending loads are never evicted. A loading request's
+fresh blocks are registered in the device pool when the workers report the load done
+(`finish`); a failed load drops the entries it read (a corrupt file included), so the retry
+recomputes.
 """
 
 from __future__ import annotations
