@@ -300,12 +300,13 @@ class Scheduler:
             if manager.needs_block_aligned_prefill:
                 self._junction_tokens[request.req_id] = hit.junction_tokens
             if hit.num_offloaded_blocks:
-                if not self._start_loading(request, hit):
+                if not self._start_loading(request, manager.explain_misses(request, hit)):
                     return  # room comes back as running requests finish
                 continue
             num_new = self._num_new_tokens(request, hit.num_tokens, plan.budget)
             if num_new == 0:
                 return
+            hit = manager.explain_misses(request, hit)  # the cache as looked up (see there)
             blocks = manager.allocate_slots(request, num_new, hit.num_tokens, hit.blocks)
             if blocks is None:
                 num_new, blocks = self._allocate_shorter_chunk(request, num_new, hit)
