@@ -59,6 +59,9 @@ from tests.helpers.serve_cases import (
 )
 
 pytestmark = pytest.mark.ray
+# Two model deployments (a one-CPU rank bundle each) and the ingress run at once, and the
+# served fixture's two topologies may overlap while one shuts down: more than 2 CPUs.
+RAY_CPUS = 4
 
 API_KEY = "sk-test-key"
 APP = "openai"
