@@ -70,6 +70,9 @@ class Scheduler:
         self._offload_loads = (0.0, 0)
         """Summed load seconds and loaded requests (cumulative, for metrics)."""
         self.num_preemptions = 0
+        self.num_scheduled_ahead = 0
+        """Requests scheduled while their last sampled token was still in flight (async
+        scheduling running ahead; cumulative)."""
         self._worker_view = WorkerView(
             self.kv_cache_manager, sends_sampled=not config.async_scheduling
         )
@@ -423,6 +426,7 @@ class Scheduler:
         run_ahead = self.config.async_scheduling
         for request in plan.scheduled:
             req_id = request.req_id
+            self.num_scheduled_ahead += request.num_output_placeholders > 0
             data = request_data(request, new_blocks[req_id])
             if isinstance(data, CachedRequestData):
                 cached_reqs.append(data)
