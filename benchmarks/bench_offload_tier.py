@@ -19,12 +19,17 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_prefix_sessions import pool_config, session_ops
 
+from benchmarks.workloads.hybrid_capacity import GRANITE_4_H_SMALL, hybrid_layer_specs
+from benchmarks.workloads.linear_attention_capacity import QWEN3_5_27B, linear_hybrid_specs
 from scheduler.config import OffloadConfig
-from scheduler.hybrid_capacity import GRANITE_4_H_SMALL, hybrid_layer_specs
 from scheduler.kv_cache.builder import build_kv_cache_config
 from scheduler.kv_cache.manager import CacheHit, KVCacheManager
 from scheduler.kv_cache.offload import group_block_bytes
@@ -37,7 +42,6 @@ from scheduler.kv_cache.spec import (
     cdiv,
     manager_spec,
 )
-from scheduler.linear_attention_capacity import QWEN3_5_27B, linear_hybrid_specs
 from scheduler.replay import TraceReplayer, build_manager
 from scheduler.request import Request, SamplingParams
 

@@ -195,7 +195,7 @@ class TraceReplayer:
         self._check_length(req_id, len(tokens))
         self.manager.begin_step()
         request = Request(req_id, tokens, SamplingParams(), self.manager.hash_block_size)
-        hit = self.manager.get_computed_blocks(request)
+        hit = self.manager.explain_misses(request, self.manager.get_computed_blocks(request))
         misses = [dict(group) for group in hit.misses] or [{} for _ in self.miss_totals]
         for totals, group in zip(self.miss_totals, misses, strict=True):
             for reason, count in group.items():

@@ -100,6 +100,7 @@ class KVCacheManager:
         self._hit_tokens = 0
         self._group_hit_tokens = [0] * self.num_groups
         self._miss_tokens: list[dict[str, int]] = [{} for _ in range(self.num_groups)]
+        self._unexplained: tuple[tuple[tuple[str, int], ...], ...] = ((),) * self.num_groups
 
     def release_spec_slots(self, req_id: str) -> bool:
         """Free a running request's draft-state slots to make room (False: it held none)."""
@@ -133,7 +134,8 @@ class KVCacheManager:
 
         A request that asks for prompt logprobs reads nothing from the cache (every prompt token
         must be computed to score it); its blocks are still registered for later requests.
-        Counts nothing: `record_lookup` counts the lookup once the request is admitted.
+        Counts and explains nothing: `explain_misses` and `record_lookup` do, once the request
+        is admitted.
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return self._no_hit
@@ -155,24 +157,37 @@ class KVCacheManager:
                 num_hit = fine.num_tokens
                 junction = max(junction, num_hit)
                 group_hits = tuple(max(hit, num_hit) for hit in group_hits)
-        misses = explain_misses(
-            self.coordinator.managers,
-            self.pool,
-            request,
-            group_hits,
-            self.alignment_tokens,
-        )
         offloaded = 0
         if self.pool.offload is not None:
             offloaded = count_offloaded(blocks.blocks)
             self._note_tier_thrash(request, num_hit)
-        return CacheHit(blocks, num_hit, junction, group_hits, misses, offloaded)
+        return CacheHit(blocks, num_hit, junction, group_hits, (), offloaded)
+
+    def explain_misses(self, request: Request, hit: CacheHit) -> CacheHit:
+        """`hit` with its `misses` filled in: per group, why the lookup missed what it missed.
+
+        Called once per admission, just before the admitting allocation, not on every lookup
+        (a request waiting at the head of the queue is looked up every step). Before: that
+        allocation registers the request's own blocks and may evict cached ones, so explaining
+        after it would describe a cache the lookup did not see (a block the lookup found, then
+        evicted by the admitting allocation itself, would read "evicted").
+        """
+        if not hit.group_hit_tokens:
+            return hit
+        misses = explain_misses(
+            self.coordinator.managers,
+            self.pool,
+            request,
+            hit.group_hit_tokens,
+            self.alignment_tokens,
+        )
+        return hit._replace(misses=misses)
 
     def record_lookup(self, request: Request, hit: CacheHit) -> None:
         """Count an admitted request's lookup in the prefix-cache counters.
 
         Called on admission rather than on lookup, so that a request waiting for room several
-        steps is counted once.
+        steps is counted once. Miss reasons count when `hit` was explained (`explain_misses`).
         """
         if not hit.group_hit_tokens:
             return
@@ -181,7 +196,7 @@ class KVCacheManager:
         self._hit_tokens += hit.num_tokens
         for group_id, tokens in enumerate(hit.group_hit_tokens):
             self._group_hit_tokens[group_id] += tokens
-        for totals, misses in zip(self._miss_tokens, hit.misses, strict=True):
+        for totals, misses in zip(self._miss_tokens, hit.misses or self._unexplained, strict=True):
             for reason, tokens in misses:
                 totals[reason] = totals.get(reason, 0) + tokens
 
