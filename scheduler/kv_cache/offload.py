@@ -182,14 +182,14 @@ class OffloadIndex:
     def _evict(self, level: TierLevel, key: Key) -> None:
         """Out of `level`: a host entry moves to disk when there is one, else is forgotten."""
         if level is self.disk or self.folder is None:
-            self.evicted.record(*key)
+            self.evicted.record_all([key])
             self._evict_for_good(level, key)
             return
         entry = level.remove(key)
         assert entry.slot is not None
         self._ops.drops.append(entry.slot)
         if not self._make_room(self.disk, self.block_bytes[key[0]]):
-            self.evicted.record(*key)
+            self.evicted.record_all([key])
             self._forgotten(key)
             return
         entry.file = os.path.join(self.folder, disk_file_name(key, entry.slot))
