@@ -70,8 +70,16 @@ class Worker:
             max_model_len=spec.model_config.max_model_len,
             eos_token_ids=spec.model_config.eos_token_ids,
         )
+        draft = spec.runner.draft_model
         self._model_runner = ModelRunner(
-            model, settings, spec.runner, self.device, is_driver=self.rank == 0
+            model,
+            settings,
+            spec.runner,
+            self.device,
+            is_driver=self.rank == 0,
+            draft_model=None
+            if draft is None
+            else load_model(draft, spec.parallel, self.device, spec.runner.load_format),
         )
 
     @property

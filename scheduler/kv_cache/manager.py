@@ -74,6 +74,9 @@ class KVCacheManager:
         )
         """Fine-grained hits of recurrent-state models (None: hits on the block grid only)."""
         self.spec_slots: SpecStateSlots | None = None
+        self.draft_lookahead = 0
+        """Slots every allocation adds past its tokens, where a drafter model writes the KV of
+        its drafts (`enable_spec_slots`)."""
         """Draft-position states of recurrent groups (None: no speculation or no such group)."""
         self.needs_block_aligned_prefill = self.enable_caching and any(
             isinstance(spec, MambaSpec) and spec.mamba_cache_mode is MambaCacheMode.ALIGN
@@ -103,9 +106,11 @@ class KVCacheManager:
         """Free a running request's draft-state slots to make room (False: it held none)."""
         return self.spec_slots is not None and self.spec_slots.release(req_id)
 
-    def enable_spec_slots(self, num_speculative_tokens: int) -> None:
+    def enable_spec_slots(self, num_speculative_tokens: int, draft_lookahead: int = 0) -> None:
         """Speculative decoding with k drafts: drafting requests hold k draft-position states
-        per recurrent group (`scheduler.kv_cache.spec_slots`). Call before any allocation."""
+        per recurrent group (`scheduler.kv_cache.spec_slots`); a drafter model's groups also
+        get `draft_lookahead` slots past each step's tokens. Call before any allocation."""
+        self.draft_lookahead = draft_lookahead
         managers = [m for m in self.coordinator.managers if isinstance(m, MambaManager)]
         if managers:
             self.spec_slots = SpecStateSlots(managers, self.pool, num_speculative_tokens)
@@ -191,7 +196,7 @@ class KVCacheManager:
         total_computed = min(
             request.num_computed_tokens + num_new_computed_tokens, self.max_model_len
         )
-        num_slots = min(total_computed + num_new_tokens, self.max_model_len)
+        num_slots = min(total_computed + num_new_tokens + self.draft_lookahead, self.max_model_len)
         hits = new_computed_blocks.blocks if new_computed_blocks is not None else None
         needed = self.coordinator.get_num_blocks_to_allocate(
             request.req_id, num_slots, hits, total_computed
@@ -220,6 +225,7 @@ class KVCacheManager:
         """
         if num_new_tokens < 0 or num_lookahead_tokens < 0 or num_new_computed_tokens < 0:
             raise ValueError("token counts must be >= 0")
+        num_lookahead_tokens += self.draft_lookahead
         end = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         if self.checkpoints is not None and self.checkpoints.wants(request.req_id, end):
             return self._allocate_saving_checkpoints(
