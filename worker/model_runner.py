@@ -55,7 +55,7 @@ from worker.runner_config import RunnerConfig
 from worker.sampler import Sampler, to_token_logprobs
 from worker.sampling_state import SamplingState
 from worker.spec_decode.factory import make_proposer
-from worker.spec_decode.proposer import DrafterCache, DrafterModel, DraftProposer, DraftRequest
+from worker.spec_decode.proposer import DrafterCache, DraftProposer, DraftRequest
 from worker.spec_decode.verify import RowLayout, verify_drafts
 
 logger = logging.getLogger(__name__)
@@ -108,9 +108,9 @@ class ModelRunner:
         config: RunnerConfig,
         device: torch.device,
         is_driver: bool = True,
-        draft_model: DrafterModel | None = None,
+        drafter: nn.Module | None = None,
     ) -> None:
-        """`draft_model`: the separate model of speculative method 'draft_model'."""
+        """`drafter`: the draft model or MTP layer of speculative decoding."""
         self.model = model
         self.settings = settings
         self.config = config
@@ -118,7 +118,7 @@ class ModelRunner:
         self.is_driver = is_driver
         """Only the driver rank samples and returns outputs; other ranks run the forward."""
         self.proposer: DraftProposer | None = (
-            make_proposer(config.speculative, draft_model) if config.speculative else None
+            make_proposer(config.speculative, drafter) if config.speculative else None
         )
         """Proposes the drafts the next step verifies (driver rank; None: no speculation)."""
         self.drafter_layers = self.proposer.drafter_layers if self.proposer else []

@@ -10,7 +10,7 @@ from pydantic import ConfigDict, Field, model_validator
 from cluster.config.base import StrictModel
 from scheduler.spec_config import SpecMethod, SpeculativeConfig
 
-SUPPORTED_METHODS = ("ngram", "draft_model")
+SUPPORTED_METHODS = ("ngram", "draft_model", "mtp")
 """Methods this build runs (the others are accepted names that fail with a clear message)."""
 
 

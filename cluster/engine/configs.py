@@ -108,15 +108,23 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
 
 def draft_model_config(args: EngineArgs, target: ModelConfig, device: str) -> ModelConfig | None:
     """The draft model of speculative method 'draft_model' (None for other methods), read like
-    the target in its dtype and length; ValueError when it cannot draft for the target."""
+    the target in its dtype and length; ValueError when it cannot draft for the target (or,
+    for 'mtp', when the target's checkpoint has no MTP layer)."""
     spec = args.speculative_config
-    if spec is None or spec.model is None:
+    if spec is None or spec.resolved_method == "ngram":
+        return None
+    if args.tensor_parallel_size > 1:
+        raise ValueError(
+            f"speculative_config.method {spec.resolved_method!r} needs tensor_parallel_size 1"
+        )
+    if spec.model is None:  # mtp: the target's own layers
+        from worker.models.qwen3_next_mtp import check_mtp_checkpoint
+
+        check_mtp_checkpoint(target)
         return None
     from cluster.model_download import resolve_model_folder
     from worker.config import ModelConfig
 
-    if args.tensor_parallel_size > 1:
-        raise ValueError("speculative_config.model: a draft model needs tensor_parallel_size 1")
     folder = resolve_model_folder(spec.model, cache_dir=args.download_dir)
     draft = ModelConfig.from_pretrained(folder, target.dtype, target.max_model_len, device)
     if draft.vocab_size != target.vocab_size:

@@ -75,8 +75,8 @@ class KVCacheManager:
         """Fine-grained hits of recurrent-state models (None: hits on the block grid only)."""
         self.spec_slots: SpecStateSlots | None = None
         self.draft_lookahead = 0
-        """Slots every allocation adds past its tokens, where a drafter model writes the KV of
-        its drafts (`enable_spec_slots`)."""
+        """Slots the drafter's groups get past each allocation's tokens, where a drafter model
+        writes the KV of its drafts (`enable_spec_slots`)."""
         """Draft-position states of recurrent groups (None: no speculation or no such group)."""
         self.needs_block_aligned_prefill = self.enable_caching and any(
             isinstance(spec, MambaSpec) and spec.mamba_cache_mode is MambaCacheMode.ALIGN
@@ -111,6 +111,7 @@ class KVCacheManager:
         per recurrent group (`scheduler.kv_cache.spec_slots`); a drafter model's groups also
         get `draft_lookahead` slots past each step's tokens. Call before any allocation."""
         self.draft_lookahead = draft_lookahead
+        self.coordinator.set_drafter_lookahead(draft_lookahead, self.max_model_len)
         managers = [m for m in self.coordinator.managers if isinstance(m, MambaManager)]
         if managers:
             self.spec_slots = SpecStateSlots(managers, self.pool, num_speculative_tokens)
@@ -196,7 +197,7 @@ class KVCacheManager:
         total_computed = min(
             request.num_computed_tokens + num_new_computed_tokens, self.max_model_len
         )
-        num_slots = min(total_computed + num_new_tokens + self.draft_lookahead, self.max_model_len)
+        num_slots = min(total_computed + num_new_tokens, self.max_model_len)
         hits = new_computed_blocks.blocks if new_computed_blocks is not None else None
         needed = self.coordinator.get_num_blocks_to_allocate(
             request.req_id, num_slots, hits, total_computed
@@ -225,7 +226,6 @@ class KVCacheManager:
         """
         if num_new_tokens < 0 or num_lookahead_tokens < 0 or num_new_computed_tokens < 0:
             raise ValueError("token counts must be >= 0")
-        num_lookahead_tokens += self.draft_lookahead
         end = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         if self.checkpoints is not None and self.checkpoints.wants(request.req_id, end):
             return self._allocate_saving_checkpoints(
@@ -248,7 +248,7 @@ class KVCacheManager:
             if (
                 computed < limits[1]
                 and computed <= self.max_model_len
-                and main_tokens + num_lookahead_tokens <= limits[0]
+                and main_tokens + num_lookahead_tokens + self.draft_lookahead <= limits[0]
                 and (main_tokens < limits[2] or request.num_tokens < limits[2])
             ):
                 return self._no_blocks

@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import numpy as np
 import torch
+from torch import nn
 
 from worker.attention import Attention, ForwardContext
 from worker.attention_groups import build_forward_context
@@ -29,13 +30,14 @@ from worker.input_batch import InputBatch, RequestStates, to_device_packed
 from worker.kv_cache import attention_layers
 from worker.mamba_cache import mamba_layers
 from worker.metadata_transforms import StepRows
-from worker.spec_decode.proposer import DrafterCache, DrafterModel, DraftProposer, DraftRequest
+from worker.models.decoder import DecoderForCausalLM
+from worker.spec_decode.proposer import DrafterCache, DraftProposer, DraftRequest
 
 DRAFTER_PREFIX = "drafter."
 """Prepended to the drafter's layer names, which would otherwise repeat the target's."""
 
 
-def prefix_drafter_layers(model: DrafterModel) -> list[Attention]:
+def prefix_drafter_layers(model: nn.Module) -> list[Attention]:
     """Rename the drafter's attention layers (and their KV-sharing targets) apart from the
     target's; ValueError for a drafter with recurrent-state layers."""
     if mamba_layers(model):
@@ -57,7 +59,7 @@ def prefix_drafter_layers(model: DrafterModel) -> list[Attention]:
 class DraftModelProposer(DraftProposer):
     """Greedy drafts of a separate model run on the target's KV cache pool."""
 
-    def __init__(self, num_speculative_tokens: int, model: DrafterModel) -> None:
+    def __init__(self, num_speculative_tokens: int, model: DecoderForCausalLM) -> None:
         super().__init__(num_speculative_tokens)
         self.model = model
         self.layers = prefix_drafter_layers(model)
@@ -76,12 +78,12 @@ class DraftModelProposer(DraftProposer):
         self.model(batch.input_ids, batch.positions, ctx)
 
     def propose(self, requests: Sequence[DraftRequest]) -> dict[str, list[int]]:
-        cache = self._require_cache()
+        cache = require_cache(self._cache)
         states = cache.states
         req_ids = [request.req_id for request in requests]
         tokens = [int(request.token_ids[-1]) for request in requests]
         positions = [len(request.token_ids) - 1 for request in requests]
-        limits = [self._writable(states, req_id) for req_id in req_ids]
+        limits = [writable_positions(cache, req_id) for req_id in req_ids]
         drafts: dict[str, list[int]] = {req_id: [] for req_id in req_ids}
         for step in range(self.num_speculative_tokens):
             live = [i for i, pos in enumerate(positions) if pos + step < limits[i]]
@@ -103,23 +105,25 @@ class DraftModelProposer(DraftProposer):
                 drafts[req_ids[i]].append(int(token))
         return {req_id: found for req_id, found in drafts.items() if found}
 
-    def _writable(self, states: RequestStates, req_id: str) -> int:
-        """Positions the drafter's groups hold blocks for (its drafts stay inside them)."""
-        row = states.rows[req_id]
-        cache = self._require_cache()
-        return min(
-            (
-                int(states.block_tables[group.kv_cache_group_id].num_blocks_per_row[row])
-                * group.kernel_block_size
-                for group in cache.attention_groups
-            ),
-            default=0,
-        )
 
-    def _require_cache(self) -> DrafterCache:
-        if self._cache is None:
-            raise RuntimeError("the drafter's KV cache is not bound (initialize_kv_cache first)")
-        return self._cache
+def writable_positions(cache: DrafterCache, req_id: str) -> int:
+    """Positions the drafter's groups hold blocks for (its drafts stay inside them)."""
+    states = cache.states
+    row = states.rows[req_id]
+    return min(
+        (
+            int(states.block_tables[group.kv_cache_group_id].num_blocks_per_row[row])
+            * group.kernel_block_size
+            for group in cache.attention_groups
+        ),
+        default=0,
+    )
+
+
+def require_cache(cache: DrafterCache | None) -> DrafterCache:
+    if cache is None:
+        raise RuntimeError("the drafter's KV cache is not bound (initialize_kv_cache first)")
+    return cache
 
 
 def decode_batch(

@@ -11,9 +11,8 @@ and runs its own steps on the bound cache in `propose`.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
@@ -22,18 +21,6 @@ from worker.attention_groups import AttentionGroup
 from worker.input_batch import InputBatch, RequestStates
 from worker.kv_cache import KVCaches
 from worker.spec_decode.ngram import propose_ngram
-
-
-class DrafterModel(Protocol):
-    """A model a proposer runs (the runner's `CausalLM` interface)."""
-
-    def __call__(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor: ...
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
-
-    def modules(self) -> Iterator[torch.nn.Module]: ...
 
 
 @dataclass(frozen=True)
