@@ -126,7 +126,10 @@ def draft_model_config(args: EngineArgs, target: ModelConfig, device: str) -> Mo
     from worker.config import ModelConfig
 
     folder = resolve_model_folder(spec.model, cache_dir=args.download_dir)
-    draft = ModelConfig.from_pretrained(folder, target.dtype, target.max_model_len, device)
+    try:
+        draft = ModelConfig.from_pretrained(folder, target.dtype, target.max_model_len, device)
+    except ValueError as error:
+        raise ValueError(f"speculative_config.model: {error}") from None
     if draft.vocab_size != target.vocab_size:
         raise ValueError(
             f"speculative_config.model: the draft model's vocabulary ({draft.vocab_size} tokens) "
