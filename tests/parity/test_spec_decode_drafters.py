@@ -119,7 +119,7 @@ def test_seeded_sampling_with_draft_model_is_reproducible(
 
 
 def _start_error(path: Path, spec: dict[str, Any]) -> str:
-    with pytest.raises(ValueError) as info:
+    with pytest.raises(ValueError, match=r"^speculative_config") as info:
         LLM(str(path), speculative_config=spec, **LLM_ARGS)
     message = str(info.value)
     assert "\n" not in message
