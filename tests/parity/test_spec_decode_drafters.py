@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from cluster import LLM, SamplingParams
-from tests.helpers.engine_probe import engine_stats, kv_cache_groups
+from tests.helpers.engine_probe import engine_stats, kv_cache_groups, watch_preemptions
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from tests.helpers.tiny_models import save_tiny_model
 from tests.helpers.tiny_mtp import save_tiny_with_mtp
@@ -44,10 +44,11 @@ def _reference(path: Path, **overrides: Any) -> list[list[int]]:
 
 
 def _run_speculative(path: Path, spec: dict[str, Any], **overrides: Any) -> tuple[Any, ...]:
-    """(greedy tokens, accepted, drafted) with `spec`, after checking the drafter's groups
-    are its own and that no block stays held."""
+    """(greedy tokens, accepted, drafted, preemptions) with `spec`, after checking the
+    drafter's groups are its own and that no block stays held."""
     llm = LLM(str(path), speculative_config=spec, **{**LLM_ARGS, **overrides})
-    tokens = _generate(llm)
+    with watch_preemptions(llm) as preemptions:
+        tokens = _generate(llm)
     groups = kv_cache_groups(llm)
     assert any(is_drafter for is_drafter, _ in groups), "the drafter has no KV cache group"
     for is_drafter, layers in groups:
@@ -59,7 +60,7 @@ def _run_speculative(path: Path, spec: dict[str, Any], **overrides: Any) -> tupl
     spec_stats = stats.spec_decoding
     assert spec_stats is not None
     llm.shutdown()
-    return tokens, spec_stats.num_accepted_tokens, spec_stats.num_draft_tokens
+    return tokens, spec_stats.num_accepted_tokens, spec_stats.num_draft_tokens, len(preemptions)
 
 
 @pytest.fixture(scope="module")
@@ -70,16 +71,22 @@ def gemma3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[list[in
     return path, _reference(path)
 
 
-@pytest.mark.parametrize("caching", [True, False], ids=["caching", "no_caching"])
-def test_self_draft_accepts_every_draft(
-    gemma3: tuple[Path, list[list[int]]], caching: bool
-) -> None:
+SELF_DRAFT_CASES: dict[str, dict[str, Any]] = {
+    "caching": {},
+    "no_caching": {"enable_prefix_caching": False},
+    "preemption": {"kv_cache_memory_bytes": 64 << 10, "max_model_len": 40},  # 64 blocks
+}
+
+
+@pytest.mark.parametrize("case", list(SELF_DRAFT_CASES))
+def test_self_draft_accepts_every_draft(gemma3: tuple[Path, list[list[int]]], case: str) -> None:
     path, reference = gemma3
     spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 2}
-    tokens, accepted, drafted = _run_speculative(path, spec, enable_prefix_caching=caching)
+    tokens, accepted, drafted, preempted = _run_speculative(path, spec, **SELF_DRAFT_CASES[case])
     assert tokens == reference
     assert drafted > 0
     assert accepted == drafted  # the drafter computes what the target does
+    assert (preempted > 0) == (case == "preemption")
 
 
 def test_random_draft_model_on_mamba_hybrid(tmp_path: Path) -> None:
@@ -89,7 +96,7 @@ def test_random_draft_model_on_mamba_hybrid(tmp_path: Path) -> None:
     save_tiny_model("llama", draft, seed=3, max_position_embeddings=256)
     reference = _reference(target)
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
-    tokens, accepted, drafted = _run_speculative(target, spec)
+    tokens, accepted, drafted, _ = _run_speculative(target, spec)
     assert tokens == reference
     assert drafted > 0
     assert accepted < drafted / 2
@@ -101,7 +108,7 @@ def test_mtp_keeps_greedy_tokens(tmp_path: Path, family: str) -> None:
     save_tiny_with_mtp(family, tmp_path)
     reference = _reference(tmp_path)
     spec = {"method": "mtp", "num_speculative_tokens": 2}
-    tokens, _, drafted = _run_speculative(tmp_path, spec)
+    tokens, _, drafted, _ = _run_speculative(tmp_path, spec)
     assert tokens == reference
     assert drafted > 0
 
