@@ -17,7 +17,7 @@ without a distribution: random sampling stays lossless.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import numpy as np
@@ -78,32 +78,58 @@ class DraftModelProposer(DraftProposer):
         self.model(batch.input_ids, batch.positions, ctx)
 
     def propose(self, requests: Sequence[DraftRequest]) -> dict[str, list[int]]:
-        cache = require_cache(self._cache)
-        states = cache.states
-        req_ids = [request.req_id for request in requests]
-        tokens = [int(request.token_ids[-1]) for request in requests]
-        positions = [len(request.token_ids) - 1 for request in requests]
-        limits = [writable_positions(cache, req_id) for req_id in req_ids]
-        drafts: dict[str, list[int]] = {req_id: [] for req_id in req_ids}
-        for step in range(self.num_speculative_tokens):
-            live = [i for i, pos in enumerate(positions) if pos + step < limits[i]]
-            if not live:
-                break
-            batch = decode_batch(
-                [req_ids[i] for i in live],
-                [tokens[i] for i in live],
-                [positions[i] + step for i in live],
-                states,
-            )
-            ctx = build_forward_context(
-                cache.attention_groups, batch, StepRows(batch.logits_indices), cache.kv_caches
-            )
-            hidden = self.model(batch.input_ids, batch.positions, ctx)
-            next_ids = self.model.compute_logits(hidden).argmax(dim=-1).tolist()
-            for i, token in zip(live, next_ids, strict=True):
-                tokens[i] = int(token)
-                drafts[req_ids[i]].append(int(token))
-        return {req_id: found for req_id, found in drafts.items() if found}
+        model = self.model
+
+        def step(batch: InputBatch, ctx: ForwardContext, _live: list[int]) -> torch.Tensor:
+            return model.compute_logits(model(batch.input_ids, batch.positions, ctx))
+
+        starts = [(len(request.token_ids) - 1, request.token_ids[-1]) for request in requests]
+        return greedy_drafts(
+            require_cache(self._cache),
+            [request.req_id for request in requests],
+            starts,
+            self.num_speculative_tokens,
+            step,
+        )
+
+
+DraftStep = Callable[[InputBatch, ForwardContext, list[int]], torch.Tensor]
+"""One single-token step of a drafter: (batch, context, the requests' indices in it) -> logits
+[len(batch), vocab]."""
+
+
+def greedy_drafts(
+    cache: DrafterCache,
+    req_ids: Sequence[str],
+    starts: Sequence[tuple[int, int]],
+    num_steps: int,
+    step: DraftStep,
+) -> dict[str, list[int]]:
+    """Up to `num_steps` greedy drafts per request: its first step feeds token `starts[i][1]`
+    at position `starts[i][0]`, each later one the previous draft one position on (inside the
+    blocks the drafter's groups hold)."""
+    positions = [position for position, _ in starts]
+    tokens = [int(token) for _, token in starts]
+    limits = [writable_positions(cache, req_id) for req_id in req_ids]
+    drafts: dict[str, list[int]] = {req_id: [] for req_id in req_ids}
+    for offset in range(num_steps):
+        live = [i for i, pos in enumerate(positions) if pos + offset < limits[i]]
+        if not live:
+            break
+        batch = decode_batch(
+            [req_ids[i] for i in live],
+            [tokens[i] for i in live],
+            [positions[i] + offset for i in live],
+            cache.states,
+        )
+        ctx = build_forward_context(
+            cache.attention_groups, batch, StepRows(batch.logits_indices), cache.kv_caches
+        )
+        next_ids = step(batch, ctx, live).argmax(dim=-1).tolist()
+        for i, token in zip(live, next_ids, strict=True):
+            tokens[i] = int(token)
+            drafts[req_ids[i]].append(int(token))
+    return {req_id: found for req_id, found in drafts.items() if found}
 
 
 def writable_positions(cache: DrafterCache, req_id: str) -> int:

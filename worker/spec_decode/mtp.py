@@ -24,16 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from worker.attention import Attention, ForwardContext
-from worker.attention_groups import build_forward_context
 from worker.input_batch import InputBatch
-from worker.metadata_transforms import StepRows
 from worker.models.qwen3_next_mtp import Qwen3NextMTP
-from worker.spec_decode.draft_model import (
-    decode_batch,
-    prefix_drafter_layers,
-    require_cache,
-    writable_positions,
-)
+from worker.spec_decode.draft_model import greedy_drafts, prefix_drafter_layers, require_cache
 from worker.spec_decode.proposer import DrafterCache, DraftProposer, DraftRequest
 
 
@@ -101,26 +94,18 @@ class MtpProposer(DraftProposer):
             for req_id, pos in zip(req_ids, positions, strict=True)
         ]
         previous = step.hidden[torch.tensor(rows, device=step.hidden.device)]
-        limits = [writable_positions(cache, req_id) for req_id in req_ids]
-        drafts: dict[str, list[int]] = {req_id: [] for req_id in req_ids}
-        for offset in range(self.num_speculative_tokens):
-            live = [i for i, pos in enumerate(positions) if pos + offset < limits[i]]
-            if not live:
-                break
-            batch = decode_batch(
-                [req_ids[i] for i in live],
-                [tokens[i] for i in live],
-                [positions[i] + offset for i in live],
-                cache.states,
-            )
-            ctx = build_forward_context(
-                cache.attention_groups, batch, StepRows(batch.logits_indices), cache.kv_caches
-            )
+        model = self.model
+
+        def mtp_step(batch: InputBatch, ctx: ForwardContext, live: list[int]) -> torch.Tensor:
             index = torch.tensor(live, device=previous.device)
-            out = self.model(batch.input_ids, batch.positions, previous[index], ctx)
-            previous[index] = out
-            next_ids = self.model.compute_logits(out).argmax(dim=-1).tolist()
-            for i, token in zip(live, next_ids, strict=True):
-                tokens[i] = int(token)
-                drafts[req_ids[i]].append(int(token))
-        return {req_id: found for req_id, found in drafts.items() if found}
+            out = model(batch.input_ids, batch.positions, previous[index], ctx)
+            previous[index] = out  # the next step's hidden input
+            return model.compute_logits(out)
+
+        return greedy_drafts(
+            cache,
+            req_ids,
+            list(zip(positions, tokens, strict=True)),
+            self.num_speculative_tokens,
+            mtp_step,
+        )
