@@ -57,7 +57,9 @@ class Scheduler:
         self.spec: DraftVerification | None = None
         """Speculative decoding (None: off)."""
         if config.speculative is not None:
-            self.kv_cache_manager.enable_spec_slots(config.speculative.num_speculative_tokens)
+            self.kv_cache_manager.enable_spec_slots(
+                config.speculative.num_speculative_tokens, config.speculative.draft_lookahead
+            )
             self.spec = DraftVerification(
                 config.speculative, self.kv_cache_manager, config.max_model_len
             )

@@ -11,14 +11,17 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from scheduler.kv_cache.spec import KVCacheConfig
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
+from scheduler.spec_config import SpecMethod
 from worker.config import ModelConfig, ParallelConfig
 from worker.distributed import destroy_distributed, init_distributed
 from worker.kv_cache import KVCacheSpecReport, available_kv_cache_memory
 from worker.model_loader import load_model
 from worker.model_runner import ModelRunner, ModelSettings
+from worker.models.qwen3_next_mtp import load_mtp
 from worker.runner_config import RunnerConfig
 
 logger = logging.getLogger(__name__)
@@ -71,8 +74,19 @@ class Worker:
             eos_token_ids=spec.model_config.eos_token_ids,
         )
         self._model_runner = ModelRunner(
-            model, settings, spec.runner, self.device, is_driver=self.rank == 0
+            model, settings, spec.runner, self.device, self.rank == 0, self._load_drafter(model)
         )
+
+    def _load_drafter(self, target: nn.Module) -> nn.Module | None:
+        """The draft model or the checkpoint's MTP layer, when speculation uses one."""
+        spec = self.spec
+        method = spec.runner.speculative.method if spec.runner.speculative else None
+        if method is SpecMethod.MTP:
+            return load_mtp(target, spec.model_config, spec.runner.load_format)
+        draft = spec.runner.draft_model
+        if draft is None:
+            return None
+        return load_model(draft, spec.parallel, self.device, spec.runner.load_format)
 
     @property
     def model_runner(self) -> ModelRunner:

@@ -74,6 +74,9 @@ class KVCacheManager:
         )
         """Fine-grained hits of recurrent-state models (None: hits on the block grid only)."""
         self.spec_slots: SpecStateSlots | None = None
+        self.draft_lookahead = 0
+        """Slots the drafter's groups get past each allocation's tokens, where a drafter model
+        writes the KV of its drafts (`enable_spec_slots`)."""
         """Draft-position states of recurrent groups (None: no speculation or no such group)."""
         self.needs_block_aligned_prefill = self.enable_caching and any(
             isinstance(spec, MambaSpec) and spec.mamba_cache_mode is MambaCacheMode.ALIGN
@@ -106,9 +109,12 @@ class KVCacheManager:
         """Free a running request's draft-state slots to make room (False: it held none)."""
         return self.spec_slots is not None and self.spec_slots.release(req_id)
 
-    def enable_spec_slots(self, num_speculative_tokens: int) -> None:
+    def enable_spec_slots(self, num_speculative_tokens: int, draft_lookahead: int = 0) -> None:
         """Speculative decoding with k drafts: drafting requests hold k draft-position states
-        per recurrent group (`scheduler.kv_cache.spec_slots`). Call before any allocation."""
+        per recurrent group (`scheduler.kv_cache.spec_slots`); a drafter model's groups also
+        get `draft_lookahead` slots past each step's tokens. Call before any allocation."""
+        self.draft_lookahead = draft_lookahead
+        self.coordinator.set_drafter_lookahead(draft_lookahead, self.max_model_len)
         managers = [m for m in self.coordinator.managers if isinstance(m, MambaManager)]
         if managers:
             self.spec_slots = SpecStateSlots(managers, self.pool, num_speculative_tokens)
@@ -262,7 +268,7 @@ class KVCacheManager:
             if (
                 computed < limits[1]
                 and computed <= self.max_model_len
-                and main_tokens + num_lookahead_tokens <= limits[0]
+                and main_tokens + num_lookahead_tokens + self.draft_lookahead <= limits[0]
                 and (main_tokens < limits[2] or request.num_tokens < limits[2])
             ):
                 return self._no_blocks
