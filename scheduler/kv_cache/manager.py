@@ -20,7 +20,7 @@ from scheduler.kv_cache.eviction import EvictionPolicy
 from scheduler.kv_cache.mamba_manager import MambaManager
 from scheduler.kv_cache.manager_types import CacheHit, KVCacheBlocks, KVCacheStats
 from scheduler.kv_cache.miss_reasons import explain_misses
-from scheduler.kv_cache.offload import THRASH_LOOKAHEAD, build_offload_index, count_offloaded
+from scheduler.kv_cache.offload import build_offload_index, count_offloaded
 from scheduler.kv_cache.spec import KVCacheConfig, MambaCacheMode, MambaSpec, manager_spec
 from scheduler.kv_cache.spec_slots import SpecStateSlots
 from scheduler.kv_cache.window_managers import ChunkedLocalManager, SlidingWindowManager
@@ -93,7 +93,6 @@ class KVCacheManager:
         self._quiet: dict[str, tuple[int, int, int]] = {}
         """Per request holding tables: (slots, computed, cached) limits below which a step
         changes nothing (see `SingleTypeManager.quiet_limits`)."""
-        self._tier_thrashed: set[str] = set()
         """Requests whose hit stopped at blocks the offload tier gave up (see `free`)."""
         self._config = config
         self._no_blocks = KVCacheBlocks.empty(self.num_groups)
@@ -166,7 +165,8 @@ class KVCacheManager:
         offloaded = 0
         if self.pool.offload is not None:
             offloaded = count_offloaded(blocks.blocks)
-            self._note_tier_thrash(request, num_hit)
+            after_hit = request.block_hashes[num_hit // self._hash_block_size :]
+            self.pool.offload.note_hit_end(request.req_id, after_hit)
         return CacheHit(blocks, num_hit, junction, group_hits, (), offloaded)
 
     def explain_misses(self, request: Request, hit: CacheHit) -> CacheHit:
@@ -355,27 +355,13 @@ class KVCacheManager:
             self.pool.offload.cancel(request.req_id)
         if self._quiet.pop(request.req_id, None) is not None:
             self.coordinator.free(request.req_id, request.block_hashes)
-            self._protect_in_tier(request.req_id)
+            if self.pool.offload is not None:
+                clock = self.pool.chains.clock if self.pool.chains is not None else None
+                self.pool.offload.protect_if_thrashed(request.req_id, clock)
         if self.checkpoints is not None:
             self.checkpoints.forget(request.req_id)
         if self.spec_slots is not None:
             self.spec_slots.free(request.req_id)
-
-    def _note_tier_thrash(self, request: Request, num_hit: int) -> None:
-        """A hit that stops where the tier gave blocks up for room: the chain this request
-        frees is protected in the tier (`scheduler.kv_cache.offload_eviction`)."""
-        assert self.pool.offload is not None
-        start = num_hit // self._hash_block_size
-        after_hit = request.block_hashes[start : start + THRASH_LOOKAHEAD]
-        if self.pool.offload.thrashes_on(after_hit):
-            self._tier_thrashed.add(request.req_id)
-
-    def _protect_in_tier(self, req_id: str) -> None:
-        """The chain of a request the tier thrashed on was just freed: protect it there."""
-        if req_id in self._tier_thrashed:
-            self._tier_thrashed.discard(req_id)
-            if self.pool.offload is not None and self.pool.chains is not None:
-                self.pool.offload.protect(self.pool.chains.clock)
 
     def take_step_ops(self) -> tuple[list[BlockCopy], list[StateSave], list[BlockCopy]]:
         """The worker ops of the step being scheduled (copies before it, state saves, copies

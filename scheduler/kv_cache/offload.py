@@ -14,7 +14,7 @@ is the coordinator's own, so a hit may be partly on the device and partly in the
     hit holds an OffloadedBlock ─► fill ─► OffloadLoad(req, slot | file, group, block) → device
 
 Which entry goes first is the level's eviction order (`scheduler.kv_cache.offload_eviction`):
-a hit cut short by an entry the tier gave up for room (`thrashes_on`) has its request's chain
+a hit cut short by an entry the tier gave up for room (`note_hit_end`) has its request's chain
 protected (`protect`). Entries read by pending loads are never evicted. A loading request's
 fresh blocks are registered in the device pool when the workers report the load done
 (`finish`); a failed load drops the entries it read (a corrupt file included), so the retry
@@ -112,6 +112,8 @@ class OffloadIndex:
         self.maps = (self.host.maps, self.disk.maps)
         """Per level, per group: hash -> entry."""
         self._pending: dict[str, list[PendingLoad]] = {}
+        self._thrashed: set[str] = set()
+        """Requests whose hit the tier cut short by giving blocks up for room (`note_hit_end`)."""
         self._pinned: dict[Key, int] = {}
         """Entries read by pending loads (never evicted before the load ends), with a count."""
         self._to_fill: list[tuple[str, list[KVCacheBlock], int]] = []
@@ -249,14 +251,21 @@ class OffloadIndex:
         if not succeeded:
             self.num_failed_loads += 1
 
-    def thrashes_on(self, next_hashes: Sequence[BlockHash]) -> bool:
-        """Whether the tier gave up one of `next_hashes` (a request's blocks after its hit) for
-        room lately: it thrashes on that request's session."""
-        return any(self.evicted.was_evicted_anywhere(h) for h in next_hashes)
+    def note_hit_end(self, req_id: str, after_hit: Sequence[BlockHash]) -> None:
+        """A lookup's hit ended before `after_hit` (the request's next block hashes): when the
+        tier gave one of the first few up for room lately, it thrashes on that session, and
+        the chain the request frees is protected (`scheduler.kv_cache.offload_eviction`)."""
+        next_hashes = after_hit[:THRASH_LOOKAHEAD]
+        if any(self.evicted.was_evicted_anywhere(h) for h in next_hashes):
+            self._thrashed.add(req_id)
 
-    def protect(self, stamp: int) -> None:
-        """The blocks of the device chain `stamp` are kept as one chain (`chain` policy)."""
-        self.host.order.protect(stamp)
+    def protect_if_thrashed(self, req_id: str, stamp: int | None) -> None:
+        """The request just freed its blocks (device chain `stamp`, None without the `chain`
+        policy): when the tier thrashed on it, that chain's blocks are kept as one chain."""
+        if req_id in self._thrashed:
+            self._thrashed.discard(req_id)
+            if stamp is not None:
+                self.host.order.protect(stamp)
 
     def _evict_for_good(self, level: TierLevel, key: Key) -> None:
         entry = level.remove(key)
