@@ -30,7 +30,7 @@ from cluster.engine.stream_batching import (
 from scheduler.request import SamplingParams
 from tests.helpers.serve_app import save_tiny_served_model
 
-ARGS = {"block_size": 4, "kv_cache_memory_bytes": 1 << 22, "max_model_len": 64}
+ARGS = {"dtype": "float32", "block_size": 4, "kv_cache_memory_bytes": 1 << 22, "max_model_len": 64}
 
 
 def _delta(token: int, finished: bool = False) -> RequestOutput:
