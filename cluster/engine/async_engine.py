@@ -172,7 +172,9 @@ class AsyncEngine:
         """Take deltas into `held` until its chunk is due (at once unless the load calls for an
         interval); returns the error that ends the stream, if one arrived."""
         item = await queue.get()
-        while not isinstance(item, BaseException):
+        while True:
+            if isinstance(item, BaseException):
+                return item
             merged, error = coalesce_queued(item, queue)
             held.add(merged)
             if error is not None or merged.finished:
@@ -185,12 +187,11 @@ class AsyncEngine:
                 item = await asyncio.wait_for(queue.get(), wait_s)
             except TimeoutError:
                 return None
-        return item
 
 
 def coalesce_queued(
     first: RequestOutput, queue: asyncio.Queue[_StreamItem]
-) -> tuple[RequestOutput, _StreamItem | None]:
+) -> tuple[RequestOutput, BaseException | None]:
     """`first` merged with the deltas already queued behind it, and the queued error that ends
     the merge (None when there is none); waits for nothing."""
     if first.finished or queue.empty():
