@@ -45,8 +45,9 @@ class AsyncEngine:
 
     def __init__(self, core: EngineCore, stream_batching: StreamBatching | None = None) -> None:
         self.core = core
-        self.stream_batching = stream_batching or StreamBatching()
-        """How long a stream holds its tokens, by load (adaptive unless an interval is set)."""
+        self.stream_batching = stream_batching or StreamBatching(interval_ms=0)
+        """How long a stream holds its tokens (default: nothing held; the Serve replica passes
+        its `stream_batching_interval_ms`, adaptive unless set)."""
         self._lock = asyncio.Lock()
         self._has_work = asyncio.Event()
         self._queues: dict[str, asyncio.Queue[_StreamItem]] = {}
