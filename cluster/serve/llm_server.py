@@ -33,6 +33,7 @@ from cluster.engine.executor.placement import PlacementSpec, uses_gpus
 from cluster.engine.input_processor import InputProcessor
 from cluster.engine.outputs import OutputAccumulator, RequestOutput
 from cluster.engine.request import EngineRequest
+from cluster.engine.stream_batching import StreamBatching
 from cluster.openai_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -88,8 +89,10 @@ class LLMServer:
         self.model_id = self.config.model_id
         args = serving_engine_args(self.config)
         self.engine = AsyncEngine(
-            build_engine_core(args, create_executor(args, rank_placement(self.config)))
+            build_engine_core(args, create_executor(args, rank_placement(self.config))),
+            StreamBatching(self.config.stream_batching_interval_ms),
         )
+        logger.info("stream batching: %s", self.engine.stream_batching.description)
         self.tokenizer = self.engine.core.tokenizer
         model = self.engine.core.model_config
         self.max_model_len = model.max_model_len

@@ -28,7 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 NUM_SESSIONS = 6
 NUM_ROUNDS = 3
-LLM_ARGS = {"block_size": 4, "max_num_batched_tokens": 32, "max_model_len": 64}
+LLM_ARGS = {"dtype": "float32", "block_size": 4, "max_num_batched_tokens": 32, "max_model_len": 64}
 TIER = {"kv_offloading_size": 0.01}  # GiB: room for every session
 
 

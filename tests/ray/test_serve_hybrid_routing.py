@@ -41,6 +41,7 @@ APP = "routing"
 MODEL = "tiny-hybrid"
 ROUTER = "cluster.serve.routing:HybridPrefixRouter"
 ENGINE = {
+    "dtype": "float32",
     "block_size": 4,
     "max_num_seqs": 16,
     "device": "cpu",
