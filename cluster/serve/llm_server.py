@@ -125,6 +125,7 @@ class LLMServer:
             return
         try:
             engine_request, formatter = self._prepare(request, request_id, prompt_token_ids)
+            await self.before_add(engine_request)
             stream = await self.engine.add_request(engine_request)
         except UnsupportedFieldError as error:
             yield errors.bad_request(str(error), param=error.param)
@@ -202,6 +203,9 @@ class LLMServer:
             result = accumulator.result
             if self.metrics is not None and result is not None and result.finished:
                 self.metrics.record_finished(result)
+
+    async def before_add(self, request: EngineRequest) -> None:
+        """Runs before a request enters the engine (a decode replica imports its KV here)."""
 
     def _record_tokens(self, delta: RequestOutput) -> None:
         if self.metrics is not None:
