@@ -52,6 +52,7 @@ from cluster.serve.formatting import (
 )
 from cluster.serve.hybrid_router import kv_events_enabled, routing_stats
 from cluster.serve.metrics import EngineMetrics
+from cluster.serve.transfer_metrics import TransferMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +101,10 @@ class LLMServer:
         self.num_aborted = 0
         self.metrics: EngineMetrics | None = None
         self._stats_task: asyncio.Task[None] | None = None
+        self.transfer_metrics: TransferMetrics | None = None
         if self.config.log_engine_metrics:
             self.metrics = EngineMetrics(self.model_id, group_kinds(self.engine))
+            self.transfer_metrics = TransferMetrics(self.model_id, len(group_kinds(self.engine)))
         if kv_events_enabled(self.config.deployment_config):
             self.engine.core.enable_kv_events()
 
@@ -274,6 +277,8 @@ class LLMServer:
         num_ranks = self.config.tensor_parallel_size
         while True:
             self.metrics.record_stats(await self.engine.get_stats())
+            if self.transfer_metrics is not None:
+                self.transfer_metrics.record(self.engine.core.kv_transfer_counters)
             try:
                 await self.engine.check_health()
                 alive = [True] * num_ranks

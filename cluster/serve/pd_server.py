@@ -61,10 +61,8 @@ class PDDecodeServer(LLMServer):
         super().__init__(llm_config)
         self.prefill = prefill
         self.transfer_timeout_s = transfer_timeout_s
-        self.num_pulls = 0
-        """Requests whose prefix came from the prefill side."""
-        self.num_recomputes = 0
-        """Requests the decode side computed whole (the hand-off failed or timed out)."""
+        self.counters = self.engine.core.kv_transfer_counters
+        """Its pulls (prefix from the prefill side) and recomputes (hand-off failed)."""
 
     async def before_add(self, request: EngineRequest) -> None:
         prompt = list(request.prompt_token_ids)
@@ -79,16 +77,16 @@ class PDDecodeServer(LLMServer):
                 raise
             if response is not None:
                 response.cancel()
-            self.num_recomputes += 1
+            self.counters.num_recomputes += 1
             logger.warning(
                 "prefill hand-off of %s failed; recomputing: %s", request.request_id, exc
             )
             return
-        self.num_pulls += 1
+        self.counters.num_pulls += 1
 
     def transfer_stats(self) -> dict[str, int]:
         """Pulls and recomputes of this decode replica."""
-        return {"pulls": self.num_pulls, "recomputes": self.num_recomputes}
+        return {"pulls": self.counters.num_pulls, "recomputes": self.counters.num_recomputes}
 
 
 async def _awaited(response: Any) -> KVTransfer:
