@@ -20,11 +20,12 @@ from typing import Protocol
 
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
 
-from cluster.serve.hybrid_policy import HybridRoutingPolicy
+from cluster.serve.hybrid_policy import HybridRoutingPolicy, PromptKeys
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache.events import KVEventLog, KVEventWindow
 from scheduler.kv_cache.spec import KVCacheConfig, KVCacheSpec, MambaCacheMode
 from scheduler.kv_cache.spec_factory import make_spec, one_layer_groups_config
+from scheduler.kv_cache.transfer import commit_import, find_export, held_keys, reserve_import
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler
@@ -216,7 +217,15 @@ class HybridPrefix:
 
     name = "hybrid-prefix (ours)"
 
-    def __init__(self, num_replicas: int, delay: int, load_factor: float) -> None:
+    def __init__(
+        self,
+        num_replicas: int,
+        delay: int,
+        load_factor: float,
+        pull_threshold: int | None = None,
+    ) -> None:
+        """`pull_threshold` (tokens): when the chosen replica's predicted hit trails another's
+        by at least this much, the chosen one pulls the prefix from it (None: never)."""
         from cluster.serve.hybrid_policy import RoutingOptions
 
         self.policy: HybridRoutingPolicy[int] = HybridRoutingPolicy(
@@ -227,6 +236,11 @@ class HybridPrefix:
         self.predictions: dict[str, tuple[int, int]] = {}
         """Request ID -> (replica, predicted hit)."""
         self._next_id = count()
+        self.pull_threshold = pull_threshold
+        self.pull_from: int | None = None
+        """The replica the last chosen one pulls the prompt's prefix from (None: recompute)."""
+        if pull_threshold is not None:
+            self.name = "hybrid-prefix + pull (ours)"
 
     def choose(
         self, replicas: list[SimReplica], token_ids: list[int], now: int, session: int
@@ -236,8 +250,19 @@ class HybridPrefix:
         ranks = self.policy.choose(list(range(len(replicas))), keys, seconds)
         chosen = ranks[0][0]
         self._last = (chosen, self.policy.predicted_hit(chosen, keys, seconds))
+        self.pull_from = self._pull_source(len(replicas), chosen, keys, seconds)
         self.policy.routed(chosen, keys, seconds)
         return chosen
+
+    def _pull_source(
+        self, num_replicas: int, chosen: int, keys: PromptKeys, seconds: float
+    ) -> int | None:
+        if self.pull_threshold is None:
+            return None
+        hits = [self.policy.predicted_hit(r, keys, seconds) for r in range(num_replicas)]
+        source = max(range(num_replicas), key=hits.__getitem__)
+        lead = hits[source] - hits[chosen]
+        return source if source != chosen and lead >= self.pull_threshold else None
 
     def start(self, replicas: list[SimReplica]) -> None:
         """The first poll, once the replicas are up and before traffic: their (empty) logs
@@ -262,10 +287,30 @@ class HybridPrefix:
         self.policy.completed(replica)
 
 
+def pull_between(sender: SimReplica, receiver: SimReplica, token_ids: list[int]) -> int:
+    """The receiver takes the sender's cached prefix of the prompt (the scheduler's side of a
+    KV transfer: held keys, the sender's minimal hybrid set, import); the tokens it covers."""
+    take = receiver.scheduler.kv_cache_manager
+    probe = Request("pull", list(token_ids), SamplingParams(), take.hash_block_size)
+    held = held_keys(take, probe.block_hashes, "sim")
+    give = sender.scheduler.kv_cache_manager
+    plan = find_export(give, probe.block_hashes, len(token_ids) - 1, held, "sim")
+    if not plan.keys.num_blocks:
+        return 0
+    reservation = reserve_import(take, plan.keys)
+    if reservation is None:
+        return 0
+    commit_import(take, reservation)
+    return plan.keys.num_hit_tokens
+
+
 @dataclass
 class RunResult:
     prompt_tokens: int = 0
     hit_tokens: int = 0
+    num_pulls: int = 0
+    pulled_tokens: int = 0
+    """Prefix tokens the pulls covered (hits of the receiving replica once imported)."""
     routed: list[int] = field(default_factory=list)
     computed: list[int] = field(default_factory=list)
     prediction_pairs: list[tuple[int, int]] = field(default_factory=list)
@@ -322,6 +367,11 @@ def run(
                 session.due = -1
                 req_id = f"s{number}-{next(ids)}"
                 chosen = router.choose(replicas, session.history, tick, number)
+                source = getattr(router, "pull_from", None)
+                if source is not None:
+                    pulled = pull_between(replicas[source], replicas[chosen], session.history)
+                    result.num_pulls += pulled > 0
+                    result.pulled_tokens += pulled
                 params = SamplingParams(
                     max_tokens=_draw(session.rng, workload.output_tokens), ignore_eos=True
                 )
