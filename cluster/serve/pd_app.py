@@ -29,14 +29,16 @@ def build_pd_openai_app(pd_serving_args: PDServingArgs | dict[str, Any]) -> Appl
         raise ValueError(format_validation_error(error)) from None
     transport_name()
     prefill_options = llm_deployment_options(args.prefill_config, "Prefill:")
-    prefill: Any = serve.deployment(PDPrefillServer).options(**prefill_options)
-    prefill_app = prefill.bind(args.prefill_config.model_dump())
+    prefill: Any = serve.deployment(PDPrefillServer)
+    prefill_app = prefill.options(**prefill_options).bind(args.prefill_config.model_dump())
     decode_options = llm_deployment_options(args.decode_config, "Decode:")
-    decode: Any = serve.deployment(PDDecodeServer).options(**decode_options)
-    decode_app = decode.bind(
+    decode: Any = serve.deployment(PDDecodeServer)
+    decode_app = decode.options(**decode_options).bind(
         args.decode_config.model_dump(), prefill_app, args.kv_transfer_timeout_s
     )
     ingress_options = ingress_deployment_options(args.ingress_deployment_config)
-    ingress: Any = serve.deployment(OpenAiIngressDeployment).options(**ingress_options)
-    app: Application = ingress.bind({args.decode_config.model_id: decode_app})
+    ingress: Any = serve.deployment(OpenAiIngressDeployment)
+    app: Application = ingress.options(**ingress_options).bind(
+        {args.decode_config.model_id: decode_app}
+    )
     return app
