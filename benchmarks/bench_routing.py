@@ -8,11 +8,14 @@ replica holding the combined pool (and the combined batch limits). Prints the cl
 hit rate against the reference, max/mean load over replicas (requests routed, tokens computed),
 and for our router how far the predicted hit is from the hit the engine got.
 
+With `--drain`, only a replica drained a third into the run: of the turns that leave it, the
+tokens of their earlier history computed again, pulls off against on (same trace).
+
 With `--serve`, then a short real-Serve run (`routing_serve`): two CPU replicas of a tiny
 sliding-window hybrid, chat sessions over HTTP, per router the hit rate of the later turns.
 
     .venv/bin/python benchmarks/bench_routing.py [--quick] [--delay 10] [--load-factor 2.0]
-        [--pull-threshold 64]
+        [--pull-threshold 64] [--drain]
         [--serve [--serve-sessions 8]]
 """
 
@@ -187,6 +190,49 @@ def measure_seeds(
     )
 
 
+DRAIN_CASES = [(8, 2), (32, 4)]
+
+
+def drain_rows(args: argparse.Namespace) -> list[str]:
+    """Per model and case (moderate pressure): replica 0 drained a third into the run; of the
+    turns that leave it, the earlier-history tokens computed again, with pulls off and on."""
+    rows = []
+    for model in MODELS:
+        for sessions, replicas in DRAIN_CASES:
+            workload = Workload(num_sessions=sessions, num_turns=args.turns, seed=args.seed)
+            sched = SchedulerConfig(
+                max_num_seqs=32, max_num_batched_tokens=1024, max_model_len=8192
+            )
+            config = model_config(model, PRESSURES["moderate"] * sessions // replicas + 1)
+            plain = run(
+                workload,
+                config,
+                sched,
+                replicas,
+                lambda n: HybridPrefix(n, args.delay, args.load_factor),
+            )
+            drain = (plain.ticks // 3, 0)
+            cells = []
+            for threshold in (None, args.pull_threshold):
+                result = run(
+                    workload,
+                    config,
+                    sched,
+                    replicas,
+                    lambda n, t=threshold: HybridPrefix(n, args.delay, args.load_factor, t),
+                    drain=drain,
+                )
+                cells.append(result)
+            off, on = cells
+            ratio = on.recomputed_tokens / max(off.recomputed_tokens, 1)
+            rows.append(
+                f"| {model} | {sessions} | {replicas} | {drain[0]} | {off.recomputed_tokens} | "
+                f"{on.recomputed_tokens} | {ratio:.1%} | {on.num_pulls} | "
+                f"{off.hit_rate:.1%} / {on.hit_rate:.1%} |"
+            )
+    return rows
+
+
 def event_overhead(args: argparse.Namespace) -> str:
     """Wall time of one replica playing a trace with KV events on (taken every step into the
     log) against off, same trace, same run."""
@@ -228,11 +274,24 @@ def main() -> None:
         default=0,
         help="also this many random fixed placements per trace (with --seeds > 1)",
     )
+    parser.add_argument(
+        "--drain", action="store_true", help="only the drained-replica run, pulls off vs on"
+    )
     parser.add_argument("--serve", action="store_true", help="also the short real-Serve run")
     parser.add_argument("--serve-sessions", type=int, default=8)
     parser.add_argument("--serve-kv-bytes", type=int, default=1 << 20)
     args = parser.parse_args()
     start = time.perf_counter()
+    if args.drain:
+        print(
+            "| model | sessions | replicas | drained at tick | recomputed, pull off "
+            "| recomputed, pull on | on / off | pulls | hit rate off / on |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|")
+        for row in drain_rows(args):
+            print(row, flush=True)
+        print(f"\n{time.perf_counter() - start:.0f} s")
+        return
     grid = QUICK_GRID if args.quick else GRID
     if args.seeds > 1:
         print_seeds(args, grid)
