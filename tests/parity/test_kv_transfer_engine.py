@@ -115,3 +115,29 @@ def test_a_transfer_between_other_kv_layouts_is_refused(tmp_path: Path) -> None:
     finally:
         sender.shutdown()
         receiver.shutdown()
+
+
+@pytest.mark.slow  # four spawned rank processes
+def test_tensor_parallel_ranks_send_their_own_shards(tmp_path: Path) -> None:
+    """Two ranks per engine (spawned processes): each rank's shard goes to the same rank."""
+    save_tiny_hybrid("bamba", tmp_path)
+    tp = {**LLM_ARGS, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    cold = LLM(str(tmp_path), **LLM_ARGS, enable_prefix_caching=False)
+    try:
+        expected = generate(cold, PROMPT, PARAMS["greedy"])
+    finally:
+        cold.shutdown()
+    sender, receiver = LLM(str(tmp_path), **tp), LLM(str(tmp_path), **tp)
+    try:
+        prefill_all_but_last(sender, PROMPT)
+        send, take = core_of(sender), core_of(receiver)
+        transfer = kv_export(send, PROMPT, kv_held_keys(take, PROMPT))
+        assert [shard.rank for shard in transfer.shards] == [0, 1]
+        half = transfer.shards[0].nbytes
+        assert half == transfer.shards[1].nbytes == transfer.nbytes // 2
+        kv_import(take, transfer)
+        assert generate(receiver, PROMPT, PARAMS["greedy"]) == expected
+        assert take.get_stats().prefix_cache_hit_tokens == transfer.keys.num_hit_tokens
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
