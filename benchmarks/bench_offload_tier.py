@@ -37,11 +37,10 @@ from scheduler.kv_cache.spec import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
-    MambaSpec,
     SlidingWindowSpec,
     cdiv,
-    manager_spec,
 )
+from scheduler.kv_cache.transfer import needed_blocks
 from scheduler.replay import TraceReplayer, build_manager
 from scheduler.request import Request, SamplingParams
 
@@ -112,16 +111,6 @@ LAYOUTS: dict[str, dict[str, KVCacheSpec]] = {
     "granite-4.0-h-small": hybrid_layer_specs(GRANITE_4_H_SMALL, BLOCK),
     "qwen3.5-27b": linear_hybrid_specs(QWEN3_5_27B, BLOCK),
 }
-
-
-def needed_blocks(spec: KVCacheSpec, num_tokens: int) -> int:
-    """Blocks of one group a hit of `num_tokens` tokens reads (the hybrid lower bound's rule)."""
-    spec = manager_spec(spec)
-    if isinstance(spec, SlidingWindowSpec):
-        return min(cdiv(spec.sliding_window - 1, spec.block_size), num_tokens // spec.block_size)
-    if isinstance(spec, MambaSpec):
-        return 1 if num_tokens else 0
-    return num_tokens // spec.block_size
 
 
 class BytesMeter(TraceReplayer):

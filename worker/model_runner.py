@@ -301,6 +301,11 @@ class ModelRunner:
             req_ids, self._require_states(), num_scheduled, self.config.reorder_batch_threshold
         )
 
+    @property
+    def block_tensors(self) -> tuple[GroupTensors, int]:
+        """Every cache tensor of each KV cache group, and the pool's block count (transfers)."""
+        return self._group_tensors, self._num_blocks
+
     def _require_offload(self) -> HostOffloadStore:
         if self.offload is None:
             raise RuntimeError("initialize_kv_cache must be called before execute")

@@ -18,7 +18,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from cluster.cli.serve_apps import say
+from cluster.cli.serve_apps import PD_IMPORT_PATH, say
 from cluster.config.engine_flags import add_engine_arg_flags, engine_kwargs_from_args
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
@@ -94,6 +94,8 @@ def applications(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[s
         return list(data["applications"]), data
     if "llm_configs" in data:
         return [{"name": "llm", "args": data}], {}
+    if "prefill_config" in data or "decode_config" in data:
+        return [{"name": "llm", "import_path": PD_IMPORT_PATH, "args": data}], {}
     return [{"name": "llm", "args": {"llm_configs": [data]}}], {}
 
 

@@ -24,8 +24,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 from cluster.engine.client import EngineInfo, engine_info
 from cluster.engine.core import EngineCore
@@ -38,6 +38,7 @@ from scheduler.stats import SchedulerStats
 logger = logging.getLogger(__name__)
 
 _StreamItem = RequestOutput | BaseException
+_T = TypeVar("_T")
 
 
 class AsyncEngine:
@@ -83,6 +84,11 @@ class AsyncEngine:
 
     async def get_stats(self) -> SchedulerStats:
         return self.core.get_stats()
+
+    async def call_core(self, function: Callable[..., _T], *args: object) -> _T:
+        """`function(core, *args)` between two steps (in a thread, under the step lock)."""
+        async with self._lock:
+            return await asyncio.to_thread(function, self.core, *args)
 
     async def get_info(self) -> EngineInfo:
         return engine_info(self.core)

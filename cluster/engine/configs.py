@@ -152,12 +152,13 @@ def offload_config(args: EngineArgs, model: ModelConfig) -> OffloadConfig | None
     )
 
 
-def model_identity(model: ModelConfig, tp_size: int) -> str:
+def model_identity(model: ModelConfig, tp_size: int, with_times: bool = True) -> str:
     """The model's weights and numerics as far as the KV cache sees them: its folder's config
-    and weight files (names, sizes, times), dtype and tensor-parallel degree."""
+    and weight files (names, sizes and, `with_times`, modification times), dtype and
+    tensor-parallel degree. Without times it names copies of one model on other machines alike."""
     folder = Path(model.model_path)
     weights = sorted(
-        (path.name, path.stat().st_size, path.stat().st_mtime_ns)
+        (path.name, path.stat().st_size, path.stat().st_mtime_ns if with_times else 0)
         for path in folder.glob("*.safetensors")
     )
     config = (folder / "config.json").read_text() if (folder / "config.json").exists() else ""

@@ -31,6 +31,7 @@ from cluster.config import (
     validate_config_file,
     validate_engine_kwargs,
 )
+from cluster.config.pd_args import PDServingArgs
 
 if sys.platform == "linux" and platform.machine() == "x86_64":
     import helm_python as helm  # a dev dependency wherever its wheel exists
@@ -460,3 +461,14 @@ def test_request_router_values_reach_the_model_deployment() -> None:
     }
     (default,) = _serving_args(_render({})["RayService"]).llm_configs
     assert "request_router_config" not in default.deployment_config
+
+
+def test_prefill_decode_values_render_the_pd_app() -> None:
+    values = {"serve": {"prefillDecode": {"enabled": True, "kvTransferTimeoutS": 12}}}
+    rayservice = _render(values)["RayService"]
+    _validate_object(rayservice)
+    (app,) = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"]
+    assert app["import_path"] == "cluster.serve:build_pd_openai_app"
+    args = PDServingArgs.model_validate(app["args"])
+    assert args.kv_transfer_timeout_s == 12
+    assert args.prefill_config == args.decode_config
