@@ -294,8 +294,8 @@ class Scheduler:
             and len(self.running) + len(self.loading) < max_num_seqs
         ):
             request = self.waiting.peek()
-            if request.num_output_placeholders:
-                return  # preempted with a token in flight: it resumes once the token is back
+            if self._must_wait(request):
+                return
             hit = manager.get_computed_blocks(request)
             if manager.needs_block_aligned_prefill:
                 self._junction_tokens[request.req_id] = hit.junction_tokens
@@ -315,6 +315,21 @@ class Scheduler:
                 return  # room comes back as running requests finish
             else:
                 self._drop_unfittable(self.waiting.pop())  # the whole pool cannot hold it
+
+    def _must_wait(self, request: Request) -> bool:
+        """Whether the queue's head cannot start yet: preempted with a token in flight (it
+        resumes once the token is back), or its adapter needs a device slot running requests
+        hold."""
+        return bool(request.num_output_placeholders) or not self._has_adapter_slot(request)
+
+    def _has_adapter_slot(self, request: Request) -> bool:
+        """Whether `request`'s adapter fits the workers' slots beside the running adapters."""
+        limit, name = self.config.max_loras, request.lora_name
+        if limit is None or name is None:
+            return True
+        holders = [*self.running, *(held for held, _ in self.loading.values())]
+        active = {holder.lora_name for holder in holders} - {None}
+        return name in active or len(active) < limit
 
     def _start_loading(self, request: Request, hit: CacheHit) -> bool:
         """Admit the queue's head, whose hit is partly in the offload tier: it takes the hit's

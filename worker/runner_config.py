@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import BACKEND_NAMES
+from scheduler.lora import LoRAConfig
 from scheduler.spec_config import SpeculativeConfig
 
 
@@ -45,6 +46,8 @@ class RunnerConfig:
     prefills on the hit-alignment grid) or "all" (a state at every block end)."""
     speculative: SpeculativeConfig | None = None
     """Speculative decoding: the driver rank proposes drafts after sampling (None: off)."""
+    lora: LoRAConfig | None = None
+    """Adapter slots and the largest rank (None: LoRA off)."""
 
     offload_load_timeout_s: float = 10.0
     """Seconds an offload-tier load may take before it counts as failed (the request then

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from scheduler.kv_cache.spec import KVCacheConfig
+from scheduler.lora import LoRARequest
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from worker.config import ModelConfig, ParallelConfig
 from worker.distributed import destroy_distributed, init_distributed
@@ -99,6 +100,19 @@ class Worker:
         """Run one step; rank 0 returns the output, the other ranks None."""
         output = self.model_runner.execute(scheduler_output)
         return output if self.rank == 0 else None
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter into the host cache; ValueError naming it when it is
+        missing, malformed, too large or targets modules the model lacks."""
+        manager = self.model_runner.lora
+        if manager is None:
+            raise ValueError("LoRA adapters need enable_lora=True")
+        manager.add_adapter(lora_request)
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Forget an adapter on this rank (it may be added again under the same name)."""
+        if self.model_runner.lora is not None:
+            self.model_runner.lora.remove_adapter(lora_name)
 
     def cpu_threads(self) -> int:
         """Torch's intra-op threads in this rank's process."""

@@ -80,6 +80,7 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
         mamba_cache_mode=args.mamba_cache_mode if args.enable_prefix_caching else "none",
         offload_load_timeout_s=args.kv_offloading_load_timeout_s,
         speculative=speculative,
+        lora=args.lora_config(),
     )
     batched = args.max_num_batched_tokens or max(
         DEFAULT_MAX_NUM_BATCHED_TOKENS, model.max_model_len
@@ -95,6 +96,7 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
         async_scheduling=_async_scheduling(args),
         kv_offloading=offload_config(args, model),
         speculative=speculative,
+        max_loras=args.max_loras if args.enable_lora else None,
     )
     return EngineConfigs(
         model,

@@ -32,6 +32,7 @@ from cluster.engine.structured import StructuredOutputManager
 from scheduler.kv_cache.builder import build_kv_cache_config
 from scheduler.kv_cache.events import KVEventLog
 from scheduler.kv_cache.spec import KVCacheConfig
+from scheduler.lora import LoRARequest
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler
@@ -80,6 +81,8 @@ class EngineCore:
         self.raise_if_dead()
         if self.output_processor.has_request(request.request_id):
             raise ValueError(f"request {request.request_id!r} is already running")
+        if request.lora_request is not None:
+            self.add_lora(request.lora_request)
         children = self._scheduler_requests(request)
         self.structured.add(children)  # ValueError for an invalid constraint
         added: list[str] = []
@@ -92,6 +95,15 @@ class EngineCore:
             self.structured.forget(child.req_id for child in children)
             raise
         self.output_processor.add(request, added)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Load an adapter on every rank (ValueError naming it when it cannot be served)."""
+        if self.scheduler.config.max_loras is None:
+            raise ValueError(
+                f"request names LoRA adapter {lora_request.lora_name!r}, but the engine runs "
+                "without enable_lora"
+            )
+        self.executor.collective_rpc("add_lora", lora_request)
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """Abort requests (unknown IDs are ignored); their final outputs."""
@@ -262,6 +274,7 @@ class EngineCore:
                 eos_token_id=eos_ids[0] if eos_ids else None,
                 priority=request.priority,
                 cache_salt=request.cache_salt,
+                lora_request=request.lora_request,
             )
             for index in range(num_samples)
         ]
