@@ -83,3 +83,46 @@ def test_mixed_adapter_batch_matches_merged_peft_models(family: Family) -> None:
         expected = family.expected[(name, PROMPTS.index(prompt))]
         assert result.outputs[0].token_ids == expected, (name, PROMPTS.index(prompt))
     llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def bamba_adapters(tmp_path_factory: pytest.TempPathFactory) -> Family:
+    """Bamba (attention + Mamba-2) with two adapters, for prefix-cache identity."""
+    root = tmp_path_factory.mktemp("bamba_prefix")
+    hf_model = save_tiny_hybrid("bamba", root / "base")
+    models: dict[str | None, torch.nn.Module] = {None: hf_model}
+    adapters = []
+    for seed, name in enumerate(("one", "two"), start=1):
+        models[name] = save_random_adapter(hf_model, root / name, seed=seed)
+        adapters.append(LoRARequest(name, seed, str(root / name)))
+    prompt = PROMPTS[0]
+    expected = {(name, 0): hf_greedy(model, prompt, NUM_NEW) for name, model in models.items()}
+    return Family(root / "base", adapters, expected)
+
+
+@pytest.mark.parametrize("prefix_match_unit", [None, 4])
+def test_prefix_hits_never_cross_adapters_and_survive_reloads(
+    bamba_adapters: Family, prefix_match_unit: int | None
+) -> None:
+    """Attention blocks and Mamba states (block ends, or 4-token checkpoints) are cached per
+    adapter: another adapter or the base model never hits them, the same adapter always does,
+    also after it left the device and host slots (one slot each) and was read again."""
+    one, two = bamba_adapters.adapters
+    llm = LLM(
+        model=str(bamba_adapters.path),
+        enable_lora=True,
+        max_loras=1,
+        max_cpu_loras=1,
+        prefix_match_unit=prefix_match_unit,
+        **LLM_ARGS,
+    )
+    runs = [one, two, None, one, two, None]
+    cached = []
+    for lora in runs:
+        (result,) = llm.generate([PROMPTS[0]], GREEDY, lora_request=lora)
+        name = None if lora is None else lora.lora_name
+        assert result.outputs[0].token_ids == bamba_adapters.expected[(name, 0)], name
+        cached.append(result.num_cached_tokens)
+    assert cached[:3] == [0, 0, 0]  # three identities, three cold prefills
+    assert min(cached[3:]) > 0  # each one hits its own blocks (adapters reloaded from disk)
+    llm.shutdown()
