@@ -36,7 +36,9 @@ def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, segments: LoRASegments) -
     rows = x.index_select(0, segments.token_idx)  # [N, in]
     parts = [
         part @ lora_a[slot].t()
-        for slot, part in zip(segments.slot_ids, rows.split(segments.lengths), strict=True)
+        for slot, part in zip(
+            segments.slot_ids, torch.split(rows, list(segments.lengths)), strict=True
+        )
     ]
     return torch.cat(parts) if parts else rows.new_zeros((0, lora_a.shape[1]))
 
@@ -47,7 +49,9 @@ def lora_expand(
     """out [T, out_features] + (shrunk [N, R] @ B[slot]^T) in each segment's rows (a new tensor)."""
     parts = [
         part @ lora_b[slot].t()
-        for slot, part in zip(segments.slot_ids, shrunk.split(segments.lengths), strict=True)
+        for slot, part in zip(
+            segments.slot_ids, torch.split(shrunk, list(segments.lengths)), strict=True
+        )
     ]
     if not parts:
         return out

@@ -28,7 +28,7 @@ def linear_module_names(model: nn.Module) -> list[str]:
     return sorted(names)
 
 
-def save_random_adapter(  # noqa: PLR0913 (the adapter's settings)
+def save_random_adapter(
     hf_model: nn.Module,
     path: Path,
     target_modules: list[str] | None = None,
@@ -40,9 +40,7 @@ def save_random_adapter(  # noqa: PLR0913 (the adapter's settings)
     """Save a random adapter of `hf_model` (all linear layers by default) to `path`; returns the
     base model with the adapter merged in."""
     targets = target_modules if target_modules is not None else linear_module_names(hf_model)
-    config = LoraConfig(
-        r=rank, lora_alpha=2 * rank, target_modules=targets, use_rslora=use_rslora
-    )
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, use_rslora=use_rslora)
     peft_model = get_peft_model(copy.deepcopy(hf_model), config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

@@ -58,17 +58,21 @@ class LoRALayer:
 
     def __init__(self, module: nn.Module, num_slots: int, max_rank: int, step: LoRAStep) -> None:
         weight = module.weight
+        assert isinstance(weight, nn.Parameter), f"{type(module).__name__} has no weight"
         shards = getattr(module, "shards", None)
         self.shard_ids: list[ShardId] = list(shards) if isinstance(shards, dict) else [None]
         self.max_rank = max_rank
         self.is_row_parallel = isinstance(module, RowParallelLinear)
-        self.tp_size = module.parallel.tp_size if self.is_row_parallel else 1
+        self.tp_size = module.parallel.tp_size if isinstance(module, RowParallelLinear) else 1
         self.load = weight_loader_of(weight)
         total_rank = max_rank * len(self.shard_ids)
         out_features, in_features = weight.shape
-        options = {"dtype": weight.dtype, "device": weight.device}
-        self.lora_a = torch.zeros(num_slots, total_rank, in_features, **options)
-        self.lora_b = torch.zeros(num_slots, out_features, total_rank, **options)
+        self.lora_a = torch.zeros(
+            (num_slots, total_rank, in_features), dtype=weight.dtype, device=weight.device
+        )
+        self.lora_b = torch.zeros(
+            (num_slots, out_features, total_rank), dtype=weight.dtype, device=weight.device
+        )
         self.step = step
         module.register_forward_hook(self.hook)
 

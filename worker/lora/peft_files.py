@@ -50,7 +50,9 @@ def read_peft_adapter(name: str, folder: str | Path, dtype: torch.dtype) -> Peft
     folder = Path(folder)
     config = _read_config(name, folder)
     rank = _positive_int(name, config, "r")
-    alpha = float(config.get("lora_alpha") or rank)
+    alpha = config.get("lora_alpha") or rank
+    if not isinstance(alpha, (int, float)):
+        raise ValueError(f"LoRA adapter {name!r}: lora_alpha must be a number, got {alpha!r}")
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     weights_path = folder / WEIGHTS_FILE
     if not weights_path.is_file():
