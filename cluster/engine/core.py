@@ -68,6 +68,8 @@ class EngineCore:
         """Why the engine can no longer run requests (None while it can)."""
         self.kv_events: KVEventLog | None = None
         """Recent KV event batches, one per step that changed the prefix cache (None: off)."""
+        self.loras: dict[str, LoRARequest] = {}
+        """Adapters the ranks have read and checked, by name."""
         self._in_flight: _SubmittedStep | None = None
         """Async scheduling: the step submitted to the workers whose output is not taken yet."""
 
@@ -97,13 +99,23 @@ class EngineCore:
         self.output_processor.add(request, added)
 
     def add_lora(self, lora_request: LoRARequest) -> None:
-        """Load an adapter on every rank (ValueError naming it when it cannot be served)."""
+        """Read and check an adapter on every rank, once per name and folder (ValueError naming
+        it when it cannot be served); ranks that later evict it read it again when needed."""
         if self.scheduler.config.max_loras is None:
             raise ValueError(
                 f"request names LoRA adapter {lora_request.lora_name!r}, but the engine runs "
                 "without enable_lora"
             )
+        known = self.loras.get(lora_request.lora_name)
+        if known is not None and known.lora_path == lora_request.lora_path:
+            return
         self.executor.collective_rpc("add_lora", lora_request)
+        self.loras[lora_request.lora_name] = lora_request
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Unload an adapter on every rank; its cached prefix blocks stay valid for its name."""
+        self.loras.pop(lora_name, None)
+        self.executor.collective_rpc("remove_lora", lora_name)
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """Abort requests (unknown IDs are ignored); their final outputs."""

@@ -20,11 +20,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 
 from cluster.config import EngineArgs, LLMConfig, resolve_executor_backend
+from cluster.config.lora import served_model
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.core import build_engine_core
 from cluster.engine.errors import EngineDeadError
@@ -52,6 +54,7 @@ from cluster.serve.formatting import (
 )
 from cluster.serve.hybrid_router import kv_events_enabled, routing_stats
 from cluster.serve.metrics import EngineMetrics
+from scheduler.lora import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -222,6 +225,7 @@ class LLMServer:
             prompt=text,
             priority=request.priority,
             cache_salt=request.cache_salt,
+            lora_request=self._lora_request(request.model),
         )
         formatter: Formatter
         if isinstance(request, ChatCompletionRequest):
@@ -240,6 +244,38 @@ class LLMServer:
             root=self.config.model_loading_config.source,
             max_model_len=self.max_model_len,
         )
+
+    async def model_cards(self) -> list[ModelCard]:
+        """The base model's card, then one per LoRA adapter it can serve: loaded ones and
+        those in a local dynamic_lora_loading_path."""
+        cards = [await self.model_card()]
+        lora = self.config.lora_config
+        if lora is None:
+            return cards
+        paths = {name: request.lora_path for name, request in self.engine.core.loras.items()}
+        for name in sorted(set(lora.local_adapters()) | set(paths)):
+            root = paths.get(name, str(Path(lora.dynamic_lora_loading_path) / name))
+            cards.append(
+                ModelCard(
+                    id=f"{self.model_id}:{name}",
+                    root=root,
+                    parent=self.model_id,
+                    max_model_len=self.max_model_len,
+                )
+            )
+        return cards
+
+    def _lora_request(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model); ValueError naming it
+        when this model serves no adapters or the adapter cannot be had."""
+        served = served_model(model, [self.model_id]) if model is not None else None
+        adapter = None if served is None else served[1]
+        if adapter is None:
+            return None
+        if self.config.lora_config is None:
+            raise ValueError(f"model {self.model_id!r} serves no LoRA adapters (no lora_config)")
+        download_dir = self.config.engine_kwargs.get("download_dir")
+        return self.config.lora_config.adapter_request(adapter, download_dir)
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve polls this for the request routers: KV events and usage ({} when off)."""
