@@ -6,7 +6,9 @@ blocks (also after the adapter was unloaded and loaded again), two names never d
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 _MARK = "\x00"
 """Starts every composed key; a plain salt starting with it is escaped, so keys never collide."""
@@ -67,3 +69,23 @@ def prefix_salt(cache_salt: str | None, lora_name: str | None) -> str | None:
             return f"{_MARK}salt{_MARK}{cache_salt}"
         return cache_salt
     return f"{_MARK}lora{_MARK}{lora_name}{_MARK}{cache_salt or ''}"
+
+
+class HasAdapter(Protocol):
+    """Anything that names its adapter (a scheduler request)."""
+
+    @property
+    def lora_name(self) -> str | None: ...
+
+
+def adapter_names(requests: Iterable[HasAdapter]) -> tuple[str, ...]:
+    """The distinct adapters of `requests`, sorted."""
+    return tuple(sorted({r.lora_name for r in requests if r.lora_name is not None}))
+
+
+def adapter_fits(name: str | None, holders: Iterable[HasAdapter], limit: int | None) -> bool:
+    """Whether a request with adapter `name` fits `limit` slots beside `holders`' adapters."""
+    if limit is None or name is None:
+        return True
+    active = set(adapter_names(holders))
+    return name in active or len(active) < limit

@@ -19,6 +19,7 @@ from scheduler.admission import check_chunk_limits, check_new_request, num_new_t
 from scheduler.config import SchedulerConfig, SchedulingPolicy
 from scheduler.kv_cache.manager import CacheHit, KVCacheBlocks, KVCacheManager
 from scheduler.kv_cache.spec import KVCacheConfig
+from scheduler.lora import adapter_fits, adapter_names
 from scheduler.output import (
     CachedRequestData,
     FinishReason,
@@ -209,6 +210,15 @@ class Scheduler:
             offload_loads=self._offload_loads,
             num_preemptions=self.num_preemptions,
         )
+        if self.config.max_loras is not None:
+            stats = dataclasses.replace(
+                stats,
+                running_lora_adapters=adapter_names(self.running),
+                waiting_lora_adapters=adapter_names(
+                    [*self.waiting, *(held for held, _ in self.loading.values())]
+                ),
+                max_lora=self.config.max_loras,
+            )
         if self.spec is None:
             return stats
         return dataclasses.replace(stats, spec_decoding=self.spec.make_stats())
@@ -324,12 +334,8 @@ class Scheduler:
 
     def _has_adapter_slot(self, request: Request) -> bool:
         """Whether `request`'s adapter fits the workers' slots beside the running adapters."""
-        limit, name = self.config.max_loras, request.lora_name
-        if limit is None or name is None:
-            return True
         holders = [*self.running, *(held for held, _ in self.loading.values())]
-        active = {holder.lora_name for holder in holders} - {None}
-        return name in active or len(active) < limit
+        return adapter_fits(request.lora_name, holders, self.config.max_loras)
 
     def _start_loading(self, request: Request, hit: CacheHit) -> bool:
         """Admit the queue's head, whose hit is partly in the offload tier: it takes the hit's

@@ -15,6 +15,7 @@ start deadline). When either cannot be done the engine is dead: it refuses all l
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
@@ -70,6 +71,8 @@ class EngineCore:
         """Recent KV event batches, one per step that changed the prefix cache (None: off)."""
         self.loras: dict[str, LoRARequest] = {}
         """Adapters the ranks have read and checked, by name."""
+        self.lora_load_seconds: dict[str, float] = {}
+        """How long each adapter's last read and check took (all ranks)."""
         self._in_flight: _SubmittedStep | None = None
         """Async scheduling: the step submitted to the workers whose output is not taken yet."""
 
@@ -109,7 +112,9 @@ class EngineCore:
         known = self.loras.get(lora_request.lora_name)
         if known is not None and known.lora_path == lora_request.lora_path:
             return
+        start = time.perf_counter()
         self.executor.collective_rpc("add_lora", lora_request)
+        self.lora_load_seconds[lora_request.lora_name] = time.perf_counter() - start
         self.loras[lora_request.lora_name] = lora_request
 
     def remove_lora(self, lora_name: str) -> None:

@@ -53,6 +53,7 @@ from cluster.serve.formatting import (
     sse,
 )
 from cluster.serve.hybrid_router import kv_events_enabled, routing_stats
+from cluster.serve.lora_metrics import LoRAMetrics
 from cluster.serve.metrics import EngineMetrics
 from scheduler.lora import LoRARequest
 
@@ -103,8 +104,11 @@ class LLMServer:
         self.num_aborted = 0
         self.metrics: EngineMetrics | None = None
         self._stats_task: asyncio.Task[None] | None = None
+        self.lora_metrics: LoRAMetrics | None = None
         if self.config.log_engine_metrics:
             self.metrics = EngineMetrics(self.model_id, group_kinds(self.engine))
+            if self.config.lora_config is not None:
+                self.lora_metrics = LoRAMetrics(self.model_id)
         if kv_events_enabled(self.config.deployment_config):
             self.engine.core.enable_kv_events()
 
@@ -129,6 +133,7 @@ class LLMServer:
         try:
             engine_request, formatter = self._prepare(request, request_id, prompt_token_ids)
             stream = await self.engine.add_request(engine_request)
+            self._record_lora(engine_request)
         except UnsupportedFieldError as error:
             yield errors.bad_request(str(error), param=error.param)
             return
@@ -205,6 +210,14 @@ class LLMServer:
             result = accumulator.result
             if self.metrics is not None and result is not None and result.finished:
                 self.metrics.record_finished(result)
+
+    def _record_lora(self, engine_request: EngineRequest) -> None:
+        lora = engine_request.lora_request
+        if self.lora_metrics is None or lora is None:
+            return
+        load_seconds = self.engine.core.lora_load_seconds.get(lora.lora_name, 0.0)
+        num_prompt = len(engine_request.prompt_token_ids)
+        self.lora_metrics.record_request(lora.lora_name, num_prompt, load_seconds)
 
     def _record_tokens(self, delta: RequestOutput) -> None:
         if self.metrics is not None:
@@ -305,7 +318,10 @@ class LLMServer:
         assert self.metrics is not None
         num_ranks = self.config.tensor_parallel_size
         while True:
-            self.metrics.record_stats(await self.engine.get_stats())
+            stats = await self.engine.get_stats()
+            self.metrics.record_stats(stats)
+            if self.lora_metrics is not None:
+                self.lora_metrics.record_stats(stats)
             try:
                 await self.engine.check_health()
                 alive = [True] * num_ranks

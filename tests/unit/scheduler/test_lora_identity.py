@@ -62,6 +62,9 @@ def test_waiting_request_waits_for_an_adapter_slot() -> None:
             Request(req_id, PROMPT[:5], SamplingParams(max_tokens=4), 4, lora_request=lora)
         )
     assert list(scheduler.schedule().num_scheduled_tokens) == ["1", "2"]
+    stats = scheduler.make_stats()  # vLLM's lora_requests_info labels
+    assert (stats.running_lora_adapters, stats.waiting_lora_adapters) == (("a", "b"), ("a", "c"))
+    assert stats.max_lora == 2
     scheduler.abort(["1"])  # adapter a leaves the running set: c gets its slot, then a waits
     scheduled = scheduler.schedule().num_scheduled_tokens
     assert "3" in scheduled
