@@ -23,6 +23,8 @@ from tests.helpers.tiny_lora import save_random_adapter
 
 ENGINE = {"distributed_executor_backend": "uni", "block_size": 4, "max_model_len": 64}
 PROMPT = "t5 t9 t33 t7 t100 t42"
+LOOP = asyncio.new_event_loop()
+"""One loop for every call: a replica's engine task lives on the loop that first used it."""
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +57,7 @@ def _first(server: LLMServer, model: str) -> Any:
             return item
         return None
 
-    return asyncio.run(first())
+    return LOOP.run_until_complete(first())
 
 
 def test_base_and_adapters_answer_under_their_model_names(server: LLMServer) -> None:
@@ -77,7 +79,7 @@ def test_a_missing_adapter_is_a_400_naming_it_and_nothing_else_breaks(server: LL
 
 
 def test_model_cards_list_the_adapters(server: LLMServer) -> None:
-    cards = asyncio.run(server.model_cards())
+    cards = LOOP.run_until_complete(server.model_cards())
     assert [card.id for card in cards] == ["tiny", "tiny:one", "tiny:two"]
     assert {card.parent for card in cards[1:]} == {"tiny"}
 
