@@ -44,6 +44,7 @@ FAMILIES: dict[str, tuple[Callable[[str, Path], torch.nn.Module], list[str] | No
 
 
 class Family(NamedTuple):
+    name: str
     path: Path
     adapters: list[LoRARequest]
     expected: dict[tuple[str | None, int], list[int]]
@@ -65,7 +66,7 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         for name, model in models.items()
         for index, prompt in enumerate(PROMPTS)
     }
-    return Family(root / "base", adapters, expected)
+    return Family(request.param, root / "base", adapters, expected)
 
 
 def test_mixed_adapter_batch_matches_merged_peft_models(family: Family) -> None:
@@ -85,6 +86,26 @@ def test_mixed_adapter_batch_matches_merged_peft_models(family: Family) -> None:
     llm.shutdown()
 
 
+TENSOR_PARALLEL_FAMILIES = ("llama", "bamba", "qwen3_5")
+"""Split attention, Mamba-2 in_proj rows, gated-DeltaNet q/k/v/z/b/a rows and row-parallel
+output projections (the adapter's shrink all-reduced)."""
+
+
+def test_tensor_parallel_2_cuts_adapters_like_weights(family: Family) -> None:
+    if family.name not in TENSOR_PARALLEL_FAMILIES:
+        pytest.skip("tensor parallelism is covered by the families of TENSOR_PARALLEL_FAMILIES")
+    one, two = family.adapters
+    llm = LLM(
+        model=str(family.path), enable_lora=True, max_loras=2, tensor_parallel_size=2, **LLM_ARGS
+    )
+    try:
+        results = llm.generate([PROMPTS[0]] * 3, GREEDY, lora_request=[one, None, two])
+    finally:
+        llm.shutdown()
+    for name, result in zip(("one", None, "two"), results, strict=True):
+        assert result.outputs[0].token_ids == family.expected[(name, 0)], name
+
+
 @pytest.fixture(scope="module")
 def bamba_adapters(tmp_path_factory: pytest.TempPathFactory) -> Family:
     """Bamba (attention + Mamba-2) with two adapters, for prefix-cache identity."""
@@ -97,7 +118,7 @@ def bamba_adapters(tmp_path_factory: pytest.TempPathFactory) -> Family:
         adapters.append(LoRARequest(name, seed, str(root / name)))
     prompt = PROMPTS[0]
     expected = {(name, 0): hf_greedy(model, prompt, NUM_NEW) for name, model in models.items()}
-    return Family(root / "base", adapters, expected)
+    return Family("bamba", root / "base", adapters, expected)
 
 
 @pytest.mark.parametrize("prefix_match_unit", [None, 4])
