@@ -91,6 +91,7 @@ TENSOR_PARALLEL_FAMILIES = ("llama", "bamba", "qwen3_5")
 output projections (the adapter's shrink all-reduced)."""
 
 
+@pytest.mark.slow
 def test_tensor_parallel_2_cuts_adapters_like_weights(family: Family) -> None:
     if family.name not in TENSOR_PARALLEL_FAMILIES:
         pytest.skip("tensor parallelism is covered by the families of TENSOR_PARALLEL_FAMILIES")
