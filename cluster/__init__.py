@@ -12,9 +12,10 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from cluster.engine.outputs import CompletionOutput, Logprob, RequestOutput
     from cluster.llm import LLM
+    from scheduler.lora import LoRARequest
     from scheduler.request import SamplingParams
 
-__all__ = ["LLM", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "CompletionOutput", "LoRARequest", "Logprob", "RequestOutput", "SamplingParams"]
 
 _LAZY = {
     "LLM": "cluster.llm",
@@ -22,6 +23,7 @@ _LAZY = {
     "Logprob": "cluster.engine.outputs",
     "RequestOutput": "cluster.engine.outputs",
     "SamplingParams": "scheduler.request",
+    "LoRARequest": "scheduler.lora",
 }
 
 

@@ -28,7 +28,13 @@ from cluster.engine.input_processor import ChatMessage, InputProcessor, PromptIn
 from cluster.engine.metric_reader import Metric, read_metrics
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
-from cluster.llm_inputs import as_conversation_list, as_params_list, as_prompt_list
+from cluster.llm_inputs import (
+    as_conversation_list,
+    as_lora_list,
+    as_params_list,
+    as_prompt_list,
+)
+from scheduler.lora import LoRARequest
 from scheduler.request import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -73,12 +79,14 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | None = None,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (strings, token-ID lists or prompt dicts), in input order.
 
         `priority` (one per prompt, lower first) orders the queue when the engine runs with
-        `scheduling_policy="priority"`. Invalid input raises TypeError or ValueError naming the
-        prompt before any of the prompts is queued; the LLM stays usable.
+        `scheduling_policy="priority"`. `lora_request` (one for all prompts, or one per prompt)
+        runs prompts with an adapter (needs `enable_lora=True`). Invalid input raises TypeError
+        or ValueError naming the prompt before any of the prompts is queued; the LLM stays usable.
         """
         self._check_open()
         prompt_list = as_prompt_list(prompts)
@@ -89,9 +97,10 @@ class LLM:
                 "give one per prompt"
             )
         tokenized = [self._tokenize(index, prompt) for index, prompt in enumerate(prompt_list)]
-        return self._run(tokenized, params_list, use_tqdm, priority)
+        loras = as_lora_list(lora_request, len(prompt_list))
+        return self._run(tokenized, params_list, use_tqdm, priority, loras)
 
-    def chat(
+    def chat(  # noqa: PLR0913 (vLLM's signature)
         self,
         messages: Sequence[ChatMessage] | Sequence[Sequence[ChatMessage]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -99,6 +108,7 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """The assistant's reply to one conversation, or to each of a list of conversations.
 
@@ -114,7 +124,8 @@ class LLM:
             self._render_chat(index, conv, chat_template, add_generation_prompt, tools)
             for index, conv in enumerate(conversations)
         ]
-        return self._run(rendered, params_list, use_tqdm)
+        loras = as_lora_list(lora_request, len(conversations))
+        return self._run(rendered, params_list, use_tqdm, loras=loras)
 
     def stream(
         self, prompt: PromptInput, sampling_params: SamplingParams | None = None
@@ -160,9 +171,10 @@ class LLM:
         params_list: Sequence[SamplingParams],
         use_tqdm: bool | None,
         priorities: Sequence[int] | None = None,
+        loras: Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Queue every (text, token IDs) prompt, read every stream to its end."""
-        requests = self._requests(prompts, params_list, priorities)
+        requests = self._requests(prompts, params_list, priorities, loras)
         streams = self._add_requests(requests)
         show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
         results: list[RequestOutput] = []
@@ -182,6 +194,7 @@ class LLM:
         prompts: Sequence[tuple[str | None, list[int]]],
         params_list: Sequence[SamplingParams],
         priorities: Sequence[int] | None = None,
+        loras: Sequence[LoRARequest | None] | None = None,
     ) -> list[EngineRequest]:
         requests = []
         for index, ((text, token_ids), params) in enumerate(zip(prompts, params_list, strict=True)):
@@ -193,6 +206,7 @@ class LLM:
                     sampling_params=params,
                     prompt=text,
                     priority=0 if priorities is None else priorities[index],
+                    lora_request=None if loras is None else loras[index],
                 )
             )
         return requests

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from cluster.engine.input_processor import ChatMessage, PromptInput, is_token_id
+from scheduler.lora import LoRARequest
 from scheduler.request import SamplingParams
 
 
@@ -100,3 +101,25 @@ def _check_conversation(index: int, conversation: object) -> None:
                 f"conversation {index}: every message must be a dict with 'role' and 'content', "
                 f"got {message!r}"
             )
+
+
+def as_lora_list(
+    lora_request: LoRARequest | Sequence[LoRARequest | None] | None, num_prompts: int
+) -> list[LoRARequest | None] | None:
+    """One adapter (or None) per prompt; None when no prompt has one."""
+    if lora_request is None:
+        return None
+    if isinstance(lora_request, LoRARequest):
+        return [lora_request] * num_prompts
+    loras = list(lora_request)
+    if len(loras) != num_prompts:
+        raise ValueError(
+            f"got {len(loras)} lora requests for {num_prompts} prompts: pass one per prompt, "
+            "or a single LoRARequest for all of them"
+        )
+    for index, item in enumerate(loras):
+        if item is not None and not isinstance(item, LoRARequest):
+            raise TypeError(
+                f"lora_request[{index}] must be a LoRARequest or None, got {type(item).__name__}"
+            )
+    return loras

@@ -83,6 +83,9 @@ class SchedulerConfig:
     speculative: SpeculativeConfig | None = None
     """Speculative decoding: decoding requests verify the workers' drafts, several tokens per
     step (None: off). Needs synchronous steps (async_scheduling off)."""
+    max_loras: int | None = None
+    """Most distinct LoRA adapters among running requests (the workers' device slots); a
+    waiting request with another adapter waits until one is free. None: LoRA off."""
 
     kv_offloading: OffloadConfig | None = None
     """The offload tier below the device pool (None: none): blocks the pool evicts are kept in

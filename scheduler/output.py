@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import msgspec
 
+from scheduler.lora import LoRARequest
 from scheduler.request import SamplingParams
 
 GroupBlockIds = tuple[list[int], ...]
@@ -98,6 +99,8 @@ class NewRequestData:
     """All current blocks per group, null blocks (0) included."""
     num_computed_tokens: int
     """Tokens already in the cache (prefix-cache hit) before this step."""
+    lora_request: LoRARequest | None = None
+    """The adapter the request runs with (None: the base model)."""
 
 
 class CachedRequestData(msgspec.Struct, frozen=True):

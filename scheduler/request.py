@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 from scheduler.block_hash import BlockHash, extend_block_hashes
+from scheduler.lora import LoRARequest, prefix_salt
 from scheduler.sampling_params import SamplingParams
 
 __all__ = ["Request", "RequestStatus", "SamplingParams"]
@@ -54,6 +55,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None
     """Isolates this request's prefix-cache entries from requests with another salt."""
+    lora_request: LoRARequest | None = None
+    """The adapter the request runs with (None: the base model); part of its block hashes."""
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_output_placeholders: int = 0
@@ -97,7 +100,16 @@ class Request:
         if len(self.all_token_ids) >= (len(self.block_hashes) + 1) * self.hash_block_size:
             self._extend_hashes()
 
+    @property
+    def lora_name(self) -> str | None:
+        return None if self.lora_request is None else self.lora_request.lora_name
+
+    @property
+    def hash_salt(self) -> str | None:
+        """The block-0 key of the request's hashes: its cache salt and its adapter."""
+        return prefix_salt(self.cache_salt, self.lora_name)
+
     def _extend_hashes(self) -> None:
         extend_block_hashes(
-            self.block_hashes, self.all_token_ids, self.hash_block_size, self.cache_salt
+            self.block_hashes, self.all_token_ids, self.hash_block_size, self.hash_salt
         )

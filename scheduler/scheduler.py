@@ -19,6 +19,7 @@ from scheduler.admission import check_chunk_limits, check_new_request, num_new_t
 from scheduler.config import SchedulerConfig, SchedulingPolicy
 from scheduler.kv_cache.manager import CacheHit, KVCacheBlocks, KVCacheManager
 from scheduler.kv_cache.spec import KVCacheConfig
+from scheduler.lora import adapter_fits, adapter_names
 from scheduler.output import (
     CachedRequestData,
     FinishReason,
@@ -214,6 +215,15 @@ class Scheduler:
             offload_loads=self._offload_loads,
             num_preemptions=self.num_preemptions,
         )
+        if self.config.max_loras is not None:
+            stats = dataclasses.replace(
+                stats,
+                running_lora_adapters=adapter_names(self.running),
+                waiting_lora_adapters=adapter_names(
+                    [*self.waiting, *(held for held, _ in self.loading.values())]
+                ),
+                max_lora=self.config.max_loras,
+            )
         if self.spec is None:
             return stats
         return dataclasses.replace(stats, spec_decoding=self.spec.make_stats())
@@ -299,8 +309,8 @@ class Scheduler:
             and len(self.running) + len(self.loading) < max_num_seqs
         ):
             request = self.waiting.peek()
-            if request.num_output_placeholders:
-                return  # preempted with a token in flight: it resumes once the token is back
+            if self._must_wait(request):
+                return
             hit = manager.get_computed_blocks(request)
             if manager.needs_block_aligned_prefill:
                 self._junction_tokens[request.req_id] = hit.junction_tokens
@@ -321,6 +331,17 @@ class Scheduler:
                 return  # room comes back as running requests finish
             else:
                 self._drop_unfittable(self.waiting.pop())  # the whole pool cannot hold it
+
+    def _must_wait(self, request: Request) -> bool:
+        """Whether the queue's head cannot start yet: preempted with a token in flight (it
+        resumes once the token is back), or its adapter needs a device slot running requests
+        hold."""
+        return bool(request.num_output_placeholders) or not self._has_adapter_slot(request)
+
+    def _has_adapter_slot(self, request: Request) -> bool:
+        """Whether `request`'s adapter fits the workers' slots beside the running adapters."""
+        holders = [*self.running, *(held for held, _ in self.loading.values())]
+        return adapter_fits(request.lora_name, holders, self.config.max_loras)
 
     def _start_loading(self, request: Request, hit: CacheHit) -> bool:
         """Admit the queue's head, whose hit is partly in the offload tier: it takes the hit's

@@ -52,6 +52,12 @@ class SchedulerStats:
     """Requests whose offload-tier loads completed (cumulative)."""
     spec_decoding: SpecDecodingStats | None = None
     """Speculative decoding acceptance counters (cumulative; None: speculation off)."""
+    running_lora_adapters: tuple[str, ...] = ()
+    """LoRA adapters of running requests (sorted)."""
+    waiting_lora_adapters: tuple[str, ...] = ()
+    """LoRA adapters of waiting requests (sorted)."""
+    max_lora: int = 0
+    """The scheduler's adapter slots (0: LoRA off)."""
 
     @classmethod
     def from_kv_stats(

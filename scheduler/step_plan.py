@@ -100,6 +100,7 @@ class WorkerView:
                 sampling_params=request.sampling_params,
                 block_ids=self._manager.get_block_ids(req_id),
                 num_computed_tokens=request.num_computed_tokens,
+                lora_request=request.lora_request,
             )
         self._resumed_req_ids.discard(req_id)
         return CachedRequestData(

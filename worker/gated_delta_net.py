@@ -25,7 +25,7 @@ from scheduler.kv_cache.linear_state_spec import GatedDeltaNetShape, GatedDeltaN
 from scheduler.kv_cache.spec import MambaCacheMode
 from worker.attention import ForwardContext
 from worker.config import ParallelConfig
-from worker.layers.linear import RowParallelLinear
+from worker.layers.linear import ProjectionWeights, RowParallelLinear
 from worker.layers.loading import (
     ShardId,
     WeightSource,
@@ -73,17 +73,25 @@ class GatedDeltaNet(StateLayer):
         )
         self.conv_dim = loc.conv_dim
         if cfg.fused_projections:
-            self.in_proj_qkvz = _Weight(
+            self.in_proj_qkvz = ProjectionWeights(
                 new_parameter((self.conv_dim + self.value_size, hidden), self._load_rank_rows)
             )
-            self.in_proj_ba = _Weight(
+            self.in_proj_ba = ProjectionWeights(
                 new_parameter((2 * loc.num_v_heads, hidden), self._load_rank_rows)
             )
         else:
-            self.in_proj_qkv = _Weight(new_parameter((self.conv_dim, hidden), self._load_conv_rows))
-            self.in_proj_z = _Weight(new_parameter((self.value_size, hidden), self._load_rank_rows))
-            self.in_proj_b = _Weight(new_parameter((loc.num_v_heads, hidden), self._load_rank_rows))
-            self.in_proj_a = _Weight(new_parameter((loc.num_v_heads, hidden), self._load_rank_rows))
+            self.in_proj_qkv = ProjectionWeights(
+                new_parameter((self.conv_dim, hidden), self._load_conv_rows)
+            )
+            self.in_proj_z = ProjectionWeights(
+                new_parameter((self.value_size, hidden), self._load_rank_rows)
+            )
+            self.in_proj_b = ProjectionWeights(
+                new_parameter((loc.num_v_heads, hidden), self._load_rank_rows)
+            )
+            self.in_proj_a = ProjectionWeights(
+                new_parameter((loc.num_v_heads, hidden), self._load_rank_rows)
+            )
         width = cfg.shape.conv_width
         self.conv1d = _Weight(new_parameter((self.conv_dim, 1, width), self._load_conv_rows))
         self.A_log = new_parameter((loc.num_v_heads,), self._load_rank_rows)
@@ -129,19 +137,19 @@ class GatedDeltaNet(StateLayer):
         loc, num_tokens = self.local, hidden.shape[0]
         if not self.cfg.fused_projections:
             return (
-                F.linear(hidden, self.in_proj_qkv.weight),
-                F.linear(hidden, self.in_proj_z.weight).view(num_tokens, -1, loc.head_v_dim),
-                F.linear(hidden, self.in_proj_b.weight),
-                F.linear(hidden, self.in_proj_a.weight),
+                self.in_proj_qkv(hidden),
+                self.in_proj_z(hidden).view(num_tokens, -1, loc.head_v_dim),
+                self.in_proj_b(hidden),
+                self.in_proj_a(hidden),
             )
         ratio = loc.num_v_heads // loc.num_k_heads
-        group = F.linear(hidden, self.in_proj_qkvz.weight).view(num_tokens, loc.num_k_heads, -1)
+        group = self.in_proj_qkvz(hidden).view(num_tokens, loc.num_k_heads, -1)
         q, k, v, z = torch.split(
             group,
             [loc.head_k_dim, loc.head_k_dim, ratio * loc.head_v_dim, ratio * loc.head_v_dim],
             -1,
         )
-        ba = F.linear(hidden, self.in_proj_ba.weight).view(num_tokens, loc.num_k_heads, -1)
+        ba = self.in_proj_ba(hidden).view(num_tokens, loc.num_k_heads, -1)
         b, a = torch.split(ba, [ratio, ratio], dim=-1)
         mixed = torch.cat([x.reshape(num_tokens, -1) for x in (q, k, v)], dim=-1)
         return (

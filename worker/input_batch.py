@@ -19,6 +19,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from scheduler.lora import LoRARequest
 from scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from scheduler.request import SamplingParams
 from worker.block_table import MultiGroupBlockTable
@@ -39,6 +40,8 @@ class CachedRequestState:
     sampling_params: SamplingParams
     generator: torch.Generator | None
     """Seeded requests draw from their own generator, so their tokens are reproducible."""
+    lora_request: LoRARequest | None = None
+    """The request's adapter (None: the base model)."""
 
     @property
     def num_tokens(self) -> int:
@@ -82,6 +85,7 @@ class RequestStates:
             block_ids=tuple(list(ids) for ids in new_req.block_ids),
             sampling_params=params,
             generator=generator,
+            lora_request=new_req.lora_request,
         )
         self._assign_row(new_req.req_id)
 

@@ -24,7 +24,7 @@ from scheduler.kv_cache.spec import MambaCacheMode, MambaSpec
 from worker.attention import ForwardContext
 from worker.config import ParallelConfig
 from worker.distributed import all_reduce
-from worker.layers.linear import RowParallelLinear
+from worker.layers.linear import ProjectionWeights, RowParallelLinear
 from worker.layers.loading import ShardId, WeightSource, copy_checked, new_parameter, read_part
 from worker.mamba_metadata import MambaWave
 from worker.state_layer import StateLayer
@@ -115,7 +115,7 @@ class MambaMixer2(StateLayer):
             (start - full_inner, size) for start, size in (x_rows, b_rows, c_rows)
         )
         out_features = 2 * self.inner + 2 * lay.groups * n + lay.heads
-        self.in_proj = _Params(
+        self.in_proj = ProjectionWeights(
             weight=new_parameter((out_features, cfg.hidden_size), self._load_in_proj),
             bias=new_parameter((out_features,), self._load_in_proj) if cfg.proj_bias else None,
         )
@@ -177,7 +177,7 @@ class MambaMixer2(StateLayer):
     def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """[T, hidden] -> [T, hidden]; reads and writes this layer's states in the pool."""
         lay = self.layout
-        projected = F.linear(hidden, self.in_proj.weight, self.in_proj.bias)
+        projected = self.in_proj(hidden)
         z, xbc, dt = torch.split(projected, [self.inner, self.conv_dim, lay.heads], dim=-1)
         y = torch.empty(hidden.shape[0], self.inner, dtype=hidden.dtype, device=hidden.device)
         meta = ctx.mamba_metadata[self.layer_name]

@@ -8,11 +8,13 @@ the attention groups, the KV cache views and the sampler.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -47,6 +49,7 @@ from worker.kv_cache import (
     attention_layers,
     report_kv_cache_specs,
 )
+from worker.lora.manager import LoRAManager
 from worker.mamba_cache import mamba_layers, model_order_specs
 from worker.mamba_metadata import build_mamba_metadata, checkpoint_cuts, mamba_group_modes
 from worker.metadata_transforms import StepRows
@@ -141,6 +144,10 @@ class ModelRunner:
         self.states: RequestStates | None = None
         self.build_stats = MetadataBuildStats()
         self._backends: dict[tuple[int, KernelNeeds], AttentionBackend] = {}
+        self.lora: LoRAManager | None = (
+            LoRAManager(model, config.lora, device) if config.lora is not None else None  # type: ignore[arg-type]
+        )
+        """The adapters' host copies and device slots (None: LoRA off)."""
 
     @property
     def dtype_bytes(self) -> int:
@@ -269,7 +276,8 @@ class ModelRunner:
             )
             layers = {name: per_group[gid] for name, gid in self._mamba_groups.items()}
             ctx = replace(ctx, mamba_metadata=layers)
-        hidden = self.model(batch.input_ids, batch.positions, ctx)  # [num_tokens, hidden]
+        with self._lora_step(batch):
+            hidden = self.model(batch.input_ids, batch.positions, ctx)  # [num_tokens, hidden]
         if self.proposer is not None:
             self.proposer.observe(batch, ctx, hidden)
         if copies_after:
@@ -285,6 +293,15 @@ class ModelRunner:
         if prompt_rows is None:
             return output
         return replace(output, prompt_logprobs=_prompt_logprobs(logits[num_sampled:], prompt_rows))
+
+    def _lora_step(self, batch: InputBatch) -> contextlib.AbstractContextManager[None]:
+        """Applies the batch's adapters to the forward inside it (nothing when LoRA is off)."""
+        if self.lora is None:
+            return contextlib.nullcontext()
+        states = self._require_states()
+        loras = [states.requests[req_id].lora_request for req_id in batch.req_ids]
+        num_tokens = np.diff(batch.query_start_loc_np).tolist()
+        return self.lora.active(self.lora.segments_for(loras, num_tokens))
 
     def _batch_req_ids(self, scheduler_output: SchedulerOutput) -> list[str]:
         """Scheduled requests in batch order (reordered when the config asks for it)."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import BACKEND_NAMES
+from scheduler.lora import LoRAConfig
 from scheduler.spec_config import SpeculativeConfig
 from worker.config import ModelConfig
 
@@ -48,6 +49,8 @@ class RunnerConfig:
     """Speculative decoding: the driver rank proposes drafts after sampling (None: off)."""
     draft_model: ModelConfig | None = None
     """Speculative method 'draft_model': the draft model, loaded beside the target."""
+    lora: LoRAConfig | None = None
+    """Adapter slots and the largest rank (None: LoRA off)."""
 
     offload_load_timeout_s: float = 10.0
     """Seconds an offload-tier load may take before it counts as failed (the request then

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels.mamba_reference import ConvOutput
@@ -20,7 +19,7 @@ from scheduler.kv_cache.linear_state_spec import ShortConvShape, ShortConvSpec
 from scheduler.kv_cache.spec import MambaCacheMode
 from worker.attention import ForwardContext
 from worker.config import ParallelConfig
-from worker.layers.linear import RowParallelLinear
+from worker.layers.linear import ProjectionWeights, RowParallelLinear
 from worker.layers.loading import ShardId, WeightSource, copy_checked, new_parameter, read_part
 from worker.mamba_metadata import MambaWave
 from worker.state_layer import Rows, StateLayer, initial_states, state_waves, store_states
@@ -57,7 +56,7 @@ class ShortConv(StateLayer):
         def param(shape: tuple[int, ...], loader: object) -> nn.Parameter:
             return new_parameter(shape, loader)  # type: ignore[arg-type]
 
-        self.in_proj = _Params(
+        self.in_proj = ProjectionWeights(
             param((3 * channels, hidden), self._load_in_proj),
             param((3 * channels,), self._load_in_proj) if cfg.bias else None,
         )
@@ -88,7 +87,7 @@ class ShortConv(StateLayer):
 
     def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """[T, hidden] -> [T, hidden]; reads and writes this layer's conv state in the pool."""
-        projected = F.linear(hidden, self.in_proj.weight, self.in_proj.bias)
+        projected = self.in_proj(hidden)
         b, c, x = projected.chunk(3, dim=-1)
         gated_in = b * x
         meta = ctx.mamba_metadata[self.layer_name]

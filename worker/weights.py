@@ -92,7 +92,8 @@ def _open_checkpoint(path: Path) -> Any:
         raise ValueError(f"{path} is not a readable safetensors file: {exc}") from None
 
 
-def _packed_target(name: str) -> tuple[str, ShardId] | None:
+def packed_target(name: str) -> tuple[str, ShardId] | None:
+    """Our packed parameter and shard of an HF tensor name (None: not part of a packed one)."""
     for packed, original, shard_id in PACKED_MODULES:
         marker = f".{original}."
         if marker in name:
@@ -116,7 +117,7 @@ def load_named_weights(
     for name, source in weights:
         if name.endswith(_IGNORED_SUFFIXES) or name.startswith(tuple(skip_prefixes)):
             continue
-        target = _packed_target(name)
+        target = packed_target(name)
         param_name, shard_id = target if target is not None else (name, None)
         param = params.get(param_name)
         if param is None:

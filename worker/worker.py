@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from scheduler.kv_cache.spec import KVCacheConfig
+from scheduler.lora import LoRARequest
 from scheduler.output import ModelRunnerOutput, OffloadOps, SchedulerOutput
 from scheduler.spec_config import SpecMethod
 from worker.config import ModelConfig, ParallelConfig
@@ -140,6 +141,19 @@ class Worker:
         offload = self.model_runner.offload
         assert offload is not None, "initialize_kv_cache must be called first"
         offload.run(ops)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter into the host cache; ValueError naming it when it is
+        missing, malformed, too large or targets modules the model lacks."""
+        manager = self.model_runner.lora
+        if manager is None:
+            raise ValueError("LoRA adapters need enable_lora=True")
+        manager.add_adapter(lora_request)
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Forget an adapter on this rank (it may be added again under the same name)."""
+        if self.model_runner.lora is not None:
+            self.model_runner.lora.remove_adapter(lora_name)
 
     def cpu_threads(self) -> int:
         """Torch's intra-op threads in this rank's process."""

@@ -18,6 +18,7 @@ import numpy as np
 
 from cluster.batch.rows import (
     BatchItem,
+    lora_request,
     make_sampling_params,
     openai_request,
     prompt_logprobs_column,
@@ -87,15 +88,19 @@ class EngineReplica:
         if item.error is not None or item.request is None:
             raise ValueError(item.error or "no request")
         request = item.request
+        lora = None
         if "body" in request:
             prompt, params = self.inputs.openai(openai_request(request["url"], request["body"]))
         else:
             prompt, params = self._row_prompt(request), make_sampling_params(request)
+            if request.get("lora_request") is not None:
+                lora = lora_request(request["lora_request"])
         return EngineRequest(
             request_id=f"batch-{item.index}",
             prompt_token_ids=tuple(prompt.token_ids),
             sampling_params=params,
             prompt=prompt.text,
+            lora_request=lora,
         )
 
     def _row_prompt(self, request: dict[str, Any]) -> Prompt:

@@ -32,12 +32,13 @@ from cluster.openai_api.protocol import (
 from cluster.openai_api.sampling import to_sampling_params
 from cluster.openai_api.tool_output import tool_calls
 from cluster.openai_api.tools import tool_call_plan
+from scheduler.lora import LoRARequest
 from scheduler.request import SamplingParams
 from scheduler.structured_outputs import StructuredOutputsParams
 
 OPENAI_URLS = ("/v1/chat/completions", "/v1/completions")
 _PROMPT_KEYS = ("prompt", "messages", "prompt_token_ids")
-_ROW_KEYS = {"id", "custom_id", *_PROMPT_KEYS, "sampling_params"}
+_ROW_KEYS = {"id", "custom_id", *_PROMPT_KEYS, "sampling_params", "lora_request"}
 _PARAM_NAMES = frozenset(field.name for field in dataclasses.fields(SamplingParams))
 
 
@@ -118,7 +119,24 @@ def _row_request(data: dict[str, Any]) -> dict[str, Any]:
     params = data.get("sampling_params", {})
     if not isinstance(params, dict):
         raise ValueError(f"sampling_params must be an object, got {type(params).__name__}")
-    return {prompts[0]: data[prompts[0]], "sampling_params": dict(params)}
+    request = {prompts[0]: data[prompts[0]], "sampling_params": dict(params)}
+    if data.get("lora_request") is not None:
+        lora_request(data["lora_request"])  # checked now: a bad one fails only its row
+        request["lora_request"] = data["lora_request"]
+    return request
+
+
+def lora_request(column: object) -> LoRARequest:
+    """A row's `lora_request` column ({"lora_name": ..., "lora_path": ...}) as a `LoRARequest`."""
+    if not isinstance(column, dict) or set(column) - {"lora_name", "lora_path", "lora_int_id"}:
+        raise ValueError(
+            f'lora_request must be an object {{"lora_name": ..., "lora_path": ...}}, got {column!r}'
+        )
+    return LoRARequest(
+        lora_name=column.get("lora_name", ""),
+        lora_int_id=int(column.get("lora_int_id", 0)),
+        lora_path=column.get("lora_path", ""),
+    )
 
 
 def _openai_request(data: dict[str, Any]) -> dict[str, Any]:

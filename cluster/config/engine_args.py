@@ -17,6 +17,7 @@ from pydantic_core import ErrorDetails
 
 from cluster.config.base import StrictModel
 from cluster.config.speculative import SpeculativeConfigArgs
+from scheduler.lora import LoRAConfig
 
 ExecutorBackend = Literal["uni", "mp", "ray"]
 ExecutorSite = Literal["offline", "serve_replica", "batch_replica"]
@@ -111,6 +112,14 @@ class EngineArgs(StrictModel):
     "prompt_lookup_max": 4}; keys: method, num_speculative_tokens, prompt_lookup_min,
     prompt_lookup_max, model, disable_by_batch_size. Outputs are unchanged; steps stay
     synchronous."""
+    enable_lora: bool = False
+    """Serve LoRA adapters (PEFT folders) on top of the base model, per request."""
+    max_loras: int = Field(1, ge=1)
+    """Adapters one step may use (device slots; least recently used ones are swapped out)."""
+    max_lora_rank: int = Field(16, ge=1)
+    """Largest adapter rank accepted (device buffers are sized for it)."""
+    max_cpu_loras: int | None = Field(None, ge=1)
+    """Adapters kept in host memory for quick reloads; default max_loras."""
     distributed_executor_backend: ExecutorBackend | None = None
     """uni (one rank in-process) | mp (a process per rank) | ray (an actor per rank); default:
     ray inside a Ray job or actor, else mp when tensor_parallel_size > 1, else uni."""
@@ -135,6 +144,20 @@ class EngineArgs(StrictModel):
                 "the disk offload tier sits below host memory: set kv_offloading_size too"
             )
         return self
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> EngineArgs:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})"
+            )
+        return self
+
+    def lora_config(self) -> LoRAConfig | None:
+        """The workers' and scheduler's adapter limits (None: LoRA off)."""
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
 
 def validate_engine_kwargs(kwargs: Mapping[str, object]) -> EngineArgs:

@@ -25,6 +25,7 @@ from cluster.config.engine_args import (
     resolve_executor_backend,
     validate_engine_kwargs,
 )
+from cluster.config.lora import LoraConfig
 
 PVC_MOUNT_ROOT = "/mnt/pvc"
 """Where a `pvc://CLAIM/...` source's claim is mounted in every Ray pod."""
@@ -138,6 +139,11 @@ class LLMConfig(StrictModel):
         description="Unstable options: stream_batching_interval_ms (how long a stream holds "
         "its tokens; unset or null adapts to the load, 0 sends every step's tokens at once).",
     )
+    lora_config: LoraConfig | None = Field(
+        None,
+        description="Multi-LoRA serving: clients send model=<model_id>:<adapter>; adapters are "
+        "read from dynamic_lora_loading_path (enables enable_lora in the engine).",
+    )
     tool_call_parser: str = Field(
         "hermes",
         description="How `tool_choice: auto` replies are read: hermes (qwen), llama3_json, "
@@ -187,7 +193,13 @@ class LLMConfig(StrictModel):
     def engine_args(self) -> EngineArgs:
         """The engine arguments of this model, its source resolved to what the engine loads."""
         model = resolve_source(self.model_loading_config.source)
-        return EngineArgs(model=model, **self.engine_kwargs)
+        kwargs = dict(self.engine_kwargs)
+        if self.lora_config is not None:
+            kwargs.setdefault("enable_lora", True)
+            max_loras = int(kwargs.get("max_loras", 1))
+            per_replica = self.lora_config.max_num_adapters_per_replica
+            kwargs.setdefault("max_cpu_loras", max(per_replica, max_loras))
+        return EngineArgs(model=model, **kwargs)
 
     def placement_bundles(self, use_gpu: bool) -> list[dict[str, float]]:
         """The replica's placement-group bundles: the configured ones, or one per rank."""

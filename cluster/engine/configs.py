@@ -81,6 +81,7 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
         offload_load_timeout_s=args.kv_offloading_load_timeout_s,
         speculative=speculative,
         draft_model=draft_model_config(args, model, device),
+        lora=args.lora_config(),
     )
     batched = args.max_num_batched_tokens or max(
         DEFAULT_MAX_NUM_BATCHED_TOKENS, model.max_model_len
@@ -96,6 +97,7 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
         async_scheduling=_async_scheduling(args),
         kv_offloading=offload_config(args, model),
         speculative=speculative,
+        max_loras=args.max_loras if args.enable_lora else None,
     )
     return EngineConfigs(
         model,

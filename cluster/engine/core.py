@@ -15,6 +15,7 @@ start deadline). When either cannot be done the engine is dead: it refuses all l
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
@@ -33,6 +34,7 @@ from cluster.engine.structured import StructuredOutputManager
 from scheduler.kv_cache.builder import build_kv_cache_config
 from scheduler.kv_cache.events import KVEventLog
 from scheduler.kv_cache.spec import KVCacheConfig
+from scheduler.lora import LoRARequest
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler
@@ -68,6 +70,10 @@ class EngineCore:
         """Why the engine can no longer run requests (None while it can)."""
         self.kv_events: KVEventLog | None = None
         """Recent KV event batches, one per step that changed the prefix cache (None: off)."""
+        self.loras: dict[str, LoRARequest] = {}
+        """Adapters the ranks have read and checked, by name."""
+        self.lora_load_seconds: dict[str, float] = {}
+        """How long each adapter's last read and check took (all ranks)."""
         self._in_flight: _SubmittedStep | None = None
         """Async scheduling: the step submitted to the workers whose output is not taken yet."""
         self.kv_transfer_counters = KVTransferCounters(len(scheduler.kv_cache_config.groups))
@@ -83,6 +89,8 @@ class EngineCore:
         self.raise_if_dead()
         if self.output_processor.has_request(request.request_id):
             raise ValueError(f"request {request.request_id!r} is already running")
+        if request.lora_request is not None:
+            self.add_lora(request.lora_request)
         children = self._scheduler_requests(request)
         self.structured.add(children)  # ValueError for an invalid constraint
         added: list[str] = []
@@ -95,6 +103,27 @@ class EngineCore:
             self.structured.forget(child.req_id for child in children)
             raise
         self.output_processor.add(request, added)
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check an adapter on every rank, once per name and folder (ValueError naming
+        it when it cannot be served); ranks that later evict it read it again when needed."""
+        if self.scheduler.config.max_loras is None:
+            raise ValueError(
+                f"request names LoRA adapter {lora_request.lora_name!r}, but the engine runs "
+                "without enable_lora"
+            )
+        known = self.loras.get(lora_request.lora_name)
+        if known is not None and known.lora_path == lora_request.lora_path:
+            return
+        start = time.perf_counter()
+        self.executor.collective_rpc("add_lora", lora_request)
+        self.lora_load_seconds[lora_request.lora_name] = time.perf_counter() - start
+        self.loras[lora_request.lora_name] = lora_request
+
+    def remove_lora(self, lora_name: str) -> None:
+        """Unload an adapter on every rank; its cached prefix blocks stay valid for its name."""
+        self.loras.pop(lora_name, None)
+        self.executor.collective_rpc("remove_lora", lora_name)
 
     def abort(self, request_ids: Iterable[str]) -> list[RequestOutput]:
         """Abort requests (unknown IDs are ignored); their final outputs."""
@@ -265,6 +294,7 @@ class EngineCore:
                 eos_token_id=eos_ids[0] if eos_ids else None,
                 priority=request.priority,
                 cache_salt=request.cache_salt,
+                lora_request=request.lora_request,
             )
             for index in range(num_samples)
         ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from scheduler.lora import LoRARequest
 from scheduler.request import SamplingParams
 
 
@@ -27,6 +28,8 @@ class EngineRequest:
     """Lower values are scheduled first under the priority policy."""
     cache_salt: str | None = None
     """Isolates the request's prefix-cache entries from requests with another salt."""
+    lora_request: LoRARequest | None = None
+    """The adapter to run with (None: the base model)."""
     arrival_time: float = field(default_factory=time.time)
     """Wall-clock time (seconds since the epoch) the request reached the system."""
 

@@ -320,6 +320,8 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=_now)
     owned_by: str = "hybridserve"
     root: str | None = None
+    parent: str | None = None
+    """A LoRA adapter's base model (None for a base model)."""
     max_model_len: int | None = None
 
 

@@ -24,12 +24,14 @@ from ray.serve.request_router import (
     RunningReplica,
 )
 
+from cluster.config.lora import served_model
 from cluster.engine.core import EngineCore
 from cluster.engine.input_processor import InputProcessor
 from cluster.engine.tokenizer import load_tokenizer
 from cluster.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.serve.hybrid_policy import HybridRoutingPolicy, PromptKeys, RoutingOptions
 from scheduler.kv_cache.events import KVEventWindow
+from scheduler.lora import prefix_salt
 
 logger = logging.getLogger(__name__)
 
@@ -53,15 +55,25 @@ def kv_events_enabled(deployment_config: Mapping[str, Any]) -> bool:
     return router.get("request_router_class") in ROUTER_NAMES
 
 
-def with_router_defaults(config: dict[str, Any], tokenizer_source: str) -> dict[str, Any]:
+_MODEL_KWARGS = ("tokenizer_source", "model_id")
+"""Router kwargs that describe the model rather than the routing options."""
+
+
+def with_router_defaults(
+    config: dict[str, Any], tokenizer_source: str, model_id: str = ""
+) -> dict[str, Any]:
     """`request_router_config` of our router with a short stats period and the model's
-    tokenizer filled in where the user set neither."""
-    kwargs = {"tokenizer_source": tokenizer_source, **(config.get("request_router_kwargs") or {})}
-    options = {key: value for key, value in kwargs.items() if key != "tokenizer_source"}
+    tokenizer and served name filled in where the user set neither."""
+    kwargs = {
+        "tokenizer_source": tokenizer_source,
+        "model_id": model_id,
+        **(config.get("request_router_kwargs") or {}),
+    }
+    options = {key: value for key, value in kwargs.items() if key not in _MODEL_KWARGS}
     try:
         RoutingOptions(**options)
     except TypeError:
-        known = ", ".join(["tokenizer_source", *RoutingOptions.__dataclass_fields__])
+        known = ", ".join([*_MODEL_KWARGS, *RoutingOptions.__dataclass_fields__])
         raise ValueError(
             f"request_router_kwargs of HybridPrefixRouter: unknown key among {sorted(options)}; "
             f"known: {known}"
@@ -90,6 +102,7 @@ class HybridPrefixRouter(FIFOMixin, RequestRouter):
         `RoutingOptions` fields (`load_factor`, `min_in_flight_bound`, `match_fraction`,
         `work_half_life_s`, `guess_ttl_s`)."""
         tokenizer_source = kwargs.pop("tokenizer_source", None)
+        self._model_id: str = kwargs.pop("model_id", "") or ""
         self.policy: HybridRoutingPolicy[ReplicaID] = HybridRoutingPolicy(RoutingOptions(**kwargs))
         self._tokenizer_source = tokenizer_source
         self._inputs: InputProcessor | None = None
@@ -139,12 +152,19 @@ class HybridPrefixRouter(FIFOMixin, RequestRouter):
         keys = None
         token_ids = self._token_ids(pending_request)
         if token_ids:
-            cache_salt = getattr(pending_request.args[0], "cache_salt", None)
-            keys = self.policy.prompt_keys(token_ids, cache_salt)
+            keys = self.policy.prompt_keys(token_ids, self._hash_salt(pending_request.args[0]))
         if len(self._prompts) >= MAX_TRACKED_REQUESTS:  # requests that were never routed
             del self._prompts[next(iter(self._prompts))]
         self._prompts[request_id] = keys
         return keys
+
+    def _hash_salt(self, request: Any) -> str | None:
+        """The block-0 key the replicas hash the request with: its cache salt and its LoRA
+        adapter (`model="<model_id>:<adapter>"`), so hits are predicted per adapter."""
+        model = getattr(request, "model", None)
+        served = served_model(model, [self._model_id]) if model and self._model_id else None
+        adapter = served[1] if served is not None else None
+        return prefix_salt(getattr(request, "cache_salt", None), adapter)
 
     def _token_ids(self, pending_request: PendingRequest) -> list[int] | None:
         """The prompt's token IDs, handed on to the replica; None when the request is not an

@@ -23,6 +23,7 @@ from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from cluster.config.env import api_key_from_env
+from cluster.config.lora import served_model
 from cluster.openai_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -94,8 +95,8 @@ class OpenAiIngress(GrpcMethods):
             if len(self.servers) == 1:
                 return next(iter(self.servers.values()))
             return errors.bad_request("model is required: several models are served", "model")
-        handle = self.servers.get(model)
-        return handle if handle is not None else errors.model_not_found(model)
+        served = served_model(model, self.servers)
+        return self.servers[served[0]] if served is not None else errors.model_not_found(model)
 
     async def start(
         self, request: CompletionRequest | ChatCompletionRequest, request_id: str, as_sse: bool
@@ -123,7 +124,8 @@ class OpenAiIngress(GrpcMethods):
         return first, stream
 
     async def models(self) -> ModelList:
-        cards = [await handle.model_card.remote() for handle in self.servers.values()]
+        """Every served model and the LoRA adapters each can serve."""
+        cards = [card for h in self.servers.values() for card in await h.model_cards.remote()]
         return ModelList(data=cards)
 
     # -- HTTP -----------------------------------------------------------------------------------
@@ -162,11 +164,11 @@ class OpenAiIngress(GrpcMethods):
         return Response(status_code=200)
 
     async def find_model_card(self, model: str) -> ModelCard | ErrorResponse:
-        handle = self.servers.get(model)
-        if handle is None:
+        served = served_model(model, self.servers)
+        if served is None:
             return errors.model_not_found(model)
-        card: ModelCard = await handle.model_card.remote()
-        return card
+        cards: list[ModelCard] = await self.servers[served[0]].model_cards.remote()
+        return next((card for card in cards if card.id == model), errors.model_not_found(model))
 
     async def unhealthy_model(self) -> str | None:
         """Why the first unhealthy model is unhealthy; None when all are healthy."""

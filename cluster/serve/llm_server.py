@@ -20,11 +20,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
 
 from cluster.config import EngineArgs, LLMConfig, resolve_executor_backend
+from cluster.config.lora import served_model
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.core import build_engine_core
 from cluster.engine.errors import EngineDeadError
@@ -52,8 +54,10 @@ from cluster.serve.formatting import (
     sse,
 )
 from cluster.serve.hybrid_router import kv_events_enabled, routing_stats
+from cluster.serve.lora_metrics import LoRAMetrics
 from cluster.serve.metrics import EngineMetrics
 from cluster.serve.transfer_metrics import TransferMetrics
+from scheduler.lora import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -105,9 +109,12 @@ class LLMServer:
         self.metrics: EngineMetrics | None = None
         self._stats_task: asyncio.Task[None] | None = None
         self.transfer_metrics: TransferMetrics | None = None
+        self.lora_metrics: LoRAMetrics | None = None
         if self.config.log_engine_metrics:
             self.metrics = EngineMetrics(self.model_id, group_kinds(self.engine))
             self.transfer_metrics = TransferMetrics(self.model_id, len(group_kinds(self.engine)))
+            if self.config.lora_config is not None:
+                self.lora_metrics = LoRAMetrics(self.model_id)
         if kv_events_enabled(self.config.deployment_config):
             self.engine.core.enable_kv_events()
 
@@ -133,6 +140,7 @@ class LLMServer:
             engine_request, formatter = self._prepare(request, request_id, prompt_token_ids)
             await self.before_add(engine_request)
             stream = await self.engine.add_request(engine_request)
+            self._record_lora(engine_request)
         except UnsupportedFieldError as error:
             yield errors.bad_request(str(error), param=error.param)
             return
@@ -210,6 +218,14 @@ class LLMServer:
             if self.metrics is not None and result is not None and result.finished:
                 self.metrics.record_finished(result)
 
+    def _record_lora(self, engine_request: EngineRequest) -> None:
+        lora = engine_request.lora_request
+        if self.lora_metrics is None or lora is None:
+            return
+        load_seconds = self.engine.core.lora_load_seconds.get(lora.lora_name, 0.0)
+        num_prompt = len(engine_request.prompt_token_ids)
+        self.lora_metrics.record_request(lora.lora_name, num_prompt, load_seconds)
+
     async def before_add(self, request: EngineRequest) -> None:
         """Runs before a request enters the engine (a decode replica imports its KV here)."""
 
@@ -232,6 +248,7 @@ class LLMServer:
             prompt=text,
             priority=request.priority,
             cache_salt=request.cache_salt,
+            lora_request=self._lora_request(request.model),
         )
         formatter: Formatter
         if isinstance(request, ChatCompletionRequest):
@@ -250,6 +267,38 @@ class LLMServer:
             root=self.config.model_loading_config.source,
             max_model_len=self.max_model_len,
         )
+
+    async def model_cards(self) -> list[ModelCard]:
+        """The base model's card, then one per LoRA adapter it can serve: loaded ones and
+        those in a local dynamic_lora_loading_path."""
+        cards = [await self.model_card()]
+        lora = self.config.lora_config
+        if lora is None:
+            return cards
+        paths = {name: request.lora_path for name, request in self.engine.core.loras.items()}
+        for name in sorted(set(lora.local_adapters()) | set(paths)):
+            root = paths.get(name, str(Path(lora.dynamic_lora_loading_path) / name))
+            cards.append(
+                ModelCard(
+                    id=f"{self.model_id}:{name}",
+                    root=root,
+                    parent=self.model_id,
+                    max_model_len=self.max_model_len,
+                )
+            )
+        return cards
+
+    def _lora_request(self, model: str | None) -> LoRARequest | None:
+        """The adapter a request's `model` names (None: the base model); ValueError naming it
+        when this model serves no adapters or the adapter cannot be had."""
+        served = served_model(model, [self.model_id]) if model is not None else None
+        adapter = None if served is None else served[1]
+        if adapter is None:
+            return None
+        if self.config.lora_config is None:
+            raise ValueError(f"model {self.model_id!r} serves no LoRA adapters (no lora_config)")
+        download_dir = self.config.engine_kwargs.get("download_dir")
+        return self.config.lora_config.adapter_request(adapter, download_dir)
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve polls this for the request routers: KV events and usage ({} when off)."""
@@ -279,9 +328,12 @@ class LLMServer:
         assert self.metrics is not None
         num_ranks = self.config.tensor_parallel_size
         while True:
-            self.metrics.record_stats(await self.engine.get_stats())
+            stats = await self.engine.get_stats()
+            self.metrics.record_stats(stats)
             if self.transfer_metrics is not None:
                 self.transfer_metrics.record(self.engine.core.kv_transfer_counters)
+            if self.lora_metrics is not None:
+                self.lora_metrics.record_stats(stats)
             try:
                 await self.engine.check_health()
                 alive = [True] * num_ranks

@@ -15,6 +15,7 @@ from typing import Any
 from ray import serve
 
 from cluster.config import LLMConfig
+from cluster.config.lora import served_model
 from cluster.openai_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -61,7 +62,10 @@ class OpenAiServer(OpenAiIngress):
     async def start(
         self, request: CompletionRequest | ChatCompletionRequest, request_id: str, as_sse: bool
     ) -> tuple[Any, LocalItemStream | None]:
-        if request.model is not None and request.model != self.server.model_id:
+        if (
+            request.model is not None
+            and served_model(request.model, [self.server.model_id]) is None
+        ):
             return errors.model_not_found(request.model), None
         items = self.server.generate(request, request_id, as_sse)
         try:
@@ -74,12 +78,11 @@ class OpenAiServer(OpenAiIngress):
         return first, LocalItemStream(items, self._closing)
 
     async def models(self) -> ModelList:
-        return ModelList(data=[await self.server.model_card()])
+        return ModelList(data=await self.server.model_cards())
 
     async def find_model_card(self, model: str) -> ModelCard | ErrorResponse:
-        if model != self.server.model_id:
-            return errors.model_not_found(model)
-        return await self.server.model_card()
+        cards = await self.server.model_cards()
+        return next((card for card in cards if card.id == model), errors.model_not_found(model))
 
     async def unhealthy_model(self) -> str | None:
         try:
@@ -101,6 +104,9 @@ class OpenAiServer(OpenAiIngress):
 
     async def model_card(self) -> ModelCard:
         return await self.server.model_card()
+
+    async def model_cards(self) -> list[ModelCard]:
+        return await self.server.model_cards()
 
     async def check_health(self) -> None:
         """Serve's health check: raises when the engine or a worker is dead."""

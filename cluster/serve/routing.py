@@ -66,7 +66,8 @@ def resolve_request_router(
     if config and kv_events_enabled({"request_router_config": config}):
         loading = llm_config.model_loading_config if llm_config is not None else None
         source = (loading.tokenizer_source or loading.source) if loading is not None else ""
-        return with_router_defaults(config, resolve_source(source) if source else "")
+        model_id = llm_config.model_id if llm_config is not None else ""
+        return with_router_defaults(config, resolve_source(source) if source else "", model_id)
     if not config or config.get("request_router_class") not in _PUBLIC_NAMES:
         return config
     return {**config, "request_router_class": OURS}

@@ -128,7 +128,7 @@ class StateCheckpoints:
     def _request_keys(self, request: Request) -> list[BlockHash]:
         """Keys of every full unit of the request's tokens (extended as outputs arrive)."""
         chain, keys = self._chains.setdefault(request.req_id, ([], []))
-        extend_block_hashes(chain, request.all_token_ids, self.unit, request.cache_salt)
+        extend_block_hashes(chain, request.all_token_ids, self.unit, request.hash_salt)
         keys.extend(xxhash.xxh3_128_digest(digest + _TAG) for digest in chain[len(keys) :])
         return keys
 
@@ -137,7 +137,7 @@ class StateCheckpoints:
     def find(self, request: Request, block_hashes: Sequence[BlockHash], hit: int) -> FineHit | None:
         """The longest checkpoint hit longer than `hit` tokens (at most all tokens but one)."""
         tokens = request.all_token_ids[: request.num_tokens - 1]
-        keys = checkpoint_keys(tokens, self.unit, request.cache_salt)
+        keys = checkpoint_keys(tokens, self.unit, request.hash_salt)
         maps = self.pool.hash_maps
         for index in range(len(keys) - 1, -1, -1):
             position = (index + 1) * self.unit

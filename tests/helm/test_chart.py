@@ -272,6 +272,21 @@ def test_kv_offload_values_reach_engine_kwargs_and_put_the_disk_level_on_a_volum
     assert default.kv_offloading_size is None
 
 
+def test_lora_values_reach_lora_config_and_engine_kwargs() -> None:
+    values = {"lora": {"dynamicLoraLoadingPath": "/models/adapters", "maxLoras": 4}}
+    (config,) = _serving_args(_render(values)["RayService"]).llm_configs
+    assert config.lora_config is not None
+    assert config.lora_config.dynamic_lora_loading_path == "/models/adapters"
+    args = config.engine_args()
+    assert (args.enable_lora, args.max_loras, args.max_lora_rank, args.max_cpu_loras) == (
+        True,
+        4,
+        16,
+        16,
+    )
+    assert _serving_args(_render({})["RayService"]).llm_configs[0].lora_config is None
+
+
 def test_batch_mode_renders_a_rayjob_running_the_batch_entry_point() -> None:
     objects = _render({**TP2, **BATCH})
     assert "RayService" not in objects

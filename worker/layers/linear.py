@@ -38,6 +38,19 @@ class ReplicatedLinear(nn.Module):
         return F.linear(x, self.weight)
 
 
+class ProjectionWeights(nn.Module):
+    """A projection whose owner loads its rows its own way (a mixer's fused `in_proj`): holds
+    `weight` (and `bias`) under the checkpoint's names and applies them as a column projection."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None = None) -> None:
+        super().__init__()
+        self.weight = weight
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
 def divide(numerator: int, denominator: int, what: str) -> int:
     """Exact division, with a readable error when a size does not split over the ranks."""
     if numerator % denominator:

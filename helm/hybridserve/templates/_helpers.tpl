@@ -58,6 +58,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if $engine.speculativeConfig -}}
 {{- $_ := set $kwargs "speculative_config" $engine.speculativeConfig -}}
 {{- end -}}
+{{- if .Values.lora.dynamicLoraLoadingPath -}}
+{{- $_ := set $kwargs "max_loras" (int .Values.lora.maxLoras) -}}
+{{- $_ := set $kwargs "max_lora_rank" (int .Values.lora.maxLoraRank) -}}
+{{- end -}}
 {{- range $key, $value := $engine.extraKwargs -}}
 {{- if hasKey $kwargs $key -}}
 {{- fail (printf "engine.extraKwargs.%s: set it through its own engine value (tensorParallelSize, maxModelLen, gpuMemoryUtilization, enablePrefixCaching, speculativeConfig)" $key) -}}
@@ -79,6 +83,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $config := dict "model_loading_config" $loading "engine_kwargs" (include "hybridserve.engineKwargs" . | fromYaml) "deployment_config" $deployment -}}
 {{- with .Values.worker.acceleratorType -}}
 {{- $_ := set $config "accelerator_type" . -}}
+{{- end -}}
+{{- with .Values.lora.dynamicLoraLoadingPath -}}
+{{- $_ := set $config "lora_config" (dict "dynamic_lora_loading_path" . "max_num_adapters_per_replica" (int $.Values.lora.maxNumAdaptersPerReplica)) -}}
 {{- end -}}
 {{- toYaml $config -}}
 {{- end -}}

@@ -131,7 +131,7 @@ def test_serve_config_gets_the_router_defaults_and_events_turn_on() -> None:
     )
     resolved = resolve_request_router({"request_router_class": ROUTER}, llm)
     assert resolved is not None
-    assert resolved["request_router_kwargs"] == {"tokenizer_source": "/models/m"}
+    assert resolved["request_router_kwargs"] == {"tokenizer_source": "/models/m", "model_id": "m"}
     assert resolved["request_routing_stats_period_s"] == 0.5
     mine = {"request_router_class": ROUTER, "request_routing_stats_period_s": 2.0}
     assert resolve_request_router(mine, llm)["request_routing_stats_period_s"] == 2.0  # type: ignore[index]

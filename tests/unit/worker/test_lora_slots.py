@@ -1,0 +1,87 @@
+"""Adapter files, checks and slots on the worker (tiny Llama, CPU)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from scheduler.lora import LoRAConfig, LoRARequest
+from tests.helpers.tiny_lora import save_random_adapter
+from tests.helpers.tiny_models import load_our_model, save_tiny_model
+from worker.lora.manager import LoRAManager
+from worker.lora.peft_files import CONFIG_FILE, WEIGHTS_FILE
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("lora")
+    hf_model = save_tiny_model("llama", root / "base", num_hidden_layers=2)
+    save_random_adapter(hf_model, root / "r4", rank=4, seed=1)
+    save_random_adapter(hf_model, root / "r8", rank=8, seed=2)
+    save_random_adapter(hf_model, root / "q_only", ["q_proj"], rank=4, seed=3)
+    return root
+
+
+def _manager(saved: Path, **config: int) -> LoRAManager:
+    model = load_our_model(saved / "base")
+    return LoRAManager(model, LoRAConfig(**config), torch.device("cpu"))
+
+
+def _copy_adapter(source: Path, target: Path) -> Path:
+    target.mkdir()
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        (target / name).write_bytes((source / name).read_bytes())
+    return target
+
+
+def test_missing_malformed_and_too_large_adapters_are_errors_naming_them(
+    saved: Path, tmp_path: Path
+) -> None:
+    manager = _manager(saved, max_lora_rank=4)
+    with pytest.raises(ValueError, match=r"'gone'.*does not exist"):
+        manager.add_adapter(LoRARequest("gone", 1, str(tmp_path / "nowhere")))
+    broken = _copy_adapter(saved / "r4", tmp_path / "broken")
+    (broken / CONFIG_FILE).write_text("{not json")
+    with pytest.raises(ValueError, match=r"'broken'.*not valid JSON"):
+        manager.add_adapter(LoRARequest("broken", 1, str(broken)))
+    with pytest.raises(ValueError, match=r"'big' has rank 8, above max_lora_rank=4"):
+        manager.add_adapter(LoRARequest("big", 1, str(saved / "r8")))
+    dora = _copy_adapter(saved / "r4", tmp_path / "dora")
+    config = json.loads((dora / CONFIG_FILE).read_text())
+    (dora / CONFIG_FILE).write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(ValueError, match=r"'dora': use_dora"):
+        manager.add_adapter(LoRARequest("dora", 1, str(dora)))
+    assert not manager.host  # nothing half-loaded
+
+
+def test_adapter_targeting_a_module_the_model_lacks_is_an_error(
+    saved: Path, tmp_path: Path
+) -> None:
+    other = _copy_adapter(saved / "r4", tmp_path / "other")
+    tensors = load_file(str(other / WEIGHTS_FILE))
+    renamed = {key.replace("layers.1.", "layers.7."): value for key, value in tensors.items()}
+    save_file(renamed, str(other / WEIGHTS_FILE))
+    with pytest.raises(ValueError, match=r"'other' targets module 'model\.layers\.7\."):
+        _manager(saved).add_adapter(LoRARequest("other", 1, str(other)))
+
+
+def test_device_slots_are_least_recently_used_and_never_exceeded(saved: Path) -> None:
+    manager = _manager(saved, max_loras=2, max_lora_rank=8, max_cpu_loras=2)
+    one, two, three = (
+        LoRARequest(name, 1, str(saved / folder))
+        for name, folder in (("one", "r4"), ("two", "r8"), ("three", "q_only"))
+    )
+    manager.segments_for([one, None, two], [2, 1, 3])
+    assert dict(manager.slots) == {"one": 0, "two": 1}
+    segments = manager.segments_for([two, three], [1, 1])
+    assert segments is not None
+    assert dict(manager.slots) == {"two": 1, "three": 0}  # "one" was the least recently used
+    assert list(manager.host) == ["two", "three"]  # the host cache holds max_cpu_loras
+    layer = manager.layers["model.layers.0.mlp.down_proj"]
+    assert not layer.lora_a[0].any()  # slot 0 no longer holds "one"'s down_proj
+    with pytest.raises(RuntimeError, match="more than max_loras=2"):
+        manager.segments_for([one, two, three], [1, 1, 1])

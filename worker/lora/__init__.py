@@ -1,0 +1,1 @@
+"""LoRA adapters on the worker: PEFT files, adapter slots on the projections, the slot LRU."""
