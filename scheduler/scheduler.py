@@ -336,12 +336,9 @@ class Scheduler:
         """Whether the queue's head cannot start yet: preempted with a token in flight (it
         resumes once the token is back), or its adapter needs a device slot running requests
         hold."""
-        return bool(request.num_output_placeholders) or not self._has_adapter_slot(request)
-
-    def _has_adapter_slot(self, request: Request) -> bool:
-        """Whether `request`'s adapter fits the workers' slots beside the running adapters."""
         holders = [*self.running, *(held for held, _ in self.loading.values())]
-        return adapter_fits(request.lora_name, holders, self.config.max_loras)
+        fits = adapter_fits(request.lora_name, holders, self.config.max_loras)
+        return bool(request.num_output_placeholders) or not fits
 
     def _start_loading(self, request: Request, hit: CacheHit) -> bool:
         """Admit the queue's head, whose hit is partly in the offload tier: it takes the hit's
