@@ -460,6 +460,8 @@ class Scheduler:
         del self.requests[request.req_id]
         self._junction_tokens.pop(request.req_id, None)
         self._worker_view.finished(request.req_id)
+        if self.spec is not None:
+            self.spec.forget(request.req_id)
 
     def _drop_unfittable(self, request: Request) -> None:
         """Finish a request the whole pool cannot hold, instead of retrying it forever."""

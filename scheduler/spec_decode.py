@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from scheduler.kv_cache.manager import KVCacheManager
 from scheduler.request import Request
 from scheduler.spec_config import SpeculativeConfig
+from scheduler.spec_switch import DEFAULT_SWITCH, AcceptanceSwitch, SwitchSettings
 
 
 @dataclass(frozen=True)
@@ -46,11 +47,17 @@ class DraftVerification:
     """The scheduler's side of speculative decoding (one per scheduler)."""
 
     def __init__(
-        self, config: SpeculativeConfig, manager: KVCacheManager, max_model_len: int
+        self,
+        config: SpeculativeConfig,
+        manager: KVCacheManager,
+        max_model_len: int,
+        switch: SwitchSettings | None = DEFAULT_SWITCH,
     ) -> None:
         self.config = config
         self.manager = manager
         self.max_model_len = max_model_len
+        self.switch = AcceptanceSwitch(switch) if switch is not None else None
+        """Per-request pauses of drafting while drafts keep being rejected (None: off)."""
         self._counters = _Counters(per_pos=[0] * config.num_speculative_tokens)
 
     def num_drafts(self, request: Request, budget: int, num_unfinished: int) -> int:
@@ -58,10 +65,13 @@ class DraftVerification:
 
         Capped by the token budget, max_tokens and max_model_len (every token a step may emit
         is allowed), the recurrent groups' block ends and the next state checkpoint (states
-        there are written exactly as without speculation), and the batch-size switch.
+        there are written exactly as without speculation), the batch-size switch and the
+        acceptance-aware switch (`scheduler.spec_switch`).
         """
         limit = self.config.disable_by_batch_size
         if not request.spec_token_ids or (limit is not None and num_unfinished >= limit):
+            return 0
+        if self.switch is not None and not self.switch.allows(request.req_id):
             return 0
         params = request.sampling_params
         computed = request.num_computed_tokens
@@ -109,6 +119,14 @@ class DraftVerification:
         counters.num_accepted_tokens += num_accepted
         for pos in range(num_accepted):
             counters.per_pos[pos] += 1
+        switch = self.switch
+        if switch is not None and switch.record(request.req_id, num_drafts, num_accepted):
+            self.manager.release_spec_slots(request.req_id)  # paused: room for others
+
+    def forget(self, req_id: str) -> None:
+        """A finished request."""
+        if self.switch is not None:
+            self.switch.forget(req_id)
 
     def make_stats(self) -> SpecDecodingStats:
         """A snapshot of the cumulative counters."""
