@@ -4,6 +4,8 @@ fail, and drafts again from the first good probe on."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from kv_cache_helpers import full, make_config, mamba
 
@@ -103,6 +105,6 @@ def test_finished_requests_are_forgotten() -> None:
         ("first_backoff", {"first_backoff": 8, "max_backoff": 4}),
     ],
 )
-def test_bad_settings_name_the_key(key: str, settings: dict[str, float]) -> None:
+def test_bad_settings_name_the_key(key: str, settings: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match=key):
         SwitchSettings(**settings)
