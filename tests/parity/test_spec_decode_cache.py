@@ -87,6 +87,7 @@ def test_a_then_b_then_a_gives_a_the_same_answer(saved: Saved) -> None:
     20 rounds of drafts that are mostly rejected (a stale draft state would poison the cache)."""
     spec = {"method": "ngram", "num_speculative_tokens": 4}
     llm = LLM(str(saved.path), speculative_config=spec, **LLM_ARGS)
+    llm.client.core.scheduler.spec.switch = None  # rejected drafts stay verified every step
     (answer_a,) = _expected(saved, [PROMPT_A])
     for round_index in range(20):
         kind = "perturbed" if round_index % 2 else "random"
@@ -97,3 +98,22 @@ def test_a_then_b_then_a_gives_a_the_same_answer(saved: Saved) -> None:
     stats = engine_stats(llm)
     assert stats.prefix_cache_hit_tokens > 0
     llm.shutdown()
+
+
+def test_tensor_parallel_2_verifies_drafts_on_both_ranks(saved: Saved) -> None:
+    """TP = 2 (a process per rank): recurrent heads split across ranks, each rank saves and
+    restores its own draft-position states; greedy tokens equal TP = 1 without speculation."""
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 2,
+    }
+    llm = LLM(str(saved.path), speculative_config=spec, tensor_parallel_size=2, **LLM_ARGS)
+    try:
+        assert _generate(llm, PROMPTS) == _expected(saved, PROMPTS)
+        stats = engine_stats(llm).spec_decoding
+    finally:
+        llm.shutdown()
+    assert stats is not None
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens

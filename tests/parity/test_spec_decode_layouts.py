@@ -18,6 +18,7 @@ from cluster import LLM, SamplingParams
 from tests.helpers.drafters import ScriptedProposer, install_proposer
 from tests.helpers.engine_probe import engine_stats
 from tests.helpers.tiny_gemma3n import save_tiny_gemma3n
+from tests.helpers.tiny_gemma4_gpt_oss import GEMMA4, GPT_OSS, save_gemma4_or_gpt_oss
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from tests.helpers.tiny_linear_hybrid import save_tiny_linear_hybrid
 from tests.helpers.tiny_models import save_tiny_model
@@ -33,7 +34,18 @@ PROMPTS = [
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW)
 LLM_ARGS = {"block_size": 4, "max_num_batched_tokens": 24, "kv_cache_memory_bytes": 1 << 22}
-LAYOUTS = ["gemma3", "llama4", "gemma3n", "bamba", "nemotron_h", "qwen3_next", "lfm2"]
+LAYOUTS = [
+    "gemma3",  # sliding window
+    "llama4",  # chunked local
+    "gpt_oss",  # sliding window + sinks
+    "gemma3n",  # KV sharing
+    "gemma4",  # KV sharing (K = V donors), two page sizes
+    "bamba",  # Mamba-2
+    "nemotron_h",  # Mamba-2
+    "qwen3_next",  # gated DeltaNet
+    "qwen3_5",  # gated DeltaNet
+    "lfm2",  # short conv
+]
 
 
 class Reference(NamedTuple):
@@ -47,8 +59,12 @@ def _save(layout: str, path: Path) -> None:
         save_tiny_model(layout, path)
     elif layout in ("bamba", "nemotron_h"):
         save_tiny_hybrid(layout, path)
-    elif layout in ("qwen3_next", "lfm2"):
+    elif layout in ("qwen3_next", "qwen3_5", "lfm2"):
         save_tiny_linear_hybrid(layout, path)
+    elif layout == "gpt_oss":
+        save_gemma4_or_gpt_oss("GptOssConfig", "GptOssForCausalLM", GPT_OSS, path)
+    elif layout == "gemma4":
+        save_gemma4_or_gpt_oss("Gemma4TextConfig", "Gemma4ForCausalLM", GEMMA4, path)
     else:
         save_tiny_gemma3n(path)
 
@@ -91,6 +107,8 @@ def test_greedy_tokens_equal_no_speculation(reference: Reference, k: int) -> Non
             assert new_accepted - accepted == new_drafted - drafted
         else:
             assert new_accepted - accepted < new_drafted - drafted
+    switch = llm.client.core.scheduler.spec.switch
+    assert switch.num_pauses > 0  # rejected drafts paused drafting; the tokens stayed the same
     metrics = {metric.name: metric for metric in llm.get_metrics()}
     assert metrics["vllm:spec_decode_num_draft_tokens"].value == new_drafted  # type: ignore[attr-defined]
     llm.client.core.scheduler.kv_cache_manager.check_invariants()
