@@ -116,4 +116,4 @@ def test_tensor_parallel_2_verifies_drafts_on_both_ranks(saved: Saved) -> None:
     finally:
         llm.shutdown()
     assert stats is not None
-    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.num_draft_tokens > stats.num_accepted_tokens  # rejections: state restores
