@@ -108,8 +108,7 @@ class EngineArgs(StrictModel):
     speculative_config: SpeculativeConfigArgs | None = None
     """Speculative decoding, vLLM's keys: {"method": "ngram", "num_speculative_tokens": 3,
     "prompt_lookup_max": 4}; keys: method, num_speculative_tokens, prompt_lookup_min,
-    prompt_lookup_max, model, disable_by_batch_size. Outputs are unchanged; steps stay
-    synchronous."""
+    prompt_lookup_max, model, disable_by_batch_size. Outputs are unchanged."""
     distributed_executor_backend: ExecutorBackend | None = None
     """uni (one rank in-process) | mp (a process per rank) | ray (an actor per rank); default:
     ray inside a Ray job or actor, else mp when tensor_parallel_size > 1, else uni."""

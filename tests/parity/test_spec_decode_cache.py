@@ -1,5 +1,6 @@
 """Speculative decoding and the KV cache of recurrent hybrids: every Mamba cache mode, prefix
-caching off, fine state checkpoints, preemption, and the A -> B -> A poisoning probe (CPU fp32,
+caching off, fine state checkpoints, preemption, async scheduling (with and without
+preemption), TP = 2, and the A -> B -> A poisoning probe (CPU fp32,
 tiny random models, the offline `LLM`). Greedy tokens must equal those without speculation."""
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ CASES = {
     "no_caching": {"enable_prefix_caching": False},
     "checkpoints": {"prefix_match_unit": 4},
     "preemption": {"kv_cache_memory_bytes": 18 * 3072, "max_model_len": 72},
+    "async": {"async_scheduling": True},
+    "async_preemption": {
+        "async_scheduling": True,
+        "kv_cache_memory_bytes": 18 * 3072,
+        "max_model_len": 72,
+    },
 }
 
 
@@ -76,7 +83,7 @@ def test_cache_modes_and_preemption_keep_the_tokens(saved: Saved, case: str) -> 
     stats = engine_stats(llm)
     assert stats.spec_decoding is not None
     assert stats.spec_decoding.num_accepted_tokens > 0
-    if case == "preemption":
+    if "preemption" in case:
         assert stats.num_preemptions > 0
     llm.client.core.scheduler.kv_cache_manager.check_invariants()
     llm.shutdown()

@@ -1,10 +1,10 @@
 """Speculative decoding keeps greedy tokens identical to decoding without it, on every hybrid
 layout, with prefix caching on (CPU fp32, tiny random models, the offline `LLM`).
 
-Per layout and k in {1, 2, 4}, one engine runs the same prompts (chunked prefill; prompts that
-share prefixes, so later rounds hit the cache that speculative rounds filled) with four
-drafters: n-gram, the target's own continuation (every draft accepted), a perturbed one (some
-rejected) and random tokens (almost all rejected).
+Per layout and k in {1, 2, 4} (and k = 2 with async scheduling), one engine runs the same
+prompts (chunked prefill; prompts that share prefixes, so later rounds hit the cache that
+speculative rounds filled) with four drafters: n-gram, the target's own continuation (every
+draft accepted), a perturbed one (some rejected) and random tokens (almost all rejected).
 """
 
 from __future__ import annotations
@@ -91,10 +91,21 @@ def _accepted(llm: LLM) -> tuple[int, int]:
     return stats.num_accepted_tokens, stats.num_draft_tokens
 
 
-@pytest.mark.parametrize("k", [1, 2, 4])
-def test_greedy_tokens_equal_no_speculation(reference: Reference, k: int) -> None:
+@pytest.mark.parametrize(
+    ("k", "async_scheduling"),
+    [(1, False), (2, False), (4, False), (2, True)],
+    ids=["1", "2", "4", "2-async"],
+)
+def test_greedy_tokens_equal_no_speculation(
+    reference: Reference, k: int, async_scheduling: bool
+) -> None:
     spec = {"method": "ngram", "num_speculative_tokens": k}
-    llm = LLM(str(reference.path), speculative_config=spec, **LLM_ARGS)
+    llm = LLM(
+        str(reference.path),
+        speculative_config=spec,
+        async_scheduling=async_scheduling,
+        **LLM_ARGS,
+    )
     assert _generate(llm) == reference.tokens, "ngram"
     sequences = [[*p, *t] for p, t in zip(PROMPTS, reference.tokens, strict=True)]
     for kind in ("oracle", "perturbed", "random"):

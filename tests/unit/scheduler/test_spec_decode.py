@@ -14,6 +14,7 @@ from scheduler.output import BlockCopy, ModelRunnerOutput, SchedulerOutput, Stat
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler
 from scheduler.spec_config import SpecMethod, SpeculativeConfig
+from scheduler.step_plan import StepPlan
 
 
 def _scheduler(
@@ -137,6 +138,69 @@ def test_disable_by_batch_size_turns_drafts_off_under_load() -> None:
     assert out.num_scheduled_tokens == {"a": 1, "b": 1}
 
 
-def test_speculation_needs_synchronous_steps() -> None:
-    with pytest.raises(ValueError, match="async_scheduling off"):
-        SchedulerConfig(speculative=SpeculativeConfig(SpecMethod.NGRAM, 2), async_scheduling=True)
+def _finish(
+    scheduler: Scheduler,
+    out: SchedulerOutput,
+    sampled: dict[str, list[int]],
+    drafts: dict[str, list[int]],
+) -> None:
+    req_ids = list(out.num_scheduled_tokens)
+    runner = ModelRunnerOutput(
+        req_ids=req_ids,
+        sampled_token_ids=[sampled.get(req_id, []) for req_id in req_ids],
+        draft_token_ids=drafts,
+    )
+    scheduler.update_from_output(out, runner)
+
+
+def test_async_steps_verify_drafts_only_with_no_token_in_flight() -> None:
+    """Async scheduling: a request with drafts waits for its token in flight (its drafts were
+    proposed before it), verifies them, and is not run ahead of while the verify step runs; a
+    request without drafts runs ahead every step."""
+    scheduler = _scheduler(full(4), k=2, async_scheduling=True, spec={"disable_by_batch_size": 3})
+    a = _add(scheduler, "a", list(range(5)))
+    _add(scheduler, "b", list(range(6)))
+    out1 = scheduler.schedule()  # both prefills
+    out2 = scheduler.schedule()  # both run ahead (no drafts known)
+    assert out2.num_scheduled_tokens == {"a": 1, "b": 1}
+    _finish(scheduler, out1, {"a": [100], "b": [200]}, {"a": [1, 2]})
+    out3 = scheduler.schedule()  # a has drafts: it waits for its token in flight
+    assert out3.num_scheduled_tokens == {"b": 1}
+    _finish(scheduler, out2, {"a": [101], "b": [201]}, {"a": [1, 2]})
+    out4 = scheduler.schedule()  # a: no token in flight, verifies its drafts
+    assert out4.scheduled_spec_tokens == {"a": [1, 2]}
+    assert out4.num_scheduled_tokens == {"a": 3, "b": 1}
+    _add(scheduler, "c", list(range(3)))  # 3 unfinished: drafting off from now on
+    out5 = scheduler.schedule()  # a's verify step is in flight: not run ahead of all the same
+    assert out5.num_scheduled_tokens == {"b": 1, "c": 3}
+    scheduler.abort(["c"])  # drafting back on
+    _finish(scheduler, out3, {"b": [202]}, {})
+    _finish(scheduler, out4, {"a": [1, 60], "b": [203]}, {"a": [7, 8]})  # one accepted
+    assert a.output_token_ids == [100, 101, 1, 60]
+    assert a.num_computed_tokens == 8  # prompt, 100, 101, the accepted draft
+    assert a.num_output_placeholders == 0
+    out6 = scheduler.schedule()
+    assert out6.scheduled_spec_tokens == {"a": [7, 8]}
+    assert out6.num_scheduled_tokens == {"a": 3, "b": 1}
+    scheduler.kv_cache_manager.check_invariants()
+
+
+def test_async_steps_roll_nothing_back_for_a_request_preempted_mid_verify() -> None:
+    """A request preempted while its verify step runs recomputes from scratch: the step's
+    output only appends its tokens (no roll-back below zero, no restore of freed slots)."""
+    scheduler = _scheduler(full(4), mamba(16, MambaCacheMode.NONE), k=2, async_scheduling=True)
+    a = _add(scheduler, "a", list(range(5)))
+    out1 = scheduler.schedule()
+    _finish(scheduler, out1, {"a": [100]}, {"a": [1, 2]})
+    out2 = scheduler.schedule()
+    assert out2.scheduled_spec_tokens == {"a": [1, 2]}
+    plan = StepPlan(budget=8)
+    scheduler._preempt(a, plan)
+    _finish(scheduler, out2, {"a": [1, 50]}, {"a": [3]})  # one of two accepted
+    assert a.num_computed_tokens == 0
+    assert a.output_token_ids == [100, 1, 50]
+    assert scheduler.spec is not None
+    assert not scheduler.spec.verifying
+    out3 = scheduler.schedule()  # resumed: recomputes every known token
+    assert out3.num_scheduled_tokens == {"a": 8}
+    scheduler.kv_cache_manager.check_invariants()
