@@ -6,7 +6,7 @@ batch-size switch."""
 from __future__ import annotations
 
 import pytest
-from kv_cache_helpers import full, make_config, mamba
+from kv_cache_helpers import chunked, full, make_config, mamba, window
 
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache.spec import KVCacheSpec, MambaCacheMode
@@ -204,3 +204,40 @@ def test_async_steps_roll_nothing_back_for_a_request_preempted_mid_verify() -> N
     out3 = scheduler.schedule()  # resumed: recomputes every known token
     assert out3.num_scheduled_tokens == {"a": 8}
     scheduler.kv_cache_manager.check_invariants()
+
+
+@pytest.mark.parametrize("mode", [MambaCacheMode.ALL, MambaCacheMode.NONE])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_pool_capacity_loses_only_k_states_and_lookahead_blocks(
+    k: int, mode: MambaCacheMode
+) -> None:
+    """Memory arithmetic during a verify step of requests at different positions (full,
+    sliding-window and chunked-local groups, a Mamba group): the pool holds exactly k state
+    blocks per drafting request (the draft-position states) plus, per attention group, the
+    blocks its draft positions reach past the plain step's, more than at the same step without
+    speculation (states at block ends, ALL: verify steps stop short of a block end, so no
+    lookahead block; NONE: drafts cross block ends)."""
+    block_size = 8
+    attention = (full(block_size), window(block_size, 16), chunked(block_size, 16))
+    prompts = [list(range(9)), list(range(11)), list(range(15)), list(range(20))]
+    used, verified = {}, {}
+    for num_drafts in (0, k):
+        scheduler = _scheduler(*attention, mamba(block_size, mode), k=k)
+        for index, prompt in enumerate(prompts):
+            _add(scheduler, f"r{index}", prompt)
+        drafts = {f"r{index}": [7] * num_drafts for index in range(len(prompts))}
+        _step(scheduler, {req_id: [3] for req_id in drafts}, drafts)
+        manager = scheduler.kv_cache_manager
+        out = scheduler.schedule()  # the verify step (or the plain one): blocks held now
+        verified = {req_id: len(d) for req_id, d in out.scheduled_spec_tokens.items()}
+        used[num_drafts] = manager.pool.num_blocks - manager.num_free_blocks
+        manager.check_invariants()
+    assert len(verified) >= 2  # (ALL: the others stop short of a recurrent block end)
+    lookahead = sum(
+        -(-(len(prompts[int(req_id[1:])]) + 1 + m) // block_size)
+        - -(-(len(prompts[int(req_id[1:])]) + 1) // block_size)
+        for req_id, m in verified.items()
+    )
+    if mode is MambaCacheMode.NONE:
+        assert lookahead > 0
+    assert used[k] - used[0] == len(verified) * k + len(attention) * lookahead
