@@ -151,6 +151,8 @@ def main() -> None:
     parser.add_argument("--single", type=int, default=4, help="requests at concurrency 1")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--workloads", default="copy-heavy,non-repetitive", help="'' for none")
+    parser.add_argument("--hit-rate-tokens", type=int, default=16, help="0: no hit-rate trace")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     path = str(ensure_default_model())
@@ -168,7 +170,7 @@ def main() -> None:
     print(f"torch threads {torch.get_num_threads()}; k={args.k}; {args.max_tokens} tokens each")
     for llm in engines.values():
         run(llm, random_prompts(2, vocab, 1), 2, 8)  # warm-up
-    for workload in ("copy-heavy", "non-repetitive"):
+    for workload in filter(None, args.workloads.split(",")):
         for concurrency in map(int, args.concurrency.split(",")):
             count = args.single if concurrency == 1 else concurrency * args.rounds
             if workload == "copy-heavy":
@@ -177,7 +179,8 @@ def main() -> None:
                 prompts, temperature = random_prompts(count, vocab, concurrency), 1.0
             line = compare(engines, prompts, concurrency, args, temperature)
             print(f"{workload:14} {line}", flush=True)
-    print(hit_rates(engines, copy_prompts(engines["plain"], 4), 16))
+    if args.hit_rate_tokens:
+        print(hit_rates(engines, copy_prompts(engines["plain"], 4), args.hit_rate_tokens))
     for llm in engines.values():
         llm.shutdown()
 
