@@ -19,10 +19,10 @@ at once (decode growth included). `held` is `held_requests`, the same at full le
     .venv/bin/python benchmarks/bench_capacity.py [--budget-gib 80]
 
 `--model qwen3.5-27b` / `--model qwen3-next-80b-a3b` give the same rows for gated DeltaNet
-hybrids (`scheduler.linear_attention_capacity`: three DeltaNet layers per full-attention layer,
-states in align mode): "hybrid on" pages the states like Mamba state; the hybrid manager cannot
-be turned off for state layers, so the baseline row is the same depth with every layer full
-attention (the memory of serving these models as plain transformers).
+hybrids (`benchmarks.workloads.linear_attention_capacity`: three DeltaNet layers per
+full-attention layer, states in align mode): "hybrid on" pages the states like Mamba state;
+the hybrid manager cannot be turned off for state layers, so the baseline row is the same depth
+with every layer full attention (the memory of serving these models as plain transformers).
 
     .venv/bin/python benchmarks/bench_capacity.py --model qwen3-next-80b-a3b --budget-gib 40
 """
@@ -31,8 +31,19 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
+from pathlib import Path
 from typing import NamedTuple
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.workloads.linear_attention_capacity import (
+    QWEN3_5_27B,
+    QWEN3_NEXT_80B_A3B,
+    LinearHybridShape,
+    all_attention_specs,
+    linear_hybrid_specs,
+)
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache.builder import build_kv_cache_config, held_requests, max_concurrency
 from scheduler.kv_cache.spec import (
@@ -40,13 +51,6 @@ from scheduler.kv_cache.spec import (
     KVCacheConfig,
     KVCacheSpec,
     SlidingWindowSpec,
-)
-from scheduler.linear_attention_capacity import (
-    QWEN3_5_27B,
-    QWEN3_NEXT_80B_A3B,
-    LinearHybridShape,
-    all_attention_specs,
-    linear_hybrid_specs,
 )
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.request import Request, SamplingParams

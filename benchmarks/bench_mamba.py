@@ -8,7 +8,7 @@ the same run is the plain token-by-token recurrence (CPU) or the reference (GPU)
 
 Capacity: a Granite-4.0-H-Small-shaped model (4 attention + 36 Mamba-2 layers, bf16, block 16
 before page-size unification) against the same model with 40 full-attention layers: concurrent
-worst-case requests of 32k tokens in a 40 GiB KV budget (`scheduler.hybrid_capacity`).
+worst-case requests of 32k tokens in a 40 GiB KV budget (`benchmarks.workloads.hybrid_capacity`).
 
     .venv/bin/python benchmarks/bench_mamba.py [--prefill 2048] [--decodes 64] [--heads 32]
 """
@@ -16,19 +16,23 @@ worst-case requests of 32k tokens in a 40 GiB KV budget (`scheduler.hybrid_capac
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from kernels import mamba_reference
-from kernels.mamba_testing import MambaBatch, make_mamba_batch, naive_scan
-from scheduler.hybrid_capacity import (
+from benchmarks.workloads.hybrid_capacity import (
     GRANITE_4_H_SMALL,
     capacity,
     full_attention_specs,
     hybrid_layer_specs,
 )
+from kernels import mamba_reference
+from kernels.mamba_testing import MambaBatch, make_mamba_batch, naive_scan
 
 CHUNK = 256
 BUDGET = 40 << 30

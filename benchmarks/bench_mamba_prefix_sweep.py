@@ -15,10 +15,14 @@ table's points), and the pool blocks a's checkpoints hold once it is freed.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
-from scheduler.hybrid_capacity import GRANITE_4_H_SMALL, hybrid_layer_specs
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.workloads.hybrid_capacity import GRANITE_4_H_SMALL, hybrid_layer_specs
 from scheduler.kv_cache.builder import build_kv_cache_config
 from scheduler.kv_cache.manager import KVCacheManager
 from scheduler.kv_cache.spec import MambaCacheMode

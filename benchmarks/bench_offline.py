@@ -4,10 +4,16 @@ The mixed workload: `--num-prompts` random-token prompts of 16-400 tokens, each 
 output tokens (greedy, EOS ignored), fixed by `--seed`. Both engines run in this process, one after
 the other, `--repeats` times alternating, and each side's best run is kept:
 
-- ours: `LLM(model).generate(...)` with every prompt queued at once (continuous batching), once
-  per CPU attention backend of `--backend` (default: the batched kernels and the reference);
+- ours: `LLM(model, dtype=--dtype).generate(...)` with every prompt queued at once (continuous
+  batching), once per CPU attention backend of `--backend` (default: the batched kernels and the
+  reference); `--dtype auto` (the default) is bf16 on a CPU with native bf16, else fp32;
 - transformers: `generate()` on static batches of `--hf-batch` prompts in input order, left-padded,
-  each batch running to its longest requested output (the shorter ones are cut afterwards).
+  each batch running to its longest requested output (the shorter ones are cut afterwards), once
+  as `from_pretrained` loads the model by default (the checkpoint's dtype, fp32 for the default
+  model) and once in bf16 (`--hf-dtypes`).
+
+Ratios are against transformers' default; agreement (first 16 greedy tokens) is against the
+transformers run in the dtype our engine ran in.
 
 Throughput counts only the requested output tokens. `--batch-one` adds single-request runs of the
 batched and the reference attention backends (the per-request torch oracle), interleaved.
@@ -81,7 +87,8 @@ def timed(fn: Callable[[], list[list[int]]]) -> tuple[float, list[list[int]]]:
 
 
 def agreement(ours: list[list[int]], theirs: list[list[int]]) -> float:
-    """Share of requests whose first 16 greedy tokens agree (fp32; padding may shift a tie)."""
+    """Share of requests whose first 16 greedy tokens agree (padding may shift a tie; in bf16,
+    rounding too)."""
     same = sum(a[:16] == b[:16] for a, b in zip(ours, theirs, strict=True))
     return same / len(ours)
 
@@ -93,23 +100,28 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", default="torch,reference", help="comma-separated")
+    parser.add_argument("--dtype", default="auto", help="ours: auto (the default), float32, ...")
+    parser.add_argument("--hf-dtypes", default="default,bfloat16", help="comma-separated")
     parser.add_argument("--batch-one", action="store_true")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
-    from transformers import AutoModelForCausalLM
-
     path = str(ensure_default_model())
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    hf_models = {name: load_transformers(path, name) for name in args.hf_dtypes.split(",")}
     backends = args.backend.split(",")
-    engines = {name: LLM(path, device="cpu", attention_backend=name) for name in backends}
-    workload = mixed_workload(args.num_prompts, hf_model.config.vocab_size, args.seed)
+    engines = {
+        name: LLM(path, device="cpu", attention_backend=name, dtype=args.dtype) for name in backends
+    }
+    our_dtype = getattr(torch, next(iter(engines.values())).info.dtype)
+    vocab_size = next(iter(hf_models.values())).config.vocab_size
+    workload = mixed_workload(args.num_prompts, vocab_size, args.seed)
     output_tokens = sum(n for _, n in workload)
     print(
         f"torch threads {torch.get_num_threads()}; {len(workload)} prompts, "
-        f"{sum(len(ids) for ids, _ in workload)} prompt / {output_tokens} output tokens",
+        f"{sum(len(ids) for ids, _ in workload)} prompt / {output_tokens} output tokens; "
+        f"ours in {our_dtype} (--dtype {args.dtype})",
         flush=True,
     )
-    times: dict[str, list[float]] = {name: [] for name in [*backends, "transformers"]}
+    times: dict[str, list[float]] = {name: [] for name in [*backends, *hf_models]}
     outputs: dict[str, list[list[int]]] = {}
     for llm in engines.values():
         run_ours(llm, workload[:2])  # warm-up
@@ -118,21 +130,55 @@ def main() -> None:
             seconds, outputs[name] = timed(lambda llm=llm: run_ours(llm, workload))
             times[name].append(seconds)
             print(f"ours ({name}) run: {seconds:.2f} s", flush=True)
-        seconds, theirs = timed(lambda: run_transformers(hf_model, workload, args.hf_batch))
-        times["transformers"].append(seconds)
-        print(f"transformers (static {args.hf_batch}) run: {seconds:.2f} s", flush=True)
-    best_hf = min(times["transformers"])
-    for name in backends:
-        best = min(times[name])
-        print(
-            f"ours ({name}): best {output_tokens / best:.1f} tok/s, {best_hf / best:.2f}x "
-            f"transformers ({output_tokens / best_hf:.1f} tok/s); first-16-token agreement "
-            f"{agreement(outputs[name], theirs):.0%}"
-        )
+        for name, model in hf_models.items():
+            run = lambda model=model: run_transformers(model, workload, args.hf_batch)  # noqa: E731
+            seconds, outputs[f"hf:{name}"] = timed(run)
+            times[name].append(seconds)
+            print(f"transformers {name} ({model.dtype}, static {args.hf_batch}) run: "
+                  f"{seconds:.2f} s", flush=True)  # fmt: skip
+    _report(backends, hf_models, times, outputs, output_tokens, our_dtype)
     for llm in engines.values():
         llm.shutdown()
     if args.batch_one:
         batch_one(path, workload[:4], args.repeats)
+
+
+def load_transformers(path: str, dtype: str) -> torch.nn.Module:
+    """transformers' model of `path`: as `from_pretrained` loads it by default, or in `dtype`."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {} if dtype == "default" else {"dtype": getattr(torch, dtype)}
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+    return model
+
+
+def _report(
+    backends: list[str],
+    hf_models: dict[str, torch.nn.Module],
+    times: dict[str, list[float]],
+    outputs: dict[str, list[list[int]]],
+    output_tokens: int,
+    our_dtype: torch.dtype,
+) -> None:
+    baseline = min(times[next(iter(hf_models))])
+    same_dtype = [name for name, model in hf_models.items() if model.dtype == our_dtype]
+    for name in hf_models:
+        best = min(times[name])
+        print(f"transformers {name} ({hf_models[name].dtype}): best {output_tokens / best:.1f} "
+              f"tok/s, {baseline / best:.2f}x transformers' default")  # fmt: skip
+    for name in backends:
+        best = min(times[name])
+        line = (
+            f"ours ({name}, {our_dtype}): best {output_tokens / best:.1f} tok/s, "
+            f"{baseline / best:.2f}x transformers' default"
+        )
+        for hf_name in hf_models:
+            line += f", {min(times[hf_name]) / best:.2f}x transformers {hf_name}"
+        if same_dtype:
+            theirs = outputs[f"hf:{same_dtype[0]}"]
+            line += f"; first-16-token agreement with transformers {same_dtype[0]} "
+            line += f"{agreement(outputs[name], theirs):.0%}"
+        print(line, flush=True)
 
 
 def batch_one(path: str, workload: Workload, repeats: int) -> None:

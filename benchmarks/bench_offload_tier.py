@@ -2,7 +2,8 @@
 
 1. Hit rate: the 32-session chat trace of `bench_prefix_sessions` (Gemma-4-31B-shaped pool,
    8,765 blocks, `chain` policy), per round: the device pool alone, with a host tier of 4x the
-   pool, and the keep-everything ceiling (a pool that never evicts).
+   pool, and the keep-everything ceiling (a pool that never evicts); then the tier's own
+   eviction, `lru` against `chain` (`kv_offloading_eviction`), with tiers of 1x-4x the pool.
 2. Bytes moved per tier hit, on real layouts (bf16, one rank, 8 sessions x 4 rounds of the same
    trace in a pool of about two sessions, a tier of 16x the pool): what the tier loads, against
    the hybrid lower bound (per group, the blocks a hit of L tokens needs that the device does
@@ -18,12 +19,17 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_prefix_sessions import pool_config, session_ops
 
+from benchmarks.workloads.hybrid_capacity import GRANITE_4_H_SMALL, hybrid_layer_specs
+from benchmarks.workloads.linear_attention_capacity import QWEN3_5_27B, linear_hybrid_specs
 from scheduler.config import OffloadConfig
-from scheduler.hybrid_capacity import GRANITE_4_H_SMALL, hybrid_layer_specs
 from scheduler.kv_cache.builder import build_kv_cache_config
 from scheduler.kv_cache.manager import CacheHit, KVCacheManager
 from scheduler.kv_cache.offload import group_block_bytes
@@ -31,12 +37,10 @@ from scheduler.kv_cache.spec import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
-    MambaSpec,
     SlidingWindowSpec,
     cdiv,
-    manager_spec,
 )
-from scheduler.linear_attention_capacity import QWEN3_5_27B, linear_hybrid_specs
+from scheduler.kv_cache.transfer import needed_blocks
 from scheduler.replay import TraceReplayer, build_manager
 from scheduler.request import Request, SamplingParams
 
@@ -107,16 +111,6 @@ LAYOUTS: dict[str, dict[str, KVCacheSpec]] = {
     "granite-4.0-h-small": hybrid_layer_specs(GRANITE_4_H_SMALL, BLOCK),
     "qwen3.5-27b": linear_hybrid_specs(QWEN3_5_27B, BLOCK),
 }
-
-
-def needed_blocks(spec: KVCacheSpec, num_tokens: int) -> int:
-    """Blocks of one group a hit of `num_tokens` tokens reads (the hybrid lower bound's rule)."""
-    spec = manager_spec(spec)
-    if isinstance(spec, SlidingWindowSpec):
-        return min(cdiv(spec.sliding_window - 1, spec.block_size), num_tokens // spec.block_size)
-    if isinstance(spec, MambaSpec):
-        return 1 if num_tokens else 0
-    return num_tokens // spec.block_size
 
 
 class BytesMeter(TraceReplayer):
@@ -193,6 +187,24 @@ def _pool_blocks(config: KVCacheConfig, longest: int) -> int:
     return 2 * per_session + 1
 
 
+def compare_tier_eviction(
+    device: dict[str, Any], rounds: list[list[dict[str, Any]]], num_rounds: int
+) -> None:
+    """Hit rate per round with tiers of several sizes, the tier evicting in LRU or chain order."""
+    print(
+        "\n| tier | eviction | " + " | ".join(f"r{i + 1}" for i in range(num_rounds)) + " | mean |"
+    )
+    print("|---|---|" + "---|" * (num_rounds + 1))
+    for multiple in (1, 1.5, 2, 4):
+        blocks = int(multiple * (device["num_blocks"] - 1))
+        for eviction in ("lru", "chain"):
+            config = {**device, "kv_offloading_blocks": blocks, "kv_offloading_eviction": eviction}
+            rates, *_ = hit_rates(config, rounds)
+            cells = " | ".join(f"{rate:.3f}" for rate in rates)
+            mean = sum(rates) / len(rates)
+            print(f"| {multiple}x | {eviction} | {cells} | {mean:.3f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sessions", type=int, default=32)
@@ -216,6 +228,7 @@ def main() -> None:
         f"\nblocks copied to the tier: {on_evict} when the pool evicts them, {registered} "
         "written through at registration"
     )
+    compare_tier_eviction(device, rounds, args.rounds)
     print(
         "\n| layout | tier hits (trace) | loaded / lower bound | "
         "8k-token tier hit: hybrid / non-hybrid bytes |"

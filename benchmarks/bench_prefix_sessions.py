@@ -5,8 +5,8 @@ system prompt; a turn prefills the session's whole history plus 300 new tokens, 
 frees; sessions take turns round-robin for 8 rounds. Pool: a Gemma-4-31B-shaped layout of five
 sliding-window groups (window 1024) and one full-attention group, block 16, 8,765 blocks. The
 policies run on the same traces in the same process; `lru` is vLLM's order. A second table
-replays random shared-document traffic (`scheduler.pressure_traces`) with each policy: hit tokens
-(ratio to the first policy).
+replays random shared-document traffic (`benchmarks.workloads.pressure_traces`) with each
+policy: hit tokens (ratio to the first policy).
 
     .venv/bin/python benchmarks/bench_prefix_sessions.py [--sessions 8 16 32 64] [--rounds 8]
 """
@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
-from scheduler.pressure_traces import ALL_REACHABLE, LAYOUTS, hit_tokens, pressure_trace
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.workloads.pressure_traces import ALL_REACHABLE, LAYOUTS, hit_tokens, pressure_trace
 from scheduler.replay import TraceReplayer, build_manager, replay_trace
 
 SYSTEM_TOKENS = 2000
@@ -77,8 +81,8 @@ def hit_rates(policy: str, rounds: list[list[dict[str, Any]]]) -> list[float]:
 
 
 def pressure_ratios(policies: list[str], num_seeds: int = 20) -> dict[str, list[int]]:
-    """Per layout of `scheduler.pressure_traces`, total hit tokens of each policy over the
-    seeds (random prefixes of four shared documents in a small pool: not sessions)."""
+    """Per layout of `benchmarks.workloads.pressure_traces`, total hit tokens of each policy
+    over the seeds (random prefixes of four shared documents in a small pool: not sessions)."""
     totals = {}
     for layout, groups in {**LAYOUTS, **ALL_REACHABLE}.items():
         totals[layout] = [

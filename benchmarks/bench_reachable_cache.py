@@ -1,8 +1,8 @@
 """Prefix-cache hit rate when only reachable blocks are cached, against caching every block.
 
-Replays the pressure trace set of `scheduler.pressure_traces` (small pool, shared prefixes,
-layouts with blocks no hit can use) under both policies in the same run and prints, per layout,
-the prompt tokens served from the cache and the ratio.
+Replays the pressure trace set of `benchmarks.workloads.pressure_traces` (small pool, shared
+prefixes, layouts with blocks no hit can use) under both policies in the same run and prints,
+per layout, the prompt tokens served from the cache and the ratio.
 
     .venv/bin/python benchmarks/bench_reachable_cache.py [--seeds 20]
 """
@@ -10,8 +10,12 @@ the prompt tokens served from the cache and the ratio.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-from scheduler.pressure_traces import LAYOUTS, hit_tokens, pressure_trace
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.workloads.pressure_traces import LAYOUTS, hit_tokens, pressure_trace
 from scheduler.replay import replay_trace
 
 

@@ -2,15 +2,20 @@
 
 Per model (sliding window + full attention, Mamba + full attention), session count and replica
 count, plays the same multi-session chat trace (`routing_sim`) through round-robin, Ray's
-prefix-cache affinity policy and `HybridRoutingPolicy`, and, as the reference, through one
+prefix-cache affinity policy and `HybridRoutingPolicy` (without, and with pulls of a prefix from
+the replica holding it: `--pull-threshold`), and, as the reference, through one
 replica holding the combined pool (and the combined batch limits). Prints the cluster prefix-cache
 hit rate against the reference, max/mean load over replicas (requests routed, tokens computed),
 and for our router how far the predicted hit is from the hit the engine got.
+
+With `--drain`, only a replica drained a third into the run: of the turns that leave it, the
+tokens of their earlier history computed again, pulls off against on (same trace).
 
 With `--serve`, then a short real-Serve run (`routing_serve`): two CPU replicas of a tiny
 sliding-window hybrid, chat sessions over HTTP, per router the hit rate of the later turns.
 
     .venv/bin/python benchmarks/bench_routing.py [--quick] [--delay 10] [--load-factor 2.0]
+        [--pull-threshold 64] [--drain]
         [--serve [--serve-sessions 8]]
 """
 
@@ -49,6 +54,7 @@ LOAD_GOAL = 1.3
 """Max/mean over replicas, of requests routed and of tokens computed."""
 ERROR_GOAL = 0.05
 """Σ|predicted - actual hit| / Σ actual hit."""
+PULL = "hybrid-prefix + pull (ours)"
 
 
 def _imbalance(values: list[int]) -> float:
@@ -106,6 +112,7 @@ def measure_case(
         "round-robin": lambda n: RoundRobin(),
         "ray-prefix-affinity": lambda n: RayPrefixAffinity(n),
         "hybrid-prefix (ours)": lambda n: HybridPrefix(n, args.delay, args.load_factor),
+        PULL: lambda n: HybridPrefix(n, args.delay, args.load_factor, args.pull_threshold),
     }
     placements = balanced_placements(sessions, replicas, args.placements, seed)
     for number, placement in enumerate(placements):
@@ -126,10 +133,12 @@ def measure(
         if name.startswith("placement"):
             continue
         error = _prediction_error(result) if result.prediction_pairs else "-"
+        pulls = f"{result.num_pulls} / {result.pulled_tokens}" if name == PULL else "-"
         rows.append(
             f"| {model} | {pressure} | {sessions} | {replicas} | {name} | {result.hit_rate:.1%} | "
             f"{case.ratio(result):.2f} | "
-            f"{_imbalance(result.routed):.2f} | {_imbalance(result.computed):.2f} | {error} |"
+            f"{_imbalance(result.routed):.2f} | {_imbalance(result.computed):.2f} | {error} | "
+            f"{pulls} |"
         )
     return rows
 
@@ -143,9 +152,15 @@ def measure_seeds(
     seeds = range(args.seed, args.seed + args.seeds)
     cases = [measure_case(model, pressure, sessions, replicas, args, seed) for seed in seeds]
     cells = []
-    for name in ("round-robin", "ray-prefix-affinity", "hybrid-prefix (ours)"):
+    for name in ("round-robin", "ray-prefix-affinity", "hybrid-prefix (ours)", PULL):
         ratios = sorted(case.ratio(case.routers[name]) for case in cases)
         cells.append(f"{statistics.median(ratios):.2f} / {ratios[0]:.2f}")
+    pulls = [case.routers[PULL] for case in cases]
+    pull_met = sum(
+        case.ratio(result) >= HIT_GOAL and _imbalance(result.computed) <= LOAD_GOAL
+        for case, result in zip(cases, pulls, strict=True)
+    )
+    pull_tokens = max(_imbalance(result.computed) for result in pulls)
     ours = [case.routers["hybrid-prefix (ours)"] for case in cases]
     met = sum(
         case.ratio(result) >= HIT_GOAL
@@ -170,8 +185,52 @@ def measure_seeds(
         )
     return (
         f"| {model} | {pressure} | {sessions} | {replicas} | {' | '.join(cells)} | "
-        f"{met}/{len(cases)} | {tokens:.2f} | {error:.1%} | {spread} |"
+        f"{met}/{len(cases)} | {tokens:.2f} | {error:.1%} | {pull_met}/{len(cases)} | "
+        f"{pull_tokens:.2f} | {spread} |"
     )
+
+
+DRAIN_CASES = [(8, 2), (32, 4)]
+
+
+def drain_rows(args: argparse.Namespace) -> list[str]:
+    """Per model and case (moderate pressure): replica 0 drained a third into the run; of the
+    turns that leave it, the earlier-history tokens computed again, with pulls off and on."""
+    rows = []
+    for model in MODELS:
+        for sessions, replicas in DRAIN_CASES:
+            workload = Workload(num_sessions=sessions, num_turns=args.turns, seed=args.seed)
+            sched = SchedulerConfig(
+                max_num_seqs=32, max_num_batched_tokens=1024, max_model_len=8192
+            )
+            config = model_config(model, PRESSURES["moderate"] * sessions // replicas + 1)
+            plain = run(
+                workload,
+                config,
+                sched,
+                replicas,
+                lambda n: HybridPrefix(n, args.delay, args.load_factor),
+            )
+            drain = (plain.ticks // 3, 0)
+            cells = []
+            for threshold in (None, args.pull_threshold):
+                result = run(
+                    workload,
+                    config,
+                    sched,
+                    replicas,
+                    lambda n, t=threshold: HybridPrefix(n, args.delay, args.load_factor, t),
+                    drain=drain,
+                )
+                cells.append(result)
+            off, on = cells
+            ratio = on.recomputed_tokens / max(off.recomputed_tokens, 1)
+            rows.append(
+                f"| {model} | {sessions} | {replicas} | {drain[0]} | {off.recomputed_tokens} | "
+                f"{on.recomputed_tokens} | {ratio:.1%} | {on.num_pulls} | "
+                f"{off.hit_rate:.1%} / {on.hit_rate:.1%} |"
+            )
+    return rows
 
 
 def event_overhead(args: argparse.Namespace) -> str:
@@ -198,6 +257,12 @@ def main() -> None:
         "--delay", type=int, default=10, help="steps before events reach the router"
     )
     parser.add_argument("--load-factor", type=float, default=2.0)
+    parser.add_argument(
+        "--pull-threshold",
+        type=int,
+        default=64,
+        help="tokens by which another replica's predicted hit must lead before a pull",
+    )
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -209,11 +274,24 @@ def main() -> None:
         default=0,
         help="also this many random fixed placements per trace (with --seeds > 1)",
     )
+    parser.add_argument(
+        "--drain", action="store_true", help="only the drained-replica run, pulls off vs on"
+    )
     parser.add_argument("--serve", action="store_true", help="also the short real-Serve run")
     parser.add_argument("--serve-sessions", type=int, default=8)
     parser.add_argument("--serve-kv-bytes", type=int, default=1 << 20)
     args = parser.parse_args()
     start = time.perf_counter()
+    if args.drain:
+        print(
+            "| model | sessions | replicas | drained at tick | recomputed, pull off "
+            "| recomputed, pull on | on / off | pulls | hit rate off / on |"
+        )
+        print("|---|---|---|---|---|---|---|---|---|")
+        for row in drain_rows(args):
+            print(row, flush=True)
+        print(f"\n{time.perf_counter() - start:.0f} s")
+        return
     grid = QUICK_GRID if args.quick else GRID
     if args.seeds > 1:
         print_seeds(args, grid)
@@ -237,10 +315,12 @@ def print_seeds(args: argparse.Namespace, grid: list[tuple[int, int]]) -> None:
     )
     print(
         "| model | pool pressure | sessions | replicas | round-robin | ray-prefix-affinity "
-        "| hybrid-prefix (ours) | ours: traces meeting every goal | ours: worst max/mean tokens "
-        "| ours: worst total error | random fixed placements: lowest / median / highest |"
+        "| hybrid-prefix (ours) | + pull | ours: traces meeting every goal "
+        "| ours: worst max/mean tokens | ours: worst total error "
+        "| + pull: traces meeting hit and token goals | + pull: worst max/mean tokens "
+        "| random fixed placements: lowest / median / highest |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for model in MODELS:
         for pressure in PRESSURES:
             for sessions, replicas in grid:
@@ -251,9 +331,9 @@ def print_trace(args: argparse.Namespace, grid: list[tuple[int, int]]) -> None:
     print(
         "| model | pool pressure | sessions | replicas | router | cluster hit rate "
         "| vs one replica, whole pool | max/mean requests | max/mean tokens computed "
-        "| predicted-hit error: mean / p90 / total |"
+        "| predicted-hit error: mean / p90 / total | pulls / tokens pulled |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for model in MODELS:
         for pressure in PRESSURES:
             for sessions, replicas in grid:

@@ -4,6 +4,11 @@ Two loads on a full-attention + sliding-window model (block size 16, window 256)
   decode: 256 running requests, one token each per step;
   mixed:  up to 256 running requests with a steady stream of new prompts (chunked prefill,
           prefix sharing, requests finishing), so prefill chunks and decodes share each step.
+Two loads on a 60-layer hybrid (one full-attention group and five sliding-window groups of ten
+layers each, window 1,024, block 16; a pool small enough that cached blocks are evicted):
+  hybrid-decode: 256 running requests of 1,024-token prompts, one token each per step;
+  hybrid-mixed:  four new 2,048-token prompts admitted every step (half of each a prefix shared
+                 with other prompts), short outputs (8-32 tokens).
 The model runner is a stand-in (one fixed token per finished step) and is not timed. A second,
 instrumented pass times the KV cache manager calls alone, so the table shows which side of the
 step costs what (the ratio is manager time / whole step, both from that pass). Last, the per-step
@@ -53,6 +58,26 @@ def _kv_config() -> KVCacheConfig:
     return KVCacheConfig(num_blocks=NUM_BLOCKS, groups=groups, tensors=())
 
 
+HYBRID_WINDOW = 1024
+HYBRID_NUM_BLOCKS = 60_000
+HYBRID_PROMPT = 2048
+
+
+def _hybrid_kv_config(num_blocks: int = HYBRID_NUM_BLOCKS) -> KVCacheConfig:
+    """60 layers: group 0 full attention, groups 1-5 sliding window, ten layers per group."""
+    shape = AttentionShape(num_kv_heads=8, head_size=128, dtype_bytes=2)
+    full = make_spec("full_attention", BLOCK_SIZE, shape=shape)
+    window = make_spec("sliding_window", BLOCK_SIZE, HYBRID_WINDOW, shape=shape)
+    groups = tuple(
+        KVCacheGroupSpec(
+            tuple(f"layers.{layer}.attn" for layer in range(group, 60, 6)),
+            full if group == 0 else window,
+        )
+        for group in range(6)
+    )
+    return KVCacheConfig(num_blocks=num_blocks, groups=groups, tensors=())
+
+
 def _runner_output(out: SchedulerOutput, scheduler: Scheduler) -> ModelRunnerOutput:
     """One token for every request whose step reached its last known token."""
     sampled = []
@@ -96,6 +121,42 @@ def _mixed_load() -> Load:
             params = SamplingParams(temperature=0, max_tokens=rng.randint(16, 256))
             request = Request(
                 f"m{next(counter)}", prefix + suffix, params, scheduler.hash_block_size
+            )
+            scheduler.add_request(request)
+
+    return Load(scheduler, feed)
+
+
+def _hybrid_decode_load() -> Load:
+    config = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=8192)
+    scheduler = Scheduler(config, _hybrid_kv_config(num_blocks=120_000))
+    rng = random.Random(2)
+    for i in range(256):
+        prompt = [rng.randrange(1, 32000) for _ in range(HYBRID_PROMPT // 2)]
+        params = SamplingParams(temperature=0, max_tokens=4000)
+        scheduler.add_request(Request(f"hd{i}", prompt, params, scheduler.hash_block_size))
+    return Load(scheduler, lambda step: None)
+
+
+def _hybrid_mixed_load() -> Load:
+    """Four new 2,048-token prompts per step; budget for them plus every running decode."""
+    config = SchedulerConfig(
+        max_num_seqs=256, max_num_batched_tokens=4 * HYBRID_PROMPT + 256, max_model_len=8192
+    )
+    scheduler = Scheduler(config, _hybrid_kv_config())
+    rng = random.Random(3)
+    prefixes = [[rng.randrange(1, 32000) for _ in range(HYBRID_PROMPT // 2)] for _ in range(16)]
+    counter = iter(range(10**9))
+
+    def feed(step: int) -> None:
+        for _ in range(4):
+            suffix = [rng.randrange(1, 32000) for _ in range(HYBRID_PROMPT // 2)]
+            params = SamplingParams(temperature=0, max_tokens=rng.randint(8, 32))
+            request = Request(
+                f"h{next(counter)}",
+                rng.choice(prefixes) + suffix,
+                params,
+                scheduler.hash_block_size,
             )
             scheduler.add_request(request)
 
@@ -195,9 +256,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
     args = parser.parse_args()
-    print("load    mean_us  median_us  running  tokens  us/request  manager/step")
+    print("load     mean_us  median_us  running  tokens  us/request  manager/step")
     _measure("decode", _decode_load, warmup=8, steps=args.steps)
     _measure("mixed", _mixed_load, warmup=200, steps=args.steps)
+    _measure("h-decode", _hybrid_decode_load, warmup=40, steps=args.steps)
+    _measure("h-mixed", _hybrid_mixed_load, warmup=100, steps=args.steps)
     _measure_messages()
 
 

@@ -20,11 +20,12 @@ from typing import Protocol
 
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
 
-from cluster.serve.hybrid_policy import HybridRoutingPolicy
+from cluster.serve.hybrid_policy import HybridRoutingPolicy, PromptKeys
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache.events import KVEventLog, KVEventWindow
 from scheduler.kv_cache.spec import KVCacheConfig, KVCacheSpec, MambaCacheMode
 from scheduler.kv_cache.spec_factory import make_spec, one_layer_groups_config
+from scheduler.kv_cache.transfer import commit_import, find_export, held_keys, reserve_import
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler
@@ -216,7 +217,15 @@ class HybridPrefix:
 
     name = "hybrid-prefix (ours)"
 
-    def __init__(self, num_replicas: int, delay: int, load_factor: float) -> None:
+    def __init__(
+        self,
+        num_replicas: int,
+        delay: int,
+        load_factor: float,
+        pull_threshold: int | None = None,
+    ) -> None:
+        """`pull_threshold` (tokens): when the chosen replica's predicted hit trails another's
+        by at least this much, the chosen one pulls the prefix from it (None: never)."""
         from cluster.serve.hybrid_policy import RoutingOptions
 
         self.policy: HybridRoutingPolicy[int] = HybridRoutingPolicy(
@@ -227,17 +236,36 @@ class HybridPrefix:
         self.predictions: dict[str, tuple[int, int]] = {}
         """Request ID -> (replica, predicted hit)."""
         self._next_id = count()
+        self.pull_threshold = pull_threshold
+        self.pull_from: int | None = None
+        """The replica the last chosen one pulls the prompt's prefix from (None: recompute)."""
+        if pull_threshold is not None:
+            self.name = "hybrid-prefix + pull (ours)"
+        self.drained: set[int] = set()
+        """Replicas taken out of routing (draining: alive, their caches still readable)."""
 
     def choose(
         self, replicas: list[SimReplica], token_ids: list[int], now: int, session: int
     ) -> int:
         keys = self.policy.prompt_keys(token_ids, None)
         seconds = now * STEP_S
-        ranks = self.policy.choose(list(range(len(replicas))), keys, seconds)
+        serving = [r for r in range(len(replicas)) if r not in self.drained]
+        ranks = self.policy.choose(serving, keys, seconds)
         chosen = ranks[0][0]
         self._last = (chosen, self.policy.predicted_hit(chosen, keys, seconds))
+        self.pull_from = self._pull_source(len(replicas), chosen, keys, seconds)
         self.policy.routed(chosen, keys, seconds)
         return chosen
+
+    def _pull_source(
+        self, num_replicas: int, chosen: int, keys: PromptKeys, seconds: float
+    ) -> int | None:
+        if self.pull_threshold is None:
+            return None
+        hits = [self.policy.predicted_hit(r, keys, seconds) for r in range(num_replicas)]
+        source = max(range(num_replicas), key=hits.__getitem__)
+        lead = hits[source] - hits[chosen]
+        return source if source != chosen and lead >= self.pull_threshold else None
 
     def start(self, replicas: list[SimReplica]) -> None:
         """The first poll, once the replicas are up and before traffic: their (empty) logs
@@ -262,19 +290,72 @@ class HybridPrefix:
         self.policy.completed(replica)
 
 
+def pull_between(sender: SimReplica, receiver: SimReplica, token_ids: list[int]) -> int:
+    """The receiver takes the sender's cached prefix of the prompt (the scheduler's side of a
+    KV transfer: held keys, the sender's minimal hybrid set, import); the tokens it covers."""
+    take = receiver.scheduler.kv_cache_manager
+    probe = Request("pull", list(token_ids), SamplingParams(), take.hash_block_size)
+    held = held_keys(take, probe.block_hashes, "sim")
+    give = sender.scheduler.kv_cache_manager
+    plan = find_export(give, probe.block_hashes, len(token_ids) - 1, held, "sim")
+    if not plan.keys.num_blocks:
+        return 0
+    reservation = reserve_import(take, plan.keys)
+    if reservation is None:
+        return 0
+    commit_import(take, reservation)
+    return plan.keys.num_hit_tokens
+
+
 @dataclass
 class RunResult:
     prompt_tokens: int = 0
     hit_tokens: int = 0
+    num_pulls: int = 0
+    pulled_tokens: int = 0
+    """Prefix tokens the pulls covered (hits of the receiving replica once imported)."""
     routed: list[int] = field(default_factory=list)
     computed: list[int] = field(default_factory=list)
     prediction_pairs: list[tuple[int, int]] = field(default_factory=list)
     """(predicted, actual) hit per request routed by our policy."""
+    recomputed_tokens: int = 0
+    """Of the turns that left a drained replica, the tokens of their earlier history computed
+    again (not hit) on the replica they moved to."""
     ticks: int = 0
 
     @property
     def hit_rate(self) -> float:
         return self.hit_tokens / max(self.prompt_tokens, 1)
+
+
+@dataclass
+class DrainLedger:
+    """A replica drained mid-run: the turns that leave it, and what their new replica computes
+    again of their earlier history."""
+
+    drain: tuple[int, int] | None
+    """(tick, replica), or None: nothing drains."""
+    last_served: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Session -> (replica, history tokens) of its last finished turn."""
+    moved: dict[str, int] = field(default_factory=dict)
+    """Request ID -> earlier history tokens, for turns that left the drained replica."""
+
+    def start_drain(self, router: Router, tick: int) -> None:
+        if self.drain is not None and tick >= self.drain[0] and isinstance(router, HybridPrefix):
+            router.drained.add(self.drain[1])
+
+    def routed(self, req_id: str, session: int, chosen: int) -> None:
+        previous = self.last_served.get(session)
+        if self.drain is None or previous is None:
+            return
+        if previous[0] == self.drain[1] != chosen:
+            self.moved[req_id] = previous[1]
+
+    def finished(self, request: Request, session: int, replica: int) -> int:
+        """Tokens of the finished turn's earlier history it computed again (0 unless moved)."""
+        self.last_served[session] = (replica, request.num_tokens)
+        earlier = self.moved.pop(request.req_id, 0)
+        return max(0, earlier - (request.num_cached_tokens or 0))
 
 
 def _draw(rng: random.Random, bounds: tuple[int, int]) -> int:
@@ -298,8 +379,10 @@ def run(
     num_replicas: int,
     make_router: Callable[[int], Router],
     events: bool | None = None,
+    drain: tuple[int, int] | None = None,
 ) -> RunResult:
-    """Play the workload through `num_replicas` simulated replicas behind one router."""
+    """Play the workload through `num_replicas` simulated replicas behind one router;
+    `drain` = (tick, replica): from that tick on, our router sends nothing to the replica."""
     rng = random.Random(workload.seed)
     system = [_draw(rng, (1, VOCAB - 1)) for _ in range(workload.system_tokens)]
     sessions = [
@@ -312,6 +395,7 @@ def run(
     replicas = [SimReplica(kv_config, sched, events) for _ in range(num_replicas)]
     router.start(replicas)
     owner: dict[str, tuple[int, int, Request]] = {}
+    ledger = DrainLedger(drain)
     result = RunResult()
     ids = count()
     tick = 0
@@ -321,7 +405,14 @@ def run(
                 session.turns_left -= 1
                 session.due = -1
                 req_id = f"s{number}-{next(ids)}"
+                ledger.start_drain(router, tick)
                 chosen = router.choose(replicas, session.history, tick, number)
+                ledger.routed(req_id, number, chosen)
+                source = getattr(router, "pull_from", None)
+                if source is not None:
+                    pulled = pull_between(replicas[source], replicas[chosen], session.history)
+                    result.num_pulls += pulled > 0
+                    result.pulled_tokens += pulled
                 params = SamplingParams(
                     max_tokens=_draw(session.rng, workload.output_tokens), ignore_eos=True
                 )
@@ -347,6 +438,7 @@ def run(
                 session.due = tick + _draw(session.rng, workload.think_ticks)
                 result.prompt_tokens += request.num_prompt_tokens
                 result.hit_tokens += request.num_cached_tokens or 0
+                result.recomputed_tokens += ledger.finished(request, number, index)
                 if isinstance(router, HybridPrefix):
                     _, predicted = router.predictions.pop(request.req_id)
                     result.prediction_pairs.append((predicted, request.num_cached_tokens or 0))

@@ -4,7 +4,8 @@ latency p50/p99, output tokens/s).
 
 Tokens are counted from the stream's own token counts (usage for HTTP, delta token IDs for the
 engine), so coalesced chunks that carry several tokens count fully; each chunk after the first
-gives one inter-token latency sample per token it carries (its gap split evenly).
+gives one inter-token latency sample per token it carries (its gap split evenly), and one
+client-seen gap (the time since the previous chunk: what a reader of the stream waits).
 """
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ import httpx
 class Sample:
     ttft: float | None = None
     itls: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
+    """Seconds between consecutive chunks, as the client sees them."""
     tokens: int = 0
+    chunks: int = 0
     error: str | None = None
 
     def add_chunk(self, num_tokens: int, start: float, last: float) -> float:
@@ -34,7 +38,9 @@ class Sample:
             self.ttft = now - start
         else:
             self.itls.extend([(now - last) / num_tokens] * num_tokens)
+            self.gaps.append(now - last)
         self.tokens += num_tokens
+        self.chunks += 1
         return now
 
 
@@ -106,6 +112,8 @@ async def sweep_level(one: OneRequest, concurrency: int, requests: int) -> dict[
     elapsed = time.perf_counter() - start
     ttfts = [s.ttft for s in samples if s.ttft is not None]
     itls = [x for s in samples for x in s.itls]
+    gaps = [x for s in samples for x in s.gaps]
+    chunks = sum(s.chunks for s in samples)
     return {
         "concurrency": concurrency,
         "requests": requests,
@@ -114,5 +122,8 @@ async def sweep_level(one: OneRequest, concurrency: int, requests: int) -> dict[
         "ttft_p99_ms": 1000 * pct(ttfts, 0.99),
         "itl_p50_ms": 1000 * pct(itls, 0.5),
         "itl_p99_ms": 1000 * pct(itls, 0.99),
+        "chunk_gap_p50_ms": 1000 * pct(gaps, 0.5),
+        "chunk_gap_p99_ms": 1000 * pct(gaps, 0.99),
+        "tokens_per_chunk": sum(s.tokens for s in samples) / chunks if chunks else float("nan"),
         "output_tok_s": sum(s.tokens for s in samples) / elapsed,
     }

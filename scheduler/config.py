@@ -35,6 +35,8 @@ class OffloadConfig:
     model_id: str = ""
     """Names the model's weights in the disk files' fingerprint (with the KV layout and dtype),
     so files of another model are never read."""
+    eviction: EvictionPolicy = EvictionPolicy.CHAIN
+    """Which entries the tier's levels give up first (`scheduler.kv_cache.offload_eviction`)."""
 
     def __post_init__(self) -> None:
         if self.host_bytes < 1:

@@ -118,7 +118,9 @@ def build_manager(trace: dict[str, Any]) -> KVCacheManager:
     if offload_blocks < 0:
         raise ValueError(f"'kv_offloading_blocks' must be >= 0, got {offload_blocks}")
     if offload_blocks:
-        manager.enable_offload(OffloadConfig(offload_blocks))  # no tensor plan: 1 per block
+        eviction = _get_choice(trace, "kv_offloading_eviction", "chain", EvictionPolicy)
+        tier = OffloadConfig(offload_blocks, eviction=EvictionPolicy(eviction))
+        manager.enable_offload(tier)  # no tensor plan: 1 per block
     if _get_int(trace, "num_speculative_tokens", 0):
         manager.enable_spec_slots(_get_int(trace, "num_speculative_tokens"))
     return manager
@@ -193,7 +195,7 @@ class TraceReplayer:
         self._check_length(req_id, len(tokens))
         self.manager.begin_step()
         request = Request(req_id, tokens, SamplingParams(), self.manager.hash_block_size)
-        hit = self.manager.get_computed_blocks(request)
+        hit = self.manager.explain_misses(request, self.manager.get_computed_blocks(request))
         misses = [dict(group) for group in hit.misses] or [{} for _ in self.miss_totals]
         for totals, group in zip(self.miss_totals, misses, strict=True):
             for reason, count in group.items():
@@ -243,6 +245,7 @@ class TraceReplayer:
                 manager.free(request)
                 return None
             if first and num_hit:
+                request.num_computed_tokens = num_hit  # the hit, as the scheduler has it
                 manager.finish_load(request, succeeded=True)  # loads are instant here
             computed += size
             request.num_computed_tokens = computed

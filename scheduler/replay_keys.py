@@ -21,6 +21,7 @@ TOP_LEVEL_KEYS = frozenset(
         "mamba_cache_mode",
         "prefix_match_unit",
         "kv_offloading_blocks",
+        "kv_offloading_eviction",
         "num_speculative_tokens",
         "ops",
         "meta",

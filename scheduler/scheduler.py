@@ -57,7 +57,9 @@ class Scheduler:
         self.spec: DraftVerification | None = None
         """Speculative decoding (None: off)."""
         if config.speculative is not None:
-            self.kv_cache_manager.enable_spec_slots(config.speculative.num_speculative_tokens)
+            self.kv_cache_manager.enable_spec_slots(
+                config.speculative.num_speculative_tokens, config.speculative.draft_lookahead
+            )
             self.spec = DraftVerification(
                 config.speculative, self.kv_cache_manager, config.max_model_len
             )
@@ -70,6 +72,9 @@ class Scheduler:
         self._offload_loads = (0.0, 0)
         """Summed load seconds and loaded requests (cumulative, for metrics)."""
         self.num_preemptions = 0
+        self.num_scheduled_ahead = 0
+        """Requests scheduled while their last sampled token was still in flight (async
+        scheduling running ahead; cumulative)."""
         self._worker_view = WorkerView(
             self.kv_cache_manager, sends_sampled=not config.async_scheduling
         )
@@ -305,12 +310,13 @@ class Scheduler:
             if manager.needs_block_aligned_prefill:
                 self._junction_tokens[request.req_id] = hit.junction_tokens
             if hit.num_offloaded_blocks:
-                if not self._start_loading(request, hit):
+                if not self._start_loading(request, manager.explain_misses(request, hit)):
                     return  # room comes back as running requests finish
                 continue
             num_new = self._num_new_tokens(request, hit.num_tokens, plan.budget)
             if num_new == 0:
                 return
+            hit = manager.explain_misses(request, hit)  # the cache as looked up (see there)
             blocks = manager.allocate_slots(request, num_new, hit.num_tokens, hit.blocks)
             if blocks is None:
                 num_new, blocks = self._allocate_shorter_chunk(request, num_new, hit)
@@ -427,6 +433,7 @@ class Scheduler:
         run_ahead = self.config.async_scheduling
         for request in plan.scheduled:
             req_id = request.req_id
+            self.num_scheduled_ahead += request.num_output_placeholders > 0
             data = request_data(request, new_blocks[req_id])
             if isinstance(data, CachedRequestData):
                 cached_reqs.append(data)

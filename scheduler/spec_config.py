@@ -58,6 +58,12 @@ class SpeculativeConfig:
         if (self.method is SpecMethod.DRAFT_MODEL) != (self.model is not None):
             raise ValueError("model names the draft model: set it for method 'draft_model' only")
 
+    @property
+    def draft_lookahead(self) -> int:
+        """Slots past each step's tokens a drafter model writes its drafts' KV into (its k
+        autoregressive steps start at the last known token); 0 for n-gram lookup."""
+        return 0 if self.method is SpecMethod.NGRAM else self.num_speculative_tokens
+
 
 def supports_speculation(params: SamplingParams) -> bool:
     """Whether a request's tokens can be verified several at a time.

@@ -8,6 +8,13 @@ Hypothesis runs the fixed "ci" profile unless HYPOTHESIS_PROFILE names another: 
 (examples drawn from each test's own fixed seed, no example database), so two runs of the suite
 test the same cases. `HYPOTHESIS_PROFILE=explore` draws fresh examples each run, to hunt bugs.
 
+The parity tests compare token for token with transformers in fp32, while `dtype="auto"` picks
+bf16 on a CPU with native bf16: the engines the tests build name `dtype="float32"` (the shared
+argument dicts and helpers, and every engine that runs in a Ray actor or a subprocess), and in
+this process "auto" resolves as on a CPU without native bf16 (`cpu_dtype_pinned_to_fp32`), so an
+engine a test builds without naming a dtype still runs fp32. The bf16 tests name bfloat16, or
+restore the detection (`real_cpu_dtype`).
+
 A suite started in the background by a non-interactive shell inherits SIGINT ignored, and so
 would every command the tests start; the tests that press Ctrl-C need it to arrive as it does in
 a terminal, so Python's own SIGINT handling is restored here (children then start with the
@@ -18,10 +25,16 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
+
+from worker import cpu_dtype
+from worker.cpu_dtype import CpuDtypeChoice
+
+REAL_AUTO_CPU_DTYPE = cpu_dtype.auto_cpu_dtype
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
@@ -54,3 +67,21 @@ def gguf_reference():  # -> tuple[tokenizer, transformers model]
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), **source)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), dtype=torch.float32, **source)
     return tokenizer, model.eval()
+
+
+def _fp32_choice() -> CpuDtypeChoice:
+    return CpuDtypeChoice("float32", "the test suite pins fp32 (tests/conftest.py)")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def cpu_dtype_pinned_to_fp32() -> Iterator[None]:
+    """`dtype="auto"` resolves to fp32 in the test process (see the module docstring)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(cpu_dtype, "auto_cpu_dtype", _fp32_choice)
+        yield
+
+
+@pytest.fixture
+def real_cpu_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This machine's own choice for `dtype="auto"` on CPU, for the tests of that choice."""
+    monkeypatch.setattr(cpu_dtype, "auto_cpu_dtype", REAL_AUTO_CPU_DTYPE)

@@ -38,6 +38,16 @@ class BlockPages:
             views.append(tensor[index * split : (index + 1) * split])
         return BlockPages(self.group_id, 1, tuple(views))
 
+    def select(self, indices: Sequence[int]) -> BlockPages:
+        """The pages of these blocks, in the given order (all of them: no copy)."""
+        if list(indices) == list(range(self.num_blocks)):
+            return self
+        picked = []
+        for tensor in self.tensors:
+            split = tensor.shape[0] // self.num_blocks
+            picked.append(tensor[block_rows(list(indices), split, tensor.device)])
+        return BlockPages(self.group_id, len(indices), tuple(picked))
+
 
 def export_blocks(
     tensors: GroupTensors,

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from worker import cpu_dtype
+
 logger = logging.getLogger(__name__)
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -86,8 +88,9 @@ class ModelConfig:
         """Read a local checkpoint folder.
 
         Args:
-            dtype: a torch dtype or its name; "auto" picks fp32 on CPU, and on GPU the config's
-                16-bit `torch_dtype` when it has one, else bf16.
+            dtype: a torch dtype or its name; "auto" picks bf16 on a CPU with native bf16
+                and fp32 on other CPUs (`worker.cpu_dtype`), and on GPU the config's 16-bit
+                `torch_dtype` when it has one, else bf16.
             max_model_len: defaults to, and may not exceed, `max_position_embeddings`.
             device_type: "cpu" or "cuda" for resolving "auto"; None means cuda when available.
         """
@@ -146,8 +149,16 @@ def resolve_dtype(
             raise ValueError(f"unknown dtype {dtype!r}; choose 'auto' or one of {sorted(_DTYPES)}")
         return _DTYPES[dtype]
     if device_type == "cpu":
-        return torch.float32
-    return config_dtype if config_dtype in _HALF_DTYPES else torch.bfloat16
+        choice = cpu_dtype.auto_cpu_dtype()
+        logger.info("dtype auto: %s on CPU, since %s", choice.dtype, choice.reason)
+        return _DTYPES[choice.dtype]
+    resolved = config_dtype if config_dtype in _HALF_DTYPES else torch.bfloat16
+    logger.info("dtype auto: %s on GPU (the checkpoint's 16-bit dtype, else bf16)", _name(resolved))
+    return resolved
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _config_dtype(hf_config: PretrainedConfig) -> torch.dtype | None:

@@ -54,7 +54,8 @@ from worker.offload_store import HostOffloadStore
 from worker.runner_config import RunnerConfig
 from worker.sampler import Sampler, to_token_logprobs
 from worker.sampling_state import SamplingState
-from worker.spec_decode.proposer import DraftProposer, DraftRequest, make_proposer
+from worker.spec_decode.factory import make_proposer
+from worker.spec_decode.proposer import DrafterCache, DraftProposer, DraftRequest
 from worker.spec_decode.verify import RowLayout, verify_drafts
 
 logger = logging.getLogger(__name__)
@@ -107,14 +108,22 @@ class ModelRunner:
         config: RunnerConfig,
         device: torch.device,
         is_driver: bool = True,
+        drafter: nn.Module | None = None,
     ) -> None:
+        """`drafter`: the draft model or MTP layer of speculative decoding."""
         self.model = model
         self.settings = settings
         self.config = config
         self.device = device
         self.is_driver = is_driver
         """Only the driver rank samples and returns outputs; other ranks run the forward."""
-        self.layers = attention_layers(model)
+        self.proposer: DraftProposer | None = (
+            make_proposer(config.speculative, drafter) if config.speculative else None
+        )
+        """Proposes the drafts the next step verifies (driver rank; None: no speculation)."""
+        self.drafter_layers = self.proposer.drafter_layers if self.proposer else []
+        """Attention layers of the proposer's model: KV cache groups of their own."""
+        self.layers = attention_layers(model) + self.drafter_layers
         self.mamba_layers = mamba_layers(model)
         self._mamba_groups: dict[str, int] = {}
         """Mamba layer -> its KV cache group."""
@@ -122,10 +131,6 @@ class ModelRunner:
         self._mamba_kernels = select_mamba_kernels("torch", device)
         self.sampler = Sampler(config.seed, device)
         self.sampling_state = SamplingState(device, settings.eos_token_ids)
-        self.proposer: DraftProposer | None = (
-            make_proposer(config.speculative) if config.speculative is not None else None
-        )
-        """Proposes the drafts the next step verifies (driver rank; None: no speculation)."""
         self.attention_groups: list[AttentionGroup] = []
         self.kv_caches: KVCaches = {}
         self._group_tensors: GroupTensors = {}
@@ -143,13 +148,16 @@ class ModelRunner:
 
     def kv_cache_specs(self) -> KVCacheSpecReport:
         """Per-layer KV specs of this rank at the configured block size (Mamba layers too)."""
-        report = report_kv_cache_specs(self.layers, self.config.block_size, self.dtype_bytes)
-        if not self.mamba_layers:
-            return report
-        mode = MambaCacheMode(self.config.mamba_cache_mode)
-        specs = model_order_specs(
-            self.model, report.layer_specs, self.config.block_size, self.dtype_bytes, mode
-        )
+        block_size, dtype_bytes = self.config.block_size, self.dtype_bytes
+        target = attention_layers(self.model)
+        report = report_kv_cache_specs(target + self.drafter_layers, block_size, dtype_bytes)
+        specs = report.layer_specs
+        if self.mamba_layers:
+            mode = MambaCacheMode(self.config.mamba_cache_mode)
+            specs = model_order_specs(self.model, specs, block_size, dtype_bytes, mode)
+        for layer in self.drafter_layers:  # after the target's, in groups of their own
+            name = layer.layer_name
+            specs[name] = replace(report.layer_specs[name], drafter=True)
         return replace(report, layer_specs=specs)
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
@@ -186,15 +194,21 @@ class ModelRunner:
             self._num_blocks,
             self.device,
             self.config.offload_load_timeout_s,
-            waits_for_loads=not self.is_driver,
         )
         self._mamba_kernels = select_mamba_kernels(self.config.attention_backend, self.device)
+        if self.proposer is not None:
+            self.proposer.bind(self._drafter_cache())
         logger.info(
             "KV cache bound: %d KV cache groups, %d attention groups, kernel block sizes %s",
             len(kv_cache_config.groups),
             len(self.attention_groups),
             kernel_sizes,
         )
+
+    def _drafter_cache(self) -> DrafterCache:
+        names = {layer.layer_name for layer in self.drafter_layers}
+        groups = [group for group in self.attention_groups if names.issuperset(group.layer_names)]
+        return DrafterCache(groups, self.kv_caches, self._require_states())
 
     def _backend_for(self, kernel_block_size: int, needs: KernelNeeds) -> AttentionBackend:
         key = (kernel_block_size, needs)
@@ -256,6 +270,8 @@ class ModelRunner:
             layers = {name: per_group[gid] for name, gid in self._mamba_groups.items()}
             ctx = replace(ctx, mamba_metadata=layers)
         hidden = self.model(batch.input_ids, batch.positions, ctx)  # [num_tokens, hidden]
+        if self.proposer is not None:
+            self.proposer.observe(batch, ctx, hidden)
         if copies_after:
             copy_blocks(copies_after, self._group_tensors, self._num_blocks)
         rows = batch.logits_indices
@@ -284,6 +300,11 @@ class ModelRunner:
         return batch_order(
             req_ids, self._require_states(), num_scheduled, self.config.reorder_batch_threshold
         )
+
+    @property
+    def block_tensors(self) -> tuple[GroupTensors, int]:
+        """Every cache tensor of each KV cache group, and the pool's block count (transfers)."""
+        return self._group_tensors, self._num_blocks
 
     def _require_offload(self) -> HostOffloadStore:
         if self.offload is None:

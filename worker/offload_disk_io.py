@@ -1,7 +1,11 @@
-"""The disk level's file work, off the step: one background thread writes, reads and deletes
-block files in the order the steps asked (so a file is read or deleted only after it was
-written), while the step goes on. The step imports a request's pages into the pool once all
-its reads are done (`take_ready`), so no thread ever writes the pool.
+"""The offload tier's background work, off the step: one thread writes, reads and deletes block
+files in the order the steps asked (so a file is read or deleted only after it was written);
+another copies in-memory pages into the pool (CPU loads), so neither stalls the step.
+
+A load job reads its request's pages (from files, or as they are in memory) and, when given an
+`apply`, writes them into the pool itself. `LoadJob.cancel` (its request left, or its time ran
+out) takes the job's lock, so once it returns the job never touches the pool: the pool's blocks
+may be reused at once.
 """
 
 from __future__ import annotations
@@ -9,10 +13,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
 
@@ -25,76 +29,90 @@ logger = logging.getLogger(__name__)
 LoadedPages = list[tuple[OffloadLoad, BlockPages]]
 """A request's loads with the pages each one writes into its block."""
 
+ApplyPages = Callable[[LoadedPages], None]
+"""Writes a request's loaded pages into the pool."""
 
-@dataclass
-class _Read:
-    req_id: str
-    started: float
-    future: Future[LoadedPages]
-    cancelled: bool = False
-    """Its request left, or its time ran out: the result is dropped."""
+LOAD_ERRORS = (AssertionError, BlockFileError, KeyError, OSError, RuntimeError)
+"""What a failed load raises (a missing slot or file, a file that fails its checks, ...)."""
+
+
+class LoadJob:
+    """One request's loads on a background thread."""
+
+    def __init__(self, req_id: str) -> None:
+        self.req_id = req_id
+        self.started = time.perf_counter()
+        self.future: Future[LoadedPages] | None = None
+        self._lock = threading.Lock()
+        self._cancelled = False
+
+    def run(
+        self, loads: list[tuple[OffloadLoad, BlockPages | None]], apply: ApplyPages | None
+    ) -> LoadedPages:
+        loaded = _read_all(loads)
+        if apply is not None:
+            with self._lock:
+                if self._cancelled:
+                    return loaded
+                with torch.inference_mode():
+                    apply(loaded)
+        return loaded
+
+    def cancel(self) -> None:
+        """From now on the job never writes the pool (waits for a write under way)."""
+        with self._lock:
+            self._cancelled = True
+
+    def result(self) -> LoadedPages | None:
+        """The pages once the job ended (None while it runs); raises what the job raised."""
+        assert self.future is not None
+        return self.future.result() if self.future.done() else None
 
 
 class DiskIO:
-    """Block-file writes, reads and deletes on one background thread, in submission order."""
+    """Block-file writes, reads and deletes on one thread, in submission order; in-memory loads
+    on another."""
 
     def __init__(self) -> None:
-        self._executor: ThreadPoolExecutor | None = None
-        self._reads: list[_Read] = []
+        self._files: ThreadPoolExecutor | None = None
+        self._copies: ThreadPoolExecutor | None = None
 
-    def _submit(self, function: object, *args: object) -> Future:  # type: ignore[type-arg]
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="kv-offload-disk")
-        return self._executor.submit(function, *args)  # type: ignore[arg-type]
+    def _file_thread(self) -> ThreadPoolExecutor:
+        if self._files is None:
+            self._files = ThreadPoolExecutor(1, thread_name_prefix="kv-offload-disk")
+        return self._files
+
+    def _copy_thread(self) -> ThreadPoolExecutor:
+        if self._copies is None:
+            self._copies = ThreadPoolExecutor(1, thread_name_prefix="kv-offload-load")
+        return self._copies
 
     def write(self, file: str, pages: BlockPages, stored: torch.cuda.Event | None) -> None:
         """Write `pages` to `file` once the copies into them (`stored`, on CUDA) are done."""
-        self._submit(_write, file, pages, stored)
+        self._file_thread().submit(_write, file, pages, stored)
 
     def remove(self, file: str) -> None:
-        self._submit(_remove, file)
+        self._file_thread().submit(_remove, file)
 
-    def read(self, req_id: str, loads: Sequence[tuple[OffloadLoad, BlockPages | None]]) -> None:
-        """Read the files of a request's loads (pages already in memory are passed as is)."""
-        future = self._submit(_read_all, list(loads))
-        self._reads.append(_Read(req_id, time.perf_counter(), future))
+    def load(
+        self,
+        req_id: str,
+        loads: Sequence[tuple[OffloadLoad, BlockPages | None]],
+        apply: ApplyPages | None = None,
+    ) -> LoadJob:
+        """Read a request's pages (files on the file thread, after the writes asked before;
+        pages already in memory are passed as they are) and `apply` them, on a thread."""
+        job = LoadJob(req_id)
+        reads_files = any(pages is None for _, pages in loads)
+        executor = self._file_thread() if reads_files else self._copy_thread()
+        job.future = executor.submit(job.run, list(loads), apply)
+        return job
 
-    def cancel(self, req_ids: Iterable[str]) -> None:
-        """These requests left: their reads are dropped when done."""
-        left = set(req_ids)
-        for read in self._reads:
-            read.cancelled = read.cancelled or read.req_id in left
-
-    @property
-    def has_reads(self) -> bool:
-        return bool(self._reads)
-
-    def take_ready(
-        self, timeout_s: float
-    ) -> tuple[list[tuple[str, LoadedPages, float]], list[str]]:
-        """(requests whose reads are done, with their pages and seconds; requests whose reads
-        failed or passed `timeout_s`), leaving the others pending."""
-        ready: list[tuple[str, LoadedPages, float]] = []
-        failed: list[str] = []
-        pending: list[_Read] = []
-        now = time.perf_counter()
-        for read in self._reads:
-            if not read.future.done():
-                if not read.cancelled and now - read.started > timeout_s:
-                    logger.warning("offload-tier load of %s timed out", read.req_id)
-                    failed.append(read.req_id)
-                    read.cancelled = True
-                pending.append(read)
-                continue
-            if read.cancelled:
-                continue
-            try:
-                ready.append((read.req_id, read.future.result(), now - read.started))
-            except (BlockFileError, OSError, RuntimeError) as error:
-                logger.warning("offload-tier load of %s failed: %s", read.req_id, error)
-                failed.append(read.req_id)
-        self._reads = pending
-        return ready, failed
+    def flush(self) -> None:
+        """Wait until the work asked so far is done (tests)."""
+        for executor in (self._files, self._copies):
+            if executor is not None:
+                executor.submit(lambda: None).result()
 
 
 def _write(file: str, pages: BlockPages, stored: torch.cuda.Event | None) -> None:

@@ -2,30 +2,34 @@
 
 Each step's `OffloadOps` run before anything else of the step, in order: stores (device → host,
 on the compute stream, so they precede the writes of this step's forward), spills (host → a
-block file of the disk level, written by a background thread), loads (host → device on their
-own stream on CUDA, so the forward does not wait for them; block files are read by the
-background thread and imported by a later step), drops, disk drops (by the thread, in order).
-A request's loads are reported done once their copies have completed (on CPU: at once); a load
-that raises, reads a slot this store does not hold or a file that fails its checks (foreign,
-truncated, corrupt: one log line), or is still running after `load_timeout_s`, is reported
-failed, and the scheduler recomputes instead.
+block file of the disk level, written by a background thread), loads, drops, disk drops (by the
+thread, in order). Loads never hold up the step: on CUDA host pages are copied on a stream of
+their own; block files, and on CPU every page, are read and copied into the pool by background
+threads (`worker.offload_disk_io`) while the step's forward runs other requests.
+
+A request's loads are reported done once their copies completed on every tensor-parallel rank
+(the ranks agree each step while loads are pending); a load that raises, reads a slot this
+store does not hold or a file that fails its checks (foreign, truncated, corrupt, or missing on
+one rank: one log line), or is still running after `load_timeout_s`, fails on every rank, and
+the scheduler recomputes instead.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 import torch
 
 from scheduler.output import OffloadLoad, OffloadOps, OffloadSpill, OffloadStore
 from worker.block_copies import GroupTensors
 from worker.block_export import BlockPages, export_blocks, import_blocks
-from worker.offload_disk import BlockFileError
-from worker.offload_disk_io import DiskIO
+from worker.distributed import all_reduce, tp_rank, tp_size
+from worker.offload_disk_io import LOAD_ERRORS, DiskIO, LoadedPages, LoadJob
 
 logger = logging.getLogger(__name__)
 
@@ -40,11 +44,22 @@ class OffloadReport:
     """Wall time from issue to completion of the loads that finished, summed per request."""
 
 
+class LoadState(IntEnum):
+    RUNNING = 0
+    DONE = 1
+    FAILED = 2
+
+
 @dataclass
-class _LoadBatch:
-    req_ids: tuple[str, ...]
+class _RequestLoads:
+    """One request's loads in flight on this rank."""
+
     started: float
-    event: torch.cuda.Event | None
+    job: LoadJob | None = None
+    """Pages read (and on CPU copied into the pool) by a background thread."""
+    event: torch.cuda.Event | None = None
+    """CUDA: recorded on the load stream after the pages' copies into the pool."""
+    failed: bool = False
 
 
 @dataclass
@@ -55,13 +70,11 @@ class HostOffloadStore:
     num_pool_blocks: int
     device: torch.device
     load_timeout_s: float = 10.0
-    waits_for_loads: bool = False
-    """A rank whose reports nobody reads (not rank 0): its forwards wait for its own loads, so
-    a request rank 0 found loaded is loaded here too."""
     pages: dict[int, BlockPages] = field(default_factory=dict)
-    _in_flight: list[_LoadBatch] = field(default_factory=list)
     disk_io: DiskIO = field(default_factory=DiskIO)
-    """The disk level's file work, on its own thread."""
+    """File work and CPU page copies, on background threads."""
+    _loads: dict[str, _RequestLoads] = field(default_factory=dict)
+    """Requests with loads not reported yet, in issue order (the same on every rank)."""
     _stream: torch.cuda.Stream | None = None
 
     def __post_init__(self) -> None:
@@ -72,27 +85,30 @@ class HostOffloadStore:
     def nbytes(self) -> int:
         return sum(pages.nbytes for pages in self.pages.values())
 
+    @property
+    def pending_loads(self) -> tuple[str, ...]:
+        """Requests whose loads are not reported yet."""
+        return tuple(self._loads)
+
     def run(self, ops: OffloadOps, finished_req_ids: Iterable[str] = ()) -> OffloadReport:
         """One step's stores, loads and drops; the loads that ended since the last call.
-
-        The compute stream waits for loads whose blocks may be written by this step's forward:
-        those of requests that finished (aborted while loading: their blocks are free again)
-        and, on a rank that does not report (rank 0 does), every load in flight."""
-        self._fence(set(finished_req_ids))
+        Loads of requests that finished (aborted while loading: their blocks are free again)
+        end first, so nothing writes those blocks once this step's forward may."""
+        for req_id in finished_req_ids:
+            self._end(req_id)
         if ops.stores:
             self._store(ops.stores)
         if ops.spills:
             self._spill(ops.spills)
-        failed: list[str] = []
         if ops.loads:
-            failed = self._load(ops.loads)
+            self._issue(ops.loads)
         for slot in ops.drops:
             self.pages.pop(slot, None)
         for file in ops.disk_drops:
-            self.disk_io.remove(file)
-        if not self._in_flight and not failed and not self.disk_io.has_reads:
+            self.disk_io.remove(shard_file(file))
+        if not self._loads:
             return OffloadReport()
-        return self._collect(failed)
+        return self._report()
 
     def _store(self, stores: Iterable[OffloadStore]) -> None:
         by_group: dict[int, list[OffloadStore]] = {}
@@ -113,101 +129,137 @@ class HostOffloadStore:
         for spill in spills:
             pages = self.pages.get(spill.slot)
             if pages is not None:
-                self.disk_io.write(spill.file, pages, stored)
+                self.disk_io.write(shard_file(spill.file), pages, stored)
 
-    def _load(self, loads: Iterable[OffloadLoad]) -> list[str]:
-        """Issue the loads; the requests whose loads could not even start."""
+    def _issue(self, loads: Iterable[OffloadLoad]) -> None:
+        """Start each request's loads: host pages in memory on CUDA's load stream, the rest
+        (files; everything on CPU) on a thread."""
         by_req: dict[str, list[OffloadLoad]] = {}
         for load in loads:
             by_req.setdefault(load.req_id, []).append(load)
-        issued: list[str] = []
-        failed: list[str] = []
-        for req_id in [r for r, req_loads in by_req.items() if any(x.file for x in req_loads)]:
-            self._read_files(req_id, by_req.pop(req_id))
-        stream = self._stream
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.device))  # after this step's stores
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for req_id, req_loads in by_req.items():
-                try:
-                    self._load_request(req_loads)
-                except (KeyError, RuntimeError, AssertionError, BlockFileError) as error:
-                    logger.warning("offload-tier load of %s failed: %s", req_id, error)
-                    failed.append(req_id)
-                else:
-                    issued.append(req_id)
-        event = None
-        if stream is not None:
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(stream)
-        self._in_flight.append(_LoadBatch(tuple(issued), time.perf_counter(), event))
-        return failed
-
-    def _load_request(self, loads: list[OffloadLoad]) -> None:
-        for load in loads:
-            assert load.slot is not None
-            self._import(load, self.pages[load.slot])
-
-    def _import(self, load: OffloadLoad, pages: BlockPages) -> None:
-        assert pages.group_id == load.group_id, "pages of another group"
-        import_blocks(self.tensors, pages, [load.block_id], self.num_pool_blocks)
-
-    def _read_files(self, req_id: str, loads: list[OffloadLoad]) -> None:
-        """A request with loads from disk: its files are read off the step (its host slots'
-        pages go along), and all its pages are imported once they are in memory."""
-        self.disk_io.read(req_id, [(x, self.pages.get(x.slot) if x.slot else None) for x in loads])
-
-    def _import_read(self, finished: list[str], failed: list[str]) -> float:
-        """Import the requests whose files are read; their seconds."""
-        ready, late = self.disk_io.take_ready(self.load_timeout_s)
-        failed.extend(late)
-        seconds = 0.0
-        for req_id, loaded, elapsed in ready:
+        for req_id, req_loads in by_req.items():
+            state = _RequestLoads(time.perf_counter())
+            self._loads[req_id] = state
             try:
-                for load, pages in loaded:
-                    self._import(load, pages)
-            except (AssertionError, RuntimeError) as error:
-                logger.warning("offload-tier load of %s failed: %s", req_id, error)
-                failed.append(req_id)
+                sources = [(_shard_load(x), self._in_memory(x)) for x in req_loads]
+            except KeyError as error:
+                logger.warning("offload-tier load of %s failed: no slot %s", req_id, error)
+                state.failed = True
                 continue
-            finished.append(req_id)
-            seconds += elapsed
-        return seconds
-
-    def _fence(self, finished: set[str]) -> None:
-        if finished:
-            self.disk_io.cancel(finished)
-        if not self._in_flight or self._stream is None:
-            return
-        compute = torch.cuda.current_stream(self.device)
-        for batch in self._in_flight:
-            if batch.event is not None and (self.waits_for_loads or finished & set(batch.req_ids)):
-                compute.wait_event(batch.event)
-
-    def _collect(self, failed: list[str]) -> OffloadReport:
-        """Loads done or past their deadline; a timed-out batch is waited for by the compute
-        stream (its blocks may be reused) and reported failed."""
-        finished: list[str] = []
-        seconds = 0.0
-        now = time.perf_counter()
-        running: list[_LoadBatch] = []
-        for batch in self._in_flight:
-            done = batch.event is None or batch.event.query()  # type: ignore[no-untyped-call]
-            late = now - batch.started > self.load_timeout_s
-            if late:
-                if batch.event is not None:
-                    torch.cuda.current_stream(self.device).wait_event(batch.event)
-                logger.warning("offload-tier loads of %d requests timed out", len(batch.req_ids))
-                failed.extend(batch.req_ids)
-            elif done:
-                finished.extend(batch.req_ids)
-                seconds += (now - batch.started) * len(batch.req_ids)
+            if self._stream is not None and all(pages is not None for _, pages in sources):
+                state.event = self._copy_on_stream([(x, p) for x, p in sources if p is not None])
             else:
-                running.append(batch)
-        self._in_flight = running
-        seconds += self._import_read(finished, failed)
+                apply = self._apply if self._stream is None else None
+                state.job = self.disk_io.load(req_id, sources, apply)
+
+    def _in_memory(self, load: OffloadLoad) -> BlockPages | None:
+        """The pages of a host load (KeyError: this store has none under its slot); None for a
+        file."""
+        if load.file is not None:
+            return None
+        if load.slot is None:
+            raise KeyError("none")
+        return self.pages[load.slot]
+
+    def _apply(self, loaded: LoadedPages) -> None:
+        for load, pages in loaded:
+            assert pages.group_id == load.group_id, "pages of another group"
+            import_blocks(self.tensors, pages, [load.block_id], self.num_pool_blocks)
+
+    def _copy_on_stream(self, loaded: LoadedPages) -> torch.cuda.Event:
+        """CUDA: copy pages into the pool on the load stream, after this step's stores."""
+        assert self._stream is not None
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            self._apply(loaded)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(self._stream)
+        return event
+
+    def _local_state(self, req_id: str, loads: _RequestLoads, now: float) -> LoadState:
+        if loads.failed:
+            return LoadState.FAILED
+        if loads.job is not None:
+            try:
+                loaded = loads.job.result()
+            except LOAD_ERRORS as error:
+                logger.warning("offload-tier load of %s failed: %s", req_id, error)
+                loads.failed = True
+                return LoadState.FAILED
+            if loaded is not None:
+                loads.job = None
+                if self._stream is not None:  # CUDA: files read, now copied on the stream
+                    loads.event = self._copy_on_stream(loaded)
+        if now - loads.started > self.load_timeout_s:  # not seen complete within its time
+            logger.warning("offload-tier load of %s timed out", req_id)
+            loads.failed = True
+            return LoadState.FAILED
+        running = loads.job is not None or (
+            loads.event is not None and not loads.event.query()  # type: ignore[no-untyped-call]
+        )
+        return LoadState.RUNNING if running else LoadState.DONE
+
+    def _report(self) -> OffloadReport:
+        """The loads every rank finished, and those failed on any rank (they end here)."""
+        now = time.perf_counter()
+        req_ids = list(self._loads)
+        states = self._agree([self._local_state(r, self._loads[r], now) for r in req_ids])
+        finished: list[str] = []
+        failed: list[str] = []
+        seconds = 0.0
+        for req_id, state in zip(req_ids, states, strict=True):
+            if state is LoadState.DONE:
+                seconds += now - self._loads.pop(req_id).started
+                finished.append(req_id)
+            elif state is LoadState.FAILED:
+                self._end(req_id)
+                failed.append(req_id)
         return OffloadReport(tuple(finished), tuple(failed), seconds)
+
+    def _agree(self, states: list[LoadState]) -> list[LoadState]:
+        """Per request, the state over all ranks: failed on any, else running on any, else
+        done (every rank calls this with the same requests)."""
+        if tp_size() == 1:
+            return states
+        flags = [s is LoadState.FAILED for s in states] + [s is LoadState.RUNNING for s in states]
+        device = self.device if self.device.type == "cuda" else torch.device("cpu")
+        summed = all_reduce(torch.tensor(flags, dtype=torch.int32, device=device)).tolist()
+        count = len(states)
+        return [
+            LoadState.FAILED
+            if summed[i]
+            else LoadState.RUNNING
+            if summed[count + i]
+            else LoadState.DONE
+            for i in range(count)
+        ]
+
+    def _end(self, req_id: str) -> None:
+        """Nothing of this request's loads writes the pool from now on."""
+        loads = self._loads.pop(req_id, None)
+        if loads is None:
+            return
+        if loads.job is not None:
+            loads.job.cancel()
+        if loads.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(loads.event)
 
     def clear(self) -> None:
         """Forget every page (the scheduler's index was reset)."""
         self.pages.clear()
+
+
+def shard_file(file: str) -> str:
+    """This rank's block file for the scheduler's `file`: the same name in the folder of the
+    fingerprint with `-rank<r>` appended on ranks other than 0 (each rank keeps its own shard,
+    and the scheduler's index of rank 0's files is authoritative: a shard missing on one rank
+    is a failed load)."""
+    rank = tp_rank()
+    if rank == 0:
+        return file
+    folder, name = os.path.split(file)
+    return os.path.join(f"{folder}-rank{rank}", name)
+
+
+def _shard_load(load: OffloadLoad) -> OffloadLoad:
+    return load if load.file is None else load._replace(file=shard_file(load.file))

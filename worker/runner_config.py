@@ -12,6 +12,7 @@ import torch
 
 from kernels import BACKEND_NAMES
 from scheduler.spec_config import SpeculativeConfig
+from worker.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class RunnerConfig:
     prefills on the hit-alignment grid) or "all" (a state at every block end)."""
     speculative: SpeculativeConfig | None = None
     """Speculative decoding: the driver rank proposes drafts after sampling (None: off)."""
+    draft_model: ModelConfig | None = None
+    """Speculative method 'draft_model': the draft model, loaded beside the target."""
 
     offload_load_timeout_s: float = 10.0
     """Seconds an offload-tier load may take before it counts as failed (the request then

@@ -11,14 +11,18 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from scheduler.kv_cache.spec import KVCacheConfig
-from scheduler.output import ModelRunnerOutput, SchedulerOutput
+from scheduler.output import ModelRunnerOutput, OffloadOps, SchedulerOutput
+from scheduler.spec_config import SpecMethod
 from worker.config import ModelConfig, ParallelConfig
 from worker.distributed import destroy_distributed, init_distributed
 from worker.kv_cache import KVCacheSpecReport, available_kv_cache_memory
+from worker.kv_transfer import KVShard, export_shard, import_shard
 from worker.model_loader import load_model
 from worker.model_runner import ModelRunner, ModelSettings
+from worker.models.qwen3_next_mtp import load_mtp
 from worker.runner_config import RunnerConfig
 
 logger = logging.getLogger(__name__)
@@ -71,8 +75,19 @@ class Worker:
             eos_token_ids=spec.model_config.eos_token_ids,
         )
         self._model_runner = ModelRunner(
-            model, settings, spec.runner, self.device, is_driver=self.rank == 0
+            model, settings, spec.runner, self.device, self.rank == 0, self._load_drafter(model)
         )
+
+    def _load_drafter(self, target: nn.Module) -> nn.Module | None:
+        """The draft model or the checkpoint's MTP layer, when speculation uses one."""
+        spec = self.spec
+        method = spec.runner.speculative.method if spec.runner.speculative else None
+        if method is SpecMethod.MTP:
+            return load_mtp(target, spec.model_config, spec.runner.load_format)
+        draft = spec.runner.draft_model
+        if draft is None:
+            return None
+        return load_model(draft, spec.parallel, self.device, spec.runner.load_format)
 
     @property
     def model_runner(self) -> ModelRunner:
@@ -99,6 +114,32 @@ class Worker:
         """Run one step; rank 0 returns the output, the other ranks None."""
         output = self.model_runner.execute(scheduler_output)
         return output if self.rank == 0 else None
+
+    def export_kv_shard(self, block_ids: tuple[tuple[int, ...], ...]) -> KVShard:
+        """This rank's pages of these blocks (one list per KV cache group), in host memory."""
+        tensors, num_blocks = self.model_runner.block_tensors
+        return export_shard(tensors, num_blocks, self.rank, block_ids)
+
+    def import_kv_shards(
+        self,
+        shards: tuple[KVShard, ...],
+        selected: tuple[tuple[int, ...], ...],
+        block_ids: tuple[tuple[int, ...], ...],
+    ) -> None:
+        """Write this rank's shard (`shards[rank]`) of a transfer onto these blocks."""
+        if len(shards) != self.spec.parallel.tp_size:
+            raise ValueError(
+                f"kv transfer: {len(shards)} tensor-parallel shards sent, this engine runs "
+                f"tensor_parallel_size={self.spec.parallel.tp_size}"
+            )
+        tensors, num_blocks = self.model_runner.block_tensors
+        import_shard(tensors, num_blocks, shards[self.rank], selected, block_ids)
+
+    def run_offload_ops(self, ops: OffloadOps) -> None:
+        """Run offload-tier copies outside a step (stores of blocks about to be overwritten)."""
+        offload = self.model_runner.offload
+        assert offload is not None, "initialize_kv_cache must be called first"
+        offload.run(ops)
 
     def cpu_threads(self) -> int:
         """Torch's intra-op threads in this rank's process."""

@@ -18,7 +18,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from cluster.cli.serve_apps import say
+from cluster.cli.serve_apps import PD_IMPORT_PATH, say
 from cluster.config.engine_flags import add_engine_arg_flags, engine_kwargs_from_args
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
@@ -44,6 +44,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     )
     parser.add_argument("--node-ip-address", default=None, help="a new local instance's IP")
     parser.add_argument("--num-cpus", type=int, default=None, help="a new local instance's CPUs")
+    parser.add_argument(
+        "--stream-batching-interval-ms",
+        type=float,
+        default=None,
+        help="how long a stream holds its tokens before sending them (default: adapt to the "
+        "load; 0: every step's tokens at once); with --config, set "
+        "experimental_configs.stream_batching_interval_ms in the file",
+    )
     add_engine_arg_flags(parser, skip=("model",))
     return parser
 
@@ -59,14 +67,23 @@ def llm_config_from_flags(args: argparse.Namespace) -> dict[str, Any]:
     else:
         source = args.model
         model_id = args.served_model_name or Path(args.model).name
-    return {
+    config: dict[str, Any] = {
         "model_loading_config": {"model_id": model_id, "model_source": source},
         "engine_kwargs": engine_kwargs,
     }
+    if args.stream_batching_interval_ms is not None:
+        interval = {"stream_batching_interval_ms": args.stream_batching_interval_ms}
+        config["experimental_configs"] = interval
+    return config
 
 
 def applications(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """[(name, import_path, args, route_prefix) dicts], and the file's top-level Serve options."""
+    if args.config is not None and args.stream_batching_interval_ms is not None:
+        raise ValueError(
+            "--stream-batching-interval-ms goes with --model; with --config set "
+            "experimental_configs.stream_batching_interval_ms in the file"
+        )
     if args.config is None:
         llm_args = {"llm_configs": [llm_config_from_flags(args)]}
         return [{"name": "llm", "args": llm_args}], {}
@@ -77,6 +94,8 @@ def applications(args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[s
         return list(data["applications"]), data
     if "llm_configs" in data:
         return [{"name": "llm", "args": data}], {}
+    if "prefill_config" in data or "decode_config" in data:
+        return [{"name": "llm", "import_path": PD_IMPORT_PATH, "args": data}], {}
     return [{"name": "llm", "args": {"llm_configs": [data]}}], {}
 
 

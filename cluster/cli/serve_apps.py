@@ -9,6 +9,8 @@ import sys
 from typing import Any
 
 DEFAULT_IMPORT_PATH = "cluster.serve:build_openai_app"
+PD_IMPORT_PATH = "cluster.serve:build_pd_openai_app"
+"""A config file with prefill_config / decode_config deploys prefill/decode disaggregation."""
 SERVICER = "cluster.serve.grpc.llm_pb2_grpc.add_LLMServiceServicer_to_server"
 
 

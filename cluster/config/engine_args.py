@@ -43,7 +43,8 @@ class EngineArgs(StrictModel):
     """Hub cache folder that model IDs are downloaded into and read from; default HF_HUB_CACHE
     (HF_HOME/hub)."""
     dtype: str = "auto"
-    """"auto" (fp32 on CPU, the checkpoint's 16-bit dtype or bf16 on GPU) or a dtype name."""
+    """"auto" (bf16 on a CPU with native bf16, else fp32; the checkpoint's 16-bit dtype or
+    bf16 on GPU) or a dtype name (float32, bfloat16, float16)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """"auto" (cuda when available), "cuda" or "cpu"."""
     block_size: int = Field(16, ge=1)

@@ -31,6 +31,7 @@ PVC_MOUNT_ROOT = "/mnt/pvc"
 
 _SCHEMES = ("hf://", "pvc://")
 _FROM_MODEL_LOADING = ("model", "served_model_name")
+STREAM_BATCHING_KEY = "stream_batching_interval_ms"
 
 
 def resolve_source(source: str) -> str:
@@ -89,6 +90,18 @@ def _check_serving_engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
+def _check_experimental(configs: dict[str, Any]) -> dict[str, Any]:
+    interval = configs.get(STREAM_BATCHING_KEY)
+    if interval is not None and (
+        isinstance(interval, bool) or not isinstance(interval, int | float) or interval < 0
+    ):
+        raise ValueError(
+            f"experimental_configs.{STREAM_BATCHING_KEY} must be a number of milliseconds >= 0 "
+            f"(or null: adapt to the load), got {interval!r}"
+        )
+    return configs
+
+
 class LLMConfig(StrictModel):
     """One model served by one deployment (Ray Serve LLM's `LLMConfig` field names)."""
 
@@ -120,8 +133,10 @@ class LLMConfig(StrictModel):
     log_engine_metrics: bool = Field(
         True, description="Export engine metrics (vllm:* names) on Ray's metrics port."
     )
-    experimental_configs: dict[str, Any] = Field(
-        default_factory=dict, description="Unstable options (stream_batching_interval_ms, ...)."
+    experimental_configs: Annotated[dict[str, Any], AfterValidator(_check_experimental)] = Field(
+        default_factory=dict,
+        description="Unstable options: stream_batching_interval_ms (how long a stream holds "
+        "its tokens; unset or null adapts to the load, 0 sends every step's tokens at once).",
     )
     tool_call_parser: str = Field(
         "hermes",
@@ -162,6 +177,12 @@ class LLMConfig(StrictModel):
     def tensor_parallel_size(self) -> int:
         """Ranks per replica (engine_kwargs.tensor_parallel_size, default 1)."""
         return int(self.engine_kwargs.get("tensor_parallel_size", 1))
+
+    @property
+    def stream_batching_interval_ms(self) -> float | None:
+        """The fixed interval a stream holds its tokens; None adapts to the load."""
+        interval = self.experimental_configs.get(STREAM_BATCHING_KEY)
+        return None if interval is None else float(interval)
 
     def engine_args(self) -> EngineArgs:
         """The engine arguments of this model, its source resolved to what the engine loads."""

@@ -110,6 +110,13 @@ def _validate(model: type[Any], data: Any, where: str) -> Any:
 
 
 def validate_config_file(path: str | Path) -> list[str]:
-    """Validate a config file of any of the three kinds; return the model ids it serves."""
-    args = _serving_args_of(load_yaml_mapping(path))
+    """Validate a config file of any of the kinds (with `prefill_config` / `decode_config`: a
+    prefill/decode-disaggregated model); return the model ids it serves."""
+    from cluster.config.pd_args import PDServingArgs
+
+    data = load_yaml_mapping(path)
+    if "prefill_config" in data or "decode_config" in data:
+        pd_args: PDServingArgs = _validate(PDServingArgs, data, "")
+        return [pd_args.decode_config.model_id]
+    args = _serving_args_of(data)
     return [model_id for serving_args in args for model_id in serving_args.model_ids]

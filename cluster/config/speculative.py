@@ -10,7 +10,7 @@ from pydantic import ConfigDict, Field, model_validator
 from cluster.config.base import StrictModel
 from scheduler.spec_config import SpecMethod, SpeculativeConfig
 
-SUPPORTED_METHODS = ("ngram",)
+SUPPORTED_METHODS = ("ngram", "draft_model", "mtp")
 """Methods this build runs (the others are accepted names that fail with a clear message)."""
 
 
@@ -49,7 +49,8 @@ class SpeculativeConfigArgs(StrictModel):
         if low > high:
             raise ValueError(f"prompt_lookup_min ({low}) must be <= prompt_lookup_max ({high})")
         if method not in SUPPORTED_METHODS:
-            raise ValueError(f"method {method!r} is not supported yet (supported: ngram)")
+            supported = ", ".join(SUPPORTED_METHODS)
+            raise ValueError(f"method {method!r} is not supported yet (supported: {supported})")
         return self
 
     @property

@@ -7,9 +7,10 @@ the scheduler is never used by two threads at once.
 
     add_request ─► core.add_request ─► wake loop ─► step (thread) ─► deltas ─► request queues
 
-A stream whose reader falls behind gets the deltas queued meanwhile as one merged delta (vLLM's
-`stream_interval` idea without a fixed interval): the same text and tokens in fewer items, and
-the first token is never held back, since nothing waits for more to arrive.
+A stream whose reader falls behind gets the deltas queued meanwhile as one merged delta: the
+same text and tokens in fewer items. Beyond that, a stream holds its tokens for the interval its
+`StreamBatching` policy names for the current load (none while few requests stream, so the
+first token and the final chunk are never held, and nothing waits at low load).
 
 A failed step ends every request in flight with `EngineDeadError` at once; the workers then
 restart in a thread outside the lock (bounded by `worker_start_timeout_s`), so adds and aborts go
@@ -22,26 +23,32 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 from cluster.engine.client import EngineInfo, engine_info
 from cluster.engine.core import EngineCore
 from cluster.engine.errors import EngineDeadError
 from cluster.engine.outputs import OutputAccumulator, RequestOutput
 from cluster.engine.request import EngineRequest
+from cluster.engine.stream_batching import HeldChunk, StreamBatching
 from scheduler.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
 
 _StreamItem = RequestOutput | BaseException
+_T = TypeVar("_T")
 
 
 class AsyncEngine:
     """An asyncio `EngineClient` over an engine core in this process."""
 
-    def __init__(self, core: EngineCore) -> None:
+    def __init__(self, core: EngineCore, stream_batching: StreamBatching | None = None) -> None:
         self.core = core
+        self.stream_batching = stream_batching or StreamBatching(interval_ms=0)
+        """How long a stream holds its tokens (default: nothing held; the Serve replica passes
+        its `stream_batching_interval_ms`, adaptive unless set)."""
         self._lock = asyncio.Lock()
         self._has_work = asyncio.Event()
         self._queues: dict[str, asyncio.Queue[_StreamItem]] = {}
@@ -77,6 +84,11 @@ class AsyncEngine:
 
     async def get_stats(self) -> SchedulerStats:
         return self.core.get_stats()
+
+    async def call_core(self, function: Callable[..., _T], *args: object) -> _T:
+        """`function(core, *args)` between two steps (in a thread, under the step lock)."""
+        async with self._lock:
+            return await asyncio.to_thread(function, self.core, *args)
 
     async def get_info(self) -> EngineInfo:
         return engine_info(self.core)
@@ -144,26 +156,49 @@ class AsyncEngine:
 
     async def _stream(self, request_id: str) -> AsyncIterator[RequestOutput]:
         queue = self._queues[request_id]
+        held = HeldChunk()
         finished = False
-        held: _StreamItem | None = None
         try:
             while not finished:
-                item = held if held is not None else await queue.get()
-                if isinstance(item, BaseException):
+                error = await self._fill(queue, held)
+                if not held.empty:
+                    chunk = held.take(time.monotonic())
+                    finished = chunk.finished
+                    yield chunk
+                if error is not None:
                     finished = True
-                    raise item
-                item, held = coalesce_queued(item, queue)
-                finished = item.finished
-                yield item
+                    raise error
         finally:
             self._queues.pop(request_id, None)
             if not finished:  # the caller went away: free the request's blocks
                 await asyncio.shield(self.abort(request_id))
 
+    async def _fill(
+        self, queue: asyncio.Queue[_StreamItem], held: HeldChunk
+    ) -> BaseException | None:
+        """Take deltas into `held` until its chunk is due (at once unless the load calls for an
+        interval); returns the error that ends the stream, if one arrived."""
+        item = await queue.get()
+        while True:
+            if isinstance(item, BaseException):
+                return item
+            merged, error = coalesce_queued(item, queue)
+            held.add(merged)
+            if error is not None or merged.finished:
+                return error
+            interval_s = self.stream_batching.interval_s(self.num_in_flight)
+            wait_s = held.wait_s(time.monotonic(), interval_s)
+            if wait_s <= 0:
+                return None
+            try:
+                item = await asyncio.wait_for(queue.get(), wait_s)
+            except TimeoutError:
+                return None
+
 
 def coalesce_queued(
     first: RequestOutput, queue: asyncio.Queue[_StreamItem]
-) -> tuple[RequestOutput, _StreamItem | None]:
+) -> tuple[RequestOutput, BaseException | None]:
     """`first` merged with the deltas already queued behind it, and the queued error that ends
     the merge (None when there is none); waits for nothing."""
     if first.finished or queue.empty():

@@ -27,6 +27,8 @@ class EngineInfo:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     tensor_parallel_size: int
+    dtype: str = "float32"
+    """The model's dtype as the engine resolved it (`bfloat16`, `float32`, ...)."""
 
 
 class EngineClient(Protocol):
@@ -104,4 +106,5 @@ def engine_info(core: Any) -> EngineInfo:
         max_model_len=model.max_model_len,
         eos_token_ids=model.eos_token_ids,
         tensor_parallel_size=core.executor.configs.tensor_parallel_size,
+        dtype=str(model.dtype).removeprefix("torch."),
     )

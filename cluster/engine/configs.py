@@ -80,6 +80,7 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
         mamba_cache_mode=args.mamba_cache_mode if args.enable_prefix_caching else "none",
         offload_load_timeout_s=args.kv_offloading_load_timeout_s,
         speculative=speculative,
+        draft_model=draft_model_config(args, model, device),
     )
     batched = args.max_num_batched_tokens or max(
         DEFAULT_MAX_NUM_BATCHED_TOKENS, model.max_model_len
@@ -105,15 +106,44 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
     )
 
 
+def draft_model_config(args: EngineArgs, target: ModelConfig, device: str) -> ModelConfig | None:
+    """The draft model of speculative method 'draft_model' (None for other methods), read like
+    the target in its dtype and length; ValueError when it cannot draft for the target (or,
+    for 'mtp', when the target's checkpoint has no MTP layer)."""
+    spec = args.speculative_config
+    if spec is None or spec.resolved_method == "ngram":
+        return None
+    if args.tensor_parallel_size > 1:
+        raise ValueError(
+            f"speculative_config.method {spec.resolved_method!r} needs tensor_parallel_size 1"
+        )
+    if spec.model is None:  # mtp: the target's own layers
+        from worker.models.qwen3_next_mtp import check_mtp_checkpoint
+
+        check_mtp_checkpoint(target)
+        return None
+    from cluster.model_download import resolve_model_folder
+    from worker.config import ModelConfig
+
+    folder = resolve_model_folder(spec.model, cache_dir=args.download_dir)
+    try:
+        draft = ModelConfig.from_pretrained(folder, target.dtype, target.max_model_len, device)
+    except ValueError as error:
+        raise ValueError(f"speculative_config.model: {error}") from None
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"speculative_config.model: the draft model's vocabulary ({draft.vocab_size} tokens) "
+            f"differs from the target's ({target.vocab_size}); drafts must use the same tokenizer"
+        )
+    return draft
+
+
 def offload_config(args: EngineArgs, model: ModelConfig) -> OffloadConfig | None:
     """One rank's share of the offload tier (sizes are GiB over all ranks, as vLLM's)."""
     if not args.kv_offloading_size:
         return None
     ranks = args.tensor_parallel_size
     disk_bytes = int((args.kv_offloading_disk_size or 0) * GIB / ranks)
-    if disk_bytes and ranks > 1:
-        logger.warning("the KV offload disk level needs tensor_parallel_size 1: host tier only")
-        disk_bytes = 0
     return OffloadConfig(
         host_bytes=int(args.kv_offloading_size * GIB / ranks),
         disk_dir=args.kv_offloading_dir if disk_bytes else None,
@@ -122,12 +152,13 @@ def offload_config(args: EngineArgs, model: ModelConfig) -> OffloadConfig | None
     )
 
 
-def model_identity(model: ModelConfig, tp_size: int) -> str:
+def model_identity(model: ModelConfig, tp_size: int, with_times: bool = True) -> str:
     """The model's weights and numerics as far as the KV cache sees them: its folder's config
-    and weight files (names, sizes, times), dtype and tensor-parallel degree."""
+    and weight files (names, sizes and, `with_times`, modification times), dtype and
+    tensor-parallel degree. Without times it names copies of one model on other machines alike."""
     folder = Path(model.model_path)
     weights = sorted(
-        (path.name, path.stat().st_size, path.stat().st_mtime_ns)
+        (path.name, path.stat().st_size, path.stat().st_mtime_ns if with_times else 0)
         for path in folder.glob("*.safetensors")
     )
     config = (folder / "config.json").read_text() if (folder / "config.json").exists() else ""

@@ -25,6 +25,7 @@ from cluster.engine.errors import EngineDeadError
 from cluster.engine.executor import Executor, create_executor
 from cluster.engine.executor.base import PendingStep
 from cluster.engine.input_processor import check_token_ids
+from cluster.engine.kv_transfer_counters import KVTransferCounters
 from cluster.engine.output_processor import OutputProcessor, child_request_id, now
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
@@ -69,6 +70,8 @@ class EngineCore:
         """Recent KV event batches, one per step that changed the prefix cache (None: off)."""
         self._in_flight: _SubmittedStep | None = None
         """Async scheduling: the step submitted to the workers whose output is not taken yet."""
+        self.kv_transfer_counters = KVTransferCounters(len(scheduler.kv_cache_config.groups))
+        """Counters of KV transfers with other engines (`cluster.engine.kv_transfer`)."""
 
     @property
     def model_config(self) -> ModelConfig:

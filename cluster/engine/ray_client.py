@@ -32,9 +32,17 @@ from cluster.engine.core import build_engine_core
 from cluster.engine.errors import EngineDeadError
 from cluster.engine.executor.placement import PlacementSpec
 from cluster.engine.executor.ray import RayExecutor
+from cluster.engine.kv_transfer import (
+    KVImportResult,
+    KVTransfer,
+    kv_export,
+    kv_held_keys,
+    kv_import,
+)
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
 from cluster.ray_cluster import connect
+from scheduler.kv_cache.transfer import HeldKeys
 from scheduler.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -83,6 +91,20 @@ class EngineActor:
 
     async def get_info(self) -> EngineInfo:
         return await self.engine.get_info()
+
+    async def kv_held_keys(self, prompt_token_ids: list[int], cache_salt: str | None) -> HeldKeys:
+        """KV transfer, receiver: which of the prompt's blocks this engine holds."""
+        return await self.engine.call_core(kv_held_keys, prompt_token_ids, cache_salt)
+
+    async def kv_export(
+        self, prompt_token_ids: list[int], held: HeldKeys, cache_salt: str | None
+    ) -> KVTransfer:
+        """KV transfer, sender: the cached prefix blocks the receiver lacks."""
+        return await self.engine.call_core(kv_export, prompt_token_ids, held, cache_salt)
+
+    async def kv_import(self, transfer: KVTransfer) -> KVImportResult:
+        """KV transfer, receiver: take the blocks into the pool and prefix cache."""
+        return await self.engine.call_core(kv_import, transfer)
 
     async def get_tokenizer(self) -> Any:
         return await self.engine.get_tokenizer()

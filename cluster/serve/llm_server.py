@@ -33,6 +33,7 @@ from cluster.engine.executor.placement import PlacementSpec, uses_gpus
 from cluster.engine.input_processor import InputProcessor
 from cluster.engine.outputs import OutputAccumulator, RequestOutput
 from cluster.engine.request import EngineRequest
+from cluster.engine.stream_batching import StreamBatching
 from cluster.openai_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -52,6 +53,7 @@ from cluster.serve.formatting import (
 )
 from cluster.serve.hybrid_router import kv_events_enabled, routing_stats
 from cluster.serve.metrics import EngineMetrics
+from cluster.serve.transfer_metrics import TransferMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -88,8 +90,10 @@ class LLMServer:
         self.model_id = self.config.model_id
         args = serving_engine_args(self.config)
         self.engine = AsyncEngine(
-            build_engine_core(args, create_executor(args, rank_placement(self.config)))
+            build_engine_core(args, create_executor(args, rank_placement(self.config))),
+            StreamBatching(self.config.stream_batching_interval_ms),
         )
+        logger.info("stream batching: %s", self.engine.stream_batching.description)
         self.tokenizer = self.engine.core.tokenizer
         model = self.engine.core.model_config
         self.max_model_len = model.max_model_len
@@ -100,8 +104,10 @@ class LLMServer:
         self.num_aborted = 0
         self.metrics: EngineMetrics | None = None
         self._stats_task: asyncio.Task[None] | None = None
+        self.transfer_metrics: TransferMetrics | None = None
         if self.config.log_engine_metrics:
             self.metrics = EngineMetrics(self.model_id, group_kinds(self.engine))
+            self.transfer_metrics = TransferMetrics(self.model_id, len(group_kinds(self.engine)))
         if kv_events_enabled(self.config.deployment_config):
             self.engine.core.enable_kv_events()
 
@@ -125,6 +131,7 @@ class LLMServer:
             return
         try:
             engine_request, formatter = self._prepare(request, request_id, prompt_token_ids)
+            await self.before_add(engine_request)
             stream = await self.engine.add_request(engine_request)
         except UnsupportedFieldError as error:
             yield errors.bad_request(str(error), param=error.param)
@@ -203,6 +210,9 @@ class LLMServer:
             if self.metrics is not None and result is not None and result.finished:
                 self.metrics.record_finished(result)
 
+    async def before_add(self, request: EngineRequest) -> None:
+        """Runs before a request enters the engine (a decode replica imports its KV here)."""
+
     def _record_tokens(self, delta: RequestOutput) -> None:
         if self.metrics is not None:
             self.metrics.record_tokens(delta)
@@ -270,6 +280,8 @@ class LLMServer:
         num_ranks = self.config.tensor_parallel_size
         while True:
             self.metrics.record_stats(await self.engine.get_stats())
+            if self.transfer_metrics is not None:
+                self.transfer_metrics.record(self.engine.core.kv_transfer_counters)
             try:
                 await self.engine.check_health()
                 alive = [True] * num_ranks

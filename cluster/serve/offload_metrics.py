@@ -1,5 +1,6 @@
 """Metrics of the KV offload tier, beside `EngineMetrics`: usage per tier, bytes stored and
-loaded per tier, hit tokens per KV cache group, load latency and requests waiting for loads.
+loaded per tier, hit tokens per tier and KV cache group, load latency and requests waiting for
+loads.
 
 Names follow vLLM's `vllm:kv_offload_*` style, sanitized for Ray as in `cluster.serve.metrics`.
 """
@@ -30,7 +31,8 @@ class OffloadMetrics:
         )
         self.group_hits = _counter(
             "hybridserve:kv_offload_group_hit_tokens",
-            "Hit tokens per KV cache group served by blocks loaded from the offload tier.",
+            "Hit tokens per offload tier and KV cache group served by blocks loaded from it.",
+            "tier",
             "group",
         )
         self.load_seconds = _counter(
@@ -61,9 +63,9 @@ class OffloadMetrics:
         for (tier, direction), value in _moved(now).items():
             before = _moved(last)[(tier, direction)] if last is not None else 0
             _inc(self.bytes, value, before, {**tags, "tier": tier, "direction": direction})
-        for group, hits in enumerate(now.group_hit_tokens):
-            before = last.group_hit_tokens[group] if last is not None else 0
-            _inc(self.group_hits, hits, before, {**tags, "group": str(group)})
+        for (tier, group), hits in _group_hits(now).items():
+            before = _group_hits(last)[(tier, group)] if last is not None else 0
+            _inc(self.group_hits, hits, before, {**tags, "tier": tier, "group": str(group)})
         previous = self._last
         _inc(self.failed, now.num_failed_loads, last.num_failed_loads if last else 0, tags)
         _inc(
@@ -82,6 +84,16 @@ def _moved(counters: OffloadCounters) -> dict[tuple[str, str], int]:
         ("disk", "store"): counters.disk_stored_bytes,
         ("disk", "load"): counters.disk_loaded_bytes,
     }
+
+
+def _group_hits(counters: OffloadCounters) -> dict[tuple[str, int], int]:
+    """Hit tokens by (tier, group)."""
+    out: dict[tuple[str, int], int] = {}
+    for group, total in enumerate(counters.group_hit_tokens):
+        disk = counters.disk_group_hit_tokens[group] if counters.disk_group_hit_tokens else 0
+        out[("host", group)] = total - disk
+        out[("disk", group)] = disk
+    return out
 
 
 def _inc(counter: metrics.Counter, now: float, before: float, tags: dict[str, str]) -> None:

@@ -98,25 +98,29 @@ class BlockPool:
             raise ValueError(f"cannot take {count} blocks, only {self.num_free_blocks} are free")
         blocks = self.free_queue.popleft_n(count)
         maps = self.hash_maps
+        offload, duplicates = self.offload, self._duplicates
+        fast = self.event_sink is None
+        evicted: list[tuple[int, BlockHash]] = []
         for block in blocks:
             block_hash = block.block_hash
             if block_hash is not None:
-                self.eviction_history.record(block.group_id, block_hash)
-                hash_map = maps[block.group_id]
-                if self.offload is not None and hash_map.get(block_hash) is block:
-                    self.offload.offer(block.group_id, block_hash, block.block_id)
-                if (
-                    not self._duplicates
-                    and hash_map.get(block_hash) is block
-                    and self.event_sink is None
-                ):
+                old_group = block.group_id
+                evicted.append((old_group, block_hash))
+                hash_map = maps[old_group]
+                registered = hash_map.get(block_hash) is block
+                if offload is not None and registered:
+                    stamp = block.stamp if self.chains is not None else -1
+                    offload.offer(old_group, block_hash, block.block_id, stamp)
+                if fast and registered and (old_group, block_hash) not in duplicates:
                     del hash_map[block_hash]  # the common case of _drop_hash, inlined
                     block.block_hash = None
                 else:
                     self._drop_hash(block)
-                self.num_evictions += 1
             block.ref_cnt = 1
             block.group_id = group_id
+        if evicted:
+            self.eviction_history.record_all(evicted)
+            self.num_evictions += len(evicted)
         self._num_used[group_id] += count
         if self.chains is not None:
             born = self.chains.clock

@@ -97,6 +97,19 @@ class KVCacheCoordinator:
         ]
         self.num_groups = len(self.managers)
         self.group_specs = tuple(group.spec for group in groups)
+        self._extra_slots = [0] * self.num_groups
+        """Per group: slots past each allocation's tokens (a drafter's lookahead)."""
+        self._max_slots = 0
+
+    def set_drafter_lookahead(self, num_tokens: int, max_model_len: int) -> None:
+        """Give the drafter's groups `num_tokens` slots past every allocation (up to
+        `max_model_len`): its drafts' KV is written there. The target's groups get none."""
+        self._extra_slots = [num_tokens if spec.drafter else 0 for spec in self.group_specs]
+        self._max_slots = max_model_len
+
+    def _slots(self, group_id: int, num_tokens: int) -> int:
+        extra = self._extra_slots[group_id]
+        return min(num_tokens + extra, self._max_slots) if extra else num_tokens
 
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_length: int
@@ -115,8 +128,12 @@ class KVCacheCoordinator:
         if new_computed_blocks is None:
             new_computed_blocks = tuple([] for _ in self.managers)
         return sum(
-            manager.get_num_blocks_to_allocate(req_id, num_tokens, hits, total_computed)
-            for manager, hits in zip(self.managers, new_computed_blocks, strict=True)
+            manager.get_num_blocks_to_allocate(
+                req_id, self._slots(gid, num_tokens), hits, total_computed
+            )
+            for gid, (manager, hits) in enumerate(
+                zip(self.managers, new_computed_blocks, strict=True)
+            )
         )
 
     def allocate_new_computed_blocks(
@@ -129,7 +146,10 @@ class KVCacheCoordinator:
 
     def allocate_new_blocks(self, req_id: str, num_tokens: int) -> GroupBlocks:
         """Grow every group's table to `num_tokens` slots, in group order."""
-        return tuple(manager.allocate_new_blocks(req_id, num_tokens) for manager in self.managers)
+        return tuple(
+            manager.allocate_new_blocks(req_id, self._slots(gid, num_tokens))
+            for gid, manager in enumerate(self.managers)
+        )
 
     def cache_blocks(self, req_id: str, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
         """Register full blocks of the first `num_tokens` tokens in every group."""

@@ -16,12 +16,15 @@ class EvictionHistory:
         self._groups: dict[BlockHash, int] = {}
         """Key -> bit mask of the groups that evicted it (insertion order: oldest first)."""
 
-    def record(self, group_id: int, block_hash: BlockHash) -> None:
-        """Remember that `group_id` evicted the block cached under `block_hash`."""
-        groups = self._groups
-        groups[block_hash] = groups.pop(block_hash, 0) | (1 << group_id)
-        if len(groups) > self.capacity:
-            del groups[next(iter(groups))]
+    def record_all(self, evictions: list[tuple[int, BlockHash]]) -> None:
+        """Remember that each (group id, key) was evicted, in order: one call per allocation
+        rather than one per evicted block."""
+        groups, capacity = self._groups, self.capacity
+        pop = groups.pop
+        for group_id, block_hash in evictions:
+            groups[block_hash] = pop(block_hash, 0) | (1 << group_id)
+            if len(groups) > capacity:
+                del groups[next(iter(groups))]
 
     def was_evicted(self, group_id: int, block_hash: BlockHash) -> bool:
         return bool(self._groups.get(block_hash, 0) >> group_id & 1)

@@ -53,6 +53,7 @@ def _as_full(
 ) -> FullAttentionSpec:
     return FullAttentionSpec(
         block_size=spec.block_size,
+        drafter=spec.drafter,
         num_kv_heads=spec.num_kv_heads,
         head_size=spec.head_size,
         dtype_bytes=spec.dtype_bytes,
@@ -96,14 +97,15 @@ def _try_merge(specs: list[KVCacheSpec]) -> KVCacheSpec | None:
 def type_key(spec: KVCacheSpec) -> Hashable:
     """What must be equal for layers to share one group despite different page sizes: the
     class, the block size and what the manager reads (window, chunk, Mamba mode). Full attention
-    ignores a remembered window or chunk: its manager keeps every token anyway."""
+    ignores a remembered window or chunk: its manager keeps every token anyway. A drafter's
+    layers never share a group with the target's."""
     if isinstance(spec, SlidingWindowSpec):
-        return (SlidingWindowSpec, spec.block_size, spec.sliding_window)
+        return (SlidingWindowSpec, spec.block_size, spec.sliding_window, spec.drafter)
     if isinstance(spec, ChunkedLocalAttentionSpec):
-        return (ChunkedLocalAttentionSpec, spec.block_size, spec.attention_chunk_size)
+        return (ChunkedLocalAttentionSpec, spec.block_size, spec.attention_chunk_size, spec.drafter)
     if isinstance(spec, MambaSpec):
-        return (MambaSpec, spec.block_size, spec.mamba_cache_mode)
-    return (type(spec), spec.block_size)
+        return (MambaSpec, spec.block_size, spec.mamba_cache_mode, spec.drafter)
+    return (type(spec), spec.block_size, spec.drafter)
 
 
 def unify_page_sizes(specs: LayerSpecs) -> LayerSpecs:

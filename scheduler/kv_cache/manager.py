@@ -74,6 +74,9 @@ class KVCacheManager:
         )
         """Fine-grained hits of recurrent-state models (None: hits on the block grid only)."""
         self.spec_slots: SpecStateSlots | None = None
+        self.draft_lookahead = 0
+        """Slots the drafter's groups get past each allocation's tokens, where a drafter model
+        writes the KV of its drafts (`enable_spec_slots`)."""
         """Draft-position states of recurrent groups (None: no speculation or no such group)."""
         self.needs_block_aligned_prefill = self.enable_caching and any(
             isinstance(spec, MambaSpec) and spec.mamba_cache_mode is MambaCacheMode.ALIGN
@@ -90,6 +93,7 @@ class KVCacheManager:
         self._quiet: dict[str, tuple[int, int, int]] = {}
         """Per request holding tables: (slots, computed, cached) limits below which a step
         changes nothing (see `SingleTypeManager.quiet_limits`)."""
+        """Requests whose hit stopped at blocks the offload tier gave up (see `free`)."""
         self._config = config
         self._no_blocks = KVCacheBlocks.empty(self.num_groups)
         self._no_hit = CacheHit(self._no_blocks, 0, 0, ())
@@ -98,14 +102,18 @@ class KVCacheManager:
         self._hit_tokens = 0
         self._group_hit_tokens = [0] * self.num_groups
         self._miss_tokens: list[dict[str, int]] = [{} for _ in range(self.num_groups)]
+        self._unexplained: tuple[tuple[tuple[str, int], ...], ...] = ((),) * self.num_groups
 
     def release_spec_slots(self, req_id: str) -> bool:
         """Free a running request's draft-state slots to make room (False: it held none)."""
         return self.spec_slots is not None and self.spec_slots.release(req_id)
 
-    def enable_spec_slots(self, num_speculative_tokens: int) -> None:
+    def enable_spec_slots(self, num_speculative_tokens: int, draft_lookahead: int = 0) -> None:
         """Speculative decoding with k drafts: drafting requests hold k draft-position states
-        per recurrent group (`scheduler.kv_cache.spec_slots`). Call before any allocation."""
+        per recurrent group (`scheduler.kv_cache.spec_slots`); a drafter model's groups also
+        get `draft_lookahead` slots past each step's tokens. Call before any allocation."""
+        self.draft_lookahead = draft_lookahead
+        self.coordinator.set_drafter_lookahead(draft_lookahead, self.max_model_len)
         managers = [m for m in self.coordinator.managers if isinstance(m, MambaManager)]
         if managers:
             self.spec_slots = SpecStateSlots(managers, self.pool, num_speculative_tokens)
@@ -131,7 +139,8 @@ class KVCacheManager:
 
         A request that asks for prompt logprobs reads nothing from the cache (every prompt token
         must be computed to score it); its blocks are still registered for later requests.
-        Counts nothing: `record_lookup` counts the lookup once the request is admitted.
+        Counts and explains nothing: `explain_misses` and `record_lookup` do, once the request
+        is admitted.
         """
         if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
             return self._no_hit
@@ -153,21 +162,38 @@ class KVCacheManager:
                 num_hit = fine.num_tokens
                 junction = max(junction, num_hit)
                 group_hits = tuple(max(hit, num_hit) for hit in group_hits)
+        offloaded = 0
+        if self.pool.offload is not None:
+            offloaded = count_offloaded(blocks.blocks)
+            after_hit = request.block_hashes[num_hit // self._hash_block_size :]
+            self.pool.offload.note_hit_end(request.req_id, after_hit)
+        return CacheHit(blocks, num_hit, junction, group_hits, (), offloaded)
+
+    def explain_misses(self, request: Request, hit: CacheHit) -> CacheHit:
+        """`hit` with its `misses` filled in: per group, why the lookup missed what it missed.
+
+        Called once per admission, just before the admitting allocation, not on every lookup
+        (a request waiting at the head of the queue is looked up every step). Before: that
+        allocation registers the request's own blocks and may evict cached ones, so explaining
+        after it would describe a cache the lookup did not see (a block the lookup found, then
+        evicted by the admitting allocation itself, would read "evicted").
+        """
+        if not hit.group_hit_tokens:
+            return hit
         misses = explain_misses(
             self.coordinator.managers,
             self.pool,
             request,
-            group_hits,
+            hit.group_hit_tokens,
             self.alignment_tokens,
         )
-        offloaded = count_offloaded(blocks.blocks) if self.pool.offload is not None else 0
-        return CacheHit(blocks, num_hit, junction, group_hits, misses, offloaded)
+        return hit._replace(misses=misses)
 
     def record_lookup(self, request: Request, hit: CacheHit) -> None:
         """Count an admitted request's lookup in the prefix-cache counters.
 
         Called on admission rather than on lookup, so that a request waiting for room several
-        steps is counted once.
+        steps is counted once. Miss reasons count when `hit` was explained (`explain_misses`).
         """
         if not hit.group_hit_tokens:
             return
@@ -176,7 +202,7 @@ class KVCacheManager:
         self._hit_tokens += hit.num_tokens
         for group_id, tokens in enumerate(hit.group_hit_tokens):
             self._group_hit_tokens[group_id] += tokens
-        for totals, misses in zip(self._miss_tokens, hit.misses, strict=True):
+        for totals, misses in zip(self._miss_tokens, hit.misses or self._unexplained, strict=True):
             for reason, tokens in misses:
                 totals[reason] = totals.get(reason, 0) + tokens
 
@@ -242,7 +268,7 @@ class KVCacheManager:
             if (
                 computed < limits[1]
                 and computed <= self.max_model_len
-                and main_tokens + num_lookahead_tokens <= limits[0]
+                and main_tokens + num_lookahead_tokens + self.draft_lookahead <= limits[0]
                 and (main_tokens < limits[2] or request.num_tokens < limits[2])
             ):
                 return self._no_blocks
@@ -329,6 +355,9 @@ class KVCacheManager:
             self.pool.offload.cancel(request.req_id)
         if self._quiet.pop(request.req_id, None) is not None:
             self.coordinator.free(request.req_id, request.block_hashes)
+            if self.pool.offload is not None:
+                clock = self.pool.chains.clock if self.pool.chains is not None else None
+                self.pool.offload.protect_if_thrashed(request.req_id, clock)
         if self.checkpoints is not None:
             self.checkpoints.forget(request.req_id)
         if self.spec_slots is not None:

@@ -48,8 +48,9 @@ class CacheHit(NamedTuple):
     """Per group, the hit its own bucket found before the groups agreed; empty when nothing was
     looked up (caching off, or a request that reads no hit)."""
     misses: tuple[GroupMisses, ...] = ()
-    """Per group, the tokens it could not serve and why (`MissReason` values), measured at the
-    lookup; empty when nothing was looked up."""
+    """Per group, the tokens it could not serve and why (`MissReason` values), measured against
+    the cache the lookup saw; empty until `KVCacheManager.explain_misses` (at admission) and
+    when nothing was looked up."""
     num_offloaded_blocks: int = 0
     """Blocks of the hit held in the offload tier: the request waits for their loads."""
 

@@ -9,13 +9,16 @@ memory). Lookups see device ∪ host ∪ disk (`DeviceOrOffloaded`); the fixed p
 is the coordinator's own, so a hit may be partly on the device and partly in the tier.
 
     device evicts (group, hash) ─► offer ─► OffloadStore(slot, group, block): device → host
-    host full                   ─► LRU entry ─► OffloadSpill(slot, file): host → disk (or dropped)
-    disk full                   ─► LRU entry ─► its file in `disk_drops`
+    host full                   ─► first to go ─► OffloadSpill(slot, file): host → disk (or dropped)
+    disk full                   ─► first to go ─► its file in `disk_drops`
     hit holds an OffloadedBlock ─► fill ─► OffloadLoad(req, slot | file, group, block) → device
 
-Entries read by pending loads are never evicted. A loading request's fresh blocks are registered
-in the device pool when the workers report the load done (`finish`); a failed load drops the
-entries it read (a corrupt file included), so the retry recomputes.
+Which entry goes first is the level's eviction order (`scheduler.kv_cache.offload_eviction`):
+a hit cut short by an entry the tier gave up for room (`note_hit_end`) has its request's chain
+protected (`protect`). Entries read by pending loads are never evicted. A loading request's
+fresh blocks are registered in the device pool when the workers report the load done
+(`finish`); a failed load drops the entries it read (a corrupt file included), so the retry
+recomputes.
 """
 
 from __future__ import annotations
@@ -27,10 +30,12 @@ from typing import TYPE_CHECKING, NamedTuple
 from scheduler.block_hash import BlockHash
 from scheduler.config import OffloadConfig
 from scheduler.kv_cache.events import KVEventSink
+from scheduler.kv_cache.eviction import EvictionPolicy
+from scheduler.kv_cache.eviction_history import EvictionHistory
 from scheduler.kv_cache.free_block_queue import KVCacheBlock
+from scheduler.kv_cache.offload_eviction import Key
 from scheduler.kv_cache.offload_levels import (
     DeviceOrOffloaded,
-    Key,
     OffloadedBlock,
     TierLevel,
     disk_file_name,
@@ -45,6 +50,10 @@ if TYPE_CHECKING:
     from scheduler.kv_cache.block_pool import BlockPool
 
 __all__ = ["DeviceOrOffloaded", "OffloadIndex", "OffloadedBlock", "group_block_bytes"]
+
+
+THRASH_LOOKAHEAD = 8
+"""Hash blocks after a tier hit that show whether the tier gave the hit's continuation up."""
 
 
 class PendingLoad(NamedTuple):
@@ -80,6 +89,8 @@ class OffloadCounters(NamedTuple):
     disk_loaded_bytes: int = 0
     disk_stored_bytes: int = 0
     """Bytes written to the disk level (host entries it took over)."""
+    disk_group_hit_tokens: tuple[int, ...] = ()
+    """Per group, the part of `group_hit_tokens` served from the disk level."""
 
 
 class OffloadIndex:
@@ -91,15 +102,18 @@ class OffloadIndex:
         block_bytes: Sequence[int],
         block_sizes: Sequence[int],
         disk: DiskTier | None = None,
+        policy: EvictionPolicy = EvictionPolicy.CHAIN,
     ) -> None:
-        self.host = TierLevel(capacity_bytes, block_bytes)
-        self.disk = TierLevel(disk.capacity_bytes if disk else 0, block_bytes)
+        self.host = TierLevel(capacity_bytes, block_bytes, policy)
+        self.disk = TierLevel(disk.capacity_bytes if disk else 0, block_bytes, policy)
         self.folder = disk.folder if disk else None
         self.block_bytes = tuple(block_bytes)
         self.block_sizes = tuple(block_sizes)
         self.maps = (self.host.maps, self.disk.maps)
         """Per level, per group: hash -> entry."""
         self._pending: dict[str, list[PendingLoad]] = {}
+        self._thrashed: set[str] = set()
+        """Requests whose hit the tier cut short by giving blocks up for room (`note_hit_end`)."""
         self._pinned: dict[Key, int] = {}
         """Entries read by pending loads (never evicted before the load ends), with a count."""
         self._to_fill: list[tuple[str, list[KVCacheBlock], int]] = []
@@ -110,10 +124,15 @@ class OffloadIndex:
         self.disk_stored_bytes = 0
         self.num_failed_loads = 0
         self._group_hit_tokens = [0] * len(self.block_bytes)
+        self._disk_group_hit_tokens = [0] * len(self.block_bytes)
         self.event_sink: KVEventSink | None = None
         """Told when a key enters or leaves the tier (KV events); None: off."""
         self._device_only: set[Key] = set()
         """Registered keys no tier lookup reads (state checkpoints): not stored when evicted."""
+        self.evicted = EvictionHistory(
+            max(1, capacity_bytes // max(1, min(block_bytes, default=1)))
+        )
+        """Keys the tier gave up for room lately: a hit cut short by one shows it thrashes."""
         if self.folder is not None:
             self._find_files(self.folder)
 
@@ -127,28 +146,28 @@ class OffloadIndex:
             if found.key in self.disk or self.disk.used_bytes + size > self.disk.capacity_bytes:
                 self._ops.disk_drops.append(path)  # an older copy, or no room: deleted
                 continue
-            self.disk.add(OffloadedBlock(found.key, None, path))
-            self.disk.lru.move_to_end(found.key, last=False)
+            self.disk.add(OffloadedBlock(found.key, None, path), oldest=True)
 
     def keep_on_device(self, group_id: int, block_hash: BlockHash) -> None:
         """A key only device lookups read (a state checkpoint): its eviction stores nothing."""
         self._device_only.add((group_id, block_hash))
 
-    def offer(self, group_id: int, block_hash: BlockHash, block_id: int) -> None:
-        """The device pool evicts this registered block: keep a copy unless the tier has one."""
+    def offer(self, group_id: int, block_hash: BlockHash, block_id: int, stamp: int = -1) -> None:
+        """The device pool evicts this registered block (of its chain `stamp`, -1: none): keep
+        a copy unless the tier has one."""
         key = (group_id, block_hash)
         if self._device_only and key in self._device_only:
             self._device_only.discard(key)
             return
         for level in (self.host, self.disk):
             if key in level:
-                level.lru.move_to_end(key)
+                level.order.touch(key, stamp)
                 return
         if not self._make_room(self.host, self.block_bytes[group_id]):
             return
         entry = OffloadedBlock(key, self._next_slot)
         self._next_slot += 1
-        self.host.add(entry)
+        self.host.add(entry, stamp=stamp)
         if self.event_sink is not None:
             self.event_sink.tier_stored(group_id, block_hash)
         self.stored_bytes += self.block_bytes[group_id]
@@ -165,12 +184,14 @@ class OffloadIndex:
     def _evict(self, level: TierLevel, key: Key) -> None:
         """Out of `level`: a host entry moves to disk when there is one, else is forgotten."""
         if level is self.disk or self.folder is None:
+            self.evicted.record_all([key])
             self._evict_for_good(level, key)
             return
         entry = level.remove(key)
         assert entry.slot is not None
         self._ops.drops.append(entry.slot)
         if not self._make_room(self.disk, self.block_bytes[key[0]]):
+            self.evicted.record_all([key])
             self._forgotten(key)
             return
         entry.file = os.path.join(self.folder, disk_file_name(key, entry.slot))
@@ -216,17 +237,35 @@ class OffloadIndex:
             self._unpin(source.key)
             level = self.disk if source.file is not None else self.host
             if not succeeded:
-                if level.lru.get(source.key) is source:
+                if level.entries.get(source.key) is source:
                     self._evict_for_good(level, source.key)
                 continue
             size = self.block_bytes[source.group_id]
             self.loaded_bytes += size
+            tokens = self.block_sizes[source.group_id]
             if source.file is not None:
                 self.disk_loaded_bytes += size
-            self._group_hit_tokens[source.group_id] += self.block_sizes[source.group_id]
+                self._disk_group_hit_tokens[source.group_id] += tokens
+            self._group_hit_tokens[source.group_id] += tokens
             pool.register_block(block, source.key[1])
         if not succeeded:
             self.num_failed_loads += 1
+
+    def note_hit_end(self, req_id: str, after_hit: Sequence[BlockHash]) -> None:
+        """A lookup's hit ended before `after_hit` (the request's next block hashes): when the
+        tier gave one of the first few up for room lately, it thrashes on that session, and
+        the chain the request frees is protected (`scheduler.kv_cache.offload_eviction`)."""
+        next_hashes = after_hit[:THRASH_LOOKAHEAD]
+        if any(self.evicted.was_evicted_anywhere(h) for h in next_hashes):
+            self._thrashed.add(req_id)
+
+    def protect_if_thrashed(self, req_id: str, stamp: int | None) -> None:
+        """The request just freed its blocks (device chain `stamp`, None without the `chain`
+        policy): when the tier thrashed on it, that chain's blocks are kept as one chain."""
+        if req_id in self._thrashed:
+            self._thrashed.discard(req_id)
+            if stamp is not None:
+                self.host.order.protect(stamp)
 
     def _evict_for_good(self, level: TierLevel, key: Key) -> None:
         entry = level.remove(key)
@@ -265,7 +304,7 @@ class OffloadIndex:
         """Forget every entry not read by a pending load, on disk too (a prefix-cache reset)."""
         self._device_only.clear()
         for level in (self.host, self.disk):
-            for key in [key for key in level.lru if key not in self._pinned]:
+            for key in [key for key in level.entries if key not in self._pinned]:
                 self._evict_for_good(level, key)
 
     def counters(self) -> OffloadCounters:
@@ -282,6 +321,7 @@ class OffloadIndex:
             disk_num_blocks=len(self.disk),
             disk_loaded_bytes=self.disk_loaded_bytes,
             disk_stored_bytes=self.disk_stored_bytes,
+            disk_group_hit_tokens=tuple(self._disk_group_hit_tokens),
         )
 
     def check_invariants(self) -> None:
@@ -289,7 +329,7 @@ class OffloadIndex:
         for level in (self.host, self.disk):
             level.check()
             assert level.used_bytes <= level.capacity_bytes or self._pinned
-        assert not set(self.host.lru) & set(self.disk.lru)
+        assert not set(self.host.entries) & set(self.disk.entries)
 
 
 def count_offloaded(blocks: Sequence[Sequence[KVCacheBlock]]) -> int:
@@ -305,7 +345,9 @@ def build_offload_index(kv_config: KVCacheConfig, config: OffloadConfig) -> Offl
         fingerprint = layout_fingerprint(kv_config, config.model_id)
         disk = DiskTier(os.path.join(config.disk_dir, fingerprint), config.disk_bytes)
     block_bytes = group_block_bytes(kv_config)
-    return OffloadIndex(config.host_bytes, block_bytes, kv_config.block_sizes, disk)
+    return OffloadIndex(
+        config.host_bytes, block_bytes, kv_config.block_sizes, disk, config.eviction
+    )
 
 
 class _OpLists:

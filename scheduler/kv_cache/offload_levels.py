@@ -1,6 +1,7 @@
 """The levels of the offload tier (host memory, local disk): entries, budgets and LRU order.
 
-`scheduler.kv_cache.offload` drives two `TierLevel`s; this module knows no ops. A disk level's
+`scheduler.kv_cache.offload` drives two `TierLevel`s; this module knows no ops, and
+`scheduler.kv_cache.offload_eviction` their eviction order. A disk level's
 entries are files named after their key and the host slot they came from (a name is never
 reused, so writing one entry never meets deleting another), `g<group>-<hash hex>-<slot>.kv`,
 in a folder named after the
@@ -12,18 +13,16 @@ from __future__ import annotations
 
 import os
 import re
-from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from typing import NamedTuple
 
 import xxhash
 
 from scheduler.block_hash import BlockHash
+from scheduler.kv_cache.eviction import EvictionPolicy
 from scheduler.kv_cache.free_block_queue import KVCacheBlock
+from scheduler.kv_cache.offload_eviction import EntryOrder, Key
 from scheduler.kv_cache.spec import KVCacheConfig
-
-Key = tuple[int, BlockHash]
-"""(group id, block hash): the key of a block in every level."""
 
 _FILE_NAME = re.compile(r"^g(\d+)-([0-9a-f]+)-(\d+)\.kv$")
 
@@ -43,56 +42,62 @@ class OffloadedBlock(KVCacheBlock):
 
 
 class TierLevel:
-    """One level: entries by key in least-recently-used order, within a byte budget."""
+    """One level: entries by key within a byte budget, in the eviction order of `policy`
+    (`scheduler.kv_cache.offload_eviction`)."""
 
-    def __init__(self, capacity_bytes: int, block_bytes: Sequence[int]) -> None:
+    def __init__(
+        self,
+        capacity_bytes: int,
+        block_bytes: Sequence[int],
+        policy: EvictionPolicy = EvictionPolicy.CHAIN,
+    ) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"offload capacity must be >= 0 bytes, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.block_bytes = tuple(block_bytes)
         self.maps: list[dict[BlockHash, OffloadedBlock]] = [{} for _ in block_bytes]
         """Per group: hash -> entry (what lookups read)."""
-        self.lru: OrderedDict[Key, OffloadedBlock] = OrderedDict()
+        self.entries: dict[Key, OffloadedBlock] = {}
+        self.order = EntryOrder(policy, capacity_bytes)
         self.used_bytes = 0
 
     def __contains__(self, key: Key) -> bool:
-        return key in self.lru
+        return key in self.entries
 
     def __len__(self) -> int:
-        return len(self.lru)
+        return len(self.entries)
 
     def can_hold(self, group_id: int) -> bool:
         return self.block_bytes[group_id] <= self.capacity_bytes
 
-    def add(self, entry: OffloadedBlock) -> None:
-        self.lru[entry.key] = entry
+    def add(self, entry: OffloadedBlock, oldest: bool = False, stamp: int = -1) -> None:
+        """Hold `entry`, most recently used (or, `oldest`, first to go), evicted from device
+        chain `stamp` (-1: none)."""
+        size = self.block_bytes[entry.key[0]]
+        self.entries[entry.key] = entry
+        self.order.add(entry.key, size, oldest, stamp)
         self.maps[entry.key[0]][entry.key[1]] = entry
-        self.used_bytes += self.block_bytes[entry.key[0]]
+        self.used_bytes += size
 
     def remove(self, key: Key) -> OffloadedBlock:
-        entry = self.lru.pop(key)
+        entry = self.entries.pop(key)
+        self.order.discard(key)
         del self.maps[key[0]][key[1]]
         self.used_bytes -= self.block_bytes[key[0]]
         return entry
 
     def victims(self, size: int, pinned: Mapping[Key, int]) -> list[Key] | None:
-        """Least recently used keys (not pinned) whose removal makes room for `size` bytes;
+        """Keys (not pinned) whose removal makes room for `size` bytes, first to go first;
         None when even all of them would not."""
         if size > self.capacity_bytes:
             return None
         needed = self.used_bytes + size - self.capacity_bytes
-        out: list[Key] = []
-        for key in self.lru:
-            if needed <= 0:
-                break
-            if key not in pinned:
-                out.append(key)
-                needed -= self.block_bytes[key[0]]
-        return out if needed <= 0 else None
+        return self.order.victims(needed, self.block_bytes, pinned)
 
     def check(self) -> None:
-        assert self.used_bytes == sum(self.block_bytes[group] for group, _ in self.lru)
-        assert sum(map(len, self.maps)) == len(self.lru)
+        assert self.used_bytes == sum(self.block_bytes[group] for group, _ in self.entries)
+        assert sum(map(len, self.maps)) == len(self.entries)
+        assert sorted(self.order.in_eviction_order()) == sorted(self.entries)
 
 
 class DeviceOrOffloaded(Mapping[BlockHash, KVCacheBlock]):

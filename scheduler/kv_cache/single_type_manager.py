@@ -8,6 +8,7 @@ reads are the null block. The window, chunked-local and Mamba managers live in s
 from __future__ import annotations
 
 import abc
+import math
 import sys
 from collections.abc import Mapping, Sequence
 from itertools import islice
@@ -68,6 +69,8 @@ class SingleTypeManager(abc.ABC):
         """Leading table entries already registered in the prefix cache."""
         self.num_dropped_block: dict[str, int] = {}
         """Leading table entries already nulled (nothing before them is live)."""
+        self._reachable: tuple[bool, ...] | None = None
+        """`is_reachable` over one period of blocks (see `reachable_indices`); None: not yet."""
         self.read_spec(spec)
 
     def read_spec(self, spec: KVCacheSpec) -> None:  # noqa: B027 (optional hook)
@@ -190,15 +193,31 @@ class SingleTypeManager(abc.ABC):
         self.pool.cache_full_blocks(
             block_hashes,
             self.req_to_blocks[req_id],
-            [
-                index
-                for index in range(num_cached, num_full)
-                if self.cache_unreachable_blocks or self.is_reachable(index)
-            ],
+            self.reachable_indices(num_cached, num_full),
             self.group_id,
             self.hash_ratio,
         )
         self.num_cached_block[req_id] = num_full
+
+    def reachable_indices(self, start: int, stop: int) -> Sequence[int]:
+        """The block indices in [start, stop) worth registering: all of them when unreachable
+        blocks are cached too, else those `is_reachable` keeps. Reachability repeats every
+        `reachability_period_tokens` tokens, so it is read from one period's pattern (computed
+        once) rather than asked block by block."""
+        if self.cache_unreachable_blocks:
+            return range(start, stop)
+        pattern = self._reachable
+        if pattern is None:
+            period = self.reachability_period_tokens() // self.block_size
+            pattern = self._reachable = tuple(self.is_reachable(i) for i in range(period))
+        if all(pattern):
+            return range(start, stop)
+        period = len(pattern)
+        return [index for index in range(start, stop) if pattern[index % period]]
+
+    def reachability_period_tokens(self) -> int:
+        """Tokens after which `is_reachable` repeats (a multiple of the block size)."""
+        return math.lcm(self.block_size, self.hit_alignment)
 
     def first_aligned_end(self, index: int) -> int:
         """The first token count a hit may end on that covers block `index` whole."""

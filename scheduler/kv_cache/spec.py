@@ -23,6 +23,9 @@ class KVCacheSpec(abc.ABC):
 
     block_size: int
     """Tokens per block."""
+    drafter: bool = False
+    """A layer of a speculative drafter (draft model, MTP): grouped apart from the target's
+    layers, so its blocks, hits and prefix-cache entries never mix with theirs."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -245,7 +248,8 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
         items = tuple(specs.items())
         if not items:
             raise ValueError("UniformTypeKVCacheSpecs needs at least one layer")
-        return cls(block_size=items[0][1].block_size, kv_cache_specs=items)
+        first = items[0][1]
+        return cls(block_size=first.block_size, drafter=first.drafter, kv_cache_specs=items)
 
     @property
     def page_size_bytes(self) -> int:

@@ -6,6 +6,7 @@ of real blocks; their prefix-cache hits need only the blocks a recomputed token 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from scheduler.block_hash import BlockHash
@@ -122,6 +123,9 @@ class ChunkedLocalManager(SingleTypeManager):
 
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         return (num_computed_tokens // self.chunk_size) * self.chunk_size
+
+    def reachability_period_tokens(self) -> int:
+        return math.lcm(self.block_size, self.hit_alignment, self.chunk_size)
 
     def min_computed_for_skip(self, num_skipped_tokens: int) -> int:
         return cdiv(num_skipped_tokens, self.chunk_size) * self.chunk_size

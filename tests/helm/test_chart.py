@@ -31,6 +31,7 @@ from cluster.config import (
     validate_config_file,
     validate_engine_kwargs,
 )
+from cluster.config.pd_args import PDServingArgs
 
 if sys.platform == "linux" and platform.machine() == "x86_64":
     import helm_python as helm  # a dev dependency wherever its wheel exists
@@ -423,6 +424,8 @@ SERIES = [
     "ray_vllm_kv_offload_usage_perc", "ray_vllm_kv_offload_bytes_total",
     "ray_hybridserve_kv_offload_group_hit_tokens", "ray_vllm_num_requests_waiting_for_kvs",
     "ray_vllm_kv_offload_load_seconds_total", "ray_vllm_kv_offload_failed_loads_total",
+    "ray_hybridserve_prefix_cache_misses_total", "ray_serve_deployment_request_counter_total",
+    "ray_vllm_spec_decode_num_accepted_tokens_total", "ray_vllm_spec_decode_num_draft_tokens_total",
 ]  # fmt: skip
 
 
@@ -432,13 +435,20 @@ def test_dashboard_charts_every_series_per_model_and_ships_in_the_chart() -> Non
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     for series in SERIES:
         assert any(series in expr for expr in exprs), f"{series} is not charted"
-    for expr in exprs:
-        selectors = expr.count("{") - expr.count("{{")
+    for expr in exprs:  # every engine series is filtered by model (Ray Serve's have no model)
+        selectors = len(re.findall(r"\bray_(?:vllm|hybridserve)_\w+\{", expr))
+        selectors += expr.count("{__name__")
         assert expr.count('model_name=~"$model_name"') == selectors, expr
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids))
     shipped = _render({})["ConfigMap/dashboard"]["data"]["hybridserve.json"]
     assert json.loads(shipped) == dashboard
+
+
+def test_dashboard_config_map_is_labelled_for_the_grafana_sidecar_and_can_be_turned_off() -> None:
+    labels = _render({})["ConfigMap/dashboard"]["metadata"]["labels"]
+    assert labels["grafana_dashboard"] == "1"
+    assert "ConfigMap/dashboard" not in _render({"metrics": {"dashboard": {"enabled": False}}})
 
 
 def test_request_router_values_reach_the_model_deployment() -> None:
@@ -451,3 +461,14 @@ def test_request_router_values_reach_the_model_deployment() -> None:
     }
     (default,) = _serving_args(_render({})["RayService"]).llm_configs
     assert "request_router_config" not in default.deployment_config
+
+
+def test_prefill_decode_values_render_the_pd_app() -> None:
+    values = {"serve": {"prefillDecode": {"enabled": True, "kvTransferTimeoutS": 12}}}
+    rayservice = _render(values)["RayService"]
+    _validate_object(rayservice)
+    (app,) = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"]
+    assert app["import_path"] == "cluster.serve:build_pd_openai_app"
+    args = PDServingArgs.model_validate(app["args"])
+    assert args.kv_transfer_timeout_s == 12
+    assert args.prefill_config == args.decode_config

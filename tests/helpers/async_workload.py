@@ -23,6 +23,8 @@ class RunResult:
     num_preemptions: int
     num_cached_tokens: int
     """Prompt tokens served from the prefix cache, over every request."""
+    num_scheduled_ahead: int
+    """Requests scheduled while their previous token was still in flight (async steps)."""
 
 
 def _params(index: int) -> SamplingParams:
@@ -67,7 +69,8 @@ def run_workload(core: EngineCore, num_requests: int = 6) -> RunResult:
                 )
             if delta.finished:
                 cached += delta.num_cached_tokens
-    return RunResult(samples, core.scheduler.num_preemptions, cached)
+    scheduler = core.scheduler
+    return RunResult(samples, scheduler.num_preemptions, cached, scheduler.num_scheduled_ahead)
 
 
 def run_engine(args: EngineArgs, num_requests: int = 6) -> RunResult:

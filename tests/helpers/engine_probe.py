@@ -56,3 +56,16 @@ def failing_forward(llm: LLM, call: int, error: BaseException) -> Iterator[None]
         yield
     finally:
         hook.remove()
+
+
+def kv_cache_groups(llm: LLM) -> list[tuple[bool, set[str]]]:
+    """Per KV cache group of the (in-process, tp_size 1) engine: whether its spec is a
+    drafter's, and the attention and state layers bound to it."""
+    specs = llm.client.core.scheduler.kv_cache_manager.coordinator.group_specs
+    runner = llm.client.core.executor.worker.model_runner
+    layers: list[set[str]] = [set() for _ in specs]
+    for group in runner.attention_groups:
+        layers[group.kv_cache_group_id].update(group.layer_names)
+    for name, group_id in runner._mamba_groups.items():
+        layers[group_id].add(name)
+    return [(spec.drafter, names) for spec, names in zip(specs, layers, strict=True)]

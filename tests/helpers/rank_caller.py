@@ -16,7 +16,9 @@ from cluster.engine.executor.ray import RayExecutor
 class BundleCaller:
     def rank_threads(self, model: str, placement: PlacementSpec | None) -> list[object]:
         """Each rank's torch threads, for a tiny model's rank group started here."""
-        args = EngineArgs(model=str(Path(model)), block_size=4, kv_cache_memory_bytes=2 << 20)
+        args = EngineArgs(
+            model=str(Path(model)), dtype="float32", block_size=4, kv_cache_memory_bytes=2 << 20
+        )
         executor = RayExecutor(args, placement)
         try:
             return executor.collective_rpc("cpu_threads")

@@ -53,6 +53,7 @@ def llm_config(model_dir: Path, model_id: str = "tiny", **engine_kwargs: Any) ->
     return {
         "model_loading_config": {"model_id": model_id, "model_source": str(model_dir)},
         "engine_kwargs": {
+            "dtype": "float32",  # the parity tests compare with transformers in fp32
             "block_size": 4,
             "kv_cache_memory_bytes": 8 * 1024 * 1024,
             "max_num_seqs": 64,

@@ -85,6 +85,13 @@ METRICS = [
     "hybridserve:worker_alive",
 ]
 
+DASHBOARD_SERVE_SERIES = [
+    "ray_serve_deployment_request_counter_total",
+    "ray_serve_deployment_queued_queries",
+]
+"""Ray Serve's own series the Grafana dashboard's routing panel reads (requests per replica,
+requests queued at the handles)."""
+
 
 def exported(name: str) -> str:
     """The series Ray exports: ':' sanitized to '_', `ray_` prefix."""

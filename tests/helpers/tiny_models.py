@@ -144,7 +144,7 @@ def hf_greedy(hf_model: torch.nn.Module, prompt: list[int], num_new: int) -> lis
 
 def load_our_model(path: Path) -> torch.nn.Module:
     """Our model of the checkpoint at `path`, every parameter loaded (asserted)."""
-    model_config = ModelConfig.from_pretrained(path)
+    model_config = ModelConfig.from_pretrained(path, dtype="float32")
     model = get_model_class(model_config.architecture)(model_config, ParallelConfig())
     loaded = model.load_weights(iterate_weights(path))
     assert loaded == {name for name, _ in model.named_parameters()}

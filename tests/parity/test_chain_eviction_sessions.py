@@ -18,6 +18,7 @@ NUM_SESSIONS = 4
 NUM_ROUNDS = 4
 GREEDY = SamplingParams(temperature=0, max_tokens=4)
 LLM_ARGS = {
+    "dtype": "float32",
     "block_size": 4,
     "max_num_batched_tokens": 32,
     "max_model_len": 64,

@@ -86,7 +86,12 @@ PROMPTS = [
     [(13 * i + 1) % 256 for i in range(16)],
 ]
 NUM_NEW = 32
-LLM_ARGS = {"block_size": 4, "max_num_batched_tokens": 16, "kv_cache_memory_bytes": 1 << 22}
+LLM_ARGS = {
+    "dtype": "float32",
+    "block_size": 4,
+    "max_num_batched_tokens": 16,
+    "kv_cache_memory_bytes": 1 << 22,
+}
 
 
 def _save(config_cls: str, model_cls: str, kwargs: dict, path: Path) -> torch.nn.Module:

@@ -47,7 +47,12 @@ PROMPTS = [
 PREFIX_PROMPTS = [[*PROMPTS[0][:16], 9, 8, 7, 6, 5], [*PROMPTS[0][:24], 200, 100, 50]]
 NUM_NEW = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW)
-LLM_ARGS = {"block_size": 4, "max_num_batched_tokens": 24, "kv_cache_memory_bytes": 1 << 22}
+LLM_ARGS = {
+    "dtype": "float32",
+    "block_size": 4,
+    "max_num_batched_tokens": 24,
+    "kv_cache_memory_bytes": 1 << 22,
+}
 
 
 class Saved(NamedTuple):

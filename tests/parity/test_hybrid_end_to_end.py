@@ -19,7 +19,12 @@ from tests.helpers.tiny_models import hf_greedy, save_tiny_model
 
 pytestmark = pytest.mark.parity
 
-LLM_ARGS = {"block_size": 4, "max_num_batched_tokens": 16, "kv_cache_memory_bytes": 1 << 22}
+LLM_ARGS = {
+    "dtype": "float32",
+    "block_size": 4,
+    "max_num_batched_tokens": 16,
+    "kv_cache_memory_bytes": 1 << 22,
+}
 PROMPT = [(7 * i + 3) % 256 for i in range(30)]
 # Share 16 and 24 leading tokens (4 and 6 blocks of 4, past the window of 6 and chunks of 8).
 SHARING = [[*PROMPT[:16], 9, 8, 7, 6, 5], [*PROMPT[:24], 200, 100, 50]]

@@ -40,7 +40,12 @@ PROMPTS = [
 ]
 # Share 16 leading tokens (two 8-token hybrid blocks, four LFM2 blocks) with the first prompt.
 SHARED = [[*PROMPTS[0][:16], 9, 8, 7, 6, 5]]
-LLM_ARGS = {"block_size": 4, "max_num_batched_tokens": 16, "kv_cache_memory_bytes": 1 << 20}
+LLM_ARGS = {
+    "dtype": "float32",
+    "block_size": 4,
+    "max_num_batched_tokens": 16,
+    "kv_cache_memory_bytes": 1 << 20,
+}
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW)
 BLOCK = {"qwen3_next": 8, "qwen3_5": 8, "qwen3_5_moe": 8, "lfm2": 4}
 STATE_SPEC = {
@@ -220,7 +225,7 @@ import json, sys
 from cluster import LLM, SamplingParams
 from kernels import triton_attention
 assert triton_attention.is_interpreted()
-llm = LLM(sys.argv[1], attention_backend="triton", device="cpu", block_size=4,
+llm = LLM(sys.argv[1], attention_backend="triton", device="cpu", block_size=4, dtype="float32",
           max_num_batched_tokens=16, kv_cache_memory_bytes=1 << 20)
 kernels = llm.client.core.executor.worker.model_runner._mamba_kernels
 assert kernels.name == "triton" and kernels.gated_delta.name == "torch"

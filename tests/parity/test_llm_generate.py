@@ -38,7 +38,12 @@ SHARED_PREFIX_PROMPTS = [
     [*BASE_PROMPTS[0][:16], 9, 8, 7, 6, 5],
     [*BASE_PROMPTS[0][:24], 200, 100, 50],
 ]
-LLM_ARGS = {"block_size": 4, "max_num_batched_tokens": 16, "kv_cache_memory_bytes": 1 << 22}
+LLM_ARGS = {
+    "dtype": "float32",
+    "block_size": 4,
+    "max_num_batched_tokens": 16,
+    "kv_cache_memory_bytes": 1 << 22,
+}
 
 
 def _hf_greedy(hf_model: torch.nn.Module, prompt: list[int], num_new: int = NUM_NEW) -> list[int]:
@@ -250,7 +255,7 @@ import json, sys
 from cluster import LLM, SamplingParams
 from kernels import triton_attention
 assert triton_attention.is_interpreted()
-llm = LLM(sys.argv[1], attention_backend="triton", device="cpu", block_size=4,
+llm = LLM(sys.argv[1], attention_backend="triton", device="cpu", block_size=4, dtype="float32",
           max_num_batched_tokens=8, kv_cache_memory_bytes=1 << 20)
 prompts = json.loads(sys.argv[2])
 results = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)

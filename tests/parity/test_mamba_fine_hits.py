@@ -27,7 +27,12 @@ SHARING = [
     [*FIRST[:8], 9, 8, 7, 6, 5],  # 8 shared tokens: less than one 12-token block
     [*FIRST[:20], *((5 * i + 1) % 256 for i in range(17))],  # one block + 8, long suffix
 ]
-LLM_ARGS = {"block_size": 4, "max_num_batched_tokens": 24, "kv_cache_memory_bytes": 1 << 21}
+LLM_ARGS = {
+    "dtype": "float32",
+    "block_size": 4,
+    "max_num_batched_tokens": 24,
+    "kv_cache_memory_bytes": 1 << 21,
+}
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
 
 

@@ -38,7 +38,12 @@ PROMPTS = [
 ]
 # Share 24 and 12 leading tokens (two and one hybrid blocks of 12) with the first prompt.
 SHARED = [[*PROMPTS[0][:24], 9, 8, 7, 6, 5], [*PROMPTS[0][:12], 200, 100, 50]]
-LLM_ARGS = {"block_size": 4, "max_num_batched_tokens": 24, "kv_cache_memory_bytes": 1 << 21}
+LLM_ARGS = {
+    "dtype": "float32",
+    "block_size": 4,
+    "max_num_batched_tokens": 24,
+    "kv_cache_memory_bytes": 1 << 21,
+}
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW)
 
 
@@ -191,7 +196,7 @@ import json, sys
 from cluster import LLM, SamplingParams
 from kernels import triton_attention
 assert triton_attention.is_interpreted()
-llm = LLM(sys.argv[1], attention_backend="triton", device="cpu", block_size=4,
+llm = LLM(sys.argv[1], attention_backend="triton", device="cpu", block_size=4, dtype="float32",
           max_num_batched_tokens=24, kv_cache_memory_bytes=1 << 21)
 assert llm.client.core.executor.worker.model_runner._mamba_kernels.name == "triton"
 prompts = json.loads(sys.argv[2])

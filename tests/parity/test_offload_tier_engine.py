@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 
 from cluster import LLM, SamplingParams
 from scheduler.kv_cache.builder import block_bytes, request_blocks
+from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from tests.helpers.tiny_gemma3n import save_tiny_gemma3n
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from tests.helpers.tiny_linear_hybrid import save_tiny_linear_hybrid
@@ -26,7 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 NUM_SESSIONS = 6
 NUM_ROUNDS = 3
-LLM_ARGS = {"block_size": 4, "max_num_batched_tokens": 32, "max_model_len": 64}
+LLM_ARGS = {"dtype": "float32", "block_size": 4, "max_num_batched_tokens": 32, "max_model_len": 64}
 TIER = {"kv_offloading_size": 0.01}  # GiB: room for every session
 
 
@@ -190,3 +192,90 @@ def test_tier_hits_with_async_scheduling_give_the_tokens_of_a_cold_prefill(
     assert tiered == cold
     assert stats.offload is not None
     assert stats.offload.loaded_bytes > 0
+
+
+@pytest.mark.slow  # two tensor-parallel engines (minutes on a shared CPU); the ranks' agreement
+# and shard files are in the default suite: tests/unit/worker/test_offload_ranks.py
+def test_the_disk_tier_with_two_ranks_keeps_a_shard_per_rank_and_a_missing_shard_recomputes(
+    tmp_path: Path,
+) -> None:
+    """Tensor parallel 2: each rank spills its own shard files (rank 1 in the fingerprint's
+    folder with `-rank1`) and hits load them back (tokens equal); an engine restarted with rank
+    1's files gone finds rank 0's alone, which are no hit: the loads fail on every rank and
+    recompute."""
+    model = tmp_path / "model"
+    save_tiny_model("gemma3", model)
+    num_blocks, size = _pool_shape(model)
+    args = {
+        "tensor_parallel_size": 2,
+        "kv_cache_memory_bytes": num_blocks * size,
+        "kv_offloading_size": 2 * size / 2**30,
+        "kv_offloading_dir": str(tmp_path / "kv"),
+        "kv_offloading_disk_size": 0.01,
+    }
+    cold, llm = _sessions(model, enable_prefix_caching=False)
+    llm.shutdown()
+    first, llm = _sessions(model, **args)
+    stats = llm.client.core.get_stats()  # type: ignore[attr-defined]
+    llm.shutdown()
+    assert first == cold
+    assert stats.offload.disk_loaded_bytes > 0
+    assert stats.offload.num_failed_loads == 0
+    (rank0,) = [p for p in (tmp_path / "kv").iterdir() if not p.name.endswith("-rank1")]
+    rank1 = rank0.with_name(f"{rank0.name}-rank1")
+    assert sorted(p.name for p in rank0.glob("*.kv")) == sorted(p.name for p in rank1.glob("*.kv"))
+    assert list(rank0.glob("*.kv"))
+    for file in rank1.glob("*.kv"):
+        file.unlink()
+    second, llm = _sessions(model, **args)
+    stats = llm.client.core.get_stats()  # type: ignore[attr-defined]
+    llm.shutdown()
+    assert second == cold
+    assert stats.offload.num_failed_loads > 0
+
+
+def test_a_step_runs_other_requests_while_a_tier_hit_loads(tmp_path: Path) -> None:
+    """The worker's copy thread is held: the request whose hit is in the tier waits for its
+    loads, counted as waiting for KV, while a request that arrived with it runs; once the copy
+    thread goes on, the waiting request runs too, and both give the tokens of a cold prefill."""
+    save_tiny_model("gemma3", tmp_path)
+    small = _small_pool(tmp_path)
+    history = [(7 * i) % 250 + 1 for i in range(40)]
+    others = [[(11 * i + 3 * s) % 250 + 1 for i in range(40)] for s in range(1, 4)]
+    later = [{"prompt_token_ids": [*history, 9, 8, 7]}, {"prompt_token_ids": [5] * 20}]
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    llm = LLM(str(tmp_path), **LLM_ARGS, enable_prefix_caching=False)
+    cold = [list(r.outputs[0].token_ids) for r in llm.generate(later, greedy, use_tqdm=False)]
+    llm.shutdown()
+    llm = LLM(str(tmp_path), **LLM_ARGS, **small, **TIER)
+    core = llm.client.core  # type: ignore[attr-defined]
+    for prompt in [history, *others]:  # the later turns push the history into the tier
+        llm.generate([{"prompt_token_ids": prompt}], greedy, use_tqdm=False)
+    release = threading.Event()
+    store = core.executor.worker.model_runner.offload
+    store.disk_io.load("gate", [], lambda _: release.wait(30))
+    steps: list[tuple[set[str], set[str], int]] = []
+    execute = core.executor.execute
+
+    def recording(scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        stats = core.scheduler.make_stats()
+        scheduled = set(scheduler_output.num_scheduled_tokens)
+        steps.append((scheduled, set(core.scheduler.loading), stats.num_waiting_for_kv_reqs))
+        if scheduled and core.scheduler.loading:
+            release.set()  # another request ran while one waited for its loads
+        return execute(scheduler_output)
+
+    core.executor.execute = recording
+    try:
+        outputs = llm.generate(later, greedy, use_tqdm=False)
+        stats = core.get_stats()
+    finally:
+        release.set()
+        llm.shutdown()
+    assert [list(r.outputs[0].token_ids) for r in outputs] == cold
+    assert stats.offload.loaded_bytes > 0
+    overlapping = [s for s in steps if s[0] and s[1]]
+    assert overlapping, steps
+    scheduled, loading, num_waiting_for_kv = overlapping[0]
+    assert not scheduled & loading
+    assert num_waiting_for_kv == len(loading) == 1

@@ -15,7 +15,12 @@ from tests.helpers.tiny_models import save_tiny_model
 pytestmark = pytest.mark.parity
 
 NUM_NEW = 12
-LLM_ARGS = {"block_size": 4, "max_num_batched_tokens": 16, "kv_cache_memory_bytes": 1 << 22}
+LLM_ARGS = {
+    "dtype": "float32",
+    "block_size": 4,
+    "max_num_batched_tokens": 16,
+    "kv_cache_memory_bytes": 1 << 22,
+}
 PROMPTS = [[(7 * i + 3) % 256 for i in range(20)], [(5 * i + 1) % 64 for i in range(9)]]
 
 

@@ -33,7 +33,12 @@ PROMPTS = [
     [*BASE_PROMPT[:24], 9, 8, 7],  # shares 24 tokens with the first
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW)
-LLM_ARGS = {"block_size": 4, "max_num_batched_tokens": 24, "kv_cache_memory_bytes": 1 << 22}
+LLM_ARGS = {
+    "dtype": "float32",
+    "block_size": 4,
+    "max_num_batched_tokens": 24,
+    "kv_cache_memory_bytes": 1 << 22,
+}
 LAYOUTS = [
     "gemma3",  # sliding window
     "llama4",  # chunked local

@@ -15,7 +15,12 @@ from tests.helpers.tiny_models import save_tiny_model
 pytestmark = pytest.mark.parity
 
 PROMPTS = [[(7 * i + 3) % 256 for i in range(20)], [1, 2, 3, 4, 5, 6] * 3]
-ARGS = {"block_size": 4, "max_num_batched_tokens": 32, "kv_cache_memory_bytes": 1 << 22}
+ARGS = {
+    "dtype": "float32",
+    "block_size": 4,
+    "max_num_batched_tokens": 32,
+    "kv_cache_memory_bytes": 1 << 22,
+}
 SPEC = {"method": "ngram", "num_speculative_tokens": 3}
 
 

@@ -15,7 +15,7 @@ import torch
 SCRIPT = """
 from vllm import LLM, SamplingParams
 
-llm = LLM(max_model_len=256)
+llm = LLM(max_model_len=256, dtype="float32")
 greedy = SamplingParams(temperature=0, max_tokens=12, logprobs=3)
 outputs = llm.generate(
     ["The capital of France is", {"prompt": "Hello, my name is"}], greedy

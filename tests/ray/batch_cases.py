@@ -14,8 +14,12 @@ from cluster import LLM, SamplingParams
 from tests.helpers.tiny_models import save_tiny_model
 from tests.helpers.word_tokenizer import save_word_tokenizer
 
-ENGINE_FLAGS = ["--kv-cache-memory-bytes", str(1 << 22), "--block-size", "4"]
-ENGINE_KWARGS: dict[str, Any] = {"kv_cache_memory_bytes": 1 << 22, "block_size": 4}
+ENGINE_FLAGS = ["--dtype", "float32", "--kv-cache-memory-bytes", str(1 << 22), "--block-size", "4"]
+ENGINE_KWARGS: dict[str, Any] = {
+    "dtype": "float32",
+    "kv_cache_memory_bytes": 1 << 22,
+    "block_size": 4,
+}
 CHAT = [{"role": "user", "content": "t7 t8 t9"}]
 GOOD_ROWS: list[dict[str, Any]] = [
     {

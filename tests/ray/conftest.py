@@ -1,13 +1,13 @@
 """Fixtures of the Ray tests: one local loopback Ray instance for the tests of this folder.
 
-Ray is stopped after the last test here (not at the end of the session): while the test process
-is a Ray driver, `EngineArgs` picks the `ray` executor by default, which later in-process tests
-must not get.
+Modules share the instance while they declare the same CPUs. Ray is stopped after the last test
+here (not at the end of the session): while the test process is a Ray driver, `EngineArgs` picks
+the `ray` executor by default, which later in-process tests must not get.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from pathlib import Path
 
 import pytest
@@ -18,12 +18,12 @@ from tests.ray.batch_cases import BatchModel, make_batch_model
 RAY_TESTS = Path(__file__).resolve().parent
 
 
-@pytest.fixture(scope="session")
-def ray_cluster() -> Iterator[None]:
-    """A local Ray instance on 127.0.0.2 (started once, stopped after this folder's tests)."""
-    start_local_ray()
-    yield
-    stop_local_ray()
+@pytest.fixture(scope="module")
+def ray_cluster(request: pytest.FixtureRequest) -> None:
+    """A local Ray instance on 127.0.0.2 declaring the machine's CPUs, or the module's
+    `RAY_CPUS` where it states why it needs more (Ray restarts when the count changes; it is
+    stopped after this folder's tests)."""
+    start_local_ray(getattr(request.module, "RAY_CPUS", None))
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -20,6 +20,7 @@ from tests.helpers.tiny_models import save_tiny_model
 pytestmark = [pytest.mark.ray, pytest.mark.slow]  # the default suite covers the rank channel (mp)
 
 ENGINE = {
+    "dtype": "float32",
     "block_size": 4,
     "max_model_len": 64,
     "max_num_batched_tokens": 64,

@@ -19,6 +19,8 @@ from tests.ray.batch_cases import (
 )
 
 pytestmark = pytest.mark.ray
+# Two engine replicas (one CPU each, `check_pool_fits`) plus their ranks' bundles.
+RAY_CPUS = 4
 
 
 def _options(model: Path, tmp_path: Path, replicas: int = 1, **kwargs: object) -> BatchOptions:

@@ -31,7 +31,12 @@ pytestmark = pytest.mark.ray
 
 STEP_TIMEOUT_S = 6.0
 FAULT_DETECTION_S = 15.0
-ENGINE_KWARGS = {"block_size": 4, "kv_cache_memory_bytes": 2 << 20, "max_model_len": 128}
+ENGINE_KWARGS = {
+    "dtype": "float32",
+    "block_size": 4,
+    "kv_cache_memory_bytes": 2 << 20,
+    "max_model_len": 128,
+}
 PROMPTS = ["t5 t17 t33 t2 t9", "t100 t3 t3 t42 t8 t1 t77 t61 t200 t12"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 

@@ -51,6 +51,7 @@ def client(request: pytest.FixtureRequest, model_dir: Path) -> Iterator[InProces
         request.getfixturevalue("ray_cluster")
     args = EngineArgs(
         model=str(model_dir),
+        dtype="float32",
         block_size=4,
         kv_cache_memory_bytes=2 << 20,
         max_model_len=64,

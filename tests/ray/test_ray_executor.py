@@ -49,6 +49,7 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def _engine_args(model: Path, **overrides: object) -> EngineArgs:
     kwargs: dict[str, object] = {
         "model": str(model),
+        "dtype": "float32",
         "block_size": 4,
         "kv_cache_memory_bytes": KV_BYTES,
         "max_model_len": 64,
@@ -187,7 +188,8 @@ STOP_AFTER_RAY = textwrap.dedent(f"""
     from cluster.config.engine_args import EngineArgs
     ray.init(address="local", _node_ip_address="{NODE_IP}", num_cpus=2, _temp_dir=sys.argv[2],
              include_dashboard=False)
-    args = EngineArgs(model=sys.argv[1], block_size=4, kv_cache_memory_bytes=1 << 20)
+    args = EngineArgs(model=sys.argv[1], dtype="float32", block_size=4,
+                      kv_cache_memory_bytes=1 << 20)
     executor = RayExecutor(args)
     ray.shutdown()  # as Ray's exit hook does before an LLM's finalizer runs
     started = time.monotonic()

@@ -34,11 +34,14 @@ from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from tests.helpers.tiny_models import save_tiny_model
 
 pytestmark = pytest.mark.ray
+# Two replicas (a one-CPU rank bundle each) plus the ingress and the replicas' own share.
+RAY_CPUS = 4
 
 APP = "routing"
 MODEL = "tiny-hybrid"
 ROUTER = "cluster.serve.routing:HybridPrefixRouter"
 ENGINE = {
+    "dtype": "float32",
     "block_size": 4,
     "max_num_seqs": 16,
     "device": "cpu",

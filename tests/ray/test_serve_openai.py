@@ -49,6 +49,7 @@ from tests.helpers.serve_app import (
     shutdown_serve,
 )
 from tests.helpers.serve_cases import (
+    DASHBOARD_SERVE_SERIES,
     INVALID,
     METRICS,
     exported,
@@ -58,6 +59,9 @@ from tests.helpers.serve_cases import (
 )
 
 pytestmark = pytest.mark.ray
+# Two model deployments (a one-CPU rank bundle each) and the ingress run at once, and the
+# served fixture's two topologies may overlap while one shuts down: more than 2 CPUs.
+RAY_CPUS = 4
 
 API_KEY = "sk-test-key"
 APP = "openai"
@@ -399,6 +403,7 @@ def test_metrics_are_exported_with_sane_values(served: Served) -> None:
     while True:
         samples = metric_samples(httpx.get(url, timeout=10).text)
         missing = [m for m in METRICS if not has_metric(samples, exported(m))]
+        missing += [name for name in DASHBOARD_SERVE_SERIES if name not in samples]
         if not missing:
             break
         assert time.monotonic() < deadline, f"metrics never exported: {missing}"

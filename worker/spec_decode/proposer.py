@@ -1,8 +1,11 @@
 """Draft proposers: given each decoding request's tokens, the drafts the next step verifies.
 
 The model runner calls `propose` on the driver rank after sampling, with every request that
-sampled and may speculate; a proposer that runs a model (draft model, MTP, EAGLE heads) gets
-the same call and keeps its own state.
+sampled and may speculate. A proposer that runs a model (draft model, MTP, EAGLE heads) also
+lists its attention layers (`drafter_layers`: the runner plans KV cache groups of their own for
+them in the shared pool), gets those groups bound (`bind`), sees every step's batch after the
+target's forward (`observe`, with the target's hidden states: what MTP and EAGLE heads read),
+and runs its own steps on the bound cache in `propose`.
 """
 
 from __future__ import annotations
@@ -11,8 +14,24 @@ import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scheduler.spec_config import SpecMethod, SpeculativeConfig
+import torch
+
+from worker.attention import Attention, ForwardContext
+from worker.attention_groups import AttentionGroup
+from worker.input_batch import InputBatch, RequestStates
+from worker.kv_cache import KVCaches
 from worker.spec_decode.ngram import propose_ngram
+
+
+@dataclass(frozen=True)
+class DrafterCache:
+    """What a proposer with a model needs from the runner to run steps of its own."""
+
+    attention_groups: list[AttentionGroup]
+    """The drafter's attention groups (its own KV cache groups only)."""
+    kv_caches: KVCaches
+    states: RequestStates
+    """The runner's requests and block tables (every group's)."""
 
 
 @dataclass(frozen=True)
@@ -36,6 +55,20 @@ class DraftProposer(abc.ABC):
     def forget(self, req_ids: Sequence[str]) -> None:  # noqa: B027 (optional hook)
         """Drop the state of finished or preempted requests (proposers with state)."""
 
+    @property
+    def drafter_layers(self) -> list[Attention]:
+        """Attention layers of the proposer's own model (none without a model)."""
+        return []
+
+    def bind(self, cache: DrafterCache) -> None:  # noqa: B027 (optional hook)
+        """Receive the drafter's KV cache groups (after the runner allocated them)."""
+
+    def observe(  # noqa: B027 (optional hook)
+        self, batch: InputBatch, ctx: ForwardContext, hidden: torch.Tensor
+    ) -> None:
+        """See a step's batch after the target's forward; `hidden` [num_tokens, hidden] holds
+        the target's last hidden states (`ctx` covers the drafter's layers too)."""
+
 
 class NgramProposer(DraftProposer):
     """Prompt lookup: no weights, no state."""
@@ -54,14 +87,3 @@ class NgramProposer(DraftProposer):
             if found:
                 drafts[request.req_id] = found
         return drafts
-
-
-def make_proposer(config: SpeculativeConfig) -> DraftProposer:
-    """The proposer of `config.method`; ValueError for a method this build cannot run."""
-    if config.method is SpecMethod.NGRAM:
-        return NgramProposer(
-            config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
-        )
-    raise ValueError(
-        f"speculative_config method {config.method.value!r} is not supported yet; use 'ngram'"
-    )

@@ -53,6 +53,8 @@ def _args(model_dirs: dict[str, Path], case: str, **overrides: object) -> Engine
 
 def _check_identical(sync: RunResult, overlapped: RunResult) -> None:
     assert overlapped.samples == sync.samples
+    assert sync.num_scheduled_ahead == 0
+    assert overlapped.num_scheduled_ahead > 0  # steps did run ahead of their tokens
     reasons = [reason for _, reason in sync.samples.values()]
     assert "stop" in reasons
     assert "length" in reasons

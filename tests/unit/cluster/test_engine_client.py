@@ -24,7 +24,7 @@ from scheduler.request import SamplingParams
 from tests.helpers.tiny_models import save_tiny_model
 
 PROMPT = tuple((5 * i + 1) % 256 for i in range(13))
-ARGS = {"block_size": 4, "kv_cache_memory_bytes": 1 << 22, "max_model_len": 64}
+ARGS = {"dtype": "float32", "block_size": 4, "kv_cache_memory_bytes": 1 << 22, "max_model_len": 64}
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,12 @@ GREEDY = SamplingParams(temperature=0, max_tokens=4)
 PROMPT = [(7 * i + 3) % 256 for i in range(10)]
 MAX_MODEL_LEN = 32
 VOCAB = 256
-LLM_ARGS = {"block_size": 4, "kv_cache_memory_bytes": 1 << 22, "max_model_len": MAX_MODEL_LEN}
+LLM_ARGS = {
+    "dtype": "float32",
+    "block_size": 4,
+    "kv_cache_memory_bytes": 1 << 22,
+    "max_model_len": MAX_MODEL_LEN,
+}
 
 
 @pytest.fixture(scope="module")

@@ -214,7 +214,7 @@ LLM_RUN = """
 import json, sys
 from cluster import LLM, SamplingParams
 llm = LLM(model=sys.argv[1], download_dir=sys.argv[2], distributed_executor_backend="uni",
-          kv_cache_memory_bytes=1 << 22)
+          kv_cache_memory_bytes=1 << 22, dtype="float32")
 output = llm.generate({"prompt_token_ids": [5, 7, 9]}, SamplingParams(temperature=0, max_tokens=4))
 print(json.dumps(list(output[0].outputs[0].token_ids)))
 """

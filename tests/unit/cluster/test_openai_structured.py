@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -197,62 +197,83 @@ def test_a_constraint_cut_by_max_tokens_ends_with_length(server: LLMServer) -> N
     assert choice.message.content == "z" * 6
 
 
-def slow_parses(manager: Any, seconds: float) -> Any:
-    """`manager._parse` whose compiles first sleep `seconds` (in the compile thread)."""
-    parse = manager._parse
+class HeldCompiles:
+    """Wraps `manager._parse` so that each compile (in the compile thread) waits for `release`;
+    `started` and `done` tell the test where the compile is, so nothing waits on the clock."""
 
-    def slow_parse(name: str, constraint: Any) -> Any:
-        compile_now = parse(name, constraint)
+    WAIT_S = 60.0  # a bound for a stuck test, never reached when the code works
 
-        def slow_compile() -> Any:
-            time.sleep(seconds)
-            return compile_now()
+    def __init__(self, manager: Any) -> None:
+        self.parse = manager._parse
+        self.started = threading.Event()
+        self.release = threading.Event()
+        self.done = threading.Event()
 
-        return slow_compile
+    def __call__(self, name: str, constraint: Any) -> Any:
+        compile_now = self.parse(name, constraint)
 
-    return slow_parse
+        def held_compile() -> Any:
+            self.started.set()
+            self.release.wait(self.WAIT_S)
+            try:
+                return compile_now()
+            finally:
+                self.done.set()
+
+        return held_compile
 
 
 def test_a_compile_slower_than_the_timeout_is_a_400(
     server: LLMServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     manager = server.engine.core.structured
-    monkeypatch.setattr(manager, "_parse", slow_parses(manager, 1.5))
+    held = HeldCompiles(manager)
+    monkeypatch.setattr(manager, "_parse", held)
     monkeypatch.setattr(structured_manager, "COMPILE_TIMEOUT_S", 0.3)
-    (response,) = ask(server, structured_outputs={"regex": "[p-q]{7}"})
+    try:
+        (response,) = ask(server, structured_outputs={"regex": "[p-q]{7}"})
+        assert held.started.is_set()
+        assert not held.done.is_set()  # the compile is still held when the request gives up
+    finally:
+        held.release.set()
+        assert held.done.wait(held.WAIT_S)  # the compile thread is free again for the next tests
     assert isinstance(response, ErrorResponse)
     assert response.status == 400
     assert "did not compile within 0.3 s" in response.error.message
-    time.sleep(1.5)  # the compile thread is free again for the next tests
 
 
 def test_a_slow_compile_does_not_stall_other_requests(
     server: LLMServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The constraint's compile takes 3 s (in the compile thread); a plain request sent after
-    it finishes meanwhile, and the constrained one still gets its grammar."""
+    """The constraint's compile is held (in the compile thread) until a plain request sent after
+    it has finished; the constrained one then still gets its grammar."""
     manager = server.engine.core.structured
-    monkeypatch.setattr(manager, "_parse", slow_parses(manager, 3.0))
+    held = HeldCompiles(manager)
+    monkeypatch.setattr(manager, "_parse", held)
     slow = ChatCompletionRequest.model_validate(
         {"messages": MESSAGES, "max_tokens": 8, "structured_outputs": {"regex": "[g-k]{5}"}}
     )
     plain = ChatCompletionRequest.model_validate({"messages": MESSAGES, "max_tokens": 8})
-    finished: dict[str, float] = {}
 
     async def run(request: ChatCompletionRequest, name: str) -> Any:
         items = [item async for item in server.generate(request, name, as_sse=False)]
-        finished[name] = time.monotonic()
         return items[0]
 
     async def both() -> list[Any]:
         constrained_task = asyncio.ensure_future(run(slow, "slow"))
-        await asyncio.sleep(0.2)  # the compile has started
-        return [await run(plain, "plain"), await constrained_task]
+        loop = asyncio.get_running_loop()
+        assert await loop.run_in_executor(None, held.started.wait, held.WAIT_S)
+        plain_reply = await run(plain, "plain")
+        held_while_plain_ran = not held.done.is_set()
+        held.release.set()
+        slow_reply = await constrained_task
+        assert held_while_plain_ran, "the plain request waited for the compile"
+        return [plain_reply, slow_reply]
 
-    start = time.monotonic()
-    plain_reply, slow_reply = server.loop.run_until_complete(both())  # type: ignore[attr-defined]
-    assert finished["plain"] - start < 2.5
-    assert finished["slow"] - start >= 3.0
+    try:
+        plain_reply, slow_reply = server.loop.run_until_complete(both())  # type: ignore[attr-defined]
+    finally:
+        held.release.set()
     text = slow_reply.choices[0].message.content
     assert len(text) == 5
     assert set(text) <= set("ghijk")

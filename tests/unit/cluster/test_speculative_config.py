@@ -36,6 +36,15 @@ def test_ngram_defaults_and_overrides() -> None:
     assert config.disable_by_batch_size == 8
 
 
+def test_draft_model_and_mtp() -> None:
+    spec = {"model": "/models/draft", "num_speculative_tokens": 4}  # method defaults to draft_model
+    assert _config(spec) == SpeculativeConfig(SpecMethod.DRAFT_MODEL, 4, model="/models/draft")
+    assert _config(spec).draft_lookahead == 4  # its drafts' KV: k slots past each step
+    mtp = _config({"method": "mtp", "num_speculative_tokens": 1})
+    assert (mtp.method, mtp.model, mtp.draft_lookahead) == (SpecMethod.MTP, None, 1)
+    assert _config({"method": "ngram", "num_speculative_tokens": 3}).draft_lookahead == 0
+
+
 BAD = [
     ({"method": "ngram", "num_speculative_tokens": 0},
      "speculative_config.num_speculative_tokens must be >= 1, got 0"),
@@ -52,7 +61,8 @@ BAD = [
      "prompt_lookup_max applies to method 'ngram' only"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5,
       "prompt_lookup_max": 3}, "prompt_lookup_min (5) must be <= prompt_lookup_max (3)"),
-    ({"method": "mtp", "num_speculative_tokens": 2}, "method 'mtp' is not supported yet"),
+    ({"method": "mtp", "num_speculative_tokens": 2, "model": "/models/draft"},
+     "model names a draft model: not used by method 'mtp'"),
 ]  # fmt: skip
 
 

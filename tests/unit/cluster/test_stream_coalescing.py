@@ -18,7 +18,7 @@ from cluster.engine.request import EngineRequest
 from scheduler.request import SamplingParams
 from tests.helpers.serve_app import save_tiny_served_model
 
-ARGS = {"block_size": 4, "kv_cache_memory_bytes": 1 << 22, "max_model_len": 64}
+ARGS = {"dtype": "float32", "block_size": 4, "kv_cache_memory_bytes": 1 << 22, "max_model_len": 64}
 NO_HIT = {"enable_prefix_caching": False}  # both reads compute the prompt alike
 PARAMS = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
 PROMPT = (5, 9, 17, 33, 2)

@@ -6,7 +6,11 @@ and head size. Weights are never involved.
 
 from __future__ import annotations
 
-from scheduler.hybrid_capacity import GRANITE_4_H_SMALL, full_attention_specs, hybrid_layer_specs
+from benchmarks.workloads.hybrid_capacity import (
+    GRANITE_4_H_SMALL,
+    full_attention_specs,
+    hybrid_layer_specs,
+)
 from scheduler.kv_cache.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,

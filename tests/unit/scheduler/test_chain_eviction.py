@@ -6,8 +6,8 @@ from __future__ import annotations
 from kv_cache_helpers import full, make_manager, make_request, window
 
 from benchmarks.bench_prefix_sessions import hit_rates, session_ops
+from benchmarks.workloads.pressure_traces import ALL_REACHABLE, LAYOUTS, hit_tokens, pressure_trace
 from scheduler.kv_cache.eviction import EvictionPolicy, Tier, TieredFreeQueue
-from scheduler.pressure_traces import ALL_REACHABLE, LAYOUTS, hit_tokens, pressure_trace
 from scheduler.replay import TraceReplayer, build_manager, replay_trace
 
 

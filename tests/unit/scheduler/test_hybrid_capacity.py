@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.hybrid_capacity import (
+from benchmarks.workloads.hybrid_capacity import (
     GRANITE_4_H_SMALL,
     capacity,
     full_attention_specs,

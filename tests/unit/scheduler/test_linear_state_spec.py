@@ -8,7 +8,13 @@ import pytest
 from kv_cache_helpers import find_hit
 
 from benchmarks.bench_capacity import capacity_rows, linear_hybrid_layouts
-from scheduler.hybrid_capacity import capacity
+from benchmarks.workloads.hybrid_capacity import capacity
+from benchmarks.workloads.linear_attention_capacity import (
+    QWEN3_5_27B,
+    QWEN3_NEXT_80B_A3B,
+    all_attention_specs,
+    linear_hybrid_specs,
+)
 from scheduler.kv_cache.builder import build_kv_cache_config
 from scheduler.kv_cache.linear_state_spec import (
     GatedDeltaNetShape,
@@ -17,12 +23,6 @@ from scheduler.kv_cache.linear_state_spec import (
     ShortConvSpec,
 )
 from scheduler.kv_cache.spec import FullAttentionSpec, MambaCacheMode, manager_spec
-from scheduler.linear_attention_capacity import (
-    QWEN3_5_27B,
-    QWEN3_NEXT_80B_A3B,
-    all_attention_specs,
-    linear_hybrid_specs,
-)
 
 GIB = 1 << 30
 NEXT = QWEN3_NEXT_80B_A3B.delta_net  # 16 key heads, 32 value heads, 128 x 128, width 4

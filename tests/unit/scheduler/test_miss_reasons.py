@@ -79,11 +79,11 @@ def test_the_same_tokens_under_another_salt_miss_as_salt() -> None:
     manager.allocate_slots(plain, len(tokens))
     manager.free(plain)
     salted = Request("salted", tokens, SamplingParams(), size, cache_salt="tenant-b")
-    hit = manager.get_computed_blocks(salted)
+    hit = manager.explain_misses(salted, manager.get_computed_blocks(salted))
     assert hit.num_tokens == 0
     assert hit.misses == ((("salt", 12),),)
     unsalted_twin = Request("twin", tokens, SamplingParams(), size)
-    hit = manager.get_computed_blocks(unsalted_twin)
+    hit = manager.explain_misses(unsalted_twin, manager.get_computed_blocks(unsalted_twin))
     assert hit.num_tokens == 12
     assert hit.misses == ((),)
 
@@ -101,3 +101,37 @@ def test_the_scheduler_counts_miss_tokens_per_group_and_reason() -> None:
     assert stats.prefix_cache_hit_tokens == 8
     assert stats.prefix_cache_misses == ((("never_seen", 16 + 8),),)
     assert {reason.value for reason in MissReason} >= {"never_seen", "evicted", "salt"}
+
+
+def test_misses_are_explained_against_the_cache_the_lookup_saw_not_after_admission() -> None:
+    """The admitting allocation changes the cache: it registers the request's own blocks and,
+    in a full pool, evicts cached ones (here the rest of the same prompt's old chain). The
+    explanation describes the cache as looked up, so it is made before that allocation: the
+    tokens past the dropped block were never seen, not "not aligned" (what the request's own
+    freshly registered blocks would suggest afterwards)."""
+    config = make_config(6, full(4))  # five usable blocks: the admission must evict
+    scheduler = make_scheduler(config, max_num_batched_tokens=64, max_model_len=64)
+    runner = FakeModelRunner(config)
+    prompt = list(range(1, 18))  # four full blocks and one token
+    first = make_request(scheduler, "a", prompt, max_tokens=1)
+    scheduler.add_request(first)
+    drive(scheduler, runner)
+    pool = scheduler.kv_cache_manager.pool
+    dropped = pool.get_cached_block(first.block_hashes[1], 0)
+    assert dropped is not None
+    pool.evict_blocks([dropped.block_id])  # forgotten without a trace: the cache never saw it
+    evictions = pool.num_evictions
+    scheduler.add_request(make_request(scheduler, "b", prompt, max_tokens=1))
+    drive(scheduler, runner)
+    assert pool.num_evictions > evictions  # the admission itself evicted cached blocks
+    stats = scheduler.make_stats()
+    assert stats.prefix_cache_hit_tokens == 4
+    assert stats.prefix_cache_misses == ((("never_seen", 16 + 12),),)
+
+
+def test_a_lookup_explains_nothing_until_admission() -> None:
+    manager = make_manager(32, full(4), max_model_len=64)
+    request = Request("r", list(range(1, 14)), SamplingParams(), manager.hash_block_size)
+    hit = manager.get_computed_blocks(request)
+    assert hit.misses == ()
+    assert manager.explain_misses(request, hit).misses == ((("never_seen", 12),),)

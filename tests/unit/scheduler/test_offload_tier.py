@@ -159,6 +159,7 @@ def test_a_disk_level_below_a_small_host_tier_serves_hits(layout: str, tmp_path)
     offload = scheduler.make_stats().offload
     assert offload is not None
     assert offload.disk_loaded_bytes > 0
+    assert 0 < sum(offload.disk_group_hit_tokens) <= sum(offload.group_hit_tokens)
     assert offload.disk_num_blocks == len(runner.files)
     assert all(name.startswith(str(tmp_path)) for name in runner.files)
     assert scheduler.reset_prefix_cache()
@@ -224,7 +225,7 @@ def test_state_checkpoints_stay_out_of_the_tier() -> None:
     drive(scheduler, FakeModelRunner(config), arrivals)
     index = scheduler.kv_cache_manager.pool.offload
     assert index is not None
-    tier_keys = {block_hash for _, block_hash in index.host.lru}
+    tier_keys = {block_hash for _, block_hash in index.host.entries}
     checkpoints = {k for r in requests for k in checkpoint_keys(r.all_token_ids, 2, None)}
     assert tier_keys
     assert not tier_keys & checkpoints

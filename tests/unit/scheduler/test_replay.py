@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.pressure_traces import ALL_REACHABLE, LAYOUTS, hit_tokens, pressure_trace
+from benchmarks.workloads.pressure_traces import ALL_REACHABLE, LAYOUTS, hit_tokens, pressure_trace
 from scheduler.replay import replay_trace
 
 ROOT = Path(__file__).resolve().parents[3]

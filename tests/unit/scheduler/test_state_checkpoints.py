@@ -11,8 +11,8 @@ from kv_cache_helpers import full, make_config, make_request, mamba, window
 from scheduler_drive import make_scheduler
 from scheduler_fake_runner import FakeModelRunner
 
+from benchmarks.workloads.hybrid_capacity import GRANITE_4_H_SMALL, hybrid_layer_specs
 from scheduler.block_hash import extend_block_hashes
-from scheduler.hybrid_capacity import GRANITE_4_H_SMALL, hybrid_layer_specs
 from scheduler.kv_cache.builder import build_kv_cache_config
 from scheduler.kv_cache.checkpoints import checkpoint_keys, checkpoint_positions
 from scheduler.kv_cache.eviction import EvictionPolicy

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 
@@ -40,7 +41,8 @@ def test_store_load_round_trip_and_drop() -> None:
     state = tensors[1][0][2].clone()
     store.run(OffloadOps(stores=(OffloadStore(7, 1, 2),)))
     tensors[1][0][2] = 0  # the pool reuses the block
-    report = store.run(OffloadOps(loads=(OffloadLoad("r", 1, 4, slot=7),), drops=(7,)))
+    ops = OffloadOps(loads=(OffloadLoad("r", 1, 4, slot=7),), drops=(7,))
+    report = _until_reported(store, ops)
     assert report.finished == ("r",)
     assert report.failed == ()
     assert torch.equal(tensors[1][0][4], state)
@@ -58,8 +60,54 @@ def test_a_load_past_its_deadline_fails() -> None:
     tensors = _tensors()
     store = HostOffloadStore(tensors, NUM_BLOCKS, torch.device("cpu"), load_timeout_s=0)
     store.run(OffloadOps(stores=(OffloadStore(1, 0, 2),)))
+    before = tensors[0][0].clone()
+    release = _held_copy_thread(store)
     report = store.run(OffloadOps(loads=(OffloadLoad("r", 0, 3, slot=1),)))
+    release.set()
+    store.disk_io.flush()
     assert report.failed == ("r",)
+    assert torch.equal(tensors[0][0], before)  # a load that timed out never writes the pool
+
+
+def _held_copy_thread(store: HostOffloadStore) -> threading.Event:
+    """Keep the store's copy thread busy until the returned event is set."""
+    release = threading.Event()
+    store.disk_io.load("gate", [], lambda _: release.wait(10))
+    return release
+
+
+def test_a_step_does_not_wait_for_its_loads() -> None:
+    """With the copy thread busy, the step issuing a load returns at once and reports it
+    pending; it is reported done (block written) in a later step."""
+    tensors = _tensors()
+    store = HostOffloadStore(tensors, NUM_BLOCKS, torch.device("cpu"))
+    store.run(OffloadOps(stores=(OffloadStore(1, 0, 2),)))
+    expected = tensors[0][0][4:6].clone()
+    release = _held_copy_thread(store)
+    report = store.run(OffloadOps(loads=(OffloadLoad("r", 0, 5, slot=1),)))
+    assert report == OffloadReport()
+    assert store.pending_loads == ("r",)
+    assert not torch.equal(tensors[0][0][10:12], expected)
+    release.set()
+    report = _until_reported(store, OffloadOps())
+    assert report.finished == ("r",)
+    assert torch.equal(tensors[0][0][10:12], expected)
+    assert store.pending_loads == ()
+
+
+def test_a_request_that_left_while_loading_never_has_its_blocks_written() -> None:
+    tensors = _tensors()
+    store = HostOffloadStore(tensors, NUM_BLOCKS, torch.device("cpu"))
+    store.run(OffloadOps(stores=(OffloadStore(1, 0, 2),)))
+    before = tensors[0][0].clone()
+    release = _held_copy_thread(store)
+    store.run(OffloadOps(loads=(OffloadLoad("r", 0, 5, slot=1),)))
+    report = store.run(OffloadOps(), finished_req_ids=("r",))
+    release.set()
+    store.disk_io.flush()
+    assert report == OffloadReport()
+    assert store.pending_loads == ()
+    assert torch.equal(tensors[0][0], before)
 
 
 def _until_reported(store: HostOffloadStore, ops: OffloadOps) -> OffloadReport:
@@ -80,8 +128,7 @@ def _spilled(tmp_path: Path) -> tuple[dict[int, list[torch.Tensor]], HostOffload
     store.run(OffloadOps(stores=(OffloadStore(1, 1, 2),)))
     store.run(OffloadOps(spills=(OffloadSpill(1, file),), drops=(1,)))
     assert store.pages == {}
-    store.disk_io.read("flush", [])  # the thread works in order: once this is read, so is the file
-    _until_reported(store, OffloadOps())
+    store.disk_io.flush()
     return tensors, store, file
 
 
@@ -92,8 +139,7 @@ def test_a_spilled_block_loads_back_from_its_file(tmp_path: Path) -> None:
     assert report.finished == ("r",)
     assert torch.equal(tensors[1][0][6], state)
     store.run(OffloadOps(disk_drops=(file,)))
-    store.disk_io.read("flush", [])
-    _until_reported(store, OffloadOps())
+    store.disk_io.flush()
     assert not Path(file).exists()
 
 

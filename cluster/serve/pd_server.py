@@ -1,0 +1,94 @@
+"""The two sides of a prefill/decode-disaggregated model, each an `LLMServer` replica.
+
+    ingress ─► PDDecodeServer.generate ─► before_add: held keys ─► PDPrefillServer
+                                                   prefill_and_export (prompt[:-1], 1 token)
+               import the KV (object store) ◄──────────┘
+               engine.add_request (hits the prefix: computes the last token, decodes)
+
+The decode side keeps prefix caching on: it sends the keys it holds, and receives only the rest.
+A prefill side that fails, dies or misses the deadline costs a recompute on the decode side,
+never the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from typing import Any
+
+from ray.exceptions import RayError
+
+from cluster.config import LLMConfig
+from cluster.engine.errors import EngineDeadError
+from cluster.engine.kv_transfer import KVTransfer, kv_export, kv_held_keys, kv_import
+from cluster.engine.request import EngineRequest
+from cluster.serve.llm_server import LLMServer
+from scheduler.kv_cache.transfer import HeldKeys
+from scheduler.request import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_PREFILL_PARAMS = SamplingParams(temperature=0, max_tokens=1)
+
+
+class PDPrefillServer(LLMServer):
+    """The prefill side: computes a prompt's prefix and exports its KV."""
+
+    async def prefill_and_export(
+        self, prompt_token_ids: list[int], held: HeldKeys, cache_salt: str | None
+    ) -> KVTransfer:
+        """Compute every prompt token but the last (its blocks stay cached), then export the
+        blocks of the prefix the decode side does not hold."""
+        if len(prompt_token_ids) > 1:
+            request = EngineRequest(
+                request_id=f"prefill-{uuid.uuid4().hex}",
+                prompt_token_ids=tuple(prompt_token_ids[:-1]),
+                sampling_params=_PREFILL_PARAMS,
+                cache_salt=cache_salt,
+            )
+            async for _ in await self.engine.add_request(request):
+                pass
+        return await self.engine.call_core(kv_export, prompt_token_ids, held, cache_salt)
+
+
+class PDDecodeServer(LLMServer):
+    """The decode side: imports the prefill side's KV before a request enters its engine."""
+
+    def __init__(
+        self, llm_config: LLMConfig | dict[str, Any], prefill: Any, transfer_timeout_s: float
+    ) -> None:
+        super().__init__(llm_config)
+        self.prefill = prefill
+        self.transfer_timeout_s = transfer_timeout_s
+        self.counters = self.engine.core.kv_transfer_counters
+        """Its pulls (prefix from the prefill side) and recomputes (hand-off failed)."""
+
+    async def before_add(self, request: EngineRequest) -> None:
+        prompt = list(request.prompt_token_ids)
+        response = None
+        try:
+            held = await self.engine.call_core(kv_held_keys, prompt, request.cache_salt)
+            response = self.prefill.prefill_and_export.remote(prompt, held, request.cache_salt)
+            transfer = await asyncio.wait_for(_awaited(response), self.transfer_timeout_s)
+            await self.engine.call_core(kv_import, transfer)
+        except (asyncio.TimeoutError, RayError, RuntimeError, ValueError) as exc:
+            if isinstance(exc, EngineDeadError):
+                raise
+            if response is not None:
+                response.cancel()
+            self.counters.num_recomputes += 1
+            logger.warning(
+                "prefill hand-off of %s failed; recomputing: %s", request.request_id, exc
+            )
+            return
+        self.counters.num_pulls += 1
+
+    def transfer_stats(self) -> dict[str, int]:
+        """Pulls and recomputes of this decode replica."""
+        return {"pulls": self.counters.num_pulls, "recomputes": self.counters.num_recomputes}
+
+
+async def _awaited(response: Any) -> KVTransfer:
+    transfer: KVTransfer = await response
+    return transfer

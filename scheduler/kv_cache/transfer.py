@@ -1,0 +1,197 @@
+"""The scheduler's side of a KV transfer between two engines: which blocks a prefix needs, which
+of them the receiver already holds, and the receiver's adoption of the rest.
+
+The set sent is the hybrid minimum a prefix hit reads, found by the coordinator's own fixed point
+on the sender: every full-attention block, only the window / chunk blocks the hit reaches, one
+recurrent state at the hit's aligned end; KV-sharing layers own no blocks. Keys are per group,
+(group id, block hash), as in the pool and the offload tier, so both engines must hash alike
+(same block sizes and layout: `layout_fingerprint`).
+
+    receiver  held_keys(prompt)            ─► HeldKeys (per group: hashes it has)
+    sender    find_export(prompt, held)    ─► TransferKeys + sender block ids (workers export)
+    receiver  reserve_import(keys)         ─► fresh blocks (workers import the pages)
+    receiver  commit_import / abort_import ─► blocks registered (cached, evictable) / freed
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from scheduler.block_hash import BlockHash
+from scheduler.kv_cache.free_block_queue import KVCacheBlock
+from scheduler.kv_cache.manager import KVCacheManager
+from scheduler.kv_cache.offload_levels import group_block_bytes
+from scheduler.kv_cache.spec import (
+    KVCacheConfig,
+    KVCacheSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    cdiv,
+    manager_spec,
+)
+
+
+@dataclass(frozen=True)
+class HeldKeys:
+    """Per group, the hashes of a prompt's blocks the receiver holds on its device pool."""
+
+    fingerprint: str
+    """The receiver's model and KV layout (`layout_fingerprint`): the sender's must equal it."""
+    groups: tuple[frozenset[BlockHash], ...]
+
+
+@dataclass(frozen=True)
+class TransferKeys:
+    """The keys of the blocks one transfer carries, per group in block order."""
+
+    fingerprint: str
+    num_hit_tokens: int
+    """The sender's prefix hit: what the receiver can hit once it holds every block."""
+    groups: tuple[tuple[BlockHash, ...], ...]
+    num_held_blocks: int = 0
+    """Blocks of the hit the receiver already held (not sent)."""
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(keys) for keys in self.groups)
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """What the sender's workers copy out: per group, the pool blocks of `keys` in order."""
+
+    keys: TransferKeys
+    block_ids: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class ImportReservation:
+    """Fresh receiver blocks for the keys not held yet; `selected` indexes `keys.groups[g]`."""
+
+    keys: TransferKeys
+    blocks: tuple[tuple[KVCacheBlock, ...], ...]
+    selected: tuple[tuple[int, ...], ...]
+
+    @property
+    def block_ids(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(block.block_id for block in group) for group in self.blocks)
+
+
+def held_keys(
+    manager: KVCacheManager, block_hashes: Sequence[BlockHash], fingerprint: str
+) -> HeldKeys:
+    """The receiver's side of the handshake: per group, which of the prompt's block hashes its
+    device pool has registered (so the sender leaves them out)."""
+    groups = []
+    for manager_of_group in manager.coordinator.managers:
+        hash_map = manager.pool.hash_maps[manager_of_group.group_id]
+        count = len(block_hashes) // manager_of_group.hash_ratio
+        hashes = (manager_of_group.hash_of(block_hashes, index) for index in range(count))
+        groups.append(frozenset(h for h in hashes if h in hash_map))
+    return HeldKeys(fingerprint, tuple(groups))
+
+
+def find_export(
+    manager: KVCacheManager,
+    block_hashes: Sequence[BlockHash],
+    max_length: int,
+    held: HeldKeys,
+    fingerprint: str,
+) -> ExportPlan:
+    """The sender's longest prefix hit (at most `max_length` tokens) on its device pool, less the
+    blocks the receiver holds. ValueError when the two engines' layouts differ."""
+    if held.fingerprint != fingerprint:
+        raise ValueError(
+            "kv transfer: the engines differ in model or KV layout "
+            f"(fingerprint {fingerprint} here, {held.fingerprint} at the receiver)"
+        )
+    if not manager.enable_caching:
+        raise ValueError("kv transfer needs enable_prefix_caching on the sending engine")
+    pool = manager.pool
+    lookup_maps, pool.lookup_maps = pool.lookup_maps, pool.hash_maps  # device blocks only
+    try:
+        found = manager.coordinator.find_longest_cache_hit(block_hashes, max_length)
+    finally:
+        pool.lookup_maps = lookup_maps
+    keys: list[tuple[BlockHash, ...]] = []
+    block_ids: list[tuple[int, ...]] = []
+    num_held = 0
+    for group_id, blocks in enumerate(found.blocks):
+        real = [b for b in blocks if b is not pool.null_block and b.block_hash is not None]
+        sent = [b for b in real if b.block_hash not in held.groups[group_id]]
+        num_held += len(real) - len(sent)
+        keys.append(tuple(b.block_hash for b in sent if b.block_hash is not None))
+        block_ids.append(tuple(b.block_id for b in sent))
+    transfer = TransferKeys(fingerprint, found.num_tokens, tuple(keys), num_held)
+    return ExportPlan(transfer, tuple(block_ids))
+
+
+def reserve_import(manager: KVCacheManager, keys: TransferKeys) -> ImportReservation | None:
+    """Fresh blocks for every key the receiver's device pool does not hold; None (nothing
+    taken) when the pool has not that many free blocks."""
+    pool = manager.pool
+    selected = tuple(
+        tuple(i for i, key in enumerate(group) if key not in pool.hash_maps[group_id])
+        for group_id, group in enumerate(keys.groups)
+    )
+    if sum(len(indices) for indices in selected) > pool.num_free_blocks:
+        return None
+    blocks = tuple(
+        tuple(pool.get_new_blocks(len(indices), group_id)) if indices else ()
+        for group_id, indices in enumerate(selected)
+    )
+    return ImportReservation(keys, blocks, selected)
+
+
+def commit_import(manager: KVCacheManager, reservation: ImportReservation) -> None:
+    """The workers wrote the pages: register each block under its key; the blocks stay cached
+    and evictable (no request holds them) until a prefix hit takes them."""
+    pool = manager.pool
+    for group_id, blocks in enumerate(reservation.blocks):
+        keys = reservation.keys.groups[group_id]
+        for block, index in zip(blocks, reservation.selected[group_id], strict=True):
+            if keys[index] not in pool.hash_maps[group_id]:
+                pool.register_block(block, keys[index])
+        pool.free_blocks(blocks)
+
+
+def abort_import(manager: KVCacheManager, reservation: ImportReservation) -> None:
+    """The pages never arrived: the reserved blocks go back unregistered."""
+    for blocks in reservation.blocks:
+        manager.pool.free_blocks(blocks)
+
+
+def needed_blocks(spec: KVCacheSpec, num_tokens: int) -> int:
+    """Blocks of one group a hit of `num_tokens` tokens reads (the hybrid lower bound's rule)."""
+    spec = manager_spec(spec)
+    if isinstance(spec, SlidingWindowSpec):
+        return min(cdiv(spec.sliding_window - 1, spec.block_size), num_tokens // spec.block_size)
+    if isinstance(spec, MambaSpec):
+        return 1 if num_tokens else 0
+    return num_tokens // spec.block_size
+
+
+def hit_lower_bound_bytes(config: KVCacheConfig, num_tokens: int) -> int:
+    """The hybrid lower bound of moving a hit of `num_tokens` tokens: per group, the blocks it
+    reads times the group's block bytes (donor layers only, no padding)."""
+    sizes = group_block_bytes(config)
+    return sum(
+        needed_blocks(group.spec, num_tokens) * size
+        for group, size in zip(config.groups, sizes, strict=True)
+    )
+
+
+__all__ = [
+    "ExportPlan",
+    "HeldKeys",
+    "ImportReservation",
+    "TransferKeys",
+    "abort_import",
+    "commit_import",
+    "find_export",
+    "held_keys",
+    "hit_lower_bound_bytes",
+    "needed_blocks",
+    "reserve_import",
+]

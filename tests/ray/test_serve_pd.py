@@ -1,0 +1,103 @@
+"""Prefill/decode disaggregation on real Ray Serve through the `openai` client: a P/D app of the
+byte-level tiny model (both sides' engines in their replica's process) answers streaming chat
+with usage exactly as the offline engine does, and its structured outputs and tool calls follow
+their schema; the decode replica took every prompt's prefix from the prefill replica."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+from ray import serve
+from ray.serve.config import HTTPOptions
+
+from cluster.llm import LLM
+from cluster.serve import build_pd_openai_app, deployment_name
+from scheduler.request import SamplingParams
+from tests.helpers.byte_model import save_byte_model
+from tests.helpers.ray_local import NODE_IP
+from tests.helpers.serve_app import free_port, llm_config, shutdown_serve
+
+pytestmark = pytest.mark.ray
+
+APP = "pd"
+ENGINE = {"block_size": 16, "distributed_executor_backend": "uni"}
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Rome"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+ASK = [{"role": "user", "content": "Weather in Paris? Tell me about the next few days, please."}]
+SHORT_ASK = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_byte_model(tmp_path_factory.mktemp("byte-model"))
+
+
+@pytest.fixture(scope="module")
+def client(ray_cluster: None, model_dir: Path) -> Iterator[openai.OpenAI]:
+    port = free_port()
+    serve.start(http_options=HTTPOptions(host=NODE_IP, port=port))
+    side = llm_config(model_dir, "bytes", **ENGINE)
+    side["deployment_config"]["ray_actor_options"]["num_cpus"] = 0.25
+    args = {"prefill_config": side, "decode_config": side, "kv_transfer_timeout_s": 60}
+    serve.run(build_pd_openai_app(args), name=APP, route_prefix="/")
+    yield openai.OpenAI(base_url=f"http://{NODE_IP}:{port}/v1", api_key="none", max_retries=0)
+    shutdown_serve()
+
+
+def reference_text(model_dir: Path, messages: list[dict[str, Any]]) -> str:
+    llm = LLM(str(model_dir), **ENGINE)
+    try:
+        (out,) = llm.chat([messages], SamplingParams(temperature=0, max_tokens=24))
+    finally:
+        llm.shutdown()
+    return out.outputs[0].text
+
+
+def test_pd_streams_the_one_pool_tokens_with_usage(client: openai.OpenAI, model_dir: Path) -> None:
+    stream = client.chat.completions.create(
+        model="bytes", messages=ASK, temperature=0, max_tokens=24, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    text, usage = "", None
+    for chunk in stream:
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+        usage = chunk.usage or usage
+    assert text == reference_text(model_dir, ASK)
+    assert usage is not None
+    assert usage.completion_tokens == 24
+    decode = serve.get_deployment_handle("Decode:" + deployment_name("bytes"), app_name=APP)
+    stats = decode.transfer_stats.remote().result()
+    assert stats["pulls"] >= 1
+    assert stats["recomputes"] == 0
+
+
+def test_pd_structured_output_and_tool_calls(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model="bytes", messages=ASK, temperature=0, max_tokens=100,
+        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}},
+    )  # fmt: skip
+    jsonschema.validate(json.loads(reply.choices[0].message.content or ""), WEATHER)
+    reply = client.chat.completions.create(
+        model="bytes", messages=SHORT_ASK, tools=TOOLS, tool_choice="required", temperature=0,
+        max_tokens=200,
+    )  # fmt: skip
+    calls = reply.choices[0].message.tool_calls
+    assert calls
+    for call in calls:
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER)
