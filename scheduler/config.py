@@ -82,7 +82,8 @@ class SchedulerConfig:
     optimistically, and the workers append the tokens they sample themselves."""
     speculative: SpeculativeConfig | None = None
     """Speculative decoding: decoding requests verify the workers' drafts, several tokens per
-    step (None: off). Needs synchronous steps (async_scheduling off)."""
+    step (None: off). With async_scheduling, a request verifying drafts is not run ahead of:
+    the next step's positions depend on its accepted count (`scheduler.spec_decode`)."""
     max_loras: int | None = None
     """Most distinct LoRA adapters among running requests (the workers' device slots); a
     waiting request with another adapter waits until one is free. None: LoRA off."""
@@ -107,8 +108,6 @@ class SchedulerConfig:
             raise TypeError(f"policy must be a SchedulingPolicy, got {self.policy!r}")
         if not self.enable_chunked_prefill:
             self._check_unchunked()
-        if self.speculative is not None and self.async_scheduling:
-            raise ValueError("speculative decoding needs async_scheduling off")
 
     def _check_unchunked(self) -> None:
         if self.max_num_batched_tokens < self.max_model_len:

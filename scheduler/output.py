@@ -128,12 +128,25 @@ class GrammarBitmask:
     """Tokens each constrained request may sample this step, one packed row per request.
 
     Row i is `words_per_row` little-endian int32 words; bit j of word w allows token 32 * w + j.
-    Built by the engine (which holds the grammar states) and applied by rank 0's sampler.
+    Built by the engine (which holds the grammar states) and applied by rank 0's sampler. A
+    request verifying m drafts has 1 + m consecutive rows: row j is the mask after its first j
+    drafts (`num_rows`).
     """
 
     req_ids: tuple[str, ...]
     words_per_row: int
     data: bytes
+    num_rows: tuple[int, ...] = ()
+    """Rows per request of `req_ids` (empty: one each)."""
+
+    def rows_of(self) -> dict[str, range]:
+        """Each request's rows in `data`."""
+        counts = self.num_rows or (1,) * len(self.req_ids)
+        rows, start = {}, 0
+        for req_id, count in zip(self.req_ids, counts, strict=True):
+            rows[req_id] = range(start, start + count)
+            start += count
+        return rows
 
 
 @dataclass(frozen=True)

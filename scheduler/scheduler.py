@@ -130,7 +130,8 @@ class Scheduler:
                 continue  # aborted while the step ran
             was_preempted = request.status is RequestStatus.PREEMPTED  # its token was in flight
             if self.spec is not None:
-                self._commit_drafts(request, spec_tokens.get(req_id), token_ids, drafts)
+                verified = spec_tokens.get(req_id)
+                self._commit_drafts(request, verified, token_ids, drafts, was_preempted)
             output = apply_sampled_tokens(
                 request,
                 token_ids,
@@ -158,11 +159,12 @@ class Scheduler:
         verified: list[int] | None,
         token_ids: list[int],
         drafts: dict[str, list[int]] | None,
+        preempted: bool,
     ) -> None:
         """Speculative decoding: roll back past the rejected drafts, keep the next drafts."""
         assert self.spec is not None
         if verified:
-            self.spec.commit(request, len(verified), token_ids)
+            self.spec.commit(request, len(verified), token_ids, preempted=preempted)
         if token_ids:
             request.spec_token_ids = drafts.get(request.req_id, []) if drafts else []
 
@@ -236,9 +238,12 @@ class Scheduler:
         while index < len(running) and plan.budget > 0:
             request = running[index]
             in_flight = request.num_output_placeholders
-            if in_flight and not may_run_ahead(request, self.config.max_model_len, manager):
-                index += 1  # its last token is in flight, or a checkpoint needs it known
-                continue
+            if in_flight and (
+                not may_run_ahead(request, self.config.max_model_len, manager)
+                or (self.spec is not None and self.spec.waits(request, len(self.requests)))
+            ):
+                index += 1  # its last token (or verify step) is in flight, or a checkpoint
+                continue  # needs it known, or it verifies drafts once it is back
             num_new = len(request.all_token_ids) + in_flight - request.num_computed_tokens
             if num_new != 1:  # a prefill chunk (a decode token needs no cap nor alignment)
                 num_new = self._num_new_tokens(request, request.num_computed_tokens, plan.budget)
@@ -455,6 +460,8 @@ class Scheduler:
             request.num_computed_tokens += counts[req_id]  # the message keeps the old value
             if run_ahead and samples_this_step(request):
                 request.num_output_placeholders += 1
+                if self.spec is not None and req_id in plan.spec_tokens:
+                    self.spec.verifying.add(req_id)
         before, saves, after = self.kv_cache_manager.take_step_ops()
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
@@ -485,6 +492,8 @@ class Scheduler:
         del self.requests[request.req_id]
         self._junction_tokens.pop(request.req_id, None)
         self._worker_view.finished(request.req_id)
+        if self.spec is not None:
+            self.spec.forget(request.req_id)
 
     def _drop_unfittable(self, request: Request) -> None:
         """Finish a request the whole pool cannot hold, instead of retrying it forever."""

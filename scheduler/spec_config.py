@@ -68,10 +68,12 @@ class SpeculativeConfig:
 def supports_speculation(params: SamplingParams) -> bool:
     """Whether a request's tokens can be verified several at a time.
 
-    Logits edits that depend on the tokens before each position (penalties, min_tokens, bad
-    words, structured outputs) would differ per draft position, and the verifier applies no
-    logits edits at all (logit bias, allowed tokens): such requests decode one token per step,
-    so their outputs stay exactly those without speculation.
+    Structured outputs can: the engine sends a grammar mask per draft position (the grammar
+    advanced over the drafts before it) and the verifier applies it. Logits edits that depend
+    on the tokens before each position (penalties, min_tokens, bad words) would differ per
+    draft position, and the verifier applies no other logits edits (logit bias, allowed
+    tokens): such requests decode one token per step, so their outputs stay exactly those
+    without speculation.
     """
     return not (
         params.uses_penalties
@@ -80,5 +82,4 @@ def supports_speculation(params: SamplingParams) -> bool:
         or params.allowed_token_ids is not None
         or params.bad_words
         or params.bad_words_token_ids
-        or params.structured_outputs is not None
     )

@@ -9,6 +9,13 @@ accepted count, and the acceptance counters.
 
 Block hashes cover known tokens only, and the KV cache manager registers blocks up to the known
 tokens, so nothing past the accepted point is ever cached.
+
+Async scheduling (step N+1 scheduled before step N's output is back): drafts are verified only
+by a request with no token in flight (its drafts were proposed after its last token), and a
+request verifying drafts is not run ahead of (how many tokens it gains is unknown until its
+output is back). A request with drafts to verify waits for its token in flight rather than run
+ahead of it, so it verifies every other step while requests without drafts run every step;
+a paused (acceptance-aware switch) or batch-size-limited request runs ahead as usual.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from dataclasses import dataclass, field
 from scheduler.kv_cache.manager import KVCacheManager
 from scheduler.request import Request
 from scheduler.spec_config import SpeculativeConfig
+from scheduler.spec_switch import DEFAULT_SWITCH, AcceptanceSwitch, SwitchSettings
 
 
 @dataclass(frozen=True)
@@ -46,23 +54,49 @@ class DraftVerification:
     """The scheduler's side of speculative decoding (one per scheduler)."""
 
     def __init__(
-        self, config: SpeculativeConfig, manager: KVCacheManager, max_model_len: int
+        self,
+        config: SpeculativeConfig,
+        manager: KVCacheManager,
+        max_model_len: int,
+        switch: SwitchSettings | None = DEFAULT_SWITCH,
     ) -> None:
         self.config = config
         self.manager = manager
         self.max_model_len = max_model_len
+        self.switch = AcceptanceSwitch(switch) if switch is not None else None
+        """Per-request pauses of drafting while drafts keep being rejected (None: off)."""
+        self.verifying: set[str] = set()
+        """Async scheduling: requests whose verify step is in flight."""
         self._counters = _Counters(per_pos=[0] * config.num_speculative_tokens)
+
+    def waits(self, request: Request, num_unfinished: int) -> bool:
+        """Async scheduling: whether `request`, with a token in flight, waits for it instead of
+        running ahead (its verify step is in flight, or it has drafts to verify next)."""
+        if request.req_id in self.verifying:
+            return True
+        limit = self.config.disable_by_batch_size
+        switch = self.switch
+        return (
+            bool(request.spec_token_ids)
+            and (limit is None or num_unfinished < limit)
+            and (switch is None or not switch.is_paused(request.req_id))
+        )
 
     def num_drafts(self, request: Request, budget: int, num_unfinished: int) -> int:
         """Drafts of a decoding request to verify this step (0: a plain decode step).
 
         Capped by the token budget, max_tokens and max_model_len (every token a step may emit
         is allowed), the recurrent groups' block ends and the next state checkpoint (states
-        there are written exactly as without speculation), and the batch-size switch.
+        there are written exactly as without speculation), the batch-size switch and the
+        acceptance-aware switch (`scheduler.spec_switch`).
         """
         limit = self.config.disable_by_batch_size
         if not request.spec_token_ids or (limit is not None and num_unfinished >= limit):
             return 0
+        if self.switch is not None and not self.switch.allows(request.req_id):
+            return 0
+        if request.num_output_placeholders:
+            return 0  # its drafts follow a token the scheduler has not seen yet
         params = request.sampling_params
         computed = request.num_computed_tokens
         num = min(
@@ -94,21 +128,36 @@ class DraftVerification:
             )
         return request.spec_token_ids[:num_drafts]
 
-    def commit(self, request: Request, num_drafts: int, token_ids: list[int]) -> None:
+    def commit(
+        self, request: Request, num_drafts: int, token_ids: list[int], *, preempted: bool = False
+    ) -> None:
         """After a verify step: roll computed tokens back past the rejected drafts (call before
-        the tokens are appended). `token_ids`: the accepted drafts and the token after them."""
+        the tokens are appended). `token_ids`: the accepted drafts and the token after them.
+        `preempted`: the request was preempted while the step ran (async scheduling; it
+        recomputes from scratch, so there is nothing to roll back)."""
+        self.verifying.discard(request.req_id)
         num_accepted = len(token_ids) - 1
         assert 0 <= num_accepted <= num_drafts, (num_accepted, num_drafts)
-        request.num_computed_tokens -= num_drafts - num_accepted
         slots = self.manager.spec_slots
-        if num_accepted < num_drafts and slots is not None:
-            slots.restore(request.req_id, num_accepted, request.num_computed_tokens)
+        if not preempted:
+            request.num_computed_tokens -= num_drafts - num_accepted
+            if num_accepted < num_drafts and slots is not None:
+                slots.restore(request.req_id, num_accepted, request.num_computed_tokens)
         counters = self._counters
         counters.num_drafts += 1
         counters.num_draft_tokens += num_drafts
         counters.num_accepted_tokens += num_accepted
         for pos in range(num_accepted):
             counters.per_pos[pos] += 1
+        switch = self.switch
+        if switch is not None and switch.record(request.req_id, num_drafts, num_accepted):
+            self.manager.release_spec_slots(request.req_id)  # paused: room for others
+
+    def forget(self, req_id: str) -> None:
+        """A finished request."""
+        self.verifying.discard(req_id)
+        if self.switch is not None:
+            self.switch.forget(req_id)
 
     def make_stats(self) -> SpecDecodingStats:
         """A snapshot of the cumulative counters."""

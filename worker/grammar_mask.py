@@ -32,19 +32,23 @@ class GrammarMask:
     def build(
         cls, bitmask: GrammarBitmask | None, sampled_req_ids: Sequence[str], device: torch.device
     ) -> GrammarMask | None:
-        """The mask of the sampling rows (`sampled_req_ids`, in row order) that have one."""
+        """The mask of the sampling rows (`sampled_req_ids`: each row's request, in row order;
+        a request verifying drafts has consecutive rows) that have one."""
         if bitmask is None:
             return None
-        row_of = {req_id: row for row, req_id in enumerate(sampled_req_ids)}
-        pairs = [
-            (row_of[req_id], index)
-            for index, req_id in enumerate(bitmask.req_ids)
-            if req_id in row_of
-        ]
+        rows_of = bitmask.rows_of()
+        used: dict[str, int] = {}
+        pairs = []
+        for row, req_id in enumerate(sampled_req_ids):
+            own_rows = rows_of.get(req_id)
+            position = used.get(req_id, 0)
+            if own_rows is not None and position < len(own_rows):
+                pairs.append((row, own_rows[position]))
+                used[req_id] = position + 1
         if not pairs:
             return None
         words = torch.frombuffer(bytearray(bitmask.data), dtype=torch.int32).view(
-            len(bitmask.req_ids), bitmask.words_per_row
+            -1, bitmask.words_per_row
         )
         row_list = [row for row, _ in pairs]
         rows = torch.tensor(row_list, dtype=torch.int64)

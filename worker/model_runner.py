@@ -387,6 +387,11 @@ class ModelRunner:
         expanded = [sampled[i] for i in verified for _ in range(1 + len(drafts[i]))]
         rows = torch.tensor(layout.all_rows(verified), device=logits.device)
         tensors = self.sampling_state.build(expanded, logits.shape[-1])
+        grammar = GrammarMask.build(
+            scheduler_output.grammar_bitmask, [req.req_id for req in expanded], self.device
+        )
+        if grammar is not None:
+            tensors = replace(tensors, grammar=grammar)
         result = verify_drafts(
             logits[rows], [drafts[i] for i in verified], tensors, self.sampler.generator
         )

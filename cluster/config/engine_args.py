@@ -110,8 +110,7 @@ class EngineArgs(StrictModel):
     speculative_config: SpeculativeConfigArgs | None = None
     """Speculative decoding, vLLM's keys: {"method": "ngram", "num_speculative_tokens": 3,
     "prompt_lookup_max": 4}; keys: method, num_speculative_tokens, prompt_lookup_min,
-    prompt_lookup_max, model, disable_by_batch_size. Outputs are unchanged; steps stay
-    synchronous."""
+    prompt_lookup_max, model, disable_by_batch_size. Outputs are unchanged."""
     enable_lora: bool = False
     """Serve LoRA adapters (PEFT folders) on top of the base model, per request."""
     max_loras: int = Field(1, ge=1)

@@ -172,7 +172,4 @@ def _async_scheduling(args: EngineArgs) -> bool:
     if args.async_scheduling and args.tensor_parallel_size > 1:
         logger.warning("async_scheduling needs tensor_parallel_size 1: steps stay synchronous")
         return False
-    if args.async_scheduling and args.speculative_config is not None:
-        logger.warning("speculative decoding verifies drafts in synchronous steps")
-        return False
     return args.async_scheduling

@@ -1,5 +1,6 @@
 """Speculative decoding and the KV cache of recurrent hybrids: every Mamba cache mode, prefix
-caching off, fine state checkpoints, preemption, and the A -> B -> A poisoning probe (CPU fp32,
+caching off, fine state checkpoints, preemption, async scheduling (with and without
+preemption), TP = 2, and the A -> B -> A poisoning probe (CPU fp32,
 tiny random models, the offline `LLM`). Greedy tokens must equal those without speculation."""
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ CASES = {
     "no_caching": {"enable_prefix_caching": False},
     "checkpoints": {"prefix_match_unit": 4},
     "preemption": {"kv_cache_memory_bytes": 18 * 3072, "max_model_len": 72},
+    "async": {"async_scheduling": True},
+    "async_preemption": {
+        "async_scheduling": True,
+        "kv_cache_memory_bytes": 18 * 3072,
+        "max_model_len": 72,
+    },
 }
 
 
@@ -76,7 +83,7 @@ def test_cache_modes_and_preemption_keep_the_tokens(saved: Saved, case: str) -> 
     stats = engine_stats(llm)
     assert stats.spec_decoding is not None
     assert stats.spec_decoding.num_accepted_tokens > 0
-    if case == "preemption":
+    if "preemption" in case:
         assert stats.num_preemptions > 0
     llm.client.core.scheduler.kv_cache_manager.check_invariants()
     llm.shutdown()
@@ -87,6 +94,7 @@ def test_a_then_b_then_a_gives_a_the_same_answer(saved: Saved) -> None:
     20 rounds of drafts that are mostly rejected (a stale draft state would poison the cache)."""
     spec = {"method": "ngram", "num_speculative_tokens": 4}
     llm = LLM(str(saved.path), speculative_config=spec, **LLM_ARGS)
+    llm.client.core.scheduler.spec.switch = None  # rejected drafts stay verified every step
     (answer_a,) = _expected(saved, [PROMPT_A])
     for round_index in range(20):
         kind = "perturbed" if round_index % 2 else "random"
@@ -97,3 +105,22 @@ def test_a_then_b_then_a_gives_a_the_same_answer(saved: Saved) -> None:
     stats = engine_stats(llm)
     assert stats.prefix_cache_hit_tokens > 0
     llm.shutdown()
+
+
+def test_tensor_parallel_2_verifies_drafts_on_both_ranks(saved: Saved) -> None:
+    """TP = 2 (a process per rank): recurrent heads split across ranks, each rank saves and
+    restores its own draft-position states; greedy tokens equal TP = 1 without speculation."""
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 2,
+    }
+    llm = LLM(str(saved.path), speculative_config=spec, tensor_parallel_size=2, **LLM_ARGS)
+    try:
+        assert _generate(llm, PROMPTS) == _expected(saved, PROMPTS)
+        stats = engine_stats(llm).spec_decoding
+    finally:
+        llm.shutdown()
+    assert stats is not None
+    assert stats.num_draft_tokens > stats.num_accepted_tokens  # rejections: state restores

@@ -74,3 +74,30 @@ def test_seeded_random_sampling_repeats_and_penalties_stay_exact(llama: Path) ->
     ]
     assert llm.client.get_stats().spec_decoding == drafted  # penalties: no drafts verified
     llm.shutdown()
+
+
+def test_n_samples_per_prompt_verify_drafts_each(llama: Path) -> None:
+    """`n > 1`: every sample of a prompt drafts and verifies on its own; greedy samples equal
+    plain decoding, seeded random ones repeat."""
+    greedy = SamplingParams(temperature=0, max_tokens=16, n=3)
+    seeded = SamplingParams(temperature=0.8, top_k=20, seed=5, max_tokens=16, n=2)
+    plain = LLM(str(llama), **ARGS)
+    expected = plain.generate(PROMPTS, greedy, use_tqdm=False)
+    plain.shutdown()
+    sequences = [[*p, *r.outputs[0].token_ids] for p, r in zip(PROMPTS, expected, strict=True)]
+    llm = LLM(str(llama), speculative_config=SPEC, **ARGS)
+    install_proposer(llm, ScriptedProposer(3, sequences, "perturbed"))
+    results = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    for ours, theirs in zip(results, expected, strict=True):
+        assert len(ours.outputs) == 3
+        assert all(o.token_ids == theirs.outputs[0].token_ids for o in ours.outputs)
+    stats = llm.client.get_stats().spec_decoding
+    assert stats is not None
+    assert stats.num_drafts >= 3 * len(PROMPTS)  # every sample verified drafts
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    runs = [
+        [[o.token_ids for o in r.outputs] for r in llm.generate(PROMPTS, seeded, use_tqdm=False)]
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1]
+    llm.shutdown()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from scheduler.output import TokenLogprobs
+from worker.grammar_mask import apply_grammar_mask
 from worker.sampler import SamplingTensors, to_token_logprobs
 from worker.spec_decode.rejection_sampler import VerifyRows, rejection_sample, target_probs
 
@@ -58,9 +59,12 @@ def verify_drafts(
     generator: torch.Generator,
 ) -> Verified:
     """Accept or reject the drafts of requests whose rows are `logits` [sum(1 + m), vocab];
-    `tensors` holds one row per logits row."""
+    `tensors` holds one row per logits row (structured outputs: each row masked by the grammar
+    state after the drafts before it; logprobs stay those of the raw logits, as without
+    drafts)."""
     rows = VerifyRows.build(drafts, logits.device)
-    probs = target_probs(logits, tensors)
+    constrained = logits if tensors.grammar is None else apply_grammar_mask(logits, tensors.grammar)
+    probs = target_probs(constrained, tensors)
     token_ids = rejection_sample(probs, rows, tensors, generator)
     return Verified(token_ids, _logprobs(logits, RowLayout.from_drafts(drafts), token_ids, tensors))
 

@@ -36,6 +36,14 @@ class Matcher(Protocol):
 
     def accept(self, token_id: int) -> bool: ...
 
+    def try_accept(self, token_id: int) -> bool:
+        """Advance over `token_id` if the grammar allows it (False: state unchanged)."""
+        ...
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (speculative drafts)."""
+        ...
+
     def is_terminated(self) -> bool: ...
 
 
@@ -64,6 +72,12 @@ class XgrammarMatcher:
 
     def accept(self, token_id: int) -> bool:
         return bool(self.matcher.accept_token(token_id))
+
+    def try_accept(self, token_id: int) -> bool:
+        return bool(self.matcher.accept_token(token_id))  # a refused token changes nothing
+
+    def rollback(self, num_tokens: int) -> None:
+        self.matcher.rollback(num_tokens)
 
     def is_terminated(self) -> bool:
         return bool(self.matcher.is_terminated())
@@ -122,17 +136,33 @@ class XgrammarBackend:
 class GuidanceMatcher:
     matcher: Any
     stop_token_ids: frozenset[int]
-    ended: bool = False
-    """A stop token was accepted (llguidance reports `is_stopped` as soon as the grammar can
-    only end, which is earlier: the end token must still be masked in)."""
+    num_tokens: int = 0
+    """Tokens accepted so far."""
+    ended_at: int | None = None
+    """`num_tokens` when a stop token was accepted (llguidance reports `is_stopped` as soon as
+    the grammar can only end, which is earlier: the end token must still be masked in)."""
 
     def accept(self, token_id: int) -> bool:
-        accepted = bool(self.matcher.consume_token(token_id))
-        self.ended = self.ended or (accepted and token_id in self.stop_token_ids)
-        return accepted
+        return self._accepted(token_id, bool(self.matcher.consume_token(token_id)))
+
+    def try_accept(self, token_id: int) -> bool:
+        return self._accepted(token_id, self.matcher.try_consume_tokens([token_id]) == 1)
+
+    def rollback(self, num_tokens: int) -> None:
+        self.matcher.rollback(num_tokens)
+        self.num_tokens -= num_tokens
+        if self.ended_at is not None and self.ended_at > self.num_tokens:
+            self.ended_at = None
 
     def is_terminated(self) -> bool:
-        return self.ended
+        return self.ended_at is not None
+
+    def _accepted(self, token_id: int, accepted: bool) -> bool:
+        if accepted:
+            self.num_tokens += 1
+            if token_id in self.stop_token_ids and self.ended_at is None:
+                self.ended_at = self.num_tokens
+        return accepted
 
 
 class GuidanceBackend:

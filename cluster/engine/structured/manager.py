@@ -6,6 +6,8 @@ sampled tokens come back from rank 0 to here anyway), so the workers only apply 
     prepare(params)   compile in the background (the async engine calls it before queuing)
     add(requests)     a matcher per constrained request (waits for its compile if needed)
     with_bitmask(out) fill the rows of the scheduled constrained requests -> out.grammar_bitmask
+                      (with speculative drafts: a row per draft position, the matcher advanced
+                      over the drafts and rolled back)
     advance(outputs)  feed the accepted tokens to the matchers; finished requests leave
 
 A preempted request keeps its output tokens in the scheduler and resumes with them, so its
@@ -103,7 +105,8 @@ class StructuredOutputManager:
             self.matchers[request.req_id] = (backend, backend.matcher(compiled))
 
     def with_bitmask(self, output: SchedulerOutput) -> SchedulerOutput:
-        """`output` with the bitmask rows of its scheduled constrained requests."""
+        """`output` with the bitmask rows of its scheduled constrained requests (1 + m rows for a
+        request verifying m drafts, see `_draft_rows`)."""
         if not self.matchers:
             return output
         req_ids = [
@@ -113,18 +116,27 @@ class StructuredOutputManager:
         ]
         if not req_ids:
             return output
-        bitmask = self._rows(len(req_ids))
+        drafts = output.scheduled_spec_tokens
+        num_rows = [1 + len(drafts.get(req_id, ())) for req_id in req_ids]
+        bitmask = self._rows(sum(num_rows))
         by_backend: dict[str, tuple[GrammarBackend, list[Matcher], list[int]]] = {}
-        for row, req_id in enumerate(req_ids):
+        row = 0
+        for req_id, count in zip(req_ids, num_rows, strict=True):
             backend, matcher = self.matchers[req_id]
-            entry = by_backend.setdefault(backend.name, (backend, [], []))
-            entry[1].append(matcher)
-            entry[2].append(row)
+            if count > 1:
+                _draft_rows(backend, matcher, drafts[req_id], bitmask, row)
+            else:
+                entry = by_backend.setdefault(backend.name, (backend, [], []))
+                entry[1].append(matcher)
+                entry[2].append(row)
+            row += count
         for backend, matchers, rows in by_backend.values():
             backend.fill_rows(matchers, rows, bitmask)
-        data = bitmask[: len(req_ids)].numpy().tobytes()
+        data = bitmask[:row].numpy().tobytes()
+        counts = tuple(num_rows) if row > len(req_ids) else ()
         return replace(
-            output, grammar_bitmask=GrammarBitmask(tuple(req_ids), self.words_per_row, data)
+            output,
+            grammar_bitmask=GrammarBitmask(tuple(req_ids), self.words_per_row, data, counts),
         )
 
     def advance(self, outputs: Iterable[RequestStepOutput]) -> None:
@@ -172,6 +184,35 @@ class StructuredOutputManager:
                 name, self.tokenizer, self.vocab_size, self.stop_token_ids
             )
         return self._backends[name]
+
+
+def _draft_rows(
+    backend: GrammarBackend,
+    matcher: Matcher,
+    drafts: Sequence[int],
+    bitmask: torch.Tensor,
+    first_row: int,
+) -> None:
+    """Rows `first_row` .. `first_row + len(drafts)`: the mask before each draft and after the
+    last, from a matcher advanced over the drafts and rolled back to where it was (the grammar
+    only ever keeps accepted tokens: `advance` feeds them after the step). After a draft the
+    grammar refuses, the remaining rows repeat the last mask: the verifier rejects that draft
+    (the mask gives it probability 0), so those rows are never sampled from. After a draft
+    that ends the grammar the rows allow everything, as a finished grammar does."""
+    backend.fill_rows([matcher], [first_row], bitmask)
+    num_accepted = 0
+    for index, token in enumerate(drafts, start=1):
+        rest = slice(first_row + index, first_row + len(drafts) + 1)
+        if not matcher.try_accept(token):
+            bitmask[rest] = bitmask[first_row + index - 1]
+            break
+        num_accepted += 1
+        if matcher.is_terminated():
+            bitmask[rest] = -1  # as without drafts: a finished grammar constrains nothing
+            break
+        backend.fill_rows([matcher], [first_row + index], bitmask)
+    if num_accepted:
+        matcher.rollback(num_accepted)
 
 
 def _too_slow() -> ValueError:

@@ -163,3 +163,14 @@ def test_tensor_parallel_engines_keep_synchronous_steps(model_dirs) -> None:
     )
     assert one_rank.scheduler.async_scheduling
     assert not two_ranks.scheduler.async_scheduling
+
+
+def test_speculative_engines_keep_async_steps(model_dirs) -> None:
+    """Speculation and async scheduling together: requests verifying drafts are not run ahead
+    of (tested in tests/unit/scheduler/test_spec_decode.py and the speculative parity tests)."""
+    spec = {"method": "ngram", "num_speculative_tokens": 2}
+    configs = engine_configs(
+        _args(model_dirs, "llama", async_scheduling=True, speculative_config=spec)
+    )
+    assert configs.scheduler.async_scheduling
+    assert configs.scheduler.speculative is not None

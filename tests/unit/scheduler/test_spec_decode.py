@@ -6,7 +6,7 @@ batch-size switch."""
 from __future__ import annotations
 
 import pytest
-from kv_cache_helpers import full, make_config, mamba
+from kv_cache_helpers import chunked, full, make_config, mamba, window
 
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache.spec import KVCacheSpec, MambaCacheMode
@@ -14,6 +14,7 @@ from scheduler.output import BlockCopy, ModelRunnerOutput, SchedulerOutput, Stat
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler
 from scheduler.spec_config import SpecMethod, SpeculativeConfig
+from scheduler.step_plan import StepPlan
 
 
 def _scheduler(
@@ -137,6 +138,106 @@ def test_disable_by_batch_size_turns_drafts_off_under_load() -> None:
     assert out.num_scheduled_tokens == {"a": 1, "b": 1}
 
 
-def test_speculation_needs_synchronous_steps() -> None:
-    with pytest.raises(ValueError, match="async_scheduling off"):
-        SchedulerConfig(speculative=SpeculativeConfig(SpecMethod.NGRAM, 2), async_scheduling=True)
+def _finish(
+    scheduler: Scheduler,
+    out: SchedulerOutput,
+    sampled: dict[str, list[int]],
+    drafts: dict[str, list[int]],
+) -> None:
+    req_ids = list(out.num_scheduled_tokens)
+    runner = ModelRunnerOutput(
+        req_ids=req_ids,
+        sampled_token_ids=[sampled.get(req_id, []) for req_id in req_ids],
+        draft_token_ids=drafts,
+    )
+    scheduler.update_from_output(out, runner)
+
+
+def test_async_steps_verify_drafts_only_with_no_token_in_flight() -> None:
+    """Async scheduling: a request with drafts waits for its token in flight (its drafts were
+    proposed before it), verifies them, and is not run ahead of while the verify step runs; a
+    request without drafts runs ahead every step."""
+    scheduler = _scheduler(full(4), k=2, async_scheduling=True, spec={"disable_by_batch_size": 3})
+    a = _add(scheduler, "a", list(range(5)))
+    _add(scheduler, "b", list(range(6)))
+    out1 = scheduler.schedule()  # both prefills
+    out2 = scheduler.schedule()  # both run ahead (no drafts known)
+    assert out2.num_scheduled_tokens == {"a": 1, "b": 1}
+    _finish(scheduler, out1, {"a": [100], "b": [200]}, {"a": [1, 2]})
+    out3 = scheduler.schedule()  # a has drafts: it waits for its token in flight
+    assert out3.num_scheduled_tokens == {"b": 1}
+    _finish(scheduler, out2, {"a": [101], "b": [201]}, {"a": [1, 2]})
+    out4 = scheduler.schedule()  # a: no token in flight, verifies its drafts
+    assert out4.scheduled_spec_tokens == {"a": [1, 2]}
+    assert out4.num_scheduled_tokens == {"a": 3, "b": 1}
+    _add(scheduler, "c", list(range(3)))  # 3 unfinished: drafting off from now on
+    out5 = scheduler.schedule()  # a's verify step is in flight: not run ahead of all the same
+    assert out5.num_scheduled_tokens == {"b": 1, "c": 3}
+    scheduler.abort(["c"])  # drafting back on
+    _finish(scheduler, out3, {"b": [202]}, {})
+    _finish(scheduler, out4, {"a": [1, 60], "b": [203]}, {"a": [7, 8]})  # one accepted
+    assert a.output_token_ids == [100, 101, 1, 60]
+    assert a.num_computed_tokens == 8  # prompt, 100, 101, the accepted draft
+    assert a.num_output_placeholders == 0
+    out6 = scheduler.schedule()
+    assert out6.scheduled_spec_tokens == {"a": [7, 8]}
+    assert out6.num_scheduled_tokens == {"a": 3, "b": 1}
+    scheduler.kv_cache_manager.check_invariants()
+
+
+def test_async_steps_roll_nothing_back_for_a_request_preempted_mid_verify() -> None:
+    """A request preempted while its verify step runs recomputes from scratch: the step's
+    output only appends its tokens (no roll-back below zero, no restore of freed slots)."""
+    scheduler = _scheduler(full(4), mamba(16, MambaCacheMode.NONE), k=2, async_scheduling=True)
+    a = _add(scheduler, "a", list(range(5)))
+    out1 = scheduler.schedule()
+    _finish(scheduler, out1, {"a": [100]}, {"a": [1, 2]})
+    out2 = scheduler.schedule()
+    assert out2.scheduled_spec_tokens == {"a": [1, 2]}
+    plan = StepPlan(budget=8)
+    scheduler._preempt(a, plan)
+    _finish(scheduler, out2, {"a": [1, 50]}, {"a": [3]})  # one of two accepted
+    assert a.num_computed_tokens == 0
+    assert a.output_token_ids == [100, 1, 50]
+    assert scheduler.spec is not None
+    assert not scheduler.spec.verifying
+    out3 = scheduler.schedule()  # resumed: recomputes every known token
+    assert out3.num_scheduled_tokens == {"a": 8}
+    scheduler.kv_cache_manager.check_invariants()
+
+
+@pytest.mark.parametrize("mode", [MambaCacheMode.ALL, MambaCacheMode.NONE])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_pool_capacity_loses_only_k_states_and_lookahead_blocks(
+    k: int, mode: MambaCacheMode
+) -> None:
+    """Memory arithmetic during a verify step of requests at different positions (full,
+    sliding-window and chunked-local groups, a Mamba group): the pool holds exactly k state
+    blocks per drafting request (the draft-position states) plus, per attention group, the
+    blocks its draft positions reach past the plain step's, more than at the same step without
+    speculation (states at block ends, ALL: verify steps stop short of a block end, so no
+    lookahead block; NONE: drafts cross block ends)."""
+    block_size = 8
+    attention = (full(block_size), window(block_size, 16), chunked(block_size, 16))
+    prompts = [list(range(9)), list(range(11)), list(range(15)), list(range(20))]
+    used, verified = {}, {}
+    for num_drafts in (0, k):
+        scheduler = _scheduler(*attention, mamba(block_size, mode), k=k)
+        for index, prompt in enumerate(prompts):
+            _add(scheduler, f"r{index}", prompt)
+        drafts = {f"r{index}": [7] * num_drafts for index in range(len(prompts))}
+        _step(scheduler, {req_id: [3] for req_id in drafts}, drafts)
+        manager = scheduler.kv_cache_manager
+        out = scheduler.schedule()  # the verify step (or the plain one): blocks held now
+        verified = {req_id: len(d) for req_id, d in out.scheduled_spec_tokens.items()}
+        used[num_drafts] = manager.pool.num_blocks - manager.num_free_blocks
+        manager.check_invariants()
+    assert len(verified) >= 2  # (ALL: the others stop short of a recurrent block end)
+    lookahead = sum(
+        -(-(len(prompts[int(req_id[1:])]) + 1 + m) // block_size)
+        - -(-(len(prompts[int(req_id[1:])]) + 1) // block_size)
+        for req_id, m in verified.items()
+    )
+    if mode is MambaCacheMode.NONE:
+        assert lookahead > 0
+    assert used[k] - used[0] == len(verified) * k + len(attention) * lookahead
