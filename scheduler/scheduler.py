@@ -131,7 +131,7 @@ class Scheduler:
             was_preempted = request.status is RequestStatus.PREEMPTED  # its token was in flight
             if self.spec is not None:
                 verified = spec_tokens.get(req_id)
-                self._commit_drafts(request, verified, token_ids, drafts, was_preempted)
+                self.spec.commit_step(request, verified, token_ids, drafts, was_preempted)
             output = apply_sampled_tokens(
                 request,
                 token_ids,
@@ -152,21 +152,6 @@ class Scheduler:
                 self._release(request, holds_blocks=True)
             self.running = [r for r in self.running if r.status is RequestStatus.RUNNING]
         return outputs
-
-    def _commit_drafts(
-        self,
-        request: Request,
-        verified: list[int] | None,
-        token_ids: list[int],
-        drafts: dict[str, list[int]] | None,
-        preempted: bool,
-    ) -> None:
-        """Speculative decoding: roll back past the rejected drafts, keep the next drafts."""
-        assert self.spec is not None
-        if verified:
-            self.spec.commit(request, len(verified), token_ids, preempted=preempted)
-        if token_ids:
-            request.spec_token_ids = drafts.get(request.req_id, []) if drafts else []
 
     def abort(self, req_ids: Iterable[str]) -> list[RequestStepOutput]:
         """Abort waiting or running requests at once; unknown IDs are ignored."""

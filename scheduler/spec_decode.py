@@ -153,6 +153,21 @@ class DraftVerification:
         if switch is not None and switch.record(request.req_id, num_drafts, num_accepted):
             self.manager.release_spec_slots(request.req_id)  # paused: room for others
 
+    def commit_step(
+        self,
+        request: Request,
+        verified: list[int] | None,
+        token_ids: list[int],
+        drafts: dict[str, list[int]] | None,
+        preempted: bool,
+    ) -> None:
+        """A request's step output: roll back past the rejected drafts of what it verified
+        (`commit`), and keep the drafts the workers proposed for its next step."""
+        if verified:
+            self.commit(request, len(verified), token_ids, preempted=preempted)
+        if token_ids:
+            request.spec_token_ids = drafts.get(request.req_id, []) if drafts else []
+
     def forget(self, req_id: str) -> None:
         """A finished request."""
         self.verifying.discard(req_id)

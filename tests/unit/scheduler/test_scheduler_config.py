@@ -42,6 +42,7 @@ def test_every_config_field_has_an_attribute_docstring() -> None:
         "async_scheduling",
         "kv_offloading",
         "speculative",
+        "max_loras",
     }
     docs = _field_docstrings(SchedulerConfig)
     assert set(docs) == names
