@@ -56,10 +56,11 @@ def prefix_drafter_layers(model: nn.Module) -> list[Attention]:
     return layers
 
 
-class DraftModelProposer(DraftProposer):
-    """Greedy drafts of a separate model run on the target's KV cache pool."""
+class ModelProposer(DraftProposer):
+    """A proposer that runs a model of its own (draft model, MTP layer) on the target's pool:
+    its attention layers are renamed apart and get the drafter groups bound at start-up."""
 
-    def __init__(self, num_speculative_tokens: int, model: DecoderForCausalLM) -> None:
+    def __init__(self, num_speculative_tokens: int, model: nn.Module) -> None:
         super().__init__(num_speculative_tokens)
         self.model = model
         self.layers = prefix_drafter_layers(model)
@@ -72,6 +73,15 @@ class DraftModelProposer(DraftProposer):
 
     def bind(self, cache: DrafterCache) -> None:
         self._cache = cache
+
+
+class DraftModelProposer(ModelProposer):
+    """Greedy drafts of a separate model run on the target's KV cache pool."""
+
+    model: DecoderForCausalLM
+
+    def __init__(self, num_speculative_tokens: int, model: DecoderForCausalLM) -> None:
+        super().__init__(num_speculative_tokens, model)
 
     def observe(self, batch: InputBatch, ctx: ForwardContext, hidden: torch.Tensor) -> None:
         """Write the drafter's KV of the step's tokens (the target's context covers its layers)."""

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.attention import Attention, ForwardContext
+from worker.attention import ForwardContext
 from worker.input_batch import InputBatch
 from worker.models.qwen3_next_mtp import Qwen3NextMTP
-from worker.spec_decode.draft_model import greedy_drafts, prefix_drafter_layers, require_cache
-from worker.spec_decode.proposer import DrafterCache, DraftProposer, DraftRequest
+from worker.spec_decode.draft_model import ModelProposer, greedy_drafts, require_cache
+from worker.spec_decode.proposer import DraftRequest
 
 
 @dataclass(frozen=True)
@@ -38,23 +38,14 @@ class _ObservedStep:
     """Per request: its first row and that row's position."""
 
 
-class MtpProposer(DraftProposer):
+class MtpProposer(ModelProposer):
     """Greedy drafts of the checkpoint's MTP layer."""
 
+    model: Qwen3NextMTP
+
     def __init__(self, num_speculative_tokens: int, model: Qwen3NextMTP) -> None:
-        super().__init__(num_speculative_tokens)
-        self.model = model
-        self.layers = prefix_drafter_layers(model)
-        """The MTP layer's attention (renamed apart from the target's layers)."""
-        self._cache: DrafterCache | None = None
+        super().__init__(num_speculative_tokens, model)
         self._step: _ObservedStep | None = None
-
-    @property
-    def drafter_layers(self) -> list[Attention]:
-        return self.layers
-
-    def bind(self, cache: DrafterCache) -> None:
-        self._cache = cache
 
     def observe(self, batch: InputBatch, ctx: ForwardContext, hidden: torch.Tensor) -> None:
         starts = batch.query_start_loc_np
