@@ -258,10 +258,9 @@ class HybridRoutingPolicy(Generic[Key]):
         continued = any(case.continues for key, case in cases.items() if key not in over)
         if not continued and _best_hit(cases, over) < options.strong_fraction * num_tokens:
             # Not a conversation's own history: keep shared prefixes from drawing every
-            # new conversation to the replicas that happen to hold them.
-            over |= _over_work(cases, num_tokens, options.work_factor) - _adapter_holders(
-                cases, over
-            )
+            # new conversation to the replicas that happen to hold them (an adapter may).
+            holders = _adapter_holders(cases, over)
+            over |= _over_work(cases, num_tokens, options.work_factor) - holders
         follows_hit = _distinct_hit(cases, over) >= options.match_fraction * num_tokens > 0
         ordered = sorted(keys, key=lambda key: _order(key in over, cases[key], follows_hit))
         return [ordered[:1], ordered[1:]] if len(ordered) > 1 else [ordered]
