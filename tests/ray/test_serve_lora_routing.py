@@ -89,9 +89,7 @@ def _loaded_adapters(timeout: float = 30.0) -> dict[Any, tuple[str, ...]]:
         time.sleep(0.3)
 
 
-def test_adapters_route_to_the_replica_that_loaded_them(
-    ray_cluster: None, tmp_path: Path
-) -> None:
+def test_adapters_route_to_the_replica_that_loaded_them(ray_cluster: None, tmp_path: Path) -> None:
     model_dir = save_tiny_served_model(tmp_path / "base")
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir)
     for seed, name in enumerate(ADAPTERS, start=1):
