@@ -73,20 +73,25 @@ def _app_config(model_dir: Path, adapters: Path) -> dict[str, Any]:
 
 def _loaded_adapters(timeout: float = 30.0) -> dict[Any, tuple[str, ...]]:
     """Each replica's loaded adapters, as its routing stats report them to a router of this
-    process (made by a base-model request through a handle), once both replicas reported."""
+    process (made by a base-model request through a handle): once every adapter shows, and a
+    few stats periods later (so a replica that loaded one too has reported it)."""
     handle: Any = serve.get_deployment_handle(deployment_name(MODEL), app_name=APP)
     request = CompletionRequest(model=MODEL, prompt="t5 t6", max_tokens=1, temperature=0)
     list(handle.options(stream=True).generate.remote(request, "probe", False))
     router = handle._router._asyncio_router.request_router
+
+    def loaded() -> dict[Any, tuple[str, ...]]:
+        replicas = router.curr_replicas.items()
+        return {key: tuple(r.routing_stats.get(LORA_ADAPTERS_STAT, ())) for key, r in replicas}
+
     deadline = time.monotonic() + timeout
-    while True:
-        stats = {key: replica.routing_stats for key, replica in router.curr_replicas.items()}
-        loaded = {key: tuple(s.get(LORA_ADAPTERS_STAT, ())) for key, s in stats.items()}
-        if len(loaded) == 2 and sum(map(len, loaded.values())) >= len(ADAPTERS):
-            return loaded
-        if time.monotonic() > deadline:
-            return loaded
+    while time.monotonic() < deadline:
+        shown = {name for names in loaded().values() for name in names}
+        if shown >= set(ADAPTERS):
+            break
         time.sleep(0.3)
+    time.sleep(1.0)
+    return loaded()
 
 
 def test_adapters_route_to_the_replica_that_loaded_them(ray_cluster: None, tmp_path: Path) -> None:
