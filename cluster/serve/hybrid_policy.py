@@ -13,13 +13,19 @@ replica its latest prompt went to). For a request:
      `work_factor` x the mean;
   3. among the rest: the replica whose conversation the request continues, then the longest
      hit if it exceeds the shortest by >= `match_fraction` of the prompt (a prefix every
-     replica holds, e.g. a shared system prompt, says nothing), else (a new conversation) the
-     fewest conversations, then the least footprint; excluded replicas come last, in the same
-     order.
+     replica holds, e.g. a shared system prompt, says nothing), else (a new conversation) a
+     replica with the request's LoRA adapter loaded, then the fewest conversations, then the
+     least footprint; excluded replicas come last, in the same order.
+
+A LoRA adapter is part of the prompt's block hashes (a hit is a hit with that adapter), and
+a replica that has the adapter loaded (its routing stats, or a request for it just sent there)
+is exempt from the footprint bound while some allowed replica lacks it: the adapter draws its
+conversations until the in-flight bound sends one elsewhere (which then loads it too).
 
     choose(candidates, prompt) ─► ranks [[best], [others by preference]]
     routed(replica, prompt)     ─► in flight + 1, the prompt's conversation moves to it (counted
-                                   with this prompt), index guesses the prompt's blocks
+                                   with this prompt), index guesses the prompt's blocks (and
+                                   that the prompt's adapter is loaded there)
     completed(replica)          ─► in flight - 1
     replay(replica, window)     ─► index follows the replica's events
 """
@@ -93,6 +99,8 @@ class PromptKeys(NamedTuple):
     num_tokens: int
     token_ids: Sequence[int] = ()
     cache_salt: str | None = None
+    adapter: str | None = None
+    """The LoRA adapter the request runs with (None: the base model)."""
 
 
 class Candidate(NamedTuple):
@@ -107,6 +115,8 @@ class Candidate(NamedTuple):
     """The prompt extends one routed there (through that prompt's last full block)."""
     conversations: float = 0.0
     """Its recent conversations (each fading with `work_half_life_s`)."""
+    has_adapter: bool = True
+    """The request's LoRA adapter is loaded there (True for a base-model request)."""
 
 
 @dataclass
@@ -126,6 +136,16 @@ class _Replica:
 
     conversations: float = 0.0
     """The conversations routed here, counted like `work` (1 each)."""
+    adapters: frozenset[str] = frozenset()
+    """The LoRA adapters the replica reported loaded."""
+    sent_adapters: dict[str, float] = field(default_factory=dict)
+    """Adapters of requests routed here -> when (loaded there by now, until reports say)."""
+
+    def has_adapter(self, adapter: str | None, now: float, ttl: float) -> bool:
+        if adapter is None or adapter in self.adapters:
+            return True
+        sent = self.sent_adapters.get(adapter)
+        return sent is not None and now - sent <= ttl
 
     def recent_work(self, now: float, half_life: float) -> float:
         return self.work * _decay(now - self.work_time, half_life)
@@ -159,8 +179,15 @@ class HybridRoutingPolicy(Generic[Key]):
     options: RoutingOptions = field(default_factory=RoutingOptions)
     _replicas: dict[Key, _Replica] = field(default_factory=dict)
 
-    def replay(self, key: Key, window: KVEventWindow, kv_usage: float = 0.0) -> None:
-        """Bring the replica's index up to its event log (the first window creates it)."""
+    def replay(
+        self,
+        key: Key,
+        window: KVEventWindow,
+        kv_usage: float = 0.0,
+        adapters: Sequence[str] | None = None,
+    ) -> None:
+        """Bring the replica's index up to its event log (the first window creates it), and
+        its loaded LoRA adapters to its report (None: unchanged)."""
         replica = self._replicas.setdefault(key, _Replica())
         if replica.index is None or replica.index.groups != window.groups:
             replica.index = CacheIndex(
@@ -174,6 +201,8 @@ class HybridRoutingPolicy(Generic[Key]):
             replica.unindexed.clear()
         replica.index.replay(window)
         replica.kv_usage = kv_usage
+        if adapters is not None:
+            replica.adapters = frozenset(adapters)
 
     @property
     def replicas(self) -> tuple[Key, ...]:
@@ -186,11 +215,14 @@ class HybridRoutingPolicy(Generic[Key]):
         for key in [key for key in self._replicas if key not in alive]:
             del self._replicas[key]
 
-    def prompt_keys(self, token_ids: Sequence[int], cache_salt: str | None) -> PromptKeys:
-        """The prompt's block hashes (none until some replica's index says how to hash)."""
+    def prompt_keys(
+        self, token_ids: Sequence[int], cache_salt: str | None, adapter: str | None = None
+    ) -> PromptKeys:
+        """The prompt's block hashes (none until some replica's index says how to hash);
+        `cache_salt` is the block-0 key the replicas hash with (adapter included)."""
         index = next((r.index for r in self._replicas.values() if r.index is not None), None)
         hashes = index.block_hashes(token_ids, cache_salt) if index is not None else []
-        return PromptKeys(hashes, len(token_ids), token_ids, cache_salt)
+        return PromptKeys(hashes, len(token_ids), token_ids, cache_salt, adapter)
 
     def candidate(self, key: Key, prompt: PromptKeys | None, now: float) -> Candidate:
         replica = self._replicas.get(key) or _Replica()
@@ -203,7 +235,11 @@ class HybridRoutingPolicy(Generic[Key]):
         half_life = self.options.work_half_life_s
         work = replica.recent_work(now, half_life)
         conversations = replica.recent_conversations(now, half_life)
-        return Candidate(hit, replica.in_flight, work, replica.kv_usage, continues, conversations)
+        adapter = prompt.adapter if prompt is not None else None
+        has_adapter = replica.has_adapter(adapter, now, self.options.guess_ttl_s)
+        return Candidate(
+            hit, replica.in_flight, work, replica.kv_usage, continues, conversations, has_adapter
+        )
 
     def _predicted_hit(self, index: CacheIndex, prompt: PromptKeys, now: float) -> int:
         """The device hit, plus the tokens only the offload tier holds at `tier_hit_weight`."""
@@ -222,8 +258,9 @@ class HybridRoutingPolicy(Generic[Key]):
         continued = any(case.continues for key, case in cases.items() if key not in over)
         if not continued and _best_hit(cases, over) < options.strong_fraction * num_tokens:
             # Not a conversation's own history: keep shared prefixes from drawing every
-            # new conversation to the replicas that happen to hold them.
-            over |= _over_work(cases, num_tokens, options.work_factor)
+            # new conversation to the replicas that happen to hold them (an adapter may).
+            holders = _adapter_holders(cases, over)
+            over |= _over_work(cases, num_tokens, options.work_factor) - holders
         follows_hit = _distinct_hit(cases, over) >= options.match_fraction * num_tokens > 0
         ordered = sorted(keys, key=lambda key: _order(key in over, cases[key], follows_hit))
         return [ordered[:1], ordered[1:]] if len(ordered) > 1 else [ordered]
@@ -240,6 +277,8 @@ class HybridRoutingPolicy(Generic[Key]):
             for other in self._replicas.values():
                 other.forget_prompts(prompt.block_hashes, now, half_life)
             replica.add_work(prompt.num_tokens, 1.0, now, half_life)
+        if prompt is not None and prompt.adapter is not None:
+            replica.sent_adapters[prompt.adapter] = now
         if prompt is not None and prompt.block_hashes:
             _remember_end(replica.prompt_ends, prompt.block_hashes, (prompt.num_tokens, now))
         if prompt is not None and replica.index is not None:
@@ -288,6 +327,14 @@ def _over_work(cases: Mapping[Key, Candidate], num_tokens: int, work_factor: flo
     return {key for key, case in cases.items() if case.recent_work + num_tokens > bound}
 
 
+def _adapter_holders(cases: Mapping[Key, Candidate], excluded: set[Key]) -> set[Key]:
+    """Allowed replicas with the request's adapter loaded, when some allowed replica lacks it
+    (none otherwise: then the adapter says nothing of where the request goes)."""
+    allowed = {key: case for key, case in cases.items() if key not in excluded}
+    holders = {key for key, case in allowed.items() if case.has_adapter}
+    return holders if len(holders) < len(allowed) else set()
+
+
 def _distinct_hit(cases: Mapping[Key, Candidate], excluded: set[Key]) -> int:
     """How much longer the best predicted hit is than the shortest: what only some replicas
     hold (a prefix all of them hold, e.g. a shared system prompt, says nothing of where the
@@ -310,9 +357,18 @@ def _order(excluded: bool, case: Candidate, follows_hit: bool) -> tuple[float, .
 
 
 def _rank(case: Candidate, follows_hit: bool) -> tuple[float, ...]:
-    """Sort key: the longest hit first, or (a new conversation) the fewest conversations (in
-    whole numbers: they fade slowly), then the least footprint."""
+    """Sort key: the longest hit first (then the adapter loaded), or (a new conversation) the
+    adapter loaded, then the fewest conversations (in whole numbers: they fade slowly), then
+    the least footprint."""
+    lacks = not case.has_adapter
     if follows_hit:
-        return (-case.predicted_hit, case.in_flight, case.recent_work, case.kv_usage)
+        return (-case.predicted_hit, lacks, case.in_flight, case.recent_work, case.kv_usage)
     conversations = round(case.conversations)
-    return (conversations, case.recent_work, case.in_flight, -case.predicted_hit, case.kv_usage)
+    return (
+        lacks,
+        conversations,
+        case.recent_work,
+        case.in_flight,
+        -case.predicted_hit,
+        case.kv_usage,
+    )

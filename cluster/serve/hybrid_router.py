@@ -1,6 +1,7 @@
 """`HybridPrefixRouter`: a Ray Serve request router that knows each replica's hybrid KV cache.
 
-    replica: engine step ─► KV event log ─► record_routing_stats() {kv_events, kv_cache_usage}
+    replica: engine step ─► KV event log ─► record_routing_stats() {kv_events, kv_cache_usage,
+                                                                     lora_adapters}
     controller polls every request_routing_stats_period_s ─► routers get it with the replicas
     router (in the caller, e.g. the ingress): tokenize once ─► HybridRoutingPolicy.choose
         ─► the prompt's token IDs travel with the request (the replica does not tokenize again)
@@ -40,6 +41,7 @@ ROUTER_NAMES = frozenset(
 )
 KV_EVENTS_STAT = "kv_events"
 KV_USAGE_STAT = "kv_cache_usage"
+LORA_ADAPTERS_STAT = "lora_adapters"
 PROMPT_TOKEN_IDS_KWARG = "prompt_token_ids"
 """The keyword under which the router hands the replica the prompt it tokenized."""
 DEFAULT_STATS_PERIOD_S = 0.5
@@ -86,11 +88,17 @@ def with_router_defaults(
 
 
 def routing_stats(core: EngineCore) -> dict[str, Any]:
-    """What a replica tells the routers: its recent KV events and KV usage ({} when off)."""
+    """What a replica tells the routers: its recent KV events, KV usage and loaded LoRA
+    adapters ({} when off)."""
     if core.kv_events is None:
         return {}
     usage = core.scheduler.kv_cache_manager.usage
-    return {KV_EVENTS_STAT: core.kv_events.window(), KV_USAGE_STAT: usage}
+    adapters = tuple(sorted(core.loras))
+    return {
+        KV_EVENTS_STAT: core.kv_events.window(),
+        KV_USAGE_STAT: usage,
+        LORA_ADAPTERS_STAT: adapters,
+    }
 
 
 class HybridPrefixRouter(FIFOMixin, RequestRouter):
@@ -115,7 +123,8 @@ class HybridPrefixRouter(FIFOMixin, RequestRouter):
             window = stats.get(KV_EVENTS_STAT)
             if isinstance(window, KVEventWindow):
                 usage = float(stats.get(KV_USAGE_STAT, 0.0))
-                self.policy.replay(replica.replica_id, window, usage)
+                adapters = stats.get(LORA_ADAPTERS_STAT)
+                self.policy.replay(replica.replica_id, window, usage, adapters)
         self.policy.keep_only([replica.replica_id for replica in replicas])
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
@@ -152,19 +161,22 @@ class HybridPrefixRouter(FIFOMixin, RequestRouter):
         keys = None
         token_ids = self._token_ids(pending_request)
         if token_ids:
-            keys = self.policy.prompt_keys(token_ids, self._hash_salt(pending_request.args[0]))
+            request = pending_request.args[0]
+            adapter = self._adapter(request)
+            salt = prefix_salt(getattr(request, "cache_salt", None), adapter)
+            keys = self.policy.prompt_keys(token_ids, salt, adapter)
         if len(self._prompts) >= MAX_TRACKED_REQUESTS:  # requests that were never routed
             del self._prompts[next(iter(self._prompts))]
         self._prompts[request_id] = keys
         return keys
 
-    def _hash_salt(self, request: Any) -> str | None:
-        """The block-0 key the replicas hash the request with: its cache salt and its LoRA
-        adapter (`model="<model_id>:<adapter>"`), so hits are predicted per adapter."""
+    def _adapter(self, request: Any) -> str | None:
+        """The LoRA adapter the request names (`model="<model_id>:<adapter>"`): part of the
+        block-0 key the replicas hash with (hits are predicted per adapter), and drawn to the
+        replicas that have it loaded."""
         model = getattr(request, "model", None)
         served = served_model(model, [self._model_id]) if model and self._model_id else None
-        adapter = served[1] if served is not None else None
-        return prefix_salt(getattr(request, "cache_salt", None), adapter)
+        return served[1] if served is not None else None
 
     def _token_ids(self, pending_request: PendingRequest) -> list[int] | None:
         """The prompt's token IDs, handed on to the replica; None when the request is not an
