@@ -18,6 +18,8 @@ replica its latest prompt went to). For a request:
      order.
 
     choose(candidates, prompt) ─► ranks [[best], [others by preference]]
+    pull_source(chosen, prompt) ─► the replica to pull the prefix from (its predicted hit
+                                   leads the chosen one's by >= a threshold), or None
     routed(replica, prompt)     ─► in flight + 1, the prompt's conversation moves to it (counted
                                    with this prompt), index guesses the prompt's blocks
     completed(replica)          ─► in flight - 1
@@ -93,6 +95,16 @@ class PromptKeys(NamedTuple):
     num_tokens: int
     token_ids: Sequence[int] = ()
     cache_salt: str | None = None
+
+
+class PullHint(NamedTuple, Generic[Key]):
+    """Where the prefix of a request sent away from it is predicted to be cached."""
+
+    source: Key
+    num_tokens: int
+    """The prefix tokens the source is predicted to hold."""
+    lead: int
+    """How many of them the receiving replica is predicted to lack."""
 
 
 class Candidate(NamedTuple):
@@ -230,6 +242,21 @@ class HybridRoutingPolicy(Generic[Key]):
 
     def predicted_hit(self, key: Key, prompt: PromptKeys | None, now: float) -> int:
         return self.candidate(key, prompt, now).predicted_hit
+
+    def pull_source(
+        self, chosen: Key, prompt: PromptKeys | None, now: float, threshold: int
+    ) -> PullHint[Key] | None:
+        """The replica `chosen` should pull the prompt's prefix from: the one (any it knows,
+        routable or not) predicted to hold the longest prefix, when that leads `chosen`'s own
+        predicted hit by >= `threshold` tokens; None: recompute."""
+        if prompt is None or not self._replicas:
+            return None
+        hits = {key: self.predicted_hit(key, prompt, now) for key in self._replicas}
+        source = max(hits, key=hits.__getitem__)
+        lead = hits[source] - self.predicted_hit(chosen, prompt, now)
+        if source == chosen or lead < max(threshold, 1):
+            return None
+        return PullHint(source, hits[source], lead)
 
     def routed(self, key: Key, prompt: PromptKeys | None, now: float) -> None:
         """A request went to `key`: count it, and guess its prompt will be cached there."""
