@@ -77,7 +77,22 @@ class RoutingOptions:
     routed now (the events' poll period in steps, and one): what the replica's running
     requests allocate meanwhile is anticipated as evicting its next free blocks."""
 
+    pull_threshold_tokens: int | None = 256
+    """A request sent away from the replica predicted to cache its prefix (load, a replica out
+    of routing) pulls that prefix from it when the prefix leads the receiver's own predicted
+    hit by at least this many tokens; otherwise it recomputes (None: never pull). Provisional:
+    no pull-vs-recompute crossover has been measured on a GPU yet."""
+    pull_timeout_s: float = 5.0
+    """Deadline of a pull; past it the receiver recomputes."""
+
     def __post_init__(self) -> None:
+        if self.pull_threshold_tokens is not None and self.pull_threshold_tokens < 1:
+            raise ValueError(
+                f"pull_threshold_tokens must be >= 1 (or null: never pull), "
+                f"got {self.pull_threshold_tokens}"
+            )
+        if self.pull_timeout_s <= 0:
+            raise ValueError(f"pull_timeout_s must be > 0, got {self.pull_timeout_s}")
         if self.load_factor < 1.0:
             raise ValueError(f"load_factor must be >= 1, got {self.load_factor}")
         if self.min_in_flight_bound < 1:
