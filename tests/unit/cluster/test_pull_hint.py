@@ -4,7 +4,12 @@ leads the receiver's own hit by the threshold."""
 
 from __future__ import annotations
 
-from cluster.serve.hybrid_policy import PullHint
+import pytest
+import yaml
+
+from cluster.serve.hybrid_policy import PullHint, RoutingOptions
+from cluster.serve.hybrid_router import with_router_defaults
+from tests.helpers.readme import code_block
 from tests.unit.cluster.test_hybrid_routing import PROMPT, _holding_the_prompt, window_of
 
 
@@ -32,3 +37,14 @@ def test_a_replica_out_of_routing_is_still_a_source() -> None:
     assert policy.pull_source("b", keys, 0.0, threshold=8) == PullHint("a", 40, 40)
     assert policy.pull_source("b", None, 0.0, threshold=8) is None
     assert len(PROMPT) == 41
+
+
+def test_the_readme_pull_config_is_valid_and_bad_values_name_their_key() -> None:
+    block = yaml.safe_load(code_block("pull_threshold_tokens: 256", "yaml"))
+    router = block["deployment_config"]["request_router_config"]
+    kwargs = with_router_defaults(router, "tok")["request_router_kwargs"]
+    assert RoutingOptions(**{k: v for k, v in kwargs.items() if k.startswith("pull")})
+    with pytest.raises(ValueError, match="pull_threshold_tokens"):
+        RoutingOptions(pull_threshold_tokens=0)
+    with pytest.raises(ValueError, match="pull_timeout_s"):
+        RoutingOptions(pull_timeout_s=0)
