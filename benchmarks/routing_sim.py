@@ -20,7 +20,7 @@ from typing import Protocol
 
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
 
-from cluster.serve.hybrid_policy import HybridRoutingPolicy, PromptKeys
+from cluster.serve.hybrid_policy import HybridRoutingPolicy
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache.events import KVEventLog, KVEventWindow
 from scheduler.kv_cache.spec import KVCacheConfig, KVCacheSpec, MambaCacheMode
@@ -253,19 +253,12 @@ class HybridPrefix:
         ranks = self.policy.choose(serving, keys, seconds)
         chosen = ranks[0][0]
         self._last = (chosen, self.policy.predicted_hit(chosen, keys, seconds))
-        self.pull_from = self._pull_source(len(replicas), chosen, keys, seconds)
+        self.pull_from = None
+        if self.pull_threshold is not None:
+            hint = self.policy.pull_source(chosen, keys, seconds, self.pull_threshold)
+            self.pull_from = hint.source if hint is not None else None
         self.policy.routed(chosen, keys, seconds)
         return chosen
-
-    def _pull_source(
-        self, num_replicas: int, chosen: int, keys: PromptKeys, seconds: float
-    ) -> int | None:
-        if self.pull_threshold is None:
-            return None
-        hits = [self.policy.predicted_hit(r, keys, seconds) for r in range(num_replicas)]
-        source = max(range(num_replicas), key=hits.__getitem__)
-        lead = hits[source] - hits[chosen]
-        return source if source != chosen and lead >= self.pull_threshold else None
 
     def start(self, replicas: list[SimReplica]) -> None:
         """The first poll, once the replicas are up and before traffic: their (empty) logs

@@ -23,6 +23,8 @@ is exempt from the footprint bound while some allowed replica lacks it: the adap
 conversations until the in-flight bound sends one elsewhere (which then loads it too).
 
     choose(candidates, prompt) ─► ranks [[best], [others by preference]]
+    pull_source(chosen, prompt) ─► the replica to pull the prefix from (its predicted hit
+                                   leads the chosen one's by >= a threshold), or None
     routed(replica, prompt)     ─► in flight + 1, the prompt's conversation moves to it (counted
                                    with this prompt), index guesses the prompt's blocks (and
                                    that the prompt's adapter is loaded there)
@@ -81,7 +83,22 @@ class RoutingOptions:
     routed now (the events' poll period in steps, and one): what the replica's running
     requests allocate meanwhile is anticipated as evicting its next free blocks."""
 
+    pull_threshold_tokens: int | None = 256
+    """A request sent away from the replica predicted to cache its prefix (load, a replica out
+    of routing) pulls that prefix from it when the prefix leads the receiver's own predicted
+    hit by at least this many tokens; otherwise it recomputes (None: never pull). Provisional:
+    no pull-vs-recompute crossover has been measured on a GPU yet."""
+    pull_timeout_s: float = 5.0
+    """Deadline of a pull; past it the receiver recomputes."""
+
     def __post_init__(self) -> None:
+        if self.pull_threshold_tokens is not None and self.pull_threshold_tokens < 1:
+            raise ValueError(
+                f"pull_threshold_tokens must be >= 1 (or null: never pull), "
+                f"got {self.pull_threshold_tokens}"
+            )
+        if self.pull_timeout_s <= 0:
+            raise ValueError(f"pull_timeout_s must be > 0, got {self.pull_timeout_s}")
         if self.load_factor < 1.0:
             raise ValueError(f"load_factor must be >= 1, got {self.load_factor}")
         if self.min_in_flight_bound < 1:
@@ -101,6 +118,16 @@ class PromptKeys(NamedTuple):
     cache_salt: str | None = None
     adapter: str | None = None
     """The LoRA adapter the request runs with (None: the base model)."""
+
+
+class PullHint(NamedTuple, Generic[Key]):
+    """Where the prefix of a request sent away from it is predicted to be cached."""
+
+    source: Key
+    num_tokens: int
+    """The prefix tokens the source is predicted to hold."""
+    lead: int
+    """How many of them the receiving replica is predicted to lack."""
 
 
 class Candidate(NamedTuple):
@@ -267,6 +294,21 @@ class HybridRoutingPolicy(Generic[Key]):
 
     def predicted_hit(self, key: Key, prompt: PromptKeys | None, now: float) -> int:
         return self.candidate(key, prompt, now).predicted_hit
+
+    def pull_source(
+        self, chosen: Key, prompt: PromptKeys | None, now: float, threshold: int
+    ) -> PullHint[Key] | None:
+        """The replica `chosen` should pull the prompt's prefix from: the one (any it knows,
+        routable or not) predicted to hold the longest prefix, when that leads `chosen`'s own
+        predicted hit by >= `threshold` tokens; None: recompute."""
+        if prompt is None or not self._replicas:
+            return None
+        hits = {key: self.predicted_hit(key, prompt, now) for key in self._replicas}
+        source = max(hits, key=hits.__getitem__)
+        lead = hits[source] - self.predicted_hit(chosen, prompt, now)
+        if source == chosen or lead < max(threshold, 1):
+            return None
+        return PullHint(source, hits[source], lead)
 
     def routed(self, key: Key, prompt: PromptKeys | None, now: float) -> None:
         """A request went to `key`: count it, and guess its prompt will be cached there."""

@@ -5,6 +5,7 @@
     controller polls every request_routing_stats_period_s ─► routers get it with the replicas
     router (in the caller, e.g. the ingress): tokenize once ─► HybridRoutingPolicy.choose
         ─► the prompt's token IDs travel with the request (the replica does not tokenize again)
+        ─► sent away from the replica caching its prefix: where to pull it from (`peer_pull`)
 
 The decision itself is `cluster.serve.hybrid_policy` (Ray-free, driven by the benchmark too).
 Replicas turn their events on when their deployment names this router (`kv_events_enabled`).
@@ -31,6 +32,7 @@ from cluster.engine.input_processor import InputProcessor
 from cluster.engine.tokenizer import load_tokenizer
 from cluster.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.serve.hybrid_policy import HybridRoutingPolicy, PromptKeys, RoutingOptions
+from cluster.serve.peer_pull import KV_SOURCE_KWARG, TO_REPLICA_KWARG, PeerPull
 from scheduler.kv_cache.events import KVEventWindow
 from scheduler.lora import prefix_salt
 
@@ -108,7 +110,7 @@ class HybridPrefixRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         """`request_router_kwargs`: `tokenizer_source` (the builder sets the model's), and the
         `RoutingOptions` fields (`load_factor`, `min_in_flight_bound`, `match_fraction`,
-        `work_half_life_s`, `guess_ttl_s`)."""
+        `work_half_life_s`, `guess_ttl_s`, `pull_threshold_tokens`, `pull_timeout_s`, ...)."""
         tokenizer_source = kwargs.pop("tokenizer_source", None)
         self._model_id: str = kwargs.pop("model_id", "") or ""
         self.policy: HybridRoutingPolicy[ReplicaID] = HybridRoutingPolicy(RoutingOptions(**kwargs))
@@ -136,10 +138,35 @@ class HybridPrefixRouter(FIFOMixin, RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        if pending_request is not None and TO_REPLICA_KWARG in pending_request.kwargs:
+            source = pending_request.kwargs[TO_REPLICA_KWARG]  # pinned: a pull's export
+            return [[r for r in candidate_replicas if r.replica_id.unique_id == source]]
         prompt = self._prompt_keys(pending_request)
         by_id = {replica.replica_id: replica for replica in candidate_replicas}
-        ranks = self.policy.choose(list(by_id), prompt, time.monotonic())
+        now = time.monotonic()
+        ranks = self.policy.choose(list(by_id), prompt, now)
+        if pending_request is not None and ranks and ranks[0]:
+            self._hint_pull(pending_request, ranks[0][0], prompt, now)
         return [[by_id[key] for key in rank] for rank in ranks if rank]
+
+    def _hint_pull(
+        self,
+        pending_request: PendingRequest,
+        chosen: ReplicaID,
+        prompt: PromptKeys | None,
+        now: float,
+    ) -> None:
+        """Tell the chosen replica where the prompt's prefix is cached when it should pull it."""
+        options = self.policy.options
+        if options.pull_threshold_tokens is None:
+            return
+        hint = self.policy.pull_source(chosen, prompt, now, options.pull_threshold_tokens)
+        if hint is None:
+            pending_request.kwargs.pop(KV_SOURCE_KWARG, None)
+            return
+        source = hint.source.unique_id
+        pull = PeerPull(source, hint.num_tokens, options.pull_timeout_s)
+        pending_request.kwargs[KV_SOURCE_KWARG] = pull
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any

@@ -33,6 +33,7 @@ from cluster.engine.errors import EngineDeadError
 from cluster.engine.executor import create_executor
 from cluster.engine.executor.placement import PlacementSpec, uses_gpus
 from cluster.engine.input_processor import InputProcessor
+from cluster.engine.kv_transfer import KVTransfer, kv_export
 from cluster.engine.outputs import OutputAccumulator, RequestOutput
 from cluster.engine.request import EngineRequest
 from cluster.engine.stream_batching import StreamBatching
@@ -56,7 +57,9 @@ from cluster.serve.formatting import (
 from cluster.serve.hybrid_router import kv_events_enabled, routing_stats
 from cluster.serve.lora_metrics import LoRAMetrics
 from cluster.serve.metrics import EngineMetrics
+from cluster.serve.peer_pull import PeerPull, pull_from_peer
 from cluster.serve.transfer_metrics import TransferMetrics
+from scheduler.kv_cache.transfer import HeldKeys
 from scheduler.lora import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -124,10 +127,13 @@ class LLMServer:
         request_id: str,
         as_sse: bool = True,
         prompt_token_ids: list[int] | None = None,
+        kv_source: PeerPull | None = None,
     ) -> AsyncGenerator[ServerItem, None]:
         """The request's OpenAI bodies: an error, or the stream's chunks (SSE lines ending with
         `[DONE]`, or chunk models when not `as_sse`), or one response (not `request.stream`).
-        `prompt_token_ids`: the prompt as the request router tokenized it."""
+        `prompt_token_ids`: the prompt as the request router tokenized it; `kv_source`: the
+        peer replica the router predicts caches the prompt's prefix (pulled before the engine
+        runs the request, or recomputed)."""
         self._ensure_stats_task()
         if self.draining:
             yield errors.unavailable("the server is shutting down")
@@ -139,6 +145,8 @@ class LLMServer:
         try:
             engine_request, formatter = self._prepare(request, request_id, prompt_token_ids)
             await self.before_add(engine_request)
+            if kv_source is not None:
+                await pull_from_peer(self.engine, engine_request, kv_source)
             stream = await self.engine.add_request(engine_request)
             self._record_lora(engine_request)
         except UnsupportedFieldError as error:
@@ -225,6 +233,23 @@ class LLMServer:
         load_seconds = self.engine.core.lora_load_seconds.get(lora.lora_name, 0.0)
         num_prompt = len(engine_request.prompt_token_ids)
         self.lora_metrics.record_request(lora.lora_name, num_prompt, load_seconds)
+
+    async def kv_export(
+        self,
+        prompt_token_ids: list[int],
+        held: HeldKeys,
+        cache_salt: str | None = None,
+        to_replica: str | None = None,
+    ) -> KVTransfer:
+        """A peer's pull: the blocks of this replica's cached prefix of the prompt that the
+        peer does not hold (`to_replica` names this replica to the router)."""
+        return await self.engine.call_core(kv_export, prompt_token_ids, held, cache_salt)
+
+    def transfer_stats(self, to_replica: str | None = None) -> dict[str, int]:
+        """Requests whose prefix this replica took from another engine (P/D hand-off, pull)
+        and those it recomputed after a failed transfer (`to_replica`: see `kv_export`)."""
+        counters = self.engine.core.kv_transfer_counters
+        return {"pulls": counters.num_pulls, "recomputes": counters.num_recomputes}
 
     async def before_add(self, request: EngineRequest) -> None:
         """Runs before a request enters the engine (a decode replica imports its KV here)."""

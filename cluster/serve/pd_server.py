@@ -84,10 +84,6 @@ class PDDecodeServer(LLMServer):
             return
         self.counters.num_pulls += 1
 
-    def transfer_stats(self) -> dict[str, int]:
-        """Pulls and recomputes of this decode replica."""
-        return {"pulls": self.counters.num_pulls, "recomputes": self.counters.num_recomputes}
-
 
 async def _awaited(response: Any) -> KVTransfer:
     transfer: KVTransfer = await response

@@ -24,6 +24,8 @@ from tests.helpers.ray_local import NODE_IP
 from tests.helpers.serve_app import free_port, llm_config, shutdown_serve
 
 pytestmark = pytest.mark.ray
+# Two model replicas of 1.25 CPUs each (the replica and its rank bundle) and the ingress.
+RAY_CPUS = 4
 
 APP = "pd"
 ENGINE = {"block_size": 16, "distributed_executor_backend": "uni"}

@@ -177,7 +177,7 @@ def test_a_conversation_stays_even_when_its_history_is_a_small_part_of_the_promp
 
 
 def test_the_readme_router_config_is_a_valid_deployment_config() -> None:
-    block = yaml.safe_load(code_block("request_router_class: cluster.serve", "yaml"))
+    block = yaml.safe_load(code_block("request_router_kwargs: {load_factor", "yaml"))
     llm = LLMConfig.model_validate(
         {"model_loading_config": {"model_id": "m"}, "deployment_config": block["deployment_config"]}
     )
