@@ -63,8 +63,9 @@ def test_transfer_between_engine_actors_and_its_faults(ray_cluster: None, model:
 
         # A hung sender (its step sleeps while holding the step lock): the deadline holds.
         other = [PROMPT[0] + 1, *PROMPT[1:]]
-        sender.actor.delay_steps.remote(2 * DEADLINE_S)
+        ray.get(sender.actor.delay_steps.remote(2 * DEADLINE_S))  # set before the request
         stream = sender.add_request(EngineRequest("slow", tuple(other), GREEDY))
+        time.sleep(1.0)  # the step loop picks the request up and sleeps holding the lock
         started = time.monotonic()
         with pytest.raises(KVTransferError, match="within"):
             pull_prefix(sender.actor, receiver.actor, other, timeout_s=DEADLINE_S)
