@@ -13,7 +13,6 @@ pages device to device; they are detected and, until used, the object store is t
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
 import logging
 from collections.abc import Sequence
@@ -72,24 +71,6 @@ def pull_prefix(
     return result
 
 
-async def apull_prefix(
-    sender: Any,
-    receiver: Any,
-    prompt_token_ids: Sequence[int],
-    *,
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-    cache_salt: str | None = None,
-) -> KVImportResult:
-    """`pull_prefix` for an asyncio caller (a Serve replica)."""
-    transfer, imported = start_transfer(sender, receiver, prompt_token_ids, cache_salt)
-    try:
-        result: KVImportResult = await asyncio.wait_for(imported, timeout_s)
-    except (asyncio.TimeoutError, ray.exceptions.RayError) as exc:
-        _cancel(transfer, imported)
-        raise _transfer_error(exc, timeout_s) from None
-    return result
-
-
 def _cancel(*refs: Any) -> None:
     for ref in refs:
         try:
@@ -99,7 +80,7 @@ def _cancel(*refs: Any) -> None:
 
 
 def _transfer_error(exc: BaseException, timeout_s: float) -> KVTransferError:
-    if isinstance(exc, ray.exceptions.GetTimeoutError | asyncio.TimeoutError):
+    if isinstance(exc, ray.exceptions.GetTimeoutError):
         return KVTransferError(f"kv transfer did not complete within {timeout_s:g} s")
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return KVTransferError(f"kv transfer failed: {first}")
