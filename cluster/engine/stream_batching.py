@@ -69,8 +69,12 @@ class HeldChunk:
         self._last_sent = 0.0
 
     def add(self, delta: RequestOutput) -> None:
+        if self._merged is None:  # a lone delta goes out as it is, uncopied
+            self._merged = delta
+            return
         if self._accumulator is None:
             self._accumulator = OutputAccumulator()
+            self._accumulator.add(self._merged)
         self._merged = self._accumulator.add(delta)
 
     @property
