@@ -12,22 +12,16 @@ never the request.
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import uuid
 from typing import Any
 
-from ray.exceptions import RayError
-
 from cluster.config import LLMConfig
-from cluster.engine.errors import EngineDeadError
-from cluster.engine.kv_transfer import KVTransfer, kv_export, kv_held_keys, kv_import
+from cluster.engine.kv_transfer import KVTransfer, kv_export
 from cluster.engine.request import EngineRequest
 from cluster.serve.llm_server import LLMServer
+from cluster.serve.peer_pull import import_prefix
 from scheduler.kv_cache.transfer import HeldKeys
 from scheduler.request import SamplingParams
-
-logger = logging.getLogger(__name__)
 
 _PREFILL_PARAMS = SamplingParams(temperature=0, max_tokens=1)
 
@@ -61,30 +55,15 @@ class PDDecodeServer(LLMServer):
         super().__init__(llm_config)
         self.prefill = prefill
         self.transfer_timeout_s = transfer_timeout_s
-        self.counters = self.engine.core.kv_transfer_counters
-        """Its pulls (prefix from the prefill side) and recomputes (hand-off failed)."""
 
     async def before_add(self, request: EngineRequest) -> None:
-        prompt = list(request.prompt_token_ids)
-        response = None
-        try:
-            held = await self.engine.call_core(kv_held_keys, prompt, request.cache_salt)
-            response = self.prefill.prefill_and_export.remote(prompt, held, request.cache_salt)
-            transfer = await asyncio.wait_for(_awaited(response), self.transfer_timeout_s)
-            await self.engine.call_core(kv_import, transfer)
-        except (asyncio.TimeoutError, RayError, RuntimeError, ValueError) as exc:
-            if isinstance(exc, EngineDeadError):
-                raise
-            if response is not None:
-                response.cancel()
-            self.counters.num_recomputes += 1
-            logger.warning(
-                "prefill hand-off of %s failed; recomputing: %s", request.request_id, exc
-            )
-            return
-        self.counters.num_pulls += 1
-
-
-async def _awaited(response: Any) -> KVTransfer:
-    transfer: KVTransfer = await response
-    return transfer
+        """Import the prefix's KV from the prefill side (counted as a pull; on failure, as a
+        recompute)."""
+        label = f"prefill hand-off of {request.request_id}"
+        await import_prefix(
+            self.engine,
+            request,
+            self.prefill.prefill_and_export.remote,
+            self.transfer_timeout_s,
+            label,
+        )

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,8 +24,9 @@ from ray.exceptions import RayError
 
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.errors import EngineDeadError
-from cluster.engine.kv_transfer import KVImportResult, kv_held_keys, kv_import
+from cluster.engine.kv_transfer import KVImportResult, KVTransfer, kv_held_keys, kv_import
 from cluster.engine.request import EngineRequest
+from scheduler.kv_cache.transfer import HeldKeys
 
 logger = logging.getLogger(__name__)
 
@@ -54,16 +56,38 @@ async def pull_from_peer(engine: AsyncEngine, request: EngineRequest, pull: Peer
     context = serve.get_replica_context()
     if context.replica_id.unique_id == pull.source:
         return False
+    handle: Any = serve.get_deployment_handle(context.deployment, context.app_name)
+
+    def export(prompt: list[int], held: HeldKeys, cache_salt: str | None) -> Any:
+        return handle.kv_export.remote(prompt, held, cache_salt, **{TO_REPLICA_KWARG: pull.source})
+
+    label = f"pull of {request.request_id} from {pull.source}"
+    result = await import_prefix(engine, request, export, pull.timeout_s, label)
+    if result is None:
+        return False
+    logger.debug(
+        "pulled %d blocks of %s from %s", result.num_blocks, request.request_id, pull.source
+    )
+    return True
+
+
+async def import_prefix(
+    engine: AsyncEngine,
+    request: EngineRequest,
+    export: Callable[[list[int], HeldKeys, str | None], Any],
+    timeout_s: float,
+    label: str,
+) -> KVImportResult | None:
+    """Import into `engine` the blocks of `request`'s prefix it lacks, as the Serve call
+    `export(prompt, held keys, cache_salt)` returns them within `timeout_s`; None (the request
+    recomputes, counted and logged as `label`) when that call fails or misses the deadline."""
     counters = engine.core.kv_transfer_counters
     prompt = list(request.prompt_token_ids)
     response = None
     try:
         held = await engine.call_core(kv_held_keys, prompt, request.cache_salt)
-        handle: Any = serve.get_deployment_handle(context.deployment, context.app_name)
-        response = handle.kv_export.remote(
-            prompt, held, request.cache_salt, **{TO_REPLICA_KWARG: pull.source}
-        )
-        transfer = await asyncio.wait_for(_awaited(response), pull.timeout_s)
+        response = export(prompt, held, request.cache_salt)
+        transfer = await asyncio.wait_for(_awaited(response), timeout_s)
         result: KVImportResult = await engine.call_core(kv_import, transfer)
     except (asyncio.TimeoutError, RayError, RuntimeError, ValueError) as exc:
         if isinstance(exc, EngineDeadError):
@@ -71,16 +95,12 @@ async def pull_from_peer(engine: AsyncEngine, request: EngineRequest, pull: Peer
         if response is not None:
             response.cancel()
         counters.num_recomputes += 1
-        logger.warning(
-            "pull of %s from %s failed; recomputing: %s", request.request_id, pull.source, exc
-        )
-        return False
+        logger.warning("%s failed; recomputing: %s", label, exc)
+        return None
     counters.num_pulls += 1
-    logger.debug(
-        "pulled %d blocks of %s from %s", result.num_blocks, request.request_id, pull.source
-    )
-    return True
+    return result
 
 
-async def _awaited(response: Any) -> Any:
-    return await response
+async def _awaited(response: Any) -> KVTransfer:
+    transfer: KVTransfer = await response
+    return transfer
