@@ -16,6 +16,7 @@ from cluster.engine.outputs import RequestOutput
 from cluster.serve.offload_metrics import OffloadMetrics
 from cluster.serve.ray_metric_names import counter as _counter
 from cluster.serve.ray_metric_names import gauge as _gauge
+from cluster.serve.ray_metric_names import inc_by_growth as _inc
 from cluster.serve.ray_metric_names import metric_name
 from scheduler.spec_decode import SpecDecodingStats
 from scheduler.stats import SchedulerStats
@@ -212,8 +213,3 @@ def _sum(stats: SchedulerStats | None, what: str) -> int:
     if what == "hits":
         return stats.prefix_cache_hit_tokens
     return stats.num_preemptions
-
-
-def _inc(counter: metrics.Counter, now: int, before: int, tags: dict[str, str]) -> None:
-    if now > before:
-        counter.inc(now - before, tags)

@@ -7,10 +7,9 @@ Names follow vLLM's `vllm:kv_offload_*` style, sanitized for Ray as in `cluster.
 
 from __future__ import annotations
 
-from ray.util import metrics
-
 from cluster.serve.ray_metric_names import counter as _counter
 from cluster.serve.ray_metric_names import gauge as _gauge
+from cluster.serve.ray_metric_names import inc_by_growth as _inc
 from scheduler.kv_cache.offload import OffloadCounters
 from scheduler.stats import SchedulerStats
 
@@ -94,8 +93,3 @@ def _group_hits(counters: OffloadCounters) -> dict[tuple[str, int], int]:
         out[("host", group)] = total - disk
         out[("disk", group)] = disk
     return out
-
-
-def _inc(counter: metrics.Counter, now: float, before: float, tags: dict[str, str]) -> None:
-    if now > before:
-        counter.inc(now - before, tags)

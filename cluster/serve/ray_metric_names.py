@@ -18,3 +18,11 @@ def gauge(name: str, doc: str, *tags: str) -> metrics.Gauge:
 
 def counter(name: str, doc: str, *tags: str) -> metrics.Counter:
     return metrics.Counter(metric_name(name), doc, tag_keys=("model_name", *tags))
+
+
+def inc_by_growth(
+    counter: metrics.Counter, now: float, before: float, tags: dict[str, str]
+) -> None:
+    """Add to `counter` what a cumulative count grew by since `before` (nothing if it did not)."""
+    if now > before:
+        counter.inc(now - before, tags)

@@ -9,10 +9,9 @@ vLLM names transfer metrics per connector (`vllm:nixl_xfer_time_seconds`,
 
 from __future__ import annotations
 
-from ray.util import metrics
-
 from cluster.engine.kv_transfer_counters import KVTransferCounters
 from cluster.serve.ray_metric_names import counter as _counter
+from cluster.serve.ray_metric_names import inc_by_growth as _inc
 
 
 class TransferMetrics:
@@ -73,8 +72,3 @@ class TransferMetrics:
         recompute = {**tags, "outcome": "recompute"}
         _inc(self.requests, now.num_recomputes, last.num_recomputes, recompute)
         self._last = now.snapshot()
-
-
-def _inc(counter: metrics.Counter, now: float, before: float, tags: dict[str, str]) -> None:
-    if now > before:
-        counter.inc(now - before, tags)
