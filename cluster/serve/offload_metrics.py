@@ -59,11 +59,13 @@ class OffloadMetrics:
         ):
             self.used_bytes.set(used, {**tags, "tier": tier})
             self.usage.set(used / capacity if capacity else 0.0, {**tags, "tier": tier})
+        moved_before = _moved(last) if last is not None else {}
         for (tier, direction), value in _moved(now).items():
-            before = _moved(last)[(tier, direction)] if last is not None else 0
+            before = moved_before.get((tier, direction), 0)
             _inc(self.bytes, value, before, {**tags, "tier": tier, "direction": direction})
+        hits_before = _group_hits(last) if last is not None else {}
         for (tier, group), hits in _group_hits(now).items():
-            before = _group_hits(last)[(tier, group)] if last is not None else 0
+            before = hits_before.get((tier, group), 0)
             _inc(self.group_hits, hits, before, {**tags, "tier": tier, "group": str(group)})
         previous = self._last
         _inc(self.failed, now.num_failed_loads, last.num_failed_loads if last else 0, tags)
