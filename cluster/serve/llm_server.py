@@ -26,7 +26,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from cluster.config import EngineArgs, LLMConfig, resolve_executor_backend
-from cluster.config.lora import served_model
+from cluster.config.lora import HF_SCHEME, served_model
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.core import build_engine_core
 from cluster.engine.errors import EngineDeadError
@@ -320,10 +320,16 @@ class LLMServer:
         adapter = None if served is None else served[1]
         if adapter is None:
             return None
-        if self.config.lora_config is None:
+        lora = self.config.lora_config
+        if lora is None:
             raise ValueError(f"model {self.model_id!r} serves no LoRA adapters (no lora_config)")
+        known = self.engine.core.loras.get(adapter)
+        if known is not None and lora.dynamic_lora_loading_path.startswith(HF_SCHEME):
+            # downloaded already: no Hub round trip (under the download lock, on the event
+            # loop) for each request naming it
+            return known
         download_dir = self.config.engine_kwargs.get("download_dir")
-        return self.config.lora_config.adapter_request(adapter, download_dir)
+        return lora.adapter_request(adapter, download_dir)
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve polls this for the request routers: KV events and usage ({} when off)."""

@@ -16,8 +16,10 @@ from transformers import AutoModelForCausalLM
 from cluster.batch.replica import EngineReplica
 from cluster.batch.rows import parse_line
 from cluster.config.engine_args import validate_engine_kwargs
+from cluster.config.lora import LoraConfig
 from cluster.openai_api.protocol import CompletionRequest, ErrorResponse
 from cluster.serve.llm_server import LLMServer
+from scheduler.lora import LoRARequest
 from tests.helpers.serve_app import llm_config, save_tiny_served_model
 from tests.helpers.tiny_lora import save_random_adapter
 
@@ -123,3 +125,24 @@ def test_a_model_without_lora_config_refuses_adapter_names(adapters: tuple[Path,
         assert "serves no LoRA adapters" in error.error.message
     finally:
         server.engine.core.shutdown()
+
+
+def test_a_hub_adapter_already_loaded_is_not_fetched_again_per_request(
+    server: LLMServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fetched: list[str] = []
+
+    def hub_snapshot(repo_id: str, cache_dir: str | None = None) -> Path:
+        fetched.append(repo_id)
+        raise ValueError(f"{repo_id} is not on the Hub")
+
+    monkeypatch.setattr("cluster.model_download.hub_snapshot", hub_snapshot)
+    hub = LoraConfig(dynamic_lora_loading_path="hf://owner")
+    monkeypatch.setattr(server, "config", server.config.model_copy(update={"lora_config": hub}))
+    loaded = LoRARequest("one", 0, "/cache/owner--one")
+    monkeypatch.setitem(server.engine.core.loras, "one", loaded)
+    assert server._lora_request("tiny:one") is loaded
+    assert fetched == []
+    with pytest.raises(ValueError, match="owner/other"):
+        server._lora_request("tiny:other")
+    assert fetched == ["owner/other"]
