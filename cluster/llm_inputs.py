@@ -11,10 +11,13 @@ again on the same engine.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import TypeVar
 
 from cluster.engine.input_processor import ChatMessage, PromptInput, is_token_id
 from scheduler.lora import LoRARequest
 from scheduler.request import SamplingParams
+
+_T = TypeVar("_T")
 
 
 def as_prompt_list(prompts: PromptInput | Sequence[PromptInput]) -> list[PromptInput]:
@@ -62,12 +65,7 @@ def as_params_list(
             "sampling_params must be a SamplingParams, a list with one per prompt, or None; "
             f"got {type(sampling_params).__name__} (build one with SamplingParams(...))"
         )
-    params = list(sampling_params)
-    if len(params) != num_prompts:
-        raise ValueError(
-            f"got {len(params)} sampling params for {num_prompts} prompts: pass one per prompt, "
-            "or a single SamplingParams for all of them"
-        )
+    params = _one_per_prompt(sampling_params, num_prompts, "sampling params", "SamplingParams")
     for index, item in enumerate(params):
         if not isinstance(item, SamplingParams):
             raise TypeError(
@@ -111,15 +109,21 @@ def as_lora_list(
         return None
     if isinstance(lora_request, LoRARequest):
         return [lora_request] * num_prompts
-    loras = list(lora_request)
-    if len(loras) != num_prompts:
-        raise ValueError(
-            f"got {len(loras)} lora requests for {num_prompts} prompts: pass one per prompt, "
-            "or a single LoRARequest for all of them"
-        )
+    loras = _one_per_prompt(lora_request, num_prompts, "lora requests", "LoRARequest")
     for index, item in enumerate(loras):
         if item is not None and not isinstance(item, LoRARequest):
             raise TypeError(
                 f"lora_request[{index}] must be a LoRARequest or None, got {type(item).__name__}"
             )
     return loras
+
+
+def _one_per_prompt(items: Sequence[_T], num_prompts: int, noun: str, single: str) -> list[_T]:
+    """`items` as a list, ValueError unless it has one item per prompt."""
+    values = list(items)
+    if len(values) != num_prompts:
+        raise ValueError(
+            f"got {len(values)} {noun} for {num_prompts} prompts: pass one per prompt, "
+            f"or a single {single} for all of them"
+        )
+    return values
