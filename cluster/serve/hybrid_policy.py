@@ -293,7 +293,11 @@ class HybridRoutingPolicy(Generic[Key]):
         return [ordered[:1], ordered[1:]] if len(ordered) > 1 else [ordered]
 
     def predicted_hit(self, key: Key, prompt: PromptKeys | None, now: float) -> int:
-        return self.candidate(key, prompt, now).predicted_hit
+        """`candidate(...).predicted_hit`, without the rest of the candidate."""
+        replica = self._replicas.get(key)
+        if prompt is None or replica is None or replica.index is None:
+            return 0
+        return self._predicted_hit(replica.index, prompt, now)
 
     def pull_source(
         self, chosen: Key, prompt: PromptKeys | None, now: float, threshold: int
@@ -305,7 +309,7 @@ class HybridRoutingPolicy(Generic[Key]):
             return None
         hits = {key: self.predicted_hit(key, prompt, now) for key in self._replicas}
         source = max(hits, key=hits.__getitem__)
-        lead = hits[source] - self.predicted_hit(chosen, prompt, now)
+        lead = hits[source] - hits.get(chosen, 0)
         if source == chosen or lead < max(threshold, 1):
             return None
         return PullHint(source, hits[source], lead)
