@@ -14,6 +14,7 @@ start deadline). When either cannot be done the engine is dead: it refuses all l
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Iterable
@@ -22,6 +23,7 @@ from typing import Any
 
 from cluster.config.engine_args import EngineArgs
 from cluster.engine.bad_words import attach_bad_words_token_ids
+from cluster.engine.configs import model_identity
 from cluster.engine.errors import EngineDeadError
 from cluster.engine.executor import Executor, create_executor
 from cluster.engine.executor.base import PendingStep
@@ -33,6 +35,7 @@ from cluster.engine.request import EngineRequest
 from cluster.engine.structured import StructuredOutputManager
 from scheduler.kv_cache.builder import build_kv_cache_config
 from scheduler.kv_cache.events import KVEventLog
+from scheduler.kv_cache.offload_levels import layout_fingerprint
 from scheduler.kv_cache.spec import KVCacheConfig
 from scheduler.lora import LoRARequest
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
@@ -82,6 +85,14 @@ class EngineCore:
     @property
     def model_config(self) -> ModelConfig:
         return self.executor.configs.model
+
+    @functools.cached_property
+    def kv_transfer_fingerprint(self) -> str:
+        """The model, numerics and KV layout of this engine, which both ends of a KV transfer
+        must share (computed once: it reads the model's folder)."""
+        configs = self.executor.configs
+        identity = model_identity(configs.model, configs.tensor_parallel_size, with_times=False)
+        return layout_fingerprint(self.scheduler.kv_cache_config, identity)
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request (all of its `n` samples, or none); ValueError if it can never run,

@@ -19,10 +19,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cluster.engine.configs import model_identity
 from cluster.engine.core import EngineCore
 from scheduler.block_hash import BlockHash
-from scheduler.kv_cache.offload_levels import layout_fingerprint
 from scheduler.kv_cache.transfer import (
     HeldKeys,
     TransferKeys,
@@ -68,13 +66,6 @@ class KVImportResult:
     """The sender's hit: the prefix the receiver can now hit (when nothing was evicted)."""
 
 
-def transfer_fingerprint(core: EngineCore) -> str:
-    """The model, numerics and KV layout of this engine: both ends of a transfer must agree."""
-    configs = core.executor.configs
-    identity = model_identity(configs.model, configs.tensor_parallel_size, with_times=False)
-    return layout_fingerprint(core.scheduler.kv_cache_config, identity)
-
-
 def prompt_block_hashes(
     core: EngineCore, prompt_token_ids: Sequence[int], cache_salt: str | None = None
 ) -> list[BlockHash]:
@@ -94,7 +85,7 @@ def kv_held_keys(
 ) -> HeldKeys:
     """Receiver, first: which of the prompt's blocks this engine holds (not to be sent)."""
     hashes = prompt_block_hashes(core, prompt_token_ids, cache_salt)
-    return held_keys(core.scheduler.kv_cache_manager, hashes, transfer_fingerprint(core))
+    return held_keys(core.scheduler.kv_cache_manager, hashes, core.kv_transfer_fingerprint)
 
 
 def kv_export(
@@ -109,7 +100,7 @@ def kv_export(
     hashes = prompt_block_hashes(core, prompt_token_ids, cache_salt)
     manager = core.scheduler.kv_cache_manager
     max_length = len(prompt_token_ids) - 1
-    plan = find_export(manager, hashes, max_length, held, transfer_fingerprint(core))
+    plan = find_export(manager, hashes, max_length, held, core.kv_transfer_fingerprint)
     shards = core.executor.collective_rpc("export_kv_shard", plan.block_ids)
     transfer = KVTransfer(plan.keys, tuple(s for s in shards if isinstance(s, KVShard)))
     counters = core.kv_transfer_counters
@@ -133,7 +124,7 @@ def kv_import(core: EngineCore, transfer: KVTransfer) -> KVImportResult:
     transfer there is no room for takes nothing (the request recomputes)."""
     started = time.perf_counter()
     counters = core.kv_transfer_counters
-    if transfer.keys.fingerprint != transfer_fingerprint(core):
+    if transfer.keys.fingerprint != core.kv_transfer_fingerprint:
         raise ValueError("kv transfer: the sending engine runs another model or KV layout")
     manager = core.scheduler.kv_cache_manager
     reservation = reserve_import(manager, transfer.keys)
