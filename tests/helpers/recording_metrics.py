@@ -20,6 +20,16 @@ class RecordingCounter:
         return sum(v for v, t in self.added if all(t.get(k) == w for k, w in tags.items()))
 
 
+class RecordingGauge:
+    """Keeps what the engine sets a Ray gauge to."""
+
+    def __init__(self) -> None:
+        self.values: list[tuple[float, dict[str, str]]] = []
+
+    def set(self, value: float, tags: dict[str, str]) -> None:
+        self.values.append((value, tags))
+
+
 def idle_stats(num_groups: int) -> SchedulerStats:
     """A snapshot of an idle scheduler with `num_groups` KV cache groups (`replace` the rest)."""
     return SchedulerStats(

@@ -8,7 +8,7 @@ from dataclasses import replace
 from cluster.serve.metrics import EngineMetrics
 from scheduler.kv_cache.offload import OffloadCounters
 from scheduler.stats import SchedulerStats
-from tests.helpers.recording_metrics import RecordingCounter, idle_stats
+from tests.helpers.recording_metrics import RecordingCounter, RecordingGauge, idle_stats
 
 
 def _stats(host_hits: tuple[int, int], disk_hits: tuple[int, int]) -> SchedulerStats:
@@ -30,8 +30,9 @@ def test_hit_tokens_are_split_per_tier_and_group() -> None:
     metrics = EngineMetrics("m", ["full_attention", "sliding_window"])
     metrics.record_stats(_stats((16, 4), (0, 0)))
     assert metrics.offload is not None
-    hits, moved = RecordingCounter(), RecordingCounter()
+    hits, moved, waiting = RecordingCounter(), RecordingCounter(), RecordingGauge()
     metrics.offload.group_hits, metrics.offload.bytes = hits, moved  # type: ignore[assignment]
+    metrics.offload.waiting = waiting  # type: ignore[assignment]
     metrics.record_stats(_stats((48, 12), (32, 8)))
     assert hits.total(tier="host", group="0") == 32
     assert hits.total(tier="host", group="1") == 8
@@ -39,3 +40,4 @@ def test_hit_tokens_are_split_per_tier_and_group() -> None:
     assert hits.total(tier="disk", group="1") == 8
     assert moved.total(tier="disk", direction="load") == 400
     assert moved.total(tier="host", direction="load") == 0
+    assert waiting.values == [(1, {"model_name": "m"})]
