@@ -97,23 +97,37 @@ def num_pauses(llm: LLM) -> int:
     return 0 if switch is None else int(switch.num_pauses)
 
 
-def compare(
+def drafts(llm: LLM) -> tuple[int, int]:
+    """Draft tokens verified and accepted so far."""
+    return (
+        counter(llm, "vllm:spec_decode_num_draft_tokens"),
+        counter(llm, "vllm:spec_decode_num_accepted_tokens"),
+    )
+
+
+def best_runs(
     engines: dict[str, LLM], prompts: Prompts, concurrency: int, args: Any, temperature: float
-) -> str:
+) -> tuple[dict[str, float], dict[str, Prompts]]:
+    """Per engine: the best seconds of `args.repeats` alternating cold-cache runs, and outputs."""
     best = {name: float("inf") for name in engines}
     outputs: dict[str, Prompts] = {}
-    spec = engines["ngram"]
-    drafted = counter(spec, "vllm:spec_decode_num_draft_tokens")
-    accepted = counter(spec, "vllm:spec_decode_num_accepted_tokens")
-    pauses = num_pauses(spec)
     for _ in range(args.repeats):
         for name, llm in engines.items():
             reset_prefix_cache(llm)
             seconds, outputs[name] = run(llm, prompts, concurrency, args.max_tokens, temperature)
             best[name] = min(best[name], seconds)
+    return best, outputs
+
+
+def compare(
+    engines: dict[str, LLM], prompts: Prompts, concurrency: int, args: Any, temperature: float
+) -> str:
+    spec = engines["ngram"]
+    before, pauses = drafts(spec), num_pauses(spec)
+    best, outputs = best_runs(engines, prompts, concurrency, args, temperature)
     same = outputs["plain"] == outputs["ngram"] if temperature == 0 else "n/a (sampled)"
-    drafted = counter(spec, "vllm:spec_decode_num_draft_tokens") - drafted
-    accepted = counter(spec, "vllm:spec_decode_num_accepted_tokens") - accepted
+    after = drafts(spec)
+    drafted, accepted = after[0] - before[0], after[1] - before[1]
     tokens = sum(len(out) for out in outputs["plain"])
     rate = {name: tokens / seconds for name, seconds in best.items()}
     return (

@@ -22,7 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_spec_decode import copy_prompts, counter, random_prompts, reset_prefix_cache, run
+from bench_spec_decode import best_runs, copy_prompts, drafts, random_prompts, run
 
 from cluster import LLM
 from worker.default_model import ensure_default_model
@@ -31,17 +31,11 @@ from worker.default_model import ensure_default_model
 def compare(
     plain: LLM, draft: LLM, prompts: list[list[int]], concurrency: int, args: argparse.Namespace
 ) -> str:
-    best = {"plain": float("inf"), "draft": float("inf")}
-    outputs: dict[str, list[list[int]]] = {}
-    drafted = counter(draft, "vllm:spec_decode_num_draft_tokens")
-    accepted = counter(draft, "vllm:spec_decode_num_accepted_tokens")
-    for _ in range(args.repeats):
-        for name, llm in (("plain", plain), ("draft", draft)):
-            reset_prefix_cache(llm)
-            seconds, outputs[name] = run(llm, prompts, concurrency, args.max_tokens)
-            best[name] = min(best[name], seconds)
-    drafted = counter(draft, "vllm:spec_decode_num_draft_tokens") - drafted
-    accepted = counter(draft, "vllm:spec_decode_num_accepted_tokens") - accepted
+    before = drafts(draft)
+    engines = {"plain": plain, "draft": draft}
+    best, outputs = best_runs(engines, prompts, concurrency, args, temperature=0.0)
+    after = drafts(draft)
+    drafted, accepted = after[0] - before[0], after[1] - before[1]
     tokens = sum(len(out) for out in outputs["plain"])
     rate = {name: tokens / seconds for name, seconds in best.items()}
     return (

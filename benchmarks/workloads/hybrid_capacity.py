@@ -45,16 +45,23 @@ GRANITE_4_H_SMALL = HybridShape(
 """Granite-4.0-H-Small's layout (hidden 4096: 4 attention and 36 Mamba-2 layers), bf16."""
 
 
+def attention_spec(
+    num_kv_heads: int, head_size: int, dtype_bytes: int, block_size: int, tp_size: int = 1
+) -> FullAttentionSpec:
+    """A full-attention layer's spec on one of `tp_size` ranks (at least one KV head each)."""
+    return FullAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=max(num_kv_heads // tp_size, 1),
+        head_size=head_size,
+        dtype_bytes=dtype_bytes,
+    )
+
+
 def hybrid_layer_specs(
     shape: HybridShape, block_size: int, mode: MambaCacheMode = MambaCacheMode.ALIGN
 ) -> dict[str, KVCacheSpec]:
     """Specs of every layer of `shape` in model order."""
-    attention = FullAttentionSpec(
-        block_size=block_size,
-        num_kv_heads=shape.num_kv_heads,
-        head_size=shape.head_size,
-        dtype_bytes=shape.dtype_bytes,
-    )
+    attention = attention_spec(shape.num_kv_heads, shape.head_size, shape.dtype_bytes, block_size)
     inner = shape.mamba_heads * shape.mamba_head_dim
     conv_dim = inner + 2 * shape.mamba_groups * shape.mamba_state
     state = MambaSpec(
@@ -74,12 +81,7 @@ def hybrid_layer_specs(
 
 def full_attention_specs(shape: HybridShape, block_size: int) -> dict[str, KVCacheSpec]:
     """The same model with every layer full attention (the baseline)."""
-    attention = FullAttentionSpec(
-        block_size=block_size,
-        num_kv_heads=shape.num_kv_heads,
-        head_size=shape.head_size,
-        dtype_bytes=shape.dtype_bytes,
-    )
+    attention = attention_spec(shape.num_kv_heads, shape.head_size, shape.dtype_bytes, block_size)
     return {f"model.layers.{i}": attention for i in range(shape.num_layers)}
 
 

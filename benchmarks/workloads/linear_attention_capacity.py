@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from benchmarks.workloads.hybrid_capacity import attention_spec
 from scheduler.kv_cache.linear_state_spec import GatedDeltaNetShape
 from scheduler.kv_cache.spec import FullAttentionSpec, KVCacheSpec, MambaCacheMode
 
@@ -55,12 +56,9 @@ QWEN3_NEXT_80B_A3B = LinearHybridShape(
 attention with 2 KV heads of 256)."""
 
 
-def _attention(shape: LinearHybridShape, block_size: int) -> FullAttentionSpec:
-    return FullAttentionSpec(
-        block_size=block_size,
-        num_kv_heads=shape.num_kv_heads,
-        head_size=shape.head_size,
-        dtype_bytes=shape.dtype_bytes,
+def _attention(shape: LinearHybridShape, block_size: int, tp_size: int = 1) -> FullAttentionSpec:
+    return attention_spec(
+        shape.num_kv_heads, shape.head_size, shape.dtype_bytes, block_size, tp_size
     )
 
 
@@ -71,15 +69,7 @@ def linear_hybrid_specs(
     tp_size: int = 1,
 ) -> dict[str, KVCacheSpec]:
     """Specs of every layer of `shape` in model order, for one of `tp_size` ranks."""
-    attention = _attention(shape, block_size)
-    if tp_size > 1:
-        heads = max(shape.num_kv_heads // tp_size, 1)
-        attention = FullAttentionSpec(
-            block_size=block_size,
-            num_kv_heads=heads,
-            head_size=shape.head_size,
-            dtype_bytes=shape.dtype_bytes,
-        )
+    attention = _attention(shape, block_size, tp_size)
     state = shape.delta_net.per_rank(tp_size).spec(block_size, shape.dtype_bytes, mode)
     return {
         f"model.layers.{i}": attention if shape.is_attention(i) else state

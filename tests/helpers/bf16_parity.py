@@ -58,7 +58,10 @@ def assert_bf16_parity(family: str, path: Path, device: str, **llm_args: object)
     llm = LLM(str(path), device=device, dtype="bfloat16", **llm_args)  # type: ignore[arg-type]
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW, logprobs=TOP_K)
     results = llm.generate(PROMPTS, params, use_tqdm=False)
+    model = llm.client.core.executor.worker.model_runner.model  # in-process, tp_size 1
+    dtypes = {name: param.dtype for name, param in model.named_parameters()}
     llm.shutdown()
+    assert set(dtypes.values()) == {torch.bfloat16}, dtypes
     for prompt, result in zip(PROMPTS, results, strict=True):
         theirs, their_top = transformers_greedy(hf_model, prompt, device)
         ours, our_logprobs = result.outputs[0].token_ids, result.outputs[0].logprobs

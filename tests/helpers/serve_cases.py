@@ -1,4 +1,4 @@
-"""Request cases of the Serve tests: invalid bodies, fuzz strategies, metric names."""
+"""Request cases of the Serve tests: invalid bodies, fuzz strategies, metric names, a tool."""
 
 from __future__ import annotations
 
@@ -109,3 +109,16 @@ def metric_samples(text: str) -> dict[str, list[tuple[str, float]]]:
 
 def has_metric(samples: dict[str, list[tuple[str, float]]], name: str) -> bool:
     return any(key in samples for key in (name, name + "_total", name + "_count"))
+
+
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"enum": ["Paris", "Rome"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+"""A tool's argument schema the byte model can fill (a city from two, 1 to 7 days)."""
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]

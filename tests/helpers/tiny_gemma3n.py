@@ -10,7 +10,7 @@ import transformers
 
 from tests.helpers.tiny_models import random_eager_model
 
-GEMMA3N: dict[str, object] = {
+COMMON: dict[str, object] = {
     "vocab_size": 256,
     "hidden_size": 64,
     "num_attention_heads": 4,
@@ -20,6 +20,10 @@ GEMMA3N: dict[str, object] = {
     "eos_token_id": None,
     "bos_token_id": None,
     "pad_token_id": None,
+}
+"""The small text-model sizes the Gemma 3n and Llama 4 parity configs share."""
+GEMMA3N: dict[str, object] = {
+    **COMMON,
     "vocab_size_per_layer_input": 128,
     "intermediate_size": 96,
     "num_hidden_layers": 6,

@@ -16,6 +16,8 @@ from torch import nn
 
 NOT_ADAPTED = ("lm_head", "router", "mlp.gate", "shared_expert_gate")
 """Linear layers no adapter here targets: the LM head and the MoE routers."""
+SPREAD = 0.3
+"""Standard deviation of the drawn lora_A and lora_B entries."""
 
 
 def linear_module_names(model: nn.Module) -> list[str]:
@@ -34,19 +36,17 @@ def save_random_adapter(
     target_modules: list[str] | None = None,
     rank: int = 4,
     seed: int = 0,
-    use_rslora: bool = False,
-    spread: float = 0.3,
 ) -> nn.Module:
     """Save a random adapter of `hf_model` (all linear layers by default) to `path`; returns the
     base model with the adapter merged in."""
     targets = target_modules if target_modules is not None else linear_module_names(hf_model)
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, use_rslora=use_rslora)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets)
     peft_model = get_peft_model(copy.deepcopy(hf_model), config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_A" in name or "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * spread)
+                param.copy_(torch.randn(param.shape, generator=generator) * SPREAD)
     peft_model.save_pretrained(path)
     merged: nn.Module = peft_model.merge_and_unload()
     return merged.eval()

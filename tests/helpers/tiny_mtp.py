@@ -13,15 +13,15 @@ from tests.helpers.tiny_linear_hybrid import save_tiny_linear_hybrid
 MTP_LAYER_KEY = {"qwen3_next": "num_nextn_predict_layers", "qwen3_5": "mtp_num_hidden_layers"}
 
 
-def save_tiny_with_mtp(family: str, path: Path, seed: int = 0, mtp_seed: int = 1) -> None:
+def save_tiny_with_mtp(family: str, path: Path) -> None:
     """A tiny `family` model at `path` whose checkpoint also holds one random MTP layer: the
     attention and norms shaped as the model's first full-attention layer's, the feed-forward
     block as layer 0's (the MTP layer counts as layer 0 for MoE), plus fc and three norms."""
-    model = save_tiny_linear_hybrid(family, path, seed, **{MTP_LAYER_KEY[family]: 1})
+    model = save_tiny_linear_hybrid(family, path, **{MTP_LAYER_KEY[family]: 1})
     config = model.config
     attention = list(config.layer_types).index("full_attention")
     prefix = f"model.layers.{attention}."
-    generator = torch.Generator().manual_seed(mtp_seed)
+    generator = torch.Generator().manual_seed(1)  # the MTP layer's draws differ from the model's
 
     def draw(shape: torch.Size, is_norm: bool) -> torch.Tensor:
         scale = 0.1 if is_norm else 0.2

@@ -5,28 +5,22 @@ object store; the receiver's tokens equal one engine's, and it hits the whole tr
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from cluster import LLM, SamplingParams
+from cluster import LLM
 from cluster.config.engine_args import EngineArgs
-from cluster.engine.client import collect
 from cluster.engine.executor.placement import PlacementSpec
 from cluster.engine.kv_transfer_ray import pull_prefix
 from cluster.engine.ray_client import RayEngineClient
-from cluster.engine.request import EngineRequest
+from tests.helpers.kv_transfer_case import ENGINE, GREEDY, PROMPT, prefill_all_but_last, run
 from tests.helpers.ray_driver import driver
 from tests.helpers.ray_nodes import WORKER_IPS, RayNodes, ray_nodes
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 
 pytestmark = pytest.mark.ray
-
-ENGINE = {"block_size": 4, "max_model_len": 128, "max_num_batched_tokens": 64}
-PROMPT = [(7 * i + 3) % 250 + 1 for i in range(61)]
-GREEDY = SamplingParams(temperature=0, max_tokens=6)
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +42,6 @@ def _start_on(model_dir: Path, ip: str) -> RayEngineClient:
     return RayEngineClient.start(args, placement=placement)
 
 
-def _run(client: RayEngineClient, prompt: list[int], params: SamplingParams) -> list[int]:
-    request = EngineRequest(f"r{time.monotonic_ns()}", tuple(prompt), params)
-    return list(collect(client.add_request(request)).outputs[0].token_ids)
-
-
 def test_a_prefix_moves_between_engines_on_two_nodes(cluster: RayNodes, model_dir: Path) -> None:
     reference = LLM(str(model_dir), distributed_executor_backend="uni", **ENGINE)
     try:
@@ -63,10 +52,10 @@ def test_a_prefix_moves_between_engines_on_two_nodes(cluster: RayNodes, model_di
     try:
         ranks = cluster.actor_ips("WorkerActor")
         assert set(WORKER_IPS) <= set(ranks.values()), ranks
-        _run(sender, PROMPT[:-1], SamplingParams(temperature=0, max_tokens=1))
+        prefill_all_but_last(sender)
         result = pull_prefix(sender.actor, receiver.actor, PROMPT, timeout_s=60)
         assert result.num_blocks > 0
-        assert _run(receiver, PROMPT, GREEDY) == list(expected.outputs[0].token_ids)
+        assert run(receiver, PROMPT, GREEDY) == list(expected.outputs[0].token_ids)
         assert receiver.get_stats().prefix_cache_hit_tokens == result.num_hit_tokens
     finally:
         sender.shutdown()

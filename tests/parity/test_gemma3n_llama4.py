@@ -20,6 +20,7 @@ from cluster import LLM, SamplingParams
 from scheduler.kv_cache.builder import build_kv_cache_config
 from tests.helpers.paged_driver import PagedDriver
 from tests.helpers.shared_kv_reference import greedy_with_shared_kv
+from tests.helpers.tiny_gemma3n import COMMON
 from tests.helpers.tiny_gemma3n import GEMMA3N as TINY_GEMMA3N
 from tests.helpers.tiny_models import hf_greedy, load_our_model, random_eager_model
 from worker.attention import Attention, ForwardContext
@@ -33,17 +34,6 @@ from worker.weights import iterate_weights
 
 pytestmark = pytest.mark.parity
 
-COMMON = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "max_position_embeddings": 128,
-    "eos_token_id": None,
-    "bos_token_id": None,
-    "pad_token_id": None,
-}
 GEMMA3N = {
     **TINY_GEMMA3N,
     "final_logit_softcapping": 5.0,

@@ -104,6 +104,8 @@ def test_a_then_b_then_a_gives_a_the_same_answer(saved: Saved) -> None:
         assert _generate(llm, [PROMPT_A]) == [answer_a], round_index
     stats = engine_stats(llm)
     assert stats.prefix_cache_hit_tokens > 0
+    assert stats.spec_decoding is not None
+    assert stats.spec_decoding.num_accepted_tokens < stats.spec_decoding.num_draft_tokens
     llm.shutdown()
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster import LLM, SamplingParams
+from cluster import LLM, RequestOutput, SamplingParams
 from tests.helpers.drafters import ScriptedProposer, install_proposer
 from tests.helpers.tiny_models import save_tiny_model
 
@@ -31,16 +31,28 @@ def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_logprobs_of_accepted_tokens_equal_plain_decoding(llama: Path) -> None:
-    params = SamplingParams(temperature=0, max_tokens=16, logprobs=3)
+def _plain_then_speculative(
+    llama: Path, params: SamplingParams, kind: str
+) -> tuple[list[RequestOutput], LLM]:
+    """`params`' outputs for PROMPTS without speculation, and an `LLM` with speculation whose
+    proposer drafts those outputs, altered by `kind` (the caller shuts it down)."""
     plain = LLM(str(llama), **ARGS)
     expected = plain.generate(PROMPTS, params, use_tqdm=False)
     plain.shutdown()
     sequences = [[*p, *r.outputs[0].token_ids] for p, r in zip(PROMPTS, expected, strict=True)]
     llm = LLM(str(llama), speculative_config=SPEC, **ARGS)
-    install_proposer(llm, ScriptedProposer(3, sequences, "perturbed"))
+    install_proposer(llm, ScriptedProposer(3, sequences, kind))
+    return expected, llm
+
+
+def test_logprobs_of_accepted_tokens_equal_plain_decoding(llama: Path) -> None:
+    params = SamplingParams(temperature=0, max_tokens=16, logprobs=3)
+    expected, llm = _plain_then_speculative(llama, params, "perturbed")
     results = llm.generate(PROMPTS, params, use_tqdm=False)
+    stats = llm.client.get_stats().spec_decoding
     llm.shutdown()
+    assert stats is not None
+    assert stats.num_accepted_tokens > 0  # some emitted tokens came from accepted drafts
     for ours, theirs in zip(results, expected, strict=True):
         assert ours.outputs[0].token_ids == theirs.outputs[0].token_ids
         ours_lp, theirs_lp = ours.outputs[0].logprobs, theirs.outputs[0].logprobs
@@ -56,18 +68,15 @@ def test_logprobs_of_accepted_tokens_equal_plain_decoding(llama: Path) -> None:
 def test_seeded_random_sampling_repeats_and_penalties_stay_exact(llama: Path) -> None:
     seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=11, max_tokens=16)
     penalised = SamplingParams(temperature=0, repetition_penalty=1.3, max_tokens=16)
-    plain = LLM(str(llama), **ARGS)
-    expected = plain.generate(PROMPTS, penalised, use_tqdm=False)
-    plain.shutdown()
-    llm = LLM(str(llama), speculative_config=SPEC, **ARGS)
-    sequences = [[*p, *r.outputs[0].token_ids] for p, r in zip(PROMPTS, expected, strict=True)]
-    install_proposer(llm, ScriptedProposer(3, sequences, "oracle"))
+    expected, llm = _plain_then_speculative(llama, penalised, "oracle")
     runs = [
         [r.outputs[0].token_ids for r in llm.generate(PROMPTS, seeded, use_tqdm=False)]
         for _ in range(2)
     ]
     assert runs[0] == runs[1]
     drafted = llm.client.get_stats().spec_decoding
+    assert drafted is not None
+    assert drafted.num_drafts > 0  # the seeded runs verified drafts
     penalised_out = llm.generate(PROMPTS, penalised, use_tqdm=False)
     assert [r.outputs[0].token_ids for r in penalised_out] == [
         r.outputs[0].token_ids for r in expected
@@ -81,12 +90,7 @@ def test_n_samples_per_prompt_verify_drafts_each(llama: Path) -> None:
     plain decoding, seeded random ones repeat."""
     greedy = SamplingParams(temperature=0, max_tokens=16, n=3)
     seeded = SamplingParams(temperature=0.8, top_k=20, seed=5, max_tokens=16, n=2)
-    plain = LLM(str(llama), **ARGS)
-    expected = plain.generate(PROMPTS, greedy, use_tqdm=False)
-    plain.shutdown()
-    sequences = [[*p, *r.outputs[0].token_ids] for p, r in zip(PROMPTS, expected, strict=True)]
-    llm = LLM(str(llama), speculative_config=SPEC, **ARGS)
-    install_proposer(llm, ScriptedProposer(3, sequences, "perturbed"))
+    expected, llm = _plain_then_speculative(llama, greedy, "perturbed")
     results = llm.generate(PROMPTS, greedy, use_tqdm=False)
     for ours, theirs in zip(results, expected, strict=True):
         assert len(ours.outputs) == 3

@@ -12,19 +12,15 @@ import pytest
 import ray
 
 from cluster.config.engine_args import EngineArgs
-from cluster.engine.client import collect
 from cluster.engine.executor.placement import PlacementSpec
 from cluster.engine.kv_transfer_ray import KVTransferError, pull_prefix
 from cluster.engine.ray_client import RayEngineClient
 from cluster.engine.request import EngineRequest
-from scheduler.request import SamplingParams
+from tests.helpers.kv_transfer_case import ENGINE, GREEDY, PROMPT, prefill_all_but_last, run
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 
 pytestmark = pytest.mark.ray
 
-ENGINE = {"block_size": 4, "max_model_len": 128, "max_num_batched_tokens": 64}
-PROMPT = [(7 * i + 3) % 250 + 1 for i in range(61)]
-GREEDY = SamplingParams(temperature=0, max_tokens=6)
 DEADLINE_S = 3.0
 
 
@@ -38,15 +34,6 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def start(model: Path, **overrides: object) -> RayEngineClient:
     args = EngineArgs(model=str(model), **{**ENGINE, **overrides})  # type: ignore[arg-type]
     return RayEngineClient.start(args, placement=PlacementSpec(({"CPU": 0.1},)))
-
-
-def run(client: RayEngineClient, prompt: list[int], params: SamplingParams) -> list[int]:
-    request = EngineRequest(f"r{time.monotonic_ns()}", tuple(prompt), params)
-    return list(collect(client.add_request(request)).outputs[0].token_ids)
-
-
-def prefill_all_but_last(client: RayEngineClient) -> None:
-    run(client, PROMPT[:-1], SamplingParams(temperature=0, max_tokens=1))
 
 
 def test_transfer_between_engine_actors_and_its_faults(ray_cluster: None, model: Path) -> None:

@@ -52,6 +52,8 @@ from tests.helpers.serve_cases import (
     DASHBOARD_SERVE_SERIES,
     INVALID,
     METRICS,
+    TOOLS,
+    WEATHER,
     exported,
     has_metric,
     metric_samples,
@@ -431,16 +433,6 @@ def test_metrics_are_exported_with_sane_values(served: Served) -> None:
     ])  # fmt: skip
 
 
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"enum": ["Paris", "Rome"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
 ASK = [{"role": "user", "content": "Weather in Paris?"}]
 
 

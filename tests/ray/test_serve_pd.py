@@ -22,6 +22,7 @@ from scheduler.request import SamplingParams
 from tests.helpers.byte_model import save_byte_model
 from tests.helpers.ray_local import NODE_IP
 from tests.helpers.serve_app import free_port, llm_config, shutdown_serve
+from tests.helpers.serve_cases import TOOLS, WEATHER
 
 pytestmark = pytest.mark.ray
 # Two model replicas of 1.25 CPUs each (the replica and its rank bundle) and the ingress.
@@ -29,16 +30,6 @@ RAY_CPUS = 4
 
 APP = "pd"
 ENGINE = {"block_size": 16, "distributed_executor_backend": "uni"}
-WEATHER = {
-    "type": "object",
-    "properties": {
-        "city": {"enum": ["Paris", "Rome"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    },
-    "required": ["city", "days"],
-    "additionalProperties": False,
-}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
 ASK = [{"role": "user", "content": "Weather in Paris? Tell me about the next few days, please."}]
 SHORT_ASK = [{"role": "user", "content": "Weather in Paris?"}]
 

@@ -3,10 +3,12 @@ and the waiting-for-KV gauge grow by each snapshot's new counts."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from cluster.serve.metrics import EngineMetrics
 from scheduler.kv_cache.offload import OffloadCounters
 from scheduler.stats import SchedulerStats
-from tests.unit.cluster.test_spec_decode_metrics import RecordingCounter
+from tests.helpers.recording_metrics import RecordingCounter, RecordingGauge, idle_stats
 
 
 def _stats(host_hits: tuple[int, int], disk_hits: tuple[int, int]) -> SchedulerStats:
@@ -21,27 +23,16 @@ def _stats(host_hits: tuple[int, int], disk_hits: tuple[int, int]) -> SchedulerS
         disk_loaded_bytes=10 * sum(disk_hits),
         disk_group_hit_tokens=disk_hits,
     )
-    return SchedulerStats(
-        num_running_reqs=1,
-        num_waiting_reqs=1,
-        kv_cache_usage=0.5,
-        kv_cache_usage_per_group=(0.5, 0.5),
-        prefix_cache_queries=(10, 10),
-        prefix_cache_hits=(4, 4),
-        prefix_cache_hit_tokens=4,
-        num_preemptions=0,
-        num_evictions=0,
-        num_waiting_for_kv_reqs=1,
-        offload=counters,
-    )
+    return replace(idle_stats(2), num_waiting_for_kv_reqs=1, offload=counters)
 
 
 def test_hit_tokens_are_split_per_tier_and_group() -> None:
     metrics = EngineMetrics("m", ["full_attention", "sliding_window"])
     metrics.record_stats(_stats((16, 4), (0, 0)))
     assert metrics.offload is not None
-    hits, moved = RecordingCounter(), RecordingCounter()
+    hits, moved, waiting = RecordingCounter(), RecordingCounter(), RecordingGauge()
     metrics.offload.group_hits, metrics.offload.bytes = hits, moved  # type: ignore[assignment]
+    metrics.offload.waiting = waiting  # type: ignore[assignment]
     metrics.record_stats(_stats((48, 12), (32, 8)))
     assert hits.total(tier="host", group="0") == 32
     assert hits.total(tier="host", group="1") == 8
@@ -49,3 +40,4 @@ def test_hit_tokens_are_split_per_tier_and_group() -> None:
     assert hits.total(tier="disk", group="1") == 8
     assert moved.total(tier="disk", direction="load") == 400
     assert moved.total(tier="host", direction="load") == 0
+    assert waiting.values == [(1, {"model_name": "m"})]

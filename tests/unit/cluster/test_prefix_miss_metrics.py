@@ -6,31 +6,11 @@ from dataclasses import replace
 
 from cluster.serve.metrics import EngineMetrics, metric_name
 from scheduler.stats import SchedulerStats
-
-
-class RecordingCounter:
-    """Keeps what the engine adds to the Ray counter (the exporter is not under test)."""
-
-    def __init__(self) -> None:
-        self.added: list[tuple[int, dict[str, str]]] = []
-
-    def inc(self, value: int, tags: dict[str, str]) -> None:
-        self.added.append((value, tags))
+from tests.helpers.recording_metrics import RecordingCounter, idle_stats
 
 
 def _stats(misses: tuple[tuple[tuple[str, int], ...], ...]) -> SchedulerStats:
-    return SchedulerStats(
-        num_running_reqs=0,
-        num_waiting_reqs=0,
-        kv_cache_usage=0.0,
-        kv_cache_usage_per_group=(0.0, 0.0),
-        prefix_cache_queries=(0, 0),
-        prefix_cache_hits=(0, 0),
-        prefix_cache_hit_tokens=0,
-        num_preemptions=0,
-        num_evictions=0,
-        prefix_cache_misses=misses,
-    )
+    return replace(idle_stats(2), prefix_cache_misses=misses)
 
 
 def test_miss_counters_grow_by_group_and_reason() -> None:

@@ -3,38 +3,17 @@ new drafts and acceptances (per position too), and the offline reader lists them
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from cluster.engine.metric_reader import Counter, Vector, read_metrics
 from cluster.serve.metrics import EngineMetrics, metric_name
 from scheduler.spec_decode import SpecDecodingStats
 from scheduler.stats import SchedulerStats
-
-
-class RecordingCounter:
-    """Keeps what the engine adds to a Ray counter (the exporter is not under test)."""
-
-    def __init__(self) -> None:
-        self.added: list[tuple[int, dict[str, str]]] = []
-
-    def inc(self, value: int, tags: dict[str, str]) -> None:
-        self.added.append((value, tags))
-
-    def total(self, **tags: str) -> int:
-        return sum(v for v, t in self.added if all(t.get(k) == w for k, w in tags.items()))
+from tests.helpers.recording_metrics import RecordingCounter, idle_stats
 
 
 def _stats(spec: SpecDecodingStats | None) -> SchedulerStats:
-    return SchedulerStats(
-        num_running_reqs=1,
-        num_waiting_reqs=0,
-        kv_cache_usage=0.5,
-        kv_cache_usage_per_group=(0.5,),
-        prefix_cache_queries=(10,),
-        prefix_cache_hits=(4,),
-        prefix_cache_hit_tokens=4,
-        num_preemptions=0,
-        num_evictions=0,
-        spec_decoding=spec,
-    )
+    return replace(idle_stats(1), spec_decoding=spec)
 
 
 def test_serve_counters_grow_by_each_snapshot() -> None:
