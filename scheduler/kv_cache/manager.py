@@ -164,8 +164,8 @@ class KVCacheManager:
         offloaded = 0
         if self.pool.offload is not None:
             offloaded = count_offloaded(blocks.blocks)
-            after_hit = request.block_hashes[num_hit // self._hash_block_size :]
-            self.pool.offload.note_hit_end(request.req_id, after_hit)
+            num_hit_blocks = num_hit // self._hash_block_size
+            self.pool.offload.note_hit_end(request.req_id, request.block_hashes, num_hit_blocks)
         return CacheHit(blocks, num_hit, junction, group_hits, (), offloaded)
 
     def explain_misses(self, request: Request, hit: CacheHit) -> CacheHit:
