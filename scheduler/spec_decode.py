@@ -74,13 +74,15 @@ class DraftVerification:
         running ahead (its verify step is in flight, or it has drafts to verify next)."""
         if request.req_id in self.verifying:
             return True
-        limit = self.config.disable_by_batch_size
         switch = self.switch
-        return (
-            bool(request.spec_token_ids)
-            and (limit is None or num_unfinished < limit)
-            and (switch is None or not switch.is_paused(request.req_id))
+        return self._has_drafts(request, num_unfinished) and (
+            switch is None or not switch.is_paused(request.req_id)
         )
+
+    def _has_drafts(self, request: Request, num_unfinished: int) -> bool:
+        """Whether `request` has drafts and the batch-size switch lets it verify them."""
+        limit = self.config.disable_by_batch_size
+        return bool(request.spec_token_ids) and (limit is None or num_unfinished < limit)
 
     def num_drafts(self, request: Request, budget: int, num_unfinished: int) -> int:
         """Drafts of a decoding request to verify this step (0: a plain decode step).
@@ -90,8 +92,7 @@ class DraftVerification:
         there are written exactly as without speculation), the batch-size switch and the
         acceptance-aware switch (`scheduler.spec_switch`).
         """
-        limit = self.config.disable_by_batch_size
-        if not request.spec_token_ids or (limit is not None and num_unfinished >= limit):
+        if not self._has_drafts(request, num_unfinished):
             return 0
         if self.switch is not None and not self.switch.allows(request.req_id):
             return 0
