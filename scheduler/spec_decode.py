@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from scheduler.kv_cache.manager import KVCacheManager
 from scheduler.request import Request
 from scheduler.spec_config import SpeculativeConfig
-from scheduler.spec_switch import DEFAULT_SWITCH, AcceptanceSwitch, SwitchSettings
+from scheduler.spec_switch import DEFAULT_SWITCH, AcceptanceSwitch
 
 
 @dataclass(frozen=True)
@@ -54,16 +54,12 @@ class DraftVerification:
     """The scheduler's side of speculative decoding (one per scheduler)."""
 
     def __init__(
-        self,
-        config: SpeculativeConfig,
-        manager: KVCacheManager,
-        max_model_len: int,
-        switch: SwitchSettings | None = DEFAULT_SWITCH,
+        self, config: SpeculativeConfig, manager: KVCacheManager, max_model_len: int
     ) -> None:
         self.config = config
         self.manager = manager
         self.max_model_len = max_model_len
-        self.switch = AcceptanceSwitch(switch) if switch is not None else None
+        self.switch: AcceptanceSwitch | None = AcceptanceSwitch(DEFAULT_SWITCH)
         """Per-request pauses of drafting while drafts keep being rejected (None: off)."""
         self.verifying: set[str] = set()
         """Async scheduling: requests whose verify step is in flight."""
