@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterable
+from itertools import chain
 
 from scheduler.admission import check_chunk_limits, check_new_request, num_new_tokens
 from scheduler.config import SchedulerConfig, SchedulingPolicy
@@ -326,9 +327,10 @@ class Scheduler:
         """Whether the queue's head cannot start yet: preempted with a token in flight (it
         resumes once the token is back), or its adapter needs a device slot running requests
         hold."""
-        holders = [*self.running, *(held for held, _ in self.loading.values())]
-        fits = adapter_fits(request.lora_name, holders, self.config.max_loras)
-        return bool(request.num_output_placeholders) or not fits
+        if request.num_output_placeholders:
+            return True
+        holders = chain(self.running, (held for held, _ in self.loading.values()))  # lazy
+        return not adapter_fits(request.lora_name, holders, self.config.max_loras)
 
     def _start_loading(self, request: Request, hit: CacheHit) -> bool:
         """Admit the queue's head, whose hit is partly in the offload tier: it takes the hit's

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from scheduler.kv_cache.manager import KVCacheManager
 from scheduler.request import Request
 from scheduler.spec_config import SpeculativeConfig
-from scheduler.spec_switch import DEFAULT_SWITCH, AcceptanceSwitch, SwitchSettings
+from scheduler.spec_switch import DEFAULT_SWITCH, AcceptanceSwitch
 
 
 @dataclass(frozen=True)
@@ -54,16 +54,12 @@ class DraftVerification:
     """The scheduler's side of speculative decoding (one per scheduler)."""
 
     def __init__(
-        self,
-        config: SpeculativeConfig,
-        manager: KVCacheManager,
-        max_model_len: int,
-        switch: SwitchSettings | None = DEFAULT_SWITCH,
+        self, config: SpeculativeConfig, manager: KVCacheManager, max_model_len: int
     ) -> None:
         self.config = config
         self.manager = manager
         self.max_model_len = max_model_len
-        self.switch = AcceptanceSwitch(switch) if switch is not None else None
+        self.switch: AcceptanceSwitch | None = AcceptanceSwitch(DEFAULT_SWITCH)
         """Per-request pauses of drafting while drafts keep being rejected (None: off)."""
         self.verifying: set[str] = set()
         """Async scheduling: requests whose verify step is in flight."""
@@ -74,13 +70,15 @@ class DraftVerification:
         running ahead (its verify step is in flight, or it has drafts to verify next)."""
         if request.req_id in self.verifying:
             return True
-        limit = self.config.disable_by_batch_size
         switch = self.switch
-        return (
-            bool(request.spec_token_ids)
-            and (limit is None or num_unfinished < limit)
-            and (switch is None or not switch.is_paused(request.req_id))
+        return self._has_drafts(request, num_unfinished) and (
+            switch is None or not switch.is_paused(request.req_id)
         )
+
+    def _has_drafts(self, request: Request, num_unfinished: int) -> bool:
+        """Whether `request` has drafts and the batch-size switch lets it verify them."""
+        limit = self.config.disable_by_batch_size
+        return bool(request.spec_token_ids) and (limit is None or num_unfinished < limit)
 
     def num_drafts(self, request: Request, budget: int, num_unfinished: int) -> int:
         """Drafts of a decoding request to verify this step (0: a plain decode step).
@@ -90,8 +88,7 @@ class DraftVerification:
         there are written exactly as without speculation), the batch-size switch and the
         acceptance-aware switch (`scheduler.spec_switch`).
         """
-        limit = self.config.disable_by_batch_size
-        if not request.spec_token_ids or (limit is not None and num_unfinished >= limit):
+        if not self._has_drafts(request, num_unfinished):
             return 0
         if self.switch is not None and not self.switch.allows(request.req_id):
             return 0

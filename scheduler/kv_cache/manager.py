@@ -74,10 +74,10 @@ class KVCacheManager:
         )
         """Fine-grained hits of recurrent-state models (None: hits on the block grid only)."""
         self.spec_slots: SpecStateSlots | None = None
+        """Draft-position states of recurrent groups (None: no speculation or no such group)."""
         self.draft_lookahead = 0
         """Slots the drafter's groups get past each allocation's tokens, where a drafter model
         writes the KV of its drafts (`enable_spec_slots`)."""
-        """Draft-position states of recurrent groups (None: no speculation or no such group)."""
         self.needs_block_aligned_prefill = self.enable_caching and any(
             isinstance(spec, MambaSpec) and spec.mamba_cache_mode is MambaCacheMode.ALIGN
             for spec in (manager_spec(group.spec) for group in config.groups)
@@ -93,7 +93,6 @@ class KVCacheManager:
         self._quiet: dict[str, tuple[int, int, int]] = {}
         """Per request holding tables: (slots, computed, cached) limits below which a step
         changes nothing (see `SingleTypeManager.quiet_limits`)."""
-        """Requests whose hit stopped at blocks the offload tier gave up (see `free`)."""
         self._config = config
         self._no_blocks = KVCacheBlocks.empty(self.num_groups)
         self._no_hit = CacheHit(self._no_blocks, 0, 0, ())
@@ -165,8 +164,8 @@ class KVCacheManager:
         offloaded = 0
         if self.pool.offload is not None:
             offloaded = count_offloaded(blocks.blocks)
-            after_hit = request.block_hashes[num_hit // self._hash_block_size :]
-            self.pool.offload.note_hit_end(request.req_id, after_hit)
+            num_hit_blocks = num_hit // self._hash_block_size
+            self.pool.offload.note_hit_end(request.req_id, request.block_hashes, num_hit_blocks)
         return CacheHit(blocks, num_hit, junction, group_hits, (), offloaded)
 
     def explain_misses(self, request: Request, hit: CacheHit) -> CacheHit:

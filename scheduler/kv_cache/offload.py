@@ -251,11 +251,13 @@ class OffloadIndex:
         if not succeeded:
             self.num_failed_loads += 1
 
-    def note_hit_end(self, req_id: str, after_hit: Sequence[BlockHash]) -> None:
-        """A lookup's hit ended before `after_hit` (the request's next block hashes): when the
-        tier gave one of the first few up for room lately, it thrashes on that session, and
+    def note_hit_end(
+        self, req_id: str, block_hashes: Sequence[BlockHash], num_hit_blocks: int
+    ) -> None:
+        """A lookup's hit ended after `num_hit_blocks` of the request's `block_hashes`: when the
+        tier gave one of the next few up for room lately, it thrashes on that session, and
         the chain the request frees is protected (`scheduler.kv_cache.offload_eviction`)."""
-        next_hashes = after_hit[:THRASH_LOOKAHEAD]
+        next_hashes = block_hashes[num_hit_blocks : num_hit_blocks + THRASH_LOOKAHEAD]
         if any(self.evicted.was_evicted_anywhere(h) for h in next_hashes):
             self._thrashed.add(req_id)
 

@@ -41,13 +41,7 @@ def _step(
     scheduler: Scheduler, sampled: dict[str, list[int]], drafts: dict[str, list[int]]
 ) -> SchedulerOutput:
     out = scheduler.schedule()
-    req_ids = list(out.num_scheduled_tokens)
-    runner = ModelRunnerOutput(
-        req_ids=req_ids,
-        sampled_token_ids=[sampled.get(req_id, []) for req_id in req_ids],
-        draft_token_ids=drafts,
-    )
-    scheduler.update_from_output(out, runner)
+    _finish(scheduler, out, sampled, drafts)
     return out
 
 
