@@ -161,11 +161,7 @@ class KVCacheManager:
                 num_hit = fine.num_tokens
                 junction = max(junction, num_hit)
                 group_hits = tuple(max(hit, num_hit) for hit in group_hits)
-        offloaded = 0
-        if self.pool.offload is not None:
-            offloaded = count_offloaded(blocks.blocks)
-            num_hit_blocks = num_hit // self._hash_block_size
-            self.pool.offload.note_hit_end(request.req_id, request.block_hashes, num_hit_blocks)
+        offloaded = count_offloaded(blocks.blocks) if self.pool.offload is not None else 0
         return CacheHit(blocks, num_hit, junction, group_hits, (), offloaded)
 
     def explain_misses(self, request: Request, hit: CacheHit) -> CacheHit:
@@ -175,10 +171,14 @@ class KVCacheManager:
         (a request waiting at the head of the queue is looked up every step). Before: that
         allocation registers the request's own blocks and may evict cached ones, so explaining
         after it would describe a cache the lookup did not see (a block the lookup found, then
-        evicted by the admitting allocation itself, would read "evicted").
+        evicted by the admitting allocation itself, would read "evicted"). The offload tier
+        notes here, once per admitted request, whether it thrashes on the request's session.
         """
         if not hit.group_hit_tokens:
             return hit
+        if self.pool.offload is not None:
+            num_hit_blocks = hit.num_tokens // self._hash_block_size
+            self.pool.offload.note_hit_end(request.req_id, request.block_hashes, num_hit_blocks)
         misses = explain_misses(
             self.coordinator.managers,
             self.pool,
