@@ -186,7 +186,21 @@ def build_input_batch(
     """Flat inputs of one step (in the order of `req_ids`), built on the host, one copy;
     `spec_tokens`: drafts computed after each request's known tokens (speculative decoding)."""
     host = _host_batch(req_ids, states, num_scheduled, spec_tokens or {})
-    dev = to_device_packed(host.arrays, states.device)
+    return pack_input_batch(
+        req_ids, host.arrays, states, np.flatnonzero(host.samples).tolist(), host.num_computed
+    )
+
+
+def pack_input_batch(
+    req_ids: Sequence[str],
+    arrays: dict[str, np.ndarray],
+    states: RequestStates,
+    sampled_req_idx: list[int],
+    num_computed: np.ndarray,
+) -> InputBatch:
+    """The `InputBatch` of host `arrays` (input ids, positions, query_start_loc, seq_lens,
+    logits_indices, and each group's block_table_<g> / slot_mapping_<g>), one copy to the device."""
+    dev = to_device_packed(arrays, states.device)
     num_groups = len(states.block_tables)
     return InputBatch(
         req_ids=list(req_ids),
@@ -197,10 +211,10 @@ def build_input_batch(
         logits_indices=dev["logits_indices"],
         block_tables=tuple(dev[f"block_table_{g}"].to(torch.int32) for g in range(num_groups)),
         slot_mappings=tuple(dev[f"slot_mapping_{g}"] for g in range(num_groups)),
-        sampled_req_idx=np.flatnonzero(host.samples).tolist(),
-        query_start_loc_np=host.arrays["query_start_loc"],
-        seq_lens_np=host.arrays["seq_lens"],
-        num_computed_np=host.num_computed,
+        sampled_req_idx=sampled_req_idx,
+        query_start_loc_np=arrays["query_start_loc"],
+        seq_lens_np=arrays["seq_lens"],
+        num_computed_np=num_computed,
     )
 
 

@@ -39,8 +39,7 @@ def export_shard(
         export_blocks(tensors, group_id, list(ids), num_pool_blocks)
         for group_id, ids in enumerate(block_ids)
     )
-    if any(t.is_cuda for group in tensors.values() for t in group):
-        torch.cuda.synchronize()  # the pinned copies are read by the transport next
+    _wait_for_copies(tensors)  # the pinned copies are read by the transport next
     return KVShard(rank, pages)
 
 
@@ -60,5 +59,10 @@ def import_shard(
     for pages, indices, ids in zip(shard.pages, selected, block_ids, strict=True):
         if ids:
             import_blocks(tensors, pages.select(indices), list(ids), num_pool_blocks)
+    _wait_for_copies(tensors)
+
+
+def _wait_for_copies(tensors: GroupTensors) -> None:
+    """Wait for the copies queued on the pool's device (none to wait for on CPU)."""
     if any(t.is_cuda for group in tensors.values() for t in group):
         torch.cuda.synchronize()

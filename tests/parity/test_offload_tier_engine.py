@@ -142,21 +142,28 @@ def _sessions_in_a_process(model: Path, args: dict[str, object]) -> list[list[in
     return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
+def _disk_tier(tmp_path: Path) -> tuple[Path, dict[str, object]]:
+    """A tiny gemma3 in `tmp_path/model` and engine args: a pool of its shape, a host tier of two
+    blocks spilling to a disk tier in `tmp_path/kv`."""
+    model = tmp_path / "model"
+    save_tiny_model("gemma3", model)
+    num_blocks, size = _pool_shape(model)
+    args: dict[str, object] = {
+        "kv_cache_memory_bytes": num_blocks * size,
+        "kv_offloading_size": 2 * size / 2**30,
+        "kv_offloading_dir": str(tmp_path / "kv"),
+        "kv_offloading_disk_size": 0.01,
+    }
+    return model, args
+
+
 def test_the_disk_tier_is_found_again_after_a_restart_and_bad_files_are_ignored(
     tmp_path: Path,
 ) -> None:
     """A host tier of two blocks spills to disk in another process; an engine in this process
     on the same folder hits the files (tokens equal); after every file is damaged, a third
     engine loads none and recomputes."""
-    model = tmp_path / "model"
-    save_tiny_model("gemma3", model)
-    num_blocks, size = _pool_shape(model)
-    args = {
-        "kv_cache_memory_bytes": num_blocks * size,
-        "kv_offloading_size": 2 * size / 2**30,
-        "kv_offloading_dir": str(tmp_path / "kv"),
-        "kv_offloading_disk_size": 0.01,
-    }
+    model, args = _disk_tier(tmp_path)
     cold, llm = _sessions(model, enable_prefix_caching=False)
     llm.shutdown()
     first = _sessions_in_a_process(model, args)
@@ -203,16 +210,8 @@ def test_the_disk_tier_with_two_ranks_keeps_a_shard_per_rank_and_a_missing_shard
     folder with `-rank1`) and hits load them back (tokens equal); an engine restarted with rank
     1's files gone finds rank 0's alone, which are no hit: the loads fail on every rank and
     recompute."""
-    model = tmp_path / "model"
-    save_tiny_model("gemma3", model)
-    num_blocks, size = _pool_shape(model)
-    args = {
-        "tensor_parallel_size": 2,
-        "kv_cache_memory_bytes": num_blocks * size,
-        "kv_offloading_size": 2 * size / 2**30,
-        "kv_offloading_dir": str(tmp_path / "kv"),
-        "kv_offloading_disk_size": 0.01,
-    }
+    model, args = _disk_tier(tmp_path)
+    args["tensor_parallel_size"] = 2
     cold, llm = _sessions(model, enable_prefix_caching=False)
     llm.shutdown()
     first, llm = _sessions(model, **args)

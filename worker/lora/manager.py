@@ -14,6 +14,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -100,21 +101,21 @@ class LoRAManager:
         self, loras: Sequence[LoRARequest | None], num_tokens: Sequence[int]
     ) -> LoRASegments | None:
         """Rows of each adapter in a batch of requests (`num_tokens` rows each, in order)."""
-        rows: dict[int, list[int]] = {}
         step_names = {lora.lora_name for lora in loras if lora is not None}
-        start = 0
-        for lora, count in zip(loras, num_tokens, strict=True):
-            if lora is not None:
-                slot = self._slot_of(lora, step_names)
-                rows.setdefault(slot, []).extend(range(start, start + count))
-            start += count
-        if not rows:
+        if not step_names:
             return None
-        token_idx = [row for slot_rows in rows.values() for row in slot_rows]
+        req_slots = [-1 if lora is None else self._slot_of(lora, step_names) for lora in loras]
+        row_slots = np.repeat(np.array(req_slots, dtype=np.int64), num_tokens)
+        rows = np.flatnonzero(row_slots >= 0)
+        if rows.size == 0:
+            return None
+        adapted = row_slots[rows]
+        slot_ids, lengths = np.unique(adapted, return_counts=True)
+        token_idx = rows[np.argsort(adapted, kind="stable")]  # grouped by slot, in slot order
         return LoRASegments(
-            token_idx=torch.tensor(token_idx, dtype=torch.int64, device=self.device),
-            slot_ids=tuple(rows),
-            lengths=tuple(len(slot_rows) for slot_rows in rows.values()),
+            token_idx=torch.from_numpy(token_idx).to(self.device),
+            slot_ids=tuple(slot_ids.tolist()),
+            lengths=tuple(lengths.tolist()),
         )
 
     @contextmanager

@@ -26,7 +26,7 @@ from torch import nn
 
 from worker.attention import Attention, ForwardContext
 from worker.attention_groups import build_forward_context
-from worker.input_batch import InputBatch, RequestStates, to_device_packed
+from worker.input_batch import InputBatch, RequestStates, pack_input_batch
 from worker.kv_cache import attention_layers
 from worker.mamba_cache import mamba_layers
 from worker.metadata_transforms import StepRows
@@ -176,22 +176,7 @@ def decode_batch(
         "seq_lens": pos + 1,
         "logits_indices": np.arange(num, dtype=np.int64),
     }
-    tables = states.block_tables.tables
-    for group_id, table in enumerate(tables):
+    for group_id, table in enumerate(states.block_tables.tables):
         arrays[f"block_table_{group_id}"] = table.gather_rows(rows)
         arrays[f"slot_mapping_{group_id}"] = table.slot_mapping(rows, pos)
-    dev = to_device_packed(arrays, states.device)
-    return InputBatch(
-        req_ids=list(req_ids),
-        input_ids=dev["input_ids"],
-        positions=dev["positions"],
-        query_start_loc=dev["query_start_loc"].to(torch.int32),
-        seq_lens=dev["seq_lens"].to(torch.int32),
-        logits_indices=dev["logits_indices"],
-        block_tables=tuple(dev[f"block_table_{g}"].to(torch.int32) for g in range(len(tables))),
-        slot_mappings=tuple(dev[f"slot_mapping_{g}"] for g in range(len(tables))),
-        sampled_req_idx=list(range(num)),
-        query_start_loc_np=arrays["query_start_loc"],
-        seq_lens_np=arrays["seq_lens"],
-        num_computed_np=pos,
-    )
+    return pack_input_batch(req_ids, arrays, states, list(range(num)), pos)
