@@ -25,6 +25,8 @@ class LoRASegments:
     """Device slot of each segment."""
     lengths: tuple[int, ...]
     """Rows in each segment (same order as `slot_ids`)."""
+    row_slots: torch.Tensor | None = None  # [T] int64: each batch row's slot, -1 for none
+    """Per-row slots, for layers that pick rows themselves (routed MoE experts)."""
 
     @property
     def num_rows(self) -> int:

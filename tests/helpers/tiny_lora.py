@@ -1,7 +1,8 @@
 """Random PEFT LoRA adapters on tiny transformers models, saved as PEFT saves them.
 
-`save_random_adapter` wraps a copy of the model with PEFT, draws every lora_A and lora_B from a
-normal distribution (B non-zero, so an adapter that is not applied changes the tokens), saves the
+`save_random_adapter` wraps a copy of the model with PEFT (linear modules, and stacked MoE expert
+weights through `target_parameters`), draws every lora_A and lora_B from a normal distribution
+(B non-zero, so an adapter that is not applied changes the tokens), saves the
 adapter folder and returns the merged model (`merge_and_unload`), the reference for parity.
 """
 
@@ -36,17 +37,21 @@ def save_random_adapter(
     target_modules: list[str] | None = None,
     rank: int = 4,
     seed: int = 0,
+    target_parameters: list[str] | None = None,
+    spread: float = SPREAD,
 ) -> nn.Module:
-    """Save a random adapter of `hf_model` (all linear layers by default) to `path`; returns the
-    base model with the adapter merged in."""
+    """Save a random adapter of `hf_model` (all linear layers by default, plus the parameters
+    named in `target_parameters`) to `path`; returns the base model with the adapter merged in."""
     targets = target_modules if target_modules is not None else linear_module_names(hf_model)
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets)
+    config = LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=targets, target_parameters=target_parameters
+    )
     peft_model = get_peft_model(copy.deepcopy(hf_model), config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_A" in name or "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * SPREAD)
+                param.copy_(torch.randn(param.shape, generator=generator) * spread)
     peft_model.save_pretrained(path)
     merged: nn.Module = peft_model.merge_and_unload()
     return merged.eval()

@@ -2,7 +2,9 @@
 
 Each family gets two random adapters on every projection PEFT targets in it (attention q/k/v/o,
 MLP gate/up/down, Mamba-2 in_proj/out_proj, gated-DeltaNet in_proj_qkvz/in_proj_ba or Qwen3.5's
-four projections and out_proj, LFM2's conv in_proj/out_proj and w1/w2/w3); one batch mixes the
+four projections and out_proj, LFM2's conv in_proj/out_proj and w1/w2/w3), and on the routed MoE
+experts through PEFT's `target_parameters` (gpt-oss: transposed [E, in, out] stacks; Granite-4.0-H:
+[E, out, in]; Llama 4: [E, in, out] that PEFT reads as [E, out, in]); one batch mixes the
 base model and both adapters, with chunked prefill through block size 4, and every request's
 greedy tokens must equal the merged model's.
 """
@@ -17,6 +19,7 @@ import pytest
 import torch
 
 from cluster import LLM, LoRARequest, SamplingParams
+from tests.helpers.tiny_gemma4_gpt_oss import GPT_OSS, save_gemma4_or_gpt_oss
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from tests.helpers.tiny_linear_hybrid import save_tiny_linear_hybrid
 from tests.helpers.tiny_lora import save_random_adapter
@@ -30,16 +33,37 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW)
 LLM_ARGS = {"block_size": 4, "max_num_batched_tokens": 16, "kv_cache_memory_bytes": 1 << 22}
 
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
+
+
+class Targets(NamedTuple):
+    save: Callable[[str, Path], torch.nn.Module]
+    modules: list[str] | None = None
+    """PEFT's target_modules (None: every linear layer)."""
+    parameters: list[str] | None = None
+    """PEFT's target_parameters (stacked MoE expert weights)."""
+    spread: float = 0.3
+    """Spread of the random adapter entries (smaller where large expert deltas make near-ties)."""
+
+
+def _save_gpt_oss(_: str, path: Path) -> torch.nn.Module:
+    return save_gemma4_or_gpt_oss("GptOssConfig", "GptOssForCausalLM", GPT_OSS, path)
+
+
 # Qwen3-Next's MLP names make PEFT target its stacked MoE experts too (not served): the
 # dense-MLP projections are covered by Qwen3.5.
-FAMILIES: dict[str, tuple[Callable[[str, Path], torch.nn.Module], list[str] | None]] = {
-    "llama": (save_tiny_model, None),
-    "gemma3": (save_tiny_model, None),
-    "bamba": (save_tiny_hybrid, None),
-    "granitemoehybrid": (save_tiny_hybrid, None),
-    "qwen3_next": (save_tiny_linear_hybrid, [*ATTENTION, "in_proj_qkvz", "in_proj_ba", "out_proj"]),
-    "qwen3_5": (save_tiny_linear_hybrid, None),
-    "lfm2": (save_tiny_linear_hybrid, None),
+FAMILIES: dict[str, Targets] = {
+    "llama": Targets(save_tiny_model),
+    "gemma3": Targets(save_tiny_model),
+    "bamba": Targets(save_tiny_hybrid),
+    "granitemoehybrid": Targets(save_tiny_hybrid, parameters=EXPERTS),
+    "qwen3_next": Targets(
+        save_tiny_linear_hybrid, [*ATTENTION, "in_proj_qkvz", "in_proj_ba", "out_proj"]
+    ),
+    "qwen3_5": Targets(save_tiny_linear_hybrid),
+    "lfm2": Targets(save_tiny_linear_hybrid),
+    "gpt_oss": Targets(_save_gpt_oss, parameters=EXPERTS, spread=0.1),
+    "llama4": Targets(save_tiny_model, parameters=EXPERTS),
 }
 
 
@@ -53,13 +77,20 @@ class Family(NamedTuple):
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Family:
-    save, targets = FAMILIES[request.param]
+    targets = FAMILIES[request.param]
     root = tmp_path_factory.mktemp(request.param)
-    hf_model = save(request.param, root / "base")
+    hf_model = targets.save(request.param, root / "base")
     models: dict[str | None, torch.nn.Module] = {None: hf_model}
     adapters = []
     for seed, name in enumerate(("one", "two"), start=1):
-        models[name] = save_random_adapter(hf_model, root / name, targets, seed=seed)
+        models[name] = save_random_adapter(
+            hf_model,
+            root / name,
+            targets.modules,
+            seed=seed,
+            target_parameters=targets.parameters,
+            spread=targets.spread,
+        )
         adapters.append(LoRARequest(name, seed, str(root / name)))
     expected = {
         (name, index): hf_greedy(model, prompt, NUM_NEW)
@@ -86,9 +117,9 @@ def test_mixed_adapter_batch_matches_merged_peft_models(family: Family) -> None:
     llm.shutdown()
 
 
-TENSOR_PARALLEL_FAMILIES = ("llama", "bamba", "qwen3_5")
-"""Split attention, Mamba-2 in_proj rows, gated-DeltaNet q/k/v/z/b/a rows and row-parallel
-output projections (the adapter's shrink all-reduced)."""
+TENSOR_PARALLEL_FAMILIES = ("llama", "bamba", "qwen3_5", "granitemoehybrid")
+"""Split attention, Mamba-2 in_proj rows, gated-DeltaNet q/k/v/z/b/a rows, row-parallel
+output projections (the adapter's shrink all-reduced) and experts' intermediate features."""
 
 
 @pytest.mark.slow

@@ -52,6 +52,10 @@ class LoRAStep:
         finally:
             self.segments = None
 
+    def token_slots(self) -> torch.Tensor | None:
+        """[T] every batch row's device slot (-1: no adapter); None when no row has one."""
+        return None if self.segments is None else self.segments.row_slots
+
 
 class LoRALayer:
     """One projection's adapter slots and the hook that applies them."""

@@ -1,7 +1,9 @@
 """The worker's adapters: host copies (LRU of `max_cpu_loras`) and device slots (LRU of
 `max_loras`), and each step's per-token adapter segments.
 
-`add_adapter` reads and checks a PEFT folder once (it may run before the step that needs it);
+Projections get `LoRALayer`s; stacked MoE expert weights (PEFT's `target_parameters`) get
+`ExpertLoRALayer`s, registered on their experts module's `expert_deltas`. `add_adapter` reads and
+checks a PEFT folder once (it may run before the step that needs it);
 `segments_for` puts the step's adapters in device slots, evicting only adapters the step does not
 use, and groups the step's tokens by slot for the batched matmuls.
 """
@@ -20,9 +22,11 @@ from torch import nn
 
 from kernels.lora_reference import LoRASegments
 from scheduler.lora import LoRAConfig, LoRARequest
+from worker.layers.expert_deltas import expert_deltas_of
 from worker.layers.loading import ShardId
+from worker.lora.experts import ExpertLoRALayer, expert_parameter
 from worker.lora.layers import LORA_TARGET_TYPES, LoRALayer, LoRAStep
-from worker.lora.peft_files import LoRAWeights, read_peft_adapter
+from worker.lora.peft_files import LoRAWeights, PeftAdapter, read_peft_adapter
 from worker.weights import packed_target
 
 logger = logging.getLogger(__name__)
@@ -42,7 +46,7 @@ class LoRAManager:
         self.modules = dict(model.named_modules())
         self.renames: tuple[tuple[str, str], ...] = getattr(model, "renames", ())
         self.step = LoRAStep()
-        self.layers: dict[str, LoRALayer] = {}
+        self.layers: dict[str, LoRALayer | ExpertLoRALayer] = {}
         self.host: OrderedDict[str, ModuleWeights] = OrderedDict()
         self.slots: OrderedDict[str, int] = OrderedDict()
         """Adapter name -> device slot, least recently used first."""
@@ -62,8 +66,8 @@ class LoRAManager:
             )
         weights: ModuleWeights = {}
         for hf_module, lora_weights in adapter.modules.items():
-            module_name, shard_id = self._resolve(lora.lora_name, hf_module)
-            weights.setdefault(module_name, {})[shard_id] = lora_weights
+            target, shard_id = self._resolve(adapter, hf_module, lora_weights)
+            weights.setdefault(target, {})[shard_id] = lora_weights
         self.host[lora.lora_name] = weights
         while len(self.host) > self.config.num_cpu_loras:
             evicted, _ = self.host.popitem(last=False)
@@ -81,19 +85,32 @@ class LoRAManager:
             for layer in self.layers.values():
                 layer.clear_slot(slot)
 
-    def _resolve(self, adapter: str, hf_module: str) -> tuple[str, ShardId]:
-        """Our projection and shard for the adapter's module name; ValueError if none."""
-        name = hf_module + ".weight"
+    def _resolve(
+        self, adapter: PeftAdapter, hf_module: str, lora: LoRAWeights
+    ) -> tuple[str, ShardId]:
+        """Our projection (or stacked expert weight) and shard for the adapter's module name;
+        ValueError if none."""
+        name = hf_module.replace(".base_layer", "") + ".weight"
         for old, new in self.renames:
             name = name.replace(old, new)
+        experts = self.modules.get(name.removesuffix(".weight"))
+        deltas = expert_deltas_of(experts)
+        if adapter.target_parameters and deltas is not None and experts is not None:
+            spec = expert_parameter(adapter, hf_module, experts, deltas, lora)
+            return f"{name.removesuffix('.weight')}.{spec.name}", None
         packed = packed_target(name)
         param_name, shard_id = packed if packed is not None else (name, None)
         module_name = param_name.removesuffix(".weight")
         module = self.modules.get(module_name)
-        if not isinstance(module, LORA_TARGET_TYPES):
+        if not isinstance(module, LORA_TARGET_TYPES) or ".base_layer" in hf_module:
             raise ValueError(
-                f"LoRA adapter {adapter!r} targets module {hf_module!r}, which this model "
+                f"LoRA adapter {adapter.name!r} targets module {hf_module!r}, which this model "
                 "does not have (or cannot adapt)"
+            )
+        if lora.a.shape[0] != adapter.rank:
+            raise ValueError(
+                f"LoRA adapter {adapter.name!r}: {hf_module} has lora_A {tuple(lora.a.shape)}, "
+                f"not of rank r={adapter.rank}"
             )
         return module_name, shard_id
 
@@ -116,6 +133,7 @@ class LoRAManager:
             token_idx=torch.from_numpy(token_idx).to(self.device),
             slot_ids=tuple(slot_ids.tolist()),
             lengths=tuple(lengths.tolist()),
+            row_slots=torch.from_numpy(row_slots).to(self.device),
         )
 
     @contextmanager
@@ -152,11 +170,22 @@ class LoRAManager:
             f"a step uses {len(step_names)} adapters, more than max_loras={self.config.max_loras}"
         )
 
-    def _layer(self, module_name: str) -> LoRALayer:
-        """The projection's adapter slots, created the first time an adapter targets it."""
-        layer = self.layers.get(module_name)
-        if layer is None:
-            module = self.modules[module_name]
-            layer = LoRALayer(module, self.config.max_loras, self.config.max_lora_rank, self.step)
-            self.layers[module_name] = layer
+    def _layer(self, target: str) -> LoRALayer | ExpertLoRALayer:
+        """The projection's (or stacked expert weight's) adapter slots, created the first time
+        an adapter targets it."""
+        layer = self.layers.get(target)
+        if layer is not None:
+            return layer
+        slots, rank = self.config.max_loras, self.config.max_lora_rank
+        if target in self.modules:
+            layer = LoRALayer(self.modules[target], slots, rank, self.step)
+        else:  # '<experts module>.<our stacked weight>'
+            module_name, _, param_name = target.rpartition(".")
+            deltas = expert_deltas_of(self.modules[module_name])
+            assert deltas is not None, f"{module_name} keeps no stacked experts"
+            spec = next(s for s in deltas.peft_parameters.values() if s.name == param_name)
+            weight = getattr(self.modules[module_name], param_name)
+            layer = ExpertLoRALayer(weight, spec, slots, rank, self.step)
+            deltas.deltas[param_name] = layer
+        self.layers[target] = layer
         return layer

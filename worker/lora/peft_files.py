@@ -2,9 +2,11 @@
 
 The result maps each targeted module (its Hugging Face name, PEFT's `base_model.model.` prefix
 removed) to its `lora_A` [r, in] and `lora_B` [out, r] weights, B already multiplied by the
-adapter's scaling (lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA). Anything this project
-cannot apply exactly (biases, DoRA, saved extra modules, per-module rank patterns) is a ValueError
-naming the adapter.
+adapter's scaling (lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA). Stacked MoE expert
+weights (`target_parameters`) keep PEFT's names (`experts`, `experts.base_layer`, ... one
+`.base_layer` per nested wrapper) and shapes (lora_A [r*E, in], lora_B [out, r*E]). Anything this
+project cannot apply exactly (biases, DoRA, saved extra modules, per-module rank patterns) is a
+ValueError naming the adapter.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class PeftAdapter:
     rank: int
     modules: dict[str, LoRAWeights]
     """Hugging Face module name -> its weights."""
+    target_parameters: tuple[str, ...] = ()
+    """PEFT's `target_parameters` (stacked expert weights), as written in the config."""
 
     @property
     def num_bytes(self) -> int:
@@ -65,13 +69,14 @@ def read_peft_adapter(name: str, folder: str | Path, dtype: torch.dtype) -> Peft
     for key, tensor in tensors.items():
         module, part = _split_key(name, key)
         parts.setdefault(module, {})[part] = tensor
+    target_parameters = _target_parameters(name, config)
     modules = {
         module: _module_weights(name, module, found, rank, scaling, dtype)
         for module, found in parts.items()
     }
     if not modules:
         raise ValueError(f"LoRA adapter {name!r}: {weights_path} holds no lora_A/lora_B weights")
-    return PeftAdapter(name, rank, modules)
+    return PeftAdapter(name, rank, modules, target_parameters)
 
 
 def _read_config(name: str, folder: Path) -> dict[str, object]:
@@ -90,10 +95,19 @@ def _read_config(name: str, folder: Path) -> dict[str, object]:
     for key, fine in (("bias", "none"), ("use_dora", False)):
         if config.get(key, fine) not in (fine, None):
             raise ValueError(f"LoRA adapter {name!r}: {key}={config[key]!r} is not supported")
-    for key in ("modules_to_save", "rank_pattern", "alpha_pattern", "target_parameters"):
+    for key in ("modules_to_save", "rank_pattern", "alpha_pattern"):
         if config.get(key):
             raise ValueError(f"LoRA adapter {name!r}: {key} is not supported")
     return config
+
+
+def _target_parameters(name: str, config: dict[str, object]) -> tuple[str, ...]:
+    targets = config.get("target_parameters") or []
+    if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+        raise ValueError(
+            f"LoRA adapter {name!r}: target_parameters must be a list of names, got {targets!r}"
+        )
+    return tuple(targets)
 
 
 def _positive_int(name: str, config: dict[str, object], key: str) -> int:
@@ -123,9 +137,10 @@ def _module_weights(
     if set(found) != {"a", "b"}:
         raise ValueError(f"LoRA adapter {name!r}: {module} lacks lora_A or lora_B")
     a, b = found["a"], found["b"]
-    if a.dim() != 2 or b.dim() != 2 or a.shape[0] != rank or b.shape[1] != rank:
+    # a stacked expert weight's A and B have rank * num_experts (checked against the model later)
+    if a.dim() != 2 or b.dim() != 2 or a.shape[0] % rank or b.shape[1] != a.shape[0]:
         raise ValueError(
             f"LoRA adapter {name!r}: {module} has lora_A {tuple(a.shape)} and lora_B "
-            f"{tuple(b.shape)}, not of rank r={rank}"
+            f"{tuple(b.shape)}, not of rank r={rank} (or r times the number of experts)"
         )
     return LoRAWeights(a.to(dtype), (b.float() * scaling).to(dtype))

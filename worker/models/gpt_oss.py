@@ -18,6 +18,7 @@ from transformers import PretrainedConfig
 
 from worker.config import ParallelConfig
 from worker.distributed import all_reduce
+from worker.layers.expert_deltas import ExpertDeltas, PeftExpertParameter
 from worker.layers.linear import divide
 from worker.layers.loading import (
     ShardId,
@@ -50,6 +51,13 @@ class GptOssExperts(nn.Module):
         self.gate_up_proj_bias = new_parameter((num, 2 * inner), self.load_gate_up)
         self.down_proj = new_parameter((num, inner, hidden), self.load_down)
         self.down_proj_bias = new_parameter((num, hidden), default_weight_loader)
+        self.expert_deltas = ExpertDeltas(
+            {
+                "gate_up_proj": PeftExpertParameter("gate_up_proj", True, 1),
+                "down_proj": PeftExpertParameter("down_proj", True, 1),
+            },
+            parallel.tp_size,
+        )
 
     def load_gate_up(self, param: nn.Parameter, source: WeightSource, _: ShardId = None) -> None:
         """Interleaved gate/up columns of this rank's features: one contiguous range."""
@@ -62,13 +70,17 @@ class GptOssExperts(nn.Module):
         size = self.inner_per_rank
         copy_checked(param.data, read_part(source, 1, self.parallel.rank * size, size))
 
-    def _expert(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        gate_up = x @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert]
+    def _expert(self, x: torch.Tensor, tokens: torch.Tensor, expert: int) -> torch.Tensor:
+        """Expert `expert` on the batch rows `tokens` of x."""
+        routed = x[tokens]
+        gate_up = routed @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert]
+        gate_up = self.expert_deltas.apply("gate_up_proj", routed, gate_up, tokens, expert)
         gate = gate_up[..., ::2].clamp(max=self.limit)
         up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
-        out: torch.Tensor = ((up + 1) * gate * torch.sigmoid(gate * self.alpha)) @ self.down_proj[
-            expert
-        ]
+        inner = (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+        out = self.expert_deltas.apply(
+            "down_proj", inner, inner @ self.down_proj[expert], tokens, expert
+        )
         if self.parallel.rank == 0:  # the bias once, before the sum over ranks
             out = out + self.down_proj_bias[expert]
         return out
@@ -78,7 +90,7 @@ class GptOssExperts(nn.Module):
         out = torch.zeros_like(x)
         for expert in torch.unique(chosen).tolist():
             tokens, slot = torch.where(chosen == expert)
-            routed = self._expert(x[tokens], expert) * weights[tokens, slot, None]
+            routed = self._expert(x, tokens, expert) * weights[tokens, slot, None]
             out.index_add_(0, tokens, routed.to(out.dtype))
         return all_reduce(out) if self.parallel.tp_size > 1 else out
 

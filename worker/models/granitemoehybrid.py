@@ -18,6 +18,7 @@ from transformers import PretrainedConfig
 from worker.config import ParallelConfig
 from worker.distributed import all_reduce
 from worker.layers.activation import gated_activation
+from worker.layers.expert_deltas import ExpertDeltas, PeftExpertParameter
 from worker.layers.linear import (
     MergedColumnParallelLinear,
     ReplicatedLinear,
@@ -75,6 +76,13 @@ class GraniteExperts(nn.Module):
         self.input_linear = new_parameter((num, 2 * self.per_rank, hidden), self._load_input)
         self.output_linear = new_parameter((num, hidden, self.per_rank), self._load_output)
         self.act = gated_activation(hf_config.hidden_act)
+        self.expert_deltas = ExpertDeltas(  # transformers' `gate_up_proj` / `down_proj`
+            {
+                "gate_up_proj": PeftExpertParameter("input_linear", False, 2),
+                "down_proj": PeftExpertParameter("output_linear", False, 2),
+            },
+            parallel.tp_size,
+        )
 
     def _load_input(self, param: nn.Parameter, source: WeightSource, _: ShardId = None) -> None:
         start = self.parallel.rank * self.per_rank
@@ -91,8 +99,13 @@ class GraniteExperts(nn.Module):
         out = torch.zeros_like(x)
         for expert in torch.unique(chosen).tolist():
             tokens, slot = (chosen == expert).nonzero(as_tuple=True)
-            hidden = self.act(F.linear(x[tokens], self.input_linear[expert]))
-            hidden = F.linear(hidden, self.output_linear[expert])
+            routed = x[tokens]
+            gate_up = F.linear(routed, self.input_linear[expert])
+            inner = self.act(
+                self.expert_deltas.apply("input_linear", routed, gate_up, tokens, expert)
+            )
+            hidden = F.linear(inner, self.output_linear[expert])
+            hidden = self.expert_deltas.apply("output_linear", inner, hidden, tokens, expert)
             out.index_add_(0, tokens, hidden * weights[tokens, slot, None])
         return all_reduce(out) if self.parallel.tp_size > 1 else out
 
@@ -153,6 +166,7 @@ class GraniteMoeHybridForCausalLM(HybridForCausalLM):
         (".block_sparse_moe.output_linear.weight", ".ffn.block_sparse_moe.experts.output_linear"),
         (".block_sparse_moe.router.", ".ffn.block_sparse_moe.router."),
         (".shared_mlp.", ".ffn.shared_mlp."),
+        (".block_sparse_moe.experts.weight", ".ffn.block_sparse_moe.experts.weight"),  # adapters
     )
 
     @classmethod

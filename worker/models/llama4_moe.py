@@ -14,6 +14,7 @@ from transformers import PretrainedConfig
 from worker.config import ParallelConfig
 from worker.distributed import all_reduce
 from worker.layers.activation import gated_activation
+from worker.layers.expert_deltas import ExpertDeltas, PeftExpertParameter
 from worker.layers.linear import (
     MergedColumnParallelLinear,
     ReplicatedLinear,
@@ -49,6 +50,13 @@ class Llama4Experts(nn.Module):
         self.gate_up_proj = new_parameter((num, hidden, 2 * self.inner_per_rank), self.load_gate_up)
         self.down_proj = new_parameter((num, self.inner_per_rank, hidden), self.load_down)
         self.act = gated_activation(hf_config.hidden_act)
+        self.expert_deltas = ExpertDeltas(  # transformers' experts have no `is_transposed`
+            {
+                "gate_up_proj": PeftExpertParameter("gate_up_proj", False, 1),
+                "down_proj": PeftExpertParameter("down_proj", False, 1),
+            },
+            parallel.tp_size,
+        )
 
     def load_gate_up(self, param: nn.Parameter, source: WeightSource, _: ShardId = None) -> None:
         """This rank's gate columns and up columns of every expert."""
@@ -69,7 +77,12 @@ class Llama4Experts(nn.Module):
             tokens = (chosen == expert).any(dim=-1).nonzero().flatten()
             routed = x[tokens] * scores[tokens, expert : expert + 1]
             gate_up = routed @ self.gate_up_proj[expert]
-            out.index_add_(0, tokens, self.act(gate_up) @ self.down_proj[expert])
+            gate_up = self.expert_deltas.apply("gate_up_proj", routed, gate_up, tokens, expert)
+            inner = self.act(gate_up)
+            down = self.expert_deltas.apply(
+                "down_proj", inner, inner @ self.down_proj[expert], tokens, expert
+            )
+            out.index_add_(0, tokens, down)
         return all_reduce(out) if self.parallel.tp_size > 1 else out
 
 

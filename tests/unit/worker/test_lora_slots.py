@@ -1,4 +1,4 @@
-"""Adapter files, checks and slots on the worker (tiny Llama, CPU)."""
+"""Adapter files, checks and slots on the worker (tiny Llama and gpt-oss, CPU)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from scheduler.lora import LoRAConfig, LoRARequest
+from tests.helpers.tiny_gemma4_gpt_oss import GPT_OSS, save_gemma4_or_gpt_oss
 from tests.helpers.tiny_lora import save_random_adapter
 from tests.helpers.tiny_models import load_our_model, save_tiny_model
 from worker.lora.manager import LoRAManager
@@ -85,3 +86,34 @@ def test_device_slots_are_least_recently_used_and_never_exceeded(saved: Path) ->
     assert not layer.lora_a[0].any()  # slot 0 no longer holds "one"'s down_proj
     with pytest.raises(RuntimeError, match="more than max_loras=2"):
         manager.segments_for([one, two, three], [1, 1, 1])
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny gpt-oss and a rank-8 adapter on its stacked experts (PEFT's target_parameters)."""
+    root = tmp_path_factory.mktemp("lora_moe")
+    hf_model = save_gemma4_or_gpt_oss("GptOssConfig", "GptOssForCausalLM", GPT_OSS, root / "base")
+    experts = ["experts.gate_up_proj", "experts.down_proj"]
+    save_random_adapter(hf_model, root / "experts", [], rank=8, target_parameters=experts)
+    return root
+
+
+def test_expert_adapters_too_large_or_for_missing_parameters_are_errors(
+    gpt_oss: Path, tmp_path: Path
+) -> None:
+    model = load_our_model(gpt_oss / "base")
+    manager = LoRAManager(model, LoRAConfig(max_lora_rank=4), torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"'big' has rank 8, above max_lora_rank=4"):
+        manager.add_adapter(LoRARequest("big", 1, str(gpt_oss / "experts")))
+    other = _copy_adapter(gpt_oss / "experts", tmp_path / "other")
+    config = json.loads((other / CONFIG_FILE).read_text())
+    config["target_parameters"] = ["experts.gate_proj", "experts.up_proj"]
+    (other / CONFIG_FILE).write_text(json.dumps(config))
+    manager = LoRAManager(model, LoRAConfig(max_lora_rank=8), torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"'other' targets expert parameters \['experts\.gate_pr"):
+        manager.add_adapter(LoRARequest("other", 1, str(other)))
+    manager.add_adapter(LoRARequest("experts", 1, str(gpt_oss / "experts")))
+    assert sorted(manager.host["experts"])[:2] == [
+        "model.layers.0.mlp.experts.down_proj",
+        "model.layers.0.mlp.experts.gate_up_proj",
+    ]
