@@ -117,7 +117,7 @@ def test_mixed_adapter_batch_matches_merged_peft_models(family: Family) -> None:
     llm.shutdown()
 
 
-TENSOR_PARALLEL_FAMILIES = ("llama", "bamba", "qwen3_5", "granitemoehybrid")
+TENSOR_PARALLEL_FAMILIES = ("llama", "bamba", "qwen3_5", "granitemoehybrid", "gpt_oss")
 """Split attention, Mamba-2 in_proj rows, gated-DeltaNet q/k/v/z/b/a rows, row-parallel
 output projections (the adapter's shrink all-reduced) and experts' intermediate features."""
 
