@@ -4,7 +4,8 @@ Each family gets two random adapters on every projection PEFT targets in it (att
 MLP gate/up/down, Mamba-2 in_proj/out_proj, gated-DeltaNet in_proj_qkvz/in_proj_ba or Qwen3.5's
 four projections and out_proj, LFM2's conv in_proj/out_proj and w1/w2/w3), and on the routed MoE
 experts through PEFT's `target_parameters` (gpt-oss: transposed [E, in, out] stacks; Granite-4.0-H:
-[E, out, in]; Llama 4: [E, in, out] that PEFT reads as [E, out, in]); one batch mixes the
+[E, out, in]; Llama 4: [E, in, out] that PEFT reads as [E, out, in]; Qwen3-Next: one module per
+expert in our model); one batch mixes the
 base model and both adapters, with chunked prefill through block size 4, and every request's
 greedy tokens must equal the merged model's.
 """
@@ -50,15 +51,17 @@ def _save_gpt_oss(_: str, path: Path) -> torch.nn.Module:
     return save_gemma4_or_gpt_oss("GptOssConfig", "GptOssForCausalLM", GPT_OSS, path)
 
 
-# Qwen3-Next's MLP names make PEFT target its stacked MoE experts too (not served): the
-# dense-MLP projections are covered by Qwen3.5.
+# Qwen3-Next's MLP names make PEFT convert them to its stacked experts with a rank_pattern (not
+# served): its experts are targeted as parameters, the dense-MLP projections are covered by Qwen3.5.
 FAMILIES: dict[str, Targets] = {
     "llama": Targets(save_tiny_model),
     "gemma3": Targets(save_tiny_model),
     "bamba": Targets(save_tiny_hybrid),
     "granitemoehybrid": Targets(save_tiny_hybrid, parameters=EXPERTS),
     "qwen3_next": Targets(
-        save_tiny_linear_hybrid, [*ATTENTION, "in_proj_qkvz", "in_proj_ba", "out_proj"]
+        save_tiny_linear_hybrid,
+        [*ATTENTION, "in_proj_qkvz", "in_proj_ba", "out_proj"],
+        EXPERTS,
     ),
     "qwen3_5": Targets(save_tiny_linear_hybrid),
     "lfm2": Targets(save_tiny_linear_hybrid),
@@ -117,7 +120,14 @@ def test_mixed_adapter_batch_matches_merged_peft_models(family: Family) -> None:
     llm.shutdown()
 
 
-TENSOR_PARALLEL_FAMILIES = ("llama", "bamba", "qwen3_5", "granitemoehybrid", "gpt_oss")
+TENSOR_PARALLEL_FAMILIES = (
+    "llama",
+    "bamba",
+    "qwen3_5",
+    "granitemoehybrid",
+    "gpt_oss",
+    "qwen3_next",
+)
 """Split attention, Mamba-2 in_proj rows, gated-DeltaNet q/k/v/z/b/a rows, row-parallel
 output projections (the adapter's shrink all-reduced) and experts' intermediate features."""
 

@@ -8,9 +8,11 @@ output unchanged. `peft_parameters` says how PEFT's `target_parameters` see thos
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
+
+from worker.layers.loading import WeightLoader, weight_loader_of
 
 
 @dataclass(frozen=True)
@@ -25,6 +27,15 @@ class PeftExpertParameter:
     input_dim: int
     """Dimension of our [E, d1, d2] weight that the expert's input multiplies: 1 for
     `x @ W[e]`, 2 for `F.linear(x, W[e])`."""
+
+
+class StackedWeight(NamedTuple):
+    """This rank's [E, d1, d2] expert weight as PEFT sees it, and the loader cutting it."""
+
+    shape: tuple[int, int, int]
+    dtype: torch.dtype
+    device: torch.device
+    loader: WeightLoader
 
 
 class ExpertDelta(Protocol):
@@ -59,3 +70,15 @@ def expert_deltas_of(module: object) -> ExpertDeltas | None:
     """The module's `expert_deltas`, if it keeps stacked experts."""
     deltas = getattr(module, "expert_deltas", None)
     return deltas if isinstance(deltas, ExpertDeltas) else None
+
+
+def stacked_weight_of(module: object, name: str) -> StackedWeight:
+    """Our stacked weight `name` of `module`: its parameter, or the module's `stacked_weight`
+    view for experts kept as one module each."""
+    view = getattr(module, "stacked_weight", None)
+    if callable(view):
+        weight: StackedWeight = view(name)
+        return weight
+    param = getattr(module, name)
+    shape = (int(param.shape[0]), int(param.shape[1]), int(param.shape[2]))
+    return StackedWeight(shape, param.dtype, param.device, weight_loader_of(param))

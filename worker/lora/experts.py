@@ -19,8 +19,13 @@ import torch
 from torch import nn
 
 from kernels.lora_reference import LoRASegments, lora_expand, lora_shrink
-from worker.layers.expert_deltas import ExpertDeltas, PeftExpertParameter
-from worker.layers.loading import ShardId, weight_loader_of
+from worker.layers.expert_deltas import (
+    ExpertDeltas,
+    PeftExpertParameter,
+    StackedWeight,
+    stacked_weight_of,
+)
+from worker.layers.loading import ShardId
 from worker.lora.layers import LoRAStep
 from worker.lora.peft_files import LoRAWeights, PeftAdapter
 
@@ -43,7 +48,7 @@ class ExpertLoRALayer:
 
     def __init__(
         self,
-        weight: nn.Parameter,
+        weight: StackedWeight,
         spec: PeftExpertParameter,
         num_slots: int,
         max_rank: int,
@@ -89,7 +94,7 @@ class ExpertLoRALayer:
         shape = list(factor.shape)
         shape[dim] = local
         target = nn.Parameter(torch.zeros(shape).to(self.lora_a), requires_grad=False)
-        weight_loader_of(self.weight)(target, factor, None)
+        self.weight.loader(target, factor, None)
         return target.data
 
     def __call__(
@@ -142,7 +147,7 @@ def expert_parameter(
         )
     hf_param = targeted[len(targeted) - 1 - depth]
     spec = deltas.peft_parameters[hf_param]
-    weight = getattr(module, spec.name)
+    weight = stacked_weight_of(module, spec.name)
     _check_shape(adapter, f"{base}.{hf_param}", weight, spec, lora, deltas.tp_size)
     return spec
 
@@ -150,7 +155,7 @@ def expert_parameter(
 def _check_shape(
     adapter: PeftAdapter,
     hf_name: str,
-    weight: torch.Tensor,
+    weight: StackedWeight,
     spec: PeftExpertParameter,
     lora: LoRAWeights,
     tp_size: int,

@@ -22,7 +22,7 @@ from torch import nn
 
 from kernels.lora_reference import LoRASegments
 from scheduler.lora import LoRAConfig, LoRARequest
-from worker.layers.expert_deltas import expert_deltas_of
+from worker.layers.expert_deltas import expert_deltas_of, stacked_weight_of
 from worker.layers.loading import ShardId
 from worker.lora.experts import ExpertLoRALayer, expert_parameter
 from worker.lora.layers import LORA_TARGET_TYPES, LoRALayer, LoRAStep
@@ -184,7 +184,7 @@ class LoRAManager:
             deltas = expert_deltas_of(self.modules[module_name])
             assert deltas is not None, f"{module_name} keeps no stacked experts"
             spec = next(s for s in deltas.peft_parameters.values() if s.name == param_name)
-            weight = getattr(self.modules[module_name], param_name)
+            weight = stacked_weight_of(self.modules[module_name], param_name)
             layer = ExpertLoRALayer(weight, spec, slots, rank, self.step)
             deltas.deltas[param_name] = layer
         self.layers[target] = layer

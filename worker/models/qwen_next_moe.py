@@ -8,7 +8,8 @@ sum to one when `norm_topk_prob` (always for Qwen3.5-MoE). Checkpoints keep one 
 expert (`experts.{e}.gate_proj` / `up_proj` / `down_proj`), or stacked experts
 (`experts.gate_up_proj` [E, 2I, H], gate rows then up rows, and `experts.down_proj` [E, H, I]),
 which `split_stacked_experts` renames per expert. Each expert's intermediate size is split over
-ranks and the routed sum all-reduced once.
+ranks and the routed sum all-reduced once. LoRA adapters address the experts as PEFT does on
+transformers' stacked `gate_up_proj` / `down_proj` (`QwenExperts.stacked_weight`).
 """
 
 from __future__ import annotations
@@ -23,24 +24,66 @@ from transformers import PretrainedConfig
 
 from worker.config import ParallelConfig
 from worker.distributed import all_reduce
+from worker.layers.expert_deltas import ExpertDeltas, PeftExpertParameter, StackedWeight
 from worker.layers.linear import ReplicatedLinear
-from worker.layers.loading import WeightSource, read_part
+from worker.layers.loading import ShardId, WeightSource, copy_checked, read_part
 from worker.models.llama4_moe import Llama4MLP as GatedMLP
 
 
-def routed_experts(
-    experts: nn.ModuleList, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor
-) -> torch.Tensor:
-    """Sum over each token's chosen experts e of weight_e * expert_e(x) ([T, H]); this rank's
-    partial sums, all-reduced once (not once per expert)."""
-    out = torch.zeros_like(x)
-    for expert_id in torch.unique(chosen).tolist():
-        expert = experts[expert_id]
-        tokens, slot = (chosen == expert_id).nonzero(as_tuple=True)
-        inner = expert.act(expert.gate_up_proj(x[tokens]))
-        hidden = F.linear(inner, expert.down_proj.weight)
-        out.index_add_(0, tokens, hidden * weights[tokens, slot, None])
-    return all_reduce(out) if expert.down_proj.parallel.tp_size > 1 else out
+class QwenExperts(nn.ModuleList):
+    """The routed experts, one gated MLP each, and PEFT's stacked view of them for adapters:
+    `gate_up_proj` [E, 2I, H] (gate rows then up rows) and `down_proj` [E, H, I], I split over
+    ranks."""
+
+    def __init__(self, hf_config: PretrainedConfig, parallel: ParallelConfig) -> None:
+        hidden, inner = hf_config.hidden_size, hf_config.moe_intermediate_size
+        super().__init__(
+            GatedMLP(hidden, inner, hf_config.hidden_act, parallel)
+            for _ in range(hf_config.num_experts)
+        )
+        self.inner, self.parallel = inner, parallel
+        self.expert_deltas = ExpertDeltas(
+            {
+                "gate_up_proj": PeftExpertParameter("gate_up_proj", False, 2),
+                "down_proj": PeftExpertParameter("down_proj", False, 2),
+            },
+            parallel.tp_size,
+        )
+
+    def stacked_weight(self, name: str) -> StackedWeight:
+        """This rank's [E, 2I/tp, H] or [E, H, I/tp] view, cut like each expert's weight."""
+        weight = getattr(self[0], name).weight
+        shape = (len(self), int(weight.shape[0]), int(weight.shape[1]))
+        loader = self._load_gate_up if name == "gate_up_proj" else self._load_down
+        return StackedWeight(shape, weight.dtype, weight.device, loader)
+
+    def _load_gate_up(self, param: nn.Parameter, source: WeightSource, _: ShardId = None) -> None:
+        size = param.shape[1] // 2
+        start = self.parallel.rank * size
+        gate = read_part(source, 1, start, size)
+        up = read_part(source, 1, self.inner + start, size)
+        copy_checked(param.data, torch.cat([gate, up], dim=1))
+
+    def _load_down(self, param: nn.Parameter, source: WeightSource, _: ShardId = None) -> None:
+        size = param.shape[2]
+        copy_checked(param.data, read_part(source, 2, self.parallel.rank * size, size))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Sum over each token's chosen experts e of weight_e * expert_e(x) ([T, H]); this
+        rank's partial sums, all-reduced once (not once per expert)."""
+        out = torch.zeros_like(x)
+        for expert_id in torch.unique(chosen).tolist():
+            expert = self[expert_id]
+            tokens, slot = (chosen == expert_id).nonzero(as_tuple=True)
+            routed = x[tokens]
+            gate_up = self.expert_deltas.apply(
+                "gate_up_proj", routed, expert.gate_up_proj(routed), tokens, expert_id
+            )
+            inner = expert.act(gate_up)
+            hidden = F.linear(inner, expert.down_proj.weight)
+            hidden = self.expert_deltas.apply("down_proj", inner, hidden, tokens, expert_id)
+            out.index_add_(0, tokens, hidden * weights[tokens, slot, None])
+        return all_reduce(out) if self.parallel.tp_size > 1 else out
 
 
 class QwenSparseMoE(nn.Module):
@@ -54,10 +97,7 @@ class QwenSparseMoE(nn.Module):
         self.top_k = hf_config.num_experts_per_tok
         self.norm_topk_prob = norm_topk_prob
         self.gate = ReplicatedLinear(hidden, hf_config.num_experts)
-        self.experts = nn.ModuleList(
-            GatedMLP(hidden, hf_config.moe_intermediate_size, hf_config.hidden_act, parallel)
-            for _ in range(hf_config.num_experts)
-        )
+        self.experts = QwenExperts(hf_config, parallel)
         self.shared_expert = GatedMLP(
             hidden, hf_config.shared_expert_intermediate_size, hf_config.hidden_act, parallel
         )
@@ -69,7 +109,7 @@ class QwenSparseMoE(nn.Module):
         top, chosen = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
-        routed = routed_experts(self.experts, x, top.to(logits.dtype), chosen)
+        routed = self.experts(x, top.to(logits.dtype), chosen)
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         out: torch.Tensor = routed + shared
         return out
