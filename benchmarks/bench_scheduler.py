@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import random
 import statistics
 import time
@@ -172,9 +173,7 @@ def hybrid_mixed_load() -> HybridLoad:
 
     def stream() -> Callable[[], list[StreamedRequest]]:
         rng = random.Random(3)
-        prefixes = [
-            [rng.randrange(1, 32000) for _ in range(HYBRID_PROMPT // 2)] for _ in range(16)
-        ]
+        prefixes = [[rng.randrange(1, 32000) for _ in range(HYBRID_PROMPT // 2)] for _ in range(16)]
         counter = iter(range(10**9))
 
         def next_step() -> list[StreamedRequest]:
@@ -308,7 +307,7 @@ def main() -> None:
     _measure("decode", _decode_load, warmup=8, steps=args.steps)
     _measure("mixed", _mixed_load, warmup=200, steps=args.steps)
     for name, hybrid in (("h-decode", hybrid_decode_load()), ("h-mixed", hybrid_mixed_load())):
-        _measure(name, lambda hybrid=hybrid: _hybrid(hybrid), hybrid.warmup, args.steps)
+        _measure(name, functools.partial(_hybrid, hybrid), hybrid.warmup, args.steps)
     _measure_messages()
     if args.vllm_rounds:
         from bench_scheduler_vllm import compare

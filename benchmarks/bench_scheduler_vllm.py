@@ -159,12 +159,12 @@ def _vllm_kv_config(num_blocks: int) -> Any:
 
 def vllm_side(config: SchedulerConfig, num_blocks: int, model_dir: str) -> Side:
     from vllm import SamplingParams as VllmSamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
     from vllm.v1.outputs import ModelRunnerOutput as VllmRunnerOutput
     from vllm.v1.request import Request as VllmRequest
     from vllm.v1.structured_output import StructuredOutputManager
-    from vllm.utils.hashing import get_hash_fn_by_name
 
     vllm_config = _vllm_config(config, model_dir)
     vllm_config.cache_config.num_gpu_blocks = num_blocks
@@ -224,7 +224,8 @@ def run(side: Side, load: HybridLoad, steps: int) -> tuple[list[int], list[StepW
 
 def _check_work(name: str, our_work: list[StepWork], vllm_work: list[StepWork]) -> None:
     totals = [sum(column) for column in zip(*our_work, strict=True)]
-    differing = [step for step, pair in enumerate(zip(our_work, vllm_work)) if pair[0] != pair[1]]
+    pairs = zip(our_work, vllm_work, strict=True)
+    differing = [step for step, (ours, theirs) in enumerate(pairs) if ours != theirs]
     if not differing:
         print(
             f"{name}: same work on both sides over {len(our_work)} steps (tokens {totals[0]}, "
