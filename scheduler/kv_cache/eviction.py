@@ -156,14 +156,7 @@ class TieredFreeQueue(FreeBlockQueue):
 
     def append_to(self, tier: Tier, blocks: Sequence[KVCacheBlock], stamp: int = -1) -> None:
         """Put blocks at the tail of `tier`, in order, marked with `stamp` when given."""
-        if stamp >= 0:
-            for block in blocks:
-                block.tier = tier
-                block.stamp = stamp
-        else:
-            for block in blocks:
-                block.tier = tier
-        self.tiers[tier].append_n(blocks)
+        self.tiers[tier].append_marked(blocks, tier, stamp)
         self.num_free_blocks += len(blocks)
 
     def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
@@ -217,9 +210,15 @@ class ChainProtection:
         """Queue blocks a running request dropped as it advanced (out of its window, an older
         Mamba state). Those hits reuse often (`is_shared`) are a prefix many requests share
         (a system prompt's window): HOT; the others TRANSIENT."""
-        shared = [block for block in blocks if self.is_shared(block)]
+        shared: list[KVCacheBlock] = []
+        others: list[KVCacheBlock] = []
+        clock = self.clock
+        for block in blocks:  # is_shared, inlined: one pass per freed window
+            hits = block.num_hits
+            is_shared = hits >= 2 and hits * SHARED_FREES >= clock - block.born + 1
+            (shared if is_shared else others).append(block)
         if shared:
-            blocks = [block for block in blocks if not self.is_shared(block)]
+            blocks = others
             self.queue.append_to(Tier.HOT, shared, self.clock)
             self._cap_hot()
         self.queue.append_to(Tier.TRANSIENT, blocks, self.clock)

@@ -101,14 +101,33 @@ class FreeBlockQueue:
 
     def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Put blocks at the tail, in order."""
+        self.append_marked(blocks, -1, -1)
+
+    def append_marked(self, blocks: Sequence[KVCacheBlock], tier: int, stamp: int) -> None:
+        """`append_n` that also marks the blocks with `tier` (unless -1) and `stamp` (unless -1),
+        in the same pass (the `chain` policy's tiers)."""
         if not blocks:
             return
         last = self._tail.prev_free
         assert last is not None
-        for block in blocks:
-            last.next_free = block
-            block.prev_free = last
-            last = block
+        if stamp >= 0:
+            for block in blocks:
+                block.tier = tier
+                block.stamp = stamp
+                last.next_free = block
+                block.prev_free = last
+                last = block
+        elif tier >= 0:
+            for block in blocks:
+                block.tier = tier
+                last.next_free = block
+                block.prev_free = last
+                last = block
+        else:
+            for block in blocks:
+                last.next_free = block
+                block.prev_free = last
+                last = block
         last.next_free = self._tail
         self._tail.prev_free = last
         self.num_free_blocks += len(blocks)
