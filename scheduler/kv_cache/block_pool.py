@@ -113,7 +113,11 @@ class BlockPool:
                 if offload is not None and registered:
                     stamp = block.stamp if chains is not None else -1
                     offload.offer(old_group, block_hash, block.block_id, stamp)
-                if fast and registered and (old_group, block_hash) not in duplicates:
+                if (
+                    fast
+                    and registered
+                    and (not duplicates or (old_group, block_hash) not in duplicates)
+                ):
                     del hash_map[block_hash]  # the common case of _drop_hash, inlined
                     block.block_hash = None
                 else:

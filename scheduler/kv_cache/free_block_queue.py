@@ -64,12 +64,13 @@ class FreeBlockQueue:
 
     def popleft_n(self, count: int) -> list[KVCacheBlock]:
         """Unlink and return the first `count` blocks (the caller checked there are enough)."""
+        assert count <= self.num_free_blocks, "free queue exhausted"
         out = []
+        append = out.append
         node = self._head.next_free
         for _ in range(count):
             assert node is not None
-            assert node is not self._tail, "free queue exhausted"
-            out.append(node)
+            append(node)
             following = node.next_free
             node.prev_free = node.next_free = None
             node = following
