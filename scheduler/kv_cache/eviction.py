@@ -32,6 +32,7 @@ freed protected chain goes first: under cyclic reuse it is the one needed last.
 from __future__ import annotations
 
 import enum
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from scheduler.block_hash import BlockHash
@@ -187,7 +188,7 @@ class ChainProtection:
         """Blocks requests hold that they took from the cache (a hit), not newly allocated."""
         self.clock = 0
         """Request frees so far (the unit of reuse distance and recency)."""
-        self._last_free: dict[BlockHash, int] = {}
+        self._last_free: OrderedDict[BlockHash, int] = OrderedDict()
         """A freed chain's last block hash -> clock of that free (bounded, oldest dropped)."""
 
     def note_in_use(self, num_in_use: int) -> None:
@@ -272,7 +273,7 @@ class ChainProtection:
         if block_hashes:
             last_free[block_hashes[-1]] = self.clock
             if len(last_free) > self.num_usable:
-                del last_free[next(iter(last_free))]  # the oldest entry
+                last_free.popitem(last=False)  # the oldest entry
         return found
 
     def _demote_chain(self, stamp: int) -> None:
