@@ -102,6 +102,7 @@ class BlockPool:
         fast = self.event_sink is None
         chains = self.chains
         born = chains.clock if chains is not None else 0
+        fresh = Tier.FRESH
         evicted: list[tuple[int, BlockHash]] = []
         for block in blocks:
             block_hash = block.block_hash
@@ -125,7 +126,7 @@ class BlockPool:
             block.ref_cnt = 1
             block.group_id = group_id
             if chains is not None:
-                block.tier = Tier.FRESH  # not from any chain until freed again
+                block.tier = fresh  # not from any chain until freed again
                 block.stamp = -1
                 block.num_hits = 0
                 block.born = born
@@ -247,18 +248,21 @@ class BlockPool:
         to_tail: list[KVCacheBlock] = []
         num_used = self._num_used
         num_hits = num_protected = 0
+        protected = Tier.PROTECTED
         for block in ordered_blocks:
             if block is null:
                 continue
-            block.ref_cnt -= 1
-            assert block.ref_cnt >= 0, f"{block} freed more often than taken"
-            if block.ref_cnt == 0:
-                num_used[block.group_id] -= 1
-                tier = block.tier
-                if tier:
-                    num_hits += 1
-                    num_protected += tier == Tier.PROTECTED
-                (to_front if block.block_hash is None else to_tail).append(block)
+            ref_cnt = block.ref_cnt - 1
+            block.ref_cnt = ref_cnt
+            if ref_cnt:
+                assert ref_cnt > 0, f"{block} freed more often than taken"
+                continue
+            num_used[block.group_id] -= 1
+            tier = block.tier
+            if tier:
+                num_hits += 1
+                num_protected += tier == protected
+            (to_front if block.block_hash is None else to_tail).append(block)
         chains.num_held_hits -= num_hits
         if chain_hashes is not None:
             chains.queue_chain(to_tail, chain_hashes, num_protected > 0)
@@ -282,19 +286,21 @@ class BlockPool:
         """
         hash_map = self.hash_maps[group_id]
         null = self.null_block
+        sink = self.event_sink
+        last_of_block = hash_ratio - 1
         for index in block_range:
             block = blocks[index]
             if block is null:
                 continue
             assert block.block_hash is None, f"{block} is already registered"
-            block_hash = block_hashes[index * hash_ratio + hash_ratio - 1]
+            block_hash = block_hashes[index * hash_ratio + last_of_block]
             block.block_hash = block_hash
             if block_hash in hash_map:
                 self._duplicates.setdefault((group_id, block_hash), {})[block.block_id] = block
             else:
                 hash_map[block_hash] = block
-                if self.event_sink is not None:
-                    self.event_sink.stored(group_id, block_hash)
+                if sink is not None:
+                    sink.stored(group_id, block_hash)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Forget the hashes of these blocks (their contents can no longer be trusted)."""

@@ -6,7 +6,8 @@ their request tables.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from operator import attrgetter
 
 from scheduler.block_hash import BlockHash
 
@@ -49,6 +50,14 @@ class KVCacheBlock:
     def __repr__(self) -> str:
         hashed = self.block_hash is not None
         return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hashed={hashed})"
+
+
+_BLOCK_ID = attrgetter("block_id")
+
+
+def block_ids(blocks: Iterable[KVCacheBlock]) -> list[int]:
+    """The blocks' IDs, in order (a C-level map: hot for new requests' tables)."""
+    return list(map(_BLOCK_ID, blocks))
 
 
 class FreeBlockQueue:
