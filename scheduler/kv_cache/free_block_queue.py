@@ -74,7 +74,7 @@ class FreeBlockQueue:
     def popleft_n(self, count: int) -> list[KVCacheBlock]:
         """Unlink and return the first `count` blocks (the caller checked there are enough)."""
         assert count <= self.num_free_blocks, "free queue exhausted"
-        out = []
+        out: list[KVCacheBlock] = []
         append = out.append
         node = self._head.next_free
         for _ in range(count):
