@@ -12,10 +12,10 @@ layers each, window 1,024, block 16; a pool small enough that cached blocks are 
 The model runner is a stand-in (one fixed token per finished step) and is not timed. A second,
 instrumented pass times the KV cache manager calls alone, so the table shows which side of the
 step costs what (the ratio is manager time / whole step, both from that pass). Last, the per-step
-messages (256 `CachedRequestData` + 256 `RequestStepOutput`) are built with their hand-written
-`__init__` and with the generated frozen-dataclass `__init__` as the baseline.
+messages (256 `CachedRequestData` + 256 `RequestStepOutput`) are built as the frozen msgspec
+Structs in use and with a generated frozen-dataclass `__init__` as the baseline.
 
-    .venv/bin/python benchmarks/bench_scheduler.py [--steps 300]
+    .venv/bin/python benchmarks/bench_scheduler.py [--steps 300] [--vllm-rounds N]
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec
@@ -263,12 +265,13 @@ def _measure(name: str, make_load: Callable[[], Load], warmup: int, steps: int) 
 
 
 def _generated_frozen(cls: type) -> type:
-    """The same fields as `cls`, with the `__init__` a frozen dataclass generates."""
+    """The same fields as `cls` (a msgspec Struct), with the `__init__` a frozen dataclass
+    generates."""
     specs = [
         (f.name, Any)
-        if f.default is dataclasses.MISSING
+        if f.default is msgspec.NODEFAULT
         else (f.name, Any, dataclasses.field(default=f.default))
-        for f in dataclasses.fields(cls)
+        for f in msgspec.structs.fields(cls)
     ]
     return dataclasses.make_dataclass(cls.__name__, specs, frozen=True)
 
