@@ -12,22 +12,25 @@ layers each, window 1,024, block 16; a pool small enough that cached blocks are 
 The model runner is a stand-in (one fixed token per finished step) and is not timed. A second,
 instrumented pass times the KV cache manager calls alone, so the table shows which side of the
 step costs what (the ratio is manager time / whole step, both from that pass). Last, the per-step
-messages (256 `CachedRequestData` + 256 `RequestStepOutput`) are built with their hand-written
-`__init__` and with the generated frozen-dataclass `__init__` as the baseline.
+messages (256 `CachedRequestData` + 256 `RequestStepOutput`) are built as the frozen msgspec
+Structs in use and with a generated frozen-dataclass `__init__` as the baseline.
 
-    .venv/bin/python benchmarks/bench_scheduler.py [--steps 300]
+    .venv/bin/python benchmarks/bench_scheduler.py [--steps 300] [--vllm-rounds N]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import random
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec
@@ -63,7 +66,7 @@ HYBRID_NUM_BLOCKS = 60_000
 HYBRID_PROMPT = 2048
 
 
-def _hybrid_kv_config(num_blocks: int = HYBRID_NUM_BLOCKS) -> KVCacheConfig:
+def hybrid_kv_config(num_blocks: int = HYBRID_NUM_BLOCKS) -> KVCacheConfig:
     """60 layers: group 0 full attention, groups 1-5 sliding window, ten layers per group."""
     shape = AttentionShape(num_kv_heads=8, head_size=128, dtype_bytes=2)
     full = make_spec("full_attention", BLOCK_SIZE, shape=shape)
@@ -127,38 +130,81 @@ def _mixed_load() -> Load:
     return Load(scheduler, feed)
 
 
-def _hybrid_decode_load() -> Load:
+@dataclass(frozen=True)
+class StreamedRequest:
+    """One request of a load's stream, independent of the scheduler that receives it."""
+
+    req_id: str
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class HybridLoad:
+    """A 60-layer hybrid load: the scheduler's limits and a fresh stream of requests per run.
+
+    `stream()` returns a callable giving the requests to add before each step (in order)."""
+
+    config: SchedulerConfig
+    num_blocks: int
+    warmup: int
+    stream: Callable[[], Callable[[], list[StreamedRequest]]]
+
+
+def hybrid_decode_load() -> HybridLoad:
+    """256 requests of 1,024-token prompts added before the first step; long outputs."""
+
+    def stream() -> Callable[[], list[StreamedRequest]]:
+        rng = random.Random(2)
+        batches = [
+            [
+                StreamedRequest(
+                    f"hd{i}", [rng.randrange(1, 32000) for _ in range(HYBRID_PROMPT // 2)], 4000
+                )
+                for i in range(256)
+            ]
+        ]
+        return lambda: batches.pop() if batches else []
+
     config = SchedulerConfig(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=8192)
-    scheduler = Scheduler(config, _hybrid_kv_config(num_blocks=120_000))
-    rng = random.Random(2)
-    for i in range(256):
-        prompt = [rng.randrange(1, 32000) for _ in range(HYBRID_PROMPT // 2)]
-        params = SamplingParams(temperature=0, max_tokens=4000)
-        scheduler.add_request(Request(f"hd{i}", prompt, params, scheduler.hash_block_size))
-    return Load(scheduler, lambda step: None)
+    return HybridLoad(config, 120_000, warmup=40, stream=stream)
 
 
-def _hybrid_mixed_load() -> Load:
+def hybrid_mixed_load() -> HybridLoad:
     """Four new 2,048-token prompts per step; budget for them plus every running decode."""
+
+    def stream() -> Callable[[], list[StreamedRequest]]:
+        rng = random.Random(3)
+        prefixes = [[rng.randrange(1, 32000) for _ in range(HYBRID_PROMPT // 2)] for _ in range(16)]
+        counter = iter(range(10**9))
+
+        def next_step() -> list[StreamedRequest]:
+            batch = []
+            for _ in range(4):
+                suffix = [rng.randrange(1, 32000) for _ in range(HYBRID_PROMPT // 2)]
+                max_tokens = rng.randint(8, 32)
+                prompt = rng.choice(prefixes) + suffix
+                batch.append(StreamedRequest(f"h{next(counter)}", prompt, max_tokens))
+            return batch
+
+        return next_step
+
     config = SchedulerConfig(
         max_num_seqs=256, max_num_batched_tokens=4 * HYBRID_PROMPT + 256, max_model_len=8192
     )
-    scheduler = Scheduler(config, _hybrid_kv_config())
-    rng = random.Random(3)
-    prefixes = [[rng.randrange(1, 32000) for _ in range(HYBRID_PROMPT // 2)] for _ in range(16)]
-    counter = iter(range(10**9))
+    return HybridLoad(config, HYBRID_NUM_BLOCKS, warmup=100, stream=stream)
+
+
+def _hybrid(hybrid: HybridLoad) -> Load:
+    scheduler = Scheduler(hybrid.config, hybrid_kv_config(hybrid.num_blocks))
+    stream = hybrid.stream()
 
     def feed(step: int) -> None:
-        for _ in range(4):
-            suffix = [rng.randrange(1, 32000) for _ in range(HYBRID_PROMPT // 2)]
-            params = SamplingParams(temperature=0, max_tokens=rng.randint(8, 32))
-            request = Request(
-                f"h{next(counter)}",
-                rng.choice(prefixes) + suffix,
-                params,
-                scheduler.hash_block_size,
+        for streamed in stream():
+            params = SamplingParams(temperature=0, max_tokens=streamed.max_tokens)
+            scheduler.add_request(
+                Request(streamed.req_id, streamed.prompt, params, scheduler.hash_block_size)
             )
-            scheduler.add_request(request)
 
     return Load(scheduler, feed)
 
@@ -219,12 +265,13 @@ def _measure(name: str, make_load: Callable[[], Load], warmup: int, steps: int) 
 
 
 def _generated_frozen(cls: type) -> type:
-    """The same fields as `cls`, with the `__init__` a frozen dataclass generates."""
+    """The same fields as `cls` (a msgspec Struct), with the `__init__` a frozen dataclass
+    generates."""
     specs = [
         (f.name, Any)
-        if f.default is dataclasses.MISSING
+        if f.default is msgspec.NODEFAULT
         else (f.name, Any, dataclasses.field(default=f.default))
-        for f in dataclasses.fields(cls)
+        for f in msgspec.structs.fields(cls)
     ]
     return dataclasses.make_dataclass(cls.__name__, specs, frozen=True)
 
@@ -255,13 +302,20 @@ def _measure_messages() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument(
+        "--vllm-rounds", type=int, default=0, help="rounds against vLLM's scheduler (0: none)"
+    )
     args = parser.parse_args()
     print("load     mean_us  median_us  running  tokens  us/request  manager/step")
     _measure("decode", _decode_load, warmup=8, steps=args.steps)
     _measure("mixed", _mixed_load, warmup=200, steps=args.steps)
-    _measure("h-decode", _hybrid_decode_load, warmup=40, steps=args.steps)
-    _measure("h-mixed", _hybrid_mixed_load, warmup=100, steps=args.steps)
+    for name, hybrid in (("h-decode", hybrid_decode_load()), ("h-mixed", hybrid_mixed_load())):
+        _measure(name, functools.partial(_hybrid, hybrid), hybrid.warmup, args.steps)
     _measure_messages()
+    if args.vllm_rounds:
+        from bench_scheduler_vllm import compare
+
+        compare(args.vllm_rounds, args.steps)
 
 
 if __name__ == "__main__":

@@ -100,6 +100,9 @@ class BlockPool:
         maps = self.hash_maps
         offload, duplicates = self.offload, self._duplicates
         fast = self.event_sink is None
+        chains = self.chains
+        born = chains.clock if chains is not None else 0
+        fresh = Tier.FRESH
         evicted: list[tuple[int, BlockHash]] = []
         for block in blocks:
             block_hash = block.block_hash
@@ -109,27 +112,30 @@ class BlockPool:
                 hash_map = maps[old_group]
                 registered = hash_map.get(block_hash) is block
                 if offload is not None and registered:
-                    stamp = block.stamp if self.chains is not None else -1
+                    stamp = block.stamp if chains is not None else -1
                     offload.offer(old_group, block_hash, block.block_id, stamp)
-                if fast and registered and (old_group, block_hash) not in duplicates:
+                if (
+                    fast
+                    and registered
+                    and (not duplicates or (old_group, block_hash) not in duplicates)
+                ):
                     del hash_map[block_hash]  # the common case of _drop_hash, inlined
                     block.block_hash = None
                 else:
                     self._drop_hash(block)
             block.ref_cnt = 1
             block.group_id = group_id
+            if chains is not None:
+                block.tier = fresh  # not from any chain until freed again
+                block.stamp = -1
+                block.num_hits = 0
+                block.born = born
         if evicted:
             self.eviction_history.record_all(evicted)
             self.num_evictions += len(evicted)
         self._num_used[group_id] += count
-        if self.chains is not None:
-            born = self.chains.clock
-            for block in blocks:
-                block.tier = Tier.FRESH  # not from any chain until freed again
-                block.stamp = -1
-                block.num_hits = 0
-                block.born = born
-            self.chains.note_in_use(self.num_blocks - 1 - self.free_queue.num_free_blocks)
+        if chains is not None:
+            chains.note_in_use(self.num_blocks - 1 - self.free_queue.num_free_blocks)
         return blocks
 
     def adopt_hit(self, table: list[KVCacheBlock], start: int, req_id: str) -> None:
@@ -168,17 +174,30 @@ class BlockPool:
         self.free_queue.num_free_blocks -= num_revived
 
     def _touch_tiered(self, blocks: Iterable[KVCacheBlock]) -> None:
-        assert self.chains is not None
+        chains = self.chains
+        assert chains is not None
         null = self.null_block
+        tiers = chains.queue.tiers
+        num_used = self._num_used
+        num_revived = 0
         for block in blocks:
             if block is null:
                 continue
             if block.ref_cnt == 0:
-                self.free_queue.remove(block)
-                self._num_used[block.group_id] += 1
-                self.chains.num_held_hits += 1  # its tier stays set: not a new allocation
+                # TieredFreeQueue.remove, inlined (hot on long hits); its tier stays set
+                prev_node, next_node = block.prev_free, block.next_free
+                assert prev_node is not None, f"{block} is not in the queue"
+                assert next_node is not None, f"{block} is not in the queue"
+                prev_node.next_free = next_node
+                next_node.prev_free = prev_node
+                block.prev_free = block.next_free = None
+                tiers[block.tier].num_free_blocks -= 1
+                num_used[block.group_id] += 1
+                num_revived += 1
             block.ref_cnt += 1
             block.num_hits += 1
+        chains.queue.num_free_blocks -= num_revived
+        chains.num_held_hits += num_revived  # not new allocations
 
     def free_chain(
         self, ordered_blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash]
@@ -229,18 +248,21 @@ class BlockPool:
         to_tail: list[KVCacheBlock] = []
         num_used = self._num_used
         num_hits = num_protected = 0
+        protected = Tier.PROTECTED
         for block in ordered_blocks:
             if block is null:
                 continue
-            block.ref_cnt -= 1
-            assert block.ref_cnt >= 0, f"{block} freed more often than taken"
-            if block.ref_cnt == 0:
-                num_used[block.group_id] -= 1
-                tier = block.tier
-                if tier:
-                    num_hits += 1
-                    num_protected += tier == Tier.PROTECTED
-                (to_front if block.block_hash is None else to_tail).append(block)
+            ref_cnt = block.ref_cnt - 1
+            block.ref_cnt = ref_cnt
+            if ref_cnt:
+                assert ref_cnt > 0, f"{block} freed more often than taken"
+                continue
+            num_used[block.group_id] -= 1
+            tier = block.tier
+            if tier:
+                num_hits += 1
+                num_protected += tier == protected
+            (to_front if block.block_hash is None else to_tail).append(block)
         chains.num_held_hits -= num_hits
         if chain_hashes is not None:
             chains.queue_chain(to_tail, chain_hashes, num_protected > 0)
@@ -264,19 +286,21 @@ class BlockPool:
         """
         hash_map = self.hash_maps[group_id]
         null = self.null_block
+        sink = self.event_sink
+        last_of_block = hash_ratio - 1
         for index in block_range:
             block = blocks[index]
             if block is null:
                 continue
             assert block.block_hash is None, f"{block} is already registered"
-            block_hash = block_hashes[index * hash_ratio + hash_ratio - 1]
+            block_hash = block_hashes[index * hash_ratio + last_of_block]
             block.block_hash = block_hash
             if block_hash in hash_map:
                 self._duplicates.setdefault((group_id, block_hash), {})[block.block_id] = block
             else:
                 hash_map[block_hash] = block
-                if self.event_sink is not None:
-                    self.event_sink.stored(group_id, block_hash)
+                if sink is not None:
+                    sink.stored(group_id, block_hash)
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Forget the hashes of these blocks (their contents can no longer be trusted)."""

@@ -32,6 +32,7 @@ freed protected chain goes first: under cyclic reuse it is the one needed last.
 from __future__ import annotations
 
 import enum
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from scheduler.block_hash import BlockHash
@@ -156,14 +157,7 @@ class TieredFreeQueue(FreeBlockQueue):
 
     def append_to(self, tier: Tier, blocks: Sequence[KVCacheBlock], stamp: int = -1) -> None:
         """Put blocks at the tail of `tier`, in order, marked with `stamp` when given."""
-        if stamp >= 0:
-            for block in blocks:
-                block.tier = tier
-                block.stamp = stamp
-        else:
-            for block in blocks:
-                block.tier = tier
-        self.tiers[tier].append_n(blocks)
+        self.tiers[tier].append_marked(blocks, tier, stamp)
         self.num_free_blocks += len(blocks)
 
     def prepend_n(self, blocks: Sequence[KVCacheBlock]) -> None:
@@ -194,7 +188,7 @@ class ChainProtection:
         """Blocks requests hold that they took from the cache (a hit), not newly allocated."""
         self.clock = 0
         """Request frees so far (the unit of reuse distance and recency)."""
-        self._last_free: dict[BlockHash, int] = {}
+        self._last_free: OrderedDict[BlockHash, int] = OrderedDict()
         """A freed chain's last block hash -> clock of that free (bounded, oldest dropped)."""
 
     def note_in_use(self, num_in_use: int) -> None:
@@ -217,9 +211,15 @@ class ChainProtection:
         """Queue blocks a running request dropped as it advanced (out of its window, an older
         Mamba state). Those hits reuse often (`is_shared`) are a prefix many requests share
         (a system prompt's window): HOT; the others TRANSIENT."""
-        shared = [block for block in blocks if self.is_shared(block)]
+        shared: list[KVCacheBlock] = []
+        others: list[KVCacheBlock] = []
+        clock = self.clock
+        for block in blocks:  # is_shared, inlined: one pass per freed window
+            hits = block.num_hits
+            is_shared = hits >= 2 and hits * SHARED_FREES >= clock - block.born + 1
+            (shared if is_shared else others).append(block)
         if shared:
-            blocks = [block for block in blocks if not self.is_shared(block)]
+            blocks = others
             self.queue.append_to(Tier.HOT, shared, self.clock)
             self._cap_hot()
         self.queue.append_to(Tier.TRANSIENT, blocks, self.clock)
@@ -273,7 +273,7 @@ class ChainProtection:
         if block_hashes:
             last_free[block_hashes[-1]] = self.clock
             if len(last_free) > self.num_usable:
-                del last_free[next(iter(last_free))]  # the oldest entry
+                last_free.popitem(last=False)  # the oldest entry
         return found
 
     def _demote_chain(self, stamp: int) -> None:

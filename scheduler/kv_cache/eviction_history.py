@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 from scheduler.block_hash import BlockHash
 
 
@@ -13,18 +15,20 @@ class EvictionHistory:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = max(capacity, 1)
-        self._groups: dict[BlockHash, int] = {}
-        """Key -> bit mask of the groups that evicted it (insertion order: oldest first)."""
+        self._groups: OrderedDict[BlockHash, int] = OrderedDict()
+        """Key -> bit mask of the groups that evicted it (insertion order: oldest first). An
+        OrderedDict: dropping its oldest key is O(1), where a dict's first key is found by
+        scanning past the slots of every key deleted before it."""
 
     def record_all(self, evictions: list[tuple[int, BlockHash]]) -> None:
         """Remember that each (group id, key) was evicted, in order: one call per allocation
         rather than one per evicted block."""
         groups, capacity = self._groups, self.capacity
-        pop = groups.pop
+        pop, drop_oldest = groups.pop, groups.popitem
         for group_id, block_hash in evictions:
             groups[block_hash] = pop(block_hash, 0) | (1 << group_id)
             if len(groups) > capacity:
-                del groups[next(iter(groups))]
+                drop_oldest(last=False)
 
     def was_evicted(self, group_id: int, block_hash: BlockHash) -> bool:
         return bool(self._groups.get(block_hash, 0) >> group_id & 1)

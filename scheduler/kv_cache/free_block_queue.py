@@ -6,7 +6,8 @@ their request tables.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from operator import attrgetter
 
 from scheduler.block_hash import BlockHash
 
@@ -51,6 +52,14 @@ class KVCacheBlock:
         return f"KVCacheBlock(id={self.block_id}, ref={self.ref_cnt}, hashed={hashed})"
 
 
+_BLOCK_ID = attrgetter("block_id")
+
+
+def block_ids(blocks: Iterable[KVCacheBlock]) -> list[int]:
+    """The blocks' IDs, in order (a C-level map: hot for new requests' tables)."""
+    return list(map(_BLOCK_ID, blocks))
+
+
 class FreeBlockQueue:
     """Intrusive doubly linked list of free blocks with O(1) pop, push and unlink."""
 
@@ -64,12 +73,13 @@ class FreeBlockQueue:
 
     def popleft_n(self, count: int) -> list[KVCacheBlock]:
         """Unlink and return the first `count` blocks (the caller checked there are enough)."""
-        out = []
+        assert count <= self.num_free_blocks, "free queue exhausted"
+        out: list[KVCacheBlock] = []
+        append = out.append
         node = self._head.next_free
         for _ in range(count):
             assert node is not None
-            assert node is not self._tail, "free queue exhausted"
-            out.append(node)
+            append(node)
             following = node.next_free
             node.prev_free = node.next_free = None
             node = following
@@ -101,14 +111,33 @@ class FreeBlockQueue:
 
     def append_n(self, blocks: Sequence[KVCacheBlock]) -> None:
         """Put blocks at the tail, in order."""
+        self.append_marked(blocks, -1, -1)
+
+    def append_marked(self, blocks: Sequence[KVCacheBlock], tier: int, stamp: int) -> None:
+        """`append_n` that also marks the blocks with `tier` (unless -1) and `stamp` (unless -1),
+        in the same pass (the `chain` policy's tiers)."""
         if not blocks:
             return
         last = self._tail.prev_free
         assert last is not None
-        for block in blocks:
-            last.next_free = block
-            block.prev_free = last
-            last = block
+        if stamp >= 0:
+            for block in blocks:
+                block.tier = tier
+                block.stamp = stamp
+                last.next_free = block
+                block.prev_free = last
+                last = block
+        elif tier >= 0:
+            for block in blocks:
+                block.tier = tier
+                last.next_free = block
+                block.prev_free = last
+                last = block
+        else:
+            for block in blocks:
+                last.next_free = block
+                block.prev_free = last
+                last = block
         last.next_free = self._tail
         self._tail.prev_free = last
         self.num_free_blocks += len(blocks)

@@ -17,6 +17,7 @@ from scheduler.kv_cache.checkpoints import StateCheckpoints
 from scheduler.kv_cache.coordinator import make_coordinator
 from scheduler.kv_cache.events import OUTLOOK_BLOCKS, EvictionOutlook, KVEventBatch, KVEventSink
 from scheduler.kv_cache.eviction import EvictionPolicy
+from scheduler.kv_cache.free_block_queue import block_ids
 from scheduler.kv_cache.mamba_manager import MambaManager
 from scheduler.kv_cache.manager_types import CacheHit, KVCacheBlocks, KVCacheStats
 from scheduler.kv_cache.miss_reasons import explain_misses
@@ -394,9 +395,7 @@ class KVCacheManager:
 
     def get_block_ids(self, req_id: str) -> tuple[list[int], ...]:
         """The request's current table per group (null entries are 0)."""
-        return tuple(
-            [block.block_id for block in blocks] for blocks in self.coordinator.get_blocks(req_id)
-        )
+        return tuple(map(block_ids, self.coordinator.get_blocks(req_id)))
 
     def get_num_common_prefix_blocks(
         self, req_id: str, num_running_requests: int
@@ -407,8 +406,8 @@ class KVCacheManager:
     def uncache_blocks(self, req_id: str) -> None:
         """Drop the request's blocks from the prefix cache (their contents cannot be trusted);
         the request keeps them until it is freed."""
-        for block_ids in self.get_block_ids(req_id):
-            self.pool.evict_blocks(block_ids)
+        for group_block_ids in self.get_block_ids(req_id):
+            self.pool.evict_blocks(group_block_ids)
         if self.checkpoints is not None:
             self.checkpoints.forget(req_id, keep_sent=False)
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from scheduler.kv_cache.block_pool import KVCacheBlock
+from scheduler.kv_cache.free_block_queue import block_ids
 from scheduler.kv_cache.miss_reasons import GroupMisses
 from scheduler.kv_cache.offload import OffloadCounters
 
@@ -22,7 +23,7 @@ class KVCacheBlocks:
 
     def get_block_ids(self) -> tuple[list[int], ...]:
         """Block IDs per group (the null block is 0)."""
-        return tuple([block.block_id for block in group] for group in self.blocks)
+        return tuple(map(block_ids, self.blocks))
 
     @property
     def is_empty(self) -> bool:
