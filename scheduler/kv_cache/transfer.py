@@ -43,6 +43,9 @@ class HeldKeys:
     fingerprint: str
     """The receiver's model and KV layout (`layout_fingerprint`): the sender's must equal it."""
     groups: tuple[frozenset[BlockHash], ...]
+    tensor_parallel_size: int = 1
+    """The receiver's: each rank takes the shard of the same sender rank, so the sender's must
+    equal it."""
 
 
 @dataclass(frozen=True)
