@@ -15,7 +15,8 @@ With `--serve`, then a short real-Serve run (`routing_serve`): two CPU replicas 
 sliding-window hybrid, chat sessions over HTTP, per router the hit rate of the later turns.
 
     .venv/bin/python benchmarks/bench_routing.py [--quick] [--delay 10] [--load-factor 2.0]
-        [--pull-threshold 64] [--drain]
+        [--pull-threshold 64] [--pull-only] [--pressure-factor 2|off] [--seeds N]
+        [--cases 8/2,32/4] [--models sliding+full] [--pressures heavy] [--drain]
         [--serve [--serve-sessions 8]]
 """
 
