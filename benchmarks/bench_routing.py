@@ -15,7 +15,8 @@ With `--serve`, then a short real-Serve run (`routing_serve`): two CPU replicas 
 sliding-window hybrid, chat sessions over HTTP, per router the hit rate of the later turns.
 
     .venv/bin/python benchmarks/bench_routing.py [--quick] [--delay 10] [--load-factor 2.0]
-        [--pull-threshold 64] [--drain]
+        [--pull-threshold 64] [--pull-only] [--pressure-factor 2|off] [--seeds N]
+        [--cases 8/2,32/4] [--models sliding+full] [--pressures heavy] [--drain]
         [--serve [--serve-sessions 8]]
 """
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from routing_sim import (
@@ -41,6 +42,7 @@ from routing_sim import (
     run,
 )
 
+from cluster.serve.hybrid_policy import RoutingOptions
 from scheduler.config import SchedulerConfig
 
 GRID = [(8, 2), (32, 4), (64, 2), (128, 4), (256, 8)]
@@ -112,8 +114,12 @@ def measure_case(
         "round-robin": lambda n: RoundRobin(),
         "ray-prefix-affinity": lambda n: RayPrefixAffinity(n),
         "hybrid-prefix (ours)": lambda n: HybridPrefix(n, args.delay, args.load_factor),
-        PULL: lambda n: HybridPrefix(n, args.delay, args.load_factor, args.pull_threshold),
+        PULL: lambda n: HybridPrefix(
+            n, args.delay, args.load_factor, args.pull_threshold, args.pressure_factor
+        ),
     }
+    if args.pull_only:
+        routers = {PULL: routers[PULL]}
     placements = balanced_placements(sessions, replicas, args.placements, seed)
     for number, placement in enumerate(placements):
         routers[f"placement {number}"] = _fixed(placement)
@@ -263,7 +269,21 @@ def main() -> None:
         default=64,
         help="tokens by which another replica's predicted hit must lead before a pull",
     )
+    parser.add_argument(
+        "--pull-only", action="store_true", help="only our router with pulls (and the reference)"
+    )
+    parser.add_argument(
+        "--pressure-factor",
+        type=lambda text: None if text == "off" else float(text),
+        default=RoutingOptions.pressure_factor,
+        help="the pull router's pool-pressure rule (RoutingOptions.pressure_factor; off: none)",
+    )
     parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument(
+        "--cases", default="", help="sessions/replicas cases, e.g. 8/2,32/4 (default: all)"
+    )
+    parser.add_argument("--models", default="", help="comma-separated models (default: all)")
+    parser.add_argument("--pressures", default="", help="comma-separated (default: all)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--seeds", type=int, default=1, help="traces per case (from --seed on): a summary row each"
@@ -293,7 +313,11 @@ def main() -> None:
         print(f"\n{time.perf_counter() - start:.0f} s")
         return
     grid = QUICK_GRID if args.quick else GRID
-    if args.seeds > 1:
+    if args.cases:
+        grid = [tuple(map(int, case.split("/"))) for case in args.cases.split(",")]
+    if args.seeds > 1 and args.pull_only:
+        print_pull_seeds(args, grid)
+    elif args.seeds > 1:
         print_seeds(args, grid)
     else:
         print_trace(args, grid)
@@ -306,6 +330,49 @@ def main() -> None:
         print("|---|---|---|---|---|")
         for row in run_serve(args.serve_sessions, 4, args.serve_kv_bytes):
             print(row, flush=True)
+
+
+def _chosen(names: str, known: Mapping[str, object]) -> list[str]:
+    """The comma-separated `names` (all of `known` when empty); ValueError naming an unknown."""
+    chosen = names.split(",") if names else list(known)
+    unknown = [name for name in chosen if name not in known]
+    if unknown:
+        raise ValueError(f"unknown {unknown}; known: {sorted(known)}")
+    return chosen
+
+
+def pull_seeds_row(
+    model: str, pressure: str, sessions: int, replicas: int, args: argparse.Namespace
+) -> str:
+    """One row over `args.seeds` traces for the pull router alone: the hit ratio's median and
+    lowest, the traces meeting the hit and token goals, the worst max/mean tokens, the pulls."""
+    seeds = range(args.seed, args.seed + args.seeds)
+    cases = [measure_case(model, pressure, sessions, replicas, args, seed) for seed in seeds]
+    results = [case.routers[PULL] for case in cases]
+    by_trace = [case.ratio(result) for case, result in zip(cases, results, strict=True)]
+    tokens = [_imbalance(result.computed) for result in results]
+    met = sum(
+        ratio >= HIT_GOAL and token <= LOAD_GOAL
+        for ratio, token in zip(by_trace, tokens, strict=True)
+    )
+    ratios = sorted(by_trace)
+    pulls = sum(result.num_pulls for result in results)
+    return (
+        f"| {model} | {pressure} | {sessions} | {replicas} | {statistics.median(ratios):.2f} / "
+        f"{ratios[0]:.2f} | {met}/{len(cases)} | {max(tokens):.2f} | {pulls} |"
+    )
+
+
+def print_pull_seeds(args: argparse.Namespace, grid: list[tuple[int, int]]) -> None:
+    print(
+        "| model | pool pressure | sessions | replicas | hit ratio: median / lowest "
+        "| traces meeting hit and token goals | worst max/mean tokens | pulls (all traces) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for model in _chosen(args.models, MODELS):
+        for pressure in _chosen(args.pressures, PRESSURES):
+            for sessions, replicas in grid:
+                print(pull_seeds_row(model, pressure, sessions, replicas, args), flush=True)
 
 
 def print_seeds(args: argparse.Namespace, grid: list[tuple[int, int]]) -> None:
@@ -321,8 +388,8 @@ def print_seeds(args: argparse.Namespace, grid: list[tuple[int, int]]) -> None:
         "| random fixed placements: lowest / median / highest |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for model in MODELS:
-        for pressure in PRESSURES:
+    for model in _chosen(args.models, MODELS):
+        for pressure in _chosen(args.pressures, PRESSURES):
             for sessions, replicas in grid:
                 print(measure_seeds(model, pressure, sessions, replicas, args), flush=True)
 
@@ -334,8 +401,8 @@ def print_trace(args: argparse.Namespace, grid: list[tuple[int, int]]) -> None:
         "| predicted-hit error: mean / p90 / total | pulls / tokens pulled |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for model in MODELS:
-        for pressure in PRESSURES:
+    for model in _chosen(args.models, MODELS):
+        for pressure in _chosen(args.pressures, PRESSURES):
             for sessions, replicas in grid:
                 for row in measure(model, pressure, sessions, replicas, args):
                     print(row, flush=True)

@@ -20,12 +20,18 @@ from typing import Protocol
 
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
 
-from cluster.serve.hybrid_policy import HybridRoutingPolicy
+from cluster.serve.hybrid_policy import HybridRoutingPolicy, RoutingOptions
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache.events import KVEventLog, KVEventWindow
 from scheduler.kv_cache.spec import KVCacheConfig, KVCacheSpec, MambaCacheMode
 from scheduler.kv_cache.spec_factory import make_spec, one_layer_groups_config
-from scheduler.kv_cache.transfer import commit_import, find_export, held_keys, reserve_import
+from scheduler.kv_cache.transfer import (
+    commit_import,
+    demote_export,
+    find_export,
+    held_keys,
+    reserve_import,
+)
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler
@@ -88,7 +94,12 @@ class SimReplica:
         self.log: KVEventLog | None = None
         if events:
             self.scheduler.kv_cache_manager.enable_events()
-            self.log = KVEventLog(kv_config.groups, max_age_s=1e9, clock=lambda: self.clock)
+            self.log = KVEventLog(
+                kv_config.groups,
+                max_age_s=1e9,
+                clock=lambda: self.clock,
+                num_blocks=kv_config.num_blocks,
+            )
         self.num_routed = 0
         self.num_computed_tokens = 0
         self.live: list[Request] = []
@@ -223,14 +234,15 @@ class HybridPrefix:
         delay: int,
         load_factor: float,
         pull_threshold: int | None = None,
+        pressure_factor: float | None = RoutingOptions.pressure_factor,
     ) -> None:
         """`pull_threshold` (tokens): when the chosen replica's predicted hit trails another's
-        by at least this much, the chosen one pulls the prefix from it (None: never)."""
-        from cluster.serve.hybrid_policy import RoutingOptions
-
-        self.policy: HybridRoutingPolicy[int] = HybridRoutingPolicy(
-            RoutingOptions(load_factor, event_age_steps=delay + 1)
+        by at least this much, the chosen one pulls the prefix from it (None: never);
+        `pressure_factor`: the policy's pool-pressure rule (None: off)."""
+        options = RoutingOptions(
+            load_factor, event_age_steps=delay + 1, pressure_factor=pressure_factor
         )
+        self.policy: HybridRoutingPolicy[int] = HybridRoutingPolicy(options)
         self.delay = delay
         self._pending: deque[tuple[int, list[tuple[KVEventWindow, float]]]] = deque()
         self.predictions: dict[str, tuple[int, int]] = {}
@@ -277,7 +289,7 @@ class HybridPrefix:
         while self._pending and self._pending[0][0] <= now:
             _, ready = self._pending.popleft()
             for key, (window, usage) in enumerate(ready):
-                self.policy.replay(key, window, usage)
+                self.policy.replay(key, window, usage, now=now * STEP_S)
 
     def finished(self, replica: int) -> None:
         self.policy.completed(replica)
@@ -285,7 +297,8 @@ class HybridPrefix:
 
 def pull_between(sender: SimReplica, receiver: SimReplica, token_ids: list[int]) -> int:
     """The receiver takes the sender's cached prefix of the prompt (the scheduler's side of a
-    KV transfer: held keys, the sender's minimal hybrid set, import); the tokens it covers."""
+    KV transfer: held keys, the sender's minimal hybrid set, import; the sender then demotes
+    what it sent, as a Serve replica does for a peer's pull); the tokens it covers."""
     take = receiver.scheduler.kv_cache_manager
     probe = Request("pull", list(token_ids), SamplingParams(), take.hash_block_size)
     held = held_keys(take, probe.block_hashes, "sim")
@@ -297,6 +310,7 @@ def pull_between(sender: SimReplica, receiver: SimReplica, token_ids: list[int])
     if reservation is None:
         return 0
     commit_import(take, reservation)
+    demote_export(give, plan)
     return plan.keys.num_hit_tokens
 
 

@@ -60,6 +60,16 @@ class OffloadLoad(NamedTuple):
     file: str | None = None
 
 
+class TierPage(NamedTuple):
+    """An offload-tier entry (host `slot`, or disk `file`) a KV transfer sends as the
+    `position`-th page of its group (the sender reads it from the tier: no recompute, no load
+    into its pool)."""
+
+    position: int
+    slot: int | None
+    file: str | None = None
+
+
 class OffloadSpill(NamedTuple):
     """Write the host tier's `slot` to the disk tier's `file` (before the slot is dropped)."""
 

@@ -49,6 +49,17 @@ class BlockPages:
         return BlockPages(self.group_id, len(indices), tuple(picked))
 
 
+def concat_pages(parts: Sequence[BlockPages]) -> BlockPages:
+    """The pages of `parts` (one group's, all on one device) one after another."""
+    assert parts, "nothing to join"
+    if len(parts) == 1:
+        return parts[0]
+    group_ids = {part.group_id for part in parts}
+    assert len(group_ids) == 1, f"pages of several groups: {group_ids}"
+    tensors = tuple(torch.cat(column) for column in zip(*(p.tensors for p in parts), strict=True))
+    return BlockPages(parts[0].group_id, sum(p.num_blocks for p in parts), tensors)
+
+
 def export_blocks(
     tensors: GroupTensors,
     group_id: int,

@@ -2,18 +2,23 @@
 group, copied out of one engine's pool and into another's (`worker.block_export` per group).
 
 Each tensor-parallel rank exports and imports its own shard (its heads of K/V, its slice of the
-recurrent states), so both engines must run the same tensor-parallel size.
+recurrent states), so both engines must run the same tensor-parallel size. Pages the sender's
+offload tier holds (`TierPage`) are read from there, at their places in the group's order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from scheduler.output import TierPage
 from worker.block_copies import GroupTensors
-from worker.block_export import BlockPages, export_blocks, import_blocks
+from worker.block_export import BlockPages, concat_pages, export_blocks, import_blocks
+
+ReadTierPage = Callable[[TierPage, int], BlockPages]
+"""Reads one offload-tier entry's pages (the entry, its group)."""
 
 
 @dataclass(frozen=True)
@@ -33,14 +38,41 @@ def export_shard(
     num_pool_blocks: int,
     rank: int,
     block_ids: Sequence[Sequence[int]],
+    tier: tuple[Sequence[Sequence[TierPage]], ReadTierPage] | None = None,
 ) -> KVShard:
-    """Copy these blocks of every group (one list per group) into host memory."""
+    """Copy these blocks of every group (one list per group) into host memory; with `tier`
+    (per group the offload-tier entries sent, and their reader) those join them in place."""
     pages = tuple(
         export_blocks(tensors, group_id, list(ids), num_pool_blocks)
         for group_id, ids in enumerate(block_ids)
     )
     _wait_for_copies(tensors)  # the pinned copies are read by the transport next
+    if tier is not None:
+        tier_pages, read = tier
+        pages = tuple(
+            _with_tier_pages(group_pages, entries, read)
+            for group_pages, entries in zip(pages, tier_pages, strict=True)
+        )
     return KVShard(rank, pages)
+
+
+def _with_tier_pages(
+    device: BlockPages, entries: Sequence[TierPage], read: ReadTierPage
+) -> BlockPages:
+    """One group's pages in transfer order: the device blocks', with the tier entries'
+    inserted at their positions."""
+    if not entries:
+        return device
+    by_position = {entry.position: read(entry, device.group_id) for entry in entries}
+    parts: list[BlockPages] = []
+    next_device = 0
+    for position in range(device.num_blocks + len(entries)):
+        if position in by_position:
+            parts.append(by_position[position])
+        else:
+            parts.append(device.block(next_device))
+            next_device += 1
+    return concat_pages(parts)
 
 
 def import_shard(

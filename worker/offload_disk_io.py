@@ -91,6 +91,10 @@ class DiskIO:
         """Write `pages` to `file` once the copies into them (`stored`, on CUDA) are done."""
         self._file_thread().submit(_write, file, pages, stored)
 
+    def read(self, file: str, group_id: int) -> BlockPages:
+        """Read one block file now, after the writes asked before (the caller waits)."""
+        return self._file_thread().submit(read_block_file, file, group_id).result()
+
     def remove(self, file: str) -> None:
         self._file_thread().submit(_remove, file)
 

@@ -25,7 +25,7 @@ from enum import IntEnum
 
 import torch
 
-from scheduler.output import OffloadLoad, OffloadOps, OffloadSpill, OffloadStore
+from scheduler.output import OffloadLoad, OffloadOps, OffloadSpill, OffloadStore, TierPage
 from worker.block_copies import GroupTensors
 from worker.block_export import BlockPages, export_blocks, import_blocks
 from worker.distributed import all_reduce, tp_rank, tp_size
@@ -151,6 +151,15 @@ class HostOffloadStore:
             else:
                 apply = self._apply if self._stream is None else None
                 state.job = self.disk_io.load(req_id, sources, apply)
+
+    def read_page(self, page: TierPage, group_id: int) -> BlockPages:
+        """One entry's pages as they are in host memory, or read from this rank's block file
+        (a KV transfer sends them); KeyError or a `LOAD_ERRORS` error when it is gone."""
+        if page.file is not None:
+            return self.disk_io.read(shard_file(page.file), group_id)
+        if page.slot is None:
+            raise KeyError("none")
+        return self.pages[page.slot]
 
     def _in_memory(self, load: OffloadLoad) -> BlockPages | None:
         """The pages of a host load (KeyError: this store has none under its slot); None for a

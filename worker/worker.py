@@ -15,7 +15,7 @@ from torch import nn
 
 from scheduler.kv_cache.spec import KVCacheConfig
 from scheduler.lora import LoRARequest
-from scheduler.output import ModelRunnerOutput, OffloadOps, SchedulerOutput
+from scheduler.output import ModelRunnerOutput, OffloadOps, SchedulerOutput, TierPage
 from scheduler.spec_config import SpecMethod
 from worker.config import ModelConfig, ParallelConfig
 from worker.distributed import destroy_distributed, init_distributed
@@ -116,10 +116,21 @@ class Worker:
         output = self.model_runner.execute(scheduler_output)
         return output if self.rank == 0 else None
 
-    def export_kv_shard(self, block_ids: tuple[tuple[int, ...], ...]) -> KVShard:
-        """This rank's pages of these blocks (one list per KV cache group), in host memory."""
+    def export_kv_shard(
+        self,
+        block_ids: tuple[tuple[int, ...], ...],
+        tier_pages: tuple[tuple[TierPage, ...], ...] = (),
+    ) -> KVShard:
+        """This rank's pages of these blocks (one list per KV cache group), in host memory,
+        with the offload-tier entries `tier_pages` in their places."""
         tensors, num_blocks = self.model_runner.block_tensors
-        return export_shard(tensors, num_blocks, self.rank, block_ids)
+        store = self.model_runner.offload
+        if not any(tier_pages):
+            return export_shard(tensors, num_blocks, self.rank, block_ids)
+        if store is None:
+            raise ValueError("kv transfer: tier pages asked of an engine with no offload tier")
+        tier = (tier_pages, store.read_page)
+        return export_shard(tensors, num_blocks, self.rank, block_ids, tier)
 
     def import_kv_shards(
         self,

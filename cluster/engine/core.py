@@ -217,7 +217,8 @@ class EngineCore:
         manager = self.scheduler.kv_cache_manager
         manager.enable_events()
         if manager.enable_caching and self.kv_events is None:
-            self.kv_events = KVEventLog(self.scheduler.kv_cache_config.groups)
+            config = self.scheduler.kv_cache_config
+            self.kv_events = KVEventLog(config.groups, num_blocks=config.num_blocks)
 
     def _record_kv_events(self) -> None:
         if self.kv_events is not None:

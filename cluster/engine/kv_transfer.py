@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cluster.engine.core import EngineCore
 from scheduler.block_hash import BlockHash
@@ -26,6 +26,7 @@ from scheduler.kv_cache.transfer import (
     TransferKeys,
     abort_import,
     commit_import,
+    demote_export,
     find_export,
     held_keys,
     reserve_import,
@@ -85,7 +86,21 @@ def kv_held_keys(
 ) -> HeldKeys:
     """Receiver, first: which of the prompt's blocks this engine holds (not to be sent)."""
     hashes = prompt_block_hashes(core, prompt_token_ids, cache_salt)
-    return held_keys(core.scheduler.kv_cache_manager, hashes, core.kv_transfer_fingerprint)
+    held = held_keys(core.scheduler.kv_cache_manager, hashes, core.kv_transfer_fingerprint)
+    return replace(held, tensor_parallel_size=_tp_size(core))
+
+
+def _tp_size(core: EngineCore) -> int:
+    return core.executor.configs.tensor_parallel_size
+
+
+def _check_tp_sizes(sender: int, receiver: int) -> None:
+    """ValueError naming both sizes when they differ (shards are not resharded)."""
+    if sender != receiver:
+        raise ValueError(
+            f"kv transfer: tensor_parallel_size differs (sender {sender}, receiver {receiver}); "
+            "both engines must run the same size"
+        )
 
 
 def kv_export(
@@ -93,16 +108,23 @@ def kv_export(
     prompt_token_ids: Sequence[int],
     held: HeldKeys,
     cache_salt: str | None = None,
+    demote: bool = False,
 ) -> KVTransfer:
-    """Sender: the blocks of this engine's longest hit on the prompt (never its last token) that
-    the receiver does not hold, each rank's shard in host memory."""
+    """Sender: the blocks of this engine's longest hit on the prompt (never its last token, its
+    offload tier included: no recompute) that the receiver does not hold, each rank's shard in
+    host memory; with `demote` (the
+    conversation moved to the receiver) those blocks are then evicted here first."""
     started = time.perf_counter()
     hashes = prompt_block_hashes(core, prompt_token_ids, cache_salt)
     manager = core.scheduler.kv_cache_manager
     max_length = len(prompt_token_ids) - 1
+    _check_tp_sizes(_tp_size(core), held.tensor_parallel_size)
+    _run_tier_copies(core)  # every tier entry the plan may read is in place
     plan = find_export(manager, hashes, max_length, held, core.kv_transfer_fingerprint)
-    shards = core.executor.collective_rpc("export_kv_shard", plan.block_ids)
+    shards = core.executor.collective_rpc("export_kv_shard", plan.block_ids, plan.tier_pages)
     transfer = KVTransfer(plan.keys, tuple(s for s in shards if isinstance(s, KVShard)))
+    if demote:
+        demote_export(manager, plan)
     counters = core.kv_transfer_counters
     counters.num_exports += 1
     for group_id, size in enumerate(transfer.group_bytes()):
@@ -110,8 +132,9 @@ def kv_export(
         counters.bytes_sent[group_id] += size
     counters.export_seconds += time.perf_counter() - started
     logger.debug(
-        "kv export: %d blocks (%d held by the receiver), %d bytes, hit %d tokens",
+        "kv export: %d blocks (%d from the tier, %d held by the receiver), %d bytes, hit %d",
         plan.keys.num_blocks,
+        plan.keys.num_tier_blocks,
         plan.keys.num_held_blocks,
         transfer.nbytes,
         plan.keys.num_hit_tokens,
@@ -124,6 +147,7 @@ def kv_import(core: EngineCore, transfer: KVTransfer) -> KVImportResult:
     transfer there is no room for takes nothing (the request recomputes)."""
     started = time.perf_counter()
     counters = core.kv_transfer_counters
+    _check_tp_sizes(len(transfer.shards), _tp_size(core))
     if transfer.keys.fingerprint != core.kv_transfer_fingerprint:
         raise ValueError("kv transfer: the sending engine runs another model or KV layout")
     manager = core.scheduler.kv_cache_manager

@@ -15,7 +15,11 @@ replica its latest prompt went to). For a request:
      hit if it exceeds the shortest by >= `match_fraction` of the prompt (a prefix every
      replica holds, e.g. a shared system prompt, says nothing), else (a new conversation) a
      replica with the request's LoRA adapter loaded, then the fewest conversations, then the
-     least footprint; excluded replicas come last, in the same order.
+     least footprint; excluded replicas come last, in the same order;
+  4. pool pressure: a conversation continuing on a replica that evicts (cached keys per pool
+     block, recently) more than `pressure_factor` x the calmest allowed replica moves to that
+     one: its prefix would likely be evicted before its next turn where it is; it is pulled
+     along (`pull_source`), and the sender demotes what it sent.
 
 A LoRA adapter is part of the prompt's block hashes (a hit is a hit with that adapter), and
 a replica that has the adapter loaded (its routing stats, or a request for it just sent there)
@@ -90,6 +94,15 @@ class RoutingOptions:
     no pull-vs-recompute crossover has been measured on a GPU yet."""
     pull_timeout_s: float = 5.0
     """Deadline of a pull; past it the receiver recomputes."""
+    pressure_factor: float | None = 2.0
+    """A conversation moves off its replica (its prefix pulled along) to the calmest allowed
+    replica when its own evicts more than this multiple of that one's rate (evicted keys per
+    pool block, over `pressure_half_life_s`) (None: never move for pool pressure); >= 1."""
+    pressure_half_life_s: float = 2.0
+    """Half-life with which a replica's evictions fade (a few of its conversations' turns)."""
+    min_pressure: float = 0.2
+    """Below this eviction rate (keys evicted over `pressure_half_life_s`, per pool block) a
+    replica is under no pool pressure whatever the others evict."""
 
     def __post_init__(self) -> None:
         if self.pull_threshold_tokens is not None and self.pull_threshold_tokens < 1:
@@ -97,6 +110,12 @@ class RoutingOptions:
                 f"pull_threshold_tokens must be >= 1 (or null: never pull), "
                 f"got {self.pull_threshold_tokens}"
             )
+        if self.pressure_factor is not None and self.pressure_factor < 1:
+            raise ValueError(f"pressure_factor must be >= 1 (or null), got {self.pressure_factor}")
+        if self.min_pressure < 0:
+            raise ValueError(f"min_pressure must be >= 0, got {self.min_pressure}")
+        if self.pressure_half_life_s <= 0:
+            raise ValueError(f"pressure_half_life_s must be > 0, got {self.pressure_half_life_s}")
         if self.pull_timeout_s <= 0:
             raise ValueError(f"pull_timeout_s must be > 0, got {self.pull_timeout_s}")
         if self.load_factor < 1.0:
@@ -144,6 +163,8 @@ class Candidate(NamedTuple):
     """Its recent conversations (each fading with `work_half_life_s`)."""
     has_adapter: bool = True
     """The request's LoRA adapter is loaded there (True for a base-model request)."""
+    eviction_rate: float | None = None
+    """Keys it evicted recently per pool block (None: its pool size is not reported)."""
 
 
 @dataclass
@@ -167,6 +188,14 @@ class _Replica:
     """The LoRA adapters the replica reported loaded."""
     sent_adapters: dict[str, float] = field(default_factory=dict)
     """Adapters of requests routed here -> when (loaded there by now, until reports say)."""
+    num_blocks: int = 0
+    """The replica's pool size in blocks, as its events report it (0: not reported)."""
+    evictions: float = 0.0
+    """Keys its events removed, each fading with `pressure_half_life_s`, as of `evict_time`."""
+    evict_time: float = 0.0
+
+    def recent_evictions(self, now: float, half_life: float) -> float:
+        return self.evictions * _decay(now - self.evict_time, half_life)
 
     def has_adapter(self, adapter: str | None, now: float, ttl: float) -> bool:
         if adapter is None or adapter in self.adapters:
@@ -212,9 +241,10 @@ class HybridRoutingPolicy(Generic[Key]):
         window: KVEventWindow,
         kv_usage: float = 0.0,
         adapters: Sequence[str] | None = None,
+        now: float = 0.0,
     ) -> None:
         """Bring the replica's index up to its event log (the first window creates it), and
-        its loaded LoRA adapters to its report (None: unchanged)."""
+        its loaded LoRA adapters to its report (None: unchanged); `now`: when it was polled."""
         replica = self._replicas.setdefault(key, _Replica())
         if replica.index is None or replica.index.groups != window.groups:
             replica.index = CacheIndex(
@@ -226,8 +256,13 @@ class HybridRoutingPolicy(Generic[Key]):
                 if hashes:  # its conversation's next turn will find it
                     _remember_end(replica.prompt_ends, hashes, (prompt.num_tokens, routed_at))
             replica.unindexed.clear()
+        half_life = self.options.pressure_half_life_s
+        evicted = _num_removed(window, replica.index.next_seq)
+        replica.evictions = replica.recent_evictions(now, half_life) + evicted
+        replica.evict_time = now
         replica.index.replay(window)
         replica.kv_usage = kv_usage
+        replica.num_blocks = window.num_blocks
         if adapters is not None:
             replica.adapters = frozenset(adapters)
 
@@ -264,8 +299,19 @@ class HybridRoutingPolicy(Generic[Key]):
         conversations = replica.recent_conversations(now, half_life)
         adapter = prompt.adapter if prompt is not None else None
         has_adapter = replica.has_adapter(adapter, now, self.options.guess_ttl_s)
+        rate = None
+        if replica.num_blocks:
+            evictions = replica.recent_evictions(now, self.options.pressure_half_life_s)
+            rate = evictions / replica.num_blocks
         return Candidate(
-            hit, replica.in_flight, work, replica.kv_usage, continues, conversations, has_adapter
+            hit,
+            replica.in_flight,
+            work,
+            replica.kv_usage,
+            continues,
+            conversations,
+            has_adapter,
+            rate,
         )
 
     def _predicted_hit(self, index: CacheIndex, prompt: PromptKeys, now: float) -> int:
@@ -290,7 +336,33 @@ class HybridRoutingPolicy(Generic[Key]):
             over |= _over_work(cases, num_tokens, options.work_factor) - holders
         follows_hit = _distinct_hit(cases, over) >= options.match_fraction * num_tokens > 0
         ordered = sorted(keys, key=lambda key: _order(key in over, cases[key], follows_hit))
+        relief = self._pressure_target(cases, over)
+        if relief is not None:
+            ordered = [relief, *(key for key in ordered if key != relief)]
         return [ordered[:1], ordered[1:]] if len(ordered) > 1 else [ordered]
+
+    def _pressure_target(self, cases: Mapping[Key, Candidate], over: set[Key]) -> Key | None:
+        """Where a conversation continuing on a replica under pool pressure moves: the calmest
+        allowed replica, when the conversation's own evicts more than `pressure_factor` x its
+        rate; None: it stays."""
+        factor = self.options.pressure_factor
+        allowed = {key: case for key, case in cases.items() if key not in over}
+        home = next((case for case in allowed.values() if case.continues), None)
+        if factor is None or home is None or home.eviction_rate is None:
+            return None
+        if home.eviction_rate < self.options.min_pressure:
+            return None
+        rates = {  # moving must not leave the target with more conversations than home had
+            key: case.eviction_rate
+            for key, case in allowed.items()
+            if not case.continues
+            and case.eviction_rate is not None
+            and round(case.conversations) <= round(home.conversations)
+        }
+        calmest = min(rates, key=rates.__getitem__, default=None)
+        if calmest is None or home.eviction_rate <= factor * rates[calmest]:
+            return None
+        return calmest
 
     def predicted_hit(self, key: Key, prompt: PromptKeys | None, now: float) -> int:
         """`candidate(...).predicted_hit`, without the rest of the candidate."""
@@ -340,6 +412,12 @@ class HybridRoutingPolicy(Generic[Key]):
     def in_flight(self, key: Key) -> int:
         replica = self._replicas.get(key)
         return replica.in_flight if replica is not None else 0
+
+
+def _num_removed(window: KVEventWindow, next_seq: int) -> int:
+    """Keys the window's batches from `next_seq` on remove from the device pool."""
+    new = window.batches[max(next_seq - window.first_seq, 0) :]
+    return sum(len(keys) for batch in new for keys in batch.removed)
 
 
 def _decay(age: float, half_life: float) -> float:

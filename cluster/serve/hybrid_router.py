@@ -120,13 +120,14 @@ class HybridPrefixRouter(FIFOMixin, RequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
+        now = time.monotonic()
         for replica in replicas:
             stats = replica.routing_stats or {}
             window = stats.get(KV_EVENTS_STAT)
             if isinstance(window, KVEventWindow):
                 usage = float(stats.get(KV_USAGE_STAT, 0.0))
                 adapters = stats.get(LORA_ADAPTERS_STAT)
-                self.policy.replay(replica.replica_id, window, usage, adapters)
+                self.policy.replay(replica.replica_id, window, usage, adapters, now)
         self.policy.keep_only([replica.replica_id for replica in replicas])
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:

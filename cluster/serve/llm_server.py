@@ -242,8 +242,10 @@ class LLMServer:
         to_replica: str | None = None,
     ) -> KVTransfer:
         """A peer's pull: the blocks of this replica's cached prefix of the prompt that the
-        peer does not hold (`to_replica` names this replica to the router)."""
-        return await self.engine.call_core(kv_export, prompt_token_ids, held, cache_salt)
+        peer does not hold (`to_replica` names this replica to the router). The conversation
+        moved to the peer, so they are evicted here first."""
+        demote = True
+        return await self.engine.call_core(kv_export, prompt_token_ids, held, cache_salt, demote)
 
     def transfer_stats(self, to_replica: str | None = None) -> dict[str, int]:
         """Requests whose prefix this replica took from another engine (P/D hand-off, pull)

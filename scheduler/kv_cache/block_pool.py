@@ -302,6 +302,17 @@ class BlockPool:
                 if sink is not None:
                     sink.stored(group_id, block_hash)
 
+    def demote(self, block_ids: Sequence[int]) -> int:
+        """Move the free, registered blocks among `block_ids` to the queue front (evicted
+        before any other cached block; the first given first); blocks a request holds stay.
+        Returns how many moved."""
+        blocks = [self.blocks[block_id] for block_id in block_ids]
+        movable = [b for b in blocks if b.ref_cnt == 0 and b.block_hash is not None]
+        for block in movable:
+            self.free_queue.remove(block)
+        self.free_queue.prepend_n(movable)
+        return len(movable)
+
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Forget the hashes of these blocks (their contents can no longer be trusted)."""
         for block_id in block_ids:

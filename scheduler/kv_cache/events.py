@@ -133,6 +133,9 @@ class KVEventWindow:
     batches: tuple[KVEventBatch, ...]
     outlook: EvictionOutlook | None = None
     """The engine's eviction order after the last of `batches` (None: not given)."""
+    num_blocks: int = 0
+    """The engine's pool size in blocks (0: not given): what a reader weighs its
+    conversations' footprint against."""
 
     @property
     def next_seq(self) -> int:
@@ -153,8 +156,11 @@ class KVEventLog:
         max_keys: int = 1 << 14,
         max_age_s: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        num_blocks: int = 0,
     ) -> None:
         self.groups = groups
+        self.num_blocks = num_blocks
+        """The engine's pool size in blocks (0: not given), passed on with each window."""
         self.max_keys = max_keys
         self.max_age_s = max_age_s
         self._clock = clock
@@ -181,7 +187,9 @@ class KVEventLog:
         with self._lock:
             self._prune()
             batches = tuple(batch for _, batch in self._entries)
-            return KVEventWindow(self.groups, self._first_seq, batches, self._outlook)
+            return KVEventWindow(
+                self.groups, self._first_seq, batches, self._outlook, self.num_blocks
+            )
 
     def _prune(self) -> None:
         oldest = self._clock() - self.max_age_s

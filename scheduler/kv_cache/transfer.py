@@ -5,12 +5,15 @@ The set sent is the hybrid minimum a prefix hit reads, found by the coordinator'
 on the sender: every full-attention block, only the window / chunk blocks the hit reaches, one
 recurrent state at the hit's aligned end; KV-sharing layers own no blocks. Keys are per group,
 (group id, block hash), as in the pool and the offload tier, so both engines must hash alike
-(same block sizes and layout: `layout_fingerprint`).
+(same block sizes and layout: `layout_fingerprint`). The sender's hit reaches into its offload
+tier: blocks only the tier holds are sent from there (`TierPage`), never recomputed.
 
     receiver  held_keys(prompt)            ─► HeldKeys (per group: hashes it has)
     sender    find_export(prompt, held)    ─► TransferKeys + sender block ids (workers export)
     receiver  reserve_import(keys)         ─► fresh blocks (workers import the pages)
     receiver  commit_import / abort_import ─► blocks registered (cached, evictable) / freed
+    sender    demote_export(plan)          ─► (a conversation moved) its sent blocks are
+                                               evicted first, making room where it left
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 from scheduler.block_hash import BlockHash
 from scheduler.kv_cache.free_block_queue import KVCacheBlock
 from scheduler.kv_cache.manager import KVCacheManager
-from scheduler.kv_cache.offload_levels import group_block_bytes
+from scheduler.kv_cache.offload_levels import OffloadedBlock, group_block_bytes
 from scheduler.kv_cache.spec import (
     KVCacheConfig,
     KVCacheSpec,
@@ -30,6 +33,7 @@ from scheduler.kv_cache.spec import (
     cdiv,
     manager_spec,
 )
+from scheduler.output import TierPage
 
 
 @dataclass(frozen=True)
@@ -39,6 +43,9 @@ class HeldKeys:
     fingerprint: str
     """The receiver's model and KV layout (`layout_fingerprint`): the sender's must equal it."""
     groups: tuple[frozenset[BlockHash], ...]
+    tensor_parallel_size: int = 1
+    """The receiver's: each rank takes the shard of the same sender rank, so the sender's must
+    equal it."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,8 @@ class TransferKeys:
     groups: tuple[tuple[BlockHash, ...], ...]
     num_held_blocks: int = 0
     """Blocks of the hit the receiver already held (not sent)."""
+    num_tier_blocks: int = 0
+    """Blocks sent from the sender's offload tier (host memory or disk)."""
 
     @property
     def num_blocks(self) -> int:
@@ -59,10 +68,12 @@ class TransferKeys:
 
 @dataclass(frozen=True)
 class ExportPlan:
-    """What the sender's workers copy out: per group, the pool blocks of `keys` in order."""
+    """What the sender's workers copy out: per group, the pool blocks of `keys` in order, and
+    the pages of `keys` its offload tier holds instead (at their places in that order)."""
 
     keys: TransferKeys
     block_ids: tuple[tuple[int, ...], ...]
+    tier_pages: tuple[tuple[TierPage, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -99,8 +110,9 @@ def find_export(
     held: HeldKeys,
     fingerprint: str,
 ) -> ExportPlan:
-    """The sender's longest prefix hit (at most `max_length` tokens) on its device pool, less the
-    blocks the receiver holds. ValueError when the two engines' layouts differ."""
+    """The sender's longest prefix hit (at most `max_length` tokens) on its device pool and
+    offload tier, less the blocks the receiver holds. ValueError when the two engines' layouts
+    differ."""
     if held.fingerprint != fingerprint:
         raise ValueError(
             "kv transfer: the engines differ in model or KV layout "
@@ -109,22 +121,39 @@ def find_export(
     if not manager.enable_caching:
         raise ValueError("kv transfer needs enable_prefix_caching on the sending engine")
     pool = manager.pool
-    lookup_maps, pool.lookup_maps = pool.lookup_maps, pool.hash_maps  # device blocks only
-    try:
-        found = manager.coordinator.find_longest_cache_hit(block_hashes, max_length)
-    finally:
-        pool.lookup_maps = lookup_maps
+    found = manager.coordinator.find_longest_cache_hit(block_hashes, max_length)
     keys: list[tuple[BlockHash, ...]] = []
     block_ids: list[tuple[int, ...]] = []
+    tier_pages: list[tuple[TierPage, ...]] = []
     num_held = 0
     for group_id, blocks in enumerate(found.blocks):
         real = [b for b in blocks if b is not pool.null_block and b.block_hash is not None]
         sent = [b for b in real if b.block_hash not in held.groups[group_id]]
         num_held += len(real) - len(sent)
         keys.append(tuple(b.block_hash for b in sent if b.block_hash is not None))
-        block_ids.append(tuple(b.block_id for b in sent))
-    transfer = TransferKeys(fingerprint, found.num_tokens, tuple(keys), num_held)
-    return ExportPlan(transfer, tuple(block_ids))
+        block_ids.append(tuple(b.block_id for b in sent if not isinstance(b, OffloadedBlock)))
+        tier_pages.append(_tier_pages(sent))
+    num_tier = sum(len(pages) for pages in tier_pages)
+    transfer = TransferKeys(fingerprint, found.num_tokens, tuple(keys), num_held, num_tier)
+    return ExportPlan(transfer, tuple(block_ids), tuple(tier_pages))
+
+
+def _tier_pages(sent: Sequence[KVCacheBlock]) -> tuple[TierPage, ...]:
+    """The offload-tier entries among a group's sent blocks, at their places in it."""
+    return tuple(
+        TierPage(position, block.slot, block.file)
+        for position, block in enumerate(sent)
+        if isinstance(block, OffloadedBlock)
+    )
+
+
+def demote_export(manager: KVCacheManager, plan: ExportPlan) -> int:
+    """The sender, once a conversation moved to the receiver: the blocks it sent go to the
+    front of its eviction order (those a running request holds stay); how many moved. The
+    last block of the prefix goes first: a recurrent state or a window tail is what a later
+    hit here would need, and without it the earlier blocks are no hit."""
+    ordered = [block_id for group in plan.block_ids for block_id in reversed(group)]
+    return manager.pool.demote(ordered)
 
 
 def reserve_import(manager: KVCacheManager, keys: TransferKeys) -> ImportReservation | None:
@@ -189,6 +218,7 @@ __all__ = [
     "TransferKeys",
     "abort_import",
     "commit_import",
+    "demote_export",
     "find_export",
     "held_keys",
     "hit_lower_bound_bytes",

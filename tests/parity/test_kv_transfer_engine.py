@@ -8,6 +8,7 @@ both ends, with and without part of the prefix already held by the receiver."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -112,6 +113,31 @@ def test_a_transfer_between_other_kv_layouts_is_refused(tmp_path: Path) -> None:
         prefill_all_but_last(sender, PROMPT)
         with pytest.raises(ValueError, match="kv transfer: the engines differ"):
             transfer_prefix(core_of(sender), core_of(receiver), PROMPT)
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
+
+
+def test_other_tensor_parallel_sizes_are_refused_naming_both(tmp_path: Path) -> None:
+    """A receiver of two ranks asks a one-rank sender (its held keys say so), and a one-rank
+    receiver is handed two ranks' shards: each side refuses, naming both sizes, before it
+    reads or reserves a block."""
+    save_tiny_model("gemma3", tmp_path)
+    sender, receiver = LLM(str(tmp_path), **LLM_ARGS), LLM(str(tmp_path), **LLM_ARGS)
+    try:
+        prefill_all_but_last(sender, PROMPT)
+        send, take = core_of(sender), core_of(receiver)
+        held = kv_held_keys(take, PROMPT)
+        with pytest.raises(ValueError, match=r"differs \(sender 1, receiver 2\)"):
+            kv_export(send, PROMPT, replace(held, tensor_parallel_size=2))
+        transfer = kv_export(send, PROMPT, held)
+        two_ranks = replace(
+            transfer, shards=(*transfer.shards, replace(transfer.shards[0], rank=1))
+        )
+        with pytest.raises(ValueError, match=r"differs \(sender 2, receiver 1\)"):
+            kv_import(take, two_ranks)
+        assert take.scheduler.kv_cache_manager.usage == 0
+        assert kv_import(take, transfer).num_blocks == transfer.keys.num_blocks
     finally:
         sender.shutdown()
         receiver.shutdown()

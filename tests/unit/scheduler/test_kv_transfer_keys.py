@@ -1,7 +1,8 @@
 """The scheduler's side of a KV transfer, on hybrid layouts without a model: the sender's set is
 the hybrid minimum of its hit (its bytes the lower bound), keys the receiver holds are left out,
 an import registers every key so the receiver's lookup hits the sender's length, a failed or
-roomless import leaves the pool as it was."""
+roomless import leaves the pool as it was, and a sender whose conversation moved evicts what it
+sent first."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from scheduler.kv_cache.spec_factory import make_spec, one_layer_groups_config
 from scheduler.kv_cache.transfer import (
     abort_import,
     commit_import,
+    demote_export,
     find_export,
     held_keys,
     needed_blocks,
@@ -102,3 +104,36 @@ def test_engines_of_other_layouts_are_refused() -> None:
     hashes = _request(PROMPT, sender).block_hashes
     with pytest.raises(ValueError, match="differ in model or KV layout"):
         find_export(sender, hashes, 100, held_keys(receiver, hashes, "a"), "b")
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_sender_evicts_what_it_sent_first(layout: str) -> None:
+    """The moved conversation's blocks go to the front of the sender's eviction order: the
+    blocks the next requests take are those, and another conversation's prefix, though older,
+    stays cached."""
+    sender, receiver = _manager(layout), _manager(layout)
+    other = [7, *PROMPT[1:100]]
+    _compute(sender, other)
+    _compute(sender, PROMPT[:-1])
+    hashes = _request(PROMPT, sender).block_hashes
+    plan = find_export(sender, hashes, len(PROMPT) - 1, held_keys(receiver, hashes, "f"), "f")
+    other_hit = _hit(sender, [*other, 1])
+    assert demote_export(sender, plan) == plan.keys.num_blocks > 0
+    sent = {block_id for group in plan.block_ids for block_id in group}
+    front = sender.pool.free_queue.eviction_order(len(sent))
+    assert {block.block_id for block in front} == sent
+    sender.pool.get_new_blocks(len(sent), 0)
+    assert _hit(sender, PROMPT) < plan.keys.num_hit_tokens
+    assert _hit(sender, [*other, 1]) == other_hit > 0
+
+
+def test_blocks_a_running_request_holds_are_not_demoted() -> None:
+    sender, receiver = _manager("sliding+full"), _manager("sliding+full")
+    _compute(sender, PROMPT[:-1])
+    hashes = _request(PROMPT, sender).block_hashes
+    plan = find_export(sender, hashes, len(PROMPT) - 1, held_keys(receiver, hashes, "f"), "f")
+    running = _request(PROMPT, sender, "running")
+    hit = sender.get_computed_blocks(running)
+    sender.allocate_slots(running, 1, hit.num_tokens, hit.blocks)
+    assert demote_export(sender, plan) == 0
+    sender.check_invariants()
