@@ -57,6 +57,7 @@ from worker.offload_store import HostOffloadStore
 from worker.runner_config import RunnerConfig
 from worker.sampler import Sampler, to_token_logprobs
 from worker.sampling_state import SamplingState
+from worker.spec_decode.draft_states import DrafterStateGroups
 from worker.spec_decode.factory import make_proposer
 from worker.spec_decode.proposer import DrafterCache, DraftProposer, DraftRequest
 from worker.spec_decode.verify import RowLayout, verify_drafts
@@ -127,7 +128,9 @@ class ModelRunner:
         self.drafter_layers = self.proposer.drafter_layers if self.proposer else []
         """Attention layers of the proposer's model: KV cache groups of their own."""
         self.layers = attention_layers(model) + self.drafter_layers
-        self.mamba_layers = mamba_layers(model)
+        self.drafter_state_layers = self.proposer.drafter_state_layers if self.proposer else []
+        """Recurrent-state layers of the proposer's model: state groups of their own."""
+        self.mamba_layers = mamba_layers(model) + self.drafter_state_layers
         self._mamba_groups: dict[str, int] = {}
         """Mamba layer -> its KV cache group."""
         self._mamba_modes: dict[int, tuple[int, MambaCacheMode]] = {}
@@ -159,12 +162,15 @@ class ModelRunner:
         target = attention_layers(self.model)
         report = report_kv_cache_specs(target + self.drafter_layers, block_size, dtype_bytes)
         specs = report.layer_specs
+        mode = MambaCacheMode(self.config.mamba_cache_mode)
         if self.mamba_layers:
-            mode = MambaCacheMode(self.config.mamba_cache_mode)
             specs = model_order_specs(self.model, specs, block_size, dtype_bytes, mode)
         for layer in self.drafter_layers:  # after the target's, in groups of their own
             name = layer.layer_name
             specs[name] = replace(report.layer_specs[name], drafter=True)
+        for state in self.drafter_state_layers:
+            spec = state.kv_cache_spec(block_size, dtype_bytes, mode)
+            specs[state.layer_name] = replace(spec, drafter=True)
         return replace(report, layer_specs=specs)
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
@@ -215,7 +221,14 @@ class ModelRunner:
     def _drafter_cache(self) -> DrafterCache:
         names = {layer.layer_name for layer in self.drafter_layers}
         groups = [group for group in self.attention_groups if names.issuperset(group.layer_names)]
-        return DrafterCache(groups, self.kv_caches, self._require_states())
+        state_groups = None
+        if self.drafter_state_layers:
+            group_of = {
+                layer.layer_name: self._mamba_groups[layer.layer_name]
+                for layer in self.drafter_state_layers
+            }
+            state_groups = DrafterStateGroups(group_of, self._mamba_modes, self._mamba_kernels)
+        return DrafterCache(groups, self.kv_caches, self._require_states(), state_groups)
 
     def _backend_for(self, kernel_block_size: int, needs: KernelNeeds) -> AttentionBackend:
         key = (kernel_block_size, needs)
@@ -267,8 +280,8 @@ class ModelRunner:
             self.attention_groups, batch, step, self.kv_caches, self.build_stats
         )
         copies_after = list(scheduler_output.copies_after_step)
+        saves = saves_by_request(scheduler_output.state_saves)
         if self._mamba_groups:
-            saves = saves_by_request(scheduler_output.state_saves)
             cuts, state_copies = checkpoint_cuts(batch, states, self._mamba_modes, saves)
             copies_after.extend(state_copies)
             per_group = build_mamba_metadata(
@@ -279,7 +292,7 @@ class ModelRunner:
         with self._lora_step(batch):
             hidden = self.model(batch.input_ids, batch.positions, ctx)  # [num_tokens, hidden]
         if self.proposer is not None:
-            self.proposer.observe(batch, ctx, hidden)
+            self.proposer.observe(batch, ctx, hidden, saves)
         if copies_after:
             copy_blocks(copies_after, self._group_tensors, self._num_blocks)
         rows = batch.logits_indices

@@ -142,7 +142,3 @@ def test_drafters_that_cannot_draft_fail_at_start(
     save_tiny_model("llama", other_vocab, vocab_size=300)
     spec = {"method": "draft_model", "model": str(other_vocab), "num_speculative_tokens": 2}
     assert "vocabulary (300 tokens)" in _start_error(path, spec)
-    recurrent = tmp_path / "bamba"
-    save_tiny_hybrid("bamba", recurrent)
-    spec = {"method": "draft_model", "model": str(recurrent), "num_speculative_tokens": 2}
-    assert "recurrent-state layers" in _start_error(path, spec)
