@@ -83,6 +83,10 @@ class ModelProposer(DraftProposer):
     def drafter_state_layers(self) -> list[StateLayer]:
         return self.state_layers
 
+    @property
+    def runs_on_every_rank(self) -> bool:
+        return True
+
     def bind(self, cache: DrafterCache) -> None:
         self._cache = cache
 

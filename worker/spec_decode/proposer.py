@@ -66,6 +66,12 @@ class DraftProposer(abc.ABC):
         return []
 
     @property
+    def runs_on_every_rank(self) -> bool:
+        """Whether every tensor-parallel rank runs `propose` (a sharded drafter model), not
+        only the driver."""
+        return False
+
+    @property
     def drafter_state_layers(self) -> list[StateLayer]:
         """Recurrent-state layers of the proposer's own model (none without a model)."""
         return []
