@@ -5,8 +5,9 @@ The drafter is the target itself (every draft accepted) or a perturbed copy of i
 drafts rejected, so the drafter resumes from the state of the last accepted token); every
 proposal is the drafter's own greedy continuation (transformers) of the tokens so far. Prefix
 caching is on: each prompt set runs twice, the second time hitting the cache, and the first
-prompt is prefilled in chunks. The hits are as long as without speculation, the drafter's state
-groups are its own, and every block is back in the pool afterwards.
+prompt is prefilled in chunks (also: async scheduling, preemption). The hits are as long as
+without speculation, the drafter's state groups are its own, and every block is back in the pool
+afterwards.
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ import torch
 
 from cluster import LLM, SamplingParams
 from tests.helpers.drafters import save_perturbed_copy
-from tests.helpers.engine_probe import engine_stats, kv_cache_groups, record_drafts
+from tests.helpers.engine_probe import (
+    engine_stats,
+    kv_cache_groups,
+    record_drafts,
+    watch_preemptions,
+)
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from tests.helpers.tiny_linear_hybrid import save_tiny_linear_hybrid
 from tests.helpers.tiny_models import hf_greedy
@@ -102,3 +108,33 @@ def test_recurrent_draft_model_keeps_greedy_tokens(family: Any, drafter: str, k:
         assert spec_stats.num_accepted_tokens == spec_stats.num_draft_tokens
     else:
         assert 0 < spec_stats.num_accepted_tokens < spec_stats.num_draft_tokens
+
+
+SCHEDULING_CASES: dict[str, dict[str, Any]] = {
+    "async": {"async_scheduling": True},
+    "preemption": {"kv_cache_memory_bytes": 24 * 3072, "max_model_len": 48},
+}
+
+
+@pytest.mark.parametrize("family", ["bamba"], indirect=True)
+@pytest.mark.parametrize("case", list(SCHEDULING_CASES))
+def test_recurrent_draft_model_under_async_steps_and_preemption(family: Any, case: str) -> None:
+    """A perturbed Bamba drafter with async scheduling, and in a pool small enough to preempt
+    (the drafter's states are recomputed with the request's)."""
+    target, drafters, reference, _ = family
+    draft, draft_model = drafters["perturbed"]
+    spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
+    llm = LLM(str(target), speculative_config=spec, **{**LLM_ARGS, **SCHEDULING_CASES[case]})
+    with watch_preemptions(llm) as preemptions, record_drafts(llm) as proposals:
+        tokens = [
+            [
+                result.outputs[0].token_ids
+                for result in llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+            ]
+            for _ in range(2)
+        ]
+    llm.shutdown()
+    assert tokens == reference
+    assert (len(preemptions) > 0) == (case == "preemption")
+    for known, drafts in proposals:
+        assert drafts == hf_greedy(draft_model, known, len(drafts)), known
