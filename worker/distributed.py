@@ -1,8 +1,8 @@
-"""Tensor-parallel process group: setup and the two collectives the layers use.
+"""Tensor-parallel process group: setup and the collectives the layers (and the runner) use.
 
 One worker process per rank calls `init_distributed`; the layers then call `all_reduce` and
-`all_gather`, which are no-ops when there is a single rank or no process group. The only state
-is torch.distributed's own default group.
+`all_gather` (the runner also `broadcast`), no-ops when there is a single rank or no process
+group. The only state is torch.distributed's own default group.
 """
 
 from __future__ import annotations
@@ -71,3 +71,10 @@ def all_gather(tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(tensor) for _ in range(world_size)]
     dist.all_gather(parts, tensor)
     return torch.cat(parts, dim=dim)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Replace every rank's `tensor` in place by rank `src`'s and return it."""
+    if tp_size() > 1:
+        dist.broadcast(tensor, src)
+    return tensor

@@ -62,6 +62,8 @@ class _Weight(nn.Module):
 class GatedDeltaNet(StateLayer):
     """transformers' `Qwen3NextGatedDeltaNet` / `Qwen3_5GatedDeltaNet` numerics."""
 
+    cfg: GatedDeltaNetConfig
+
     def __init__(self, cfg: GatedDeltaNetConfig, parallel: ParallelConfig) -> None:
         super().__init__()
         self.cfg, self.rank = cfg, parallel.rank

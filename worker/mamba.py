@@ -96,6 +96,8 @@ class _Params(nn.Module):
 class MambaMixer2(StateLayer):
     """Mamba-2 mixer (transformers' `BambaMixer` / `NemotronHMamba2Mixer` numerics)."""
 
+    cfg: MambaConfig
+
     def __init__(self, cfg: MambaConfig, parallel: ParallelConfig) -> None:
         super().__init__()
         self.cfg = cfg

@@ -23,7 +23,6 @@ from kernels.mamba_registry import select_mamba_kernels
 from scheduler.kv_cache.builder import group_of_layer
 from scheduler.kv_cache.spec import KVCacheConfig, MambaCacheMode
 from scheduler.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from scheduler.spec_config import supports_speculation
 from worker.attention import ForwardContext, KernelNeeds
 from worker.attention_groups import (
     AttentionGroup,
@@ -54,11 +53,14 @@ from worker.mamba_cache import mamba_layers, model_order_specs
 from worker.mamba_metadata import build_mamba_metadata, checkpoint_cuts, mamba_group_modes
 from worker.metadata_transforms import StepRows
 from worker.offload_store import HostOffloadStore
+from worker.prompt_logprobs import prompt_logprob_rows, prompt_logprobs
 from worker.runner_config import RunnerConfig
-from worker.sampler import Sampler, to_token_logprobs
+from worker.sampler import Sampler
 from worker.sampling_state import SamplingState
+from worker.spec_decode.draft_states import DrafterStateGroups
 from worker.spec_decode.factory import make_proposer
-from worker.spec_decode.proposer import DrafterCache, DraftProposer, DraftRequest
+from worker.spec_decode.proposer import DrafterCache, DraftProposer
+from worker.spec_decode.ranks import run_proposer
 from worker.spec_decode.verify import RowLayout, verify_drafts
 
 logger = logging.getLogger(__name__)
@@ -88,19 +90,6 @@ class ModelSettings:
     """Tokens that end generation unless a request ignores EOS (masked before min_tokens)."""
 
 
-@dataclass(frozen=True)
-class PromptLogprobRows:
-    """Hidden rows whose logits score prompt tokens, grouped by request."""
-
-    req_ids: list[str]
-    counts: list[int]
-    """Rows of each request, in order."""
-    rows: torch.Tensor  # [num_rows] int64
-    targets: torch.Tensor  # [num_rows] int64: the prompt token each row predicts
-    num_tops: list[int]
-    """Per row: alternatives requested."""
-
-
 class ModelRunner:
     """Runs one worker rank's share of the model for each scheduler step."""
 
@@ -123,11 +112,14 @@ class ModelRunner:
         self.proposer: DraftProposer | None = (
             make_proposer(config.speculative, drafter) if config.speculative else None
         )
-        """Proposes the drafts the next step verifies (driver rank; None: no speculation)."""
+        """Proposes the drafts the next step verifies (None: no speculation); a drafter model
+        runs on every rank, other proposers on the driver only."""
         self.drafter_layers = self.proposer.drafter_layers if self.proposer else []
         """Attention layers of the proposer's model: KV cache groups of their own."""
         self.layers = attention_layers(model) + self.drafter_layers
-        self.mamba_layers = mamba_layers(model)
+        self.drafter_state_layers = self.proposer.drafter_state_layers if self.proposer else []
+        """Recurrent-state layers of the proposer's model: state groups of their own."""
+        self.mamba_layers = mamba_layers(model) + self.drafter_state_layers
         self._mamba_groups: dict[str, int] = {}
         """Mamba layer -> its KV cache group."""
         self._mamba_modes: dict[int, tuple[int, MambaCacheMode]] = {}
@@ -159,12 +151,15 @@ class ModelRunner:
         target = attention_layers(self.model)
         report = report_kv_cache_specs(target + self.drafter_layers, block_size, dtype_bytes)
         specs = report.layer_specs
+        mode = MambaCacheMode(self.config.mamba_cache_mode)
         if self.mamba_layers:
-            mode = MambaCacheMode(self.config.mamba_cache_mode)
             specs = model_order_specs(self.model, specs, block_size, dtype_bytes, mode)
         for layer in self.drafter_layers:  # after the target's, in groups of their own
             name = layer.layer_name
             specs[name] = replace(report.layer_specs[name], drafter=True)
+        for state in self.drafter_state_layers:
+            spec = state.kv_cache_spec(block_size, dtype_bytes, mode)
+            specs[state.layer_name] = replace(spec, drafter=True)
         return replace(report, layer_specs=specs)
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
@@ -215,7 +210,14 @@ class ModelRunner:
     def _drafter_cache(self) -> DrafterCache:
         names = {layer.layer_name for layer in self.drafter_layers}
         groups = [group for group in self.attention_groups if names.issuperset(group.layer_names)]
-        return DrafterCache(groups, self.kv_caches, self._require_states())
+        state_groups = None
+        if self.drafter_state_layers:
+            group_of = {
+                layer.layer_name: self._mamba_groups[layer.layer_name]
+                for layer in self.drafter_state_layers
+            }
+            state_groups = DrafterStateGroups(group_of, self._mamba_modes, self._mamba_kernels)
+        return DrafterCache(groups, self.kv_caches, self._require_states(), state_groups)
 
     def _backend_for(self, kernel_block_size: int, needs: KernelNeeds) -> AttentionBackend:
         key = (kernel_block_size, needs)
@@ -261,14 +263,14 @@ class ModelRunner:
             scheduler_output.num_scheduled_tokens,
             scheduler_output.scheduled_spec_tokens,
         )
-        prompt_rows = self._prompt_logprob_rows(batch)
+        prompt_rows = prompt_logprob_rows(batch, states, self.device)
         step = StepRows(batch.logits_indices, self._full_reqs(batch))
         ctx = build_forward_context(
             self.attention_groups, batch, step, self.kv_caches, self.build_stats
         )
         copies_after = list(scheduler_output.copies_after_step)
+        saves = saves_by_request(scheduler_output.state_saves)
         if self._mamba_groups:
-            saves = saves_by_request(scheduler_output.state_saves)
             cuts, state_copies = checkpoint_cuts(batch, states, self._mamba_modes, saves)
             copies_after.extend(state_copies)
             per_group = build_mamba_metadata(
@@ -279,7 +281,7 @@ class ModelRunner:
         with self._lora_step(batch):
             hidden = self.model(batch.input_ids, batch.positions, ctx)  # [num_tokens, hidden]
         if self.proposer is not None:
-            self.proposer.observe(batch, ctx, hidden)
+            self.proposer.observe(batch, ctx, hidden, saves)
         if copies_after:
             copy_blocks(copies_after, self._group_tensors, self._num_blocks)
         rows = batch.logits_indices
@@ -287,12 +289,13 @@ class ModelRunner:
             rows = torch.cat([rows, prompt_rows.rows])
         logits = self.model.compute_logits(hidden[rows])  # [num_rows, vocab] fp32
         if not self.is_driver:
+            self._follow_drafts(batch, scheduler_output)
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         num_sampled = len(batch.logits_indices)
         output = self._sample(batch, logits[:num_sampled], scheduler_output)
         if prompt_rows is None:
             return output
-        return replace(output, prompt_logprobs=_prompt_logprobs(logits[num_sampled:], prompt_rows))
+        return replace(output, prompt_logprobs=prompt_logprobs(logits[num_sampled:], prompt_rows))
 
     def _lora_step(self, batch: InputBatch) -> contextlib.AbstractContextManager[None]:
         """Applies the batch's adapters to the forward inside it (nothing when LoRA is off)."""
@@ -360,7 +363,7 @@ class ModelRunner:
             req_ids=batch.req_ids,
             sampled_token_ids=sampled_ids,
             logprobs=logprobs or None,
-            draft_token_ids=self._propose(sampled, tokens, keep_sampled),
+            draft_token_ids=self._propose(sampled, tokens, keep_sampled, scheduler_output),
         )
 
     def _sample_rows(
@@ -416,18 +419,31 @@ class ModelRunner:
         entries = [None if entry is None else [entry] for entry in out.logprobs]
         return [[token] for token in out.token_ids.tolist()], entries
 
+    def _follow_drafts(self, batch: InputBatch, scheduler_output: SchedulerOutput) -> None:
+        """On a rank other than the driver: a drafter model's steps with the driver's (it is
+        sharded over the ranks), when the driver drafts (some request sampled)."""
+        if self.proposer is None or not self.proposer.runs_on_every_rank:
+            return
+        states = self._require_states()
+        sampled = [states.requests[batch.req_ids[i]] for i in batch.sampled_req_idx]
+        if sampled:
+            self._propose(sampled, None, False, scheduler_output)
+
     def _propose(
-        self, sampled: list[CachedRequestState], tokens: list[list[int]], appended: bool
+        self,
+        sampled: list[CachedRequestState],
+        tokens: list[list[int]] | None,
+        appended: bool,
+        scheduler_output: SchedulerOutput,
     ) -> dict[str, list[int]] | None:
-        """Drafts for the next step of the requests that may speculate (None: none)."""
+        """Drafts for the next step of the requests that may speculate (None: none); `tokens`
+        they emitted (None on ranks other than the driver: see `run_proposer`)."""
         if self.proposer is None:
             return None
-        requests = [
-            DraftRequest(req.req_id, req.token_ids if appended else [*req.token_ids, *emitted])
-            for req, emitted in zip(sampled, tokens, strict=True)
-            if supports_speculation(req.sampling_params)
-        ]
-        return self.proposer.propose(requests) or None
+        spec = scheduler_output.scheduled_spec_tokens
+        widths = [1 + len(spec.get(req.req_id, [])) for req in sampled]
+        drafts = run_proposer(self.proposer, sampled, tokens, widths, appended, self.device)
+        return drafts or None
 
     def _full_reqs(self, batch: InputBatch) -> torch.Tensor | None:
         """Batch indices of requests whose every row must be computed (prompt logprobs)."""
@@ -438,46 +454,3 @@ class ModelRunner:
             if states.requests[req_id].sampling_params.prompt_logprobs is not None
         ]
         return torch.tensor(wanted, dtype=torch.int64, device=self.device) if wanted else None
-
-    def _prompt_logprob_rows(self, batch: InputBatch) -> PromptLogprobRows | None:
-        """Rows at positions p < num_prompt - 1 this step; row p scores prompt token p + 1."""
-        states = self._require_states()
-        req_ids: list[str] = []
-        counts: list[int] = []
-        rows: list[int] = []
-        targets: list[int] = []
-        num_tops: list[int] = []
-        for idx, req_id in enumerate(batch.req_ids):
-            req = states.requests[req_id]
-            num_top = req.sampling_params.prompt_logprobs
-            start = int(batch.num_computed_np[idx])
-            end = min(int(batch.seq_lens_np[idx]), len(req.prompt_token_ids) - 1)
-            if num_top is None or end <= start:
-                continue
-            first_row = int(batch.query_start_loc_np[idx])
-            req_ids.append(req_id)
-            counts.append(end - start)
-            rows.extend(range(first_row, first_row + end - start))
-            targets.extend(req.prompt_token_ids[start + 1 : end + 1])
-            num_tops.extend([num_top] * (end - start))
-        if not rows:
-            return None
-        return PromptLogprobRows(
-            req_ids=req_ids,
-            counts=counts,
-            rows=torch.tensor(rows, dtype=torch.int64, device=self.device),
-            targets=torch.tensor(targets, dtype=torch.int64, device=self.device),
-            num_tops=num_tops,
-        )
-
-
-def _prompt_logprobs(
-    logits: torch.Tensor, prompt_rows: PromptLogprobRows
-) -> dict[str, list[TokenLogprobs]]:
-    entries = to_token_logprobs(logits, prompt_rows.targets, prompt_rows.num_tops)
-    result: dict[str, list[TokenLogprobs]] = {}
-    start = 0
-    for req_id, count in zip(prompt_rows.req_ids, prompt_rows.counts, strict=True):
-        result[req_id] = entries[start : start + count]
-        start += count
-    return result

@@ -47,6 +47,8 @@ class _Params(nn.Module):
 class ShortConv(StateLayer):
     """transformers' `Lfm2ShortConv` numerics."""
 
+    cfg: ShortConvConfig
+
     def __init__(self, cfg: ShortConvConfig, parallel: ParallelConfig) -> None:
         super().__init__()
         self.cfg, self.rank = cfg, parallel.rank

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,6 +23,13 @@ from worker.mamba_metadata import MambaMetadata, MambaWave
 
 class StateLayer(nn.Module, abc.ABC):
     """A layer holding a recurrent state per request in its KV cache group."""
+
+    cfg: Any
+    """The layer's frozen config (a dataclass with a `layer_name`)."""
+
+    def rename(self, layer_name: str) -> None:
+        """Key the layer's spec, views and metadata under `layer_name` (a drafter's layers)."""
+        self.cfg = replace(self.cfg, layer_name=layer_name)
 
     @property
     @abc.abstractmethod

@@ -84,7 +84,7 @@ class Worker:
         spec = self.spec
         method = spec.runner.speculative.method if spec.runner.speculative else None
         if method is SpecMethod.MTP:
-            return load_mtp(target, spec.model_config, spec.runner.load_format)
+            return load_mtp(target, spec.model_config, spec.runner.load_format, spec.parallel)
         draft = spec.runner.draft_model
         if draft is None:
             return None

@@ -115,10 +115,6 @@ def draft_model_config(args: EngineArgs, target: ModelConfig, device: str) -> Mo
     spec = args.speculative_config
     if spec is None or spec.resolved_method == "ngram":
         return None
-    if args.tensor_parallel_size > 1:
-        raise ValueError(
-            f"speculative_config.method {spec.resolved_method!r} needs tensor_parallel_size 1"
-        )
     if spec.model is None:  # mtp: the target's own layers
         from worker.models.qwen3_next_mtp import check_mtp_checkpoint
 

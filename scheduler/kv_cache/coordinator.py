@@ -103,8 +103,12 @@ class KVCacheCoordinator:
 
     def set_drafter_lookahead(self, num_tokens: int, max_model_len: int) -> None:
         """Give the drafter's groups `num_tokens` slots past every allocation (up to
-        `max_model_len`): its drafts' KV is written there. The target's groups get none."""
-        self._extra_slots = [num_tokens if spec.drafter else 0 for spec in self.group_specs]
+        `max_model_len`): its drafts' KV is written there. The target's groups get none, nor
+        do the drafter's state groups (its draft steps run on copies of their states)."""
+        self._extra_slots = [
+            num_tokens if spec.drafter and not isinstance(manager, MambaManager) else 0
+            for spec, manager in zip(self.group_specs, self.managers, strict=True)
+        ]
         self._max_slots = max_model_len
 
     def _slots(self, group_id: int, num_tokens: int) -> int:

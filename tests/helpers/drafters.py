@@ -3,13 +3,18 @@
 They read the target's own greedy continuations (from a run without speculation): `oracle`
 drafts exactly them (every draft accepted), `perturbed` changes every second draft (about half
 accepted), `random` draws tokens (almost none accepted). `install_proposer` puts one into an
-offline `LLM` in place of its configured proposer.
+offline `LLM` in place of its configured proposer. `save_perturbed_copy` writes a draft model
+close to a target (part of its drafts accepted).
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from copy import deepcopy
+from pathlib import Path
+
+import torch
 
 from cluster import LLM
 from worker.spec_decode.proposer import DraftProposer, DraftRequest
@@ -48,3 +53,18 @@ class ScriptedProposer(DraftProposer):
 def install_proposer(llm: LLM, proposer: DraftProposer) -> None:
     """Make the (in-process, tp_size 1) engine draft with `proposer`."""
     llm.client.core.executor.worker.model_runner.proposer = proposer
+
+
+def save_perturbed_copy(
+    model: torch.nn.Module, path: Path, scale: float, seed: int = 5
+) -> torch.nn.Module:
+    """Save a copy of `model` with Gaussian noise of `scale` times each weight's spread added
+    (a draft model close to the target: part of its drafts accepted); return the copy."""
+    copy = deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in copy.parameters():  # tied weights are one parameter
+            spread = float(param.std()) if param.numel() > 1 else 0.0
+            param.add_(torch.randn(param.shape, generator=generator) * spread * scale)
+    copy.save_pretrained(path)  # type: ignore[operator]
+    return copy

@@ -69,3 +69,23 @@ def kv_cache_groups(llm: LLM) -> list[tuple[bool, set[str]]]:
     for name, group_id in runner._mamba_groups.items():
         layers[group_id].add(name)
     return [(spec.drafter, names) for spec, names in zip(specs, layers, strict=True)]
+
+
+@contextmanager
+def record_drafts(llm: LLM) -> Iterator[list[tuple[list[int], list[int]]]]:
+    """Yield a list that receives, per request the (in-process) proposer drafts for, its
+    tokens so far and the drafts proposed."""
+    proposer = llm.client.core.executor.worker.model_runner.proposer
+    propose = proposer.propose
+    seen: list[tuple[list[int], list[int]]] = []
+
+    def recording_propose(requests):  # type: ignore[no-untyped-def]
+        drafts = propose(requests)
+        seen.extend((list(r.token_ids), drafts.get(r.req_id, [])) for r in requests)
+        return drafts
+
+    proposer.propose = recording_propose
+    try:
+        yield seen
+    finally:
+        del proposer.propose

@@ -142,7 +142,38 @@ def test_drafters_that_cannot_draft_fail_at_start(
     save_tiny_model("llama", other_vocab, vocab_size=300)
     spec = {"method": "draft_model", "model": str(other_vocab), "num_speculative_tokens": 2}
     assert "vocabulary (300 tokens)" in _start_error(path, spec)
-    recurrent = tmp_path / "bamba"
-    save_tiny_hybrid("bamba", recurrent)
-    spec = {"method": "draft_model", "model": str(recurrent), "num_speculative_tokens": 2}
-    assert "recurrent-state layers" in _start_error(path, spec)
+
+
+def _spec_run(path: Path, spec: dict[str, Any], **overrides: Any) -> tuple[list[list[int]], Any]:
+    """Greedy tokens and acceptance counters (e.g. with tensor_parallel_size 2: a process per
+    rank)."""
+    llm = LLM(str(path), speculative_config=spec, **{**LLM_ARGS, **overrides})
+    try:
+        return _generate(llm), engine_stats(llm).spec_decoding
+    finally:
+        llm.shutdown()
+
+
+def test_tensor_parallel_2_self_draft_of_a_mamba_hybrid(tmp_path: Path) -> None:
+    """A Bamba target drafting for itself, both sharded over two ranks: every draft accepted
+    (each rank's drafter shard computes what the target's does), tokens those of TP = 1."""
+    save_tiny_hybrid("bamba", tmp_path)
+    reference = _reference(tmp_path)
+    spec = {"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2}
+    tokens, stats = _spec_run(tmp_path, spec, tensor_parallel_size=2)
+    assert tokens == reference
+    assert stats.num_draft_tokens > 0
+    assert stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_tensor_parallel_2_mtp_drafts_as_one_rank(tmp_path: Path) -> None:
+    """Qwen3.5's MTP layer sharded over two ranks drafts what it drafts on one (the same
+    acceptance counts), and tokens are those of TP = 1 without speculation."""
+    save_tiny_with_mtp("qwen3_5", tmp_path)
+    reference = _reference(tmp_path)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    one_rank = _spec_run(tmp_path, spec)
+    tokens, stats = _spec_run(tmp_path, spec, tensor_parallel_size=2)
+    assert tokens == reference
+    assert stats.num_draft_tokens > 0
+    assert (tokens, stats) == one_rank

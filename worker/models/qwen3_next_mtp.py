@@ -64,11 +64,17 @@ class Qwen3NextMTP(nn.Module):
     """The MTP layer beside a loaded Qwen3-Next / Qwen3.5 target (sharing its embedding,
     rope and LM head)."""
 
-    def __init__(self, target: Qwen3NextForCausalLM, model_config: ModelConfig) -> None:
+    def __init__(
+        self,
+        target: Qwen3NextForCausalLM,
+        model_config: ModelConfig,
+        parallel: ParallelConfig | None = None,
+    ) -> None:
+        """`parallel`: this rank's share (the attention and FFN are sharded as the target's)."""
         super().__init__()
         hf_config = model_config.hf_config
         hidden, eps = hf_config.hidden_size, hf_config.rms_norm_eps
-        parallel = ParallelConfig()
+        parallel = parallel or ParallelConfig()
         self.fc = ReplicatedLinear(2 * hidden, hidden)
         self.pre_fc_norm_embedding = RMSNorm(hidden, eps, add_unit_offset=True)
         self.pre_fc_norm_hidden = RMSNorm(hidden, eps, add_unit_offset=True)
@@ -116,8 +122,14 @@ class Qwen3NextMTP(nn.Module):
         return load_named_weights(self, split_stacked_experts(mtp))
 
 
-def load_mtp(target: nn.Module, model_config: ModelConfig, load_format: str) -> Qwen3NextMTP:
-    """The MTP layer of `target`'s checkpoint, on the target's device and dtype."""
+def load_mtp(
+    target: nn.Module,
+    model_config: ModelConfig,
+    load_format: str,
+    parallel: ParallelConfig | None = None,
+) -> Qwen3NextMTP:
+    """The MTP layer of `target`'s checkpoint, on the target's device and dtype (this rank's
+    shard of it under `parallel`)."""
     if not isinstance(target, Qwen3NextForCausalLM):
         raise ValueError(f"speculative_config method 'mtp': {type(target).__name__} has no MTP")
     param = next(target.parameters())
@@ -125,7 +137,7 @@ def load_mtp(target: nn.Module, model_config: ModelConfig, load_format: str) -> 
     torch.set_default_dtype(param.dtype)
     try:
         with param.device:
-            mtp = Qwen3NextMTP(target, model_config)
+            mtp = Qwen3NextMTP(target, model_config, parallel)
     finally:
         torch.set_default_dtype(previous)
     if load_format == "dummy":

@@ -11,6 +11,10 @@ the scheduler allocates, caches and frees those blocks with the request like any
                         P .. P + k - 1 (the scheduler's lookahead slots) and give d1 .. dk
     next step           KV of rejected drafts lies past the computed tokens: overwritten
 
+Recurrent-state layers (Mamba-2, gated DeltaNet, short conv) keep their states in drafter
+groups too, with the scheduler's draft-position slots; the k steps run on working copies of the
+states after the last accepted token (`worker.spec_decode.draft_states`).
+
 Drafts are greedy (a point mass), which is what the rejection sampler assumes for drafts
 without a distribution: random sampling stays lossless.
 """
@@ -31,20 +35,18 @@ from worker.kv_cache import attention_layers
 from worker.mamba_cache import mamba_layers
 from worker.metadata_transforms import StepRows
 from worker.models.decoder import DecoderForCausalLM
+from worker.spec_decode.draft_states import DraftStates, StepSaves
 from worker.spec_decode.proposer import DrafterCache, DraftProposer, DraftRequest
+from worker.state_layer import StateLayer
 
+ANY_POSITION = 1 << 62
 DRAFTER_PREFIX = "drafter."
 """Prepended to the drafter's layer names, which would otherwise repeat the target's."""
 
 
-def prefix_drafter_layers(model: nn.Module) -> list[Attention]:
-    """Rename the drafter's attention layers (and their KV-sharing targets) apart from the
-    target's; ValueError for a drafter with recurrent-state layers."""
-    if mamba_layers(model):
-        raise ValueError(
-            "speculative_config.model: draft models with recurrent-state layers (Mamba, "
-            "gated DeltaNet, short conv) are not supported; use an attention-only draft model"
-        )
+def prefix_drafter_layers(model: nn.Module) -> tuple[list[Attention], list[StateLayer]]:
+    """Rename the drafter's attention layers (and their KV-sharing targets) and its
+    recurrent-state layers apart from the target's."""
     layers = attention_layers(model)
     for layer in layers:
         target = layer.config.kv_sharing_target
@@ -53,26 +55,51 @@ def prefix_drafter_layers(model: nn.Module) -> list[Attention]:
             layer_name=DRAFTER_PREFIX + layer.layer_name,
             kv_sharing_target=None if target is None else DRAFTER_PREFIX + target,
         )
-    return layers
+    state_layers = mamba_layers(model)
+    for state_layer in state_layers:
+        state_layer.rename(DRAFTER_PREFIX + state_layer.layer_name)
+    return layers, state_layers
 
 
 class ModelProposer(DraftProposer):
     """A proposer that runs a model of its own (draft model, MTP layer) on the target's pool:
-    its attention layers are renamed apart and get the drafter groups bound at start-up."""
+    its attention and state layers are renamed apart and get the drafter groups bound at
+    start-up."""
 
     def __init__(self, num_speculative_tokens: int, model: nn.Module) -> None:
         super().__init__(num_speculative_tokens)
         self.model = model
-        self.layers = prefix_drafter_layers(model)
-        """The drafter's attention layers (renamed apart from the target's)."""
+        self.layers, self.state_layers = prefix_drafter_layers(model)
+        """The drafter's attention and state layers (renamed apart from the target's)."""
         self._cache: DrafterCache | None = None
+        self._saves: StepSaves = {}
+        """The states the last observed step kept (group -> request -> [(tokens, block)])."""
 
     @property
     def drafter_layers(self) -> list[Attention]:
         return self.layers
 
+    @property
+    def drafter_state_layers(self) -> list[StateLayer]:
+        return self.state_layers
+
+    @property
+    def runs_on_every_rank(self) -> bool:
+        return True
+
     def bind(self, cache: DrafterCache) -> None:
         self._cache = cache
+
+    def _draft_states(self, requests: Sequence[DraftRequest]) -> DraftStates | None:
+        """Working copies of each request's drafter states after its last accepted token
+        (None: the drafter has no state layers)."""
+        cache = require_cache(self._cache)
+        if cache.state_groups is None:
+            return None
+        accepted = [(request.req_id, len(request.token_ids) - 1) for request in requests]
+        return DraftStates.gather(
+            cache.state_groups, cache.kv_caches, cache.states, accepted, self._saves
+        )
 
 
 class DraftModelProposer(ModelProposer):
@@ -83,9 +110,17 @@ class DraftModelProposer(ModelProposer):
     def __init__(self, num_speculative_tokens: int, model: DecoderForCausalLM) -> None:
         super().__init__(num_speculative_tokens, model)
 
-    def observe(self, batch: InputBatch, ctx: ForwardContext, hidden: torch.Tensor) -> None:
-        """Write the drafter's KV of the step's tokens (the target's context covers its layers)."""
+    def observe(
+        self,
+        batch: InputBatch,
+        ctx: ForwardContext,
+        hidden: torch.Tensor,
+        saves: StepSaves | None = None,
+    ) -> None:
+        """Write the drafter's KV and states of the step's tokens (the target's context covers
+        its layers)."""
         self.model(batch.input_ids, batch.positions, ctx)
+        self._saves = saves or {}
 
     def propose(self, requests: Sequence[DraftRequest]) -> dict[str, list[int]]:
         model = self.model
@@ -100,6 +135,7 @@ class DraftModelProposer(ModelProposer):
             starts,
             self.num_speculative_tokens,
             step,
+            self._draft_states(requests),
         )
 
 
@@ -114,10 +150,11 @@ def greedy_drafts(
     starts: Sequence[tuple[int, int]],
     num_steps: int,
     step: DraftStep,
+    draft_states: DraftStates | None = None,
 ) -> dict[str, list[int]]:
     """Up to `num_steps` greedy drafts per request: its first step feeds token `starts[i][1]`
     at position `starts[i][0]`, each later one the previous draft one position on (inside the
-    blocks the drafter's groups hold)."""
+    blocks the drafter's groups hold; state layers on `draft_states`)."""
     positions = [position for position, _ in starts]
     tokens = [int(token) for _, token in starts]
     limits = [writable_positions(cache, req_id) for req_id in req_ids]
@@ -135,6 +172,8 @@ def greedy_drafts(
         ctx = build_forward_context(
             cache.attention_groups, batch, StepRows(batch.logits_indices), cache.kv_caches
         )
+        if draft_states is not None:
+            ctx = draft_states.context(ctx, live)
         next_ids = step(batch, ctx, live).argmax(dim=-1).tolist()
         for i, token in zip(live, next_ids, strict=True):
             tokens[i] = int(token)
@@ -143,7 +182,8 @@ def greedy_drafts(
 
 
 def writable_positions(cache: DrafterCache, req_id: str) -> int:
-    """Positions the drafter's groups hold blocks for (its drafts stay inside them)."""
+    """Positions the drafter's attention groups hold blocks for (its drafts stay inside
+    them; without attention layers, any)."""
     states = cache.states
     row = states.rows[req_id]
     return min(
@@ -152,7 +192,7 @@ def writable_positions(cache: DrafterCache, req_id: str) -> int:
             * group.kernel_block_size
             for group in cache.attention_groups
         ),
-        default=0,
+        default=ANY_POSITION,
     )
 
 

@@ -27,6 +27,7 @@ from worker.attention import ForwardContext
 from worker.input_batch import InputBatch
 from worker.models.qwen3_next_mtp import Qwen3NextMTP
 from worker.spec_decode.draft_model import ModelProposer, greedy_drafts, require_cache
+from worker.spec_decode.draft_states import StepSaves
 from worker.spec_decode.proposer import DraftRequest
 
 
@@ -47,7 +48,13 @@ class MtpProposer(ModelProposer):
         super().__init__(num_speculative_tokens, model)
         self._step: _ObservedStep | None = None
 
-    def observe(self, batch: InputBatch, ctx: ForwardContext, hidden: torch.Tensor) -> None:
+    def observe(
+        self,
+        batch: InputBatch,
+        ctx: ForwardContext,
+        hidden: torch.Tensor,
+        saves: StepSaves | None = None,
+    ) -> None:
         starts = batch.query_start_loc_np
         self.model(self._next_tokens(batch), batch.positions, hidden, ctx)
         self._step = _ObservedStep(

@@ -2,10 +2,11 @@
 
 The model runner calls `propose` on the driver rank after sampling, with every request that
 sampled and may speculate. A proposer that runs a model (draft model, MTP, EAGLE heads) also
-lists its attention layers (`drafter_layers`: the runner plans KV cache groups of their own for
-them in the shared pool), gets those groups bound (`bind`), sees every step's batch after the
-target's forward (`observe`, with the target's hidden states: what MTP and EAGLE heads read),
-and runs its own steps on the bound cache in `propose`.
+lists its attention and recurrent-state layers (`drafter_layers`, `drafter_state_layers`: the
+runner plans KV cache groups of their own for them in the shared pool), gets those groups bound
+(`bind`), sees every step's batch after the target's forward (`observe`, with the target's
+hidden states: what MTP and EAGLE heads read), and runs its own steps on the bound cache in
+`propose`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from worker.attention import Attention, ForwardContext
 from worker.attention_groups import AttentionGroup
 from worker.input_batch import InputBatch, RequestStates
 from worker.kv_cache import KVCaches
+from worker.spec_decode.draft_states import DrafterStateGroups, StepSaves
 from worker.spec_decode.ngram import propose_ngram
+from worker.state_layer import StateLayer
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,8 @@ class DrafterCache:
     kv_caches: KVCaches
     states: RequestStates
     """The runner's requests and block tables (every group's)."""
+    state_groups: DrafterStateGroups | None = None
+    """The drafter's recurrent-state groups (None: its model has no state layers)."""
 
 
 @dataclass(frozen=True)
@@ -60,14 +65,30 @@ class DraftProposer(abc.ABC):
         """Attention layers of the proposer's own model (none without a model)."""
         return []
 
+    @property
+    def runs_on_every_rank(self) -> bool:
+        """Whether every tensor-parallel rank runs `propose` (a sharded drafter model), not
+        only the driver."""
+        return False
+
+    @property
+    def drafter_state_layers(self) -> list[StateLayer]:
+        """Recurrent-state layers of the proposer's own model (none without a model)."""
+        return []
+
     def bind(self, cache: DrafterCache) -> None:  # noqa: B027 (optional hook)
         """Receive the drafter's KV cache groups (after the runner allocated them)."""
 
     def observe(  # noqa: B027 (optional hook)
-        self, batch: InputBatch, ctx: ForwardContext, hidden: torch.Tensor
+        self,
+        batch: InputBatch,
+        ctx: ForwardContext,
+        hidden: torch.Tensor,
+        saves: StepSaves | None = None,
     ) -> None:
         """See a step's batch after the target's forward; `hidden` [num_tokens, hidden] holds
-        the target's last hidden states (`ctx` covers the drafter's layers too)."""
+        the target's last hidden states (`ctx` covers the drafter's layers too); `saves`: the
+        states the step keeps (draft positions of recurrent groups)."""
 
 
 class NgramProposer(DraftProposer):

@@ -5,6 +5,8 @@ batch-size switch."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from kv_cache_helpers import chunked, full, make_config, mamba, window
 
@@ -21,7 +23,8 @@ def _scheduler(
     *specs: KVCacheSpec, k: int = 3, num_blocks: int = 64, **config: object
 ) -> Scheduler:
     extra: dict = config.pop("spec", {})  # type: ignore[assignment]
-    speculative = SpeculativeConfig(SpecMethod.NGRAM, k, **extra) if k else None
+    method = extra.pop("method", SpecMethod.NGRAM)
+    speculative = SpeculativeConfig(method, k, **extra) if k else None
     settings = SchedulerConfig(speculative=speculative, **config)  # type: ignore[arg-type]
     return Scheduler(settings, make_config(num_blocks, *specs))
 
@@ -90,6 +93,39 @@ def test_recurrent_groups_hold_k_states_per_drafting_request(mode: MambaCacheMod
         )
         scheduler.kv_cache_manager.check_invariants()
     assert used[3] - used[0] == 2 * 3
+
+
+@pytest.mark.parametrize("mode", [MambaCacheMode.ALIGN, MambaCacheMode.ALL, MambaCacheMode.NONE])
+def test_a_recurrent_drafter_costs_its_states_per_running_request(mode: MambaCacheMode) -> None:
+    """Memory arithmetic with a draft model whose layer keeps a recurrent state: beyond the
+    target alone it costs, per running request, its own table states (as many as the target's
+    recurrent group holds, no lookahead slot) and per drafting request k draft-position states
+    in each recurrent group (the target's and the drafter's)."""
+    k, used = 3, {}
+    state_blocks = 0
+    for with_drafter in (False, True):
+        drafter = (replace(mamba(4, mode), drafter=True),) if with_drafter else ()
+        spec = {"method": SpecMethod.DRAFT_MODEL, "model": "draft"}
+        scheduler = _scheduler(full(4), mamba(4, mode), *drafter, k=k, num_blocks=64, spec=spec)
+        for req_id in ("a", "b"):
+            _add(scheduler, req_id, list(range(9)))
+        _step(scheduler, {"a": [100], "b": [101]}, {"a": [1, 2], "b": [3]})
+        _step(scheduler, {"a": [1, 60], "b": [3, 61]}, {})  # every draft accepted
+        manager = scheduler.kv_cache_manager
+        used[with_drafter] = manager.pool.num_blocks - manager.num_free_blocks
+        managers = manager.coordinator.managers
+        state_blocks = sum(
+            block is not manager.pool.null_block
+            for req_id in ("a", "b")
+            for block in managers[1].req_to_blocks[req_id]
+        )
+        if with_drafter:
+            drafter_tables = [managers[2].req_to_blocks[req_id] for req_id in ("a", "b")]
+            assert [len(table) for table in drafter_tables] == [
+                len(managers[1].req_to_blocks[req_id]) for req_id in ("a", "b")
+            ]  # no lookahead slot in the drafter's state group
+        manager.check_invariants()
+    assert used[True] - used[False] == state_blocks + 2 * k
 
 
 def test_rejection_restores_the_accepted_state_before_the_next_step() -> None:
