@@ -71,3 +71,26 @@ def all_gather(tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
     parts = [torch.empty_like(tensor) for _ in range(world_size)]
     dist.all_gather(parts, tensor)
     return torch.cat(parts, dim=dim)
+
+
+def broadcast_token_lists(
+    token_lists: list[list[int]] | None, num_lists: int, device: torch.device
+) -> list[list[int]]:
+    """Rank 0's `token_lists` on every rank (the others pass None; `num_lists` is known to all).
+
+    Async scheduling over several ranks: only rank 0 samples, and every rank must append the
+    sampled tokens before it computes them in the next step.
+    """
+    if tp_size() == 1:
+        assert token_lists is not None, "a single rank samples its own tokens"
+        return token_lists
+    counts = torch.zeros(num_lists, dtype=torch.int64, device=device)
+    if token_lists is not None:
+        counts.copy_(torch.tensor([len(tokens) for tokens in token_lists]))
+    dist.broadcast(counts, src=0)
+    sizes = counts.tolist()
+    flat = torch.zeros(sum(sizes), dtype=torch.int64, device=device)
+    if token_lists is not None:
+        flat.copy_(torch.tensor([token for tokens in token_lists for token in tokens]))
+    dist.broadcast(flat, src=0)
+    return [part.tolist() for part in torch.split(flat, sizes)]

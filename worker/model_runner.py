@@ -34,6 +34,7 @@ from worker.attention_groups import (
 )
 from worker.block_copies import GroupTensors, copy_blocks, group_tensors, saves_by_request
 from worker.block_table import MultiGroupBlockTable
+from worker.distributed import broadcast_token_lists
 from worker.grammar_mask import GrammarMask
 from worker.input_batch import (
     CachedRequestState,
@@ -287,6 +288,8 @@ class ModelRunner:
             rows = torch.cat([rows, prompt_rows.rows])
         logits = self.model.compute_logits(hidden[rows])  # [num_rows, vocab] fp32
         if not self.is_driver:
+            if scheduler_output.workers_append_sampled:  # the next step may already compute them
+                self._append_samples(batch, None)
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         num_sampled = len(batch.logits_indices)
         output = self._sample(batch, logits[:num_sampled], scheduler_output)
@@ -348,12 +351,12 @@ class ModelRunner:
         tokens, entries = self._sample_rows(logits, sampled, drafts, scheduler_output)
         logprobs: dict[str, list[TokenLogprobs]] = {}
         keep_sampled = scheduler_output.workers_append_sampled
+        if keep_sampled:  # async scheduling: the next step may already compute them
+            self._append_samples(batch, tokens)
         for idx, req, emitted, entry in zip(
             batch.sampled_req_idx, sampled, tokens, entries, strict=True
         ):
             sampled_ids[idx] = emitted
-            if keep_sampled:  # async scheduling: the next step may already compute it
-                req.token_ids.extend(emitted)
             if entry is not None:
                 logprobs[req.req_id] = entry
         return ModelRunnerOutput(
@@ -362,6 +365,15 @@ class ModelRunner:
             logprobs=logprobs or None,
             draft_token_ids=self._propose(sampled, tokens, keep_sampled),
         )
+
+    def _append_samples(self, batch: InputBatch, tokens: list[list[int]] | None) -> None:
+        """Append the step's sampled tokens (rank 0's, shared with every rank) to the states."""
+        if not batch.sampled_req_idx:
+            return
+        states = self._require_states()
+        shared = broadcast_token_lists(tokens, len(batch.sampled_req_idx), self.device)
+        for idx, emitted in zip(batch.sampled_req_idx, shared, strict=True):
+            states.requests[batch.req_ids[idx]].token_ids.extend(emitted)
 
     def _sample_rows(
         self,

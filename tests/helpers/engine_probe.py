@@ -69,3 +69,8 @@ def kv_cache_groups(llm: LLM) -> list[tuple[bool, set[str]]]:
     for name, group_id in runner._mamba_groups.items():
         layers[group_id].add(name)
     return [(spec.drafter, names) for spec, names in zip(specs, layers, strict=True)]
+
+
+def num_scheduled_ahead(llm: LLM) -> int:
+    """Requests the scheduler ran ahead of their token in flight (async scheduling)."""
+    return llm.client.core.scheduler.num_scheduled_ahead
