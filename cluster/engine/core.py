@@ -142,6 +142,9 @@ class EngineCore:
         step_outputs = self.scheduler.abort(child_ids)
         self.structured.forget(child_ids)
         deltas, _ = self.output_processor.process(step_outputs, now())
+        if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
+            in_flight, self._in_flight = self._in_flight, None
+            deltas += self._finish(in_flight)  # an idle engine holds no step in flight
         return deltas
 
     def has_unfinished_requests(self) -> bool:

@@ -22,7 +22,12 @@ from tests.helpers.byte_model import save_byte_model
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from tests.helpers.tiny_models import save_tiny_model
 
-BASE = {"block_size": 4, "max_model_len": 64, "max_num_batched_tokens": 64}
+BASE = {
+    "block_size": 4,
+    "max_model_len": 64,
+    "max_num_batched_tokens": 64,
+    "async_scheduling": False,  # the synchronous reference unless a test turns it on
+}
 SAVERS = {"llama": save_tiny_model, "gemma2": save_tiny_model, "bamba": save_tiny_hybrid}
 # case -> (family, engine args); KV pools small enough that the workload preempts.
 CASES: dict[str, tuple[str, dict[str, object]]] = {
@@ -171,6 +176,17 @@ def test_async_steps_over_two_ranks_match_sync_steps_over_two_ranks(model_dirs) 
     sync = run_engine(_args(model_dirs, "llama", **two), num_requests=4)
     overlapped = run_engine(_args(model_dirs, "llama", async_scheduling=True, **two), 4)
     _check_identical(sync, overlapped)
+
+
+def test_engines_schedule_ahead_unless_turned_off(model_dirs) -> None:
+    """Async scheduling is the default (it is as fast or faster: docs/benchmarks.md), for any
+    tensor-parallel size; `async_scheduling=False` keeps synchronous steps."""
+    path = str(model_dirs["llama"])
+    assert engine_configs(EngineArgs(model=path)).scheduler.async_scheduling
+    assert engine_configs(EngineArgs(model=path, tensor_parallel_size=2)).scheduler.async_scheduling
+    assert not engine_configs(
+        EngineArgs(model=path, async_scheduling=False)
+    ).scheduler.async_scheduling
 
 
 def test_speculative_engines_keep_async_steps(model_dirs) -> None:
