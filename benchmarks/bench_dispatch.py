@@ -234,12 +234,12 @@ def bench_e2e(
     placement = PlacementSpec(({"CPU": float(threads)},))
     clients = {
         "in-process": InProcessEngineClient.from_engine_args(
-            args(distributed_executor_backend="uni")
+            args(distributed_executor_backend="uni", async_scheduling=False)
         ),
         "in-process async": InProcessEngineClient.from_engine_args(
             args(distributed_executor_backend="uni", async_scheduling=True)
         ),
-        "ray": RayEngineClient.start(args(), placement=placement),
+        "ray": RayEngineClient.start(args(async_scheduling=False), placement=placement),
         "ray async": RayEngineClient.start(args(async_scheduling=True), placement=placement),
     }
     runs: dict[str, list[float]] = {name: [] for name in ENGINES}

@@ -73,8 +73,24 @@ def all_gather(tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
-    """Replace every rank's `tensor` in place by rank `src`'s and return it."""
-    if tp_size() > 1:
-        dist.broadcast(tensor, src)
-    return tensor
+def broadcast_token_lists(
+    token_lists: list[list[int]] | None, num_lists: int, device: torch.device
+) -> list[list[int]]:
+    """Rank 0's `token_lists` on every rank (the others pass None; `num_lists` is known to all).
+
+    Only rank 0 samples: with async scheduling every rank appends the sampled tokens before it
+    computes them in the next step, and a drafter model sharded over the ranks drafts from them.
+    """
+    if tp_size() == 1:
+        assert token_lists is not None, "a single rank samples its own tokens"
+        return token_lists
+    counts = torch.zeros(num_lists, dtype=torch.int64, device=device)
+    if token_lists is not None:
+        counts.copy_(torch.tensor([len(tokens) for tokens in token_lists]))
+    dist.broadcast(counts, src=0)
+    sizes = counts.tolist()
+    flat = torch.zeros(sum(sizes), dtype=torch.int64, device=device)
+    if token_lists is not None:
+        flat.copy_(torch.tensor([token for tokens in token_lists for token in tokens]))
+    dist.broadcast(flat, src=0)
+    return [part.tolist() for part in torch.split(flat, sizes)]

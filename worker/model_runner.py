@@ -33,6 +33,7 @@ from worker.attention_groups import (
 )
 from worker.block_copies import GroupTensors, copy_blocks, group_tensors, saves_by_request
 from worker.block_table import MultiGroupBlockTable
+from worker.distributed import broadcast_token_lists
 from worker.grammar_mask import GrammarMask
 from worker.input_batch import (
     CachedRequestState,
@@ -289,7 +290,7 @@ class ModelRunner:
             rows = torch.cat([rows, prompt_rows.rows])
         logits = self.model.compute_logits(hidden[rows])  # [num_rows, vocab] fp32
         if not self.is_driver:
-            self._follow_drafts(batch, scheduler_output)
+            self._follow_driver(batch, scheduler_output)
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         num_sampled = len(batch.logits_indices)
         output = self._sample(batch, logits[:num_sampled], scheduler_output)
@@ -351,20 +352,36 @@ class ModelRunner:
         tokens, entries = self._sample_rows(logits, sampled, drafts, scheduler_output)
         logprobs: dict[str, list[TokenLogprobs]] = {}
         keep_sampled = scheduler_output.workers_append_sampled
+        if keep_sampled or self._drafts_on_every_rank:
+            self._share_samples(sampled, tokens, keep_sampled)
         for idx, req, emitted, entry in zip(
             batch.sampled_req_idx, sampled, tokens, entries, strict=True
         ):
             sampled_ids[idx] = emitted
-            if keep_sampled:  # async scheduling: the next step may already compute it
-                req.token_ids.extend(emitted)
             if entry is not None:
                 logprobs[req.req_id] = entry
         return ModelRunnerOutput(
             req_ids=batch.req_ids,
             sampled_token_ids=sampled_ids,
             logprobs=logprobs or None,
-            draft_token_ids=self._propose(sampled, tokens, keep_sampled, scheduler_output),
+            draft_token_ids=self._propose(sampled, tokens, keep_sampled),
         )
+
+    @property
+    def _drafts_on_every_rank(self) -> bool:
+        """A drafter model sharded over several ranks: each runs the draft steps."""
+        return self.proposer is not None and self.proposer.runs_on_every_rank
+
+    def _share_samples(
+        self, sampled: list[CachedRequestState], tokens: list[list[int]] | None, append: bool
+    ) -> list[list[int]]:
+        """The step's sampled tokens, rank 0's on every rank (the others pass None); `append`:
+        add them to the requests' tokens (async scheduling: the next step may compute them)."""
+        shared = broadcast_token_lists(tokens, len(sampled), self.device)
+        if append:
+            for req, emitted in zip(sampled, shared, strict=True):
+                req.token_ids.extend(emitted)
+        return shared
 
     def _sample_rows(
         self,
@@ -419,31 +436,27 @@ class ModelRunner:
         entries = [None if entry is None else [entry] for entry in out.logprobs]
         return [[token] for token in out.token_ids.tolist()], entries
 
-    def _follow_drafts(self, batch: InputBatch, scheduler_output: SchedulerOutput) -> None:
-        """On a rank other than the driver: a drafter model's steps with the driver's (it is
-        sharded over the ranks), when the driver drafts (some request sampled)."""
-        if self.proposer is None or not self.proposer.runs_on_every_rank:
-            return
+    def _follow_driver(self, batch: InputBatch, scheduler_output: SchedulerOutput) -> None:
+        """On a rank other than the driver: take the driver's sampled tokens when the next step
+        may compute them already (async scheduling), and run a sharded drafter model's steps
+        with the driver's."""
+        append = scheduler_output.workers_append_sampled
         states = self._require_states()
         sampled = [states.requests[batch.req_ids[i]] for i in batch.sampled_req_idx]
-        if sampled:
-            self._propose(sampled, None, False, scheduler_output)
+        if not sampled or not (append or self._drafts_on_every_rank):
+            return
+        tokens = self._share_samples(sampled, None, append)
+        if self._drafts_on_every_rank:
+            self._propose(sampled, tokens, append)
 
     def _propose(
-        self,
-        sampled: list[CachedRequestState],
-        tokens: list[list[int]] | None,
-        appended: bool,
-        scheduler_output: SchedulerOutput,
+        self, sampled: list[CachedRequestState], tokens: list[list[int]], appended: bool
     ) -> dict[str, list[int]] | None:
-        """Drafts for the next step of the requests that may speculate (None: none); `tokens`
-        they emitted (None on ranks other than the driver: see `run_proposer`)."""
+        """Drafts for the next step of the requests that may speculate (None: none), from the
+        `tokens` they emitted this step (`appended`: already in their token ids)."""
         if self.proposer is None:
             return None
-        spec = scheduler_output.scheduled_spec_tokens
-        widths = [1 + len(spec.get(req.req_id, [])) for req in sampled]
-        drafts = run_proposer(self.proposer, sampled, tokens, widths, appended, self.device)
-        return drafts or None
+        return run_proposer(self.proposer, sampled, tokens, appended) or None
 
     def _full_reqs(self, batch: InputBatch) -> torch.Tensor | None:
         """Batch indices of requests whose every row must be computed (prompt logprobs)."""

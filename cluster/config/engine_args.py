@@ -103,10 +103,12 @@ class EngineArgs(StrictModel):
     """Prefix caching of recurrent states (Mamba, gated DeltaNet, short conv): none | align
     (states at hit-aligned chunk ends) | all (every block end); with enable_prefix_caching off
     it is none."""
-    async_scheduling: bool = False
+    async_scheduling: bool = True
     """Schedule step N+1 while step N runs, so scheduling and output processing overlap the
-    model (outputs identical to synchronous steps). Steps with structured-output requests, and
-    engines with tensor_parallel_size > 1, stay synchronous."""
+    model (outputs identical to synchronous steps, any tensor_parallel_size; on by default, as
+    fast or faster: docs/benchmarks.md; False: synchronous steps). While a
+    structured-output request runs, step N+1 is sent to the workers once step N's token has been
+    accepted by the grammar (its bitmask follows that token)."""
     speculative_config: SpeculativeConfigArgs | None = None
     """Speculative decoding, vLLM's keys: {"method": "ngram", "num_speculative_tokens": 3,
     "prompt_lookup_max": 4}; keys: method, num_speculative_tokens, prompt_lookup_min,

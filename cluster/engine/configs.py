@@ -7,15 +7,12 @@ depend on it; the executors call it where their ranks run.
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from cluster.config.engine_args import EngineArgs
 from scheduler.config import OffloadConfig, SchedulerConfig, SchedulingPolicy
 from scheduler.kv_cache.eviction import EvictionPolicy
-
-logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:  # torch-heavy: imported where the workers run, not by callers
     from worker.config import ModelConfig
@@ -94,7 +91,7 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_cache_eviction=EvictionPolicy(args.prefix_cache_eviction),
         prefix_match_unit=args.prefix_match_unit,
-        async_scheduling=_async_scheduling(args),
+        async_scheduling=args.async_scheduling,
         kv_offloading=offload_config(args, model),
         speculative=speculative,
         max_loras=args.max_loras if args.enable_lora else None,
@@ -161,11 +158,3 @@ def model_identity(model: ModelConfig, tp_size: int, with_times: bool = True) ->
     )
     config = (folder / "config.json").read_text() if (folder / "config.json").exists() else ""
     return repr((config, weights, str(model.dtype), tp_size))
-
-
-def _async_scheduling(args: EngineArgs) -> bool:
-    """Async scheduling needs every rank to sample (only rank 0 does): one rank only."""
-    if args.async_scheduling and args.tensor_parallel_size > 1:
-        logger.warning("async_scheduling needs tensor_parallel_size 1: steps stay synchronous")
-        return False
-    return args.async_scheduling

@@ -38,7 +38,7 @@ from scheduler.kv_cache.events import KVEventLog
 from scheduler.kv_cache.offload_levels import layout_fingerprint
 from scheduler.kv_cache.spec import KVCacheConfig
 from scheduler.lora import LoRARequest
-from scheduler.output import ModelRunnerOutput, SchedulerOutput
+from scheduler.output import ModelRunnerOutput, RequestStepOutput, SchedulerOutput
 from scheduler.request import Request, SamplingParams
 from scheduler.scheduler import Scheduler
 from scheduler.stats import SchedulerStats
@@ -142,6 +142,9 @@ class EngineCore:
         step_outputs = self.scheduler.abort(child_ids)
         self.structured.forget(child_ids)
         deltas, _ = self.output_processor.process(step_outputs, now())
+        if self._in_flight is not None and not self.scheduler.has_unfinished_requests():
+            in_flight, self._in_flight = self._in_flight, None
+            deltas += self._finish(in_flight)  # an idle engine holds no step in flight
         return deltas
 
     def has_unfinished_requests(self) -> bool:
@@ -160,26 +163,54 @@ class EngineCore:
         return self._process(scheduler_output, runner_output)
 
     def _step_overlapped(self) -> list[RequestOutput]:
-        """Async scheduling: submit the next step before taking the output of the one in
+        """Async scheduling: schedule the next step before taking the output of the one in
         flight, so scheduling and output processing overlap the workers' forward.
 
-        Steps stay synchronous while a structured-output request runs (its grammar bitmask
-        needs the token the step in flight samples).
+        While a structured-output request runs, the next step is scheduled ahead but submitted
+        once the step in flight has returned its tokens and the matchers have accepted them:
+        its grammar bitmask follows the token that was in flight (`_submit_after_grammar`).
         """
         current = self._in_flight or self._submit(self._schedule())
         self._in_flight = None
-        following = None if self.structured.matchers else self._submit(self._schedule())
-        try:
-            deltas = self._finish(current)
-        except BaseException:
-            if following is not None:  # recovery drops its requests; the workers restart
-                self.scheduler.discard_failed_step(following[0])
-            raise
-        if following is not None and following[0].is_empty:
+        if self.structured.matchers:
+            following, deltas = self._submit_after_grammar(current)
+        else:
+            following = self._submit(self._schedule())
+            deltas = self._finish_or_discard(current, following[0])
+        if following[0].is_empty:
             deltas += self._finish(following)  # only drops finished requests: take it now
         else:
             self._in_flight = following
         return deltas
+
+    def _submit_after_grammar(
+        self, current: _SubmittedStep
+    ) -> tuple[_SubmittedStep, list[RequestOutput]]:
+        """Schedule the next step, take `current`'s tokens into the scheduler and the matchers,
+        then submit the next step with its bitmask; `current`'s deltas are built while the
+        next step runs."""
+        following = self.scheduler.schedule()
+        scheduler_output, pending = current
+        try:
+            runner_output = pending.result()
+        except BaseException:
+            self.scheduler.discard_failed_step(scheduler_output)
+            self.scheduler.discard_failed_step(following)
+            raise
+        step_outputs = self._update(scheduler_output, runner_output)
+        submitted = self._submit(self.structured.with_bitmask(following))
+        return submitted, self._publish(scheduler_output, step_outputs)
+
+    def _finish_or_discard(
+        self, current: _SubmittedStep, following: SchedulerOutput
+    ) -> list[RequestOutput]:
+        """`current`'s deltas; when it failed, `following` (submitted after it) is discarded
+        too (recovery drops its requests; the workers restart)."""
+        try:
+            return self._finish(current)
+        except BaseException:
+            self.scheduler.discard_failed_step(following)
+            raise
 
     def _schedule(self) -> SchedulerOutput:
         return self.structured.with_bitmask(self.scheduler.schedule())
@@ -200,8 +231,20 @@ class EngineCore:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[RequestOutput]:
         """Apply a step's sampled tokens; the output deltas of the requests it advanced."""
+        return self._publish(scheduler_output, self._update(scheduler_output, runner_output))
+
+    def _update(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestStepOutput]:
+        """A step's sampled tokens into the scheduler and the grammar matchers."""
         step_outputs = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.structured.advance(step_outputs)
+        return step_outputs
+
+    def _publish(
+        self, scheduler_output: SchedulerOutput, step_outputs: list[RequestStepOutput]
+    ) -> list[RequestOutput]:
+        """The output deltas of a step's updated requests (requests a stop string ended leave)."""
         step_time = now()
         self.output_processor.mark_scheduled(scheduler_output.num_scheduled_tokens, step_time)
         deltas, stopped = self.output_processor.process(step_outputs, step_time)

@@ -354,6 +354,9 @@ class KVCacheManager:
         if self.pool.offload is not None:
             self.pool.offload.cancel(request.req_id)
         if self._quiet.pop(request.req_id, None) is not None:
+            if self.enable_caching:  # async scheduling: blocks filled by tokens computed ahead
+                known = min(request.num_computed_tokens, request.num_tokens)
+                self.coordinator.cache_blocks(request.req_id, request.block_hashes, known)
             self.coordinator.free(request.req_id, request.block_hashes)
             if self.pool.offload is not None:
                 clock = self.pool.chains.clock if self.pool.chains is not None else None

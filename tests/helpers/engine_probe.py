@@ -89,3 +89,8 @@ def record_drafts(llm: LLM) -> Iterator[list[tuple[list[int], list[int]]]]:
         yield seen
     finally:
         del proposer.propose
+
+
+def num_scheduled_ahead(llm: LLM) -> int:
+    """Requests the scheduler ran ahead of their token in flight (async scheduling)."""
+    return llm.client.core.scheduler.num_scheduled_ahead

@@ -59,3 +59,14 @@ def test_sessions_with_chain_eviction_give_the_tokens_of_no_caching(tmp_path: Pa
             assert all(hits > 0 for hits in cached[NUM_SESSIONS:]), cached
     assert max(last_round["lru"]) == 8
     assert max(last_round["chain"]) > 8
+
+
+def test_async_steps_cache_the_blocks_of_synchronous_steps(tmp_path: Path) -> None:
+    """A request that finishes with tokens computed ahead (async scheduling, the default) leaves
+    the same blocks in the prefix cache as with synchronous steps: every turn hits as much."""
+    save_tiny_model("gemma3", tmp_path)
+    sync_tokens, sync_cached = _sessions(tmp_path, async_scheduling=False)
+    tokens, cached = _sessions(tmp_path, async_scheduling=True)
+    assert tokens == sync_tokens
+    assert cached == sync_cached
+    assert max(cached) > 8  # whole histories hit

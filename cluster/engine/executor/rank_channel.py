@@ -146,6 +146,8 @@ class RankChannels:
         """Ranks whose reply to the last call sent has not been read yet."""
         self._submitted: deque[tuple[str, Deadline]] = deque()
         """Calls sent by `submit` whose replies `collect` has not read yet (oldest first)."""
+        self._interrupted = False
+        """A `collect` was interrupted (Ctrl-C): every reply still owed is dropped first."""
 
     def call(self, method: str, args: tuple[object, ...], deadline: Deadline) -> list[object]:
         """Run `method(*args)` on every rank; results in rank order (a rank's error raised).
@@ -155,6 +157,7 @@ class RankChannels:
         """
         if self.is_broken:
             raise RankDeadError("the ranks' connections failed earlier; restart the workers")
+        self._drop_owed_if_interrupted(deadline)
         if self._submitted:
             raise RuntimeError("submitted calls must be collected before another call")
         payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
@@ -184,6 +187,7 @@ class RankChannels:
         submitted calls in the order they were sent (each rank answers its calls in order)."""
         if self.is_broken:
             raise RankDeadError("the ranks' connections failed earlier; restart the workers")
+        self._drop_owed_if_interrupted(deadline)
         if self._unread and not self._submitted:
             logger.warning("dropping the replies of an interrupted call")
             self._read_replies("an interrupted call", deadline)
@@ -204,6 +208,9 @@ class RankChannels:
         self._unread = dict(enumerate(self._conns))
         try:
             results = self._read_replies(method, deadline)
+        except KeyboardInterrupt:
+            self._interrupted = True  # the ranks are fine; the replies owed are dropped later
+            raise
         except BaseException:
             self.is_broken = True  # replies are owed and cannot be matched any more
             raise
@@ -213,6 +220,22 @@ class RankChannels:
             if isinstance(value, RankFailure):
                 raise value.to_exception(rank)
         return results
+
+    def _drop_owed_if_interrupted(self, deadline: Deadline) -> None:
+        """After an interrupted `collect`: read and drop the rest of its replies, then those of
+        every call submitted after it (the caller has given those steps up)."""
+        if not self._interrupted:
+            return
+        logger.warning("dropping the replies of interrupted steps")
+        self.is_broken = True  # until every owed reply is read
+        self._read_replies("an interrupted step", deadline)
+        while self._submitted:
+            method, _ = self._submitted.popleft()
+            self._unread = dict(enumerate(self._conns))
+            self._read_replies(method, deadline)
+        self._interrupted = False
+        self.is_broken = False
+        self.deadline = None
 
     def check_overdue(self) -> None:
         """RankTimeoutError when the call in flight has passed its deadline."""

@@ -10,6 +10,9 @@ sampled tokens come back from rank 0 to here anyway), so the workers only apply 
                       over the drafts and rolled back)
     advance(outputs)  feed the accepted tokens to the matchers; finished requests leave
 
+With async scheduling the engine calls `with_bitmask` for a step scheduled ahead only after
+`advance` has fed the token that was in flight, so every row follows all the request's tokens.
+
 A preempted request keeps its output tokens in the scheduler and resumes with them, so its
 grammar state (which has accepted exactly those tokens) stays valid across the preemption.
 """

@@ -1,6 +1,7 @@
 """Async scheduling (step N+1 scheduled while step N runs) gives exactly the tokens of
 synchronous steps: greedy and seeded samples, `n` samples, stop tokens, preemption in a small KV
-pool, prefix hits, a sliding-window hybrid and a Mamba hybrid, on the uni and mp executors."""
+pool, prefix hits, a sliding-window hybrid and a Mamba hybrid, on the uni and mp executors and
+over two tensor-parallel ranks."""
 
 from __future__ import annotations
 
@@ -21,7 +22,12 @@ from tests.helpers.byte_model import save_byte_model
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from tests.helpers.tiny_models import save_tiny_model
 
-BASE = {"block_size": 4, "max_model_len": 64, "max_num_batched_tokens": 64}
+BASE = {
+    "block_size": 4,
+    "max_model_len": 64,
+    "max_num_batched_tokens": 64,
+    "async_scheduling": False,  # the synchronous reference unless a test turns it on
+}
 SAVERS = {"llama": save_tiny_model, "gemma2": save_tiny_model, "bamba": save_tiny_hybrid}
 # case -> (family, engine args); KV pools small enough that the workload preempts.
 CASES: dict[str, tuple[str, dict[str, object]]] = {
@@ -118,8 +124,8 @@ def test_abort_with_a_step_in_flight_leaves_the_others_unchanged(model_dirs) -> 
 def test_stop_strings_and_structured_requests_match_sync_steps(tmp_path: Path) -> None:
     """Stop strings end requests whose next step is already in flight (its token is dropped).
     A grammar's bitmask needs the token the step in flight samples: while a constrained request
-    runs the engine takes each output before scheduling, so the grammar still holds. Every text
-    (stopped, constrained or neither) is the synchronous one."""
+    runs, the next step is submitted once that token has been accepted, so the grammar still
+    holds. Every text (stopped, constrained or neither) is the synchronous one."""
     model = save_byte_model(tmp_path / "byte-model")
     regex = r"[0-9]{3}-[a-z]{2,4}"
     stopped = [
@@ -155,14 +161,32 @@ def test_stop_strings_and_structured_requests_match_sync_steps(tmp_path: Path) -
     assert re.fullmatch(regex, runs[1][5][0])
 
 
-def test_tensor_parallel_engines_keep_synchronous_steps(model_dirs) -> None:
-    """Only rank 0 samples, so the other ranks could not fill a placeholder themselves."""
-    one_rank = engine_configs(_args(model_dirs, "llama", async_scheduling=True))
-    two_ranks = engine_configs(
-        _args(model_dirs, "llama", async_scheduling=True, tensor_parallel_size=2)
-    )
-    assert one_rank.scheduler.async_scheduling
-    assert not two_ranks.scheduler.async_scheduling
+def test_async_steps_over_two_tensor_parallel_ranks(model_dirs) -> None:
+    """Two spawned ranks (gloo) run the same schedule: rank 0 shares its sampled tokens, so
+    rank 1 computes the placeholders too. The tokens are those of synchronous steps on one
+    rank."""
+    one_rank = run_engine(_args(model_dirs, "llama"), num_requests=4)
+    two_ranks = _args(model_dirs, "llama", async_scheduling=True, tensor_parallel_size=2)
+    _check_identical(one_rank, run_engine(two_ranks, num_requests=4))
+
+
+@pytest.mark.slow
+def test_async_steps_over_two_ranks_match_sync_steps_over_two_ranks(model_dirs) -> None:
+    two = {"tensor_parallel_size": 2}
+    sync = run_engine(_args(model_dirs, "llama", **two), num_requests=4)
+    overlapped = run_engine(_args(model_dirs, "llama", async_scheduling=True, **two), 4)
+    _check_identical(sync, overlapped)
+
+
+def test_engines_schedule_ahead_unless_turned_off(model_dirs) -> None:
+    """Async scheduling is the default (it is as fast or faster: docs/benchmarks.md), for any
+    tensor-parallel size; `async_scheduling=False` keeps synchronous steps."""
+    path = str(model_dirs["llama"])
+    assert engine_configs(EngineArgs(model=path)).scheduler.async_scheduling
+    assert engine_configs(EngineArgs(model=path, tensor_parallel_size=2)).scheduler.async_scheduling
+    assert not engine_configs(
+        EngineArgs(model=path, async_scheduling=False)
+    ).scheduler.async_scheduling
 
 
 def test_speculative_engines_keep_async_steps(model_dirs) -> None:
