@@ -40,6 +40,9 @@ LLM_ARGS: dict[str, Any] = {
     "block_size": 4,
     "max_num_batched_tokens": 16,  # the first prompt is prefilled in two chunks
     "kv_cache_memory_bytes": 1 << 22,
+    # synchronous steps draft at every step, so each perturbed case meets a rejection; async
+    # steps are SCHEDULING_CASES["async"]
+    "async_scheduling": False,
 }
 Saver = Callable[..., torch.nn.Module]
 FAMILIES: dict[str, tuple[Saver, float]] = {
