@@ -28,7 +28,7 @@ class SlotLoads:
         assert name not in self._pending, f"adapter {name!r} is already being copied"
         steps_done: torch.cuda.Event | None = None
         if self._stream is not None:  # the slot's old adapter may still be read by queued steps
-            steps_done = torch.cuda.Event()
+            steps_done = torch.cuda.Event()  # type: ignore[no-untyped-call]
             steps_done.record(torch.cuda.current_stream(self.device))
         self._pending[name] = self._executor.submit(self._run, copy, steps_done)
 
@@ -56,6 +56,6 @@ class SlotLoads:
         self._stream.wait_event(steps_done)
         with torch.cuda.stream(self._stream):
             copy()
-            event = torch.cuda.Event()
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(self._stream)
         return event
