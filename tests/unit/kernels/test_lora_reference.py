@@ -7,6 +7,7 @@ import torch
 
 from kernels import lora_reference, lora_torch
 from kernels.lora_reference import LoRALayout, LoRASegments, lora_expand, lora_segments, lora_shrink
+from kernels.lora_registry import select_lora_kernels
 
 NUM_SLOTS, RANK, D_IN, D_OUT = 5, 4, 8, 6
 CPU = torch.device("cpu")
@@ -87,3 +88,12 @@ def test_no_adapter_rows_give_no_segments_and_empty_segments_change_nothing() ->
     shrunk = lora_shrink(torch.randn(4, 8), torch.randn(2, 3, 8), segments)
     assert shrunk.shape == (0, 3)
     assert torch.equal(lora_expand(base, shrunk, torch.randn(2, 6, 3), segments), base)
+
+
+def test_registry_picks_the_torch_path_on_cpu_and_names_bad_requests() -> None:
+    assert select_lora_kernels("auto", "cpu").name == "torch"
+    assert select_lora_kernels("reference", "cpu").shrink is lora_reference.lora_shrink
+    with pytest.raises(ValueError, match="unknown LoRA kernels 'fast'"):
+        select_lora_kernels("fast", "cpu")
+    with pytest.raises(ValueError, match=r"Triton LoRA kernels are unavailable: .*CUDA"):
+        select_lora_kernels("triton", "cpu")
