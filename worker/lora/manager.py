@@ -12,6 +12,7 @@ uses it and no copy into it is pending.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
@@ -53,6 +54,8 @@ class LoRAManager:
         """Adapters of the requests the worker holds (their slots are never taken)."""
         self.num_step_loads = 0
         """Adapters copied into a slot inside a step (no slot was free when they were added)."""
+        self._lock = threading.Lock()
+        """Slot bookkeeping: the engine may add an adapter while a step runs on another thread."""
         self.layers: dict[str, LoRALayer] = {}
         self.host: OrderedDict[str, ModuleWeights] = OrderedDict()
         self.slots: OrderedDict[str, int] = OrderedDict()
@@ -61,14 +64,16 @@ class LoRAManager:
 
     def add_adapter(self, lora: LoRARequest) -> None:
         """Read and check `lora` into the host cache (when not there) and start copying it into
-        a device slot in the background (when one is free or held by an unused adapter)."""
-        self._read_adapter(lora)
-        name = lora.lora_name
-        if name in self.slots:
-            return
-        slot = self._free_slot(self.held)
-        if slot is not None:
-            self._start_copy(name, slot)
+        a device slot in the background (when one is free or held by an unused adapter, and
+        every projection it targets has its slots: they are created in a step, not beside one)."""
+        with self._lock:
+            self._read_adapter(lora)
+            name = lora.lora_name
+            if name in self.slots or not self.layers.keys() >= self.host[name].keys():
+                return
+            slot = self._free_slot(self.held)
+            if slot is not None:
+                self._start_copy(name, slot)
 
     def _read_adapter(self, lora: LoRARequest) -> None:
         """Read and check `lora` into the host cache (a no-op when it is there)."""
@@ -97,12 +102,13 @@ class LoRAManager:
 
     def remove_adapter(self, lora_name: str) -> None:
         """Forget an adapter (host copy and device slot); its name may be loaded again."""
-        self.host.pop(lora_name, None)
-        self.loads.wait(lora_name)
-        slot = self.slots.pop(lora_name, None)
-        if slot is not None:
-            for layer in self.layers.values():
-                layer.clear_slot(slot)
+        with self._lock:
+            self.host.pop(lora_name, None)
+            self.loads.wait(lora_name)
+            slot = self.slots.pop(lora_name, None)
+            if slot is not None:
+                for layer in self.layers.values():
+                    layer.clear_slot(slot)
 
     def _resolve(self, adapter: str, hf_module: str) -> tuple[str, ShardId]:
         """Our projection and shard for the adapter's module name; ValueError if none."""
@@ -128,10 +134,11 @@ class LoRAManager:
     ) -> LoRASegments | None:
         """Rows of each adapter in a batch of requests (`num_tokens` rows each, in order);
         `held`: the adapters of every request the worker holds (scheduled or not)."""
-        self.held = {lora.lora_name for lora in (*held, *loras) if lora is not None}
-        if not any(lora is not None for lora in loras):
-            return None
-        req_slots = [-1 if lora is None else self._slot_of(lora) for lora in loras]
+        with self._lock:
+            self.held = {lora.lora_name for lora in (*held, *loras) if lora is not None}
+            if not any(lora is not None for lora in loras):
+                return None
+            req_slots = [-1 if lora is None else self._slot_of(lora) for lora in loras]
         row_slots = torch.repeat_interleave(
             torch.tensor(req_slots, dtype=torch.int64), torch.tensor(num_tokens)
         )
