@@ -46,9 +46,12 @@ class SlotLoads:
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
 
+    @torch.inference_mode()
     def _run(
         self, copy: Callable[[], None], steps_done: torch.cuda.Event | None
     ) -> torch.cuda.Event | None:
+        # Inference mode is per thread: slots created inside a step are inference tensors,
+        # which only inference mode may write.
         if self._stream is None:
             copy()
             return None

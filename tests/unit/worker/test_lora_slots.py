@@ -98,7 +98,8 @@ def _requests(saved: Path) -> tuple[LoRARequest, LoRARequest, LoRARequest]:
 def test_adapter_added_between_steps_is_in_its_slot_before_the_step(saved: Path) -> None:
     manager = _manager(saved, max_loras=2, max_lora_rank=8)
     one, two, _ = _requests(saved)
-    manager.segments_for([two], [1])  # a step that has to copy "two" itself
+    with torch.inference_mode():  # as in a step: its slots are inference tensors
+        manager.segments_for([two], [1])  # a step that has to copy "two" itself
     assert manager.num_step_loads == 1
     manager.add_adapter(one)  # the engine adds it when a request names it
     assert manager.slots["one"] == 1
