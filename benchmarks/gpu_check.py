@@ -7,6 +7,7 @@ Sections, in order (`--sections` picks some):
   are only collected (they need CUDA), which still proves they import.
 - `attention`: decode as a fraction of the copy bandwidth, prefill against SDPA's flash backend.
 - `recurrent`: Mamba-2 and gated delta rule kernels against the torch reference.
+- `lora`: the adapter matmuls of one layer (Triton on CUDA) against the torch reference.
 - `e2e`: batch-64 decode of a Llama-8B-shaped random model against transformers + SDPA, as
   fractions of the memory-bandwidth roofline.
 
@@ -45,8 +46,9 @@ from gpu_check_kernels import (  # noqa: E402
     measure_copy_bandwidth,
     prefill_tile_sweep,
 )
+from gpu_check_lora import lora_figures  # noqa: E402
 
-SECTIONS = ("tests", "attention", "recurrent", "e2e")
+SECTIONS = ("tests", "attention", "recurrent", "lora", "e2e")
 Report = dict[str, object]
 
 
@@ -148,6 +150,7 @@ def run_sections(args: argparse.Namespace, out: Path) -> Report:
         "tests": lambda: run_tests(args, out),
         "attention": lambda: run_attention(args, device),
         "recurrent": lambda: run_recurrent(args, device),
+        "lora": lambda: {"rows": lora_figures(device, _dtype(device), args.tiny)},
         "e2e": lambda: run_e2e(args, device),
     }
     report: Report = header(args)

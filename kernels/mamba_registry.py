@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.gated_delta_registry import GatedDeltaKernels, select_gated_delta_kernels
-from kernels.registry import BACKEND_NAMES, triton_import_error
+from kernels.registry import BACKEND_NAMES, triton_device_reason
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def select_mamba_kernels(name: str, device: str | torch.device) -> MambaKernels:
     device = torch.device(device)
     if name in ("torch", "reference"):
         return _build("torch", device, allow_fla=False)
-    reason = _triton_unavailable_reason(device)
+    reason = triton_device_reason(device)
     if name == "triton" and reason is not None:
         raise ValueError(f"Triton Mamba kernels are unavailable: {reason}")
     if reason is None:
@@ -51,19 +51,6 @@ def select_mamba_kernels(name: str, device: str | torch.device) -> MambaKernels:
         return _build("triton", device, allow_fla=True)
     logger.info("Mamba kernels: torch (%s)", reason)
     return _build("torch", device, allow_fla=True)
-
-
-def _triton_unavailable_reason(device: torch.device) -> str | None:
-    error = triton_import_error()
-    if error is not None:
-        return error
-    if device.type == "cuda":
-        return None
-    from kernels import triton_attention
-
-    if device.type == "cpu" and triton_attention.is_interpreted():
-        return None
-    return f"Triton kernels need a CUDA device, not {device.type}"
 
 
 def _build(name: str, device: torch.device, allow_fla: bool) -> MambaKernels:

@@ -153,14 +153,22 @@ def _triton_unavailable_reason(request: _Request) -> str | None:
         return error
     if request.head_size > 512:
         return f"the Triton kernel supports head_size <= 512, got {request.head_size}"
-    if request.device.type == "cuda":
+    return triton_device_reason(request.device)
+
+
+def triton_device_reason(device: torch.device) -> str | None:
+    """Why Triton kernels cannot run on `device` (None: CUDA, or CPU under the interpreter)."""
+    error = triton_import_error()
+    if error is not None:
+        return error
+    if device.type == "cuda":
         return None
     from kernels import triton_attention
 
-    if request.device.type == "cpu" and triton_attention.is_interpreted():
+    if device.type == "cpu" and triton_attention.is_interpreted():
         return None
     return (
-        f"Triton kernels need a CUDA device, not {request.device.type}; on CPU they run only "
+        f"Triton kernels need a CUDA device, not {device.type}; on CPU they run only "
         "when TRITON_INTERPRET=1 is set before triton is imported (slow; meant for tests)"
     )
 

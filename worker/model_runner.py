@@ -305,7 +305,8 @@ class ModelRunner:
         states = self._require_states()
         loras = [states.requests[req_id].lora_request for req_id in batch.req_ids]
         num_tokens = np.diff(batch.query_start_loc_np).tolist()
-        return self.lora.active(self.lora.segments_for(loras, num_tokens))
+        held = [req.lora_request for req in states.requests.values()]
+        return self.lora.active(self.lora.segments_for(loras, num_tokens, held))
 
     def _batch_req_ids(self, scheduler_output: SchedulerOutput) -> list[str]:
         """Scheduled requests in batch order (reordered when the config asks for it)."""

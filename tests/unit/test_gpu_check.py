@@ -24,7 +24,8 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     report = json.loads((out / "gpu-check.json").read_text())
     assert report["commit"] == "c0"
     sections = report["sections"]
-    assert list(sections) == ["tests", "attention", "recurrent", "e2e"]
+    assert list(sections) == ["tests", "attention", "recurrent", "lora", "e2e"]
+    assert {row["kernel"] for row in sections["lora"]["rows"]} == {"torch"}
     assert not [name for name, section in sections.items() if "error" in section]
     assert sections["tests"]["collected"] >= 100
     decode, prefill = sections["attention"]["rows"]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.lora_reference import LoRASegments, lora_expand, lora_shrink
+from kernels.lora_reference import lora_expand, lora_segments, lora_shrink
 from worker.layers.expert_deltas import (
     ExpertDeltas,
     PeftExpertParameter,
@@ -104,23 +104,11 @@ class ExpertLoRALayer:
         token_slots = self.step.token_slots()
         if token_slots is None:
             return out
-        segments = _routed_segments(token_slots[tokens])
+        segments = lora_segments(token_slots[tokens], x.device)
         if segments is None:
             return out
         shrunk = lora_shrink(x, self.lora_a[:, expert], segments)
         return lora_expand(out, shrunk, self.lora_b[:, expert], segments)
-
-
-def _routed_segments(slots: torch.Tensor) -> LoRASegments | None:
-    """Segments over the rows of one expert's routed tokens ([n] slots, -1: no adapter)."""
-    order = torch.argsort(slots, stable=True)
-    ordered = slots[order]
-    adapted = ordered >= 0
-    order, ordered = order[adapted], ordered[adapted]
-    if order.numel() == 0:
-        return None
-    slot_ids, lengths = torch.unique_consecutive(ordered, return_counts=True)
-    return LoRASegments(order, tuple(slot_ids.tolist()), tuple(lengths.tolist()))
 
 
 def expert_parameter(

@@ -20,7 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from kernels.lora_reference import LoRASegments, lora_expand, lora_shrink
+from kernels.lora_reference import LoRASegments
+from kernels.lora_registry import LoRAKernels
 from worker.distributed import all_reduce
 from worker.layers.linear import (
     ColumnParallelLinear,
@@ -36,12 +37,15 @@ LORA_TARGET_TYPES = (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear, 
 
 
 class LoRAStep:
-    """The segments of the step being run, shared by every `LoRALayer` of one model.
+    """The segments of the step being run (built once per step) and the kernels, shared by
+    every `LoRALayer` of one model.
 
-    Set only inside `active`, which resets it in `finally`, so no forward sees a stale step.
+    Segments are set only inside `active`, which resets them in `finally`, so no forward sees
+    a stale step.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, kernels: LoRAKernels) -> None:
+        self.kernels = kernels
         self.segments: LoRASegments | None = None
 
     @contextmanager
@@ -116,7 +120,8 @@ class LoRALayer:
         segments = self.step.segments
         if segments is None or segments.num_rows == 0:
             return None
-        shrunk = lora_shrink(inputs[0], self.lora_a, segments)  # [N, R]
+        kernels = self.step.kernels
+        shrunk = kernels.shrink(inputs[0], self.lora_a, segments)  # rows x R
         if self.tp_size > 1:  # each rank saw only its input columns
             shrunk = all_reduce(shrunk)
-        return lora_expand(output, shrunk, self.lora_b, segments)
+        return kernels.expand(output, shrunk, self.lora_b, segments)

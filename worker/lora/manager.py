@@ -3,30 +3,35 @@
 
 Projections get `LoRALayer`s; stacked MoE expert weights (PEFT's `target_parameters`) get
 `ExpertLoRALayer`s, registered on their experts module's `expert_deltas`. `add_adapter` reads and
-checks a PEFT folder once (it may run before the step that needs it);
-`segments_for` puts the step's adapters in device slots, evicting only adapters the step does not
-use, and groups the step's tokens by slot for the batched matmuls.
+checks a PEFT folder once, between steps (the engine calls it when a request names a new
+adapter), and starts copying it into a device slot in the background, so the step that needs it
+finds it there. `segments_for` waits for the step's copies (loading in the step only an adapter
+that had no slot to go to), and groups the step's rows by slot once for every projection. A slot
+is taken from an adapter only when no request the worker holds uses it and no copy into it is
+pending.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 
-import numpy as np
 import torch
 from torch import nn
 
-from kernels.lora_reference import LoRASegments
+from kernels.lora_reference import LoRASegments, lora_segments
+from kernels.lora_registry import select_lora_kernels
 from scheduler.lora import LoRAConfig, LoRARequest
 from worker.layers.expert_deltas import expert_deltas_of, stacked_weight_of
 from worker.layers.loading import ShardId
 from worker.lora.experts import ExpertLoRALayer, expert_parameter
 from worker.lora.layers import LORA_TARGET_TYPES, LoRALayer, LoRAStep
 from worker.lora.peft_files import LoRAWeights, PeftAdapter, read_peft_adapter
+from worker.lora.slot_loads import SlotLoads
 from worker.weights import packed_target
 
 logger = logging.getLogger(__name__)
@@ -38,14 +43,23 @@ ModuleWeights = dict[str, dict[ShardId, LoRAWeights]]
 class LoRAManager:
     """Adapters of one worker rank's model."""
 
-    def __init__(self, model: nn.Module, config: LoRAConfig, device: torch.device) -> None:
+    def __init__(
+        self, model: nn.Module, config: LoRAConfig, device: torch.device, kernels: str = "auto"
+    ) -> None:
         self.model = model
         self.config = config
         self.device = device
         self.dtype = next(model.parameters()).dtype
         self.modules = dict(model.named_modules())
         self.renames: tuple[tuple[str, str], ...] = getattr(model, "renames", ())
-        self.step = LoRAStep()
+        self.step = LoRAStep(select_lora_kernels(kernels, device))
+        self.loads = SlotLoads(device)
+        self.held: set[str] = set()
+        """Adapters of the requests the worker holds (their slots are never taken)."""
+        self.num_step_loads = 0
+        """Adapters copied into a slot inside a step (no slot was free when they were added)."""
+        self._lock = threading.Lock()
+        """Slot bookkeeping: the engine may add an adapter while a step runs on another thread."""
         self.layers: dict[str, LoRALayer | ExpertLoRALayer] = {}
         self.host: OrderedDict[str, ModuleWeights] = OrderedDict()
         self.slots: OrderedDict[str, int] = OrderedDict()
@@ -53,6 +67,19 @@ class LoRAManager:
         self.load_seconds: dict[str, float] = {}
 
     def add_adapter(self, lora: LoRARequest) -> None:
+        """Read and check `lora` into the host cache (when not there) and start copying it into
+        a device slot in the background (when one is free or held by an unused adapter, and
+        every projection it targets has its slots: they are created in a step, not beside one)."""
+        with self._lock:
+            self._read_adapter(lora)
+            name = lora.lora_name
+            if name in self.slots or not self.layers.keys() >= self.host[name].keys():
+                return
+            slot = self._free_slot(self.held)
+            if slot is not None:
+                self._start_copy(name, slot)
+
+    def _read_adapter(self, lora: LoRARequest) -> None:
         """Read and check `lora` into the host cache (a no-op when it is there)."""
         if lora.lora_name in self.host:
             self.host.move_to_end(lora.lora_name)
@@ -79,11 +106,13 @@ class LoRAManager:
 
     def remove_adapter(self, lora_name: str) -> None:
         """Forget an adapter (host copy and device slot); its name may be loaded again."""
-        self.host.pop(lora_name, None)
-        slot = self.slots.pop(lora_name, None)
-        if slot is not None:
-            for layer in self.layers.values():
-                layer.clear_slot(slot)
+        with self._lock:
+            self.host.pop(lora_name, None)
+            self.loads.wait(lora_name)
+            slot = self.slots.pop(lora_name, None)
+            if slot is not None:
+                for layer in self.layers.values():
+                    layer.clear_slot(slot)
 
     def _resolve(
         self, adapter: PeftAdapter, hf_module: str, lora: LoRAWeights
@@ -115,26 +144,22 @@ class LoRAManager:
         return module_name, shard_id
 
     def segments_for(
-        self, loras: Sequence[LoRARequest | None], num_tokens: Sequence[int]
+        self,
+        loras: Sequence[LoRARequest | None],
+        num_tokens: Sequence[int],
+        held: Iterable[LoRARequest | None] = (),
     ) -> LoRASegments | None:
-        """Rows of each adapter in a batch of requests (`num_tokens` rows each, in order)."""
-        step_names = {lora.lora_name for lora in loras if lora is not None}
-        if not step_names:
-            return None
-        req_slots = [-1 if lora is None else self._slot_of(lora, step_names) for lora in loras]
-        row_slots = np.repeat(np.array(req_slots, dtype=np.int64), num_tokens)
-        rows = np.flatnonzero(row_slots >= 0)
-        if rows.size == 0:
-            return None
-        adapted = row_slots[rows]
-        slot_ids, lengths = np.unique(adapted, return_counts=True)
-        token_idx = rows[np.argsort(adapted, kind="stable")]  # grouped by slot, in slot order
-        return LoRASegments(
-            token_idx=torch.from_numpy(token_idx).to(self.device),
-            slot_ids=tuple(slot_ids.tolist()),
-            lengths=tuple(lengths.tolist()),
-            row_slots=torch.from_numpy(row_slots).to(self.device),
+        """Rows of each adapter in a batch of requests (`num_tokens` rows each, in order);
+        `held`: the adapters of every request the worker holds (scheduled or not)."""
+        with self._lock:
+            self.held = {lora.lora_name for lora in (*held, *loras) if lora is not None}
+            if not any(lora is not None for lora in loras):
+                return None
+            req_slots = [-1 if lora is None else self._slot_of(lora) for lora in loras]
+        row_slots = torch.repeat_interleave(
+            torch.tensor(req_slots, dtype=torch.int64), torch.tensor(num_tokens)
         )
+        return lora_segments(row_slots, self.device)
 
     @contextmanager
     def active(self, segments: LoRASegments | None) -> Iterator[None]:
@@ -142,33 +167,53 @@ class LoRAManager:
         with self.step.active(segments):
             yield
 
-    def _slot_of(self, lora: LoRARequest, step_names: set[str]) -> int:
-        """`lora`'s device slot, loading it there (evicting an adapter this step does not use)."""
+    def _slot_of(self, lora: LoRARequest) -> int:
+        """`lora`'s device slot once its copy is done (copied now if it has no slot yet)."""
         name = lora.lora_name
-        if name in self.slots:
-            self.slots.move_to_end(name)
-            return self.slots[name]
-        self.add_adapter(lora)
-        slot = self._free_slot(step_names)
-        for module_name, weights in self.host[name].items():
-            self._layer(module_name).set_slot(slot, weights)
-        self.slots[name] = slot
-        return slot
+        if name not in self.slots:
+            self._read_adapter(lora)
+            slot = self._free_slot(self.held)
+            if slot is None:
+                raise RuntimeError(
+                    f"a step uses {len(self.held)} adapters, more than "
+                    f"max_loras={self.config.max_loras}"
+                )
+            self._start_copy(name, slot)
+            self.num_step_loads += 1
+        self.loads.wait(name)
+        self.slots.move_to_end(name)
+        return self.slots[name]
 
-    def _free_slot(self, step_names: set[str]) -> int:
+    def _free_slot(self, keep: set[str]) -> int | None:
+        """An empty slot, else the least recently used adapter's that is neither in `keep` nor
+        being copied (its name leaves `slots`); None when there is none."""
         used = set(self.slots.values())
         free = [slot for slot in range(self.config.max_loras) if slot not in used]
         if free:
             return free[0]
         for name, slot in self.slots.items():
-            if name not in step_names:
+            if name not in keep and not self.loads.is_pending(name):
                 del self.slots[name]
-                for layer in self.layers.values():
-                    layer.clear_slot(slot)
                 return slot
-        raise RuntimeError(
-            f"a step uses {len(step_names)} adapters, more than max_loras={self.config.max_loras}"
-        )
+        return None
+
+    def _start_copy(self, name: str, slot: int) -> None:
+        """Give `slot` to `name` now and copy its weights there in the background (the slot's
+        other projections are cleared, so nothing of a previous adapter stays)."""
+        weights = self.host[name]
+        targets = [
+            (self._layer(module), module_weights) for module, module_weights in weights.items()
+        ]
+        others = [layer for module, layer in self.layers.items() if module not in weights]
+
+        def copy() -> None:
+            for layer, module_weights in targets:
+                layer.set_slot(slot, module_weights)
+            for layer in others:
+                layer.clear_slot(slot)
+
+        self.slots[name] = slot
+        self.loads.start(name, copy)
 
     def _layer(self, target: str) -> LoRALayer | ExpertLoRALayer:
         """The projection's (or stacked expert weight's) adapter slots, created the first time

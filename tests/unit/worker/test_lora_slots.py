@@ -117,3 +117,44 @@ def test_expert_adapters_too_large_or_for_missing_parameters_are_errors(
         "model.layers.0.mlp.experts.down_proj",
         "model.layers.0.mlp.experts.gate_up_proj",
     ]
+
+
+def _requests(saved: Path) -> tuple[LoRARequest, LoRARequest, LoRARequest]:
+    one, two, three = (
+        LoRARequest(name, 1, str(saved / folder))
+        for name, folder in (("one", "r4"), ("two", "r8"), ("three", "q_only"))
+    )
+    return one, two, three
+
+
+def test_adapter_added_between_steps_is_in_its_slot_before_the_step(saved: Path) -> None:
+    manager = _manager(saved, max_loras=2, max_lora_rank=8)
+    one, two, _ = _requests(saved)
+    with torch.inference_mode():  # as in a step: its slots are inference tensors
+        manager.segments_for([two], [1])  # a step that has to copy "two" itself
+    assert manager.num_step_loads == 1
+    manager.add_adapter(one)  # the engine adds it when a request names it
+    assert manager.slots["one"] == 1
+    segments = manager.segments_for([one, two], [2, 1])
+    assert segments is not None
+    assert manager.num_step_loads == 1  # "one" was copied off the step
+    layer = manager.layers["model.layers.0.mlp.down_proj"]
+    weights = manager.host["one"]["model.layers.0.mlp.down_proj"][None]
+    torch.testing.assert_close(layer.lora_a[1, :4], weights.a)
+
+
+def test_slot_of_an_adapter_a_held_request_uses_is_never_taken(saved: Path) -> None:
+    manager = _manager(saved, max_loras=2, max_lora_rank=8, max_cpu_loras=3)
+    one, two, three = _requests(saved)
+    manager.segments_for([one, two], [1, 1])
+    layer = manager.layers["model.layers.0.self_attn.qkv_proj"]
+    held_a = layer.lora_a[:2].clone()
+    manager.add_adapter(three)  # both slots are held by running requests: no copy now
+    assert dict(manager.slots) == {"one": 0, "two": 1}
+    assert torch.equal(layer.lora_a[:2], held_a)
+    manager.segments_for([two], [1], held=[two])  # the request using "one" finished
+    manager.add_adapter(three)
+    assert dict(manager.slots) == {"two": 1, "three": 0}
+    manager.segments_for([three, two], [1, 1])
+    assert manager.num_step_loads == 2  # the first step's two adapters only
+    assert torch.equal(layer.lora_a[1], held_a[1])
