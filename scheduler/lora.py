@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import islice
 from typing import Protocol
 
 _MARK = "\x00"
@@ -44,6 +45,9 @@ class LoRAConfig:
     """Largest adapter rank accepted (buffers are sized for it)."""
     max_cpu_loras: int | None = None
     """Host copies kept for quick reloads (None: max_loras)."""
+    prefetch: bool = True
+    """Copy the adapters of the next waiting requests into free device slots before the step
+    that admits them (False: only an adapter the engine adds for the first time is)."""
 
     def __post_init__(self) -> None:
         if self.max_loras < 1:
@@ -78,6 +82,13 @@ class HasAdapter(Protocol):
     def lora_name(self) -> str | None: ...
 
 
+class HasLoRARequest(Protocol):
+    """Anything that carries its adapter request (a scheduler request)."""
+
+    @property
+    def lora_request(self) -> LoRARequest | None: ...
+
+
 def adapter_names(requests: Iterable[HasAdapter]) -> tuple[str, ...]:
     """The distinct adapters of `requests`, sorted."""
     return tuple(sorted({r.lora_name for r in requests if r.lora_name is not None}))
@@ -89,3 +100,21 @@ def adapter_fits(name: str | None, holders: Iterable[HasAdapter], limit: int | N
         return True
     active = set(adapter_names(holders))
     return name in active or len(active) < limit
+
+
+def upcoming_adapters(
+    waiting: Iterable[HasLoRARequest], max_loras: int | None, num_requests: int
+) -> tuple[LoRARequest, ...]:
+    """The first `max_loras` distinct adapters of the first `num_requests` waiting requests
+    (queue order): the ones the workers may copy into free device slots ahead of time (none
+    when `max_loras` is None: LoRA off)."""
+    if max_loras is None:
+        return ()
+    found: dict[str, LoRARequest] = {}
+    for request in islice(waiting, num_requests):
+        lora = request.lora_request
+        if lora is not None and lora.lora_name not in found:
+            found[lora.lora_name] = lora
+            if len(found) == max_loras:
+                break
+    return tuple(found.values())

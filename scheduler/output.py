@@ -192,6 +192,10 @@ class SchedulerOutput:
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     """Speculative decoding: per request verified this step, its draft tokens, computed after
     its last known token (they count in `num_scheduled_tokens`)."""
+    upcoming_loras: tuple[LoRARequest, ...] = ()
+    """Adapters of the requests next in the waiting queue (at most max_loras): workers start
+    copying them into free device slots in the background, so the step that admits them finds
+    them there."""
 
     @property
     def is_empty(self) -> bool:

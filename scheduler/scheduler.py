@@ -20,7 +20,7 @@ from scheduler.admission import check_chunk_limits, check_new_request, num_new_t
 from scheduler.config import SchedulerConfig, SchedulingPolicy
 from scheduler.kv_cache.manager import CacheHit, KVCacheBlocks, KVCacheManager
 from scheduler.kv_cache.spec import KVCacheConfig
-from scheduler.lora import adapter_fits, adapter_names
+from scheduler.lora import adapter_fits, adapter_names, upcoming_adapters
 from scheduler.output import (
     CachedRequestData,
     FinishReason,
@@ -450,6 +450,7 @@ class Scheduler:
                 if self.spec is not None and req_id in plan.spec_tokens:
                     self.spec.verifying.add(req_id)
         before, saves, after = self.kv_cache_manager.take_step_ops()
+        config = self.config
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -464,6 +465,7 @@ class Scheduler:
             offload=self.kv_cache_manager.take_offload_ops(),
             workers_append_sampled=run_ahead,
             scheduled_spec_tokens=plan.spec_tokens,
+            upcoming_loras=upcoming_adapters(self.waiting, config.max_loras, config.max_num_seqs),
         )
 
     def _num_common_prefix_blocks(self) -> tuple[int, ...]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -22,6 +22,7 @@ from kernels import AttentionBackend, select_backend
 from kernels.mamba_registry import select_mamba_kernels
 from scheduler.kv_cache.builder import group_of_layer
 from scheduler.kv_cache.spec import KVCacheConfig, MambaCacheMode
+from scheduler.lora import LoRARequest
 from scheduler.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from worker.attention import ForwardContext, KernelNeeds
 from worker.attention_groups import (
@@ -279,7 +280,7 @@ class ModelRunner:
             )
             layers = {name: per_group[gid] for name, gid in self._mamba_groups.items()}
             ctx = replace(ctx, mamba_metadata=layers)
-        with self._lora_step(batch):
+        with self._lora_step(batch, scheduler_output.upcoming_loras):
             hidden = self.model(batch.input_ids, batch.positions, ctx)  # [num_tokens, hidden]
         if self.proposer is not None:
             self.proposer.observe(batch, ctx, hidden, saves)
@@ -298,15 +299,20 @@ class ModelRunner:
             return output
         return replace(output, prompt_logprobs=prompt_logprobs(logits[num_sampled:], prompt_rows))
 
-    def _lora_step(self, batch: InputBatch) -> contextlib.AbstractContextManager[None]:
-        """Applies the batch's adapters to the forward inside it (nothing when LoRA is off)."""
+    def _lora_step(
+        self, batch: InputBatch, upcoming: Sequence[LoRARequest]
+    ) -> contextlib.AbstractContextManager[None]:
+        """Applies the batch's adapters to the forward inside it, and starts copying the
+        `upcoming` ones into free slots beside it (nothing when LoRA is off)."""
         if self.lora is None:
             return contextlib.nullcontext()
         states = self._require_states()
         loras = [states.requests[req_id].lora_request for req_id in batch.req_ids]
         num_tokens = np.diff(batch.query_start_loc_np).tolist()
         held = [req.lora_request for req in states.requests.values()]
-        return self.lora.active(self.lora.segments_for(loras, num_tokens, held))
+        segments = self.lora.segments_for(loras, num_tokens, held)
+        self.lora.prefetch(upcoming)  # after segments_for: the step's slots are held
+        return self.lora.active(segments)
 
     def _batch_req_ids(self, scheduler_output: SchedulerOutput) -> list[str]:
         """Scheduled requests in batch order (reordered when the config asks for it)."""

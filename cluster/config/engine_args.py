@@ -121,6 +121,9 @@ class EngineArgs(StrictModel):
     """Largest adapter rank accepted (device buffers are sized for it)."""
     max_cpu_loras: int | None = Field(None, ge=1)
     """Adapters kept in host memory for quick reloads; default max_loras."""
+    lora_prefetch: bool = True
+    """Copy the adapters of the next waiting requests into free device slots in the background,
+    before the step that admits them (False: only when a request first names an adapter)."""
     distributed_executor_backend: ExecutorBackend | None = None
     """uni (one rank in-process) | mp (a process per rank) | ray (an actor per rank); default:
     ray inside a Ray job or actor, else mp when tensor_parallel_size > 1, else uni."""
@@ -158,7 +161,9 @@ class EngineArgs(StrictModel):
         """The workers' and scheduler's adapter limits (None: LoRA off)."""
         if not self.enable_lora:
             return None
-        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+        return LoRAConfig(
+            self.max_loras, self.max_lora_rank, self.max_cpu_loras, self.lora_prefetch
+        )
 
 
 def validate_engine_kwargs(kwargs: Mapping[str, object]) -> EngineArgs:

@@ -5,10 +5,11 @@ Projections get `LoRALayer`s; stacked MoE expert weights (PEFT's `target_paramet
 `ExpertLoRALayer`s, registered on their experts module's `expert_deltas`. `add_adapter` reads and
 checks a PEFT folder once, between steps (the engine calls it when a request names a new
 adapter), and starts copying it into a device slot in the background, so the step that needs it
-finds it there. `segments_for` waits for the step's copies (loading in the step only an adapter
-that had no slot to go to), and groups the step's rows by slot once for every projection. A slot
-is taken from an adapter only when no request the worker holds uses it and no copy into it is
-pending.
+finds it there; `prefetch` does the same at each step for the adapters of the next waiting
+requests (an adapter evicted from its slot and named again). `segments_for` waits for the step's
+copies (loading in the step only an adapter that had no slot to go to), and groups the step's
+rows by slot once for every projection. A slot is taken from an adapter only when no request the
+worker holds uses it and no copy into it is pending.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ class LoRAManager:
         """Adapters of the requests the worker holds (their slots are never taken)."""
         self.num_step_loads = 0
         """Adapters copied into a slot inside a step (no slot was free when they were added)."""
+        self.num_copies_ahead = 0
+        """Adapters copied into a slot in the background, before a step needed them."""
         self._lock = threading.Lock()
         """Slot bookkeeping: the engine may add an adapter while a step runs on another thread."""
         self.layers: dict[str, LoRALayer | ExpertLoRALayer] = {}
@@ -72,12 +75,31 @@ class LoRAManager:
         every projection it targets has its slots: they are created in a step, not beside one)."""
         with self._lock:
             self._read_adapter(lora)
-            name = lora.lora_name
-            if name in self.slots or not self.layers.keys() >= self.host[name].keys():
-                return
-            slot = self._free_slot(self.held)
-            if slot is not None:
-                self._start_copy(name, slot)
+            self._copy_ahead(lora.lora_name, self.held)
+
+    def prefetch(self, loras: Iterable[LoRARequest]) -> None:
+        """Start copying the adapters the next waiting requests name into device slots in the
+        background (as `add_adapter` does), taking no slot of an adapter a held request or
+        another of `loras` uses; an adapter without a host copy is left to the step that needs
+        it (reading belongs between steps)."""
+        if not self.config.prefetch:
+            return
+        with self._lock:
+            names = [lora.lora_name for lora in loras if lora.lora_name in self.host]
+            keep = self.held.union(names)
+            for name in names:
+                self._copy_ahead(name, keep)
+
+    def _copy_ahead(self, name: str, keep: set[str]) -> None:
+        """Start copying host adapter `name` into a free slot or one no adapter of `keep` uses,
+        unless it has a slot or targets a projection without slots yet (they are created in a
+        step's own copies)."""
+        if name in self.slots or not self.layers.keys() >= self.host[name].keys():
+            return
+        slot = self._free_slot(keep)
+        if slot is not None:
+            self._start_copy(name, slot)
+            self.num_copies_ahead += 1
 
     def _read_adapter(self, lora: LoRARequest) -> None:
         """Read and check `lora` into the host cache (a no-op when it is there)."""
