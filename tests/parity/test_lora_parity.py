@@ -189,3 +189,35 @@ def test_prefix_hits_never_cross_adapters_and_survive_reloads(
     assert cached[:3] == [0, 0, 0]  # three identities, three cold prefills
     assert min(cached[3:]) > 0  # each one hits its own blocks (adapters reloaded from disk)
     llm.shutdown()
+
+
+@pytest.mark.parametrize("lora_prefetch", [True, False])
+def test_adapters_named_again_are_copied_before_their_step(
+    bamba_adapters: Family, lora_prefetch: bool
+) -> None:
+    """One device slot, two adapters alternating with base-model requests (one request at a
+    time): while a base request runs, the adapter of the next waiting request replaces the
+    other one in the slot, so no step copies an adapter itself; outputs stay the merged models'."""
+    one, two = bamba_adapters.adapters
+    llm = LLM(
+        model=str(bamba_adapters.path),
+        enable_lora=True,
+        max_loras=1,
+        max_cpu_loras=2,
+        max_num_seqs=1,
+        lora_prefetch=lora_prefetch,
+        **LLM_ARGS,
+    )
+    loras = [one, None, two, None, one, None, two]
+    try:
+        results = llm.generate([PROMPTS[0]] * len(loras), GREEDY, lora_request=loras)
+        manager = llm.client.core.executor.worker.model_runner.lora
+    finally:
+        llm.shutdown()
+    for lora, result in zip(loras, results, strict=True):
+        name = None if lora is None else lora.lora_name
+        assert result.outputs[0].token_ids == bamba_adapters.expected[(name, 0)], name
+    # the first step copies "one" (its projections get their slots there); each later switch is
+    # a copy ahead of its step, or one inside it
+    expected_copies = (1, 3) if lora_prefetch else (4, 0)
+    assert (manager.num_step_loads, manager.num_copies_ahead) == expected_copies

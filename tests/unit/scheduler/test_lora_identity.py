@@ -7,7 +7,7 @@ from kv_config_builders import full
 from scheduler_drive import make_scheduler
 
 from scheduler.kv_cache.builder import build_kv_cache_config
-from scheduler.lora import LoRAConfig, LoRARequest, prefix_salt
+from scheduler.lora import LoRAConfig, LoRARequest, prefix_salt, upcoming_adapters
 from scheduler.request import Request, SamplingParams
 
 PROMPT = list(range(12))
@@ -61,7 +61,9 @@ def test_waiting_request_waits_for_an_adapter_slot() -> None:
         scheduler.add_request(
             Request(req_id, PROMPT[:5], SamplingParams(max_tokens=4), 4, lora_request=lora)
         )
-    assert list(scheduler.schedule().num_scheduled_tokens) == ["1", "2"]
+    out = scheduler.schedule()
+    assert list(out.num_scheduled_tokens) == ["1", "2"]
+    assert [lora.lora_name for lora in out.upcoming_loras] == ["c", "a"]  # workers prefetch them
     stats = scheduler.make_stats()  # vLLM's lora_requests_info labels
     assert (stats.running_lora_adapters, stats.waiting_lora_adapters) == (("a", "b"), ("a", "c"))
     assert stats.max_lora == 2
@@ -70,3 +72,22 @@ def test_waiting_request_waits_for_an_adapter_slot() -> None:
     assert "3" in scheduled
     assert "4" not in scheduled  # adapters b and c hold both slots
     assert {r.req_id for r in scheduler.running} == {"2", "3"}
+
+
+def test_upcoming_adapters_are_the_first_distinct_ones_of_the_queue_head() -> None:
+    """At most max_loras adapters, from the first num_requests waiting requests only."""
+    names = ["a", None, "a", "b", "c"]
+    waiting = [
+        Request(str(i), PROMPT, SamplingParams(), 4, lora_request=LoRARequest(name, 1, "/x"))
+        if name is not None
+        else Request(str(i), PROMPT, SamplingParams(), 4)
+        for i, name in enumerate(names)
+    ]
+
+    def upcoming(max_loras: int | None, num_requests: int) -> list[str]:
+        return [lora.lora_name for lora in upcoming_adapters(waiting, max_loras, num_requests)]
+
+    assert upcoming(2, 5) == ["a", "b"]
+    assert upcoming(8, 5) == ["a", "b", "c"]
+    assert upcoming(8, 3) == ["a"]  # only requests one step could admit
+    assert upcoming(None, 5) == []  # LoRA off

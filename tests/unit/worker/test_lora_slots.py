@@ -27,7 +27,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def _manager(saved: Path, **config: int) -> LoRAManager:
+def _manager(saved: Path, **config: int | bool) -> LoRAManager:
     model = load_our_model(saved / "base")
     return LoRAManager(model, LoRAConfig(**config), torch.device("cpu"))
 
@@ -158,3 +158,32 @@ def test_slot_of_an_adapter_a_held_request_uses_is_never_taken(saved: Path) -> N
     manager.segments_for([three, two], [1, 1])
     assert manager.num_step_loads == 2  # the first step's two adapters only
     assert torch.equal(layer.lora_a[1], held_a[1])
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_adapter_evicted_then_named_by_a_waiting_request_is_copied_before_its_step(
+    saved: Path, prefetch: bool
+) -> None:
+    manager = _manager(saved, max_loras=2, max_lora_rank=8, max_cpu_loras=3, prefetch=prefetch)
+    one, two, three = _requests(saved)
+    with torch.inference_mode():  # as in a step: its slots are inference tensors
+        manager.segments_for([one, two], [1, 1])
+        manager.segments_for([two, three], [1, 1])  # "three" takes "one"'s slot in the step
+    assert (dict(manager.slots), manager.num_step_loads) == ({"two": 1, "three": 0}, 3)
+    layer = manager.layers["model.layers.0.self_attn.qkv_proj"]
+    held_a = layer.lora_a.clone()
+    manager.prefetch([one])  # both slots are held by running requests: no copy now
+    assert dict(manager.slots) == {"two": 1, "three": 0}
+    manager.prefetch([LoRARequest("unread", 1, str(saved / "r4"))])  # no host copy: skipped
+    assert torch.equal(layer.lora_a, held_a)
+    manager.segments_for([two], [1], held=[two])  # the requests using "three" finished
+    manager.prefetch([one])  # a waiting request names "one" again
+    segments = manager.segments_for([one, two], [1, 1])
+    assert segments is not None
+    assert manager.num_step_loads == (3 if prefetch else 4)
+    assert manager.num_copies_ahead == (1 if prefetch else 0)
+    assert torch.equal(layer.lora_a[1], held_a[1])  # "two"'s slot was never touched
+    weights = manager.host["one"]["model.layers.0.mlp.down_proj"][None]
+    torch.testing.assert_close(
+        manager.layers["model.layers.0.mlp.down_proj"].lora_a[0, :4], weights.a
+    )
