@@ -9,7 +9,8 @@ finds it there; `prefetch` does the same at each step for the adapters of the ne
 requests (an adapter evicted from its slot and named again). `segments_for` waits for the step's
 copies (loading in the step only an adapter that had no slot to go to), and groups the step's
 rows by slot once for every projection. A slot is taken from an adapter only when no request the
-worker holds uses it and no copy into it is pending.
+worker holds uses it and no copy into it is pending (a step that needs a slot may wait for such a
+copy and take its slot: the request it was copied for did not come).
 """
 
 from __future__ import annotations
@@ -194,7 +195,7 @@ class LoRAManager:
         name = lora.lora_name
         if name not in self.slots:
             self._read_adapter(lora)
-            slot = self._free_slot(self.held)
+            slot = self._free_slot(self.held, take_pending=True)
             if slot is None:
                 raise RuntimeError(
                     f"a step uses {len(self.held)} adapters, more than "
@@ -206,17 +207,20 @@ class LoRAManager:
         self.slots.move_to_end(name)
         return self.slots[name]
 
-    def _free_slot(self, keep: set[str]) -> int | None:
-        """An empty slot, else the least recently used adapter's that is neither in `keep` nor
-        being copied (its name leaves `slots`); None when there is none."""
+    def _free_slot(self, keep: set[str], *, take_pending: bool = False) -> int | None:
+        """An empty slot, else the least recently used adapter's that is not in `keep` and not
+        being copied (with `take_pending`, a step's need: a copy ahead whose request has not come
+        is waited for and its slot taken); its name leaves `slots`; None when there is none."""
         used = set(self.slots.values())
         free = [slot for slot in range(self.config.max_loras) if slot not in used]
         if free:
             return free[0]
         for name, slot in self.slots.items():
-            if name not in keep and not self.loads.is_pending(name):
-                del self.slots[name]
-                return slot
+            if name in keep or (self.loads.is_pending(name) and not take_pending):
+                continue
+            self.loads.wait(name)
+            del self.slots[name]
+            return slot
         return None
 
     def _start_copy(self, name: str, slot: int) -> None:

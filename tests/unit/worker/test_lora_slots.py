@@ -187,3 +187,17 @@ def test_adapter_evicted_then_named_by_a_waiting_request_is_copied_before_its_st
     torch.testing.assert_close(
         manager.layers["model.layers.0.mlp.down_proj"].lora_a[0, :4], weights.a
     )
+
+
+def test_step_takes_the_slot_of_a_copy_ahead_whose_request_did_not_come(saved: Path) -> None:
+    manager = _manager(saved, max_loras=1, max_lora_rank=8, max_cpu_loras=3)
+    one, two, three = _requests(saved)
+    with torch.inference_mode():  # as in a step: its slots are inference tensors
+        manager.segments_for([one], [1])
+    manager.add_adapter(two)  # "one" holds the slot: host copy only
+    manager.segments_for([None], [1])  # the request using "one" finished
+    manager.prefetch([two])  # the next waiting request names "two", then is aborted
+    assert manager.loads.is_pending("two")
+    manager.segments_for([three], [1])  # a request with another adapter runs first
+    assert (dict(manager.slots), manager.num_step_loads) == ({"three": 0}, 2)
+    assert not manager.layers["model.layers.0.mlp.down_proj"].lora_a[0].any()  # q_proj only
