@@ -7,7 +7,7 @@ import pytest
 
 from cluster.serve.hybrid_policy import HybridRoutingPolicy
 from scheduler.kv_cache.events import KVEventBatch, KVEventWindow
-from tests.unit.cluster.test_hybrid_routing import GROUPS, PROMPT, make_policy, window_of
+from tests.helpers.routing_cases import GROUPS, PROMPT, make_policy, window_of
 
 REPLICAS = ["a", "b", "c"]
 

@@ -8,35 +8,14 @@ import yaml
 from cluster.config import LLMConfig
 from cluster.engine.input_processor import InputProcessor
 from cluster.openai_api.protocol import ChatCompletionRequest
-from cluster.serve.hybrid_policy import HybridRoutingPolicy, PromptKeys, RoutingOptions
+from cluster.serve.hybrid_policy import HybridRoutingPolicy, RoutingOptions
 from cluster.serve.hybrid_router import kv_events_enabled
 from cluster.serve.routing import resolve_request_router
 from scheduler.kv_cache.events import KVEventBatch, KVEventWindow
-from scheduler.kv_cache.spec import KVCacheGroupSpec
-from scheduler.kv_cache.spec_factory import make_spec
 from tests.helpers.readme import code_block
+from tests.helpers.routing_cases import GROUPS, PROMPT, holding_the_prompt, make_policy, window_of
 
-GROUPS = (
-    KVCacheGroupSpec(("full",), make_spec("full_attention", 4)),
-    KVCacheGroupSpec(("window",), make_spec("sliding_window", 4, 8)),
-)
-PROMPT = list(range(1, 42))
 ROUTER = "cluster.serve.routing:HybridPrefixRouter"
-
-
-def window_of(
-    stored_full: list[bytes], stored_window: list[bytes], first_seq: int = 1
-) -> KVEventWindow:
-    """One batch of stores (after the empty batch 0 every replica starts with)."""
-    batch = KVEventBatch(stored=(tuple(stored_full), tuple(stored_window)), removed=((), ()))
-    return KVEventWindow(GROUPS, first_seq, (batch,))
-
-
-def make_policy(**options: float) -> HybridRoutingPolicy[str]:
-    policy: HybridRoutingPolicy[str] = HybridRoutingPolicy(RoutingOptions(**options))
-    for key in ("a", "b", "c"):
-        policy.replay(key, window_of([], [], first_seq=0))
-    return policy
 
 
 def test_a_replica_that_lost_the_window_tail_is_not_a_hit() -> None:
@@ -65,20 +44,8 @@ def test_sessions_stick_and_new_conversations_spread() -> None:
     assert policy.choose(["a", "b", "c"], other, 1.0)[0] != [chosen]
 
 
-def _holding_the_prompt(
-    in_flight: int, **options: float
-) -> tuple[HybridRoutingPolicy[str], PromptKeys]:
-    """A policy whose replica "a" caches `PROMPT` and has `in_flight` requests of it in flight."""
-    policy = make_policy(**options)
-    keys = policy.prompt_keys(PROMPT, None)
-    policy.replay("a", window_of(keys.block_hashes, keys.block_hashes))
-    for _ in range(in_flight):
-        policy.routed("a", keys, 0.0)
-    return policy, keys
-
-
 def test_the_load_bound_overrides_the_hit() -> None:
-    policy, keys = _holding_the_prompt(2, load_factor=1.0, min_in_flight_bound=1)
+    policy, keys = holding_the_prompt(2, load_factor=1.0, min_in_flight_bound=1)
     ranks = policy.choose(["a", "b", "c"], keys, 0.0)
     assert ranks[0] != ["a"]
     assert ranks[1][-1] == "a"
@@ -87,7 +54,7 @@ def test_the_load_bound_overrides_the_hit() -> None:
 def test_below_the_least_bound_a_conversation_stays_with_its_hit() -> None:
     """Four in flight against none elsewhere passes 2x the mean, but not the least bound: a
     batching replica serves five requests about as fast as one, so the hit decides."""
-    policy, keys = _holding_the_prompt(4, load_factor=2.0, min_in_flight_bound=5)
+    policy, keys = holding_the_prompt(4, load_factor=2.0, min_in_flight_bound=5)
     assert policy.choose(["a", "b", "c"], keys, 0.0)[0] == ["a"]
     policy.routed("a", keys, 0.0)
     assert policy.choose(["a", "b", "c"], keys, 0.0)[0] != ["a"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from cluster.serve.hybrid_policy import HybridRoutingPolicy, PromptKeys
 from scheduler.lora import prefix_salt
-from tests.unit.cluster.test_hybrid_routing import PROMPT, make_policy, window_of
+from tests.helpers.routing_cases import PROMPT, make_policy, window_of
 
 REPLICAS = ["a", "b"]
 

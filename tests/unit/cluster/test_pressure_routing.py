@@ -8,7 +8,7 @@ import pytest
 
 from cluster.serve.hybrid_policy import HybridRoutingPolicy, PromptKeys, PullHint, RoutingOptions
 from scheduler.kv_cache.events import KVEventBatch, KVEventWindow
-from tests.unit.cluster.test_hybrid_routing import GROUPS, PROMPT
+from tests.helpers.routing_cases import GROUPS, PROMPT
 
 NUM_BLOCKS = 32
 

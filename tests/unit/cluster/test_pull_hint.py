@@ -10,11 +10,11 @@ import yaml
 from cluster.serve.hybrid_policy import PullHint, RoutingOptions
 from cluster.serve.hybrid_router import with_router_defaults
 from tests.helpers.readme import code_block
-from tests.unit.cluster.test_hybrid_routing import PROMPT, _holding_the_prompt, window_of
+from tests.helpers.routing_cases import PROMPT, holding_the_prompt, window_of
 
 
 def test_a_request_sent_away_from_its_prefix_names_the_holder() -> None:
-    policy, keys = _holding_the_prompt(in_flight=8, min_in_flight_bound=4)
+    policy, keys = holding_the_prompt(in_flight=8, min_in_flight_bound=4)
     chosen = policy.choose(["a", "b", "c"], keys, 0.0)[0][0]
     assert chosen != "a"  # a is over the in-flight bound
     assert policy.pull_source(chosen, keys, 0.0, threshold=16) == PullHint("a", 40, 40)
@@ -22,7 +22,7 @@ def test_a_request_sent_away_from_its_prefix_names_the_holder() -> None:
 
 
 def test_no_hint_when_the_receiver_holds_the_prefix_itself() -> None:
-    policy, keys = _holding_the_prompt(in_flight=0)
+    policy, keys = holding_the_prompt(in_flight=0)
     assert policy.choose(["a", "b", "c"], keys, 0.0)[0] == ["a"]
     assert policy.pull_source("a", keys, 0.0, threshold=0) is None
     policy.replay("b", window_of(keys.block_hashes[:4], keys.block_hashes[:4]))
@@ -32,7 +32,7 @@ def test_no_hint_when_the_receiver_holds_the_prefix_itself() -> None:
 
 def test_a_replica_out_of_routing_is_still_a_source() -> None:
     """A replica that takes no new requests (draining) still serves as the prefix's source."""
-    policy, keys = _holding_the_prompt(in_flight=0)
+    policy, keys = holding_the_prompt(in_flight=0)
     assert policy.choose(["b", "c"], keys, 0.0)[0] != ["a"]
     assert policy.pull_source("b", keys, 0.0, threshold=8) == PullHint("a", 40, 40)
     assert policy.pull_source("b", None, 0.0, threshold=8) is None
