@@ -450,7 +450,6 @@ class Scheduler:
                 if self.spec is not None and req_id in plan.spec_tokens:
                     self.spec.verifying.add(req_id)
         before, saves, after = self.kv_cache_manager.take_step_ops()
-        config = self.config
         return SchedulerOutput(
             scheduled_new_reqs=new_reqs,
             scheduled_cached_reqs=cached_reqs,
@@ -465,7 +464,9 @@ class Scheduler:
             offload=self.kv_cache_manager.take_offload_ops(),
             workers_append_sampled=run_ahead,
             scheduled_spec_tokens=plan.spec_tokens,
-            upcoming_loras=upcoming_adapters(self.waiting, config.max_loras, config.max_num_seqs),
+            upcoming_loras=upcoming_adapters(
+                self.waiting, self.config.max_loras, self.config.max_num_seqs
+            ),
         )
 
     def _num_common_prefix_blocks(self) -> tuple[int, ...]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.lora_reference import lora_expand, lora_segments, lora_shrink
+from kernels.lora_reference import lora_segments
 from worker.layers.expert_deltas import (
     ExpertDeltas,
     PeftExpertParameter,
@@ -107,8 +107,9 @@ class ExpertLoRALayer:
         segments = lora_segments(token_slots[tokens], x.device)
         if segments is None:
             return out
-        shrunk = lora_shrink(x, self.lora_a[:, expert], segments)
-        return lora_expand(out, shrunk, self.lora_b[:, expert], segments)
+        kernels = self.step.kernels
+        shrunk = kernels.shrink(x, self.lora_a[:, expert], segments)
+        return kernels.expand(out, shrunk, self.lora_b[:, expert], segments)
 
 
 def expert_parameter(
