@@ -56,6 +56,8 @@ class AsyncEngine:
         self.is_restarting = False
         """The workers are being restarted after a failed step (the loop steps again after)."""
         self.num_steps = 0
+        self.num_aborted = 0
+        """Streams closed before their request finished (the caller went away)."""
 
     async def add_request(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         self.core.raise_if_dead()
@@ -171,6 +173,7 @@ class AsyncEngine:
         finally:
             self._queues.pop(request_id, None)
             if not finished:  # the caller went away: free the request's blocks
+                self.num_aborted += 1
                 await asyncio.shield(self.abort(request_id))
 
     async def _fill(

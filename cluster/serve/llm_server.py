@@ -108,7 +108,6 @@ class LLMServer:
             self.tokenizer, model.vocab_size, model.max_model_len, self.config.model_id
         )
         self.draining = False
-        self.num_aborted = 0
         self.metrics: EngineMetrics | None = None
         self._stats_task: asyncio.Task[None] | None = None
         self.transfer_metrics: TransferMetrics | None = None
@@ -217,9 +216,6 @@ class LLMServer:
         """Close the engine stream (aborting the request) if the caller goes away."""
         try:
             yield
-        except (asyncio.CancelledError, GeneratorExit):
-            self.num_aborted += 1
-            raise
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
             result = accumulator.result
@@ -350,7 +346,7 @@ class LLMServer:
             "kv_cache_usage": stats.kv_cache_usage,
             "num_steps": self.engine.num_steps,
             "num_in_flight": self.engine.num_in_flight,
-            "num_aborted": self.num_aborted,
+            "num_aborted": self.engine.num_aborted,
         }
 
     def _ensure_stats_task(self) -> None:

@@ -384,7 +384,7 @@ def test_disconnected_stream_frees_its_blocks(served: Served) -> None:
         assert next(lines).startswith("data: ")
         assert served.stats()["kv_cache_usage"] > 0
     after = _wait_idle(served)
-    assert after["num_aborted"] == before["num_aborted"] + 1
+    assert after["num_aborted"] == before["num_aborted"] + 1, (before, after)
     assert after["num_steps"] - before["num_steps"] < LONG["max_tokens"]
 
 
@@ -393,7 +393,7 @@ def test_disconnected_request_frees_its_blocks(served: Served) -> None:
     with pytest.raises(httpx.ReadTimeout):
         served.post("/v1/completions", LONG, timeout=httpx.Timeout(30, read=1.0))
     after = _wait_idle(served)
-    assert after["num_aborted"] == before["num_aborted"] + 1
+    assert after["num_aborted"] == before["num_aborted"] + 1, (before, after)
     assert after["num_steps"] - before["num_steps"] < LONG["max_tokens"]
 
 
