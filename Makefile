@@ -31,8 +31,12 @@ $(GPU_STAMP): $(STAMP)
 	$(BIN)/pip install -q --no-build-isolation -e ".[dev,gpu]"
 	touch $(GPU_STAMP)
 
+# Two pytest-xdist workers: the Ray tests run one after another on one of them, the rest are
+# spread over both by module (tests/helpers/xdist_groups.py). PYTEST_WORKERS=0: one process.
+PYTEST_WORKERS ?= 2
 test: lint
-	$(BIN)/python -m pytest -m "not gpu and not distributed and not slow" -q $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not gpu and not distributed and not slow" -q \
+		-n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 test-all: install
 	$(BIN)/python -m pytest -m "not gpu and not distributed" -q $(PYTEST_ARGS)
