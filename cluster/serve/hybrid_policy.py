@@ -94,6 +94,10 @@ class RoutingOptions:
     no pull-vs-recompute crossover has been measured on a GPU yet."""
     pull_timeout_s: float = 5.0
     """Deadline of a pull; past it the receiver recomputes."""
+    drain_pull_s: float = 60.0
+    """How long a replica that left routing (draining: scaled down or stopped) stays a pull
+    source after it left, then is forgotten (the builder's default graceful_shutdown_timeout_s:
+    the longest Serve lets it drain); 0: forgotten at once. A dead replica is forgotten at once."""
     pressure_factor: float | None = 2.0
     """A conversation moves off its replica (its prefix pulled along) to the calmest allowed
     replica when its own evicts more than this multiple of that one's rate (evicted keys per
@@ -118,6 +122,8 @@ class RoutingOptions:
             raise ValueError(f"pressure_half_life_s must be > 0, got {self.pressure_half_life_s}")
         if self.pull_timeout_s <= 0:
             raise ValueError(f"pull_timeout_s must be > 0, got {self.pull_timeout_s}")
+        if self.drain_pull_s < 0:
+            raise ValueError(f"drain_pull_s must be >= 0, got {self.drain_pull_s}")
         if self.load_factor < 1.0:
             raise ValueError(f"load_factor must be >= 1, got {self.load_factor}")
         if self.min_in_flight_bound < 1:
@@ -193,6 +199,8 @@ class _Replica:
     evictions: float = 0.0
     """Keys its events removed, each fading with `pressure_half_life_s`, as of `evict_time`."""
     evict_time: float = 0.0
+    left_at: float | None = None
+    """When it left routing (None: routable); a pull source for `drain_pull_s` after."""
 
     def recent_evictions(self, now: float, half_life: float) -> float:
         return self.evictions * _decay(now - self.evict_time, half_life)
@@ -276,6 +284,28 @@ class HybridRoutingPolicy(Generic[Key]):
         alive = set(keys)
         for key in [key for key in self._replicas if key not in alive]:
             del self._replicas[key]
+
+    def keep_routable(self, keys: Sequence[Key], now: float) -> None:
+        """`keys` are the routable replicas; each other one left routing (draining: scaled
+        down, stopped) and stays a pull source for `drain_pull_s` after it left, then is
+        forgotten."""
+        routable = set(keys)
+        for key, replica in list(self._replicas.items()):
+            if key in routable:
+                replica.left_at = None
+            elif replica.left_at is None:
+                replica.left_at = now
+            if not self._is_source(replica, now):
+                del self._replicas[key]
+
+    def forget(self, key: Key) -> None:
+        """Forget a replica at once (its actor died: nothing can be pulled from it)."""
+        self._replicas.pop(key, None)
+
+    def _is_source(self, replica: _Replica, now: float) -> bool:
+        """Routable, or left routing less than `drain_pull_s` ago."""
+        left_at = replica.left_at
+        return left_at is None or now - left_at < self.options.drain_pull_s
 
     def prompt_keys(
         self, token_ids: Sequence[int], cache_salt: str | None, adapter: str | None = None
@@ -374,12 +404,13 @@ class HybridRoutingPolicy(Generic[Key]):
     def pull_source(
         self, chosen: Key, prompt: PromptKeys | None, now: float, threshold: int
     ) -> PullHint[Key] | None:
-        """The replica `chosen` should pull the prompt's prefix from: the one (any it knows,
-        routable or not) predicted to hold the longest prefix, when that leads `chosen`'s own
-        predicted hit by >= `threshold` tokens; None: recompute."""
-        if prompt is None or not self._replicas:
+        """The replica `chosen` should pull the prompt's prefix from: the one (routable, or
+        left routing within `drain_pull_s`) predicted to hold the longest prefix, when that
+        leads `chosen`'s own predicted hit by >= `threshold` tokens; None: recompute."""
+        sources = [key for key, r in self._replicas.items() if self._is_source(r, now)]
+        if prompt is None or not sources:
             return None
-        hits = {key: self.predicted_hit(key, prompt, now) for key in self._replicas}
+        hits = {key: self.predicted_hit(key, prompt, now) for key in sources}
         source = max(hits, key=hits.__getitem__)
         lead = hits[source] - hits.get(chosen, 0)
         if source == chosen or lead < max(threshold, 1):

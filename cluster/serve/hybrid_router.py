@@ -110,7 +110,8 @@ class HybridPrefixRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         """`request_router_kwargs`: `tokenizer_source` (the builder sets the model's), and the
         `RoutingOptions` fields (`load_factor`, `min_in_flight_bound`, `match_fraction`,
-        `work_half_life_s`, `guess_ttl_s`, `pull_threshold_tokens`, `pull_timeout_s`, ...)."""
+        `work_half_life_s`, `guess_ttl_s`, `pull_threshold_tokens`, `pull_timeout_s`,
+        `drain_pull_s`, ...)."""
         tokenizer_source = kwargs.pop("tokenizer_source", None)
         self._model_id: str = kwargs.pop("model_id", "") or ""
         self.policy: HybridRoutingPolicy[ReplicaID] = HybridRoutingPolicy(RoutingOptions(**kwargs))
@@ -128,11 +129,11 @@ class HybridPrefixRouter(FIFOMixin, RequestRouter):
                 usage = float(stats.get(KV_USAGE_STAT, 0.0))
                 adapters = stats.get(LORA_ADAPTERS_STAT)
                 self.policy.replay(replica.replica_id, window, usage, adapters, now)
-        self.policy.keep_only([replica.replica_id for replica in replicas])
+        self.policy.keep_routable([replica.replica_id for replica in replicas], now)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self.policy.keep_only(list(self.curr_replicas))
+        self.policy.forget(replica_id)
 
     async def choose_replicas(
         self,
@@ -140,7 +141,7 @@ class HybridPrefixRouter(FIFOMixin, RequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         if pending_request is not None and TO_REPLICA_KWARG in pending_request.kwargs:
-            source = pending_request.kwargs[TO_REPLICA_KWARG]  # pinned: a pull's export
+            source = pending_request.kwargs[TO_REPLICA_KWARG]  # pinned: a replica's own stats
             return [[r for r in candidate_replicas if r.replica_id.unique_id == source]]
         prompt = self._prompt_keys(pending_request)
         by_id = {replica.replica_id: replica for replica in candidate_replicas}
