@@ -31,8 +31,9 @@ from cluster.engine.core import EngineCore
 from cluster.engine.input_processor import InputProcessor
 from cluster.engine.tokenizer import load_tokenizer
 from cluster.openai_api.protocol import ChatCompletionRequest, CompletionRequest
-from cluster.serve.hybrid_policy import HybridRoutingPolicy, PromptKeys, RoutingOptions
+from cluster.serve.hybrid_policy import HybridRoutingPolicy, PromptKeys
 from cluster.serve.peer_pull import KV_SOURCE_KWARG, TO_REPLICA_KWARG, PeerPull
+from cluster.serve.routing_options import RoutingOptions
 from scheduler.kv_cache.events import KVEventWindow
 from scheduler.lora import prefix_salt
 

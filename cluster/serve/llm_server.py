@@ -243,11 +243,16 @@ class LLMServer:
         return await self.engine.call_core(kv_export, prompt_token_ids, held, cache_salt, demote)
 
     def transfer_stats(self, to_replica: str | None = None) -> dict[str, int]:
-        """Requests whose prefix this replica took from another engine (P/D hand-off, pull)
-        and those it recomputed after a failed transfer (`to_replica` names this replica to
-        the router)."""
+        """Requests whose prefix this replica took from another engine (P/D hand-off, pull),
+        those it recomputed after a failed transfer, and the KV blocks it sent and received
+        (`to_replica` names this replica to the router)."""
         counters = self.engine.core.kv_transfer_counters
-        return {"pulls": counters.num_pulls, "recomputes": counters.num_recomputes}
+        return {
+            "pulls": counters.num_pulls,
+            "recomputes": counters.num_recomputes,
+            "blocks_sent": sum(counters.blocks_sent),
+            "blocks_received": sum(counters.blocks_received),
+        }
 
     async def before_add(self, request: EngineRequest) -> None:
         """Runs before a request enters the engine (a decode replica imports its KV here)."""

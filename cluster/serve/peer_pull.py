@@ -114,7 +114,7 @@ async def import_prefix(
 class ReplicaCall:
     """A user method's call on one replica actor: awaitable, and cancellable."""
 
-    def __init__(self, ref: ray.ObjectRef) -> None:
+    def __init__(self, ref: ray.ObjectRef[Any]) -> None:
         self.ref = ref
 
     def __await__(self) -> Generator[Any, None, Any]:

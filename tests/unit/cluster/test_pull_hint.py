@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from cluster.serve.hybrid_policy import PullHint, RoutingOptions
+from cluster.serve.hybrid_policy import PullHint
 from cluster.serve.hybrid_router import with_router_defaults
+from cluster.serve.routing_options import RoutingOptions
 from tests.helpers.readme import code_block
 from tests.helpers.routing_cases import PROMPT, holding_the_prompt, window_of
 
