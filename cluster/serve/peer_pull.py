@@ -129,12 +129,26 @@ def call_replica(replica: ReplicaID, method: str, *args: Any) -> ReplicaCall:
     Serve routes to it or drains it (a Serve replica actor is named after its ID in the
     "serve" namespace; the call enters it as Serve's own unary handle calls do, so it counts
     as an ongoing request there). ValueError when that actor is gone."""
-    actor = ray.get_actor(replica.to_full_id_str(), namespace=SERVE_NAMESPACE)
+    actor = _replica_actor(replica)
     request_id = uuid.uuid4().hex
     metadata = RequestMetadata(
         request_id, request_id, call_method=method, app_name=replica.deployment_id.app_name
     )
     return ReplicaCall(actor.handle_request.remote(pickle.dumps(metadata), *args))
+
+
+def replica_is_alive(replica: ReplicaID) -> bool:
+    """Whether the replica's actor still lives (routable, draining or not yet killed)."""
+    try:
+        _replica_actor(replica)
+    except ValueError:
+        return False
+    return True
+
+
+def _replica_actor(replica: ReplicaID) -> Any:
+    """The replica's actor: named after its ID in Serve's namespace; ValueError once gone."""
+    return ray.get_actor(replica.to_full_id_str(), namespace=SERVE_NAMESPACE)
 
 
 async def _awaited(response: Any) -> KVTransfer:

@@ -215,11 +215,15 @@ def test_a_draining_replica_is_pulled_from_and_once_gone_its_turns_recompute(
     gone_text, gone_cached = answer(list(chat(handle, turns[gone], "gone", 4)))
     gone_s = time.monotonic() - started
     assert gone_s < 30  # no wait for the dead source
-    after_gone = direct(kept, "transfer_stats")
-    assert after_gone["recomputes"] == before[kept]["recomputes"] + 1, (before, after_gone)
+    after_gone = direct(kept, "transfer_stats")  # no pull: the router forgot the dead source,
+    assert after_gone["pulls"] == after_live["pulls"], (after_live, after_gone)  # or it failed
+    assert after_gone["recomputes"] - before[kept]["recomputes"] in (0, 1), (before, after_gone)
     assert gone_cached < 8
     assert direct(kept, "stats")["kv_cache_usage"] == 0.0
-    print(f"cached: pulled {live_cached}, recomputed {gone_cached}; blocks {sent}; {gone_s:.2f} s")
+    failed = after_gone["recomputes"] - before[kept]["recomputes"]
+    print(
+        f"cached: pulled {live_cached}, gone {gone_cached} ({failed} failed pull, {gone_s:.2f} s)"
+    )
     assert [live_text, gone_text] == reference_texts(model_dir, [turns[live], turns[gone]])
 
 
