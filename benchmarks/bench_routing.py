@@ -42,7 +42,7 @@ from routing_sim import (
     run,
 )
 
-from cluster.serve.hybrid_policy import RoutingOptions
+from cluster.serve.routing_options import RoutingOptions
 from scheduler.config import SchedulerConfig
 
 GRID = [(8, 2), (32, 4), (64, 2), (128, 4), (256, 8)]

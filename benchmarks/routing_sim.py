@@ -20,7 +20,8 @@ from typing import Protocol
 
 from ray.llm._internal.serve.routing_policies.prefix_aware.prefix_tree import PrefixTree
 
-from cluster.serve.hybrid_policy import HybridRoutingPolicy, RoutingOptions
+from cluster.serve.hybrid_policy import HybridRoutingPolicy
+from cluster.serve.routing_options import RoutingOptions
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache.events import KVEventLog, KVEventWindow
 from scheduler.kv_cache.spec import KVCacheConfig, KVCacheSpec, MambaCacheMode

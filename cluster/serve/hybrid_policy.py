@@ -34,6 +34,8 @@ conversations until the in-flight bound sends one elsewhere (which then loads it
                                    that the prompt's adapter is loaded there)
     completed(replica)          ─► in flight - 1
     replay(replica, window)     ─► index follows the replica's events
+    keep_routable(replicas)     ─► the others left routing: pull sources for `drain_pull_s`,
+                                   then forgotten (`forget`: at once, a dead replica)
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, NamedTuple, TypeVar
 
+from cluster.serve.routing_options import RoutingOptions
 from scheduler.block_hash import BlockHash
 from scheduler.kv_cache.cache_index import CacheIndex
 from scheduler.kv_cache.events import KVEventWindow
@@ -52,80 +55,6 @@ MAX_PROMPT_ENDS = 1 << 16
 """Prompt ends remembered per replica (the oldest are forgotten first)."""
 MAX_UNINDEXED_PROMPTS = 256
 """Prompts remembered per replica until its first events arrive."""
-
-
-@dataclass(frozen=True)
-class RoutingOptions:
-    """How hits are weighed against load."""
-
-    load_factor: float = 2.0
-    """A replica takes a new request only while its requests in flight stay within this
-    multiple of the mean (rounded up); >= 1."""
-    min_in_flight_bound: int = 8
-    """The in-flight bound is never below this: a batching engine serves a few requests about
-    as fast as one, while a conversation sent away from its replica loses its whole hit."""
-    work_factor: float = 1.25
-    """Below a strong hit, a replica takes a new request only while its conversations'
-    footprint stays within this multiple of the mean (a prefix cached in one place must not
-    draw every new conversation there); >= 1."""
-    strong_fraction: float = 0.5
-    """A predicted hit covering this much of the prompt is the conversation's own history:
-    only the in-flight bound can send it elsewhere."""
-    match_fraction: float = 0.25
-    """A request whose best predicted hit exceeds the shortest by less than this part of its
-    prompt starts a new conversation (a prefix all replicas hold at most): it goes where the
-    fewest conversations are, so conversations, and the cache they fill, spread evenly."""
-    work_half_life_s: float = 60.0
-    """Half-life with which a replica's conversations (their count and footprint) fade."""
-    guess_ttl_s: float = 10.0
-    """How long a guessed cached block counts before the replica's events must confirm it."""
-    tier_hit_weight: float = 0.5
-    """What a token the replica would load from its KV offload tier counts, in tokens of a hit
-    on its device (a load is slower than a device hit, much faster than a recompute); 0..1."""
-    event_age_steps: float = 10.0
-    """Engine steps from the state a replica's events describe to the admission of a request
-    routed now (the events' poll period in steps, and one): what the replica's running
-    requests allocate meanwhile is anticipated as evicting its next free blocks."""
-
-    pull_threshold_tokens: int | None = 256
-    """A request sent away from the replica predicted to cache its prefix (load, a replica out
-    of routing) pulls that prefix from it when the prefix leads the receiver's own predicted
-    hit by at least this many tokens; otherwise it recomputes (None: never pull). Provisional:
-    no pull-vs-recompute crossover has been measured on a GPU yet."""
-    pull_timeout_s: float = 5.0
-    """Deadline of a pull; past it the receiver recomputes."""
-    pressure_factor: float | None = 2.0
-    """A conversation moves off its replica (its prefix pulled along) to the calmest allowed
-    replica when its own evicts more than this multiple of that one's rate (evicted keys per
-    pool block, over `pressure_half_life_s`) (None: never move for pool pressure); >= 1."""
-    pressure_half_life_s: float = 2.0
-    """Half-life with which a replica's evictions fade (a few of its conversations' turns)."""
-    min_pressure: float = 0.2
-    """Below this eviction rate (keys evicted over `pressure_half_life_s`, per pool block) a
-    replica is under no pool pressure whatever the others evict."""
-
-    def __post_init__(self) -> None:
-        if self.pull_threshold_tokens is not None and self.pull_threshold_tokens < 1:
-            raise ValueError(
-                f"pull_threshold_tokens must be >= 1 (or null: never pull), "
-                f"got {self.pull_threshold_tokens}"
-            )
-        if self.pressure_factor is not None and self.pressure_factor < 1:
-            raise ValueError(f"pressure_factor must be >= 1 (or null), got {self.pressure_factor}")
-        if self.min_pressure < 0:
-            raise ValueError(f"min_pressure must be >= 0, got {self.min_pressure}")
-        if self.pressure_half_life_s <= 0:
-            raise ValueError(f"pressure_half_life_s must be > 0, got {self.pressure_half_life_s}")
-        if self.pull_timeout_s <= 0:
-            raise ValueError(f"pull_timeout_s must be > 0, got {self.pull_timeout_s}")
-        if self.load_factor < 1.0:
-            raise ValueError(f"load_factor must be >= 1, got {self.load_factor}")
-        if self.min_in_flight_bound < 1:
-            raise ValueError(f"min_in_flight_bound must be >= 1, got {self.min_in_flight_bound}")
-        if self.work_factor < 1.0:
-            raise ValueError(f"work_factor must be >= 1, got {self.work_factor}")
-        if not 0.0 <= self.tier_hit_weight <= 1.0:
-            raise ValueError(f"tier_hit_weight must be in [0, 1], got {self.tier_hit_weight}")
 
 
 class PromptKeys(NamedTuple):
@@ -193,6 +122,8 @@ class _Replica:
     evictions: float = 0.0
     """Keys its events removed, each fading with `pressure_half_life_s`, as of `evict_time`."""
     evict_time: float = 0.0
+    left_at: float | None = None
+    """When it left routing (None: routable); a pull source for `drain_pull_s` after."""
 
     def recent_evictions(self, now: float, half_life: float) -> float:
         return self.evictions * _decay(now - self.evict_time, half_life)
@@ -271,11 +202,31 @@ class HybridRoutingPolicy(Generic[Key]):
         """Replicas with an index or a load."""
         return tuple(self._replicas)
 
-    def keep_only(self, keys: Sequence[Key]) -> None:
-        """Forget replicas that are gone (dead, or scaled down)."""
-        alive = set(keys)
-        for key in [key for key in self._replicas if key not in alive]:
-            del self._replicas[key]
+    def keep_routable(self, keys: Sequence[Key], now: float) -> None:
+        """`keys` are the routable replicas; each other one left routing (draining: scaled
+        down, stopped) and stays a pull source for `drain_pull_s` after it left, then is
+        forgotten."""
+        routable = set(keys)
+        for key, replica in list(self._replicas.items()):
+            if key in routable:
+                replica.left_at = None
+            elif replica.left_at is None:
+                replica.left_at = now
+            if not self._is_source(replica, now):
+                del self._replicas[key]
+
+    def left_routing(self) -> list[Key]:
+        """The replicas kept as pull sources after they left routing."""
+        return [key for key, replica in self._replicas.items() if replica.left_at is not None]
+
+    def forget(self, key: Key) -> None:
+        """Forget a replica at once (its actor died: nothing can be pulled from it)."""
+        self._replicas.pop(key, None)
+
+    def _is_source(self, replica: _Replica, now: float) -> bool:
+        """Routable, or left routing less than `drain_pull_s` ago."""
+        left_at = replica.left_at
+        return left_at is None or now - left_at < self.options.drain_pull_s
 
     def prompt_keys(
         self, token_ids: Sequence[int], cache_salt: str | None, adapter: str | None = None
@@ -374,12 +325,13 @@ class HybridRoutingPolicy(Generic[Key]):
     def pull_source(
         self, chosen: Key, prompt: PromptKeys | None, now: float, threshold: int
     ) -> PullHint[Key] | None:
-        """The replica `chosen` should pull the prompt's prefix from: the one (any it knows,
-        routable or not) predicted to hold the longest prefix, when that leads `chosen`'s own
-        predicted hit by >= `threshold` tokens; None: recompute."""
-        if prompt is None or not self._replicas:
+        """The replica `chosen` should pull the prompt's prefix from: the one (routable, or
+        left routing within `drain_pull_s`) predicted to hold the longest prefix, when that
+        leads `chosen`'s own predicted hit by >= `threshold` tokens; None: recompute."""
+        sources = [key for key, r in self._replicas.items() if self._is_source(r, now)]
+        if prompt is None or not sources:
             return None
-        hits = {key: self.predicted_hit(key, prompt, now) for key in self._replicas}
+        hits = {key: self.predicted_hit(key, prompt, now) for key in sources}
         source = max(hits, key=hits.__getitem__)
         lead = hits[source] - hits.get(chosen, 0)
         if source == chosen or lead < max(threshold, 1):

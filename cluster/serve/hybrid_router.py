@@ -31,8 +31,9 @@ from cluster.engine.core import EngineCore
 from cluster.engine.input_processor import InputProcessor
 from cluster.engine.tokenizer import load_tokenizer
 from cluster.openai_api.protocol import ChatCompletionRequest, CompletionRequest
-from cluster.serve.hybrid_policy import HybridRoutingPolicy, PromptKeys, RoutingOptions
-from cluster.serve.peer_pull import KV_SOURCE_KWARG, TO_REPLICA_KWARG, PeerPull
+from cluster.serve.hybrid_policy import HybridRoutingPolicy, PromptKeys
+from cluster.serve.peer_pull import KV_SOURCE_KWARG, TO_REPLICA_KWARG, PeerPull, replica_is_alive
+from cluster.serve.routing_options import RoutingOptions
 from scheduler.kv_cache.events import KVEventWindow
 from scheduler.lora import prefix_salt
 
@@ -110,7 +111,8 @@ class HybridPrefixRouter(FIFOMixin, RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         """`request_router_kwargs`: `tokenizer_source` (the builder sets the model's), and the
         `RoutingOptions` fields (`load_factor`, `min_in_flight_bound`, `match_fraction`,
-        `work_half_life_s`, `guess_ttl_s`, `pull_threshold_tokens`, `pull_timeout_s`, ...)."""
+        `work_half_life_s`, `guess_ttl_s`, `pull_threshold_tokens`, `pull_timeout_s`,
+        `drain_pull_s`, ...)."""
         tokenizer_source = kwargs.pop("tokenizer_source", None)
         self._model_id: str = kwargs.pop("model_id", "") or ""
         self.policy: HybridRoutingPolicy[ReplicaID] = HybridRoutingPolicy(RoutingOptions(**kwargs))
@@ -119,7 +121,6 @@ class HybridPrefixRouter(FIFOMixin, RequestRouter):
         self._prompts: dict[str, PromptKeys | None] = {}
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        super().update_replicas(replicas)
         now = time.monotonic()
         for replica in replicas:
             stats = replica.routing_stats or {}
@@ -128,11 +129,15 @@ class HybridPrefixRouter(FIFOMixin, RequestRouter):
                 usage = float(stats.get(KV_USAGE_STAT, 0.0))
                 adapters = stats.get(LORA_ADAPTERS_STAT)
                 self.policy.replay(replica.replica_id, window, usage, adapters, now)
-        self.policy.keep_only([replica.replica_id for replica in replicas])
+        self.policy.keep_routable([replica.replica_id for replica in replicas], now)
+        for replica_id in self.policy.left_routing():  # draining; a dead one is no source
+            if not replica_is_alive(replica_id):
+                self.policy.forget(replica_id)
+        super().update_replicas(replicas)  # after: a replica out of routing is judged first
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self.policy.keep_only(list(self.curr_replicas))
+        self.policy.forget(replica_id)
 
     async def choose_replicas(
         self,
@@ -140,7 +145,7 @@ class HybridPrefixRouter(FIFOMixin, RequestRouter):
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         if pending_request is not None and TO_REPLICA_KWARG in pending_request.kwargs:
-            source = pending_request.kwargs[TO_REPLICA_KWARG]  # pinned: a pull's export
+            source = pending_request.kwargs[TO_REPLICA_KWARG]  # pinned: a replica's own stats
             return [[r for r in candidate_replicas if r.replica_id.unique_id == source]]
         prompt = self._prompt_keys(pending_request)
         by_id = {replica.replica_id: replica for replica in candidate_replicas}

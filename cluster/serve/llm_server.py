@@ -231,23 +231,28 @@ class LLMServer:
         self.lora_metrics.record_request(lora.lora_name, num_prompt, load_seconds)
 
     async def kv_export(
-        self,
-        prompt_token_ids: list[int],
-        held: HeldKeys,
-        cache_salt: str | None = None,
-        to_replica: str | None = None,
+        self, prompt_token_ids: list[int], held: HeldKeys, cache_salt: str | None = None
     ) -> KVTransfer:
         """A peer's pull: the blocks of this replica's cached prefix of the prompt that the
-        peer does not hold (`to_replica` names this replica to the router). The conversation
-        moved to the peer, so they are evicted here first."""
+        peer does not hold. The conversation moved to the peer, so they are evicted here first.
+        Answered while Serve drains this replica too (it is called on this replica's actor, not
+        routed); refused once the engine is shut down (the peer recomputes at once)."""
+        if self.draining:
+            raise RuntimeError("the replica has shut its engine down; nothing to export")
         demote = True
         return await self.engine.call_core(kv_export, prompt_token_ids, held, cache_salt, demote)
 
     def transfer_stats(self, to_replica: str | None = None) -> dict[str, int]:
-        """Requests whose prefix this replica took from another engine (P/D hand-off, pull)
-        and those it recomputed after a failed transfer (`to_replica`: see `kv_export`)."""
+        """Requests whose prefix this replica took from another engine (P/D hand-off, pull),
+        those it recomputed after a failed transfer, and the KV blocks it sent and received
+        (`to_replica` names this replica to the router)."""
         counters = self.engine.core.kv_transfer_counters
-        return {"pulls": counters.num_pulls, "recomputes": counters.num_recomputes}
+        return {
+            "pulls": counters.num_pulls,
+            "recomputes": counters.num_recomputes,
+            "blocks_sent": sum(counters.blocks_sent),
+            "blocks_received": sum(counters.blocks_received),
+        }
 
     async def before_add(self, request: EngineRequest) -> None:
         """Runs before a request enters the engine (a decode replica imports its KV here)."""

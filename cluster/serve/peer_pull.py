@@ -3,24 +3,34 @@
     router: request sent away from the replica predicted to hold its prefix (load, a replica out
             of routing), the prefix leading the receiver's own predicted hit by
             >= pull_threshold_tokens ─► PeerPull(source replica) travels with the request
-    receiver (LLMServer.generate, before the engine): its held keys ─► its own deployment's
-            handle .kv_export(prompt, held, to_replica=source) ─► the router sends that
-            call to the source replica ─► export ─► import here, within pull_timeout_s
-    anything else (no hint, the source is this replica, a late or failed export) ─► recompute
+    receiver (LLMServer.generate, before the engine): its held keys ─► .kv_export(prompt,
+            held) called on the source's replica actor itself (`call_replica`: routable or
+            draining alike) ─► export ─► import here, within pull_timeout_s
+    anything else (no hint, the source is this replica or gone, a late or failed export)
+            ─► recompute
 
-Only the blocks the receiver lacks travel (its held keys go with the export call).
+Only the blocks the receiver lacks travel (its held keys go with the export call). The call
+does not go through Serve's routing: a replica that left it (scaled down, stopped) stays
+reachable while Serve drains it, and the export counts as one of its ongoing requests, so the
+drain waits for it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+import pickle
+import uuid
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
+import ray
 from ray import serve
 from ray.exceptions import RayError
+from ray.serve._private.common import RequestMetadata
+from ray.serve._private.constants import SERVE_NAMESPACE
+from ray.serve.request_router import ReplicaID
 
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.errors import EngineDeadError
@@ -33,8 +43,8 @@ logger = logging.getLogger(__name__)
 KV_SOURCE_KWARG = "kv_source"
 """The keyword under which the router hands the receiving replica a `PeerPull`."""
 TO_REPLICA_KWARG = "to_replica"
-"""The keyword of a call naming the replica the router must send it to (a pull's export, a
-replica's own stats)."""
+"""The keyword of a call naming the replica the router must send it to (a replica's own
+stats)."""
 
 
 @dataclass(frozen=True)
@@ -56,10 +66,10 @@ async def pull_from_peer(engine: AsyncEngine, request: EngineRequest, pull: Peer
     context = serve.get_replica_context()
     if context.replica_id.unique_id == pull.source:
         return False
-    handle: Any = serve.get_deployment_handle(context.deployment, context.app_name)
+    source = ReplicaID(pull.source, context.replica_id.deployment_id)
 
-    def export(prompt: list[int], held: HeldKeys, cache_salt: str | None) -> Any:
-        return handle.kv_export.remote(prompt, held, cache_salt, **{TO_REPLICA_KWARG: pull.source})
+    def export(prompt: list[int], held: HeldKeys, cache_salt: str | None) -> ReplicaCall:
+        return call_replica(source, "kv_export", prompt, held, cache_salt)
 
     label = f"pull of {request.request_id} from {pull.source}"
     result = await import_prefix(engine, request, export, pull.timeout_s, label)
@@ -99,6 +109,46 @@ async def import_prefix(
         return None
     counters.num_pulls += 1
     return result
+
+
+class ReplicaCall:
+    """A user method's call on one replica actor: awaitable, and cancellable."""
+
+    def __init__(self, ref: ray.ObjectRef[Any]) -> None:
+        self.ref = ref
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self.ref.__await__()
+
+    def cancel(self) -> None:
+        ray.cancel(self.ref)
+
+
+def call_replica(replica: ReplicaID, method: str, *args: Any) -> ReplicaCall:
+    """Call `method` of the replica's deployment on that replica's actor itself, whether
+    Serve routes to it or drains it (a Serve replica actor is named after its ID in the
+    "serve" namespace; the call enters it as Serve's own unary handle calls do, so it counts
+    as an ongoing request there). ValueError when that actor is gone."""
+    actor = _replica_actor(replica)
+    request_id = uuid.uuid4().hex
+    metadata = RequestMetadata(
+        request_id, request_id, call_method=method, app_name=replica.deployment_id.app_name
+    )
+    return ReplicaCall(actor.handle_request.remote(pickle.dumps(metadata), *args))
+
+
+def replica_is_alive(replica: ReplicaID) -> bool:
+    """Whether the replica's actor still lives (routable, draining or not yet killed)."""
+    try:
+        _replica_actor(replica)
+    except ValueError:
+        return False
+    return True
+
+
+def _replica_actor(replica: ReplicaID) -> Any:
+    """The replica's actor: named after its ID in Serve's namespace; ValueError once gone."""
+    return ray.get_actor(replica.to_full_id_str(), namespace=SERVE_NAMESPACE)
 
 
 async def _awaited(response: Any) -> KVTransfer:

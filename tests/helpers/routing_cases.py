@@ -4,7 +4,8 @@ block hashes, and policies over replicas "a", "b" and "c"."""
 
 from __future__ import annotations
 
-from cluster.serve.hybrid_policy import HybridRoutingPolicy, PromptKeys, RoutingOptions
+from cluster.serve.hybrid_policy import HybridRoutingPolicy, PromptKeys
+from cluster.serve.routing_options import RoutingOptions
 from scheduler.kv_cache.events import KVEventBatch, KVEventWindow
 from scheduler.kv_cache.spec import KVCacheGroupSpec
 from scheduler.kv_cache.spec_factory import make_spec

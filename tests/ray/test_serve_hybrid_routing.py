@@ -26,7 +26,7 @@ from ray.serve.config import HTTPOptions
 from cluster.llm import LLM
 from cluster.openai_api.protocol import CompletionRequest
 from cluster.serve import build_openai_app, deployment_name
-from cluster.serve.hybrid_policy import RoutingOptions
+from cluster.serve.routing_options import RoutingOptions
 from scheduler.request import SamplingParams
 from tests.helpers.ray_local import NODE_IP
 from tests.helpers.serve_app import free_port, save_word_tokenizer, shutdown_serve

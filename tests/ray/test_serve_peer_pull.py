@@ -6,17 +6,24 @@ the offline engine's, and the pull counter moves."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
 from ray import serve
+from ray.serve import Application
+from ray.serve import api as serve_api
 from ray.serve.config import HTTPOptions
+from ray.serve.request_router import ReplicaID
+from transformers import AutoTokenizer
 
 from cluster.llm import LLM
 from cluster.openai_api.protocol import ChatCompletionRequest
-from cluster.serve import build_openai_app, deployment_name
+from cluster.serve import build_llm_deployment, deployment_name
+from cluster.serve.peer_pull import call_replica
 from scheduler.request import SamplingParams
 from tests.helpers.ray_local import NODE_IP
 from tests.helpers.serve_app import free_port, save_word_tokenizer, shutdown_serve
@@ -38,6 +45,7 @@ ROUTER = {
         "pull_timeout_s": 60,
     },
 }
+DRAIN_S = 6.0
 FIRST = [{"role": "user", "content": " ".join(f"t{20 + i}" for i in range(40))}]
 
 
@@ -48,8 +56,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_word_tokenizer(path)
 
 
-@pytest.fixture(scope="module")
-def handle(ray_cluster: None, model_dir: Path) -> Iterator[Any]:
+def model_app(model_dir: Path, num_replicas: int) -> Application:
+    """The model's deployment; a fixed version makes a change of `num_replicas` a scale (no
+    restart). A replica scaled down drains for DRAIN_S at least before Serve stops it."""
     config = {
         "model_loading_config": {"model_id": MODEL, "model_source": str(model_dir)},
         "engine_kwargs": {
@@ -60,17 +69,21 @@ def handle(ray_cluster: None, model_dir: Path) -> Iterator[Any]:
         },
         "placement_group_config": {"bundles": [{"CPU": 0.25}]},
         "deployment_config": {
-            "num_replicas": 2,
+            "num_replicas": num_replicas,
+            "graceful_shutdown_wait_loop_s": DRAIN_S,
             "ray_actor_options": {"num_cpus": 0.1},
             "request_router_config": ROUTER,
         },
     }
-    app = {
-        "llm_configs": [config],
-        "ingress_deployment_config": {"ray_actor_options": {"num_cpus": 0.1}},
-    }
+    app = build_llm_deployment(config)
+    app._bound_deployment._version = "1"  # Serve's code version (no public option sets it)
+    return app
+
+
+@pytest.fixture(scope="module")
+def handle(ray_cluster: None, model_dir: Path) -> Iterator[Any]:
     serve.start(http_options=HTTPOptions(host=NODE_IP, port=free_port()))
-    serve.run(build_openai_app(app), name=APP, route_prefix="/")
+    serve.run(model_app(model_dir, 2), name=APP, route_prefix=None)
     yield serve.get_deployment_handle(deployment_name(MODEL), app_name=APP)
     shutdown_serve()
 
@@ -117,3 +130,108 @@ def test_a_turn_sent_away_from_its_replica_pulls_the_prefix(handle: Any, model_d
     ]
     assert sum(s["pulls"] for s in stats) == 1, stats
     assert sum(s["recomputes"] for s in stats) == 0, stats
+
+
+def conversation(index: int) -> list[dict[str, str]]:
+    """A first turn of its own (its first word differs from every other's)."""
+    words = [f"t{150 + index}", *(f"t{100 + i}" for i in range(31))]
+    return [{"role": "user", "content": " ".join(words)}]
+
+
+def next_turn(first: list[dict[str, str]], text: str) -> list[dict[str, str]]:
+    return [*first, {"role": "assistant", "content": text}, {"role": "user", "content": "t95 t96"}]
+
+
+def direct(replica: ReplicaID, method: str) -> Any:
+    """`method()` called on that replica itself (routable or draining)."""
+    return ray.get(call_replica(replica, method).ref, timeout=30)
+
+
+def wait_until(condition: Callable[[], Any], what: str, timeout_s: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"{what} within {timeout_s} s")
+
+
+def is_gone(replica: ReplicaID) -> bool:
+    try:
+        ray.get_actor(replica.to_full_id_str(), namespace="serve")
+    except ValueError:
+        return True
+    return False
+
+
+def held_by(router: Any, replica: ReplicaID, model_dir: Path, turns: list[Any]) -> list[int]:
+    """The turns whose prefix the router predicts `replica` caches, longest first."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    hits = {}
+    for index, messages in enumerate(turns):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        token_ids = tokenizer.encode(text)
+        keys = router.policy.prompt_keys(token_ids, None)
+        hits[index] = router.policy.predicted_hit(replica, keys, time.monotonic())
+    return sorted((i for i in hits if hits[i] >= 16), key=lambda i: -hits[i])
+
+
+def scale_down(handle: Any, model_dir: Path) -> tuple[ReplicaID, ReplicaID]:
+    """Scale to one replica: (the one Serve drains, the one left)."""
+    router = handle._router._asyncio_router.request_router
+    replicas = list(router.curr_replicas)
+    serve_api._run(model_app(model_dir, 1), _blocking=False, name=APP, route_prefix=None)
+    wait_until(lambda: len(router.curr_replicas) == 1, "a replica leaves routing")
+    [kept] = router.curr_replicas
+    [drained] = [replica for replica in replicas if replica != kept]
+    return drained, kept
+
+
+def test_a_draining_replica_is_pulled_from_and_once_gone_its_turns_recompute(
+    handle: Any, model_dir: Path
+) -> None:
+    firsts = [conversation(index) for index in range(6)]
+    turns = [
+        next_turn(first, answer(list(chat(handle, first, f"first-{index}", 4)))[0])
+        for index, first in enumerate(firsts)
+    ]
+    router = handle._router._asyncio_router.request_router
+    time.sleep(1.0)  # the replicas' KV events reach the router
+    before = {replica: direct(replica, "transfer_stats") for replica in router.curr_replicas}
+    holders = {replica: held_by(router, replica, model_dir, turns) for replica in before}
+    drained, kept = scale_down(handle, model_dir)
+    live, gone = holders[drained][:2]
+    live_text, live_cached = answer(list(chat(handle, turns[live], "live", 4)))
+    sent = direct(drained, "transfer_stats")["blocks_sent"] - before[drained]["blocks_sent"]
+    assert sent > 0
+    assert direct(drained, "stats")["kv_cache_usage"] == 0.0  # what it sent is not leaked
+    after_live = direct(kept, "transfer_stats")
+    assert after_live["pulls"] == before[kept]["pulls"] + 1, (before, after_live)
+    assert after_live["blocks_received"] > before[kept]["blocks_received"]
+    assert live_cached >= 24  # the drained replica's prefix, pulled
+    wait_until(lambda: is_gone(drained), "the drained replica is gone")
+    started = time.monotonic()
+    gone_text, gone_cached = answer(list(chat(handle, turns[gone], "gone", 4)))
+    gone_s = time.monotonic() - started
+    assert gone_s < 30  # no wait for the dead source
+    after_gone = direct(kept, "transfer_stats")  # no pull: the router forgot the dead source,
+    assert after_gone["pulls"] == after_live["pulls"], (after_live, after_gone)  # or it failed
+    assert after_gone["recomputes"] - before[kept]["recomputes"] in (0, 1), (before, after_gone)
+    assert gone_cached < 8
+    assert direct(kept, "stats")["kv_cache_usage"] == 0.0
+    failed = after_gone["recomputes"] - before[kept]["recomputes"]
+    print(
+        f"cached: pulled {live_cached}, gone {gone_cached} ({failed} failed pull, {gone_s:.2f} s)"
+    )
+    assert [live_text, gone_text] == reference_texts(model_dir, [turns[live], turns[gone]])
+
+
+def reference_texts(model_dir: Path, conversations: list[Any]) -> list[str]:
+    """Greedy answers of the offline engine (one engine, no prefix cache)."""
+    llm = LLM(str(model_dir), **ENGINE, kv_cache_memory_bytes=2 << 20, enable_prefix_caching=False)
+    try:
+        outputs = llm.chat(conversations, SamplingParams(temperature=0, max_tokens=4))
+    finally:
+        llm.shutdown()
+    return [out.outputs[0].text for out in outputs]

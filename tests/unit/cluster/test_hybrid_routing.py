@@ -8,9 +8,10 @@ import yaml
 from cluster.config import LLMConfig
 from cluster.engine.input_processor import InputProcessor
 from cluster.openai_api.protocol import ChatCompletionRequest
-from cluster.serve.hybrid_policy import HybridRoutingPolicy, RoutingOptions
+from cluster.serve.hybrid_policy import HybridRoutingPolicy
 from cluster.serve.hybrid_router import kv_events_enabled
 from cluster.serve.routing import resolve_request_router
+from cluster.serve.routing_options import RoutingOptions
 from scheduler.kv_cache.events import KVEventBatch, KVEventWindow
 from tests.helpers.readme import code_block
 from tests.helpers.routing_cases import GROUPS, PROMPT, holding_the_prompt, make_policy, window_of
@@ -65,12 +66,12 @@ def test_the_least_bound_is_at_least_one() -> None:
         RoutingOptions(min_in_flight_bound=0)
 
 
-def test_dead_replicas_are_forgotten() -> None:
-    policy = make_policy()
+def test_replicas_out_of_routing_are_forgotten_with_no_drain_pull() -> None:
+    policy = make_policy(drain_pull_s=0.0)
     keys = policy.prompt_keys(PROMPT, None)
     assert keys is not None
     policy.replay("a", window_of(keys.block_hashes, keys.block_hashes))
-    policy.keep_only(["b", "c"])
+    policy.keep_routable(["b", "c"], now=0.0)
     assert policy.replicas == ("b", "c")
     assert policy.predicted_hit("a", keys, 0.0) == 0
 

@@ -1,9 +1,13 @@
-"""The replica's parts that need no Ray cluster: the KV group kinds its metrics are labelled by."""
+"""The replica's parts that need no Ray cluster: the KV group kinds its metrics are labelled by,
+and what it does once its engine is shut down."""
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 from typing import Any
+
+import pytest
 
 from cluster.serve.llm_server import LLMServer, group_kinds
 from scheduler.kv_cache.spec import KVCacheSpec, UniformTypeKVCacheSpecs
@@ -44,3 +48,12 @@ def test_a_replica_whose_constructor_failed_is_deleted_quietly() -> None:
     server = LLMServer.__new__(LLMServer)
     server.__del__()
     assert server.draining
+
+
+def test_a_replica_whose_engine_is_shut_down_refuses_exports_at_once() -> None:
+    """After Serve's drain (`__del__` stops the engine) a pull gets an error, not a wait: the
+    puller recomputes at once."""
+    server = LLMServer.__new__(LLMServer)
+    server.__del__()
+    with pytest.raises(RuntimeError, match="shut its engine down"):
+        asyncio.run(server.kv_export([1, 2, 3], held=None))  # type: ignore[arg-type]

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.serve.hybrid_policy import HybridRoutingPolicy, PromptKeys, PullHint, RoutingOptions
+from cluster.serve.hybrid_policy import HybridRoutingPolicy, PromptKeys, PullHint
+from cluster.serve.routing_options import RoutingOptions
 from scheduler.kv_cache.events import KVEventBatch, KVEventWindow
 from tests.helpers.routing_cases import GROUPS, PROMPT
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from cluster.serve.hybrid_policy import PullHint, RoutingOptions
+from cluster.serve.hybrid_policy import PullHint
 from cluster.serve.hybrid_router import with_router_defaults
+from cluster.serve.routing_options import RoutingOptions
 from tests.helpers.readme import code_block
 from tests.helpers.routing_cases import PROMPT, holding_the_prompt, window_of
 
@@ -39,6 +40,22 @@ def test_a_replica_out_of_routing_is_still_a_source() -> None:
     assert len(PROMPT) == 41
 
 
+def test_a_replica_that_left_routing_is_a_source_until_drain_pull_s() -> None:
+    """Scaled down (draining): a pull source, not a target, for `drain_pull_s` after it left;
+    then forgotten. A replica whose actor died is forgotten at once."""
+    policy, keys = holding_the_prompt(in_flight=0, drain_pull_s=30.0)
+    policy.keep_routable(["b", "c"], now=100.0)
+    assert policy.choose(["b", "c"], keys, 100.0)[0] != ["a"]
+    assert policy.pull_source("b", keys, 129.0, threshold=8) == PullHint("a", 40, 40)
+    assert policy.pull_source("b", keys, 130.0, threshold=8) is None  # past drain_pull_s
+    policy.keep_routable(["b", "c"], now=130.0)
+    assert "a" not in policy.replicas
+    policy, keys = holding_the_prompt(in_flight=0, drain_pull_s=30.0)
+    policy.keep_routable(["b", "c"], now=100.0)
+    policy.forget("a")
+    assert policy.pull_source("b", keys, 100.0, threshold=8) is None
+
+
 def test_the_readme_pull_config_is_valid_and_bad_values_name_their_key() -> None:
     block = yaml.safe_load(code_block("pull_threshold_tokens: 256", "yaml"))
     router = block["deployment_config"]["request_router_config"]
@@ -48,3 +65,5 @@ def test_the_readme_pull_config_is_valid_and_bad_values_name_their_key() -> None
         RoutingOptions(pull_threshold_tokens=0)
     with pytest.raises(ValueError, match="pull_timeout_s"):
         RoutingOptions(pull_timeout_s=0)
+    with pytest.raises(ValueError, match="drain_pull_s"):
+        RoutingOptions(drain_pull_s=-1)
