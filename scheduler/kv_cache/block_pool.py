@@ -295,12 +295,10 @@ class BlockPool:
             assert block.block_hash is None, f"{block} is already registered"
             block_hash = block_hashes[index * hash_ratio + last_of_block]
             block.block_hash = block_hash
-            if block_hash in hash_map:
+            if hash_map.setdefault(block_hash, block) is not block:
                 self._duplicates.setdefault((group_id, block_hash), {})[block.block_id] = block
-            else:
-                hash_map[block_hash] = block
-                if sink is not None:
-                    sink.stored(group_id, block_hash)
+            elif sink is not None:
+                sink.stored(group_id, block_hash)
 
     def demote(self, block_ids: Sequence[int]) -> int:
         """Move the free, registered blocks among `block_ids` to the queue front (evicted
