@@ -97,46 +97,49 @@ class BlockPool:
         if count > self.free_queue.num_free_blocks:
             raise ValueError(f"cannot take {count} blocks, only {self.num_free_blocks} are free")
         blocks = self.free_queue.popleft_n(count)
-        maps = self.hash_maps
-        offload, duplicates = self.offload, self._duplicates
-        fast = self.event_sink is None
+        cached = [block for block in blocks if block.block_hash is not None]
+        if cached:
+            self._evict(cached)
         chains = self.chains
-        born = chains.clock if chains is not None else 0
-        fresh = Tier.FRESH
-        evicted: list[tuple[int, BlockHash]] = []
-        for block in blocks:
-            block_hash = block.block_hash
-            if block_hash is not None:
-                old_group = block.group_id
-                evicted.append((old_group, block_hash))
-                hash_map = maps[old_group]
-                registered = hash_map.get(block_hash) is block
-                if offload is not None and registered:
-                    stamp = block.stamp if chains is not None else -1
-                    offload.offer(old_group, block_hash, block.block_id, stamp)
-                if (
-                    fast
-                    and registered
-                    and (not duplicates or (old_group, block_hash) not in duplicates)
-                ):
-                    del hash_map[block_hash]  # the common case of _drop_hash, inlined
-                    block.block_hash = None
-                else:
-                    self._drop_hash(block)
-            block.ref_cnt = 1
-            block.group_id = group_id
-            if chains is not None:
+        if chains is None:
+            for block in blocks:
+                block.ref_cnt = 1
+                block.group_id = group_id
+        else:
+            born, fresh = chains.clock, Tier.FRESH
+            for block in blocks:
+                block.ref_cnt = 1
+                block.group_id = group_id
                 block.tier = fresh  # not from any chain until freed again
                 block.stamp = -1
                 block.num_hits = 0
                 block.born = born
-        if evicted:
-            self.eviction_history.record_all(evicted)
-            self.num_evictions += len(evicted)
-        self._num_used[group_id] += count
-        if chains is not None:
             chains.note_in_use(self.num_blocks - 1 - self.free_queue.num_free_blocks)
+        self._num_used[group_id] += count
         return blocks
+
+    def _evict(self, cached: list[KVCacheBlock]) -> None:
+        """Drop the hashes of popped blocks (offering registered ones to the offload tier) and
+        record the evictions, in order."""
+        evicted = [(block.group_id, block.block_hash) for block in cached]
+        maps, offload, duplicates = self.hash_maps, self.offload, self._duplicates
+        fast = self.event_sink is None and offload is None
+        for block in cached:
+            block_hash = block.block_hash
+            assert block_hash is not None
+            old_group = block.group_id
+            hash_map = maps[old_group]
+            registered = hash_map.get(block_hash) is block
+            if fast and registered and (not duplicates or (old_group, block_hash) not in duplicates):
+                del hash_map[block_hash]  # the common case of _drop_hash, inlined
+                block.block_hash = None
+                continue
+            if offload is not None and registered:
+                stamp = block.stamp if self.chains is not None else -1
+                offload.offer(old_group, block_hash, block.block_id, stamp)
+            self._drop_hash(block)
+        self.eviction_history.record_all(evicted)
+        self.num_evictions += len(evicted)
 
     def adopt_hit(self, table: list[KVCacheBlock], start: int, req_id: str) -> None:
         """Take a reference on a new table's hit blocks (from `start` on); entries held in the

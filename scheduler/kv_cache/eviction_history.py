@@ -24,11 +24,16 @@ class EvictionHistory:
         """Remember that each (group id, key) was evicted, in order: one call per allocation
         rather than one per evicted block."""
         groups, capacity = self._groups, self.capacity
-        pop, drop_oldest = groups.pop, groups.popitem
+        get, make_newest, drop_oldest = groups.get, groups.move_to_end, groups.popitem
         for group_id, block_hash in evictions:
-            groups[block_hash] = pop(block_hash, 0) | (1 << group_id)
-            if len(groups) > capacity:
-                drop_oldest(last=False)
+            mask = get(block_hash)
+            if mask is None:
+                groups[block_hash] = 1 << group_id
+                if len(groups) > capacity:
+                    drop_oldest(last=False)
+            else:
+                groups[block_hash] = mask | 1 << group_id
+                make_newest(block_hash)
 
     def was_evicted(self, group_id: int, block_hash: BlockHash) -> bool:
         return bool(self._groups.get(block_hash, 0) >> group_id & 1)
