@@ -97,9 +97,7 @@ class BlockPool:
         if count > self.free_queue.num_free_blocks:
             raise ValueError(f"cannot take {count} blocks, only {self.num_free_blocks} are free")
         blocks = self.free_queue.popleft_n(count)
-        cached = [block for block in blocks if block.block_hash is not None]
-        if cached:
-            self._evict(cached)
+        self._evict(blocks)
         chains = self.chains
         if chains is None:
             for block in blocks:
@@ -118,28 +116,32 @@ class BlockPool:
         self._num_used[group_id] += count
         return blocks
 
-    def _evict(self, cached: list[KVCacheBlock]) -> None:
+    def _evict(self, blocks: list[KVCacheBlock]) -> None:
         """Drop the hashes of popped blocks (offering registered ones to the offload tier) and
         record the evictions, in order."""
-        evicted = [(block.group_id, block.block_hash) for block in cached]
-        maps, offload, duplicates = self.hash_maps, self.offload, self._duplicates
-        fast = self.event_sink is None and offload is None
-        for block in cached:
-            block_hash = block.block_hash
-            assert block_hash is not None
-            old_group = block.group_id
-            hash_map = maps[old_group]
-            registered = hash_map.get(block_hash) is block
-            if fast and registered and (not duplicates or (old_group, block_hash) not in duplicates):
-                del hash_map[block_hash]  # the common case of _drop_hash, inlined
+        evicted = [(b.group_id, b.block_hash) for b in blocks if b.block_hash is not None]
+        if not evicted:
+            return
+        if self.event_sink is None and self.offload is None and not self._duplicates:
+            # Every hashed block is the one registered under its key (_drop_hash's common case).
+            maps = self.hash_maps
+            for group_id, block_hash in evicted:
+                del maps[group_id][block_hash]
+            for block in blocks:
                 block.block_hash = None
-                continue
-            if offload is not None and registered:
-                stamp = block.stamp if self.chains is not None else -1
-                offload.offer(old_group, block_hash, block.block_id, stamp)
-            self._drop_hash(block)
+        else:
+            for block in blocks:
+                if block.block_hash is not None:
+                    self._evict_one(block, block.block_hash)
         self.eviction_history.record_all(evicted)
         self.num_evictions += len(evicted)
+
+    def _evict_one(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        offload = self.offload
+        if offload is not None and self.hash_maps[block.group_id].get(block_hash) is block:
+            stamp = block.stamp if self.chains is not None else -1
+            offload.offer(block.group_id, block_hash, block.block_id, stamp)
+        self._drop_hash(block)
 
     def adopt_hit(self, table: list[KVCacheBlock], start: int, req_id: str) -> None:
         """Take a reference on a new table's hit blocks (from `start` on); entries held in the
@@ -180,9 +182,8 @@ class BlockPool:
         chains = self.chains
         assert chains is not None
         null = self.null_block
-        tiers = chains.queue.tiers
         num_used = self._num_used
-        num_revived = 0
+        revived_per_tier = [0] * len(Tier)
         for block in blocks:
             if block is null:
                 continue
@@ -194,11 +195,13 @@ class BlockPool:
                 prev_node.next_free = next_node
                 next_node.prev_free = prev_node
                 block.prev_free = block.next_free = None
-                tiers[block.tier].num_free_blocks -= 1
+                revived_per_tier[block.tier] += 1
                 num_used[block.group_id] += 1
-                num_revived += 1
             block.ref_cnt += 1
             block.num_hits += 1
+        num_revived = sum(revived_per_tier)
+        for queue, num_tier_revived in zip(chains.queue.tiers, revived_per_tier, strict=True):
+            queue.num_free_blocks -= num_tier_revived
         chains.queue.num_free_blocks -= num_revived
         chains.num_held_hits += num_revived  # not new allocations
 

@@ -25,7 +25,12 @@ class EvictionHistory:
         rather than one per evicted block."""
         groups, capacity = self._groups, self.capacity
         get, make_newest, drop_oldest = groups.get, groups.move_to_end, groups.popitem
+        newest = None
         for group_id, block_hash in evictions:
+            if block_hash == newest:  # the groups of one position are often evicted in a row
+                groups[block_hash] |= 1 << group_id
+                continue
+            newest = block_hash
             mask = get(block_hash)
             if mask is None:
                 groups[block_hash] = 1 << group_id
