@@ -180,7 +180,9 @@ class KVCacheCoordinator:
         group order (a stable sort by position)."""
         if self._equal_block_sizes and len(set(map(len, per_group))) <= 1:
             # Every list covers the same positions: its entries i, group after group.
-            return [block for same_position in zip(*per_group) for block in same_position]
+            return [
+                block for same_position in zip(*per_group, strict=True) for block in same_position
+            ]
         merged: list[KVCacheBlock] = []
         positions: list[int] = []  # no (position, block) tuples: they would wake the GC
         for manager, blocks in zip(self.managers, per_group, strict=True):

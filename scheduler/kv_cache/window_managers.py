@@ -79,7 +79,7 @@ def _hit_per_group(
     """Per group: null entries before block `first`, then the run's blocks (`run` holds them
     right to left, one list over the groups per block)."""
     run.reverse()
-    columns = zip(*run) if run else [()] * num_groups
+    columns = zip(*run, strict=True) if run else [()] * num_groups
     return [[null] * first + list(blocks) for blocks in columns]
 
 
