@@ -25,20 +25,25 @@ class EvictionHistory:
         rather than one per evicted block."""
         groups, capacity = self._groups, self.capacity
         get, make_newest, drop_oldest = groups.get, groups.move_to_end, groups.popitem
-        newest = None
+        newest: BlockHash | None = None
+        mask = 0
         for group_id, block_hash in evictions:
             if block_hash == newest:  # the groups of one position are often evicted in a row
-                groups[block_hash] |= 1 << group_id
+                mask |= 1 << group_id
                 continue
+            if newest is not None:
+                groups[newest] = mask
             newest = block_hash
-            mask = get(block_hash)
-            if mask is None:
-                groups[block_hash] = 1 << group_id
+            known = get(block_hash)
+            if known is None:
+                mask = groups[block_hash] = 1 << group_id
                 if len(groups) > capacity:
                     drop_oldest(last=False)
             else:
-                groups[block_hash] = mask | 1 << group_id
+                mask = known | 1 << group_id
                 make_newest(block_hash)
+        if newest is not None:
+            groups[newest] = mask
 
     def was_evicted(self, group_id: int, block_hash: BlockHash) -> bool:
         return bool(self._groups.get(block_hash, 0) >> group_id & 1)
