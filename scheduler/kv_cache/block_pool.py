@@ -97,46 +97,51 @@ class BlockPool:
         if count > self.free_queue.num_free_blocks:
             raise ValueError(f"cannot take {count} blocks, only {self.num_free_blocks} are free")
         blocks = self.free_queue.popleft_n(count)
-        maps = self.hash_maps
-        offload, duplicates = self.offload, self._duplicates
-        fast = self.event_sink is None
+        self._evict(blocks)
         chains = self.chains
-        born = chains.clock if chains is not None else 0
-        fresh = Tier.FRESH
-        evicted: list[tuple[int, BlockHash]] = []
-        for block in blocks:
-            block_hash = block.block_hash
-            if block_hash is not None:
-                old_group = block.group_id
-                evicted.append((old_group, block_hash))
-                hash_map = maps[old_group]
-                registered = hash_map.get(block_hash) is block
-                if offload is not None and registered:
-                    stamp = block.stamp if chains is not None else -1
-                    offload.offer(old_group, block_hash, block.block_id, stamp)
-                if (
-                    fast
-                    and registered
-                    and (not duplicates or (old_group, block_hash) not in duplicates)
-                ):
-                    del hash_map[block_hash]  # the common case of _drop_hash, inlined
-                    block.block_hash = None
-                else:
-                    self._drop_hash(block)
-            block.ref_cnt = 1
-            block.group_id = group_id
-            if chains is not None:
+        if chains is None:
+            for block in blocks:
+                block.ref_cnt = 1
+                block.group_id = group_id
+        else:
+            born, fresh = chains.clock, Tier.FRESH
+            for block in blocks:
+                block.ref_cnt = 1
+                block.group_id = group_id
                 block.tier = fresh  # not from any chain until freed again
                 block.stamp = -1
                 block.num_hits = 0
                 block.born = born
-        if evicted:
-            self.eviction_history.record_all(evicted)
-            self.num_evictions += len(evicted)
-        self._num_used[group_id] += count
-        if chains is not None:
             chains.note_in_use(self.num_blocks - 1 - self.free_queue.num_free_blocks)
+        self._num_used[group_id] += count
         return blocks
+
+    def _evict(self, blocks: list[KVCacheBlock]) -> None:
+        """Drop the hashes of popped blocks (offering registered ones to the offload tier) and
+        record the evictions, in order."""
+        evicted = [(b.group_id, b.block_hash) for b in blocks if b.block_hash is not None]
+        if not evicted:
+            return
+        if self.event_sink is None and self.offload is None and not self._duplicates:
+            # Every hashed block is the one registered under its key (_drop_hash's common case).
+            maps = self.hash_maps
+            for group_id, block_hash in evicted:
+                del maps[group_id][block_hash]
+            for block in blocks:
+                block.block_hash = None
+        else:
+            for block in blocks:
+                if block.block_hash is not None:
+                    self._evict_one(block, block.block_hash)
+        self.eviction_history.record_all(evicted)
+        self.num_evictions += len(evicted)
+
+    def _evict_one(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
+        offload = self.offload
+        if offload is not None and self.hash_maps[block.group_id].get(block_hash) is block:
+            stamp = block.stamp if self.chains is not None else -1
+            offload.offer(block.group_id, block_hash, block.block_id, stamp)
+        self._drop_hash(block)
 
     def adopt_hit(self, table: list[KVCacheBlock], start: int, req_id: str) -> None:
         """Take a reference on a new table's hit blocks (from `start` on); entries held in the
@@ -177,9 +182,8 @@ class BlockPool:
         chains = self.chains
         assert chains is not None
         null = self.null_block
-        tiers = chains.queue.tiers
         num_used = self._num_used
-        num_revived = 0
+        revived_per_tier = [0] * len(Tier)
         for block in blocks:
             if block is null:
                 continue
@@ -191,11 +195,13 @@ class BlockPool:
                 prev_node.next_free = next_node
                 next_node.prev_free = prev_node
                 block.prev_free = block.next_free = None
-                tiers[block.tier].num_free_blocks -= 1
+                revived_per_tier[block.tier] += 1
                 num_used[block.group_id] += 1
-                num_revived += 1
             block.ref_cnt += 1
             block.num_hits += 1
+        num_revived = sum(revived_per_tier)
+        for queue, num_tier_revived in zip(chains.queue.tiers, revived_per_tier, strict=True):
+            queue.num_free_blocks -= num_tier_revived
         chains.queue.num_free_blocks -= num_revived
         chains.num_held_hits += num_revived  # not new allocations
 
@@ -295,12 +301,10 @@ class BlockPool:
             assert block.block_hash is None, f"{block} is already registered"
             block_hash = block_hashes[index * hash_ratio + last_of_block]
             block.block_hash = block_hash
-            if block_hash in hash_map:
+            if hash_map.setdefault(block_hash, block) is not block:
                 self._duplicates.setdefault((group_id, block_hash), {})[block.block_id] = block
-            else:
-                hash_map[block_hash] = block
-                if sink is not None:
-                    sink.stored(group_id, block_hash)
+            elif sink is not None:
+                sink.stored(group_id, block_hash)
 
     def demote(self, block_ids: Sequence[int]) -> int:
         """Move the free, registered blocks among `block_ids` to the queue front (evicted

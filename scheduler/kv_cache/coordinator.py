@@ -97,6 +97,7 @@ class KVCacheCoordinator:
         ]
         self.num_groups = len(self.managers)
         self.group_specs = tuple(group.spec for group in groups)
+        self._equal_block_sizes = len({manager.block_size for manager in self.managers}) <= 1
         self._extra_slots = [0] * self.num_groups
         """Per group: slots past each allocation's tokens (a drafter's lookahead)."""
         self._max_slots = 0
@@ -172,6 +173,16 @@ class KVCacheCoordinator:
         if self.pool.chains is None:
             self.pool.free_blocks([block for blocks in per_group for block in blocks])
             return
+        self.pool.free_chain(self._chain_order(per_group), block_hashes)
+
+    def _chain_order(self, per_group: list[list[KVCacheBlock]]) -> list[KVCacheBlock]:
+        """The groups' blocks (each list tail first) by token position, last first, ties in
+        group order (a stable sort by position)."""
+        if self._equal_block_sizes and len(set(map(len, per_group))) <= 1:
+            # Every list covers the same positions: its entries i, group after group.
+            return [
+                block for same_position in zip(*per_group, strict=True) for block in same_position
+            ]
         merged: list[KVCacheBlock] = []
         positions: list[int] = []  # no (position, block) tuples: they would wake the GC
         for manager, blocks in zip(self.managers, per_group, strict=True):
@@ -179,7 +190,7 @@ class KVCacheCoordinator:
             merged.extend(blocks)
             positions.extend(range((len(blocks) - 1) * size, -1, -size))
         order = sorted(range(len(merged)), key=positions.__getitem__, reverse=True)  # stable
-        self.pool.free_chain([merged[index] for index in order], block_hashes)
+        return [merged[index] for index in order]
 
     def uncache_from(self, req_id: str, num_tokens: int) -> None:
         """Drop the prefix-cache keys of the request's blocks not wholly within `num_tokens`."""

@@ -24,11 +24,26 @@ class EvictionHistory:
         """Remember that each (group id, key) was evicted, in order: one call per allocation
         rather than one per evicted block."""
         groups, capacity = self._groups, self.capacity
-        pop, drop_oldest = groups.pop, groups.popitem
+        get, make_newest, drop_oldest = groups.get, groups.move_to_end, groups.popitem
+        newest: BlockHash | None = None
+        mask = 0
         for group_id, block_hash in evictions:
-            groups[block_hash] = pop(block_hash, 0) | (1 << group_id)
-            if len(groups) > capacity:
-                drop_oldest(last=False)
+            if block_hash == newest:  # the groups of one position are often evicted in a row
+                mask |= 1 << group_id
+                continue
+            if newest is not None:
+                groups[newest] = mask
+            newest = block_hash
+            known = get(block_hash)
+            if known is None:
+                mask = groups[block_hash] = 1 << group_id
+                if len(groups) > capacity:
+                    drop_oldest(last=False)
+            else:
+                mask = known | 1 << group_id
+                make_newest(block_hash)
+        if newest is not None:
+            groups[newest] = mask
 
     def was_evicted(self, group_id: int, block_hash: BlockHash) -> bool:
         return bool(self._groups.get(block_hash, 0) >> group_id & 1)

@@ -113,16 +113,11 @@ class SingleTypeManager(abc.ABC):
         stop = min(self.get_num_skipped_tokens(total_computed) // self.block_size, len(blocks))
         if stop <= start:
             return
-        null = self.pool.null_block
-        freed = []
-        for index in range(stop - 1, start - 1, -1):
-            block = blocks[index]
-            if block is not null:
-                freed.append(block)
-                blocks[index] = null
+        freed = blocks[start:stop]
+        freed.reverse()
+        blocks[start:stop] = [self.pool.null_block] * (stop - start)
         self.num_dropped_block[req_id] = stop
-        if freed:
-            self.pool.free_blocks(freed)
+        self.pool.free_blocks(freed)  # skips null entries
 
     def get_num_blocks_to_allocate(
         self,

@@ -45,26 +45,20 @@ class SlidingWindowManager(SingleTypeManager):
             num_aligned = limit * self.block_size // alignment * alignment
             return [[null] * (num_aligned // self.block_size) for _ in group_ids]
         maps = [self.pool.lookup_maps[group_id] for group_id in group_ids]
-        per_group = [[null] * limit for _ in group_ids]
-        run = 0
+        run: list[list[KVCacheBlock]] = []
+        """The current run's blocks per index (each a list over the groups), right to left."""
         for index in range(limit - 1, -1, -1):
             found = lookup_all(maps, self.hash_of(block_hashes, index))
             if found is None:
-                run = 0
+                run.clear()
                 continue
-            if run == 0 and (index + 1) * self.block_size % alignment:
+            if not run and (index + 1) * self.block_size % alignment:
                 continue  # a hit cannot end here
-            for hits, block in zip(per_group, found, strict=True):
-                hits[index] = block
-            run += 1
-            if run >= self.num_run_blocks:
-                for hits in per_group:
-                    del hits[index + run :]
-                return per_group
+            run.append(found)
+            if len(run) >= self.num_run_blocks:
+                return _hit_per_group(null, index, run, len(group_ids))
         # Only a run touching block 0 is left (it began at an aligned end, so it is aligned).
-        for hits in per_group:
-            del hits[run:]
-        return per_group
+        return _hit_per_group(null, 0, run, len(group_ids))
 
     def is_reachable(self, index: int) -> bool:
         """A hit ending at e reads the `num_run_blocks` blocks before e: block `index` is used
@@ -76,6 +70,16 @@ class SlidingWindowManager(SingleTypeManager):
 
     def min_computed_for_skip(self, num_skipped_tokens: int) -> int:
         return num_skipped_tokens + self.sliding_window - 1
+
+
+def _hit_per_group(
+    null: KVCacheBlock, first: int, run: list[list[KVCacheBlock]], num_groups: int
+) -> list[list[KVCacheBlock]]:
+    """Per group: null entries before block `first`, then the run's blocks (`run` holds them
+    right to left, one list over the groups per block)."""
+    run.reverse()
+    columns = zip(*run, strict=True) if run else [()] * num_groups
+    return [[null] * first + list(blocks) for blocks in columns]
 
 
 class ChunkedLocalManager(SingleTypeManager):

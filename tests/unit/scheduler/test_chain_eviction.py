@@ -119,3 +119,31 @@ def test_thirty_two_sessions_reach_the_goal_and_eight_lose_nothing() -> None:
         ours >= theirs
         for ours, theirs in zip(hit_rates("chain", few), hit_rates("lru", few), strict=True)
     )
+
+
+def test_a_freed_chain_is_queued_by_position_last_first_then_group_order() -> None:
+    """Groups of one block size: a finished request's registered blocks join the free queue
+    from its last token to its first, at each position in group order (out-of-window entries
+    skipped)."""
+    manager = make_manager(100, full(4), window(4, 8), window(4, 8), eviction=EvictionPolicy.CHAIN)
+    request = make_request("a", list(range(30)), manager.hash_block_size)
+    assert manager.allocate_slots(request, request.num_tokens) is not None
+    request.num_computed_tokens = request.num_tokens
+    request.append_output_token_ids([5])
+    assert manager.allocate_slots(request, 1) is not None  # the windows drop their early blocks
+    tables = manager.get_block_ids("a")
+    num_registered = request.num_computed_tokens // 4  # the unfilled last block goes FRESH
+    expected = [
+        table[position]
+        for position in reversed(range(num_registered))
+        for table in tables
+        if table[position] != 0
+    ]
+    queue = manager.pool.free_queue
+    assert isinstance(queue, TieredFreeQueue)
+    left_behind = queue.tiers[Tier.TRANSIENT].block_ids()
+
+    manager.free(request)
+
+    assert queue.tiers[Tier.TRANSIENT].block_ids() == left_behind + expected
+    manager.check_invariants()

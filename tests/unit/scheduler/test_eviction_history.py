@@ -27,3 +27,15 @@ def test_long_stream_keeps_exactly_the_last_keys() -> None:
     kept = [i for i in range(10_000) if history.was_evicted_anywhere(_key(i))]
     assert kept == list(range(9_900, 10_000))
     assert history.was_evicted(9_999 % 6, _key(9_999))
+
+
+def test_a_run_of_one_key_collects_every_group_and_stays_the_newest() -> None:
+    """A pool pops the groups of one position in a row: each group of the run is kept, and the
+    key is the newest, so the next key over capacity drops an older one."""
+    history = EvictionHistory(capacity=2)
+    history.record_all([(0, _key(1)), (0, _key(2)), (1, _key(2)), (3, _key(2))])
+    history.record_all([(0, _key(1)), (2, _key(1)), (0, _key(3))])  # over capacity: key 2 goes
+
+    assert [history.was_evicted(group, _key(1)) for group in range(4)] == [1, 0, 1, 0]
+    assert not history.was_evicted_anywhere(_key(2))
+    assert history.was_evicted(0, _key(3))
