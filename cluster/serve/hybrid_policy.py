@@ -215,10 +215,6 @@ class HybridRoutingPolicy(Generic[Key]):
             if not self._is_source(replica, now):
                 del self._replicas[key]
 
-    def left_routing(self) -> list[Key]:
-        """The replicas kept as pull sources after they left routing."""
-        return [key for key, replica in self._replicas.items() if replica.left_at is not None]
-
     def forget(self, key: Key) -> None:
         """Forget a replica at once (its actor died: nothing can be pulled from it)."""
         self._replicas.pop(key, None)

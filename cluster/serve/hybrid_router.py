@@ -32,7 +32,7 @@ from cluster.engine.input_processor import InputProcessor
 from cluster.engine.tokenizer import load_tokenizer
 from cluster.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.serve.hybrid_policy import HybridRoutingPolicy, PromptKeys
-from cluster.serve.peer_pull import KV_SOURCE_KWARG, TO_REPLICA_KWARG, PeerPull, replica_is_alive
+from cluster.serve.peer_pull import KV_SOURCE_KWARG, TO_REPLICA_KWARG, PeerPull
 from cluster.serve.routing_options import RoutingOptions
 from scheduler.kv_cache.events import KVEventWindow
 from scheduler.lora import prefix_salt
@@ -121,6 +121,7 @@ class HybridPrefixRouter(FIFOMixin, RequestRouter):
         self._prompts: dict[str, PromptKeys | None] = {}
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
         now = time.monotonic()
         for replica in replicas:
             stats = replica.routing_stats or {}
@@ -130,10 +131,6 @@ class HybridPrefixRouter(FIFOMixin, RequestRouter):
                 adapters = stats.get(LORA_ADAPTERS_STAT)
                 self.policy.replay(replica.replica_id, window, usage, adapters, now)
         self.policy.keep_routable([replica.replica_id for replica in replicas], now)
-        for replica_id in self.policy.left_routing():  # draining; a dead one is no source
-            if not replica_is_alive(replica_id):
-                self.policy.forget(replica_id)
-        super().update_replicas(replicas)  # after: a replica out of routing is judged first
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
