@@ -202,18 +202,21 @@ class HybridRoutingPolicy(Generic[Key]):
         """Replicas with an index or a load."""
         return tuple(self._replicas)
 
-    def keep_routable(self, keys: Sequence[Key], now: float) -> None:
+    def keep_routable(self, keys: Sequence[Key], now: float) -> list[Key]:
         """`keys` are the routable replicas; each other one left routing (draining: scaled
         down, stopped) and stays a pull source for `drain_pull_s` after it left, then is
-        forgotten."""
+        forgotten. Returns the replicas that left routing with this call."""
         routable = set(keys)
+        just_left = []
         for key, replica in list(self._replicas.items()):
             if key in routable:
                 replica.left_at = None
             elif replica.left_at is None:
                 replica.left_at = now
+                just_left.append(key)
             if not self._is_source(replica, now):
                 del self._replicas[key]
+        return just_left
 
     def forget(self, key: Key) -> None:
         """Forget a replica at once (its actor died: nothing can be pulled from it)."""

@@ -32,7 +32,12 @@ from cluster.engine.input_processor import InputProcessor
 from cluster.engine.tokenizer import load_tokenizer
 from cluster.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.serve.hybrid_policy import HybridRoutingPolicy, PromptKeys
-from cluster.serve.peer_pull import KV_SOURCE_KWARG, TO_REPLICA_KWARG, PeerPull
+from cluster.serve.peer_pull import (
+    KV_SOURCE_KWARG,
+    TO_REPLICA_KWARG,
+    PeerPull,
+    replica_is_alive,
+)
 from cluster.serve.routing_options import RoutingOptions
 from scheduler.kv_cache.events import KVEventWindow
 from scheduler.lora import prefix_salt
@@ -130,7 +135,10 @@ class HybridPrefixRouter(FIFOMixin, RequestRouter):
                 usage = float(stats.get(KV_USAGE_STAT, 0.0))
                 adapters = stats.get(LORA_ADAPTERS_STAT)
                 self.policy.replay(replica.replica_id, window, usage, adapters, now)
-        self.policy.keep_routable([replica.replica_id for replica in replicas], now)
+        routable = [replica.replica_id for replica in replicas]
+        for replica_id in self.policy.keep_routable(routable, now):
+            if not replica_is_alive(replica_id):  # died, not draining: nothing to pull
+                self.policy.forget(replica_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

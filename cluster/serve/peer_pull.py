@@ -137,6 +137,16 @@ def call_replica(replica: ReplicaID, method: str, *args: Any) -> ReplicaCall:
     return ReplicaCall(actor.handle_request.remote(pickle.dumps(metadata), *args))
 
 
+def replica_is_alive(replica: ReplicaID) -> bool:
+    """Whether the replica's actor still lives (routable, draining or not yet killed); asked
+    once per replica, when it leaves routing."""
+    try:
+        _replica_actor(replica)
+    except ValueError:
+        return False
+    return True
+
+
 def _replica_actor(replica: ReplicaID) -> Any:
     """The replica's actor: named after its ID in Serve's namespace; ValueError once gone."""
     return ray.get_actor(replica.to_full_id_str(), namespace=SERVE_NAMESPACE)

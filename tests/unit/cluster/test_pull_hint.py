@@ -44,7 +44,8 @@ def test_a_replica_that_left_routing_is_a_source_until_drain_pull_s() -> None:
     """Scaled down (draining): a pull source, not a target, for `drain_pull_s` after it left;
     then forgotten. A replica whose actor died is forgotten at once."""
     policy, keys = holding_the_prompt(in_flight=0, drain_pull_s=30.0)
-    policy.keep_routable(["b", "c"], now=100.0)
+    assert policy.keep_routable(["b", "c"], now=100.0) == ["a"]  # asked once: alive?
+    assert policy.keep_routable(["b", "c"], now=110.0) == []
     assert policy.choose(["b", "c"], keys, 100.0)[0] != ["a"]
     assert policy.pull_source("b", keys, 129.0, threshold=8) == PullHint("a", 40, 40)
     assert policy.pull_source("b", keys, 130.0, threshold=8) is None  # past drain_pull_s
