@@ -3,8 +3,11 @@ free loopback ports, for the Serve tests and the serve benchmark."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +64,62 @@ def llm_config(model_dir: Path, model_id: str = "tiny", **engine_kwargs: Any) ->
         },
         "deployment_config": {"ray_actor_options": {"num_cpus": 0.5}},
     }
+
+
+@dataclass(frozen=True)
+class ServeAddress:
+    """Where the Serve instance of the running Ray instance listens (HTTP and gRPC)."""
+
+    http_port: int
+    grpc_port: int
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{NODE_IP}:{self.http_port}"
+
+
+_serve_of_session: tuple[str, ServeAddress] | None = None
+"""The Ray session Serve was started in here, and its address."""
+
+
+def shared_serve() -> ServeAddress:
+    """Serve on the running Ray instance, started once per instance (HTTP and gRPC on free
+    loopback ports): its controller and proxy outlive the modules, which `serve.run` their
+    apps on it and `serve.delete` them when done."""
+    import ray
+    from ray import serve
+    from ray.serve.config import HTTPOptions, gRPCOptions
+
+    from cluster.cli.serve_apps import SERVICER
+
+    global _serve_of_session
+    session = ray.get_runtime_context().get_node_id()  # a new Ray instance: a new node
+    if _serve_of_session is not None and _serve_of_session[0] == session:
+        return _serve_of_session[1]
+    address = ServeAddress(free_port(), free_port())
+    serve.start(
+        http_options=HTTPOptions(host=NODE_IP, port=address.http_port),
+        grpc_options=gRPCOptions(port=address.grpc_port, grpc_servicer_functions=[SERVICER]),
+    )
+    _serve_of_session = (session, address)
+    return address
+
+
+@contextlib.contextmanager
+def deployed(app: Any, name: str, route_prefix: str | None = "/") -> Iterator[ServeAddress]:
+    """`app` running as `name` on the shared Serve instance; deleted (drained) on exit, and
+    this process's cached handles dropped with it, as `serve.shutdown` would (a handle keeps
+    the routers it was made with: a later app of the same name needs new ones)."""
+    from ray import serve
+    from ray.serve.context import _get_global_client
+
+    address = shared_serve()
+    serve.run(app, name=name, route_prefix=route_prefix)
+    try:
+        yield address
+    finally:
+        serve.delete(name)
+        _get_global_client().shutdown_cached_handles()
 
 
 def shutdown_serve(timeout: float = 60.0) -> None:

@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 from ray import serve
-from ray.serve.config import HTTPOptions
 
 from cluster.serve import build_openai_app, deployment_name
 from tests.helpers.chaos import (
@@ -26,13 +25,11 @@ from tests.helpers.chaos import (
     run_chaos,
     wait_until_idle,
 )
-from tests.helpers.ray_local import NODE_IP
 from tests.helpers.serve_app import (
     MAX_MODEL_LEN,
-    free_port,
+    deployed,
     llm_config,
     save_tiny_served_model,
-    shutdown_serve,
 )
 from tests.helpers.traffic import client, stream_completion
 
@@ -56,13 +53,8 @@ def base_url(other_ranks: set[str], tmp_path_factory: pytest.TempPathFactory) ->
     config = llm_config(model_dir, MODEL, worker_step_timeout_s=STEP_TIMEOUT_S)
     ingress = {"ray_actor_options": {"num_cpus": 0.25}}
     args = {"llm_configs": [config], "ingress_deployment_config": ingress}
-    port = free_port()
-    serve.start(http_options=HTTPOptions(host=NODE_IP, port=port))
-    try:
-        serve.run(build_openai_app(args), name=APP, route_prefix="/")
-        yield f"http://{NODE_IP}:{port}"
-    finally:
-        shutdown_serve()
+    with deployed(build_openai_app(args), APP) as address:
+        yield address.base_url
 
 
 def _stats() -> dict[str, Any]:

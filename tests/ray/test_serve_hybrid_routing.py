@@ -21,15 +21,13 @@ import httpx
 import pytest
 import ray
 from ray import serve
-from ray.serve.config import HTTPOptions
 
 from cluster.llm import LLM
 from cluster.openai_api.protocol import CompletionRequest
 from cluster.serve import build_openai_app, deployment_name
 from cluster.serve.routing_options import RoutingOptions
 from scheduler.request import SamplingParams
-from tests.helpers.ray_local import NODE_IP
-from tests.helpers.serve_app import free_port, save_word_tokenizer, shutdown_serve
+from tests.helpers.serve_app import deployed, save_word_tokenizer
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from tests.helpers.tiny_models import save_tiny_model
 
@@ -100,11 +98,8 @@ def routed(
 ) -> Iterator[Routed]:
     family = str(request.param)
     model_dir = _save_model(family, tmp_path_factory.mktemp(f"routed-{family}"))
-    port = free_port()
-    serve.start(http_options=HTTPOptions(host=NODE_IP, port=port))
-    serve.run(build_openai_app(_app_config(model_dir, family)), name=APP, route_prefix="/")
-    yield Routed(f"http://{NODE_IP}:{port}", model_dir, family)
-    shutdown_serve()
+    with deployed(build_openai_app(_app_config(model_dir, family)), APP) as address:
+        yield Routed(address.base_url, model_dir, family)
 
 
 def _user_words(session: int, turn: int) -> str:

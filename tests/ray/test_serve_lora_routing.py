@@ -16,7 +16,6 @@ from typing import Any
 import openai
 import pytest
 from ray import serve
-from ray.serve.config import HTTPOptions
 from transformers import AutoModelForCausalLM
 
 from cluster.llm import LLM
@@ -25,8 +24,7 @@ from cluster.serve import build_openai_app, deployment_name
 from cluster.serve.hybrid_router import LORA_ADAPTERS_STAT
 from scheduler.lora import LoRARequest
 from scheduler.request import SamplingParams
-from tests.helpers.ray_local import NODE_IP
-from tests.helpers.serve_app import free_port, save_tiny_served_model, shutdown_serve
+from tests.helpers.serve_app import deployed, save_tiny_served_model
 from tests.helpers.tiny_lora import save_random_adapter
 
 pytestmark = pytest.mark.ray
@@ -99,15 +97,9 @@ def test_adapters_route_to_the_replica_that_loaded_them(ray_cluster: None, tmp_p
     hf_model = AutoModelForCausalLM.from_pretrained(model_dir)
     for seed, name in enumerate(ADAPTERS, start=1):
         save_random_adapter(hf_model, tmp_path / "adapters" / name, seed=seed)
-    port = free_port()
-    serve.start(http_options=HTTPOptions(host=NODE_IP, port=port))
-    try:
-        serve.run(
-            build_openai_app(_app_config(model_dir, tmp_path / "adapters")),
-            name=APP,
-            route_prefix="/",
-        )
-        client = openai.OpenAI(base_url=f"http://{NODE_IP}:{port}/v1", api_key="unused")
+    app = build_openai_app(_app_config(model_dir, tmp_path / "adapters"))
+    with deployed(app, APP) as address:
+        client = openai.OpenAI(base_url=f"{address.base_url}/v1", api_key="unused")
         served: dict[tuple[int, int], str] = {}
         for adapter, name in enumerate(ADAPTERS):
             for turn in range(2):
@@ -122,8 +114,6 @@ def test_adapters_route_to_the_replica_that_loaded_them(ray_cluster: None, tmp_p
         loaded = _loaded_adapters()
         holders = {name: [k for k, names in loaded.items() if name in names] for name in ADAPTERS}
         assert all(len(keys) == 1 for keys in holders.values()), loaded
-    finally:
-        shutdown_serve()
 
     llm = LLM(
         str(model_dir),

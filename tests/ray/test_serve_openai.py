@@ -31,7 +31,6 @@ from google.protobuf import json_format
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ray import serve
-from ray.serve.config import HTTPOptions, gRPCOptions
 
 from cluster.config import API_KEY_ENV
 from cluster.llm import LLM
@@ -43,10 +42,9 @@ from tests.helpers.byte_model import save_byte_model
 from tests.helpers.ray_local import NODE_IP
 from tests.helpers.ray_state import live_engine_actors
 from tests.helpers.serve_app import (
-    free_port,
+    deployed,
     llm_config,
     save_tiny_served_model,
-    shutdown_serve,
 )
 from tests.helpers.serve_cases import (
     DASHBOARD_SERVE_SERIES,
@@ -71,7 +69,6 @@ PROMPTS = ["t5 t17 t33 t2 t9", "t100 t3", "t7 t7 t7 t8 t9 t10 t11"]
 CHAT = [{"role": "system", "content": "t4 t5"}, {"role": "user", "content": "t9 t10 t11"}]
 
 
-SERVICER = "cluster.serve.grpc.llm_pb2_grpc.add_LLMServiceServicer_to_server"
 ROUTER = "ray.serve.llm.request_router.PrefixCacheAffinityRouter"
 METADATA = (("application", APP), ("authorization", f"Bearer {API_KEY}"))
 
@@ -150,21 +147,15 @@ def served(
     tmp_path_factory: pytest.TempPathFactory,
     request: pytest.FixtureRequest,
 ) -> Served:
-    http_port, grpc_port = free_port(), free_port()
-    serve.start(
-        http_options=HTTPOptions(host=NODE_IP, port=http_port),
-        grpc_options=gRPCOptions(port=grpc_port, grpc_servicer_functions=[SERVICER]),
-    )
     # One hop serves a single model: the byte-level model's tests run on two hops only.
     two_hop = request.param == "two_hop"
     byte_model_dir = save_byte_model(tmp_path_factory.mktemp("byte-model")) if two_hop else None
     args = {**_app_config(model_dir, byte_model_dir), "topology": request.param}
-    serve.run(build_openai_app(args), name=APP, route_prefix="/")
-    channel = grpc.insecure_channel(f"{NODE_IP}:{grpc_port}")
-    stub = llm_pb2_grpc.LLMServiceStub(channel)
-    yield Served(f"http://{NODE_IP}:{http_port}", model_dir, stub, request.param)
-    channel.close()
-    shutdown_serve()
+    with deployed(build_openai_app(args), APP) as address:
+        channel = grpc.insecure_channel(f"{NODE_IP}:{address.grpc_port}")
+        stub = llm_pb2_grpc.LLMServiceStub(channel)
+        yield Served(address.base_url, model_dir, stub, request.param)
+        channel.close()
 
 
 @pytest.fixture(scope="module")

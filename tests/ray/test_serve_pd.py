@@ -14,14 +14,12 @@ import jsonschema
 import openai
 import pytest
 from ray import serve
-from ray.serve.config import HTTPOptions
 
 from cluster.llm import LLM
 from cluster.serve import build_pd_openai_app, deployment_name
 from scheduler.request import SamplingParams
 from tests.helpers.byte_model import save_byte_model
-from tests.helpers.ray_local import NODE_IP
-from tests.helpers.serve_app import free_port, llm_config, shutdown_serve
+from tests.helpers.serve_app import deployed, llm_config
 from tests.helpers.serve_cases import TOOLS, WEATHER
 
 pytestmark = pytest.mark.ray
@@ -41,14 +39,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def client(ray_cluster: None, model_dir: Path) -> Iterator[openai.OpenAI]:
-    port = free_port()
-    serve.start(http_options=HTTPOptions(host=NODE_IP, port=port))
     side = llm_config(model_dir, "bytes", **ENGINE)
     side["deployment_config"]["ray_actor_options"]["num_cpus"] = 0.25
     args = {"prefill_config": side, "decode_config": side, "kv_transfer_timeout_s": 60}
-    serve.run(build_pd_openai_app(args), name=APP, route_prefix="/")
-    yield openai.OpenAI(base_url=f"http://{NODE_IP}:{port}/v1", api_key="none", max_retries=0)
-    shutdown_serve()
+    with deployed(build_pd_openai_app(args), APP) as address:
+        yield openai.OpenAI(base_url=f"{address.base_url}/v1", api_key="none", max_retries=0)
 
 
 def reference_text(model_dir: Path, messages: list[dict[str, Any]]) -> str:

@@ -16,7 +16,6 @@ import ray
 from ray import serve
 from ray.serve import Application
 from ray.serve import api as serve_api
-from ray.serve.config import HTTPOptions
 from ray.serve.request_router import ReplicaID
 from transformers import AutoTokenizer
 
@@ -25,8 +24,7 @@ from cluster.openai_api.protocol import ChatCompletionRequest
 from cluster.serve import build_llm_deployment, deployment_name
 from cluster.serve.peer_pull import call_replica
 from scheduler.request import SamplingParams
-from tests.helpers.ray_local import NODE_IP
-from tests.helpers.serve_app import free_port, save_word_tokenizer, shutdown_serve
+from tests.helpers.serve_app import deployed, save_word_tokenizer
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 
 pytestmark = pytest.mark.ray
@@ -82,10 +80,8 @@ def model_app(model_dir: Path, num_replicas: int) -> Application:
 
 @pytest.fixture(scope="module")
 def handle(ray_cluster: None, model_dir: Path) -> Iterator[Any]:
-    serve.start(http_options=HTTPOptions(host=NODE_IP, port=free_port()))
-    serve.run(model_app(model_dir, 2), name=APP, route_prefix=None)
-    yield serve.get_deployment_handle(deployment_name(MODEL), app_name=APP)
-    shutdown_serve()
+    with deployed(model_app(model_dir, 2), APP, route_prefix=None):
+        yield serve.get_deployment_handle(deployment_name(MODEL), app_name=APP)
 
 
 def chat(handle: Any, messages: list[dict[str, str]], request_id: str, max_tokens: int) -> Any:

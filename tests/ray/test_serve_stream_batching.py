@@ -11,12 +11,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from ray import serve
-from ray.serve.config import HTTPOptions
 
 from cluster.serve import build_openai_app
-from tests.helpers.ray_local import NODE_IP
-from tests.helpers.serve_app import free_port, llm_config, save_tiny_served_model, shutdown_serve
+from tests.helpers.serve_app import deployed, llm_config, save_tiny_served_model
 
 pytestmark = pytest.mark.ray
 
@@ -29,11 +26,9 @@ def base_url(ray_cluster: None, tmp_path_factory: pytest.TempPathFactory) -> Ite
     model_dir: Path = save_tiny_served_model(tmp_path_factory.mktemp("batched-model"))
     config = llm_config(model_dir)
     config["experimental_configs"] = {"stream_batching_interval_ms": INTERVAL_MS}
-    port = free_port()
-    serve.start(http_options=HTTPOptions(host=NODE_IP, port=port))
-    serve.run(build_openai_app({"llm_configs": [config], "topology": "one_hop"}), name="batched")
-    yield f"http://{NODE_IP}:{port}"
-    shutdown_serve()
+    app = build_openai_app({"llm_configs": [config], "topology": "one_hop"})
+    with deployed(app, "batched") as address:
+        yield address.base_url
 
 
 def test_chunks_carry_several_tokens_and_the_first_and_final_are_not_held(base_url: str) -> None:
