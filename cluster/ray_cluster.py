@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -131,17 +133,42 @@ def _init(target: ClusterTarget, kwargs: dict[str, Any]) -> None:
 @contextlib.contextmanager
 def _ctrl_c_held() -> Iterator[None]:
     """Hold SIGINT back while Ray starts its processes: they inherit the blocked signal, so a
-    terminal's Ctrl-C (sent to the whole process group) reaches only this process, once Ray is
-    up, and Ray's own shutdown then stops them all (a Ray half-started by an interrupt would
-    leave orphans)."""
+    terminal's Ctrl-C (sent to the whole process group) reaches only this process. A Ctrl-C
+    meanwhile is taken by a watcher thread, which kills the processes started so far and ends
+    this one at once (exit 130) instead of letting Ray finish starting only to stop it again (a
+    Ray half-started by an interrupt would leave orphans)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    started = threading.Event()
+    watcher = threading.Thread(target=_watch_ctrl_c, args=(started,), daemon=True)
+    watcher.start()  # it inherits the blocked signal, which it then waits for
     try:
         yield
     finally:
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+        started.set()
+        watcher.join()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # a later Ctrl-C: raised
+
+
+def _watch_ctrl_c(started: threading.Event) -> None:
+    while not started.is_set():
+        if signal.sigtimedwait({signal.SIGINT}, 0.1) is not None:
+            _stop_starting_ray()
+
+
+def _stop_starting_ray() -> None:
+    """Kill every process this one started (Ray's, half-started) and exit 130."""
+    import psutil
+
+    print("interrupted while Ray was starting: stopping it", file=sys.stderr, flush=True)
+    children = psutil.Process().children(recursive=True)
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    psutil.wait_procs(children, timeout=5)
+    os._exit(130)
 
 
 def _probe(target: ClusterTarget) -> None:
