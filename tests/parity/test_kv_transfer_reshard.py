@@ -7,28 +7,19 @@ on both ranks (Gemma 3), Mamba-2 with one B/C group replicated (Bamba), gated De
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 
 from cluster import LLM, SamplingParams
 from cluster.engine.core import EngineCore
 from cluster.engine.kv_transfer import kv_export, kv_held_keys, kv_import
-from tests.helpers.tiny_hybrid import save_tiny_hybrid
-from tests.helpers.tiny_linear_hybrid import save_tiny_linear_hybrid
-from tests.helpers.tiny_models import hf_greedy, save_tiny_model
+from tests.helpers.reshard_models import RESHARD_FAMILIES
+from tests.helpers.tiny_models import hf_greedy
 
 pytestmark = pytest.mark.parity
 
 LLM_ARGS = {"max_num_batched_tokens": 64, "max_model_len": 128}
-FAMILIES: dict[str, tuple[Callable[[Path], torch.nn.Module], int]] = {
-    # (saver, block size): sizes at which both tensor-parallel sizes unify to one block size
-    "gemma3": (lambda path: save_tiny_model("gemma3", path, num_key_value_heads=1), 4),
-    "bamba": (lambda path: save_tiny_hybrid("bamba", path), 8),
-    "qwen3_5": (lambda path: save_tiny_linear_hybrid("qwen3_5", path), 4),
-}
 PROMPTS = ([(7 * i + 3) % 250 + 1 for i in range(53)], [(5 * i + 11) % 250 + 1 for i in range(47)])
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 
@@ -59,11 +50,11 @@ def move_and_decode(sender: LLM, receiver: LLM, prompt: list[int]) -> tuple[list
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(RESHARD_FAMILIES))
 def test_transfers_between_one_and_two_ranks_decode_transformers_tokens(
     family: str, tmp_path: Path
 ) -> None:
-    save, block_size = FAMILIES[family]
+    save, block_size = RESHARD_FAMILIES[family]
     hf_model = save(tmp_path)
     args = {**LLM_ARGS, "block_size": block_size}
     one = LLM(str(tmp_path), **args)
