@@ -77,7 +77,7 @@ def _written_by(module: nn.Module) -> list[torch.Tensor]:
     if isinstance(module, ShortConv):
         return [module.conv.weight[:, 0]]
     qkv, attn = module.qkv_proj, module.attn.config
-    start, size = attn.num_heads * attn.head_size, attn.num_kv_heads * attn.head_size
+    start, size = qkv.shards["k"].param_start, qkv.shards["k"].size  # this rank's key rows
     keys = qkv.weight[start : start + size].reshape(attn.num_kv_heads, attn.head_size, -1)
     return [keys, keys]  # [heads, head_size, hidden]: heads at dim -3
 
