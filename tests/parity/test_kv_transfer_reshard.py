@@ -1,9 +1,9 @@
 """KV transfer between engines of different tensor-parallel sizes (one rank and two spawned
 ranks, CPU fp32): the sender's shards travel as its ranks wrote them, the receiver's ranks
 reshard them, and the receiver then hits the transferred prefix and decodes the greedy tokens of
-a recompute and of transformers. Layouts: full + sliding attention with one KV head replicated
-on both ranks (Gemma 3), Mamba-2 with one B/C group replicated (Bamba), gated DeltaNet
-(Qwen3.5)."""
+a recompute and of transformers. Layouts: full + sliding attention, KV heads split (Gemma 3),
+Mamba-2 with one B/C group replicated (Bamba), gated DeltaNet (Qwen3.5). KV heads replicated
+on both ranks are checked against the layers' weights in the worker's layout tests."""
 
 from __future__ import annotations
 
