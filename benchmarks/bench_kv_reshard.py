@@ -4,7 +4,7 @@ baselines, then 1 -> 2 and 2 -> 1, where the receiver's ranks reshard; each agai
 baseline with a receiver of its size), on the tiny random hybrids of the reshard tests (CPU
 fp32; two-rank engines run in spawned processes).
 
-    python benchmarks/bench_kv_reshard.py [--prompt-len 120] [--repeats 3]
+    python benchmarks/bench_kv_reshard.py [--prompt-len 100] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from cluster import LLM, SamplingParams
 from cluster.engine.kv_transfer import kv_export, kv_held_keys, kv_import
 from tests.helpers.reshard_models import RESHARD_FAMILIES
 
-ENGINE = {"max_num_batched_tokens": 128, "max_model_len": 256}
+ENGINE = {"max_num_batched_tokens": 128, "max_model_len": 128}
 DIRECTIONS = ("1->1", "2->2", "1->2", "2->1")
 BASELINE = {"1->1": "1->1", "2->2": "2->2", "1->2": "2->2", "2->1": "1->1"}
 """Each direction against the same-size transfer into a receiver of the same size."""
@@ -66,7 +66,7 @@ def _family(name: str, args: argparse.Namespace) -> dict[str, tuple[int, float]]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--prompt-len", type=int, default=120)
+    parser.add_argument("--prompt-len", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=3, help="imports per direction (min)")
     args = parser.parse_args()
     print("| model | direction | bytes sent | import ms (min) | baseline | bytes | import time |")
