@@ -3,7 +3,8 @@ computes a prompt's prefix (all but the last token, as a prefill side does), its
 set moves into the receiver's pool, and the receiver's tokens (greedy and seeded) equal those of
 one engine with no cache, while it computes only the tail. Layouts: sliding window (Gemma 3), KV
 sharing (Gemma 3n), Mamba-2 hybrid (Bamba), gated DeltaNet hybrid (Qwen3.5); prefix caching on at
-both ends, with and without part of the prefix already held by the receiver."""
+both ends, with and without part of the prefix already held by the receiver. A one-rank receiver
+handed a two-rank sender's shards reshards them (engines of two sizes: the reshard tests)."""
 
 from __future__ import annotations
 
