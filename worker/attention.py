@@ -21,6 +21,7 @@ from scheduler.kv_cache.spec import (
     KVCacheSpec,
     SlidingWindowSpec,
 )
+from worker.cache_shard_layout import CacheShardLayout, heads_layout
 
 if TYPE_CHECKING:
     from worker.mamba_metadata import MambaMetadata
@@ -82,6 +83,9 @@ class AttentionConfig:
     has_sinks: bool = False
     """The layer passes per-head sink logits to the kernel (gpt-oss); backends without sinks
     are not chosen for it."""
+    total_num_kv_heads: int | None = None
+    """KV heads of the whole model, dealt to the ranks as `QKVParallelLinear` deals them (None:
+    not known, so pages of this layer cannot be resharded to another tensor-parallel size)."""
 
 
 class KernelNeeds(NamedTuple):
@@ -118,6 +122,15 @@ class Attention(nn.Module):
         if self.config.kv_sharing_target is not None:
             return None
         return self.attention_spec(block_size, dtype_bytes)
+
+    def cache_shard_layouts(self) -> tuple[CacheShardLayout, ...] | None:
+        """How tensor parallelism cuts the key and value caches [rows, block, heads, head_size]:
+        by KV heads (replicated when there are fewer than ranks); None when not known."""
+        total = self.config.total_num_kv_heads
+        if total is None:
+            return None
+        layout = heads_layout(-2, total)
+        return (layout, layout)
 
     def attention_spec(self, block_size: int, dtype_bytes: int) -> KVCacheSpec:
         """The spec of the KV this layer attends over, whether it owns it or reads its target's

@@ -14,7 +14,8 @@ written: a block may be a copy's source and, popped again by the pool, another o
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -29,17 +30,36 @@ def group_tensors(
     config: KVCacheConfig, kv_caches: Mapping[str, Sequence[torch.Tensor]]
 ) -> GroupTensors:
     """The cache tensors of each group's layers (aliases of KV-sharing layers once)."""
-    out: GroupTensors = {}
+    out: GroupTensors = {group_id: [] for group_id in range(len(config.groups))}
+    for cache in distinct_cache_tensors(config, kv_caches):
+        out[cache.group_id].append(cache.tensor)
+    return out
+
+
+class CacheTensor(NamedTuple):
+    """One distinct cache tensor of a group: the first layer viewing it, and which of its
+    caches it is."""
+
+    group_id: int
+    layer_name: str
+    cache_index: int
+    """Its place in the layer's caches (K 0, V 1; conv state 0, SSM state 1)."""
+    tensor: torch.Tensor
+
+
+def distinct_cache_tensors(
+    config: KVCacheConfig, kv_caches: Mapping[str, Sequence[torch.Tensor]]
+) -> Iterator[CacheTensor]:
+    """Each group's cache tensors in `GroupTensors` order: views of one memory with the same
+    strides (a layer's K = V, a KV-sharing layer's aliases) once."""
     for group_id, group in enumerate(config.groups):
         seen: set[tuple[int, tuple[int, ...]]] = set()
-        tensors = out.setdefault(group_id, [])
         for name in group.layer_names:
-            for tensor in kv_caches[name]:
+            for index, tensor in enumerate(kv_caches[name]):
                 key = (tensor.data_ptr(), tuple(tensor.stride()))
                 if key not in seen:
                     seen.add(key)
-                    tensors.append(tensor)
-    return out
+                    yield CacheTensor(group_id, name, index, tensor)
 
 
 def copy_blocks(copies: Iterable[BlockCopy], tensors: GroupTensors, num_blocks: int) -> None:

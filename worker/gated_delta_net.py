@@ -24,6 +24,7 @@ from kernels.gated_delta_reference import DeltaRuleInputs, gate_and_beta, l2_nor
 from scheduler.kv_cache.linear_state_spec import GatedDeltaNetShape, GatedDeltaNetSpec
 from scheduler.kv_cache.spec import MambaCacheMode
 from worker.attention import ForwardContext
+from worker.cache_shard_layout import CachePart, CacheShardLayout, heads_layout
 from worker.config import ParallelConfig
 from worker.layers.linear import ProjectionWeights, RowParallelLinear
 from worker.layers.loading import (
@@ -110,6 +111,14 @@ class GatedDeltaNet(StateLayer):
         self, block_size: int, dtype_bytes: int, mode: MambaCacheMode
     ) -> GatedDeltaNetSpec:
         return self.local.spec(block_size, dtype_bytes, mode)
+
+    def cache_shard_layouts(self) -> tuple[CacheShardLayout, ...]:
+        """Conv state channels q | k | v, each by heads; recurrent state by value heads."""
+        shape = self.cfg.shape
+        key = CachePart(shape.num_k_heads, shape.head_k_dim)
+        value = CachePart(shape.num_v_heads, shape.head_v_dim)
+        conv = CacheShardLayout(-2, (key, key, value))
+        return (conv, heads_layout(-3, shape.num_v_heads))
 
     # -- weight loading -------------------------------------------------------------------
 

@@ -1,21 +1,27 @@
 """A rank's shard of a KV transfer between engines: the pages of some blocks of every KV cache
 group, copied out of one engine's pool and into another's (`worker.block_export` per group).
 
-Each tensor-parallel rank exports and imports its own shard (its heads of K/V, its slice of the
-recurrent states), so both engines must run the same tensor-parallel size. Pages the sender's
+Each tensor-parallel rank exports its own shard (its heads of K/V, its slice of the recurrent
+states). A receiver of the same tensor-parallel size imports shard r on rank r; one of another
+size reshards on each rank: every cache tensor is rebuilt whole from the sender's shards and cut
+as this rank holds it (`worker.cache_shard_layout`, declared by each layer). Pages the sender's
 offload tier holds (`TierPage`) are read from there, at their places in the group's order.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
+from scheduler.kv_cache.spec import KVCacheConfig
 from scheduler.output import TierPage
-from worker.block_copies import GroupTensors
+from worker.block_copies import GroupTensors, distinct_cache_tensors
 from worker.block_export import BlockPages, concat_pages, export_blocks, import_blocks
+from worker.cache_shard_layout import CacheShardLayout
 
 ReadTierPage = Callable[[TierPage, int], BlockPages]
 """Reads one offload-tier entry's pages (the entry, its group)."""
@@ -98,3 +104,116 @@ def _wait_for_copies(tensors: GroupTensors) -> None:
     """Wait for the copies queued on the pool's device (none to wait for on CPU)."""
     if any(t.is_cuda for group in tensors.values() for t in group):
         torch.cuda.synchronize()
+
+
+class CacheLayer(Protocol):
+    """A layer owning cache tensors (attention or recurrent state)."""
+
+    @property
+    def layer_name(self) -> str: ...
+
+    def cache_shard_layouts(self) -> tuple[CacheShardLayout, ...] | None: ...
+
+
+@dataclass(frozen=True)
+class TensorLayout:
+    """How tensor parallelism cuts one cache tensor of a group, and the layer it belongs to."""
+
+    group_id: int
+    layer_name: str
+    layer_type: str
+    layout: CacheShardLayout | None
+    """None: the layer does not say (its pages are never resharded)."""
+
+    @property
+    def owner(self) -> str:
+        """'KV cache group 1 (MambaMixer2 layer model.layers.0.mixer)', for errors."""
+        return f"KV cache group {self.group_id} ({self.layer_type} layer {self.layer_name})"
+
+
+GroupLayouts = dict[int, list[TensorLayout]]
+"""KV cache group -> the layout of each of its cache tensors, in `GroupTensors` order."""
+
+
+def group_layouts(
+    config: KVCacheConfig,
+    kv_caches: Mapping[str, Sequence[torch.Tensor]],
+    layers: Sequence[CacheLayer],
+) -> GroupLayouts:
+    """The layout of every cache tensor of every group, from the layer that owns it."""
+    by_name = {layer.layer_name: layer for layer in layers}
+    out: GroupLayouts = {group_id: [] for group_id in range(len(config.groups))}
+    for cache in distinct_cache_tensors(config, kv_caches):
+        layer = by_name[cache.layer_name]
+        layouts = layer.cache_shard_layouts()
+        layout = None if layouts is None else layouts[cache.cache_index]
+        owner = TensorLayout(cache.group_id, layer.layer_name, type(layer).__name__, layout)
+        out[cache.group_id].append(owner)
+    return out
+
+
+def reshard(
+    shards: Sequence[KVShard],
+    layouts: GroupLayouts,
+    tensors: GroupTensors,
+    tp_size: int,
+    rank: int,
+) -> KVShard:
+    """Rank `rank`'s shard at `tp_size` ranks (`tensors` its pool) of pages sent by
+    `len(shards)` ranks: each cache tensor rebuilt whole from theirs, then cut; ValueError
+    naming the group and the layer type where a layout cannot be resharded."""
+    ordered = sorted(shards, key=lambda shard: shard.rank)
+    if [shard.rank for shard in ordered] != list(range(len(ordered))):
+        raise ValueError(f"kv transfer: shards of ranks {[s.rank for s in ordered]} sent")
+    if {len(shard.pages) for shard in ordered} != {len(layouts)}:
+        raise ValueError(
+            f"kv transfer: {len(ordered[0].pages)} KV cache groups sent, this engine has "
+            f"{len(layouts)}"
+        )
+    pages = []
+    for group_id, group in layouts.items():
+        sent = [shard.pages[group_id] for shard in ordered]
+        if {len(page.tensors) for page in sent} != {len(group)}:
+            raise ValueError(f"kv transfer: pages of another KV layout in {group[0].owner}")
+        pieces = [
+            _reshard_tensor([page.tensors[index] for page in sent], layout, tp_size, rank)
+            for index, layout in enumerate(group)
+        ]
+        rows = [
+            _as_pool_rows(piece, tensor, sent[0].num_blocks, layout)
+            for piece, tensor, layout in zip(pieces, tensors[group_id], group, strict=True)
+        ]
+        pages.append(BlockPages(group_id, sent[0].num_blocks, tuple(rows)))
+    return KVShard(rank, tuple(pages))
+
+
+def _reshard_tensor(
+    pieces: list[torch.Tensor], tensor: TensorLayout, tp_size: int, rank: int
+) -> torch.Tensor:
+    """One cache tensor's pages: the sender ranks' pieces made whole, then this rank's cut."""
+    if tensor.layout is None:
+        raise ValueError(
+            f"kv transfer: {tensor.owner} does not say how tensor parallelism cuts its cache, "
+            "so its pages cannot be resharded"
+        )
+    try:
+        return tensor.layout.cut(tensor.layout.gather(pieces), tp_size, rank)
+    except ValueError as exc:
+        raise ValueError(
+            f"kv transfer: cannot reshard {tensor.owner} from tensor_parallel_size "
+            f"{len(pieces)} to {tp_size}: {exc}"
+        ) from None
+
+
+def _as_pool_rows(
+    piece: torch.Tensor, pool: torch.Tensor, num_blocks: int, tensor: TensorLayout
+) -> torch.Tensor:
+    """The pages in this pool's rows per block (kernel block splits may differ by engine)."""
+    row_shape = tuple(pool.shape[1:])
+    num_rows = piece.numel() // max(math.prod(row_shape), 1)
+    if piece.numel() != num_rows * math.prod(row_shape) or num_rows % max(num_blocks, 1):
+        raise ValueError(
+            f"kv transfer: {tensor.owner}: pages of shape "
+            f"{tuple(piece.shape)} do not fit this engine's cache rows {row_shape}"
+        )
+    return piece.reshape(num_rows, *row_shape)

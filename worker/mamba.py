@@ -22,6 +22,7 @@ from torch import nn
 
 from scheduler.kv_cache.spec import MambaCacheMode, MambaSpec
 from worker.attention import ForwardContext
+from worker.cache_shard_layout import CachePart, CacheShardLayout, heads_layout
 from worker.config import ParallelConfig
 from worker.distributed import all_reduce
 from worker.layers.linear import ProjectionWeights, RowParallelLinear
@@ -152,6 +153,20 @@ class MambaMixer2(StateLayer):
             dtype_bytes=(dtype_bytes, dtype_bytes),
             mamba_cache_mode=mode,
         )
+
+    def cache_shard_layouts(self) -> tuple[CacheShardLayout, ...]:
+        """Conv state channels x | B | C, as the conv weight's rows (B and C replicated when
+        one group serves every rank); SSM state by heads."""
+        cfg = self.cfg
+        conv = CacheShardLayout(
+            -2,
+            (
+                CachePart(cfg.num_heads, cfg.head_dim),
+                CachePart(cfg.num_groups, cfg.state_size),
+                CachePart(cfg.num_groups, cfg.state_size),
+            ),
+        )
+        return (conv, heads_layout(-3, cfg.num_heads))
 
     # -- weight loading -------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ from kernels.mamba_reference import ConvOutput
 from scheduler.kv_cache.linear_state_spec import ShortConvShape, ShortConvSpec
 from scheduler.kv_cache.spec import MambaCacheMode
 from worker.attention import ForwardContext
+from worker.cache_shard_layout import CacheShardLayout, heads_layout
 from worker.config import ParallelConfig
 from worker.layers.linear import ProjectionWeights, RowParallelLinear
 from worker.layers.loading import ShardId, WeightSource, copy_checked, new_parameter, read_part
@@ -76,6 +77,10 @@ class ShortConv(StateLayer):
         self, block_size: int, dtype_bytes: int, mode: MambaCacheMode
     ) -> ShortConvSpec:
         return self.local.spec(block_size, dtype_bytes, mode)
+
+    def cache_shard_layouts(self) -> tuple[CacheShardLayout, ...]:
+        """The conv state [channels, width - 1] by channels."""
+        return (heads_layout(-2, self.cfg.hidden_size),)
 
     def _load_channels(self, param: nn.Parameter, source: WeightSource, _: ShardId = None) -> None:
         size = self.local.channels

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from scheduler.kv_cache.spec import MambaCacheMode, MambaSpec
+from worker.cache_shard_layout import CacheShardLayout
 from worker.mamba_metadata import MambaMetadata, MambaWave
 
 
@@ -39,6 +40,10 @@ class StateLayer(nn.Module, abc.ABC):
     @abc.abstractmethod
     def kv_cache_spec(self, block_size: int, dtype_bytes: int, mode: MambaCacheMode) -> MambaSpec:
         """This rank's state spec: every state tensor in the model dtype."""
+
+    @abc.abstractmethod
+    def cache_shard_layouts(self) -> tuple[CacheShardLayout, ...]:
+        """How tensor parallelism cuts each state tensor (the spec's shapes, in order)."""
 
 
 Rows = Callable[[torch.Tensor], torch.Tensor]

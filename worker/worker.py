@@ -20,7 +20,15 @@ from scheduler.spec_config import SpecMethod
 from worker.config import ModelConfig, ParallelConfig
 from worker.distributed import destroy_distributed, init_distributed
 from worker.kv_cache import KVCacheSpecReport, available_kv_cache_memory
-from worker.kv_transfer import KVShard, export_shard, import_shard
+from worker.kv_transfer import (
+    CacheLayer,
+    GroupLayouts,
+    KVShard,
+    export_shard,
+    group_layouts,
+    import_shard,
+    reshard,
+)
 from worker.model_loader import load_model
 from worker.model_runner import ModelRunner, ModelSettings
 from worker.models.qwen3_next_mtp import load_mtp
@@ -54,6 +62,7 @@ class Worker:
         self.rank = spec.parallel.rank
         self.device = spec.runner.device_for_rank(self.rank)
         self._model_runner: ModelRunner | None = None
+        self._kv_cache_config: KVCacheConfig | None = None
 
     def init_device(self) -> None:
         """Select the device and join the tensor-parallel process group."""
@@ -110,6 +119,7 @@ class Worker:
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate this rank's KV buffers per the engine's plan and bind them to the layers."""
         self.model_runner.initialize_kv_cache(kv_cache_config)
+        self._kv_cache_config = kv_cache_config
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step; rank 0 returns the output, the other ranks None."""
@@ -138,14 +148,21 @@ class Worker:
         selected: tuple[tuple[int, ...], ...],
         block_ids: tuple[tuple[int, ...], ...],
     ) -> None:
-        """Write this rank's shard (`shards[rank]`) of a transfer onto these blocks."""
-        if len(shards) != self.spec.parallel.tp_size:
-            raise ValueError(
-                f"kv transfer: {len(shards)} tensor-parallel shards sent, this engine runs "
-                f"tensor_parallel_size={self.spec.parallel.tp_size}"
-            )
+        """Write this rank's shard of a transfer onto these blocks: `shards[rank]` when the
+        sender ran this tensor-parallel size, else resharded from all of them."""
         tensors, num_blocks = self.model_runner.block_tensors
-        import_shard(tensors, num_blocks, shards[self.rank], selected, block_ids)
+        tp_size = self.spec.parallel.tp_size
+        if len(shards) == tp_size:
+            shard = shards[self.rank]
+        else:
+            shard = reshard(shards, self._group_layouts(), tensors, tp_size, self.rank)
+        import_shard(tensors, num_blocks, shard, selected, block_ids)
+
+    def _group_layouts(self) -> GroupLayouts:
+        runner = self.model_runner
+        assert self._kv_cache_config is not None, "initialize_kv_cache must be called first"
+        layers: list[CacheLayer] = [*runner.layers, *runner.mamba_layers]
+        return group_layouts(self._kv_cache_config, runner.kv_caches, layers)
 
     def run_offload_ops(self, ops: OffloadOps) -> None:
         """Run offload-tier copies outside a step (stores of blocks about to be overwritten)."""

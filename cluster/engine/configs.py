@@ -147,10 +147,11 @@ def offload_config(args: EngineArgs, model: ModelConfig) -> OffloadConfig | None
     )
 
 
-def model_identity(model: ModelConfig, tp_size: int, with_times: bool = True) -> str:
+def model_identity(model: ModelConfig, tp_size: int | None, with_times: bool = True) -> str:
     """The model's weights and numerics as far as the KV cache sees them: its folder's config
     and weight files (names, sizes and, `with_times`, modification times), dtype and
-    tensor-parallel degree. Without times it names copies of one model on other machines alike."""
+    tensor-parallel degree (None: left out, for KV transfers, which reshard). Without times it
+    names copies of one model on other machines alike."""
     folder = Path(model.model_path)
     weights = sorted(
         (path.name, path.stat().st_size, path.stat().st_mtime_ns if with_times else 0)

@@ -35,8 +35,8 @@ from cluster.engine.request import EngineRequest
 from cluster.engine.structured import StructuredOutputManager
 from scheduler.kv_cache.builder import build_kv_cache_config
 from scheduler.kv_cache.events import KVEventLog
-from scheduler.kv_cache.offload_levels import layout_fingerprint
 from scheduler.kv_cache.spec import KVCacheConfig
+from scheduler.kv_cache.transfer import transfer_fingerprint
 from scheduler.lora import LoRARequest
 from scheduler.output import ModelRunnerOutput, RequestStepOutput, SchedulerOutput
 from scheduler.request import Request, SamplingParams
@@ -89,10 +89,10 @@ class EngineCore:
     @functools.cached_property
     def kv_transfer_fingerprint(self) -> str:
         """The model, numerics and KV layout of this engine, which both ends of a KV transfer
-        must share (computed once: it reads the model's folder)."""
-        configs = self.executor.configs
-        identity = model_identity(configs.model, configs.tensor_parallel_size, with_times=False)
-        return layout_fingerprint(self.scheduler.kv_cache_config, identity)
+        must share, whatever their tensor-parallel sizes (computed once: it reads the model's
+        folder)."""
+        identity = model_identity(self.executor.configs.model, None, with_times=False)
+        return transfer_fingerprint(self.scheduler.kv_cache_config, identity)
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request (all of its `n` samples, or none); ValueError if it can never run,

@@ -1,7 +1,8 @@
 """KV cache transfer between two engine cores: the receiver says which of a prompt's blocks it
 holds, the sender exports the rest of its longest prefix hit (the hybrid minimum, each
 tensor-parallel rank its own shard), the receiver imports them into its pool and prefix cache,
-so its next lookup of the prompt hits them.
+so its next lookup of the prompt hits them. The two engines may run different tensor-parallel
+sizes: the shards travel as sent, and the receiver's ranks reshard them.
 
     receiver.held ─► HeldKeys ─► sender.export ─► KVTransfer (keys + per-rank shards)
                                                      │ (Ray object store between actors)
@@ -17,7 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from cluster.engine.core import EngineCore
 from scheduler.block_hash import BlockHash
@@ -86,21 +87,7 @@ def kv_held_keys(
 ) -> HeldKeys:
     """Receiver, first: which of the prompt's blocks this engine holds (not to be sent)."""
     hashes = prompt_block_hashes(core, prompt_token_ids, cache_salt)
-    held = held_keys(core.scheduler.kv_cache_manager, hashes, core.kv_transfer_fingerprint)
-    return replace(held, tensor_parallel_size=_tp_size(core))
-
-
-def _tp_size(core: EngineCore) -> int:
-    return core.executor.configs.tensor_parallel_size
-
-
-def _check_tp_sizes(sender: int, receiver: int) -> None:
-    """ValueError naming both sizes when they differ (shards are not resharded)."""
-    if sender != receiver:
-        raise ValueError(
-            f"kv transfer: tensor_parallel_size differs (sender {sender}, receiver {receiver}); "
-            "both engines must run the same size"
-        )
+    return held_keys(core.scheduler.kv_cache_manager, hashes, core.kv_transfer_fingerprint)
 
 
 def kv_export(
@@ -118,7 +105,6 @@ def kv_export(
     hashes = prompt_block_hashes(core, prompt_token_ids, cache_salt)
     manager = core.scheduler.kv_cache_manager
     max_length = len(prompt_token_ids) - 1
-    _check_tp_sizes(_tp_size(core), held.tensor_parallel_size)
     _run_tier_copies(core)  # every tier entry the plan may read is in place
     plan = find_export(manager, hashes, max_length, held, core.kv_transfer_fingerprint)
     shards = core.executor.collective_rpc("export_kv_shard", plan.block_ids, plan.tier_pages)
@@ -143,11 +129,11 @@ def kv_export(
 
 
 def kv_import(core: EngineCore, transfer: KVTransfer) -> KVImportResult:
-    """Receiver: write the pages into fresh blocks and register them in the prefix cache; a
-    transfer there is no room for takes nothing (the request recomputes)."""
+    """Receiver: write the pages into fresh blocks and register them in the prefix cache (each
+    rank resharding them when the sender ran another tensor-parallel size); a transfer there is
+    no room for takes nothing (the request recomputes)."""
     started = time.perf_counter()
     counters = core.kv_transfer_counters
-    _check_tp_sizes(len(transfer.shards), _tp_size(core))
     if transfer.keys.fingerprint != core.kv_transfer_fingerprint:
         raise ValueError("kv transfer: the sending engine runs another model or KV layout")
     manager = core.scheduler.kv_cache_manager

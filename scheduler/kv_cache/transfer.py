@@ -5,8 +5,9 @@ The set sent is the hybrid minimum a prefix hit reads, found by the coordinator'
 on the sender: every full-attention block, only the window / chunk blocks the hit reaches, one
 recurrent state at the hit's aligned end; KV-sharing layers own no blocks. Keys are per group,
 (group id, block hash), as in the pool and the offload tier, so both engines must hash alike
-(same block sizes and layout: `layout_fingerprint`). The sender's hit reaches into its offload
-tier: blocks only the tier holds are sent from there (`TierPage`), never recomputed.
+(same model, block sizes and layout: `transfer_fingerprint`, which leaves out the per-rank sizes
+tensor parallelism divides: the receiver's workers reshard). The sender's hit reaches into its
+offload tier: blocks only the tier holds are sent from there (`TierPage`), never recomputed.
 
     receiver  held_keys(prompt)            ─► HeldKeys (per group: hashes it has)
     sender    find_export(prompt, held)    ─► TransferKeys + sender block ids (workers export)
@@ -19,17 +20,23 @@ tier: blocks only the tier holds are sent from there (`TierPage`), never recompu
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from scheduler.block_hash import BlockHash
 from scheduler.kv_cache.free_block_queue import KVCacheBlock
 from scheduler.kv_cache.manager import KVCacheManager
-from scheduler.kv_cache.offload_levels import OffloadedBlock, group_block_bytes
+from scheduler.kv_cache.offload_levels import (
+    OffloadedBlock,
+    group_block_bytes,
+    layout_fingerprint,
+)
 from scheduler.kv_cache.spec import (
+    AttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
     MambaSpec,
     SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
     cdiv,
     manager_spec,
 )
@@ -41,11 +48,8 @@ class HeldKeys:
     """Per group, the hashes of a prompt's blocks the receiver holds on its device pool."""
 
     fingerprint: str
-    """The receiver's model and KV layout (`layout_fingerprint`): the sender's must equal it."""
+    """The receiver's model and KV layout (`transfer_fingerprint`): the sender's must equal it."""
     groups: tuple[frozenset[BlockHash], ...]
-    tensor_parallel_size: int = 1
-    """The receiver's: each rank takes the shard of the same sender rank, so the sender's must
-    equal it."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,25 @@ class ImportReservation:
     @property
     def block_ids(self) -> tuple[tuple[int, ...], ...]:
         return tuple(tuple(block.block_id for block in group) for group in self.blocks)
+
+
+def transfer_fingerprint(config: KVCacheConfig, model_id: str) -> str:
+    """Names the model and its KV layout (groups, block sizes, windows, state modes, dtypes)
+    but not the per-rank sizes tensor parallelism divides (KV heads, state shapes, page
+    padding): engines of one model at different tensor-parallel sizes get the same one."""
+    groups = tuple(replace(group, spec=_without_rank_sizes(group.spec)) for group in config.groups)
+    return layout_fingerprint(KVCacheConfig(num_blocks=0, groups=groups, tensors=()), model_id)
+
+
+def _without_rank_sizes(spec: KVCacheSpec) -> KVCacheSpec:
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        members = tuple((name, _without_rank_sizes(m)) for name, m in spec.kv_cache_specs)
+        return replace(spec, kv_cache_specs=members)
+    if isinstance(spec, AttentionSpec):
+        return replace(spec, num_kv_heads=0)
+    if isinstance(spec, MambaSpec):
+        return replace(spec, shapes=tuple(() for _ in spec.shapes), page_size_padded=None)
+    return spec
 
 
 def held_keys(
@@ -224,4 +247,5 @@ __all__ = [
     "hit_lower_bound_bytes",
     "needed_blocks",
     "reserve_import",
+    "transfer_fingerprint",
 ]

@@ -3,7 +3,8 @@ computes a prompt's prefix (all but the last token, as a prefill side does), its
 set moves into the receiver's pool, and the receiver's tokens (greedy and seeded) equal those of
 one engine with no cache, while it computes only the tail. Layouts: sliding window (Gemma 3), KV
 sharing (Gemma 3n), Mamba-2 hybrid (Bamba), gated DeltaNet hybrid (Qwen3.5); prefix caching on at
-both ends, with and without part of the prefix already held by the receiver."""
+both ends, with and without part of the prefix already held by the receiver. A one-rank receiver
+handed a two-rank sender's shards reshards them (engines of two sizes: the reshard tests)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tests.helpers.tiny_gemma3n import save_tiny_gemma3n
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from tests.helpers.tiny_linear_hybrid import save_tiny_linear_hybrid
 from tests.helpers.tiny_models import save_tiny_model
+from worker.kv_transfer import GroupLayouts, KVShard, group_layouts
 
 pytestmark = pytest.mark.parity
 
@@ -118,27 +120,53 @@ def test_a_transfer_between_other_kv_layouts_is_refused(tmp_path: Path) -> None:
         receiver.shutdown()
 
 
-def test_other_tensor_parallel_sizes_are_refused_naming_both(tmp_path: Path) -> None:
-    """A receiver of two ranks asks a one-rank sender (its held keys say so), and a one-rank
-    receiver is handed two ranks' shards: each side refuses, naming both sizes, before it
-    reads or reserves a block."""
-    save_tiny_model("gemma3", tmp_path)
+def _shard_of_rank(shard: KVShard, layouts: GroupLayouts, tp_size: int, rank: int) -> KVShard:
+    """What rank `rank` of a `tp_size`-rank sender would send, cut from one rank's shard."""
+    pages = tuple(
+        replace(
+            pages,
+            tensors=tuple(
+                owner.layout.cut(tensor, tp_size, rank)  # type: ignore[union-attr]
+                for tensor, owner in zip(pages.tensors, layouts[pages.group_id], strict=True)
+            ),
+        )
+        for pages in shard.pages
+    )
+    return KVShard(rank, pages)
+
+
+def test_shards_of_other_tensor_parallel_sizes_are_resharded_or_refused(tmp_path: Path) -> None:
+    """A one-rank receiver handed the shards of a two-rank sender (each page cut as that rank
+    holds it: Mamba heads split, its one B/C group on both ranks) rebuilds its pages and decodes
+    as one engine; three ranks' shards cannot hold four Mamba heads: refused naming the group
+    and the layer type, and nothing is kept."""
+    save_tiny_hybrid("bamba", tmp_path)
+    cold = LLM(str(tmp_path), **LLM_ARGS, enable_prefix_caching=False)
     sender, receiver = LLM(str(tmp_path), **LLM_ARGS), LLM(str(tmp_path), **LLM_ARGS)
     try:
+        expected = generate(cold, PROMPT, PARAMS["greedy"])
         prefill_all_but_last(sender, PROMPT)
         send, take = core_of(sender), core_of(receiver)
-        held = kv_held_keys(take, PROMPT)
-        with pytest.raises(ValueError, match=r"differs \(sender 1, receiver 2\)"):
-            kv_export(send, PROMPT, replace(held, tensor_parallel_size=2))
-        transfer = kv_export(send, PROMPT, held)
-        two_ranks = replace(
-            transfer, shards=(*transfer.shards, replace(transfer.shards[0], rank=1))
+        transfer = kv_export(send, PROMPT, kv_held_keys(take, PROMPT))
+        runner = take.executor.worker.model_runner  # type: ignore[attr-defined]
+        layers = [*runner.layers, *runner.mamba_layers]
+        layouts = group_layouts(take.scheduler.kv_cache_config, runner.kv_caches, layers)
+        three = replace(
+            transfer, shards=tuple(replace(transfer.shards[0], rank=r) for r in range(3))
         )
-        with pytest.raises(ValueError, match=r"differs \(sender 2, receiver 1\)"):
-            kv_import(take, two_ranks)
+        with pytest.raises(
+            ValueError, match=r"cannot reshard KV cache group \d \(MambaMixer2 layer"
+        ):
+            kv_import(take, three)
         assert take.scheduler.kv_cache_manager.usage == 0
-        assert kv_import(take, transfer).num_blocks == transfer.keys.num_blocks
+        shards = tuple(_shard_of_rank(transfer.shards[0], layouts, 2, r) for r in range(2))
+        assert (
+            kv_import(take, replace(transfer, shards=shards)).num_blocks == transfer.keys.num_blocks
+        )
+        assert generate(receiver, PROMPT, PARAMS["greedy"]) == expected
+        assert take.get_stats().prefix_cache_hit_tokens == transfer.keys.num_hit_tokens
     finally:
+        cold.shutdown()
         sender.shutdown()
         receiver.shutdown()
 

@@ -121,6 +121,7 @@ class DecoderAttention(nn.Module):
                 layer_name=attention_layer_name(layer_idx),
                 num_heads=self.qkv_proj.num_heads,
                 num_kv_heads=self.qkv_proj.num_kv_heads,
+                total_num_kv_heads=num_kv_heads,
                 head_size=head_size,
                 scale=options.attn_scale,
                 sliding_window=layer.sliding_window,

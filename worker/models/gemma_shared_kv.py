@@ -79,6 +79,7 @@ class SharedKVAttention(nn.Module):
                 layer_name=attention_layer_name(idx),
                 num_heads=heads // parallel.tp_size,
                 num_kv_heads=max(1, kv_heads // parallel.tp_size),  # as QKVParallelLinear does
+                total_num_kv_heads=kv_heads,
                 head_size=size,
                 scale=1.0,
                 sliding_window=window_from_layer_types(hf_config, idx),

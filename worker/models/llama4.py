@@ -74,6 +74,7 @@ class Llama4Attention(nn.Module):
                 layer_name=attention_layer_name(idx),
                 num_heads=self.qkv_proj.num_heads,
                 num_kv_heads=self.qkv_proj.num_kv_heads,
+                total_num_kv_heads=hf_config.num_key_value_heads,
                 head_size=self.head_size,
                 scale=self.head_size**-0.5,
                 attention_chunk_size=hf_config.attention_chunk_size if is_chunked else None,

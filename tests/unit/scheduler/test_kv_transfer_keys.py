@@ -10,7 +10,12 @@ import pytest
 
 from scheduler.kv_cache.manager import KVCacheManager
 from scheduler.kv_cache.spec import KVCacheSpec, MambaCacheMode
-from scheduler.kv_cache.spec_factory import make_spec, one_layer_groups_config
+from scheduler.kv_cache.spec_factory import (
+    AttentionShape,
+    MambaShape,
+    make_spec,
+    one_layer_groups_config,
+)
 from scheduler.kv_cache.transfer import (
     abort_import,
     commit_import,
@@ -19,6 +24,7 @@ from scheduler.kv_cache.transfer import (
     held_keys,
     needed_blocks,
     reserve_import,
+    transfer_fingerprint,
 )
 from scheduler.request import Request, SamplingParams
 
@@ -104,6 +110,29 @@ def test_engines_of_other_layouts_are_refused() -> None:
     hashes = _request(PROMPT, sender).block_hashes
     with pytest.raises(ValueError, match="differ in model or KV layout"):
         find_export(sender, hashes, 100, held_keys(receiver, hashes, "a"), "b")
+
+
+def _rank_layout(heads: int, block_size: int = 16) -> list[KVCacheSpec]:
+    """One rank's specs of a full + Mamba model whose heads and channels `heads` count."""
+    state = MambaShape(((heads * 8, 3), (heads, 4, 8)), (4, 4))
+    return [
+        make_spec("full_attention", block_size, shape=AttentionShape(heads, 16, 4)),
+        make_spec("mamba", block_size, shape=state),
+    ]
+
+
+def test_the_transfer_fingerprint_leaves_out_what_tensor_parallelism_divides() -> None:
+    """One model at one and at two ranks (halved heads and states, another pool size) has one
+    fingerprint; another block size or another model has another."""
+
+    def fingerprint(specs: list[KVCacheSpec], num_blocks: int = 200, model: str = "m") -> str:
+        return transfer_fingerprint(one_layer_groups_config(num_blocks, specs), model)
+
+    assert fingerprint(_rank_layout(4)) == fingerprint(_rank_layout(2), num_blocks=400)
+    assert fingerprint(_rank_layout(4)) != fingerprint(_rank_layout(4, block_size=32))
+    assert fingerprint(_rank_layout(4)) != fingerprint(_rank_layout(4), model="other")
+    sliding = [make_spec("sliding_window", 16, 64, shape=AttentionShape(4, 16, 4))]
+    assert fingerprint(_rank_layout(4)[:1]) != fingerprint(sliding)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
