@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-DEFAULT_MODEL_MODULES = frozenset(
+DEFAULT_MODEL_MODULES = frozenset(  # checked by tests/unit/test_xdist_groups.py
     {
         "tests/parity/test_llm_generate.py",
         "tests/parity/test_vllm_script.py",
