@@ -16,7 +16,12 @@ from typing import NamedTuple
 from scheduler.block_hash import BlockHash
 from scheduler.kv_cache.block_pool import BlockPool, KVCacheBlock
 from scheduler.kv_cache.mamba_manager import MambaManager
-from scheduler.kv_cache.single_type_manager import NEVER, FullAttentionManager, SingleTypeManager
+from scheduler.kv_cache.single_type_manager import (
+    NEVER,
+    NO_BLOCKS,
+    FullAttentionManager,
+    SingleTypeManager,
+)
 from scheduler.kv_cache.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -98,6 +103,8 @@ class KVCacheCoordinator:
         self.num_groups = len(self.managers)
         self.group_specs = tuple(group.spec for group in groups)
         self._equal_block_sizes = len({manager.block_size for manager in self.managers}) <= 1
+        self._has_state_groups = any(isinstance(m, MambaManager) for m in self.managers)
+        self._nothing_new: GroupBlocks = tuple(NO_BLOCKS for _ in self.managers)
         self._extra_slots = [0] * self.num_groups
         """Per group: slots past each allocation's tokens (a drafter's lookahead)."""
         self._max_slots = 0
@@ -150,10 +157,24 @@ class KVCacheCoordinator:
             manager.allocate_new_computed_blocks(req_id, hits, num_local_computed)
 
     def allocate_new_blocks(self, req_id: str, num_tokens: int) -> GroupBlocks:
-        """Grow every group's table to `num_tokens` slots, in group order."""
+        """Grow every group's table to `num_tokens` slots, in group order: one pool pop for
+        all groups, unless a Mamba group's table grows by its own rule (then one per group)."""
+        managers = self.managers
+        if self._has_state_groups:
+            return tuple(
+                manager.allocate_new_blocks(req_id, self._slots(gid, num_tokens))
+                for gid, manager in enumerate(managers)
+            )
+        counts = [
+            max(manager.num_missing_blocks(req_id, self._slots(gid, num_tokens)), 0)
+            for gid, manager in enumerate(managers)
+        ]
+        if not any(counts):
+            return self._nothing_new
+        per_group = self.pool.get_new_blocks_per_group(counts)
         return tuple(
-            manager.allocate_new_blocks(req_id, self._slots(gid, num_tokens))
-            for gid, manager in enumerate(self.managers)
+            manager.append_blocks(req_id, blocks)
+            for manager, blocks in zip(managers, per_group, strict=True)
         )
 
     def cache_blocks(self, req_id: str, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
@@ -162,9 +183,13 @@ class KVCacheCoordinator:
             manager.cache_blocks(req_id, block_hashes, num_tokens)
 
     def remove_skipped_blocks(self, req_id: str, total_computed: int) -> None:
-        """Free every group's blocks that no future query reads."""
-        for manager in self.managers:
-            manager.remove_skipped_blocks(req_id, total_computed)
+        """Free every group's blocks that no future query reads (one release for all groups,
+        as one per group in turn)."""
+        per_group = [
+            manager.take_skipped_blocks(req_id, total_computed) for manager in self.managers
+        ]
+        if any(per_group):
+            self.pool.free_blocks_per_group(per_group)
 
     def free(self, req_id: str, block_hashes: Sequence[BlockHash] = ()) -> None:
         """Free the request's blocks: LRU, group by group, each group's table tail first; the
