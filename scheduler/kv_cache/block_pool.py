@@ -125,18 +125,21 @@ class BlockPool:
         return blocks
 
     def _hand_out(self, blocks: list[KVCacheBlock], group_id: int) -> None:
-        """Give popped blocks one reference each in `group_id` (under the `chain` policy they
-        start fresh: no tier, stamp nor hits until freed again)."""
+        """Give popped blocks one reference each in `group_id`, unhashed (their keys left the
+        maps as they were popped); under the `chain` policy they start fresh: no tier, stamp nor
+        hits until freed again."""
         chains = self.chains
         if chains is None:
             for block in blocks:
                 block.ref_cnt = 1
                 block.group_id = group_id
+                block.block_hash = None
         else:
             born, fresh = chains.clock, Tier.FRESH
             for block in blocks:
                 block.ref_cnt = 1
                 block.group_id = group_id
+                block.block_hash = None
                 block.tier = fresh
                 block.stamp = -1
                 block.num_hits = 0
@@ -165,14 +168,13 @@ class BlockPool:
     def _drop_hashes(
         self, blocks: list[KVCacheBlock], evicted: list[tuple[int, BlockHash]]
     ) -> None:
-        """`_drop_hash` of every hashed block among `blocks` (`evicted`: their keys), without
-        events or an offload tier to tell: a key with no duplicate block is simply deleted."""
+        """The map side of `_drop_hash` for every hashed block among `blocks` (`evicted`:
+        their keys), without events or an offload tier to tell: a key no duplicate block holds
+        is simply deleted. The blocks' own `block_hash` is reset by `_hand_out`."""
         maps, duplicates = self.hash_maps, self._duplicates
         if not any(duplicates):  # every hashed block is the one registered under its key
             for group_id, block_hash in evicted:
                 del maps[group_id][block_hash]
-            for block in blocks:
-                block.block_hash = None
             return
         for block in blocks:
             key = block.block_hash
@@ -182,7 +184,6 @@ class BlockPool:
                 self._drop_hash(block)  # a duplicate, or the registered one with duplicates
             else:
                 del maps[block.group_id][key]
-                block.block_hash = None
 
     def _evict_one(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         offload = self.offload

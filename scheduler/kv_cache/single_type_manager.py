@@ -96,6 +96,11 @@ class SingleTypeManager(abc.ABC):
         """Key of this group's block `index`: the chained hash of its last hash block."""
         return block_hashes[index * self.hash_ratio + self.hash_ratio - 1]
 
+    def block_keys(self, block_hashes: Sequence[BlockHash], num_blocks: int) -> Sequence[BlockHash]:
+        """`hash_of` blocks 0 .. num_blocks - 1, in one slice (lookups scan many blocks)."""
+        ratio = self.hash_ratio
+        return block_hashes[ratio - 1 : num_blocks * ratio : ratio]
+
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Leading tokens no future query of the request reads (0: all stay visible)."""
         return 0
@@ -265,9 +270,7 @@ class FullAttentionManager(SingleTypeManager):
         group_ids: Sequence[int],
         alignment: int,
     ) -> list[list[KVCacheBlock]]:
-        limit = self.limit_blocks(block_hashes, max_length)
-        ratio = self.hash_ratio
-        keys = islice(block_hashes, ratio - 1, limit * ratio, ratio)
+        keys = self.block_keys(block_hashes, self.limit_blocks(block_hashes, max_length))
         maps = [self.pool.lookup_maps[group_id] for group_id in group_ids]
         if len(maps) == 1:
             hash_map = maps[0]
