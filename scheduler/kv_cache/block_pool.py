@@ -317,6 +317,7 @@ class BlockPool:
         num_used = self._num_used
         num_hits = num_protected = 0
         protected = Tier.PROTECTED
+        queue_last = to_tail.append
         for ordered_blocks in lists:
             to_front: list[KVCacheBlock] = []
             for block in ordered_blocks:
@@ -332,7 +333,10 @@ class BlockPool:
                 if tier:
                     num_hits += 1
                     num_protected += tier == protected
-                (to_front if block.block_hash is None else to_tail).append(block)
+                if block.block_hash is None:
+                    to_front.append(block)
+                else:
+                    queue_last(block)
             if to_front:
                 fronts.append(to_front)
         chains.num_held_hits -= num_hits
