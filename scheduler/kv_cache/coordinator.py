@@ -123,6 +123,12 @@ class KVCacheCoordinator:
         extra = self._extra_slots[group_id]
         return min(num_tokens + extra, self._max_slots) if extra else num_tokens
 
+    def _group_slots(self, num_tokens: int) -> list[int]:
+        """`_slots` of every group, in group order."""
+        if not self._max_slots:  # no drafter lookahead: every group gets `num_tokens`
+            return [num_tokens] * self.num_groups
+        return [self._slots(group_id, num_tokens) for group_id in range(self.num_groups)]
+
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_length: int
     ) -> CoordinatorHit:
@@ -138,15 +144,13 @@ class KVCacheCoordinator:
     ) -> int:
         """Free blocks an allocation to `num_tokens` slots consumes, over all groups."""
         if new_computed_blocks is None:
-            new_computed_blocks = tuple([] for _ in self.managers)
-        return sum(
-            manager.get_num_blocks_to_allocate(
-                req_id, self._slots(gid, num_tokens), hits, total_computed
-            )
-            for gid, (manager, hits) in enumerate(
-                zip(self.managers, new_computed_blocks, strict=True)
-            )
-        )
+            new_computed_blocks = self._nothing_new
+        total = 0
+        for manager, slots, hits in zip(
+            self.managers, self._group_slots(num_tokens), new_computed_blocks, strict=True
+        ):
+            total += manager.get_num_blocks_to_allocate(req_id, slots, hits, total_computed)
+        return total
 
     def allocate_new_computed_blocks(
         self, req_id: str, new_computed_blocks: GroupBlocks | None, num_local_computed: int
@@ -166,8 +170,8 @@ class KVCacheCoordinator:
                 for gid, manager in enumerate(managers)
             )
         counts = [
-            max(manager.num_missing_blocks(req_id, self._slots(gid, num_tokens)), 0)
-            for gid, manager in enumerate(managers)
+            max(manager.num_missing_blocks(req_id, slots), 0)
+            for manager, slots in zip(managers, self._group_slots(num_tokens), strict=True)
         ]
         if not any(counts):
             return self._nothing_new
@@ -240,12 +244,16 @@ class KVCacheCoordinator:
 
     def quiet_limits(self, req_id: str, caching: bool) -> tuple[int, int, int]:
         """Element-wise minimum of every manager's quiet limits."""
-        if not self.managers:
-            return NEVER, NEVER, NEVER
-        slots, computed, cached = zip(
-            *(manager.quiet_limits(req_id, caching) for manager in self.managers), strict=True
-        )
-        return min(slots), min(computed), min(cached)
+        slots = computed = cached = NEVER
+        for manager in self.managers:
+            group_slots, group_computed, group_cached = manager.quiet_limits(req_id, caching)
+            if group_slots < slots:
+                slots = group_slots
+            if group_computed < computed:
+                computed = group_computed
+            if group_cached < cached:
+                cached = group_cached
+        return slots, computed, cached
 
     def check_invariants(self, held: Sequence[KVCacheBlock] = ()) -> None:
         """Ref count = number of requests listing the block (plus one for each of `held`,
