@@ -400,6 +400,7 @@ class Scheduler:
             request.num_cached_tokens = hit.num_tokens
         self.running.append(request)
         plan.add(request, num_new, blocks)
+        plan.table_ids[request.req_id] = self.kv_cache_manager.get_block_ids(request.req_id)
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
         """Tokens to compute this step (0: wait); see `admission.num_new_tokens`."""
@@ -439,7 +440,7 @@ class Scheduler:
         for request in plan.scheduled:
             req_id = request.req_id
             self.num_scheduled_ahead += request.num_output_placeholders > 0
-            data = request_data(request, new_blocks[req_id])
+            data = request_data(request, new_blocks[req_id], plan.table_ids.get(req_id))
             if isinstance(data, CachedRequestData):
                 cached_reqs.append(data)
             else:

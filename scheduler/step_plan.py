@@ -30,6 +30,9 @@ class StepPlan:
     preempted_req_ids: list[str] = field(default_factory=list)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     """Draft tokens verified this step, per scheduled request that has some."""
+    table_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)
+    """Whole block tables (IDs per group) of the requests admitted this step, read as they are
+    admitted: their blocks were just touched, and nothing later in the step changes them."""
 
     def add(
         self,
@@ -55,6 +58,7 @@ class StepPlan:
         self.budget += num_tokens
         del self.new_blocks[request.req_id]
         self.spec_tokens.pop(request.req_id, None)
+        self.table_ids.pop(request.req_id, None)
         self.scheduled.remove(request)
         return True
 
@@ -80,9 +84,13 @@ class WorkerView:
         """Requests finished since the last step's message."""
 
     def request_data(
-        self, request: Request, new_blocks: KVCacheBlocks
+        self,
+        request: Request,
+        new_blocks: KVCacheBlocks,
+        table_ids: tuple[list[int], ...] | None = None,
     ) -> NewRequestData | CachedRequestData:
-        """The message part for one scheduled request (before its computed tokens advance)."""
+        """The message part for one scheduled request (before its computed tokens advance);
+        `table_ids`: its whole table, if read already (`StepPlan.table_ids`)."""
         req_id = request.req_id
         num_sent = self._num_sent_tokens.get(req_id)
         self._num_sent_tokens[req_id] = len(request.all_token_ids)
@@ -93,12 +101,14 @@ class WorkerView:
                 request.all_token_ids[num_sent:] if self._sends_sampled else [],
                 None if new_blocks.is_empty else new_blocks.get_block_ids(),
             )
+        if table_ids is None:
+            table_ids = self._manager.get_block_ids(req_id)
         if num_sent is None:
             return NewRequestData(
                 req_id=req_id,
                 prompt_token_ids=list(request.prompt_token_ids),
                 sampling_params=request.sampling_params,
-                block_ids=self._manager.get_block_ids(req_id),
+                block_ids=table_ids,
                 num_computed_tokens=request.num_computed_tokens,
                 lora_request=request.lora_request,
             )
@@ -107,7 +117,7 @@ class WorkerView:
             req_id=req_id,
             num_computed_tokens=request.num_computed_tokens,
             new_token_ids=list(request.output_token_ids),
-            new_block_ids=self._manager.get_block_ids(req_id),
+            new_block_ids=table_ids,
             is_resumed=True,
         )
 

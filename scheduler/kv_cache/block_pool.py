@@ -52,7 +52,10 @@ class BlockPool:
             self.chains = ChainProtection(tiered, num_blocks - 1, self.eviction_history)
         self.hash_maps: list[dict[BlockHash, KVCacheBlock]] = [{} for _ in range(num_groups)]
         """Per group: hash -> first-registered block holding it (what a lookup returns)."""
-        self._duplicates: dict[tuple[int, BlockHash], dict[int, KVCacheBlock]] = {}
+        self._duplicates: list[dict[BlockHash, dict[int, KVCacheBlock]]] = [
+            {} for _ in range(num_groups)
+        ]
+        """Per group: hash -> the other blocks holding it, by block ID (promotion order)."""
         self._num_used = [0] * num_groups
         self.num_evictions = 0
         """Cached blocks whose hash was dropped to reuse them (cumulative)."""
@@ -94,27 +97,58 @@ class BlockPool:
 
     def get_new_blocks(self, count: int, group_id: int) -> list[KVCacheBlock]:
         """Pop `count` blocks from the queue front for `group_id`, evicting their old hashes."""
+        blocks = self._pop_evicting(count)
+        self._hand_out(blocks, group_id)
+        self._note_in_use()
+        return blocks
+
+    def get_new_blocks_per_group(self, counts: Sequence[int]) -> list[list[KVCacheBlock]]:
+        """`get_new_blocks(counts[g], g)` for every group g in turn, as one pop: the same
+        blocks, evictions and queue (a request's groups allocate together)."""
+        blocks = self._pop_evicting(sum(counts))
+        per_group: list[list[KVCacheBlock]] = []
+        start = 0
+        for group_id, count in enumerate(counts):
+            taken = blocks[start : start + count]
+            start += count
+            if count:
+                self._hand_out(taken, group_id)
+            per_group.append(taken)
+        self._note_in_use()
+        return per_group
+
+    def _pop_evicting(self, count: int) -> list[KVCacheBlock]:
         if count > self.free_queue.num_free_blocks:
             raise ValueError(f"cannot take {count} blocks, only {self.num_free_blocks} are free")
         blocks = self.free_queue.popleft_n(count)
         self._evict(blocks)
+        return blocks
+
+    def _hand_out(self, blocks: list[KVCacheBlock], group_id: int) -> None:
+        """Give popped blocks one reference each in `group_id`, unhashed (their keys left the
+        maps as they were popped); under the `chain` policy they start fresh: no tier, stamp nor
+        hits until freed again."""
         chains = self.chains
         if chains is None:
             for block in blocks:
                 block.ref_cnt = 1
                 block.group_id = group_id
+                block.block_hash = None
         else:
             born, fresh = chains.clock, Tier.FRESH
             for block in blocks:
                 block.ref_cnt = 1
                 block.group_id = group_id
-                block.tier = fresh  # not from any chain until freed again
+                block.block_hash = None
+                block.tier = fresh
                 block.stamp = -1
                 block.num_hits = 0
                 block.born = born
-            chains.note_in_use(self.num_blocks - 1 - self.free_queue.num_free_blocks)
-        self._num_used[group_id] += count
-        return blocks
+        self._num_used[group_id] += len(blocks)
+
+    def _note_in_use(self) -> None:
+        if self.chains is not None:
+            self.chains.note_in_use(self.num_blocks - 1 - self.free_queue.num_free_blocks)
 
     def _evict(self, blocks: list[KVCacheBlock]) -> None:
         """Drop the hashes of popped blocks (offering registered ones to the offload tier) and
@@ -122,19 +156,34 @@ class BlockPool:
         evicted = [(b.group_id, b.block_hash) for b in blocks if b.block_hash is not None]
         if not evicted:
             return
-        if self.event_sink is None and self.offload is None and not self._duplicates:
-            # Every hashed block is the one registered under its key (_drop_hash's common case).
-            maps = self.hash_maps
-            for group_id, block_hash in evicted:
-                del maps[group_id][block_hash]
-            for block in blocks:
-                block.block_hash = None
+        if self.event_sink is None and self.offload is None:
+            self._drop_hashes(blocks, evicted)
         else:
             for block in blocks:
                 if block.block_hash is not None:
                     self._evict_one(block, block.block_hash)
         self.eviction_history.record_all(evicted)
         self.num_evictions += len(evicted)
+
+    def _drop_hashes(
+        self, blocks: list[KVCacheBlock], evicted: list[tuple[int, BlockHash]]
+    ) -> None:
+        """The map side of `_drop_hash` for every hashed block among `blocks` (`evicted`:
+        their keys), without events or an offload tier to tell: a key no duplicate block holds
+        is simply deleted. The blocks' own `block_hash` is reset by `_hand_out`."""
+        maps, duplicates = self.hash_maps, self._duplicates
+        if not any(duplicates):  # every hashed block is the one registered under its key
+            for group_id, block_hash in evicted:
+                del maps[group_id][block_hash]
+            return
+        for block in blocks:
+            key = block.block_hash
+            if key is None:
+                continue
+            if key in duplicates[block.group_id]:
+                self._drop_hash(block)  # a duplicate, or the registered one with duplicates
+            else:
+                del maps[block.group_id][key]
 
     def _evict_one(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         offload = self.offload
@@ -209,7 +258,7 @@ class BlockPool:
         self, ordered_blocks: Sequence[KVCacheBlock], block_hashes: Sequence[BlockHash]
     ) -> None:
         """Free a finished request's blocks (its chain, `block_hashes` naming its tokens)."""
-        self._release(ordered_blocks, block_hashes)
+        self._release((ordered_blocks,), block_hashes)
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference on each block, in order; queue those that reach 0.
@@ -218,63 +267,84 @@ class BlockPool:
         in the given order, so callers pass a request's blocks tail first. With the `chain`
         policy hashed ones join the transient tier.
         """
-        self._release(ordered_blocks, None)
+        self._release((ordered_blocks,), None)
+
+    def free_blocks_per_group(self, per_group: Sequence[Sequence[KVCacheBlock]]) -> None:
+        """`free_blocks` of each list in turn, as one release: the queue ends the same (the
+        front gets each list's unhashed blocks in turn, the tail each list's hashed ones)."""
+        self._release(per_group, None)
 
     def _release(
-        self, ordered_blocks: Iterable[KVCacheBlock], chain_hashes: Sequence[BlockHash] | None
+        self,
+        lists: Iterable[Iterable[KVCacheBlock]],
+        chain_hashes: Sequence[BlockHash] | None,
     ) -> None:
         if self.chains is not None:
-            self._release_tiered(ordered_blocks, chain_hashes)
+            self._release_tiered(lists, chain_hashes)
             return
         null = self.null_block
-        to_front: list[KVCacheBlock] = []
         to_tail: list[KVCacheBlock] = []
+        fronts: list[list[KVCacheBlock]] = []
         num_used = self._num_used
-        for block in ordered_blocks:
-            if block is null:
-                continue
-            block.ref_cnt -= 1
-            assert block.ref_cnt >= 0, f"{block} freed more often than taken"
-            if block.ref_cnt == 0:
-                num_used[block.group_id] -= 1
-                (to_front if block.block_hash is None else to_tail).append(block)
+        for ordered_blocks in lists:
+            to_front: list[KVCacheBlock] = []
+            for block in ordered_blocks:
+                if block is null:
+                    continue
+                block.ref_cnt -= 1
+                assert block.ref_cnt >= 0, f"{block} freed more often than taken"
+                if block.ref_cnt == 0:
+                    num_used[block.group_id] -= 1
+                    (to_front if block.block_hash is None else to_tail).append(block)
+            if to_front:
+                fronts.append(to_front)
         self.free_queue.append_n(to_tail)
-        if to_front:
+        for to_front in fronts:
             self.free_queue.prepend_n(to_front)
 
     def _release_tiered(
-        self, ordered_blocks: Iterable[KVCacheBlock], chain_hashes: Sequence[BlockHash] | None
+        self,
+        lists: Iterable[Iterable[KVCacheBlock]],
+        chain_hashes: Sequence[BlockHash] | None,
     ) -> None:
         """`_release` for the `chain` policy: also counts the freed blocks that were hits (their
         tier stays set while held; newly allocated ones are FRESH) and protected ones."""
         chains = self.chains
         assert chains is not None
         null = self.null_block
-        to_front: list[KVCacheBlock] = []
         to_tail: list[KVCacheBlock] = []
+        fronts: list[list[KVCacheBlock]] = []
         num_used = self._num_used
         num_hits = num_protected = 0
         protected = Tier.PROTECTED
-        for block in ordered_blocks:
-            if block is null:
-                continue
-            ref_cnt = block.ref_cnt - 1
-            block.ref_cnt = ref_cnt
-            if ref_cnt:
-                assert ref_cnt > 0, f"{block} freed more often than taken"
-                continue
-            num_used[block.group_id] -= 1
-            tier = block.tier
-            if tier:
-                num_hits += 1
-                num_protected += tier == protected
-            (to_front if block.block_hash is None else to_tail).append(block)
+        queue_last = to_tail.append
+        for ordered_blocks in lists:
+            to_front: list[KVCacheBlock] = []
+            for block in ordered_blocks:
+                if block is null:
+                    continue
+                ref_cnt = block.ref_cnt - 1
+                block.ref_cnt = ref_cnt
+                if ref_cnt:
+                    assert ref_cnt > 0, f"{block} freed more often than taken"
+                    continue
+                num_used[block.group_id] -= 1
+                tier = block.tier
+                if tier:
+                    num_hits += 1
+                    num_protected += tier == protected
+                if block.block_hash is None:
+                    to_front.append(block)
+                else:
+                    queue_last(block)
+            if to_front:
+                fronts.append(to_front)
         chains.num_held_hits -= num_hits
         if chain_hashes is not None:
             chains.queue_chain(to_tail, chain_hashes, num_protected > 0)
-        else:
+        else:  # one queueing for every list: HOT's cap moves the same blocks as one per list
             chains.queue_left_behind(to_tail)
-        if to_front:
+        for to_front in fronts:
             self.free_queue.prepend_n(to_front)
 
     def cache_full_blocks(
@@ -290,7 +360,7 @@ class BlockPool:
         Block i of a group whose block size is `hash_ratio` hash blocks is keyed by the chained
         hash of its last hash block, which identifies the whole prefix up to its end.
         """
-        hash_map = self.hash_maps[group_id]
+        hash_map, duplicates = self.hash_maps[group_id], self._duplicates[group_id]
         null = self.null_block
         sink = self.event_sink
         last_of_block = hash_ratio - 1
@@ -302,7 +372,7 @@ class BlockPool:
             block_hash = block_hashes[index * hash_ratio + last_of_block]
             block.block_hash = block_hash
             if hash_map.setdefault(block_hash, block) is not block:
-                self._duplicates.setdefault((group_id, block_hash), {})[block.block_id] = block
+                duplicates.setdefault(block_hash, {})[block.block_id] = block
             elif sink is not None:
                 sink.stored(group_id, block_hash)
 
@@ -334,7 +404,8 @@ class BlockPool:
             return False
         for hash_map in self.hash_maps:
             hash_map.clear()
-        self._duplicates.clear()
+        for duplicates in self._duplicates:
+            duplicates.clear()
         if self.event_sink is not None:
             self.event_sink.cleared()
         for block in self.blocks:
@@ -347,23 +418,23 @@ class BlockPool:
         block_hash = block.block_hash
         assert block_hash is not None
         hash_map = self.hash_maps[block.group_id]
-        key = (block.group_id, block_hash)
+        duplicates = self._duplicates[block.group_id]
         if hash_map.get(block_hash) is block:
-            others = self._duplicates.get(key)
+            others = duplicates.get(block_hash)
             if others:
                 first_id = next(iter(others))
                 hash_map[block_hash] = others.pop(first_id)
                 if not others:
-                    del self._duplicates[key]
+                    del duplicates[block_hash]
             else:
                 del hash_map[block_hash]
                 if self.event_sink is not None:
                     self.event_sink.removed(block.group_id, block_hash)
         else:
-            others = self._duplicates[key]
+            others = duplicates[block_hash]
             del others[block.block_id]
             if not others:
-                del self._duplicates[key]
+                del duplicates[block_hash]
         block.block_hash = None
 
     def check_invariants(self) -> None:
@@ -380,16 +451,17 @@ class BlockPool:
                 used[block.group_id] += 1
             if block.block_hash is not None:
                 registered = self.hash_maps[block.group_id].get(block.block_hash)
-                others = self._duplicates.get((block.group_id, block.block_hash), {})
+                others = self._duplicates[block.group_id].get(block.block_hash, {})
                 assert registered is block or others.get(block.block_id) is block, block
         assert used == self._num_used, (used, self._num_used)
         for group_id, hash_map in enumerate(self.hash_maps):
             for block_hash, block in hash_map.items():
                 assert block.block_hash == block_hash, block
                 assert block.group_id == group_id, block
-        for (group_id, block_hash), others in self._duplicates.items():
-            assert others
-            assert block_hash in self.hash_maps[group_id]
-            for block in others.values():
-                assert block.block_hash == block_hash, block
-                assert block.group_id == group_id, block
+        for group_id, duplicates in enumerate(self._duplicates):
+            for block_hash, others in duplicates.items():
+                assert others
+                assert block_hash in self.hash_maps[group_id]
+                for block in others.values():
+                    assert block.block_hash == block_hash, block
+                    assert block.group_id == group_id, block

@@ -16,7 +16,12 @@ from typing import NamedTuple
 from scheduler.block_hash import BlockHash
 from scheduler.kv_cache.block_pool import BlockPool, KVCacheBlock
 from scheduler.kv_cache.mamba_manager import MambaManager
-from scheduler.kv_cache.single_type_manager import NEVER, FullAttentionManager, SingleTypeManager
+from scheduler.kv_cache.single_type_manager import (
+    NEVER,
+    NO_BLOCKS,
+    FullAttentionManager,
+    SingleTypeManager,
+)
 from scheduler.kv_cache.spec import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -98,6 +103,8 @@ class KVCacheCoordinator:
         self.num_groups = len(self.managers)
         self.group_specs = tuple(group.spec for group in groups)
         self._equal_block_sizes = len({manager.block_size for manager in self.managers}) <= 1
+        self._has_state_groups = any(isinstance(m, MambaManager) for m in self.managers)
+        self._nothing_new: GroupBlocks = tuple(NO_BLOCKS for _ in self.managers)
         self._extra_slots = [0] * self.num_groups
         """Per group: slots past each allocation's tokens (a drafter's lookahead)."""
         self._max_slots = 0
@@ -116,6 +123,12 @@ class KVCacheCoordinator:
         extra = self._extra_slots[group_id]
         return min(num_tokens + extra, self._max_slots) if extra else num_tokens
 
+    def _group_slots(self, num_tokens: int) -> list[int]:
+        """`_slots` of every group, in group order."""
+        if not self._max_slots:  # no drafter lookahead: every group gets `num_tokens`
+            return [num_tokens] * self.num_groups
+        return [self._slots(group_id, num_tokens) for group_id in range(self.num_groups)]
+
     def find_longest_cache_hit(
         self, block_hashes: Sequence[BlockHash], max_length: int
     ) -> CoordinatorHit:
@@ -131,15 +144,13 @@ class KVCacheCoordinator:
     ) -> int:
         """Free blocks an allocation to `num_tokens` slots consumes, over all groups."""
         if new_computed_blocks is None:
-            new_computed_blocks = tuple([] for _ in self.managers)
-        return sum(
-            manager.get_num_blocks_to_allocate(
-                req_id, self._slots(gid, num_tokens), hits, total_computed
-            )
-            for gid, (manager, hits) in enumerate(
-                zip(self.managers, new_computed_blocks, strict=True)
-            )
-        )
+            new_computed_blocks = self._nothing_new
+        total = 0
+        for manager, slots, hits in zip(
+            self.managers, self._group_slots(num_tokens), new_computed_blocks, strict=True
+        ):
+            total += manager.get_num_blocks_to_allocate(req_id, slots, hits, total_computed)
+        return total
 
     def allocate_new_computed_blocks(
         self, req_id: str, new_computed_blocks: GroupBlocks | None, num_local_computed: int
@@ -150,10 +161,24 @@ class KVCacheCoordinator:
             manager.allocate_new_computed_blocks(req_id, hits, num_local_computed)
 
     def allocate_new_blocks(self, req_id: str, num_tokens: int) -> GroupBlocks:
-        """Grow every group's table to `num_tokens` slots, in group order."""
+        """Grow every group's table to `num_tokens` slots, in group order: one pool pop for
+        all groups, unless a Mamba group's table grows by its own rule (then one per group)."""
+        managers = self.managers
+        if self._has_state_groups:
+            return tuple(
+                manager.allocate_new_blocks(req_id, self._slots(gid, num_tokens))
+                for gid, manager in enumerate(managers)
+            )
+        counts = [
+            max(manager.num_missing_blocks(req_id, slots), 0)
+            for manager, slots in zip(managers, self._group_slots(num_tokens), strict=True)
+        ]
+        if not any(counts):
+            return self._nothing_new
+        per_group = self.pool.get_new_blocks_per_group(counts)
         return tuple(
-            manager.allocate_new_blocks(req_id, self._slots(gid, num_tokens))
-            for gid, manager in enumerate(self.managers)
+            manager.append_blocks(req_id, blocks)
+            for manager, blocks in zip(managers, per_group, strict=True)
         )
 
     def cache_blocks(self, req_id: str, block_hashes: Sequence[BlockHash], num_tokens: int) -> None:
@@ -162,9 +187,13 @@ class KVCacheCoordinator:
             manager.cache_blocks(req_id, block_hashes, num_tokens)
 
     def remove_skipped_blocks(self, req_id: str, total_computed: int) -> None:
-        """Free every group's blocks that no future query reads."""
-        for manager in self.managers:
-            manager.remove_skipped_blocks(req_id, total_computed)
+        """Free every group's blocks that no future query reads (one release for all groups,
+        as one per group in turn)."""
+        per_group = [
+            manager.take_skipped_blocks(req_id, total_computed) for manager in self.managers
+        ]
+        if any(per_group):
+            self.pool.free_blocks_per_group(per_group)
 
     def free(self, req_id: str, block_hashes: Sequence[BlockHash] = ()) -> None:
         """Free the request's blocks: LRU, group by group, each group's table tail first; the
@@ -215,12 +244,16 @@ class KVCacheCoordinator:
 
     def quiet_limits(self, req_id: str, caching: bool) -> tuple[int, int, int]:
         """Element-wise minimum of every manager's quiet limits."""
-        if not self.managers:
-            return NEVER, NEVER, NEVER
-        slots, computed, cached = zip(
-            *(manager.quiet_limits(req_id, caching) for manager in self.managers), strict=True
-        )
-        return min(slots), min(computed), min(cached)
+        slots = computed = cached = NEVER
+        for manager in self.managers:
+            group_slots, group_computed, group_cached = manager.quiet_limits(req_id, caching)
+            if group_slots < slots:
+                slots = group_slots
+            if group_computed < computed:
+                computed = group_computed
+            if group_cached < cached:
+                cached = group_cached
+        return slots, computed, cached
 
     def check_invariants(self, held: Sequence[KVCacheBlock] = ()) -> None:
         """Ref count = number of requests listing the block (plus one for each of `held`,

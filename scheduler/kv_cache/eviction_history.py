@@ -28,7 +28,9 @@ class EvictionHistory:
         newest: BlockHash | None = None
         mask = 0
         for group_id, block_hash in evictions:
-            if block_hash == newest:  # the groups of one position are often evicted in a row
+            # The groups of one position are often evicted in a row and share one key object;
+            # an equal key of another object starts a run that the lookup below merges.
+            if block_hash is newest:
                 mask |= 1 << group_id
                 continue
             if newest is not None:

@@ -96,6 +96,11 @@ class SingleTypeManager(abc.ABC):
         """Key of this group's block `index`: the chained hash of its last hash block."""
         return block_hashes[index * self.hash_ratio + self.hash_ratio - 1]
 
+    def block_keys(self, block_hashes: Sequence[BlockHash], num_blocks: int) -> Sequence[BlockHash]:
+        """`hash_of` blocks 0 .. num_blocks - 1, in one slice (lookups scan many blocks)."""
+        ratio = self.hash_ratio
+        return block_hashes[ratio - 1 : num_blocks * ratio : ratio]
+
     def get_num_skipped_tokens(self, num_computed_tokens: int) -> int:
         """Leading tokens no future query of the request reads (0: all stay visible)."""
         return 0
@@ -106,18 +111,25 @@ class SingleTypeManager(abc.ABC):
 
     def remove_skipped_blocks(self, req_id: str, total_computed: int) -> None:
         """Null and free the request's blocks whose tokens are all skipped (highest first)."""
+        freed = self.take_skipped_blocks(req_id, total_computed)
+        if freed:
+            self.pool.free_blocks(freed)
+
+    def take_skipped_blocks(self, req_id: str, total_computed: int) -> list[KVCacheBlock]:
+        """Null the request's entries whose tokens are all skipped; return what they held,
+        highest first, for the caller to free (null entries included: freeing skips them)."""
         blocks = self.req_to_blocks.get(req_id)
         if not blocks:
-            return
+            return NO_BLOCKS
         start = self.num_dropped_block[req_id]
         stop = min(self.get_num_skipped_tokens(total_computed) // self.block_size, len(blocks))
         if stop <= start:
-            return
+            return NO_BLOCKS
         freed = blocks[start:stop]
         freed.reverse()
         blocks[start:stop] = [self.pool.null_block] * (stop - start)
         self.num_dropped_block[req_id] = stop
-        self.pool.free_blocks(freed)  # skips null entries
+        return freed
 
     def get_num_blocks_to_allocate(
         self,
@@ -158,12 +170,19 @@ class SingleTypeManager(abc.ABC):
     def allocate_new_blocks(self, req_id: str, num_tokens: int) -> list[KVCacheBlock]:
         """Grow the table to cover `num_tokens`; return the entries appended (what a worker
         appends to its copy of the table)."""
-        blocks = self._table(req_id)
-        missing = cdiv(num_tokens, self.block_size) - len(blocks)
+        missing = self.num_missing_blocks(req_id, num_tokens)
         if missing <= 0:
             return NO_BLOCKS
-        new_blocks = self.pool.get_new_blocks(missing, self.group_id)
-        blocks.extend(new_blocks)
+        return self.append_blocks(req_id, self.pool.get_new_blocks(missing, self.group_id))
+
+    def num_missing_blocks(self, req_id: str, num_tokens: int) -> int:
+        """Fresh blocks the table lacks to cover `num_tokens` (<= 0: none); a request without
+        a table gets an empty one."""
+        return cdiv(num_tokens, self.block_size) - len(self._table(req_id))
+
+    def append_blocks(self, req_id: str, new_blocks: list[KVCacheBlock]) -> list[KVCacheBlock]:
+        """Append blocks just taken from the pool to the request's table; return them."""
+        self.req_to_blocks[req_id].extend(new_blocks)
         return new_blocks
 
     def _table(self, req_id: str) -> list[KVCacheBlock]:
@@ -251,9 +270,7 @@ class FullAttentionManager(SingleTypeManager):
         group_ids: Sequence[int],
         alignment: int,
     ) -> list[list[KVCacheBlock]]:
-        limit = self.limit_blocks(block_hashes, max_length)
-        ratio = self.hash_ratio
-        keys = islice(block_hashes, ratio - 1, limit * ratio, ratio)
+        keys = self.block_keys(block_hashes, self.limit_blocks(block_hashes, max_length))
         maps = [self.pool.lookup_maps[group_id] for group_id in group_ids]
         if len(maps) == 1:
             hash_map = maps[0]

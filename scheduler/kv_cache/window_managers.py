@@ -45,10 +45,11 @@ class SlidingWindowManager(SingleTypeManager):
             num_aligned = limit * self.block_size // alignment * alignment
             return [[null] * (num_aligned // self.block_size) for _ in group_ids]
         maps = [self.pool.lookup_maps[group_id] for group_id in group_ids]
+        keys = self.block_keys(block_hashes, limit)
         run: list[list[KVCacheBlock]] = []
         """The current run's blocks per index (each a list over the groups), right to left."""
         for index in range(limit - 1, -1, -1):
-            found = lookup_all(maps, self.hash_of(block_hashes, index))
+            found = lookup_all(maps, keys[index])
             if found is None:
                 run.clear()
                 continue

@@ -39,3 +39,13 @@ def test_a_run_of_one_key_collects_every_group_and_stays_the_newest() -> None:
     assert [history.was_evicted(group, _key(1)) for group in range(4)] == [1, 0, 1, 0]
     assert not history.was_evicted_anywhere(_key(2))
     assert history.was_evicted(0, _key(3))
+
+
+def test_a_run_of_one_key_object_and_of_equal_copies_leave_the_same_history() -> None:
+    """A pool's run shares one key object; equal copies (another request's blocks) merge too."""
+    shared, copies = EvictionHistory(capacity=2), EvictionHistory(capacity=2)
+    key = _key(2)
+    shared.record_all([(0, _key(1)), (0, key), (1, key), (3, key), (0, _key(3))])
+    copies.record_all([(0, _key(1)), (0, _key(2)), (1, _key(2)), (3, _key(2)), (0, _key(3))])
+    assert list(shared._groups.items()) == list(copies._groups.items())
+    assert [shared.was_evicted(group, key) for group in range(4)] == [1, 1, 0, 1]
