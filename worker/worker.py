@@ -7,6 +7,7 @@ an actor. Call order: construct -> `determine_kv_cache_specs` / `available_kv_ca
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -155,10 +156,12 @@ class Worker:
         if len(shards) == tp_size:
             shard = shards[self.rank]
         else:
-            shard = reshard(shards, self._group_layouts(), tensors, tp_size, self.rank)
+            shard = reshard(shards, self._group_layouts, tensors, tp_size, self.rank)
         import_shard(tensors, num_blocks, shard, selected, block_ids)
 
+    @functools.cached_property
     def _group_layouts(self) -> GroupLayouts:
+        """How TP cuts each cache tensor of each group (once: the layers and caches are fixed)."""
         runner = self.model_runner
         assert self._kv_cache_config is not None, "initialize_kv_cache must be called first"
         layers: list[CacheLayer] = [*runner.layers, *runner.mamba_layers]
