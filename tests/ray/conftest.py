@@ -32,12 +32,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     slots = [
         i for i, item in enumerate(items) if Path(item.path).resolve().is_relative_to(RAY_TESTS)
     ]
-    ordered = sorted((items[i] for i in slots), key=_declared_cpus)
+    ordered = sorted((items[i] for i in slots), key=_module_cpus)
     for slot, item in zip(slots, ordered, strict=True):
         items[slot] = item
 
 
-def _declared_cpus(item: pytest.Item) -> int:
+def _module_cpus(item: pytest.Item) -> int:
     return int(getattr(item.module, "RAY_CPUS", 0)) if isinstance(item, pytest.Function) else 0
 
 

@@ -80,6 +80,12 @@ def _busy_pool(policy: EvictionPolicy, seed: int) -> tuple[BlockPool, list[list[
 POLICIES = [EvictionPolicy.LRU, EvictionPolicy.CHAIN]
 
 
+def _assert_same_end(fast: BlockPool, general: BlockPool) -> None:
+    """The two pools (same start, one through a fast path) end alike, and consistent."""
+    assert _snapshot(fast) == _snapshot(general)
+    fast.check_invariants()
+
+
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("policy", POLICIES)
 def test_one_pop_for_every_group_takes_what_a_pop_per_group_takes(
@@ -94,8 +100,7 @@ def test_one_pop_for_every_group_takes_what_a_pop_per_group_takes(
     assert [[b.block_id for b in blocks] for blocks in per_group] == [
         [b.block_id for b in blocks] for blocks in expected
     ]
-    assert _snapshot(batched) == _snapshot(one_by_one)
-    batched.check_invariants()
+    _assert_same_end(batched, one_by_one)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -109,8 +114,7 @@ def test_one_release_for_every_group_queues_what_a_release_per_group_queues(
     batched.free_blocks_per_group([blocks[::-1] for blocks in held])
     for blocks in twin_held:
         one_by_one.free_blocks(blocks[::-1])
-    assert _snapshot(batched) == _snapshot(one_by_one)
-    batched.check_invariants()
+    _assert_same_end(batched, one_by_one)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -125,8 +129,7 @@ def test_popped_keys_leave_the_maps_as_one_by_one_drops_with_events_leave_them(
     assert any(direct._duplicates), "the scenario registers no duplicate key"
     direct.get_new_blocks(direct.num_free_blocks, 0)
     told.get_new_blocks(told.num_free_blocks, 0)
-    assert _snapshot(direct) == _snapshot(told)
-    direct.check_invariants()
+    _assert_same_end(direct, told)
 
 
 def test_window_groups_drop_and_grow_together_through_the_coordinator() -> None:
