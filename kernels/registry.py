@@ -1,10 +1,10 @@
 """Attention backend registry: pick torch, Triton or flash-attn kernels once, at worker start.
 
-`select_backend("auto", ...)` prefers flash-attn, then Triton, on CUDA and the per-request torch
-reference on CPU, and logs why. "torch" is the batched torch kernel (all decodes of a step in a
-few gathers and batched products), tested against the reference; it is not the CPU default
-because it has not measured faster on the 2-core development machine (docs/benchmarks.md).
-Kernel modules are imported only when selected.
+`select_backend("auto", ...)` prefers flash-attn, then Triton, on CUDA and the batched torch
+kernel ("torch": all decodes of a step in a few gathers and batched products) on CPU, and logs
+why; on CPU it beats the per-request reference end to end in fp32 and in bf16
+(docs/benchmarks.md). "reference" is the per-request torch path, the oracle every other backend
+is tested against. Kernel modules are imported only when selected.
 """
 
 from __future__ import annotations
@@ -118,8 +118,8 @@ def select_backend(  # noqa: PLR0913 (the cache layout, then what the layers nee
 
 def _select_auto(request: _Request) -> AttentionBackend:
     if request.device.type != "cuda":
-        logger.info("attention backend reference: device is %s", request.device.type)
-        return _build("reference")
+        logger.info("attention backend torch (batched): device is %s", request.device.type)
+        return _build("torch")
     for name in ("flash_attn", "triton"):
         reason = _unavailable_reason(name, request)
         if reason is None:

@@ -72,8 +72,8 @@ class EngineArgs(StrictModel):
     """Order of the waiting queue and of preemption: fcfs (arrival order) or priority (the
     request's `priority`, lower values first, then arrival)."""
     attention_backend: str = "auto"
-    """auto | triton | flash_attn | torch (batched torch) | reference (per-request torch; auto on
-    CPU)."""
+    """auto | triton | flash_attn | torch (batched torch; auto on CPU) | reference (per-request
+    torch, the kernels' test oracle)."""
     kv_cache_memory_bytes: int | None = None
     """KV cache budget per rank; default measured on GPU, 1 GiB on CPU."""
     kv_offloading_backend: Literal["native"] = "native"

@@ -19,12 +19,12 @@ CPU_LAYOUT = {"device": "cpu", "block_size": 16, "head_size": 128}
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
-def test_auto_on_cpu_selects_the_torch_reference_and_logs_why(
+def test_auto_on_cpu_selects_the_batched_torch_kernel_and_logs_why(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     with caplog.at_level(logging.INFO, logger="kernels.registry"):
         backend = select_backend("auto", **CPU_LAYOUT)
-    want = AttentionBackend("reference", reference.store_kv_cache, reference.paged_attention)
+    want = AttentionBackend("torch", reference.store_kv_cache, batched_attention.paged_attention)
     assert backend == want
     assert "device is cpu" in caplog.text
 
