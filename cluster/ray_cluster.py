@@ -20,6 +20,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,8 @@ logger = logging.getLogger(__name__)
 LOCAL = "local"
 AUTO = "auto"
 _PROBE_TIMEOUT_S = 3.0
+_KILLED_WAIT_S = 5.0
+"""How long a Ctrl-C during Ray's start waits for the killed processes to be gone."""
 
 
 class ClusterConnectionError(ConnectionError):
@@ -167,8 +170,26 @@ def _stop_starting_ray() -> None:
     for child in children:
         with contextlib.suppress(psutil.Error):
             child.kill()
-    psutil.wait_procs(children, timeout=5)
+    deadline = time.monotonic() + _KILLED_WAIT_S
+    while any(map(_is_running, children)) and time.monotonic() < deadline:
+        time.sleep(0.02)
     os._exit(130)
+
+
+def _is_running(process: Any) -> bool:
+    """Whether a killed process still runs. A zombie does not: this process reaps its own
+    children; a grandchild is reaped by init whenever it gets to it (psutil's own wait counts
+    such zombies as alive)."""
+    import psutil
+
+    try:
+        if process.status() != psutil.STATUS_ZOMBIE:
+            return True
+        if process.ppid() == os.getpid():
+            os.waitpid(process.pid, os.WNOHANG)
+    except (psutil.Error, ChildProcessError):
+        pass
+    return False
 
 
 def _probe(target: ClusterTarget) -> None:
