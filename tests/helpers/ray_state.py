@@ -17,3 +17,17 @@ def live_placement_groups() -> set[str]:
 
     table = ray.util.placement_group_table()
     return {pg_id for pg_id, pg in table.items() if pg["state"] != "REMOVED"}
+
+
+def settled_engine_actors(expected: set[str], timeout_s: float = 10.0) -> set[str]:
+    """The live engine and worker actors once they are `expected`, else as they are after
+    `timeout_s`: a killed actor leaves Ray's table only once its process is gone, later on a
+    loaded machine."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    live = live_engine_actors()
+    while live != expected and time.monotonic() < deadline:
+        time.sleep(0.1)
+        live = live_engine_actors()
+    return live

@@ -23,7 +23,11 @@ from cluster.engine.ray_client import RayEngineClient
 from cluster.engine.request import EngineRequest
 from cluster.llm import LLM
 from scheduler.request import SamplingParams
-from tests.helpers.ray_state import live_engine_actors, live_placement_groups
+from tests.helpers.ray_state import (
+    live_engine_actors,
+    live_placement_groups,
+    settled_engine_actors,
+)
 from tests.helpers.tiny_models import save_tiny_model
 from tests.helpers.word_tokenizer import save_word_tokenizer
 
@@ -57,7 +61,7 @@ def llm(ray_cluster: None, model_dir: Path) -> Iterator[LLM]:
     )
     yield engine
     engine.shutdown()
-    assert live_engine_actors() == actors_before, "shutdown left actors behind"
+    assert settled_engine_actors(actors_before) == actors_before, "shutdown left actors behind"
     assert live_placement_groups() == groups_before, "shutdown left a placement group behind"
 
 

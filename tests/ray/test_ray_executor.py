@@ -27,7 +27,11 @@ from cluster.engine.request import EngineRequest
 from scheduler.request import SamplingParams
 from tests.helpers.rank_caller import BundleCaller
 from tests.helpers.ray_local import NODE_IP, REPO_ROOT
-from tests.helpers.ray_state import live_engine_actors, live_placement_groups
+from tests.helpers.ray_state import (
+    live_engine_actors,
+    live_placement_groups,
+    settled_engine_actors,
+)
 from tests.helpers.tiny_models import save_tiny_model
 
 pytestmark = pytest.mark.ray
@@ -92,6 +96,7 @@ def test_ray_executor_tokens_equal_in_process(
     tp_size: int,
 ) -> None:
     args = _engine_args(model_dirs[family], tensor_parallel_size=tp_size)
+    actors_before = live_engine_actors()
     executor = RayExecutor(args)
     assert len(executor.actor_names) == tp_size
     client = InProcessEngineClient(build_engine_core(args, executor))
@@ -100,7 +105,7 @@ def test_ray_executor_tokens_equal_in_process(
         assert _greedy_tokens(client) == reference_tokens[family]
     finally:
         client.shutdown()
-    assert not set(executor.actor_names) & live_engine_actors()
+    assert not set(executor.actor_names) & settled_engine_actors(actors_before)
 
 
 @pytest.mark.parametrize(
@@ -159,7 +164,7 @@ def test_tp_not_dividing_heads_is_one_clear_error_and_leaves_nothing(
     with pytest.raises(ValueError, match=expected) as error:
         LLM(str(model_dirs["llama"]), address="auto", tensor_parallel_size=3, block_size=4)
     assert "\n" not in str(error.value)
-    assert live_engine_actors() == actors_before
+    assert settled_engine_actors(actors_before) == actors_before
     assert live_placement_groups() == groups_before
 
 
