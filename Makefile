@@ -31,16 +31,21 @@ $(GPU_STAMP): $(STAMP)
 	$(BIN)/pip install -q --no-build-isolation -e ".[dev,gpu]"
 	touch $(GPU_STAMP)
 
-# The default suite in two parts: the tests that start no Ray spread over PYTEST_WORKERS
-# pytest-xdist workers (by module: tests/helpers/xdist_groups.py), then the Ray tests one after
-# another with the machine to themselves (their start-ups and deadlines are timed for it). Both
-# parts run; the target fails if either does (no test selected counts as passing).
-PYTEST_WORKERS ?= 2
+# The default suite in two parts, side by side: the tests that start no Ray in PYTEST_WORKERS
+# pytest-xdist workers (by module: tests/helpers/xdist_groups.py), their report kept in
+# PURE_LOG and printed at the end, and the Ray tests one after another in the foreground (their
+# start-ups and deadlines hold with one core busy beside them). Both parts run; the target fails
+# if either does (no test selected counts as passing).
+PYTEST_WORKERS ?= 1
+PURE_LOG := .pytest-pure.log
 DEFAULT_MARKS := not gpu and not distributed and not slow
 test: lint
-	$(BIN)/python -m pytest -m "$(DEFAULT_MARKS) and not ray" -q -n $(PYTEST_WORKERS) \
-		$(PYTEST_ARGS); pure=$$?; \
+	@$(BIN)/python -m pytest -m "$(DEFAULT_MARKS) and not ray" -q -n $(PYTEST_WORKERS) \
+		-p no:cacheprovider $(PYTEST_ARGS) > $(PURE_LOG) 2>&1 & pure_pid=$$!; \
+	echo "tests that start no Ray: running beside the Ray tests, report in $(PURE_LOG)"; \
 	$(BIN)/python -m pytest -m "$(DEFAULT_MARKS) and ray" -q $(PYTEST_ARGS); ray=$$?; \
+	wait $$pure_pid; pure=$$?; \
+	echo "== tests that start no Ray =="; cat $(PURE_LOG); \
 	for code in $$pure $$ray; do [ $$code -eq 0 ] || [ $$code -eq 5 ] || exit 1; done
 
 test-all: install
