@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 from fastapi import FastAPI, Request
 from ray import serve
@@ -49,19 +50,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serve_cpu import cpu_by_role, snapshot
-from serve_load import engine_stream, http_stream, prompt_text, sweep_level
+from serve_load import aiohttp_stream, engine_stream, http_stream, prompt_text, sweep_level
 
 from tests.helpers.ray_local import NODE_IP, start_local_ray
 from tests.helpers.serve_app import free_port, llm_config, save_tiny_served_model
 
 MODEL_ID = "bench"
 TOPOLOGIES = ("two_hop", "one_hop")
-FIXED_INTERVAL_MS = 50
-FIXED = "one_hop_50ms"
-"""One hop with Ray Serve LLM's default: every stream flushes once per 50 ms, whatever the load
-(the two topologies above run the adaptive default)."""
-SERVED = (*TOPOLOGIES, FIXED)
-FLOORS = {"one_hop": "floor1", "two_hop": "floor2", FIXED: "floor1"}
+FIXED_INTERVAL_MS = 50.0
+"""One hop with a fixed interval beside the adaptive default of the two topologies: every stream
+flushes once per interval, whatever the load (Ray Serve LLM's default, `--fixed-interval-ms`)."""
+FLOORS = {"one_hop": "floor1", "two_hop": "floor2"}
 """The apps that stream as many one-token chunks as asked for, with no model."""
 FLOOR_LINE = 'data: {"choices": [{"text": "x"}]}\n\n'
 FLOOR_MAX_ONGOING = 256  # the model deployments take as many: no queueing in front of a floor
@@ -126,6 +125,19 @@ class FloorDirect:
             # carries the name FastAPI needs to resolve the `raw` annotation
             json.loads(await Request.body(raw))
         return StreamingResponse(_floor_lines(tokens, interval_ms), media_type="text/event-stream")
+
+
+def fixed_target(args: argparse.Namespace) -> str:
+    """The one-hop app with a fixed interval, named by it (`one_hop_50ms`)."""
+    return f"one_hop_{args.fixed_interval_ms:g}ms"
+
+
+def served_targets(args: argparse.Namespace) -> tuple[str, ...]:
+    return (*TOPOLOGIES, fixed_target(args))
+
+
+def floor_of(target: str) -> str:
+    return FLOORS["two_hop" if target == "two_hop" else "one_hop"]
 
 
 def _body(index: int, args: argparse.Namespace, max_tokens: int | None = None) -> dict[str, Any]:
@@ -226,9 +238,10 @@ def _setup(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     for topology in TOPOLOGIES:
         app = build_openai_app({"llm_configs": [config], "topology": topology})
         serve.run(app, name=topology, route_prefix=f"/{topology}")
-    fixed = {**config, "experimental_configs": {"stream_batching_interval_ms": FIXED_INTERVAL_MS}}
+    interval = {"stream_batching_interval_ms": args.fixed_interval_ms}
+    fixed = {**config, "experimental_configs": interval}
     app = build_openai_app({"llm_configs": [fixed], "topology": "one_hop"})
-    serve.run(app, name=FIXED, route_prefix=f"/{FIXED}")
+    serve.run(app, name=fixed_target(args), route_prefix=f"/{fixed_target(args)}")
     serve.run(FloorRelay.bind(FloorAnswer.bind()), name="floor2", route_prefix="/floor2")
     serve.run(FloorDirect.bind(), name="floor1", route_prefix="/floor1")
     return f"http://{NODE_IP}:{port}", config
@@ -261,12 +274,19 @@ async def _sweep(base: str, direct: DirectEngine, args: argparse.Namespace) -> l
     inter-token latency of that level, both topologies over HTTP."""
     rows = []
     limits = httpx.Limits(max_connections=max(args.concurrency) + 8)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=max(args.concurrency) + 8)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with (
+        httpx.AsyncClient(timeout=600, limits=limits) as client,
+        aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
+    ):
 
         def over_http(target: str, engine_row: dict[str, Any]) -> Any:
             url = f"{base}/{target}/v1/completions"
             if target in FLOORS.values():  # as many chunks as the model, at the engine's pace
                 url += f"?tokens={args.max_tokens}&interval_ms={engine_row['itl_p50_ms']:.2f}"
+            if args.client == "aiohttp":
+                return lambda i: aiohttp_stream(session, url, _body(i, args))
             return lambda i: http_stream(client, url, _body(i, args))
 
         def on_engine(i: int) -> Any:
@@ -275,7 +295,7 @@ async def _sweep(base: str, direct: DirectEngine, args: argparse.Namespace) -> l
         for concurrency in args.concurrency:
             requests = max(args.requests, 2 * concurrency)
             engine_row: dict[str, Any] = {}
-            for target in ("engine", *sorted(set(FLOORS.values())), *SERVED):
+            for target in ("engine", *sorted(set(FLOORS.values())), *served_targets(args)):
                 one_request = on_engine if target == "engine" else over_http(target, engine_row)
                 before = snapshot()
                 row = {"target": target, **await sweep_level(one_request, concurrency, requests)}
@@ -286,13 +306,15 @@ async def _sweep(base: str, direct: DirectEngine, args: argparse.Namespace) -> l
     return rows
 
 
-def _goals(ttft: dict[str, float], sweep: list[dict[str, Any]]) -> dict[str, Any]:
+def _goals(
+    ttft: dict[str, float], sweep: list[dict[str, Any]], served: tuple[str, ...]
+) -> dict[str, Any]:
     def level(target: str, concurrency: int) -> dict[str, Any] | None:
         found = [r for r in sweep if r["target"] == target and r["concurrency"] == concurrency]
         return found[0] if found else None
 
     goals: dict[str, Any] = {}
-    for topology in SERVED:
+    for topology in served:
         if f"http_{topology}" in ttft:
             added = ttft[f"http_{topology}"] - ttft["engine"]
             goals[f"{topology}_ttft_added_ms"] = round(added, 2)
@@ -305,7 +327,7 @@ def _goals(ttft: dict[str, float], sweep: list[dict[str, Any]]) -> dict[str, Any
             goals[f"{topology}_itl_p50_added_ms"] = round(added_itl, 2)
             goals[f"{topology}_itl_goal_met"] = added_itl <= 1
         high, high_engine = level(topology, 64), level("engine", 64)
-        high_floor = level(FLOORS[topology], 64)
+        high_floor = level(floor_of(topology), 64)
         if high and high_engine:
             ratio = high["output_tok_s"] / high_engine["output_tok_s"]
             goals[f"{topology}_tok_s_ratio_c64"] = round(ratio, 3)
@@ -326,7 +348,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
         sweep = await _sweep(base, direct, args)
     finally:
         await direct.engine.shutdown()
-    goals = _goals(ttft, sweep)
+    goals = _goals(ttft, sweep, served_targets(args))
     print(json.dumps({"goals": goals}), flush=True)
     return {"ttft_median_ms": ttft, "sweep": sweep, "goals": goals}
 
@@ -340,6 +362,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30, help="single-request TTFT samples")
     parser.add_argument("--model", default=None)
     parser.add_argument("--default-model", action="store_true")
+    parser.add_argument(
+        "--fixed-interval-ms", type=float, default=FIXED_INTERVAL_MS, help="the fixed app's"
+    )
+    parser.add_argument(
+        "--client",
+        choices=("aiohttp", "httpx"),
+        default="aiohttp",
+        help="the sweep's HTTP client (aiohttp: less of the shared CPU than httpx)",
+    )
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
