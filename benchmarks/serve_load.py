@@ -59,6 +59,21 @@ def prompt_text(index: int, length: int) -> str:
     return " ".join(f"t{(index * 7 + i) % 250 + 1}" for i in range(length))
 
 
+def _take_sse_line(sample: Sample, line: str, start: float, last: float) -> float:
+    """Count one SSE line of a streamed completion into `sample`: tokens from the usage chunk,
+    chunk times from text chunks; returns the time of the last chunk counted."""
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return last
+    chunk = json.loads(line[6:])
+    if chunk.get("usage") and not chunk["choices"]:
+        sample.tokens = chunk["usage"]["completion_tokens"]
+        return last
+    text = chunk["choices"][0]["text"] if chunk["choices"] else ""
+    if not text:
+        return last
+    return sample.add_chunk(len(text.split()), start, last)  # the word tokenizer: a word a token
+
+
 async def http_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> Sample:
     """One streaming completion; tokens from the usage chunk, chunk times from text chunks."""
     sample = Sample()
@@ -71,15 +86,7 @@ async def http_stream(client: httpx.AsyncClient, url: str, body: dict[str, Any])
                 await response.aread()
                 return sample
             async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage") and not chunk["choices"]:
-                    sample.tokens = chunk["usage"]["completion_tokens"]
-                    continue
-                text = chunk["choices"][0]["text"] if chunk["choices"] else ""
-                if text:  # the word tokenizer: one token per word
-                    last = sample.add_chunk(len(text.split()), start, last)
+                last = _take_sse_line(sample, line, start, last)
     except httpx.HTTPError as error:
         sample.error = type(error).__name__
     return sample
@@ -98,16 +105,7 @@ async def aiohttp_stream(session: aiohttp.ClientSession, url: str, body: dict[st
                 await response.read()
                 return sample
             async for raw in response.content:
-                line = raw.decode().rstrip("\n")
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage") and not chunk["choices"]:
-                    sample.tokens = chunk["usage"]["completion_tokens"]
-                    continue
-                text = chunk["choices"][0]["text"] if chunk["choices"] else ""
-                if text:  # the word tokenizer: one token per word
-                    last = sample.add_chunk(len(text.split()), start, last)
+                last = _take_sse_line(sample, raw.decode().rstrip("\n"), start, last)
     except aiohttp.ClientError as error:
         sample.error = type(error).__name__
     return sample
