@@ -1,4 +1,4 @@
-"""Batched plain-PyTorch paged attention (backend "torch"; opt-in on CPU, see the registry).
+"""Batched plain-PyTorch paged attention (backend "torch"; the CPU default, see the registry).
 
 Same contract as `kernels.reference.paged_attention`, which stays the oracle it is tested
 against. The single-token decodes of a step are served in a few chunks, each one gather of

@@ -1,4 +1,5 @@
-"""Plain-PyTorch paged KV-cache kernels: the test oracle on GPU and the serving path on CPU.
+"""Plain-PyTorch paged KV-cache kernels: the oracle every backend is tested against, and on CPU
+the cache store and prefill path of the batched kernel (`batched_attention`, the CPU default).
 
 Called through the backend registry; every other backend has the same signatures. Caches use
 the paged layout `[num_blocks, block_size, num_kv_heads, head_size]`.
