@@ -32,15 +32,16 @@ $(GPU_STAMP): $(STAMP)
 	touch $(GPU_STAMP)
 
 # The default suite in two parts, side by side: the tests that start no Ray in PYTEST_WORKERS
-# pytest-xdist workers (by module: tests/helpers/xdist_groups.py), their report kept in
-# PURE_LOG and printed at the end, and the Ray tests one after another in the foreground (their
-# start-ups and deadlines hold with one core busy beside them). Both parts run; the target fails
+# pytest-xdist workers (by module: tests/helpers/xdist_groups.py) at a lower CPU priority, their
+# report kept in PURE_LOG and printed at the end, and the Ray tests one after another in the
+# foreground, the longer part, first in line for the CPU (their start-ups and deadlines hold
+# with one core busy beside them). Both parts run; the target fails
 # if either does (no test selected counts as passing).
 PYTEST_WORKERS ?= 1
 PURE_LOG := .pytest-pure.log
 DEFAULT_MARKS := not gpu and not distributed and not slow
 test: lint
-	@$(BIN)/python -m pytest -m "$(DEFAULT_MARKS) and not ray" -q -n $(PYTEST_WORKERS) \
+	@nice -n 10 $(BIN)/python -m pytest -m "$(DEFAULT_MARKS) and not ray" -q -n $(PYTEST_WORKERS) \
 		-p no:cacheprovider $(PYTEST_ARGS) > $(PURE_LOG) 2>&1 & pure_pid=$$!; \
 	echo "tests that start no Ray: running beside the Ray tests, report in $(PURE_LOG)"; \
 	$(BIN)/python -m pytest -m "$(DEFAULT_MARKS) and ray" -q $(PYTEST_ARGS); ray=$$?; \
