@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
 
-from cluster.config.engine_args import EngineArgs
+from cluster.config.engine_args import EngineArgs, KVTransferTransport
 from cluster.engine.bad_words import attach_bad_words_token_ids
 from cluster.engine.configs import model_identity
 from cluster.engine.errors import EngineDeadError
@@ -60,6 +60,7 @@ class EngineCore:
         executor: Executor,
         tokenizer: Any,
         structured_outputs_backend: str = "auto",
+        kv_transfer_transport: KVTransferTransport = "auto",
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
@@ -81,6 +82,8 @@ class EngineCore:
         """Async scheduling: the step submitted to the workers whose output is not taken yet."""
         self.kv_transfer_counters = KVTransferCounters(len(scheduler.kv_cache_config.groups))
         """Counters of KV transfers with other engines (`cluster.engine.kv_transfer`)."""
+        self.kv_transfer_transport = kv_transfer_transport
+        """How this engine's exports travel: object_store, direct, or auto (by size)."""
 
     @property
     def model_config(self) -> ModelConfig:
@@ -393,7 +396,13 @@ def build_engine_core(args: EngineArgs, executor: Executor | None = None) -> Eng
     except BaseException:
         executor.shutdown()
         raise
-    return EngineCore(scheduler, executor, tokenizer, args.guided_decoding_backend)
+    return EngineCore(
+        scheduler,
+        executor,
+        tokenizer,
+        args.guided_decoding_backend,
+        args.kv_transfer_transport,
+    )
 
 
 def _plan_kv_cache(executor: Executor, args: EngineArgs) -> KVCacheConfig:

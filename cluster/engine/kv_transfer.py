@@ -5,22 +5,30 @@ so its next lookup of the prompt hits them. The two engines may run different te
 sizes: the shards travel as sent, and the receiver's ranks reshard them.
 
     receiver.held ─► HeldKeys ─► sender.export ─► KVTransfer (keys + per-rank shards)
-                                                     │ (Ray object store between actors)
+                                                     │ Ray's object store between actors, or
+                                                     │ a KVTransferOffer: the pages go over a
+                                                     │ direct connection (`receive`)
                                                      ▼
                                               receiver.import ─► KVImportResult
 
-The functions run on an engine core between steps (the async engine calls them under its lock);
-`transfer_prefix` chains them for two cores in one process.
+The engine's `kv_transfer_transport` picks the way: `object_store`, `direct`, or `auto`
+(direct from `AUTO_DIRECT_MIN_BYTES` up). The functions run on an engine core between steps (the
+async engine calls them under its lock); a receiver takes an offer's pages (`receive`) before
+that, off the lock. `transfer_prefix` chains them for two cores in one process.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cluster.config.engine_args import KVTransferTransport
+from cluster.engine import kv_transfer_direct as direct
 from cluster.engine.core import EngineCore
+from cluster.engine.kv_transfer_direct import KVTransferOffer
 from scheduler.block_hash import BlockHash
 from scheduler.kv_cache.transfer import (
     HeldKeys,
@@ -36,6 +44,11 @@ from scheduler.request import Request, SamplingParams
 from worker.kv_transfer import KVShard
 
 logger = logging.getLogger(__name__)
+
+AUTO_DIRECT_MIN_BYTES = 4 << 20
+"""`auto` sends transfers of at least this many bytes over a direct connection, smaller ones
+through the object store (below it the connection's set-up costs more than the object store's
+copies; docs/benchmarks.md, "Direct connection against the object store")."""
 
 
 @dataclass(frozen=True)
@@ -96,11 +109,12 @@ def kv_export(
     held: HeldKeys,
     cache_salt: str | None = None,
     demote: bool = False,
-) -> KVTransfer:
+) -> KVTransfer | KVTransferOffer:
     """Sender: the blocks of this engine's longest hit on the prompt (never its last token, its
     offload tier included: no recompute) that the receiver does not hold, each rank's shard in
-    host memory; with `demote` (the
-    conversation moved to the receiver) those blocks are then evicted here first."""
+    host memory (or offered over a direct connection, as the engine's transport says); with
+    `demote` (the conversation moved to the receiver) those blocks are then evicted here
+    first."""
     started = time.perf_counter()
     hashes = prompt_block_hashes(core, prompt_token_ids, cache_salt)
     manager = core.scheduler.kv_cache_manager
@@ -125,14 +139,51 @@ def kv_export(
         transfer.nbytes,
         plan.keys.num_hit_tokens,
     )
-    return transfer
+    return outgoing(transfer, core.kv_transfer_transport)
 
 
-def kv_import(core: EngineCore, transfer: KVTransfer) -> KVImportResult:
+def outgoing(transfer: KVTransfer, transport: KVTransferTransport) -> KVTransfer | KVTransferOffer:
+    """The transfer itself (its pages travel with it), or an offer of its pages over a direct
+    connection from this process."""
+    chosen = transport == "direct" or (
+        transport == "auto" and transfer.nbytes >= AUTO_DIRECT_MIN_BYTES
+    )
+    if not chosen or transfer.keys.num_blocks == 0:
+        return transfer
+    try:
+        return direct.offer(transfer.keys, transfer.shards, direct.node_address())
+    except (RuntimeError, OSError) as exc:  # no rendezvous store could be opened here
+        logger.warning("kv transfer: no direct connection (%s); using the object store", exc)
+        return transfer
+
+
+def receive(
+    transfer: KVTransfer | KVTransferOffer, timeout_s: float = direct.SEND_TIMEOUT_S
+) -> KVTransfer:
+    """The transfer with its pages here: an offer's taken from its sender within `timeout_s`
+    (RuntimeError when that fails); a transfer that carries them, as it is."""
+    if isinstance(transfer, KVTransfer):
+        return transfer
+    shards = direct.fetch(transfer, direct.node_address(), timeout_s)
+    return KVTransfer(transfer.keys, shards)
+
+
+async def receive_off_loop(
+    transfer: KVTransfer | KVTransferOffer, timeout_s: float = direct.SEND_TIMEOUT_S
+) -> KVTransfer:
+    """`receive` for a caller on an event loop: an offer's pages come on a thread."""
+    if isinstance(transfer, KVTransfer):
+        return transfer
+    return await asyncio.to_thread(receive, transfer, timeout_s)
+
+
+def kv_import(core: EngineCore, transfer: KVTransfer | KVTransferOffer) -> KVImportResult:
     """Receiver: write the pages into fresh blocks and register them in the prefix cache (each
     rank resharding them when the sender ran another tensor-parallel size); a transfer there is
-    no room for takes nothing (the request recomputes)."""
+    no room for takes nothing (the request recomputes). An offer is received first (callers
+    on an event loop `receive` it before, off the engine's lock)."""
     started = time.perf_counter()
+    transfer = receive(transfer)
     counters = core.kv_transfer_counters
     if transfer.keys.fingerprint != core.kv_transfer_fingerprint:
         raise ValueError("kv transfer: the sending engine runs another model or KV layout")

@@ -1,14 +1,18 @@
 """KV transfer between two engine actors on Ray: the receiver's held keys, the sender's export
 and the receiver's import are chained as object references, so the pages go from the sender's
-node to the receiver's through Ray's object store (never through the caller), within a deadline.
+node to the receiver's (never through the caller), within a deadline: through Ray's object
+store, or over a direct connection between the two processes (the sender's
+`kv_transfer_transport`; the export then carries only the offer of them).
 
     caller ─► receiver.kv_held_keys ─ref─► sender.kv_export ─ref─► receiver.kv_import ─► result
+                                                      └──── pages, direct ────┘
 
-Faults: a sender that dies never produces the transfer, so the import fails before it reserves a
-block; a sender that hangs or a transfer past `timeout_s` is cancelled (the import never ran, or
-ran whole: an import is one call between two steps); a dead receiver holds nothing. Each ends
-in `KVTransferError`, and the caller recomputes. On GPU machines NIXL or NCCL would carry the
-pages device to device; they are detected and, until used, the object store is the fallback.
+Faults: a sender that dies never produces the transfer (or dies before its offer is taken), so
+the import fails before it reserves a block; a sender that hangs or a transfer past `timeout_s`
+is cancelled (the import never ran, or ran whole: an import is one call between two steps); a
+dead receiver holds nothing, and the sender drops an offer nobody takes. Each ends in
+`KVTransferError`, and the caller recomputes. NIXL and NCCL (device to device) are not used: on
+GPU machines the pages are staged through host memory; an installed NIXL is logged as unused.
 """
 
 from __future__ import annotations
@@ -31,26 +35,31 @@ class KVTransferError(RuntimeError):
     """A transfer between engines did not complete (peer dead, hung, or past its deadline)."""
 
 
-def transport_name() -> str:
-    """The transport KV transfers use here, logging when an accelerator one is present but
-    the object store carries the pages instead."""
-    for package in ("nixl", "cupy"):
-        if importlib.util.find_spec(package) is not None:
-            logger.info(
-                "kv transfer: %s is installed; pages go through Ray's object store", package
-            )
-            break
-    return "ray_object_store"
+def log_transport(transport: str) -> None:
+    """Log how KV pages will travel, and that an installed device-to-device library is not
+    what carries them."""
+    ways = {
+        "object_store": "Ray's object store",
+        "direct": "a direct connection between the engines",
+        "auto": "Ray's object store, or a direct connection for large transfers",
+    }
+    logger.info("kv transfer: pages go through %s (host memory)", ways.get(transport, transport))
+    if importlib.util.find_spec("nixl") is not None:
+        logger.info("kv transfer: nixl is installed and not used")
 
 
 def start_transfer(
-    sender: Any, receiver: Any, prompt_token_ids: Sequence[int], cache_salt: str | None = None
+    sender: Any,
+    receiver: Any,
+    prompt_token_ids: Sequence[int],
+    cache_salt: str | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> tuple[Any, Any]:
     """Chain the three calls; (export ref, import ref)."""
     prompt = list(prompt_token_ids)
     held = receiver.kv_held_keys.remote(prompt, cache_salt)
     transfer = sender.kv_export.remote(prompt, held, cache_salt)
-    return transfer, receiver.kv_import.remote(transfer)
+    return transfer, receiver.kv_import.remote(transfer, timeout_s)
 
 
 def pull_prefix(
@@ -62,7 +71,7 @@ def pull_prefix(
     cache_salt: str | None = None,
 ) -> KVImportResult:
     """Move the sender actor's cached prefix of the prompt into the receiver actor."""
-    transfer, imported = start_transfer(sender, receiver, prompt_token_ids, cache_salt)
+    transfer, imported = start_transfer(sender, receiver, prompt_token_ids, cache_salt, timeout_s)
     try:
         result: KVImportResult = ray.get(imported, timeout=timeout_s)
     except (ray.exceptions.GetTimeoutError, ray.exceptions.RayError) as exc:

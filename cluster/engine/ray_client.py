@@ -38,7 +38,9 @@ from cluster.engine.kv_transfer import (
     kv_export,
     kv_held_keys,
     kv_import,
+    receive_off_loop,
 )
+from cluster.engine.kv_transfer_direct import SEND_TIMEOUT_S, KVTransferOffer
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
 from cluster.ray_cluster import connect
@@ -98,12 +100,16 @@ class EngineActor:
 
     async def kv_export(
         self, prompt_token_ids: list[int], held: HeldKeys, cache_salt: str | None
-    ) -> KVTransfer:
+    ) -> KVTransfer | KVTransferOffer:
         """KV transfer, sender: the cached prefix blocks the receiver lacks."""
         return await self.engine.call_core(kv_export, prompt_token_ids, held, cache_salt)
 
-    async def kv_import(self, transfer: KVTransfer) -> KVImportResult:
-        """KV transfer, receiver: take the blocks into the pool and prefix cache."""
+    async def kv_import(
+        self, transfer: KVTransfer | KVTransferOffer, timeout_s: float = SEND_TIMEOUT_S
+    ) -> KVImportResult:
+        """KV transfer, receiver: take the pages (an offer's within `timeout_s`, before the
+        engine's lock), then the blocks into the pool and prefix cache."""
+        transfer = await receive_off_loop(transfer, timeout_s)
         return await self.engine.call_core(kv_import, transfer)
 
     async def get_tokenizer(self) -> Any:

@@ -34,6 +34,7 @@ from cluster.engine.executor import create_executor
 from cluster.engine.executor.placement import PlacementSpec, uses_gpus
 from cluster.engine.input_processor import InputProcessor
 from cluster.engine.kv_transfer import KVTransfer, kv_export
+from cluster.engine.kv_transfer_direct import KVTransferOffer
 from cluster.engine.outputs import OutputAccumulator, RequestOutput
 from cluster.engine.request import EngineRequest
 from cluster.engine.stream_batching import StreamBatching
@@ -232,7 +233,7 @@ class LLMServer:
 
     async def kv_export(
         self, prompt_token_ids: list[int], held: HeldKeys, cache_salt: str | None = None
-    ) -> KVTransfer:
+    ) -> KVTransfer | KVTransferOffer:
         """A peer's pull: the blocks of this replica's cached prefix of the prompt that the
         peer does not hold. The conversation moved to the peer, so they are evicted here first.
         Answered while Serve drains this replica too (it is called on this replica's actor, not

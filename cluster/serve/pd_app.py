@@ -15,7 +15,7 @@ from ray.serve import Application
 
 from cluster.config import format_validation_error
 from cluster.config.pd_args import PDServingArgs
-from cluster.engine.kv_transfer_ray import transport_name
+from cluster.engine.kv_transfer_ray import log_transport
 from cluster.serve.builder import ingress_deployment_options, llm_deployment_options
 from cluster.serve.ingress import OpenAiIngressDeployment
 from cluster.serve.pd_server import PDDecodeServer, PDPrefillServer
@@ -27,7 +27,7 @@ def build_pd_openai_app(pd_serving_args: PDServingArgs | dict[str, Any]) -> Appl
         args = PDServingArgs.model_validate(pd_serving_args)
     except ValidationError as error:
         raise ValueError(format_validation_error(error)) from None
-    transport_name()
+    log_transport(args.prefill_config.engine_kwargs.get("kv_transfer_transport", "auto"))
     prefill_options = llm_deployment_options(args.prefill_config, "Prefill:")
     prefill: Any = serve.deployment(PDPrefillServer)
     prefill_app = prefill.options(**prefill_options).bind(args.prefill_config.model_dump())

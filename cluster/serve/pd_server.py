@@ -2,7 +2,7 @@
 
     ingress ─► PDDecodeServer.generate ─► before_add: held keys ─► PDPrefillServer
                                                    prefill_and_export (prompt[:-1], 1 token)
-               import the KV (object store) ◄──────────┘
+               import the KV (object store or direct) ◄┘
                engine.add_request (hits the prefix: computes the last token, decodes)
 
 The decode side keeps prefix caching on: it sends the keys it holds, and receives only the rest.
@@ -17,6 +17,7 @@ from typing import Any
 
 from cluster.config import LLMConfig
 from cluster.engine.kv_transfer import KVTransfer, kv_export
+from cluster.engine.kv_transfer_direct import KVTransferOffer
 from cluster.engine.request import EngineRequest
 from cluster.serve.llm_server import LLMServer
 from cluster.serve.peer_pull import import_prefix
@@ -31,7 +32,7 @@ class PDPrefillServer(LLMServer):
 
     async def prefill_and_export(
         self, prompt_token_ids: list[int], held: HeldKeys, cache_salt: str | None
-    ) -> KVTransfer:
+    ) -> KVTransfer | KVTransferOffer:
         """Compute every prompt token but the last (its blocks stay cached), then export the
         blocks of the prefix the decode side does not hold."""
         if len(prompt_token_ids) > 1:

@@ -5,7 +5,8 @@
             >= pull_threshold_tokens ─► PeerPull(source replica) travels with the request
     receiver (LLMServer.generate, before the engine): its held keys ─► .kv_export(prompt,
             held) called on the source's replica actor itself (`call_replica`: routable or
-            draining alike) ─► export ─► import here, within pull_timeout_s
+            draining alike) ─► export (the pages, or an offer of them over a direct
+            connection, taken here off the engine's lock) ─► import here, within pull_timeout_s
     anything else (no hint, the source is this replica or gone, a late or failed export)
             ─► recompute
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import pickle
+import time
 import uuid
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
@@ -34,7 +36,14 @@ from ray.serve.request_router import ReplicaID
 
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.errors import EngineDeadError
-from cluster.engine.kv_transfer import KVImportResult, KVTransfer, kv_held_keys, kv_import
+from cluster.engine.kv_transfer import (
+    KVImportResult,
+    KVTransfer,
+    kv_held_keys,
+    kv_import,
+    receive_off_loop,
+)
+from cluster.engine.kv_transfer_direct import KVTransferOffer
 from cluster.engine.request import EngineRequest
 from scheduler.kv_cache.transfer import HeldKeys
 
@@ -94,10 +103,13 @@ async def import_prefix(
     counters = engine.core.kv_transfer_counters
     prompt = list(request.prompt_token_ids)
     response = None
+    deadline = time.monotonic() + timeout_s
     try:
         held = await engine.call_core(kv_held_keys, prompt, request.cache_salt)
         response = export(prompt, held, request.cache_salt)
-        transfer = await asyncio.wait_for(_awaited(response), timeout_s)
+        sent = await asyncio.wait_for(_awaited(response), timeout_s)
+        left = max(deadline - time.monotonic(), 0.001)
+        transfer = await asyncio.wait_for(receive_off_loop(sent, left), left)
         result: KVImportResult = await engine.call_core(kv_import, transfer)
     except (asyncio.TimeoutError, RayError, RuntimeError, ValueError) as exc:
         if isinstance(exc, EngineDeadError):
@@ -152,6 +164,6 @@ def _replica_actor(replica: ReplicaID) -> Any:
     return ray.get_actor(replica.to_full_id_str(), namespace=SERVE_NAMESPACE)
 
 
-async def _awaited(response: Any) -> KVTransfer:
-    transfer: KVTransfer = await response
+async def _awaited(response: Any) -> KVTransfer | KVTransferOffer:
+    transfer: KVTransfer | KVTransferOffer = await response
     return transfer

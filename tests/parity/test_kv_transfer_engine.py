@@ -17,6 +17,7 @@ import pytest
 from cluster import LLM, SamplingParams
 from cluster.engine.core import EngineCore
 from cluster.engine.kv_transfer import kv_export, kv_held_keys, kv_import, transfer_prefix
+from cluster.engine.kv_transfer_direct import KVTransferOffer
 from scheduler.kv_cache.transfer import hit_lower_bound_bytes
 from tests.helpers.tiny_gemma3n import save_tiny_gemma3n
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
@@ -72,11 +73,16 @@ def cold_tokens(family: Path) -> dict[str, list[int]]:
         llm.shutdown()
 
 
-@pytest.mark.parametrize("receiver_holds_part", [False, True], ids=["empty", "partial"])
+@pytest.mark.parametrize(
+    ("receiver_holds_part", "transport"),
+    [(False, "object_store"), (True, "object_store"), (True, "direct")],
+    ids=["empty", "partial", "partial-direct"],
+)
 def test_tokens_after_a_transfer_equal_one_engine(
-    family: Path, cold_tokens: dict[str, list[int]], receiver_holds_part: bool
+    family: Path, cold_tokens: dict[str, list[int]], receiver_holds_part: bool, transport: str
 ) -> None:
-    sender, receiver = LLM(str(family), **LLM_ARGS), LLM(str(family), **LLM_ARGS)
+    sender = LLM(str(family), **LLM_ARGS, kv_transfer_transport=transport)
+    receiver = LLM(str(family), **LLM_ARGS)
     try:
         prefill_all_but_last(sender, PROMPT)
         if receiver_holds_part:
@@ -92,6 +98,7 @@ def test_tokens_after_a_transfer_equal_one_engine(
             assert transfer.nbytes <= 1.05 * bound, (transfer.nbytes, bound)
         else:
             assert transfer.nbytes < bound
+        assert isinstance(transfer, KVTransferOffer) == (transport == "direct")
         result = kv_import(take, transfer)
         assert result.num_blocks == keys.num_blocks
         before = take.get_stats().prefix_cache_hit_tokens
