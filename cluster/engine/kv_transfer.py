@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from cluster.config.engine_args import KVTransferTransport
 from cluster.engine import kv_transfer_direct as direct
 from cluster.engine.core import EngineCore
+from cluster.engine.kv_transfer_counters import KVTransferCounters
 from cluster.engine.kv_transfer_direct import KVTransferOffer
 from scheduler.block_hash import BlockHash
 from scheduler.kv_cache.transfer import (
@@ -109,12 +110,13 @@ def kv_export(
     held: HeldKeys,
     cache_salt: str | None = None,
     demote: bool = False,
+    timeout_s: float = direct.SEND_TIMEOUT_S,
 ) -> KVTransfer | KVTransferOffer:
     """Sender: the blocks of this engine's longest hit on the prompt (never its last token, its
     offload tier included: no recompute) that the receiver does not hold, each rank's shard in
-    host memory (or offered over a direct connection, as the engine's transport says); with
-    `demote` (the conversation moved to the receiver) those blocks are then evicted here
-    first."""
+    host memory (or offered over a direct connection, as the engine's transport says, for
+    `timeout_s`); with `demote` (the conversation moved to the receiver) those blocks are then
+    evicted here first."""
     started = time.perf_counter()
     hashes = prompt_block_hashes(core, prompt_token_ids, cache_salt)
     manager = core.scheduler.kv_cache_manager
@@ -139,22 +141,30 @@ def kv_export(
         transfer.nbytes,
         plan.keys.num_hit_tokens,
     )
-    return outgoing(transfer, core.kv_transfer_transport)
+    return outgoing(transfer, core.kv_transfer_transport, timeout_s, counters)
 
 
-def outgoing(transfer: KVTransfer, transport: KVTransferTransport) -> KVTransfer | KVTransferOffer:
+def outgoing(
+    transfer: KVTransfer,
+    transport: KVTransferTransport,
+    timeout_s: float,
+    counters: KVTransferCounters,
+) -> KVTransfer | KVTransferOffer:
     """The transfer itself (its pages travel with it), or an offer of its pages over a direct
-    connection from this process."""
+    connection from this process for `timeout_s` (its end counted in `counters`)."""
     chosen = transport == "direct" or (
         transport == "auto" and transfer.nbytes >= AUTO_DIRECT_MIN_BYTES
     )
     if not chosen or transfer.keys.num_blocks == 0:
         return transfer
     try:
-        return direct.offer(transfer.keys, transfer.shards, direct.node_address())
+        host = direct.node_address()
+        offer = direct.offer(transfer.keys, transfer.shards, host, timeout_s, counters.end_offer)
     except (RuntimeError, OSError) as exc:  # no rendezvous store could be opened here
         logger.warning("kv transfer: no direct connection (%s); using the object store", exc)
         return transfer
+    counters.num_offers += 1
+    return offer
 
 
 def receive(

@@ -25,6 +25,12 @@ class KVTransferCounters:
     """Requests whose prefix came from another engine (a P/D hand-off or a pull)."""
     num_recomputes: int = 0
     """Requests that computed their prefix here because the transfer failed or timed out."""
+    num_offers: int = 0
+    """Exports whose pages waited here for a direct connection from the receiver."""
+    num_offers_ended: int = 0
+    """Offers taken, or dropped (no receiver in time, or it broke off): the rest hold pages."""
+    num_failed_sends: int = 0
+    """Offers dropped."""
 
     def __post_init__(self) -> None:
         for counts in (
@@ -34,6 +40,11 @@ class KVTransferCounters:
             self.bytes_received,
         ):
             counts.extend([0] * (self.num_groups - len(counts)))
+
+    def end_offer(self, taken: bool) -> None:
+        """An offer's pages were sent (`taken`) or dropped (called on its thread)."""
+        self.num_failed_sends += not taken
+        self.num_offers_ended += 1
 
     def snapshot(self) -> KVTransferCounters:
         """A copy that later transfers do not change."""

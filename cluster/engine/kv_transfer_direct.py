@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import datetime
 import logging
+import queue
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,27 +96,50 @@ class KVTransferOffer:
 
 
 def offer(
-    keys: TransferKeys, shards: Sequence[KVShard], host: str, timeout_s: float = SEND_TIMEOUT_S
+    keys: TransferKeys,
+    shards: Sequence[KVShard],
+    host: str,
+    timeout_s: float = SEND_TIMEOUT_S,
+    on_end: Callable[[bool], None] | None = None,
 ) -> KVTransferOffer:
     """Hold the shards' pages in this process for one receiver, sent from `host` (this
-    process's node address) once it comes, dropped after `timeout_s`; RuntimeError or OSError
-    when no rendezvous store can be opened here."""
-    return _outbox(host).offer(keys, tuple(shards), timeout_s)
+    process's node address) once it comes, dropped after `timeout_s` (`on_end(taken)` then);
+    RuntimeError or OSError when no rendezvous store can be opened here."""
+    return _outbox(host).offer(keys, tuple(shards), timeout_s, on_end)
 
 
 def fetch(offer: KVTransferOffer, host: str, timeout_s: float) -> tuple[KVShard, ...]:
     """Receive an offer's pages from its sender (`host`: this process's node address); a
-    RuntimeError naming the sender when it is gone, hangs or the deadline passes."""
-    handles: list[object] = []  # the store and group, closed off this path
+    RuntimeError naming the sender when it is gone, hangs or the deadline passes.
+
+    The receiving runs on its own thread, awaited here until the deadline: a sender whose
+    process is stopped accepts the connection to its store and never answers, and torch's
+    store client then waits past its own timeout (that thread is left to end when the sender
+    does)."""
+    sender = f"{offer.address[0]}:{offer.address[1]}"
+    outcome: queue.Queue[list[torch.Tensor] | BaseException] = queue.Queue(maxsize=1)
+
+    def run() -> None:
+        handles: list[object] = []  # the store and group, closed off this thread's path
+        try:
+            outcome.put(_receive(offer, host, timeout_s, handles))
+        except BaseException as exc:  # handed to the waiting caller
+            outcome.put(exc)
+        finally:
+            _close_later(handles)
+
+    threading.Thread(target=run, name=f"kv-fetch-{offer.transfer_id[:8]}", daemon=True).start()
     try:
-        tensors = _receive(offer, host, timeout_s, handles)
-    except RuntimeError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        sender = f"{offer.address[0]}:{offer.address[1]}"
+        received = outcome.get(timeout=timeout_s)
+    except queue.Empty:
+        raise RuntimeError(
+            f"kv transfer from {sender} failed: no pages within {timeout_s:g} s"
+        ) from None
+    if isinstance(received, BaseException):
+        text = str(received).strip()
+        first = text.splitlines()[0] if text else type(received).__name__
         raise RuntimeError(f"kv transfer from {sender} failed: {first}") from None
-    finally:
-        _close_later(handles)
-    return offer.assemble(tensors)
+    return offer.assemble(received)
 
 
 def _receive(
@@ -146,7 +170,11 @@ class _Outbox:
         """Offers nobody took in time, or whose receiver broke off."""
 
     def offer(
-        self, keys: TransferKeys, shards: tuple[KVShard, ...], timeout_s: float
+        self,
+        keys: TransferKeys,
+        shards: tuple[KVShard, ...],
+        timeout_s: float,
+        on_end: Callable[[bool], None] | None,
     ) -> KVTransferOffer:
         layout = tuple((shard.rank, _layout(shard)) for shard in shards)
         nbytes = sum(shard.nbytes for shard in shards)
@@ -156,11 +184,17 @@ class _Outbox:
         with self._lock:
             self.num_pending += 1
         name = f"kv-send-{offer.transfer_id[:8]}"
-        thread = threading.Thread(target=self._send, args=(offer, tensors), name=name, daemon=True)
+        args = (offer, tensors, on_end)
+        thread = threading.Thread(target=self._send, args=args, name=name, daemon=True)
         thread.start()
         return offer
 
-    def _send(self, offer: KVTransferOffer, tensors: list[torch.Tensor]) -> None:
+    def _send(
+        self,
+        offer: KVTransferOffer,
+        tensors: list[torch.Tensor],
+        on_end: Callable[[bool], None] | None,
+    ) -> None:
         """The offer's thread: send the pages once the receiver joins, then drop them."""
         failed = True
         try:
@@ -176,6 +210,8 @@ class _Outbox:
             with self._lock:
                 self.num_pending -= 1
                 self.num_failed += failed
+            if on_end is not None:
+                on_end(not failed)
 
 
 _outboxes: dict[str, _Outbox] = {}

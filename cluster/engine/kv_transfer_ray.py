@@ -58,7 +58,7 @@ def start_transfer(
     """Chain the three calls; (export ref, import ref)."""
     prompt = list(prompt_token_ids)
     held = receiver.kv_held_keys.remote(prompt, cache_salt)
-    transfer = sender.kv_export.remote(prompt, held, cache_salt)
+    transfer = sender.kv_export.remote(prompt, held, cache_salt, timeout_s)
     return transfer, receiver.kv_import.remote(transfer, timeout_s)
 
 

@@ -40,6 +40,7 @@ from cluster.engine.kv_transfer import (
     kv_import,
     receive_off_loop,
 )
+from cluster.engine.kv_transfer_counters import KVTransferCounters
 from cluster.engine.kv_transfer_direct import SEND_TIMEOUT_S, KVTransferOffer
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
@@ -99,10 +100,21 @@ class EngineActor:
         return await self.engine.call_core(kv_held_keys, prompt_token_ids, cache_salt)
 
     async def kv_export(
-        self, prompt_token_ids: list[int], held: HeldKeys, cache_salt: str | None
+        self,
+        prompt_token_ids: list[int],
+        held: HeldKeys,
+        cache_salt: str | None,
+        timeout_s: float = SEND_TIMEOUT_S,
     ) -> KVTransfer | KVTransferOffer:
-        """KV transfer, sender: the cached prefix blocks the receiver lacks."""
-        return await self.engine.call_core(kv_export, prompt_token_ids, held, cache_salt)
+        """KV transfer, sender: the cached prefix blocks the receiver lacks (an offer of
+        them waits `timeout_s` for the receiver)."""
+        return await self.engine.call_core(
+            kv_export, prompt_token_ids, held, cache_salt, False, timeout_s
+        )
+
+    async def kv_transfer_counters(self) -> KVTransferCounters:
+        """This engine's transfer counters (a copy)."""
+        return self.engine.core.kv_transfer_counters.snapshot()
 
     async def kv_import(
         self, transfer: KVTransfer | KVTransferOffer, timeout_s: float = SEND_TIMEOUT_S

@@ -34,7 +34,7 @@ from cluster.engine.executor import create_executor
 from cluster.engine.executor.placement import PlacementSpec, uses_gpus
 from cluster.engine.input_processor import InputProcessor
 from cluster.engine.kv_transfer import KVTransfer, kv_export
-from cluster.engine.kv_transfer_direct import KVTransferOffer
+from cluster.engine.kv_transfer_direct import SEND_TIMEOUT_S, KVTransferOffer
 from cluster.engine.outputs import OutputAccumulator, RequestOutput
 from cluster.engine.request import EngineRequest
 from cluster.engine.stream_batching import StreamBatching
@@ -232,16 +232,23 @@ class LLMServer:
         self.lora_metrics.record_request(lora.lora_name, num_prompt, load_seconds)
 
     async def kv_export(
-        self, prompt_token_ids: list[int], held: HeldKeys, cache_salt: str | None = None
+        self,
+        prompt_token_ids: list[int],
+        held: HeldKeys,
+        cache_salt: str | None = None,
+        timeout_s: float = SEND_TIMEOUT_S,
     ) -> KVTransfer | KVTransferOffer:
         """A peer's pull: the blocks of this replica's cached prefix of the prompt that the
         peer does not hold. The conversation moved to the peer, so they are evicted here first.
         Answered while Serve drains this replica too (it is called on this replica's actor, not
-        routed); refused once the engine is shut down (the peer recomputes at once)."""
+        routed); refused once the engine is shut down (the peer recomputes at once). Pages
+        offered over a direct connection wait `timeout_s` for the peer."""
         if self.draining:
             raise RuntimeError("the replica has shut its engine down; nothing to export")
         demote = True
-        return await self.engine.call_core(kv_export, prompt_token_ids, held, cache_salt, demote)
+        return await self.engine.call_core(
+            kv_export, prompt_token_ids, held, cache_salt, demote, timeout_s
+        )
 
     def transfer_stats(self, to_replica: str | None = None) -> dict[str, int]:
         """Requests whose prefix this replica took from another engine (P/D hand-off, pull),

@@ -31,10 +31,15 @@ class PDPrefillServer(LLMServer):
     """The prefill side: computes a prompt's prefix and exports its KV."""
 
     async def prefill_and_export(
-        self, prompt_token_ids: list[int], held: HeldKeys, cache_salt: str | None
+        self,
+        prompt_token_ids: list[int],
+        held: HeldKeys,
+        cache_salt: str | None,
+        timeout_s: float,
     ) -> KVTransfer | KVTransferOffer:
         """Compute every prompt token but the last (its blocks stay cached), then export the
-        blocks of the prefix the decode side does not hold."""
+        blocks of the prefix the decode side does not hold (pages offered over a direct
+        connection wait `timeout_s` for it)."""
         if len(prompt_token_ids) > 1:
             request = EngineRequest(
                 request_id=f"prefill-{uuid.uuid4().hex}",
@@ -44,7 +49,9 @@ class PDPrefillServer(LLMServer):
             )
             async for _ in await self.engine.add_request(request):
                 pass
-        return await self.engine.call_core(kv_export, prompt_token_ids, held, cache_salt)
+        return await self.engine.call_core(
+            kv_export, prompt_token_ids, held, cache_salt, False, timeout_s
+        )
 
 
 class PDDecodeServer(LLMServer):

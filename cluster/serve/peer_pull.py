@@ -77,8 +77,10 @@ async def pull_from_peer(engine: AsyncEngine, request: EngineRequest, pull: Peer
         return False
     source = ReplicaID(pull.source, context.replica_id.deployment_id)
 
-    def export(prompt: list[int], held: HeldKeys, cache_salt: str | None) -> ReplicaCall:
-        return call_replica(source, "kv_export", prompt, held, cache_salt)
+    def export(
+        prompt: list[int], held: HeldKeys, cache_salt: str | None, timeout_s: float
+    ) -> ReplicaCall:
+        return call_replica(source, "kv_export", prompt, held, cache_salt, timeout_s)
 
     label = f"pull of {request.request_id} from {pull.source}"
     result = await import_prefix(engine, request, export, pull.timeout_s, label)
@@ -93,20 +95,21 @@ async def pull_from_peer(engine: AsyncEngine, request: EngineRequest, pull: Peer
 async def import_prefix(
     engine: AsyncEngine,
     request: EngineRequest,
-    export: Callable[[list[int], HeldKeys, str | None], Any],
+    export: Callable[[list[int], HeldKeys, str | None, float], Any],
     timeout_s: float,
     label: str,
 ) -> KVImportResult | None:
     """Import into `engine` the blocks of `request`'s prefix it lacks, as the Serve call
-    `export(prompt, held keys, cache_salt)` returns them within `timeout_s`; None (the request
-    recomputes, counted and logged as `label`) when that call fails or misses the deadline."""
+    `export(prompt, held keys, cache_salt, timeout_s)` returns them (or offers them) within
+    `timeout_s`; None (the request recomputes, counted and logged as `label`) when that call
+    fails or misses the deadline."""
     counters = engine.core.kv_transfer_counters
     prompt = list(request.prompt_token_ids)
     response = None
     deadline = time.monotonic() + timeout_s
     try:
         held = await engine.call_core(kv_held_keys, prompt, request.cache_salt)
-        response = export(prompt, held, request.cache_salt)
+        response = export(prompt, held, request.cache_salt, timeout_s)
         sent = await asyncio.wait_for(_awaited(response), timeout_s)
         left = max(deadline - time.monotonic(), 0.001)
         transfer = await asyncio.wait_for(receive_off_loop(sent, left), left)

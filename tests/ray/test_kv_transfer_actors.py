@@ -1,21 +1,29 @@
-"""KV transfer between two engine actors on local Ray (pages through the object store): the
-receiver's tokens equal one engine's after a transfer of a Mamba-2 hybrid's prefix; a sender
-killed or hung mid-transfer and a killed receiver end in `KVTransferError` within the deadline,
-with no block left held on the engine that survives, which serves the prompt by recomputing."""
+"""KV transfer between two engine actors on local Ray (pages through the object store, or over a
+direct connection): the receiver's tokens equal one engine's after a transfer of a Mamba-2
+hybrid's prefix; a sender killed or hung mid-transfer and a killed receiver end in
+`KVTransferError` (or the import's error) within the deadline, with no block left held on the
+engine that survives, which serves the prompt by recomputing; a sender drops an offer nobody
+took."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
 
 from cluster.config.engine_args import EngineArgs
 from cluster.engine.executor.placement import PlacementSpec
+from cluster.engine.kv_transfer_counters import KVTransferCounters
+from cluster.engine.kv_transfer_direct import KVTransferOffer
 from cluster.engine.kv_transfer_ray import KVTransferError, pull_prefix
 from cluster.engine.ray_client import RayEngineClient
 from cluster.engine.request import EngineRequest
+from scheduler.request import SamplingParams
 from tests.helpers.kv_transfer_case import ENGINE, GREEDY, PROMPT, prefill_all_but_last, run
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 
@@ -87,3 +95,80 @@ def test_a_killed_receiver_leaves_the_sender_holding_nothing(
     finally:
         sender.shutdown()
         receiver.shutdown()
+
+
+def _pid(client: RayEngineClient) -> int:
+    return int(ray.get(client.actor.__ray_call__.remote(lambda _: os.getpid())))
+
+
+def _offer(sender: RayEngineClient, receiver: RayEngineClient, prompt: list[int]) -> Any:
+    held = receiver.actor.kv_held_keys.remote(prompt, None)
+    offer = ray.get(sender.actor.kv_export.remote(prompt, held, None, DEADLINE_S))
+    assert isinstance(offer, KVTransferOffer)
+    return offer
+
+
+def _sends_settle(sender: RayEngineClient) -> KVTransferCounters:
+    """The sender's counters once no offer holds pages (within the offers' deadline)."""
+    deadline = time.monotonic() + DEADLINE_S + 5
+    while True:
+        counters: KVTransferCounters = ray.get(sender.actor.kv_transfer_counters.remote())
+        if counters.num_offers == counters.num_offers_ended or time.monotonic() > deadline:
+            return counters
+        time.sleep(0.1)
+
+
+def test_direct_transfers_between_engine_actors_and_their_faults(
+    ray_cluster: None, model: Path
+) -> None:
+    """Pages over a direct connection: tokens equal one engine's; a sender stopped (SIGSTOP)
+    or killed after its offer fails the import within the deadline with nothing reserved; an
+    offer whose receiver died is dropped at its deadline."""
+    cold = start(model, enable_prefix_caching=False)
+    expected = run(cold, PROMPT, GREEDY)
+    cold.shutdown()
+    sender = start(model, kv_transfer_transport="direct")
+    receiver, victim = start(model), start(model)
+    stopped: int | None = None
+    try:
+        prefill_all_but_last(sender)
+        result = pull_prefix(sender.actor, receiver.actor, PROMPT, timeout_s=DEADLINE_S)
+        assert result.num_blocks > 0
+        assert run(receiver, PROMPT, GREEDY) == expected
+        assert _sends_settle(sender).num_failed_sends == 0
+
+        # The receiver died before taking the offer: the sender drops the pages at the deadline.
+        other = [PROMPT[0] + 1, *PROMPT[1:]]
+        run(sender, other[:-1], SamplingParams(temperature=0, max_tokens=1))
+        held = ray.get(victim.actor.kv_held_keys.remote(other, None))
+        ray.kill(victim.actor, no_restart=True)
+        dropped = ray.get(sender.actor.kv_export.remote(other, held, None, 1.0))
+        assert isinstance(dropped, KVTransferOffer)
+        counters = _sends_settle(sender)
+        assert counters.num_offers == counters.num_offers_ended
+        assert counters.num_failed_sends == 1
+        assert sender.get_stats().kv_cache_usage == 0
+
+        # A sender that hangs after its offer (its process stopped), then one that is killed.
+        for fault in ("stopped", "killed"):
+            offer = _offer(sender, receiver, other)
+            pid = _pid(sender)
+            if fault == "stopped":
+                os.kill(pid, signal.SIGSTOP)
+                stopped = pid
+            else:
+                ray.kill(sender.actor, no_restart=True)
+            started = time.monotonic()
+            with pytest.raises(ray.exceptions.RayTaskError, match=r"kv transfer from .* failed"):
+                ray.get(receiver.actor.kv_import.remote(offer, DEADLINE_S), timeout=30)
+            assert time.monotonic() - started < DEADLINE_S + 2, fault
+            assert receiver.get_stats().kv_cache_usage == 0
+            if stopped is not None:
+                os.kill(stopped, signal.SIGCONT)
+                stopped = None
+        assert len(run(receiver, other, GREEDY)) == GREEDY.max_tokens
+    finally:
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
+        for client in (sender, receiver, victim):
+            client.shutdown()
