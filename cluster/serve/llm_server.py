@@ -252,14 +252,17 @@ class LLMServer:
 
     def transfer_stats(self, to_replica: str | None = None) -> dict[str, int]:
         """Requests whose prefix this replica took from another engine (P/D hand-off, pull),
-        those it recomputed after a failed transfer, and the KV blocks it sent and received
-        (`to_replica` names this replica to the router)."""
+        those it recomputed after a failed transfer, the KV blocks it sent and received, and its
+        exports offered over a direct connection and dropped untaken (`to_replica` names this
+        replica to the router)."""
         counters = self.engine.core.kv_transfer_counters
         return {
             "pulls": counters.num_pulls,
             "recomputes": counters.num_recomputes,
             "blocks_sent": sum(counters.blocks_sent),
             "blocks_received": sum(counters.blocks_received),
+            "direct_offers": counters.num_offers,
+            "failed_sends": counters.num_failed_sends,
         }
 
     async def before_add(self, request: EngineRequest) -> None:

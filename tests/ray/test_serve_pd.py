@@ -1,7 +1,9 @@
 """Prefill/decode disaggregation on real Ray Serve through the `openai` client: a P/D app of the
 byte-level tiny model (both sides' engines in their replica's process) answers streaming chat
 with usage exactly as the offline engine does, and its structured outputs and tool calls follow
-their schema; the decode replica took every prompt's prefix from the prefill replica."""
+their schema; the decode replica took every prompt's prefix from the prefill replica, whose
+pages come over a direct connection between the two replicas (the object store carries them in
+the peer-pull tests)."""
 
 from __future__ import annotations
 
@@ -41,7 +43,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def client(ray_cluster: None, model_dir: Path) -> Iterator[openai.OpenAI]:
     side = llm_config(model_dir, "bytes", **ENGINE)
     side["deployment_config"]["ray_actor_options"]["num_cpus"] = 0.25
-    args = {"prefill_config": side, "decode_config": side, "kv_transfer_timeout_s": 60}
+    prefill = llm_config(model_dir, "bytes", **ENGINE, kv_transfer_transport="direct")
+    prefill["deployment_config"] = side["deployment_config"]
+    args = {"prefill_config": prefill, "decode_config": side, "kv_transfer_timeout_s": 60}
     with deployed(build_pd_openai_app(args), APP) as address:
         yield openai.OpenAI(base_url=f"{address.base_url}/v1", api_key="none", max_retries=0)
 
@@ -72,6 +76,10 @@ def test_pd_streams_the_one_pool_tokens_with_usage(client: openai.OpenAI, model_
     stats = decode.transfer_stats.remote().result()
     assert stats["pulls"] >= 1
     assert stats["recomputes"] == 0
+    prefill = serve.get_deployment_handle("Prefill:" + deployment_name("bytes"), app_name=APP)
+    sent = prefill.transfer_stats.remote().result()
+    assert sent["direct_offers"] >= stats["pulls"]
+    assert sent["failed_sends"] == 0
 
 
 def test_pd_structured_output_and_tool_calls(client: openai.OpenAI) -> None:
