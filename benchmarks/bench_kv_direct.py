@@ -5,9 +5,14 @@ Three engine actors of one random Llama-shaped model (fp32, CPU; 8 layers of 8 K
 16 KiB of KV per token): a sender per transport (`kv_transfer_transport` object_store and
 direct) and one receiver. Each pull moves a fresh prompt's prefix (computed on the sender
 first, outside the timing) into the receiver (`pull_prefix`: held keys, export, pages, import);
-the two transports alternate, and each size reports the median of `--repeats` pulls.
+the two transports alternate, each size starts with one pull per transport left out (the first
+copies of a size fault their memory in), and reports the median of `--repeats` pulls. The
+engines run the default executor on Ray (a worker actor per rank), so the pages also go from
+the sender's rank to its engine and from the receiver's engine to its rank through Ray, on both
+transports; `--executor uni` runs each rank in its engine's process, leaving only the hop
+between the engines.
 
-    python benchmarks/bench_kv_direct.py [--lengths 32,128,512,2048] [--repeats 5]
+    python benchmarks/bench_kv_direct.py [--lengths 32,128,512,2048] [--repeats 7] [--executor uni]
 """
 
 from __future__ import annotations
@@ -62,35 +67,42 @@ def _prefill(client: RayEngineClient, prompt: list[int]) -> None:
     collect(client.add_request(request))
 
 
-def _start(path: Path, transport: str) -> RayEngineClient:
-    args = EngineArgs(model=str(path), **ENGINE, kv_transfer_transport=transport)  # type: ignore[arg-type]
+def _start(path: Path, transport: str, executor: str | None) -> RayEngineClient:
+    engine = {
+        **ENGINE,
+        "kv_transfer_transport": transport,
+        "distributed_executor_backend": executor,
+    }
+    args = EngineArgs(model=str(path), **engine)  # type: ignore[arg-type]
     return RayEngineClient.start(args, placement=PlacementSpec(({"CPU": 0.1},)))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="32,128,512,2048", help="prompt tokens per pull")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--executor", choices=["ray", "uni"], default=None, help="default: ray")
     args = parser.parse_args()
     path = Path(tempfile.mkdtemp(prefix="bench-kv-direct-"))
     save_tiny_model("llama", path, **MODEL)
     ray.init(address="local", _node_ip_address="127.0.0.2", include_dashboard=False)
-    senders = {transport: _start(path, transport) for transport in TRANSPORTS}
-    receiver = _start(path, "auto")
+    senders = {transport: _start(path, transport, args.executor) for transport in TRANSPORTS}
+    receiver = _start(path, "object_store", args.executor)
     seed = 0
     print("| prompt tokens | KV sent | object store ms | direct ms | direct / object store |")
     print("|---|---|---|---|---|")
     try:
         for length in (int(n) for n in args.lengths.split(",")):
             seconds: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
-            for _ in range(args.repeats):
+            for repeat in range(args.repeats + 1):
                 for transport, sender in senders.items():
                     seed += 1
                     prompt = _prompt(seed, length)
                     _prefill(sender, prompt)
                     started = time.perf_counter()
                     pull_prefix(sender.actor, receiver.actor, prompt, timeout_s=60)
-                    seconds[transport].append(time.perf_counter() - started)
+                    if repeat > 0:
+                        seconds[transport].append(time.perf_counter() - started)
             store, direct = (statistics.median(seconds[t]) for t in TRANSPORTS)
             sent = (length - 1) // ENGINE["block_size"] * ENGINE["block_size"] * KV_BYTES_PER_TOKEN
             print(

@@ -28,7 +28,7 @@ inside the replica actor)."""
 _BOUND_OPERATORS = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
 
 
-KVTransferTransport = Literal["auto", "object_store", "direct"]
+KVTransferTransport = Literal["object_store", "direct"]
 """How an engine's KV pages travel to another engine (`cluster.engine.kv_transfer`)."""
 
 
@@ -94,11 +94,11 @@ class EngineArgs(StrictModel):
     """GiB of the disk tier in `kv_offloading_dir`, summed over the ranks."""
     kv_offloading_load_timeout_s: float = Field(10.0, ge=0)
     """Seconds a load from the offload tier may take before the request recomputes instead."""
-    kv_transfer_transport: KVTransferTransport = "auto"
+    kv_transfer_transport: KVTransferTransport = "object_store"
     """How this engine's KV pages travel to another engine (P/D hand-off, a peer's pull):
-    object_store (Ray's), direct (a connection from this process to the receiver's), or auto
-    (direct for transfers of 4 MiB or more). NCCL and NIXL are not used: on GPU the pages
-    are staged through host memory."""
+    object_store (Ray's) or direct (a connection from this process to the receiver's, on any
+    free TCP port). NCCL and NIXL are not used: on GPU the pages are staged through host
+    memory."""
     seed: int = 0
     """Seed of the sampler for requests without their own seed."""
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)

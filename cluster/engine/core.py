@@ -60,7 +60,7 @@ class EngineCore:
         executor: Executor,
         tokenizer: Any,
         structured_outputs_backend: str = "auto",
-        kv_transfer_transport: KVTransferTransport = "auto",
+        kv_transfer_transport: KVTransferTransport = "object_store",
     ) -> None:
         self.scheduler = scheduler
         self.executor = executor
@@ -83,7 +83,7 @@ class EngineCore:
         self.kv_transfer_counters = KVTransferCounters(len(scheduler.kv_cache_config.groups))
         """Counters of KV transfers with other engines (`cluster.engine.kv_transfer`)."""
         self.kv_transfer_transport = kv_transfer_transport
-        """How this engine's exports travel: object_store, direct, or auto (by size)."""
+        """How this engine's exports travel: object_store or direct."""
 
     @property
     def model_config(self) -> ModelConfig:

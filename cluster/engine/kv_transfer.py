@@ -11,8 +11,9 @@ sizes: the shards travel as sent, and the receiver's ranks reshard them.
                                                      ▼
                                               receiver.import ─► KVImportResult
 
-The engine's `kv_transfer_transport` picks the way: `object_store`, `direct`, or `auto`
-(direct from `AUTO_DIRECT_MIN_BYTES` up). The functions run on an engine core between steps (the
+The sending engine's `kv_transfer_transport` picks the way: `object_store` (the default) or
+`direct` (docs/benchmarks.md, "Direct connection against the object store", has them at parity
+on CPU, pages included). The functions run on an engine core between steps (the
 async engine calls them under its lock); a receiver takes an offer's pages (`receive`) before
 that, off the lock. `transfer_prefix` chains them for two cores in one process.
 """
@@ -45,11 +46,6 @@ from scheduler.request import Request, SamplingParams
 from worker.kv_transfer import KVShard
 
 logger = logging.getLogger(__name__)
-
-AUTO_DIRECT_MIN_BYTES = 4 << 20
-"""`auto` sends transfers of at least this many bytes over a direct connection, smaller ones
-through the object store (below it the connection's set-up costs more than the object store's
-copies; docs/benchmarks.md, "Direct connection against the object store")."""
 
 
 @dataclass(frozen=True)
@@ -152,10 +148,7 @@ def outgoing(
 ) -> KVTransfer | KVTransferOffer:
     """The transfer itself (its pages travel with it), or an offer of its pages over a direct
     connection from this process for `timeout_s` (its end counted in `counters`)."""
-    chosen = transport == "direct" or (
-        transport == "auto" and transfer.nbytes >= AUTO_DIRECT_MIN_BYTES
-    )
-    if not chosen or transfer.keys.num_blocks == 0:
+    if transport != "direct" or transfer.keys.num_blocks == 0:
         return transfer
     try:
         host = direct.node_address()

@@ -13,9 +13,9 @@ for one another and a broken one breaks nothing else. Both sides time out: a rec
 comes leaves the sender's thread at the offer's deadline (the pages are dropped, counted as a
 failed send), a sender that died or hangs fails the fetch within the caller's deadline.
 
-Large transfers gain (the object store copies the pages in and out of its shared memory; here
-they go socket to socket); small ones pay the group's set-up, so the `auto` transport sends only
-large ones this way (`cluster.engine.kv_transfer.AUTO_DIRECT_MIN_BYTES`).
+The pages go socket to socket instead of in and out of the object store's shared memory; the
+price is the group's set-up (a few ms) and that the two nodes must reach each other on any TCP
+port.
 """
 
 from __future__ import annotations

@@ -41,7 +41,6 @@ def log_transport(transport: str) -> None:
     ways = {
         "object_store": "Ray's object store",
         "direct": "a direct connection between the engines",
-        "auto": "Ray's object store, or a direct connection for large transfers",
     }
     logger.info("kv transfer: pages go through %s (host memory)", ways.get(transport, transport))
     if importlib.util.find_spec("nixl") is not None:

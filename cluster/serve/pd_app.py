@@ -27,7 +27,7 @@ def build_pd_openai_app(pd_serving_args: PDServingArgs | dict[str, Any]) -> Appl
         args = PDServingArgs.model_validate(pd_serving_args)
     except ValidationError as error:
         raise ValueError(format_validation_error(error)) from None
-    log_transport(args.prefill_config.engine_kwargs.get("kv_transfer_transport", "auto"))
+    log_transport(args.prefill_config.engine_kwargs.get("kv_transfer_transport", "object_store"))
     prefill_options = llm_deployment_options(args.prefill_config, "Prefill:")
     prefill: Any = serve.deployment(PDPrefillServer)
     prefill_app = prefill.options(**prefill_options).bind(args.prefill_config.model_dump())

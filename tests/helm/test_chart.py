@@ -479,11 +479,12 @@ def test_request_router_values_reach_the_model_deployment() -> None:
 
 
 def test_prefill_decode_values_render_the_pd_app() -> None:
-    values = {"serve": {"prefillDecode": {"enabled": True, "kvTransferTimeoutS": 12}}}
-    rayservice = _render(values)["RayService"]
+    pd = {"enabled": True, "kvTransferTimeoutS": 12, "kvTransferTransport": "direct"}
+    rayservice = _render({"serve": {"prefillDecode": pd}})["RayService"]
     _validate_object(rayservice)
     (app,) = yaml.safe_load(rayservice["spec"]["serveConfigV2"])["applications"]
     assert app["import_path"] == "cluster.serve:build_pd_openai_app"
     args = PDServingArgs.model_validate(app["args"])
     assert args.kv_transfer_timeout_s == 12
     assert args.prefill_config == args.decode_config
+    assert args.prefill_config.engine_kwargs["kv_transfer_transport"] == "direct"

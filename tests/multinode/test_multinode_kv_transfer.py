@@ -38,7 +38,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayNodes]:
         yield nodes
 
 
-def _start_on(model_dir: Path, ip: str, transport: str = "auto") -> RayEngineClient:
+def _start_on(model_dir: Path, ip: str, transport: str = "object_store") -> RayEngineClient:
     """An engine whose actor (it holds the pages it sends and takes) and rank sit on `ip`."""
     args = EngineArgs(model=str(model_dir), **ENGINE, kv_transfer_transport=transport)  # type: ignore[arg-type]
     placement = PlacementSpec(({"CPU": 0.5, f"node:{ip}": 0.01},))

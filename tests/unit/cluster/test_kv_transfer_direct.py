@@ -1,7 +1,7 @@
 """Direct KV transfers in one process (the sender's thread and the receiving caller): the pages
-arrive bit for bit whatever their dtype; `auto` offers only transfers of 4 MiB or more; a
-sender that accepts the connection and never answers, one that is gone, and an offer nobody
-takes all end within their deadlines."""
+arrive bit for bit whatever their dtype, small and large; the object store transport sends the
+pages themselves; a sender that accepts the connection and never answers, one that is gone,
+and an offer nobody takes all end within their deadlines."""
 
 from __future__ import annotations
 
@@ -13,12 +13,7 @@ import pytest
 import torch
 
 from cluster.engine import kv_transfer_direct as direct
-from cluster.engine.kv_transfer import (
-    AUTO_DIRECT_MIN_BYTES,
-    KVTransfer,
-    outgoing,
-    receive,
-)
+from cluster.engine.kv_transfer import KVTransfer, outgoing, receive
 from cluster.engine.kv_transfer_counters import KVTransferCounters
 from cluster.engine.kv_transfer_direct import KVTransferOffer
 from scheduler.kv_cache.transfer import TransferKeys
@@ -58,14 +53,13 @@ def _settled(counters: KVTransferCounters, timeout_s: float = 10.0) -> KVTransfe
     return counters
 
 
-def test_direct_pages_arrive_exactly_and_auto_offers_only_large_transfers() -> None:
+def test_direct_pages_arrive_exactly_of_any_dtype_and_size() -> None:
     counters = KVTransferCounters(2)
-    small = _transfer(64 * 1024)
-    assert outgoing(small, "auto", 5.0, counters) is small
-    assert outgoing(small, "object_store", 5.0, counters) is small
-    for transfer, transport in ((small, "direct"), (_transfer(AUTO_DIRECT_MIN_BYTES), "auto")):
-        offer = outgoing(transfer, transport, 5.0, counters)  # type: ignore[arg-type]
-        assert isinstance(offer, KVTransferOffer), (transport, transfer.nbytes)
+    small, large = _transfer(64 * 1024), _transfer(16 << 20)
+    assert outgoing(large, "object_store", 5.0, counters) is large
+    for transfer in (small, large):
+        offer = outgoing(transfer, "direct", 5.0, counters)
+        assert isinstance(offer, KVTransferOffer), transfer.nbytes
         assert offer.nbytes == transfer.nbytes
         arrived = receive(offer, timeout_s=5.0)
         assert arrived.keys == transfer.keys
