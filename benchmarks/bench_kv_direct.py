@@ -2,17 +2,20 @@
 the engines' processes against Ray's object store, in the same run, by transfer size.
 
 Three engine actors of one random Llama-shaped model (fp32, CPU; 8 layers of 8 KV heads of 64:
-16 KiB of KV per token): a sender per transport (`kv_transfer_transport` object_store and
+32 KiB of KV per token): a sender per transport (`kv_transfer_transport` object_store and
 direct) and one receiver. Each pull moves a fresh prompt's prefix (computed on the sender
 first, outside the timing) into the receiver (`pull_prefix`: held keys, export, pages, import);
 the two transports alternate, each size starts with one pull per transport left out (the first
 copies of a size fault their memory in), and reports the median of `--repeats` pulls. The
-engines run the default executor on Ray (a worker actor per rank), so the pages also go from
-the sender's rank to its engine and from the receiver's engine to its rank through Ray, on both
-transports; `--executor uni` runs each rank in its engine's process, leaving only the hop
-between the engines.
+engine actors run their rank in a worker actor (as every engine actor does), so the pages also
+go from the sender's rank to its engine and from the receiver's engine to its rank over the
+rank channel, on both transports.
 
-    python benchmarks/bench_kv_direct.py [--lengths 32,128,512,2048] [--repeats 7] [--executor uni]
+    python benchmarks/bench_kv_direct.py [--lengths 32,128,512,2048] [--repeats 7] [--wire-only]
+
+`--wire-only` leaves the engines out: two plain actors, one holding one rank's pages (16 fp32
+tensors, as the model's layers give), the other taking them, through the object store (returned
+and passed on) or over the direct connection (`kv_transfer_direct.offer` and `fetch`).
 """
 
 from __future__ import annotations
@@ -27,15 +30,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ray
+import torch
 
 from cluster.config.engine_args import EngineArgs
+from cluster.engine import kv_transfer_direct as direct
 from cluster.engine.client import collect
 from cluster.engine.executor.placement import PlacementSpec
 from cluster.engine.kv_transfer_ray import pull_prefix
 from cluster.engine.ray_client import RayEngineClient
 from cluster.engine.request import EngineRequest
+from scheduler.kv_cache.transfer import TransferKeys
 from scheduler.request import SamplingParams
 from tests.helpers.tiny_models import save_tiny_model
+from worker.block_export import BlockPages
+from worker.kv_transfer import KVShard
 
 MODEL = {
     "num_hidden_layers": 8,
@@ -46,9 +54,10 @@ MODEL = {
     "max_position_embeddings": 4096,
 }
 KV_BYTES_PER_TOKEN = 8 * 2 * 8 * 64 * 4
+BLOCK_SIZE = 16
 ENGINE = {
     "dtype": "float32",
-    "block_size": 16,
+    "block_size": BLOCK_SIZE,
     "max_model_len": 4096,
     "max_num_batched_tokens": 2048,
     "kv_cache_memory_bytes": 1 << 30,
@@ -77,22 +86,72 @@ def _start(path: Path, transport: str, executor: str | None) -> RayEngineClient:
     return RayEngineClient.start(args, placement=PlacementSpec(({"CPU": 0.1},)))
 
 
+@ray.remote(num_cpus=0)
+class _PageHolder:
+    """Holds one rank's pages of `length` tokens (the sender), or takes them (the receiver)."""
+
+    def hold(self, length: int) -> None:
+        tokens = (length - 1) // BLOCK_SIZE * BLOCK_SIZE
+        layers = tuple(torch.randn(tokens, 8, 64) for _ in range(16))
+        self.shard = KVShard(0, (BlockPages(0, 1, layers),))
+
+    def pages(self) -> KVShard:
+        return self.shard
+
+    def offer(self) -> direct.KVTransferOffer:
+        keys = TransferKeys("bench", 0, ((),))
+        return direct.offer(keys, (self.shard,), direct.node_address(), 60.0)
+
+    def take(self, shard: KVShard) -> int:
+        return shard.nbytes
+
+    def fetch(self, offer: direct.KVTransferOffer) -> int:
+        (shard,) = direct.fetch(offer, direct.node_address(), 60.0)
+        return shard.nbytes
+
+
+def _wire_only(lengths: list[int], repeats: int) -> None:
+    sender, receiver = _PageHolder.remote(), _PageHolder.remote()  # type: ignore[attr-defined]
+    for length in lengths:
+        ray.get(sender.hold.remote(length))
+        seconds: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
+        for repeat in range(repeats + 1):
+            for transport in TRANSPORTS:
+                started = time.perf_counter()
+                if transport == "direct":
+                    num_bytes = ray.get(receiver.fetch.remote(sender.offer.remote()))
+                else:
+                    num_bytes = ray.get(receiver.take.remote(sender.pages.remote()))
+                if repeat > 0:
+                    seconds[transport].append(time.perf_counter() - started)
+        store, wire = (statistics.median(seconds[t]) for t in TRANSPORTS)
+        print(
+            f"| {length} | {num_bytes / 2**20:.2f} MiB | wire only | {store * 1e3:.1f} | "
+            f"{wire * 1e3:.1f} | {wire / store:.2f}x |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="32,128,512,2048", help="prompt tokens per pull")
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--executor", choices=["ray", "uni"], default=None, help="default: ray")
+    parser.add_argument("--wire-only", action="store_true", help="pages between plain actors")
     args = parser.parse_args()
+    lengths = [int(n) for n in args.lengths.split(",")]
+    ray.init(address="local", _node_ip_address="127.0.0.2", include_dashboard=False)
+    print("| prompt tokens | KV sent | engines | object store ms | direct ms | direct / store |")
+    print("|---|---|---|---|---|---|")
+    if args.wire_only:
+        _wire_only(lengths, args.repeats)
+        ray.shutdown()
+        return
     path = Path(tempfile.mkdtemp(prefix="bench-kv-direct-"))
     save_tiny_model("llama", path, **MODEL)
-    ray.init(address="local", _node_ip_address="127.0.0.2", include_dashboard=False)
-    senders = {transport: _start(path, transport, args.executor) for transport in TRANSPORTS}
-    receiver = _start(path, "object_store", args.executor)
+    senders = {transport: _start(path, transport) for transport in TRANSPORTS}
+    receiver = _start(path, "object_store")
     seed = 0
-    print("| prompt tokens | KV sent | object store ms | direct ms | direct / object store |")
-    print("|---|---|---|---|---|")
     try:
-        for length in (int(n) for n in args.lengths.split(",")):
+        for length in lengths:
             seconds: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
             for repeat in range(args.repeats + 1):
                 for transport, sender in senders.items():
@@ -103,11 +162,11 @@ def main() -> None:
                     pull_prefix(sender.actor, receiver.actor, prompt, timeout_s=60)
                     if repeat > 0:
                         seconds[transport].append(time.perf_counter() - started)
-            store, direct = (statistics.median(seconds[t]) for t in TRANSPORTS)
-            sent = (length - 1) // ENGINE["block_size"] * ENGINE["block_size"] * KV_BYTES_PER_TOKEN
+            store, wire = (statistics.median(seconds[t]) for t in TRANSPORTS)
+            sent = (length - 1) // BLOCK_SIZE * BLOCK_SIZE * KV_BYTES_PER_TOKEN
             print(
-                f"| {length} | {sent / 2**20:.2f} MiB | {store * 1e3:.1f} | {direct * 1e3:.1f} | "
-                f"{direct / store:.2f}x |"
+                f"| {length} | {sent / 2**20:.2f} MiB | engine actors | "
+                f"{store * 1e3:.1f} | {wire * 1e3:.1f} | {wire / store:.2f}x |"
             )
     finally:
         for client in (*senders.values(), receiver):
