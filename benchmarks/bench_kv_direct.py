@@ -25,7 +25,9 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -76,13 +78,8 @@ def _prefill(client: RayEngineClient, prompt: list[int]) -> None:
     collect(client.add_request(request))
 
 
-def _start(path: Path, transport: str, executor: str | None) -> RayEngineClient:
-    engine = {
-        **ENGINE,
-        "kv_transfer_transport": transport,
-        "distributed_executor_backend": executor,
-    }
-    args = EngineArgs(model=str(path), **engine)  # type: ignore[arg-type]
+def _start(path: Path, transport: str) -> RayEngineClient:
+    args = EngineArgs(model=str(path), **ENGINE, kv_transfer_transport=transport)  # type: ignore[arg-type]
     return RayEngineClient.start(args, placement=PlacementSpec(({"CPU": 0.1},)))
 
 
@@ -110,25 +107,43 @@ class _PageHolder:
         return shard.nbytes
 
 
+def _median_ms(
+    repeats: int, move: Callable[[str, Any], None], prepare: Callable[[str], Any] = str
+) -> tuple[float, float]:
+    """(object store, direct) median milliseconds of `move(transport, prepare(transport))`
+    (`prepare` untimed), the transports alternating, one move of each left out first."""
+    seconds: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
+    for repeat in range(repeats + 1):
+        for transport in TRANSPORTS:
+            prepared = prepare(transport)
+            started = time.perf_counter()
+            move(transport, prepared)
+            if repeat > 0:
+                seconds[transport].append(time.perf_counter() - started)
+    store, wire = (statistics.median(seconds[t]) * 1e3 for t in TRANSPORTS)
+    return store, wire
+
+
+def _row(length: int, num_bytes: int, engines: str, store: float, wire: float) -> str:
+    return (
+        f"| {length} | {num_bytes / 2**20:.2f} MiB | {engines} | {store:.1f} | {wire:.1f} | "
+        f"{wire / store:.2f}x |"
+    )
+
+
 def _wire_only(lengths: list[int], repeats: int) -> None:
     sender, receiver = _PageHolder.remote(), _PageHolder.remote()  # type: ignore[attr-defined]
+
+    def move(transport: str, _: object) -> None:
+        if transport == "direct":
+            ray.get(receiver.fetch.remote(sender.offer.remote()))
+        else:
+            ray.get(receiver.take.remote(sender.pages.remote()))
+
     for length in lengths:
         ray.get(sender.hold.remote(length))
-        seconds: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
-        for repeat in range(repeats + 1):
-            for transport in TRANSPORTS:
-                started = time.perf_counter()
-                if transport == "direct":
-                    num_bytes = ray.get(receiver.fetch.remote(sender.offer.remote()))
-                else:
-                    num_bytes = ray.get(receiver.take.remote(sender.pages.remote()))
-                if repeat > 0:
-                    seconds[transport].append(time.perf_counter() - started)
-        store, wire = (statistics.median(seconds[t]) for t in TRANSPORTS)
-        print(
-            f"| {length} | {num_bytes / 2**20:.2f} MiB | wire only | {store * 1e3:.1f} | "
-            f"{wire * 1e3:.1f} | {wire / store:.2f}x |"
-        )
+        num_bytes = ray.get(receiver.take.remote(sender.pages.remote()))
+        print(_row(length, num_bytes, "wire only", *_median_ms(repeats, move)))
 
 
 def main() -> None:
@@ -149,25 +164,21 @@ def main() -> None:
     save_tiny_model("llama", path, **MODEL)
     senders = {transport: _start(path, transport) for transport in TRANSPORTS}
     receiver = _start(path, "object_store")
-    seed = 0
+    seeds = iter(range(1, 1 << 30))
     try:
         for length in lengths:
-            seconds: dict[str, list[float]] = {t: [] for t in TRANSPORTS}
-            for repeat in range(args.repeats + 1):
-                for transport, sender in senders.items():
-                    seed += 1
-                    prompt = _prompt(seed, length)
-                    _prefill(sender, prompt)
-                    started = time.perf_counter()
-                    pull_prefix(sender.actor, receiver.actor, prompt, timeout_s=60)
-                    if repeat > 0:
-                        seconds[transport].append(time.perf_counter() - started)
-            store, wire = (statistics.median(seconds[t]) for t in TRANSPORTS)
+
+            def prefilled(transport: str, length: int = length) -> list[int]:
+                prompt = _prompt(next(seeds), length)
+                _prefill(senders[transport], prompt)
+                return prompt
+
+            def move(transport: str, prompt: list[int]) -> None:
+                pull_prefix(senders[transport].actor, receiver.actor, prompt, timeout_s=60)
+
             sent = (length - 1) // BLOCK_SIZE * BLOCK_SIZE * KV_BYTES_PER_TOKEN
-            print(
-                f"| {length} | {sent / 2**20:.2f} MiB | engine actors | "
-                f"{store * 1e3:.1f} | {wire * 1e3:.1f} | {wire / store:.2f}x |"
-            )
+            medians = _median_ms(args.repeats, move, prefilled)
+            print(_row(length, sent, "engine actors", *medians))
     finally:
         for client in (*senders.values(), receiver):
             client.shutdown()
