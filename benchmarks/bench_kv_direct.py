@@ -1,5 +1,5 @@
 """KV transfers between two engine actors on local Ray: pages over a direct connection between
-the engines' processes against Ray's object store, in the same run, by transfer size.
+the sending and the receiving rank against Ray's object store, in the same run, by size.
 
 Three engine actors of one random Llama-shaped model (fp32, CPU; 8 layers of 8 KV heads of 64:
 32 KiB of KV per token): a sender per transport (`kv_transfer_transport` object_store and
@@ -7,15 +7,16 @@ direct) and one receiver. Each pull moves a fresh prompt's prefix (computed on t
 first, outside the timing) into the receiver (`pull_prefix`: held keys, export, pages, import);
 the two transports alternate, each size starts with one pull per transport left out (the first
 copies of a size fault their memory in), and reports the median of `--repeats` pulls. The
-engine actors run their rank in a worker actor (as every engine actor does), so the pages also
-go from the sender's rank to its engine and from the receiver's engine to its rank over the
-rank channel, on both transports.
+engine actors run their rank in a worker actor (as every engine actor does): through the object
+store the pages also go from the sender's rank to its engine and from the receiver's engine to
+its rank over the rank channels; directly, rank to rank.
 
     python benchmarks/bench_kv_direct.py [--lengths 32,128,512,2048] [--repeats 7] [--wire-only]
 
 `--wire-only` leaves the engines out: two plain actors, one holding one rank's pages (16 fp32
 tensors, as the model's layers give), the other taking them, through the object store (returned
-and passed on) or over the direct connection (`kv_transfer_direct.offer` and `fetch`).
+and passed on) or over the direct connection (`worker.kv_direct.offer_shard` and
+`fetch_shard`).
 """
 
 from __future__ import annotations
@@ -35,16 +36,16 @@ import ray
 import torch
 
 from cluster.config.engine_args import EngineArgs
-from cluster.engine import kv_transfer_direct as direct
 from cluster.engine.client import collect
 from cluster.engine.executor.placement import PlacementSpec
 from cluster.engine.kv_transfer_ray import pull_prefix
 from cluster.engine.ray_client import RayEngineClient
 from cluster.engine.request import EngineRequest
-from scheduler.kv_cache.transfer import TransferKeys
+from cluster.ray_cluster import node_address
 from scheduler.request import SamplingParams
 from tests.helpers.tiny_models import save_tiny_model
 from worker.block_export import BlockPages
+from worker.kv_direct import ShardOffer, fetch_shard, offer_shard
 from worker.kv_transfer import KVShard
 
 MODEL = {
@@ -95,16 +96,14 @@ class _PageHolder:
     def pages(self) -> KVShard:
         return self.shard
 
-    def offer(self) -> direct.KVTransferOffer:
-        keys = TransferKeys("bench", 0, ((),))
-        return direct.offer(keys, (self.shard,), direct.node_address(), 60.0)
+    def offer(self) -> ShardOffer:
+        return offer_shard(self.shard, node_address(), 60.0)
 
     def take(self, shard: KVShard) -> int:
         return shard.nbytes
 
-    def fetch(self, offer: direct.KVTransferOffer) -> int:
-        (shard,) = direct.fetch(offer, direct.node_address(), 60.0)
-        return shard.nbytes
+    def fetch(self, offer: ShardOffer) -> int:
+        return fetch_shard(offer, node_address(), 60.0).nbytes
 
 
 def _median_ms(

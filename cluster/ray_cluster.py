@@ -212,3 +212,13 @@ def _probe(target: ClusterTarget) -> None:
 def _first_line(exc: BaseException) -> str:
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     return lines[0] if lines else type(exc).__name__
+
+
+def node_address() -> str:
+    """This process's node address (Ray's, when it runs under Ray; else the loopback)."""
+    import ray
+
+    if ray.is_initialized():
+        address: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        return address
+    return "127.0.0.1"

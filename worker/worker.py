@@ -21,6 +21,7 @@ from scheduler.spec_config import SpecMethod
 from worker.config import ModelConfig, ParallelConfig
 from worker.distributed import destroy_distributed, init_distributed
 from worker.kv_cache import KVCacheSpecReport, available_kv_cache_memory
+from worker.kv_direct import SEND_TIMEOUT_S, ShardOffer, fetch_shard, offer_counts, offer_shard
 from worker.kv_transfer import (
     CacheLayer,
     GroupLayouts,
@@ -47,6 +48,8 @@ class WorkerSpec:
     runner: RunnerConfig
     distributed_init_method: str = "tcp://127.0.0.1:29500"
     """Rendezvous address of the process group (used when tp_size > 1)."""
+    node_address: str = "127.0.0.1"
+    """This rank's node address: its direct KV transfers (`worker.kv_direct`) listen there."""
 
 
 class Worker:
@@ -131,33 +134,49 @@ class Worker:
         self,
         block_ids: tuple[tuple[int, ...], ...],
         tier_pages: tuple[tuple[TierPage, ...], ...] = (),
-    ) -> KVShard:
+        offer_timeout_s: float | None = None,
+    ) -> KVShard | ShardOffer:
         """This rank's pages of these blocks (one list per KV cache group), in host memory,
-        with the offload-tier entries `tier_pages` in their places."""
+        with the offload-tier entries `tier_pages` in their places; with `offer_timeout_s`,
+        held here for that long and offered to the receiver over a direct connection."""
         tensors, num_blocks = self.model_runner.block_tensors
         store = self.model_runner.offload
         if not any(tier_pages):
-            return export_shard(tensors, num_blocks, self.rank, block_ids)
-        if store is None:
+            shard = export_shard(tensors, num_blocks, self.rank, block_ids)
+        elif store is None:
             raise ValueError("kv transfer: tier pages asked of an engine with no offload tier")
-        tier = (tier_pages, store.read_page)
-        return export_shard(tensors, num_blocks, self.rank, block_ids, tier)
+        else:
+            tier = (tier_pages, store.read_page)
+            shard = export_shard(tensors, num_blocks, self.rank, block_ids, tier)
+        if offer_timeout_s is None:
+            return shard
+        return offer_shard(shard, self.spec.node_address, offer_timeout_s)
 
     def import_kv_shards(
         self,
-        shards: tuple[KVShard, ...],
+        shards: tuple[KVShard | ShardOffer, ...],
         selected: tuple[tuple[int, ...], ...],
         block_ids: tuple[tuple[int, ...], ...],
+        fetch_timeout_s: float = SEND_TIMEOUT_S,
     ) -> None:
         """Write this rank's shard of a transfer onto these blocks: `shards[rank]` when the
-        sender ran this tensor-parallel size, else resharded from all of them."""
+        sender ran this tensor-parallel size (an offered one taken from the sending rank within
+        `fetch_timeout_s`), else resharded from all of them (pages, not offers)."""
         tensors, num_blocks = self.model_runner.block_tensors
         tp_size = self.spec.parallel.tp_size
         if len(shards) == tp_size:
             shard = shards[self.rank]
+            if isinstance(shard, ShardOffer):
+                shard = fetch_shard(shard, self.spec.node_address, fetch_timeout_s)
         else:
-            shard = reshard(shards, self._group_layouts, tensors, tp_size, self.rank)
+            pages = [shard for shard in shards if isinstance(shard, KVShard)]
+            assert len(pages) == len(shards), "offers are taken before a reshard"
+            shard = reshard(pages, self._group_layouts, tensors, tp_size, self.rank)
         import_shard(tensors, num_blocks, shard, selected, block_ids)
+
+    def kv_offer_counts(self) -> tuple[int, int, int]:
+        """This rank's direct offers: (made, ended, dropped) (`worker.kv_direct`)."""
+        return offer_counts()
 
     @functools.cached_property
     def _group_layouts(self) -> GroupLayouts:

@@ -5,17 +5,18 @@ so its next lookup of the prompt hits them. The two engines may run different te
 sizes: the shards travel as sent, and the receiver's ranks reshard them.
 
     receiver.held ─► HeldKeys ─► sender.export ─► KVTransfer (keys + per-rank shards)
-                                                     │ Ray's object store between actors, or
-                                                     │ a KVTransferOffer: the pages go over a
-                                                     │ direct connection (`receive`)
+                                                     │ Ray's object store between actors; or
+                                                     │ each rank's shard offered, its pages
+                                                     │ sent rank to rank (`worker.kv_direct`)
                                                      ▼
                                               receiver.import ─► KVImportResult
 
 The sending engine's `kv_transfer_transport` picks the way: `object_store` (the default) or
-`direct` (docs/benchmarks.md, "Direct connection against the object store", has them at parity
-on CPU, pages included). The functions run on an engine core between steps (the
-async engine calls them under its lock); a receiver takes an offer's pages (`receive`) before
-that, off the lock. `transfer_prefix` chains them for two cores in one process.
+`direct`, where only the offers travel between the engines and each receiving rank takes its
+shard from the sending rank of its number (a receiver of another tensor-parallel size takes
+every shard in its engine's process first, `receive`, and reshards as usual). The functions run
+on an engine core between steps (the async engine calls them under its lock).
+`transfer_prefix` chains them for two cores in one process.
 """
 
 from __future__ import annotations
@@ -26,11 +27,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cluster.config.engine_args import KVTransferTransport
-from cluster.engine import kv_transfer_direct as direct
 from cluster.engine.core import EngineCore
 from cluster.engine.kv_transfer_counters import KVTransferCounters
-from cluster.engine.kv_transfer_direct import KVTransferOffer
+from cluster.ray_cluster import node_address
 from scheduler.block_hash import BlockHash
 from scheduler.kv_cache.transfer import (
     HeldKeys,
@@ -43,6 +42,7 @@ from scheduler.kv_cache.transfer import (
     reserve_import,
 )
 from scheduler.request import Request, SamplingParams
+from worker.kv_direct import SEND_TIMEOUT_S, ShardOffer, fetch_shard
 from worker.kv_transfer import KVShard
 
 logger = logging.getLogger(__name__)
@@ -50,10 +50,16 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class KVTransfer:
-    """One transfer on the wire: the keys, and each rank's pages of them."""
+    """One transfer on the wire: the keys, and each rank's pages of them (or the offer of
+    them, with the direct transport)."""
 
     keys: TransferKeys
-    shards: tuple[KVShard, ...]
+    shards: tuple[KVShard | ShardOffer, ...]
+
+    @property
+    def is_offered(self) -> bool:
+        """Whether the pages wait in the sending ranks (direct transport)."""
+        return any(isinstance(shard, ShardOffer) for shard in self.shards)
 
     @property
     def nbytes(self) -> int:
@@ -106,25 +112,32 @@ def kv_export(
     held: HeldKeys,
     cache_salt: str | None = None,
     demote: bool = False,
-    timeout_s: float = direct.SEND_TIMEOUT_S,
-) -> KVTransfer | KVTransferOffer:
+    timeout_s: float = SEND_TIMEOUT_S,
+) -> KVTransfer:
     """Sender: the blocks of this engine's longest hit on the prompt (never its last token, its
     offload tier included: no recompute) that the receiver does not hold, each rank's shard in
-    host memory (or offered over a direct connection, as the engine's transport says, for
-    `timeout_s`); with `demote` (the conversation moved to the receiver) those blocks are then
-    evicted here first."""
+    host memory (with the direct transport, offered by each rank for `timeout_s`); with
+    `demote` (the conversation moved to the receiver) those blocks are then evicted here
+    first."""
     started = time.perf_counter()
     hashes = prompt_block_hashes(core, prompt_token_ids, cache_salt)
     manager = core.scheduler.kv_cache_manager
     max_length = len(prompt_token_ids) - 1
     _run_tier_copies(core)  # every tier entry the plan may read is in place
     plan = find_export(manager, hashes, max_length, held, core.kv_transfer_fingerprint)
-    shards = core.executor.collective_rpc("export_kv_shard", plan.block_ids, plan.tier_pages)
-    transfer = KVTransfer(plan.keys, tuple(s for s in shards if isinstance(s, KVShard)))
+    offer = core.kv_transfer_transport == "direct" and plan.keys.num_blocks > 0
+    offer_timeout_s = timeout_s if offer else None
+    shards = core.executor.collective_rpc(
+        "export_kv_shard", plan.block_ids, plan.tier_pages, offer_timeout_s
+    )
+    transfer = KVTransfer(
+        plan.keys, tuple(s for s in shards if isinstance(s, KVShard | ShardOffer))
+    )
     if demote:
         demote_export(manager, plan)
     counters = core.kv_transfer_counters
     counters.num_exports += 1
+    counters.num_offers += offer
     for group_id, size in enumerate(transfer.group_bytes()):
         counters.blocks_sent[group_id] += len(plan.keys.groups[group_id])
         counters.bytes_sent[group_id] += size
@@ -137,56 +150,46 @@ def kv_export(
         transfer.nbytes,
         plan.keys.num_hit_tokens,
     )
-    return outgoing(transfer, core.kv_transfer_transport, timeout_s, counters)
+    return transfer
 
 
-def outgoing(
-    transfer: KVTransfer,
-    transport: KVTransferTransport,
-    timeout_s: float,
-    counters: KVTransferCounters,
-) -> KVTransfer | KVTransferOffer:
-    """The transfer itself (its pages travel with it), or an offer of its pages over a direct
-    connection from this process for `timeout_s` (its end counted in `counters`)."""
-    if transport != "direct" or transfer.keys.num_blocks == 0:
+def receive(transfer: KVTransfer, num_ranks: int, timeout_s: float = SEND_TIMEOUT_S) -> KVTransfer:
+    """The transfer as a receiver of `num_ranks` ranks imports it: offered shards stay offers
+    when the sender ran as many ranks (each rank takes its own), else they are taken here,
+    within `timeout_s` (RuntimeError naming the sender when that fails)."""
+    if not transfer.is_offered or len(transfer.shards) == num_ranks:
         return transfer
-    try:
-        host = direct.node_address()
-        offer = direct.offer(transfer.keys, transfer.shards, host, timeout_s, counters.end_offer)
-    except (RuntimeError, OSError) as exc:  # no rendezvous store could be opened here
-        logger.warning("kv transfer: no direct connection (%s); using the object store", exc)
-        return transfer
-    counters.num_offers += 1
-    return offer
-
-
-def receive(
-    transfer: KVTransfer | KVTransferOffer, timeout_s: float = direct.SEND_TIMEOUT_S
-) -> KVTransfer:
-    """The transfer with its pages here: an offer's taken from its sender within `timeout_s`
-    (RuntimeError when that fails); a transfer that carries them, as it is."""
-    if isinstance(transfer, KVTransfer):
-        return transfer
-    shards = direct.fetch(transfer, direct.node_address(), timeout_s)
+    host = node_address()
+    deadline = time.monotonic() + timeout_s
+    shards = tuple(
+        fetch_shard(shard, host, max(deadline - time.monotonic(), 0.001))
+        if isinstance(shard, ShardOffer)
+        else shard
+        for shard in transfer.shards
+    )
     return KVTransfer(transfer.keys, shards)
 
 
 async def receive_off_loop(
-    transfer: KVTransfer | KVTransferOffer, timeout_s: float = direct.SEND_TIMEOUT_S
+    transfer: KVTransfer, num_ranks: int, timeout_s: float = SEND_TIMEOUT_S
 ) -> KVTransfer:
-    """`receive` for a caller on an event loop: an offer's pages come on a thread."""
-    if isinstance(transfer, KVTransfer):
+    """`receive` for a caller on an event loop: offers taken here come on a thread, off the
+    engine's lock."""
+    if not transfer.is_offered or len(transfer.shards) == num_ranks:
         return transfer
-    return await asyncio.to_thread(receive, transfer, timeout_s)
+    return await asyncio.to_thread(receive, transfer, num_ranks, timeout_s)
 
 
-def kv_import(core: EngineCore, transfer: KVTransfer | KVTransferOffer) -> KVImportResult:
+def kv_import(
+    core: EngineCore, transfer: KVTransfer, timeout_s: float = SEND_TIMEOUT_S
+) -> KVImportResult:
     """Receiver: write the pages into fresh blocks and register them in the prefix cache (each
     rank resharding them when the sender ran another tensor-parallel size); a transfer there is
-    no room for takes nothing (the request recomputes). An offer is received first (callers
-    on an event loop `receive` it before, off the engine's lock)."""
+    no room for takes nothing (the request recomputes). Offered shards are taken within
+    `timeout_s`: by each rank from its sending rank, or first here for a reshard (callers on an
+    event loop `receive_off_loop` those before, off the engine's lock)."""
     started = time.perf_counter()
-    transfer = receive(transfer)
+    transfer = receive(transfer, core.executor.configs.tensor_parallel_size, timeout_s)
     counters = core.kv_transfer_counters
     if transfer.keys.fingerprint != core.kv_transfer_fingerprint:
         raise ValueError("kv transfer: the sending engine runs another model or KV layout")
@@ -199,7 +202,11 @@ def kv_import(core: EngineCore, transfer: KVTransfer | KVTransferOffer) -> KVImp
     try:
         _run_tier_copies(core)  # evicted blocks reach the tier before they are overwritten
         core.executor.collective_rpc(
-            "import_kv_shards", transfer.shards, reservation.selected, reservation.block_ids
+            "import_kv_shards",
+            transfer.shards,
+            reservation.selected,
+            reservation.block_ids,
+            timeout_s,
         )
     except BaseException:
         abort_import(manager, reservation)
@@ -213,6 +220,16 @@ def kv_import(core: EngineCore, transfer: KVTransfer | KVTransferOffer) -> KVImp
     counters.import_seconds += time.perf_counter() - started
     num_blocks = sum(len(blocks) for blocks in reservation.blocks)
     return KVImportResult(num_blocks, transfer.nbytes, transfer.keys.num_hit_tokens)
+
+
+def transfer_counters(core: EngineCore) -> KVTransferCounters:
+    """A copy of the engine's transfer counters with its ranks' direct sends read in (the
+    offers' threads run in the ranks' processes)."""
+    counts = [c for c in core.executor.collective_rpc("kv_offer_counts") if isinstance(c, tuple)]
+    snapshot = core.kv_transfer_counters.snapshot()
+    snapshot.num_sends_pending = sum(made - ended for made, ended, _ in counts)
+    snapshot.num_failed_sends = sum(failed for _, _, failed in counts)
+    return snapshot
 
 
 def _run_tier_copies(core: EngineCore) -> None:

@@ -26,11 +26,12 @@ class KVTransferCounters:
     num_recomputes: int = 0
     """Requests that computed their prefix here because the transfer failed or timed out."""
     num_offers: int = 0
-    """Exports whose pages waited here for a direct connection from the receiver."""
-    num_offers_ended: int = 0
-    """Offers taken, or dropped (no receiver in time, or it broke off): the rest hold pages."""
+    """Exports whose shards the ranks offered over direct connections (the direct transport)."""
+    num_sends_pending: int = 0
+    """Offered shards whose pages the ranks still hold (read from the ranks on a snapshot)."""
     num_failed_sends: int = 0
-    """Offers dropped."""
+    """Offered shards the ranks dropped: nobody took them in time, or the receiver broke off
+    (read from the ranks on a snapshot)."""
 
     def __post_init__(self) -> None:
         for counts in (
@@ -40,11 +41,6 @@ class KVTransferCounters:
             self.bytes_received,
         ):
             counts.extend([0] * (self.num_groups - len(counts)))
-
-    def end_offer(self, taken: bool) -> None:
-        """An offer's pages were sent (`taken`) or dropped (called on its thread)."""
-        self.num_failed_sends += not taken
-        self.num_offers_ended += 1
 
     def snapshot(self) -> KVTransferCounters:
         """A copy that later transfers do not change."""

@@ -1,14 +1,15 @@
 """KV transfer between two engine actors on Ray: the receiver's held keys, the sender's export
 and the receiver's import are chained as object references, so the pages go from the sender's
 node to the receiver's (never through the caller), within a deadline: through Ray's object
-store, or over a direct connection between the two processes (the sender's
-`kv_transfer_transport`; the export then carries only the offer of them).
+store, or rank to rank over direct connections (the sender's `kv_transfer_transport`; the
+export then carries only the ranks' offers of them).
 
     caller ─► receiver.kv_held_keys ─ref─► sender.kv_export ─ref─► receiver.kv_import ─► result
-                                                      └──── pages, direct ────┘
+                                       sending ranks └──── pages, direct ────┘ receiving ranks
 
-Faults: a sender that dies never produces the transfer (or dies before its offer is taken), so
-the import fails before it reserves a block; a sender that hangs or a transfer past `timeout_s`
+Faults: a sender that dies never produces the transfer, so the import fails before it reserves
+a block (a sending rank that dies or hangs before its offer is taken fails the import, which
+frees what it reserved); a sender that hangs or a transfer past `timeout_s`
 is cancelled (the import never ran, or ran whole: an import is one call between two steps); a
 dead receiver holds nothing, and the sender drops an offer nobody takes. Each ends in
 `KVTransferError`, and the caller recomputes. NIXL and NCCL (device to device) are not used: on

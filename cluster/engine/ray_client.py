@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -39,14 +40,15 @@ from cluster.engine.kv_transfer import (
     kv_held_keys,
     kv_import,
     receive_off_loop,
+    transfer_counters,
 )
 from cluster.engine.kv_transfer_counters import KVTransferCounters
-from cluster.engine.kv_transfer_direct import SEND_TIMEOUT_S, KVTransferOffer
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
 from cluster.ray_cluster import connect
 from scheduler.kv_cache.transfer import HeldKeys
 from scheduler.stats import SchedulerStats
+from worker.kv_direct import SEND_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +107,7 @@ class EngineActor:
         held: HeldKeys,
         cache_salt: str | None,
         timeout_s: float = SEND_TIMEOUT_S,
-    ) -> KVTransfer | KVTransferOffer:
+    ) -> KVTransfer:
         """KV transfer, sender: the cached prefix blocks the receiver lacks (an offer of
         them waits `timeout_s` for the receiver)."""
         return await self.engine.call_core(
@@ -113,16 +115,19 @@ class EngineActor:
         )
 
     async def kv_transfer_counters(self) -> KVTransferCounters:
-        """This engine's transfer counters (a copy)."""
-        return self.engine.core.kv_transfer_counters.snapshot()
+        """This engine's transfer counters (a copy, its ranks' direct sends read in)."""
+        return await self.engine.call_core(transfer_counters)
 
     async def kv_import(
-        self, transfer: KVTransfer | KVTransferOffer, timeout_s: float = SEND_TIMEOUT_S
+        self, transfer: KVTransfer, timeout_s: float = SEND_TIMEOUT_S
     ) -> KVImportResult:
         """KV transfer, receiver: take the pages (an offer's within `timeout_s`, before the
         engine's lock), then the blocks into the pool and prefix cache."""
-        transfer = await receive_off_loop(transfer, timeout_s)
-        return await self.engine.call_core(kv_import, transfer)
+        deadline = time.monotonic() + timeout_s
+        ranks = self.engine.core.executor.configs.tensor_parallel_size
+        transfer = await receive_off_loop(transfer, ranks, timeout_s)
+        left = max(deadline - time.monotonic(), 0.001)
+        return await self.engine.call_core(kv_import, transfer, left)
 
     async def get_tokenizer(self) -> Any:
         return await self.engine.get_tokenizer()

@@ -34,7 +34,6 @@ from cluster.engine.executor import create_executor
 from cluster.engine.executor.placement import PlacementSpec, uses_gpus
 from cluster.engine.input_processor import InputProcessor
 from cluster.engine.kv_transfer import KVTransfer, kv_export
-from cluster.engine.kv_transfer_direct import SEND_TIMEOUT_S, KVTransferOffer
 from cluster.engine.outputs import OutputAccumulator, RequestOutput
 from cluster.engine.request import EngineRequest
 from cluster.engine.stream_batching import StreamBatching
@@ -62,6 +61,7 @@ from cluster.serve.peer_pull import PeerPull, pull_from_peer
 from cluster.serve.transfer_metrics import TransferMetrics
 from scheduler.kv_cache.transfer import HeldKeys
 from scheduler.lora import LoRARequest
+from worker.kv_direct import SEND_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
@@ -237,7 +237,7 @@ class LLMServer:
         held: HeldKeys,
         cache_salt: str | None = None,
         timeout_s: float = SEND_TIMEOUT_S,
-    ) -> KVTransfer | KVTransferOffer:
+    ) -> KVTransfer:
         """A peer's pull: the blocks of this replica's cached prefix of the prompt that the
         peer does not hold. The conversation moved to the peer, so they are evicted here first.
         Answered while Serve drains this replica too (it is called on this replica's actor, not
@@ -253,8 +253,8 @@ class LLMServer:
     def transfer_stats(self, to_replica: str | None = None) -> dict[str, int]:
         """Requests whose prefix this replica took from another engine (P/D hand-off, pull),
         those it recomputed after a failed transfer, the KV blocks it sent and received, and its
-        exports offered over a direct connection and dropped untaken (`to_replica` names this
-        replica to the router)."""
+        exports offered over direct connections (`to_replica` names this replica to the
+        router)."""
         counters = self.engine.core.kv_transfer_counters
         return {
             "pulls": counters.num_pulls,
@@ -262,7 +262,6 @@ class LLMServer:
             "blocks_sent": sum(counters.blocks_sent),
             "blocks_received": sum(counters.blocks_received),
             "direct_offers": counters.num_offers,
-            "failed_sends": counters.num_failed_sends,
         }
 
     async def before_add(self, request: EngineRequest) -> None:

@@ -17,7 +17,6 @@ from typing import Any
 
 from cluster.config import LLMConfig
 from cluster.engine.kv_transfer import KVTransfer, kv_export
-from cluster.engine.kv_transfer_direct import KVTransferOffer
 from cluster.engine.request import EngineRequest
 from cluster.serve.llm_server import LLMServer
 from cluster.serve.peer_pull import import_prefix
@@ -36,7 +35,7 @@ class PDPrefillServer(LLMServer):
         held: HeldKeys,
         cache_salt: str | None,
         timeout_s: float,
-    ) -> KVTransfer | KVTransferOffer:
+    ) -> KVTransfer:
         """Compute every prompt token but the last (its blocks stay cached), then export the
         blocks of the prefix the decode side does not hold (pages offered over a direct
         connection wait `timeout_s` for it)."""

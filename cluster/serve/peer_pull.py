@@ -5,8 +5,8 @@
             >= pull_threshold_tokens ─► PeerPull(source replica) travels with the request
     receiver (LLMServer.generate, before the engine): its held keys ─► .kv_export(prompt,
             held) called on the source's replica actor itself (`call_replica`: routable or
-            draining alike) ─► export (the pages, or an offer of them over a direct
-            connection, taken here off the engine's lock) ─► import here, within pull_timeout_s
+            draining alike) ─► export (the pages, or the source's ranks' offers of them,
+            each taken by the rank of its number here) ─► import here, within pull_timeout_s
     anything else (no hint, the source is this replica or gone, a late or failed export)
             ─► recompute
 
@@ -43,7 +43,6 @@ from cluster.engine.kv_transfer import (
     kv_import,
     receive_off_loop,
 )
-from cluster.engine.kv_transfer_direct import KVTransferOffer
 from cluster.engine.request import EngineRequest
 from scheduler.kv_cache.transfer import HeldKeys
 
@@ -112,8 +111,10 @@ async def import_prefix(
         response = export(prompt, held, request.cache_salt, timeout_s)
         sent = await asyncio.wait_for(_awaited(response), timeout_s)
         left = max(deadline - time.monotonic(), 0.001)
-        transfer = await asyncio.wait_for(receive_off_loop(sent, left), left)
-        result: KVImportResult = await engine.call_core(kv_import, transfer)
+        ranks = engine.core.executor.configs.tensor_parallel_size
+        transfer = await asyncio.wait_for(receive_off_loop(sent, ranks, left), left)
+        left = max(deadline - time.monotonic(), 0.001)  # the ranks take offered shards within
+        result: KVImportResult = await engine.call_core(kv_import, transfer, left)
     except (asyncio.TimeoutError, RayError, RuntimeError, ValueError) as exc:
         if isinstance(exc, EngineDeadError):
             raise
@@ -167,6 +168,6 @@ def _replica_actor(replica: ReplicaID) -> Any:
     return ray.get_actor(replica.to_full_id_str(), namespace=SERVE_NAMESPACE)
 
 
-async def _awaited(response: Any) -> KVTransfer | KVTransferOffer:
-    transfer: KVTransfer | KVTransferOffer = await response
+async def _awaited(response: Any) -> KVTransfer:
+    transfer: KVTransfer = await response
     return transfer

@@ -19,7 +19,6 @@ import ray
 from cluster.config.engine_args import EngineArgs
 from cluster.engine.executor.placement import PlacementSpec
 from cluster.engine.kv_transfer_counters import KVTransferCounters
-from cluster.engine.kv_transfer_direct import KVTransferOffer
 from cluster.engine.kv_transfer_ray import KVTransferError, pull_prefix
 from cluster.engine.ray_client import RayEngineClient
 from cluster.engine.request import EngineRequest
@@ -97,23 +96,25 @@ def test_a_killed_receiver_leaves_the_sender_holding_nothing(
         receiver.shutdown()
 
 
-def _pid(client: RayEngineClient) -> int:
-    return int(ray.get(client.actor.__ray_call__.remote(lambda _: os.getpid())))
+def _rank(client: RayEngineClient) -> Any:
+    """The engine's rank actor (it holds the pages it offers)."""
+    (name,) = ray.get(client.actor.worker_actor_names.remote())
+    return ray.get_actor(name)
 
 
 def _offer(sender: RayEngineClient, receiver: RayEngineClient, prompt: list[int]) -> Any:
     held = receiver.actor.kv_held_keys.remote(prompt, None)
-    offer = ray.get(sender.actor.kv_export.remote(prompt, held, None, DEADLINE_S))
-    assert isinstance(offer, KVTransferOffer)
-    return offer
+    transfer = ray.get(sender.actor.kv_export.remote(prompt, held, None, DEADLINE_S))
+    assert transfer.is_offered
+    return transfer
 
 
 def _sends_settle(sender: RayEngineClient) -> KVTransferCounters:
-    """The sender's counters once no offer holds pages (within the offers' deadline)."""
+    """The sender's counters once its rank holds no offered pages (within their deadline)."""
     deadline = time.monotonic() + DEADLINE_S + 5
     while True:
         counters: KVTransferCounters = ray.get(sender.actor.kv_transfer_counters.remote())
-        if counters.num_offers == counters.num_offers_ended or time.monotonic() > deadline:
+        if counters.num_sends_pending == 0 or time.monotonic() > deadline:
             return counters
         time.sleep(0.1)
 
@@ -121,9 +122,9 @@ def _sends_settle(sender: RayEngineClient) -> KVTransferCounters:
 def test_direct_transfers_between_engine_actors_and_their_faults(
     ray_cluster: None, model: Path
 ) -> None:
-    """Pages over a direct connection: tokens equal one engine's; a sender stopped (SIGSTOP)
-    or killed after its offer fails the import within the deadline with nothing reserved; an
-    offer whose receiver died is dropped at its deadline."""
+    """Pages over a direct connection, rank to rank: tokens equal one engine's; a sending rank
+    stopped (SIGSTOP) or killed after its offer fails the import within the deadline with
+    nothing reserved; an offer whose receiver died is dropped at its deadline."""
     cold = start(model, enable_prefix_caching=False)
     expected = run(cold, PROMPT, GREEDY)
     cold.shutdown()
@@ -143,21 +144,21 @@ def test_direct_transfers_between_engine_actors_and_their_faults(
         held = ray.get(victim.actor.kv_held_keys.remote(other, None))
         ray.kill(victim.actor, no_restart=True)
         dropped = ray.get(sender.actor.kv_export.remote(other, held, None, 1.0))
-        assert isinstance(dropped, KVTransferOffer)
+        assert dropped.is_offered
         counters = _sends_settle(sender)
-        assert counters.num_offers == counters.num_offers_ended
+        assert (counters.num_offers, counters.num_sends_pending) == (2, 0)
         assert counters.num_failed_sends == 1
         assert sender.get_stats().kv_cache_usage == 0
 
-        # A sender that hangs after its offer (its process stopped), then one that is killed.
+        # A sending rank that hangs after its offer (its process stopped), then one killed.
         for fault in ("stopped", "killed"):
             offer = _offer(sender, receiver, other)
-            pid = _pid(sender)
+            rank = _rank(sender)
             if fault == "stopped":
-                os.kill(pid, signal.SIGSTOP)
-                stopped = pid
+                stopped = int(ray.get(rank.__ray_call__.remote(lambda _: os.getpid())))
+                os.kill(stopped, signal.SIGSTOP)
             else:
-                ray.kill(sender.actor, no_restart=True)
+                ray.kill(rank, no_restart=True)
             started = time.monotonic()
             with pytest.raises(ray.exceptions.RayTaskError, match=r"kv transfer from .* failed"):
                 ray.get(receiver.actor.kv_import.remote(offer, DEADLINE_S), timeout=30)

@@ -79,7 +79,6 @@ def test_pd_streams_the_one_pool_tokens_with_usage(client: openai.OpenAI, model_
     prefill = serve.get_deployment_handle("Prefill:" + deployment_name("bytes"), app_name=APP)
     sent = prefill.transfer_stats.remote().result()
     assert sent["direct_offers"] >= stats["pulls"]
-    assert sent["failed_sends"] == 0
 
 
 def test_pd_structured_output_and_tool_calls(client: openai.OpenAI) -> None:

@@ -71,7 +71,9 @@ class LocalTokenizer:
 def worker_spec(
     configs: EngineConfigs, rank: int, init_method: str = "tcp://127.0.0.1:29500"
 ) -> WorkerSpec:
-    """The start-up description of tensor-parallel rank `rank`."""
+    """The start-up description of tensor-parallel rank `rank` (made on the rank's node, or
+    on its engine's where it spawns it)."""
+    from cluster.ray_cluster import node_address
     from worker.config import ParallelConfig
     from worker.worker import WorkerSpec
 
@@ -80,6 +82,7 @@ def worker_spec(
         parallel=ParallelConfig(tp_size=configs.tensor_parallel_size, rank=rank),
         runner=configs.runner,
         distributed_init_method=init_method,
+        node_address=node_address(),
     )
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 from multiprocessing.connection import Listener
 from typing import Any
 
-import ray
 import torch
 
 from cluster.config.engine_args import EngineArgs
@@ -20,12 +19,8 @@ from cluster.engine.configs import EngineConfigs, engine_configs
 from cluster.engine.executor.base import check_layout, worker_spec
 from cluster.engine.executor.rank_channel import RankTarget, serve_rank
 from cluster.engine.tokenizer import load_tokenizer
+from cluster.ray_cluster import node_address
 from worker.worker import Worker
-
-
-def _node_ip() -> str:
-    address: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
-    return address
 
 
 class WorkerActor:
@@ -42,7 +37,7 @@ class WorkerActor:
 
     def rendezvous_address(self) -> str:
         """A free TCP address on this node for the process group's rendezvous (rank 0)."""
-        host = _node_ip()
+        host = node_address()
         with Listener((host, 0)) as probe:  # bind port 0: the OS picks a free port
             port = probe.address[1]
         return f"tcp://{host}:{port}"
@@ -59,7 +54,7 @@ class WorkerActor:
         self.configs = configs
         self.worker = Worker(worker_spec(configs, self.rank, init_method))
         self._target = RankTarget(self.worker, self.rank)
-        self._listener = Listener((_node_ip(), 0), authkey=authkey)
+        self._listener = Listener((node_address(), 0), authkey=authkey)
         address: tuple[str, int] = self._listener.address
         return configs, address
 

@@ -1,19 +1,19 @@
-"""KV pages sent straight from the sending engine's process to the receiving one's, over a
-torch.distributed pair group (gloo over TCP), instead of through Ray's object store.
+"""A rank's shard of a KV transfer sent straight from the sending rank's process to the one that
+takes it, over a torch.distributed pair group (gloo over TCP), instead of through Ray.
 
-    sender: kv_export ─► KVTransfer (host pages) ─► offer(): a thread waits for the receiver,
-            sends every page tensor, waits for its acknowledgement, drops the pages
-                  │ KVTransferOffer (keys, address, tensor shapes: bytes, not pages) via Ray
-                  ▼
-    receiver: fetch(offer) ─► joins the pair group, receives into fresh tensors ─► KVTransfer
+    sending rank: export ─► KVShard (host pages) ─► offer_shard(): a thread waits for the
+                  receiver, sends every page tensor, waits for its acknowledgement, drops them
+                        │ ShardOffer (address, tensor shapes: bytes, not pages) via the engines
+                        ▼
+    taking rank (or engine): fetch_shard(offer) ─► joins the pair group, receives ─► KVShard
 
-Each engine process runs one rendezvous store (a `TCPStore` on its node address, any free port);
-every transfer gets a fresh two-rank group under its own key prefix, so transfers never wait
+Each process that offers runs one rendezvous store (a `TCPStore` on its node address, any free
+port); every offer gets a fresh two-rank group under its own key prefix, so transfers never wait
 for one another and a broken one breaks nothing else. Both sides time out: a receiver that never
-comes leaves the sender's thread at the offer's deadline (the pages are dropped, counted as a
-failed send), a sender that died or hangs fails the fetch within the caller's deadline.
+comes leaves the sender's thread at the offer's deadline (the pages are dropped and counted), a
+sender that died or hangs fails the fetch within the caller's deadline.
 
-The pages go socket to socket instead of in and out of the object store's shared memory; the
+The pages go socket to socket, skipping the object store and the engines' rank channels; the
 price is the group's set-up (a few ms) and that the two nodes must reach each other on any TCP
 port.
 """
@@ -25,15 +25,12 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import ray
 import torch
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore
 
-from scheduler.kv_cache.transfer import TransferKeys
 from worker.block_export import BlockPages
 from worker.kv_transfer import KVShard
 
@@ -51,65 +48,67 @@ class TensorSpec:
     shape: tuple[int, ...]
     dtype: str
 
+    @property
+    def nbytes(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        itemsize: int = getattr(torch, self.dtype).itemsize
+        return count * itemsize
+
     def empty(self) -> torch.Tensor:
         return torch.empty(self.shape, dtype=getattr(torch, self.dtype))
 
 
 @dataclass(frozen=True)
-class GroupLayout:
-    """One KV cache group's pages in a rank's shard: its blocks and its tensors."""
+class OfferedPages:
+    """One KV cache group's pages in an offered shard: its blocks and its tensors' layout."""
 
     group_id: int
     num_blocks: int
     tensors: tuple[TensorSpec, ...]
 
+    @property
+    def nbytes(self) -> int:
+        return sum(spec.nbytes for spec in self.tensors)
+
 
 @dataclass(frozen=True)
-class KVTransferOffer:
-    """A transfer whose pages wait in the sender's process: where to take them, and their
-    layout (each rank's shard, per KV cache group)."""
+class ShardOffer:
+    """A rank's shard whose pages wait in the sending process: where to take them, and their
+    layout per KV cache group (in `KVShard` order)."""
 
-    keys: TransferKeys
+    rank: int
     address: tuple[str, int]
     """The sender's rendezvous store (node address, port)."""
     transfer_id: str
-    shards: tuple[tuple[int, tuple[GroupLayout, ...]], ...]
-    """(rank, its groups' layouts) per shard, in send order."""
-    nbytes: int
+    pages: tuple[OfferedPages, ...]
     timeout_s: float
     """The sender drops the pages this long after the offer."""
 
-    def tensor_specs(self) -> list[TensorSpec]:
-        return [spec for _, groups in self.shards for g in groups for spec in g.tensors]
+    @property
+    def nbytes(self) -> int:
+        return sum(group.nbytes for group in self.pages)
 
-    def assemble(self, tensors: Sequence[torch.Tensor]) -> tuple[KVShard, ...]:
-        """The shards whose page tensors arrived as `tensors` (in send order)."""
+    def assemble(self, tensors: list[torch.Tensor]) -> KVShard:
+        """The shard whose page tensors arrived as `tensors` (in send order)."""
         received = iter(tensors)
-        shards = []
-        for rank, groups in self.shards:
-            pages = tuple(
-                BlockPages(g.group_id, g.num_blocks, tuple(next(received) for _ in g.tensors))
-                for g in groups
-            )
-            shards.append(KVShard(rank, pages))
-        return tuple(shards)
+        pages = tuple(
+            BlockPages(g.group_id, g.num_blocks, tuple(next(received) for _ in g.tensors))
+            for g in self.pages
+        )
+        return KVShard(self.rank, pages)
 
 
-def offer(
-    keys: TransferKeys,
-    shards: Sequence[KVShard],
-    host: str,
-    timeout_s: float = SEND_TIMEOUT_S,
-    on_end: Callable[[bool], None] | None = None,
-) -> KVTransferOffer:
-    """Hold the shards' pages in this process for one receiver, sent from `host` (this
-    process's node address) once it comes, dropped after `timeout_s` (`on_end(taken)` then);
-    RuntimeError or OSError when no rendezvous store can be opened here."""
-    return _outbox(host).offer(keys, tuple(shards), timeout_s, on_end)
+def offer_shard(shard: KVShard, host: str, timeout_s: float = SEND_TIMEOUT_S) -> ShardOffer:
+    """Hold the shard's pages in this process for one receiver, sent from `host` (this
+    process's node address) once it comes, dropped after `timeout_s`; RuntimeError or OSError
+    when no rendezvous store can be opened here."""
+    return _outbox(host).offer(shard, timeout_s)
 
 
-def fetch(offer: KVTransferOffer, host: str, timeout_s: float) -> tuple[KVShard, ...]:
-    """Receive an offer's pages from its sender (`host`: this process's node address); a
+def fetch_shard(offer: ShardOffer, host: str, timeout_s: float) -> KVShard:
+    """Receive an offered shard from its sender (`host`: this process's node address); a
     RuntimeError naming the sender when it is gone, hangs or the deadline passes.
 
     The receiving runs on its own thread, awaited here until the deadline: a sender whose
@@ -142,14 +141,25 @@ def fetch(offer: KVTransferOffer, host: str, timeout_s: float) -> tuple[KVShard,
     return offer.assemble(received)
 
 
+def offer_counts() -> tuple[int, int, int]:
+    """(offers made, offers ended: taken or dropped, offers dropped) by this process."""
+    with _outboxes_lock:
+        boxes = list(_outboxes.values())
+    return (
+        sum(b.num_offers for b in boxes),
+        sum(b.num_ended for b in boxes),
+        sum(b.num_failed for b in boxes),
+    )
+
+
 def _receive(
-    offer: KVTransferOffer, host: str, timeout_s: float, handles: list[object]
+    offer: ShardOffer, host: str, timeout_s: float, handles: list[object]
 ) -> list[torch.Tensor]:
     store = TCPStore(*offer.address, None, False, timeout=_delta(timeout_s))
     handles.append(store)
     group = _pair_group(PrefixStore(offer.transfer_id, store), _RECEIVER_RANK, host, timeout_s)
     handles.append(group)
-    tensors = [spec.empty() for spec in offer.tensor_specs()]
+    tensors = [spec.empty() for group_pages in offer.pages for spec in group_pages.tensors]
     for tag, tensor in enumerate(tensors):
         group.recv([_as_bytes(tensor)], _SENDER_RANK, tag).wait()
     group.send([torch.ones(1, dtype=torch.uint8)], _SENDER_RANK, len(tensors)).wait()
@@ -164,37 +174,28 @@ class _Outbox:
         self.store = TCPStore(host, 0, None, True, timeout=_delta(SEND_TIMEOUT_S))
         self.port = self.store.port
         self._lock = threading.Lock()
-        self.num_pending = 0
-        """Offers whose pages are still held (taken, failed or past their deadline: gone)."""
+        self.num_offers = 0
+        self.num_ended = 0
+        """Offers taken, or dropped (no receiver in time, or it broke off)."""
         self.num_failed = 0
-        """Offers nobody took in time, or whose receiver broke off."""
+        """Offers dropped."""
 
-    def offer(
-        self,
-        keys: TransferKeys,
-        shards: tuple[KVShard, ...],
-        timeout_s: float,
-        on_end: Callable[[bool], None] | None,
-    ) -> KVTransferOffer:
-        layout = tuple((shard.rank, _layout(shard)) for shard in shards)
-        nbytes = sum(shard.nbytes for shard in shards)
+    def offer(self, shard: KVShard, timeout_s: float) -> ShardOffer:
+        layout = tuple(
+            OfferedPages(pages.group_id, pages.num_blocks, tuple(map(_spec, pages.tensors)))
+            for pages in shard.pages
+        )
         address = (self.host, self.port)
-        offer = KVTransferOffer(keys, address, uuid.uuid4().hex, layout, nbytes, timeout_s)
-        tensors = [t for shard in shards for p in shard.pages for t in p.tensors]
+        offer = ShardOffer(shard.rank, address, uuid.uuid4().hex, layout, timeout_s)
+        tensors = [tensor for pages in shard.pages for tensor in pages.tensors]
         with self._lock:
-            self.num_pending += 1
+            self.num_offers += 1
         name = f"kv-send-{offer.transfer_id[:8]}"
-        args = (offer, tensors, on_end)
-        thread = threading.Thread(target=self._send, args=args, name=name, daemon=True)
+        thread = threading.Thread(target=self._send, args=(offer, tensors), name=name, daemon=True)
         thread.start()
         return offer
 
-    def _send(
-        self,
-        offer: KVTransferOffer,
-        tensors: list[torch.Tensor],
-        on_end: Callable[[bool], None] | None,
-    ) -> None:
+    def _send(self, offer: ShardOffer, tensors: list[torch.Tensor]) -> None:
         """The offer's thread: send the pages once the receiver joins, then drop them."""
         failed = True
         try:
@@ -208,22 +209,12 @@ class _Outbox:
             logger.warning("kv transfer %s: not taken (%s)", offer.transfer_id[:8], exc)
         finally:
             with self._lock:
-                self.num_pending -= 1
+                self.num_ended += 1
                 self.num_failed += failed
-            if on_end is not None:
-                on_end(not failed)
 
 
 _outboxes: dict[str, _Outbox] = {}
 _outboxes_lock = threading.Lock()
-
-
-def node_address() -> str:
-    """This process's node address (Ray's, when it runs under Ray; else the loopback)."""
-    if ray.is_initialized():
-        address: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
-        return address
-    return "127.0.0.1"
 
 
 def _outbox(host: str) -> _Outbox:
@@ -232,20 +223,6 @@ def _outbox(host: str) -> _Outbox:
             _outboxes[host] = _Outbox(host)
             logger.info("kv transfer: direct sends from %s:%d", host, _outboxes[host].port)
         return _outboxes[host]
-
-
-def pending_sends() -> tuple[int, int]:
-    """(offers whose pages this process still holds, offers that failed), over its stores."""
-    with _outboxes_lock:
-        boxes = list(_outboxes.values())
-    return sum(b.num_pending for b in boxes), sum(b.num_failed for b in boxes)
-
-
-def _layout(shard: KVShard) -> tuple[GroupLayout, ...]:
-    return tuple(
-        GroupLayout(pages.group_id, pages.num_blocks, tuple(map(_spec, pages.tensors)))
-        for pages in shard.pages
-    )
 
 
 def _spec(tensor: torch.Tensor) -> TensorSpec:
