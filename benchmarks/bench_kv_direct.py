@@ -103,7 +103,7 @@ class _PageHolder:
         return shard.nbytes
 
     def fetch(self, offer: ShardOffer) -> int:
-        return fetch_shard(offer, node_address(), 60.0).nbytes
+        return fetch_shard(offer, 60.0).nbytes
 
 
 def _median_ms(

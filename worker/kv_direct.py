@@ -1,35 +1,33 @@
 """A rank's shard of a KV transfer sent straight from the sending rank's process to the one that
-takes it, over a torch.distributed pair group (gloo over TCP), instead of through Ray.
+takes it, over a TCP connection of its own, instead of through Ray.
 
-    sending rank: export ─► KVShard (host pages) ─► offer_shard(): a thread waits for the
-                  receiver, sends every page tensor, waits for its acknowledgement, drops them
-                        │ ShardOffer (address, tensor shapes: bytes, not pages) via the engines
+    sending rank: export ─► KVShard (host pages) ─► offer_shard(): the pages wait under a
+                  transfer ID in this process's outbox (a listening socket on its node address)
+                        │ ShardOffer (address, ID, tensor shapes: bytes, not pages) via the engines
                         ▼
-    taking rank (or engine): fetch_shard(offer) ─► joins the pair group, receives ─► KVShard
+    taking rank (or engine): fetch_shard(offer) ─► connects, names the ID, receives every page
+                  tensor straight into fresh tensors, acknowledges ─► KVShard
 
-Each process that offers runs one rendezvous store (a `TCPStore` on its node address, any free
-port); every offer gets a fresh two-rank group under its own key prefix, so transfers never wait
-for one another and a broken one breaks nothing else. Both sides time out: a receiver that never
-comes leaves the sender's thread at the offer's deadline (the pages are dropped and counted), a
-sender that died or hangs fails the fetch within the caller's deadline.
+One outbox per process and node address, one connection per fetch: transfers never wait for
+one another, a fetch can only ever read the pages of the ID it names, and a broken connection
+breaks nothing else. Both sides keep deadlines: pages nobody takes are dropped at the offer's
+(and counted), and a fetch whose sender is gone, stopped or slow fails at the caller's.
 
 The pages go socket to socket, skipping the object store and the engines' rank channels; the
-price is the group's set-up (a few ms) and that the two nodes must reach each other on any TCP
-port.
+price is a connection per shard and that the two nodes must reach each other on any TCP port.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
-import queue
+import socket
 import threading
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, TCPStore
 
 from worker.block_export import BlockPages
 from worker.kv_transfer import KVShard
@@ -38,7 +36,11 @@ logger = logging.getLogger(__name__)
 
 SEND_TIMEOUT_S = 30.0
 """How long a sender keeps an offer's pages for a receiver that has not taken them."""
-_SENDER_RANK, _RECEIVER_RANK = 0, 1
+_ID_BYTES = 32
+"""A transfer ID on the wire: 32 hex digits."""
+_ACK = b"\x01"
+_SWEEP_S = 0.2
+"""How often an outbox looks for offers past their deadline."""
 
 
 @dataclass(frozen=True)
@@ -101,44 +103,28 @@ class ShardOffer:
 
 
 def offer_shard(shard: KVShard, host: str, timeout_s: float = SEND_TIMEOUT_S) -> ShardOffer:
-    """Hold the shard's pages in this process for one receiver, sent from `host` (this
-    process's node address) once it comes, dropped after `timeout_s`; RuntimeError or OSError
-    when no rendezvous store can be opened here."""
+    """Hold the shard's pages in this process for one receiver, served from `host` (this
+    process's node address) once it comes, dropped after `timeout_s`; OSError when no socket
+    can listen there."""
     return _outbox(host).offer(shard, timeout_s)
 
 
-def fetch_shard(offer: ShardOffer, host: str, timeout_s: float) -> KVShard:
-    """Receive an offered shard from its sender (`host`: this process's node address); a
-    RuntimeError naming the sender when it is gone, hangs or the deadline passes.
-
-    The receiving runs on its own thread, awaited here until the deadline: a sender whose
-    process is stopped accepts the connection to its store and never answers, and torch's
-    store client then waits past its own timeout (that thread is left to end when the sender
-    does)."""
-    sender = f"{offer.address[0]}:{offer.address[1]}"
-    outcome: queue.Queue[list[torch.Tensor] | BaseException] = queue.Queue(maxsize=1)
-
-    def run() -> None:
-        handles: list[object] = []  # the store and group, closed off this thread's path
-        try:
-            outcome.put(_receive(offer, host, timeout_s, handles))
-        except BaseException as exc:  # handed to the waiting caller
-            outcome.put(exc)
-        finally:
-            _close_later(handles)
-
-    threading.Thread(target=run, name=f"kv-fetch-{offer.transfer_id[:8]}", daemon=True).start()
+def fetch_shard(offer: ShardOffer, timeout_s: float) -> KVShard:
+    """Receive an offered shard from its sender within `timeout_s`; a RuntimeError naming the
+    sender when it is gone, stopped, slow, or no longer holds the pages."""
+    deadline = time.monotonic() + timeout_s
+    tensors = [spec.empty() for group in offer.pages for spec in group.tensors]
     try:
-        received = outcome.get(timeout=timeout_s)
-    except queue.Empty:
-        raise RuntimeError(
-            f"kv transfer from {sender} failed: no pages within {timeout_s:g} s"
-        ) from None
-    if isinstance(received, BaseException):
-        text = str(received).strip()
-        first = text.splitlines()[0] if text else type(received).__name__
-        raise RuntimeError(f"kv transfer from {sender} failed: {first}") from None
-    return offer.assemble(received)
+        with socket.create_connection(offer.address, timeout=max(timeout_s, 0.001)) as conn:
+            conn.sendall(offer.transfer_id.encode())
+            for tensor in tensors:
+                _receive_into(conn, tensor, deadline)
+            conn.sendall(_ACK)
+    except (OSError, EOFError) as exc:
+        sender = f"{offer.address[0]}:{offer.address[1]}"
+        reason = "no pages in time" if isinstance(exc, TimeoutError) else str(exc) or "closed"
+        raise RuntimeError(f"kv transfer from {sender} failed: {reason}") from None
+    return offer.assemble(tensors)
 
 
 def offer_counts() -> tuple[int, int, int]:
@@ -152,65 +138,85 @@ def offer_counts() -> tuple[int, int, int]:
     )
 
 
-def _receive(
-    offer: ShardOffer, host: str, timeout_s: float, handles: list[object]
-) -> list[torch.Tensor]:
-    store = TCPStore(*offer.address, None, False, timeout=_delta(timeout_s))
-    handles.append(store)
-    group = _pair_group(PrefixStore(offer.transfer_id, store), _RECEIVER_RANK, host, timeout_s)
-    handles.append(group)
-    tensors = [spec.empty() for group_pages in offer.pages for spec in group_pages.tensors]
-    for tag, tensor in enumerate(tensors):
-        group.recv([_as_bytes(tensor)], _SENDER_RANK, tag).wait()
-    group.send([torch.ones(1, dtype=torch.uint8)], _SENDER_RANK, len(tensors)).wait()
-    return tensors
-
-
 class _Outbox:
-    """This process's rendezvous store and the offers waiting in it."""
+    """This process's listening socket on one node address, and the pages waiting in it."""
 
     def __init__(self, host: str) -> None:
         self.host = host
-        self.store = TCPStore(host, 0, None, True, timeout=_delta(SEND_TIMEOUT_S))
-        self.port = self.store.port
+        self.listener = socket.create_server((host, 0))
+        self.port: int = self.listener.getsockname()[1]
         self._lock = threading.Lock()
+        self._waiting: dict[str, tuple[list[torch.Tensor], float]] = {}
+        """Transfer ID -> (its page tensors in send order, the offer's deadline)."""
         self.num_offers = 0
         self.num_ended = 0
         """Offers taken, or dropped (no receiver in time, or it broke off)."""
         self.num_failed = 0
         """Offers dropped."""
+        name = f"kv-outbox-{self.port}"
+        threading.Thread(target=self._accept, name=name, daemon=True).start()
 
     def offer(self, shard: KVShard, timeout_s: float) -> ShardOffer:
         layout = tuple(
             OfferedPages(pages.group_id, pages.num_blocks, tuple(map(_spec, pages.tensors)))
             for pages in shard.pages
         )
-        address = (self.host, self.port)
-        offer = ShardOffer(shard.rank, address, uuid.uuid4().hex, layout, timeout_s)
+        transfer_id = uuid.uuid4().hex
         tensors = [tensor for pages in shard.pages for tensor in pages.tensors]
         with self._lock:
+            self._waiting[transfer_id] = (tensors, time.monotonic() + timeout_s)
             self.num_offers += 1
-        name = f"kv-send-{offer.transfer_id[:8]}"
-        thread = threading.Thread(target=self._send, args=(offer, tensors), name=name, daemon=True)
-        thread.start()
-        return offer
+        return ShardOffer(shard.rank, (self.host, self.port), transfer_id, layout, timeout_s)
 
-    def _send(self, offer: ShardOffer, tensors: list[torch.Tensor]) -> None:
-        """The offer's thread: send the pages once the receiver joins, then drop them."""
-        failed = True
-        try:
-            store = PrefixStore(offer.transfer_id, self.store)
-            group = _pair_group(store, _SENDER_RANK, self.host, offer.timeout_s)
-            for tag, tensor in enumerate(tensors):
-                group.send([_as_bytes(tensor)], _RECEIVER_RANK, tag).wait()
-            group.recv([torch.empty(1, dtype=torch.uint8)], _RECEIVER_RANK, len(tensors)).wait()
-            failed = False
-        except RuntimeError as exc:
-            logger.warning("kv transfer %s: not taken (%s)", offer.transfer_id[:8], exc)
-        finally:
+    def _accept(self) -> None:
+        """Serve each connection on its own thread; drop the offers past their deadline."""
+        self.listener.settimeout(_SWEEP_S)
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except TimeoutError:
+                self._drop_expired()
+                continue
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        """One receiver's connection: the pages of the ID it names, then its acknowledgement."""
+        with conn:
+            try:
+                conn.settimeout(SEND_TIMEOUT_S)
+                transfer_id = _receive_exactly(conn, _ID_BYTES).decode(errors="replace")
+            except (OSError, EOFError):
+                return
             with self._lock:
-                self.num_ended += 1
-                self.num_failed += failed
+                waiting = self._waiting.pop(transfer_id, None)
+            if waiting is None:
+                return  # unknown, taken or dropped: the receiver sees the connection close
+            tensors, deadline = waiting
+            taken = False
+            try:
+                conn.settimeout(max(deadline - time.monotonic(), 0.001))
+                for tensor in tensors:
+                    conn.sendall(_buffer(tensor))
+                taken = _receive_exactly(conn, len(_ACK)) == _ACK
+            except (OSError, EOFError) as exc:
+                logger.warning("kv transfer %s: not taken (%s)", transfer_id[:8], exc)
+            self._end(taken)
+
+    def _drop_expired(self) -> None:
+        """Offers past their deadline lose their pages, unless a receiver took them."""
+        now = time.monotonic()
+        with self._lock:
+            expired = [tid for tid, (_, deadline) in self._waiting.items() if deadline <= now]
+            for transfer_id in expired:
+                del self._waiting[transfer_id]
+        for transfer_id in expired:
+            logger.warning("kv transfer %s: not taken in time", transfer_id[:8])
+            self._end(taken=False)
+
+    def _end(self, taken: bool) -> None:
+        with self._lock:
+            self.num_ended += 1
+            self.num_failed += not taken
 
 
 _outboxes: dict[str, _Outbox] = {}
@@ -225,29 +231,38 @@ def _outbox(host: str) -> _Outbox:
         return _outboxes[host]
 
 
+def _receive_into(conn: socket.socket, target: torch.Tensor, deadline: float) -> None:
+    """Fill the contiguous tensor `target` from `conn` by `deadline` (TimeoutError past it)."""
+    view = _buffer(target)
+    filled = 0
+    while filled < len(view):
+        conn.settimeout(max(deadline - time.monotonic(), 0.001))
+        count = conn.recv_into(view[filled:])
+        if count == 0:
+            raise EOFError("the sender closed the connection (it no longer holds the pages)")
+        filled += count
+
+
+def _receive_exactly(conn: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            raise EOFError("connection closed")
+        data += chunk
+    return data
+
+
 def _spec(tensor: torch.Tensor) -> TensorSpec:
     return TensorSpec(tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
 
 
-def _pair_group(store: PrefixStore, rank: int, host: str, timeout_s: float) -> Any:
-    """A two-rank gloo group over `store`, this side bound to `host` (its `send` and `recv`
-    are not in torch's type stubs)."""
-    options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
-    options._devices = [ProcessGroupGloo.create_device(hostname=host)]
-    options._timeout = _delta(timeout_s)
-    return ProcessGroupGloo(store, rank, 2, options)
+def _buffer(tensor: torch.Tensor) -> memoryview:
+    """The tensor's bytes, shared (a contiguous tensor) or copied, as a writable buffer."""
+    array: Any = _as_bytes(tensor).numpy()
+    return memoryview(array)
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's memory as a flat byte tensor (gloo sends any dtype the same way)."""
+    """The tensor's memory as a flat byte tensor (any dtype travels the same way)."""
     return tensor.contiguous().reshape(-1).view(torch.uint8)
-
-
-def _close_later(handles: list[object]) -> None:
-    """Drop the last references to a group and its store on another thread: tearing a gloo
-    group down takes about 20 ms."""
-    threading.Thread(target=handles.clear, name="kv-group-close", daemon=True).start()
-
-
-def _delta(seconds: float) -> datetime.timedelta:
-    return datetime.timedelta(seconds=max(seconds, 0.001))

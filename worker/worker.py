@@ -167,7 +167,7 @@ class Worker:
         if len(shards) == tp_size:
             shard = shards[self.rank]
             if isinstance(shard, ShardOffer):
-                shard = fetch_shard(shard, self.spec.node_address, fetch_timeout_s)
+                shard = fetch_shard(shard, fetch_timeout_s)
         else:
             pages = [shard for shard in shards if isinstance(shard, KVShard)]
             assert len(pages) == len(shards), "offers are taken before a reshard"

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 from cluster.engine.core import EngineCore
 from cluster.engine.kv_transfer_counters import KVTransferCounters
-from cluster.ray_cluster import node_address
 from scheduler.block_hash import BlockHash
 from scheduler.kv_cache.transfer import (
     HeldKeys,
@@ -159,10 +158,9 @@ def receive(transfer: KVTransfer, num_ranks: int, timeout_s: float = SEND_TIMEOU
     within `timeout_s` (RuntimeError naming the sender when that fails)."""
     if not transfer.is_offered or len(transfer.shards) == num_ranks:
         return transfer
-    host = node_address()
     deadline = time.monotonic() + timeout_s
     shards = tuple(
-        fetch_shard(shard, host, max(deadline - time.monotonic(), 0.001))
+        fetch_shard(shard, max(deadline - time.monotonic(), 0.001))
         if isinstance(shard, ShardOffer)
         else shard
         for shard in transfer.shards

@@ -56,7 +56,7 @@ def test_offered_pages_arrive_exactly_of_any_dtype_and_size() -> None:
         shard = _shard(1, num_bytes)
         offer = offer_shard(shard, HOST, timeout_s=5.0)
         assert offer.nbytes == shard.nbytes
-        assert _same(fetch_shard(offer, HOST, timeout_s=5.0), shard)
+        assert _same(fetch_shard(offer, timeout_s=5.0), shard)
     assert _settled(made) == (2, 0, failed)
 
 
@@ -92,12 +92,12 @@ def test_a_silent_or_gone_sender_fails_the_fetch_within_its_deadline(
     silent_sender: tuple[str, int],
 ) -> None:
     live = offer_shard(_shard(0, 1024), HOST, timeout_s=5.0)
-    fetch_shard(live, HOST, timeout_s=5.0)  # taken, so nothing waits for it
+    fetch_shard(live, timeout_s=5.0)  # taken, so nothing waits for it
     with socket.create_server((HOST, 0)) as closed:
         gone_port = closed.getsockname()[1]
     for address in (silent_sender, (HOST, gone_port)):
-        offer: ShardOffer = replace(live, address=address, transfer_id="t")
+        offer: ShardOffer = replace(live, address=address, transfer_id="0" * 32)
         started = time.monotonic()
         with pytest.raises(RuntimeError, match=r"kv transfer from 127\.0\.0\.1:\d+ failed"):
-            fetch_shard(offer, HOST, timeout_s=1.0)
+            fetch_shard(offer, timeout_s=1.0)
         assert time.monotonic() - started < 2.0
