@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import ray
 
@@ -109,6 +110,19 @@ def _offer(sender: RayEngineClient, receiver: RayEngineClient, prompt: list[int]
     return transfer
 
 
+def _wait_gone(pid: int, timeout_s: float = 10.0) -> None:
+    """Until the killed process no longer runs (gone, or a zombie: its sockets are closed)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} still runs {timeout_s:g} s after SIGKILL")
+
+
 def _sends_settle(sender: RayEngineClient) -> KVTransferCounters:
     """The sender's counters once its rank holds no offered pages (within their deadline)."""
     deadline = time.monotonic() + DEADLINE_S + 5
@@ -154,11 +168,13 @@ def test_direct_transfers_between_engine_actors_and_their_faults(
         for fault in ("stopped", "killed"):
             offer = _offer(sender, receiver, other)
             rank = _rank(sender)
+            pid = int(ray.get(rank.__ray_call__.remote(lambda _: os.getpid())))
             if fault == "stopped":
-                stopped = int(ray.get(rank.__ray_call__.remote(lambda _: os.getpid())))
-                os.kill(stopped, signal.SIGSTOP)
+                os.kill(pid, signal.SIGSTOP)
+                stopped = pid
             else:
-                ray.kill(rank, no_restart=True)
+                os.kill(pid, signal.SIGKILL)
+                _wait_gone(pid)
             started = time.monotonic()
             with pytest.raises(ray.exceptions.RayTaskError, match=r"kv transfer from .* failed"):
                 ray.get(receiver.actor.kv_import.remote(offer, DEADLINE_S), timeout=30)
