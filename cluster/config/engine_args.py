@@ -96,9 +96,9 @@ class EngineArgs(StrictModel):
     """Seconds a load from the offload tier may take before the request recomputes instead."""
     kv_transfer_transport: KVTransferTransport = "object_store"
     """How this engine's KV pages travel to another engine (P/D hand-off, a peer's pull):
-    object_store (Ray's) or direct (a connection from this process to the receiver's, on any
-    free TCP port). NCCL and NIXL are not used: on GPU the pages are staged through host
-    memory."""
+    object_store (Ray's) or direct (each rank's shard over a TCP connection of its own to the
+    receiving rank, on a free port). NCCL and NIXL are not used: on GPU the pages are staged
+    through host memory."""
     seed: int = 0
     """Seed of the sampler for requests without their own seed."""
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
