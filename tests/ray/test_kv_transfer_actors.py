@@ -44,10 +44,17 @@ def start(model: Path, **overrides: object) -> RayEngineClient:
     return RayEngineClient.start(args, placement=PlacementSpec(({"CPU": 0.1},)))
 
 
-def test_transfer_between_engine_actors_and_its_faults(ray_cluster: None, model: Path) -> None:
+@pytest.fixture(scope="module")
+def expected(ray_cluster: None, model: Path) -> list[int]:
+    """The prompt's greedy tokens on one engine with no cache."""
     cold = start(model, enable_prefix_caching=False)
-    expected = run(cold, PROMPT, GREEDY)
-    cold.shutdown()
+    try:
+        return run(cold, PROMPT, GREEDY)
+    finally:
+        cold.shutdown()
+
+
+def test_transfer_between_engine_actors_and_its_faults(model: Path, expected: list[int]) -> None:
     sender, receiver = start(model), start(model)
     try:
         prefill_all_but_last(sender)
@@ -134,14 +141,11 @@ def _sends_settle(sender: RayEngineClient) -> KVTransferCounters:
 
 
 def test_direct_transfers_between_engine_actors_and_their_faults(
-    ray_cluster: None, model: Path
+    model: Path, expected: list[int]
 ) -> None:
     """Pages over a direct connection, rank to rank: tokens equal one engine's; a sending rank
     stopped (SIGSTOP) or killed after its offer fails the import within the deadline with
     nothing reserved; an offer whose receiver died is dropped at its deadline."""
-    cold = start(model, enable_prefix_caching=False)
-    expected = run(cold, PROMPT, GREEDY)
-    cold.shutdown()
     sender = start(model, kv_transfer_transport="direct")
     receiver, victim = start(model), start(model)
     stopped: int | None = None
