@@ -27,6 +27,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.core import EngineCore
 from cluster.engine.kv_transfer_counters import KVTransferCounters
 from scheduler.block_hash import BlockHash
@@ -166,6 +167,20 @@ def receive(transfer: KVTransfer, num_ranks: int, timeout_s: float = SEND_TIMEOU
         for shard in transfer.shards
     )
     return KVTransfer(transfer.keys, shards)
+
+
+async def import_within(
+    engine: AsyncEngine, transfer: KVTransfer, timeout_s: float
+) -> KVImportResult:
+    """`kv_import` on an async engine within `timeout_s`: offered shards its engine takes
+    itself come first, on a thread off the engine's lock; its ranks take theirs in what is
+    left."""
+    deadline = time.monotonic() + timeout_s
+    ranks = engine.core.executor.configs.tensor_parallel_size
+    transfer = await receive_off_loop(transfer, ranks, timeout_s)
+    left = max(deadline - time.monotonic(), 0.001)
+    result: KVImportResult = await engine.call_core(kv_import, transfer, left)
+    return result
 
 
 async def receive_off_loop(

@@ -41,7 +41,7 @@ def log_transport(transport: str) -> None:
     what carries them."""
     ways = {
         "object_store": "Ray's object store",
-        "direct": "a direct connection between the engines",
+        "direct": "direct connections from rank to rank",
     }
     logger.info("kv transfer: pages go through %s (host memory)", ways.get(transport, transport))
     if importlib.util.find_spec("nixl") is not None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -36,10 +35,9 @@ from cluster.engine.executor.ray import RayExecutor
 from cluster.engine.kv_transfer import (
     KVImportResult,
     KVTransfer,
+    import_within,
     kv_export,
     kv_held_keys,
-    kv_import,
-    receive_off_loop,
     transfer_counters,
 )
 from cluster.engine.kv_transfer_counters import KVTransferCounters
@@ -123,11 +121,7 @@ class EngineActor:
     ) -> KVImportResult:
         """KV transfer, receiver: take the pages (an offer's within `timeout_s`, before the
         engine's lock), then the blocks into the pool and prefix cache."""
-        deadline = time.monotonic() + timeout_s
-        ranks = self.engine.core.executor.configs.tensor_parallel_size
-        transfer = await receive_off_loop(transfer, ranks, timeout_s)
-        left = max(deadline - time.monotonic(), 0.001)
-        return await self.engine.call_core(kv_import, transfer, left)
+        return await import_within(self.engine, transfer, timeout_s)
 
     async def get_tokenizer(self) -> Any:
         return await self.engine.get_tokenizer()

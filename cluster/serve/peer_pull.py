@@ -36,13 +36,7 @@ from ray.serve.request_router import ReplicaID
 
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.errors import EngineDeadError
-from cluster.engine.kv_transfer import (
-    KVImportResult,
-    KVTransfer,
-    kv_held_keys,
-    kv_import,
-    receive_off_loop,
-)
+from cluster.engine.kv_transfer import KVImportResult, KVTransfer, import_within, kv_held_keys
 from cluster.engine.request import EngineRequest
 from scheduler.kv_cache.transfer import HeldKeys
 
@@ -110,11 +104,7 @@ async def import_prefix(
         held = await engine.call_core(kv_held_keys, prompt, request.cache_salt)
         response = export(prompt, held, request.cache_salt, timeout_s)
         sent = await asyncio.wait_for(_awaited(response), timeout_s)
-        left = max(deadline - time.monotonic(), 0.001)
-        ranks = engine.core.executor.configs.tensor_parallel_size
-        transfer = await asyncio.wait_for(receive_off_loop(sent, ranks, left), left)
-        left = max(deadline - time.monotonic(), 0.001)  # the ranks take offered shards within
-        result: KVImportResult = await engine.call_core(kv_import, transfer, left)
+        result = await import_within(engine, sent, max(deadline - time.monotonic(), 0.001))
     except (asyncio.TimeoutError, RayError, RuntimeError, ValueError) as exc:
         if isinstance(exc, EngineDeadError):
             raise
