@@ -214,11 +214,16 @@ def _first_line(exc: BaseException) -> str:
     return lines[0] if lines else type(exc).__name__
 
 
+def inside_ray() -> bool:
+    """Whether this process is a Ray driver or worker (Ray already imported and initialized;
+    asking imports nothing)."""
+    ray = sys.modules.get("ray")
+    return ray is not None and bool(ray.is_initialized())
+
+
 def node_address() -> str:
     """This process's node address (Ray's, when it runs under Ray; else the loopback)."""
-    import ray
-
-    if ray.is_initialized():
-        address: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
-        return address
-    return "127.0.0.1"
+    if not inside_ray():
+        return "127.0.0.1"
+    address: str = sys.modules["ray"].util.get_node_ip_address()
+    return address

@@ -8,7 +8,6 @@ the machine-dependent resolution into per-package configs happens where the work
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
@@ -264,12 +263,8 @@ def resolve_executor_backend(args: EngineArgs, where: ExecutorSite) -> ExecutorB
         return backend
     if backend is not None:
         return backend
-    if where == "offline" and _inside_ray():
+    from cluster.ray_cluster import inside_ray
+
+    if where == "offline" and inside_ray():
         return "ray"
     return "mp" if args.tensor_parallel_size > 1 else "uni"
-
-
-def _inside_ray() -> bool:
-    """Whether this process is a Ray driver or worker (Ray already imported and initialized)."""
-    ray = sys.modules.get("ray")
-    return ray is not None and bool(ray.is_initialized())

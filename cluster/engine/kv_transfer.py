@@ -157,7 +157,7 @@ def receive(transfer: KVTransfer, num_ranks: int, timeout_s: float = SEND_TIMEOU
     """The transfer as a receiver of `num_ranks` ranks imports it: offered shards stay offers
     when the sender ran as many ranks (each rank takes its own), else they are taken here,
     within `timeout_s` (RuntimeError naming the sender when that fails)."""
-    if not transfer.is_offered or len(transfer.shards) == num_ranks:
+    if not _taken_by_engine(transfer, num_ranks):
         return transfer
     deadline = time.monotonic() + timeout_s
     shards = tuple(
@@ -177,20 +177,17 @@ async def import_within(
     left."""
     deadline = time.monotonic() + timeout_s
     ranks = engine.core.executor.configs.tensor_parallel_size
-    transfer = await receive_off_loop(transfer, ranks, timeout_s)
+    if _taken_by_engine(transfer, ranks):
+        transfer = await asyncio.to_thread(receive, transfer, ranks, timeout_s)
     left = max(deadline - time.monotonic(), 0.001)
     result: KVImportResult = await engine.call_core(kv_import, transfer, left)
     return result
 
 
-async def receive_off_loop(
-    transfer: KVTransfer, num_ranks: int, timeout_s: float = SEND_TIMEOUT_S
-) -> KVTransfer:
-    """`receive` for a caller on an event loop: offers taken here come on a thread, off the
-    engine's lock."""
-    if not transfer.is_offered or len(transfer.shards) == num_ranks:
-        return transfer
-    return await asyncio.to_thread(receive, transfer, num_ranks, timeout_s)
+def _taken_by_engine(transfer: KVTransfer, num_ranks: int) -> bool:
+    """Whether a receiver of `num_ranks` ranks takes the offered shards in its engine's
+    process (a reshard needs every shard on every rank) rather than rank by rank."""
+    return transfer.is_offered and len(transfer.shards) != num_ranks
 
 
 def kv_import(
@@ -199,8 +196,8 @@ def kv_import(
     """Receiver: write the pages into fresh blocks and register them in the prefix cache (each
     rank resharding them when the sender ran another tensor-parallel size); a transfer there is
     no room for takes nothing (the request recomputes). Offered shards are taken within
-    `timeout_s`: by each rank from its sending rank, or first here for a reshard (callers on an
-    event loop `receive_off_loop` those before, off the engine's lock)."""
+    `timeout_s`: by each rank from its sending rank, or first here for a reshard (`import_within`
+    takes those before, off the engine's lock)."""
     started = time.perf_counter()
     transfer = receive(transfer, core.executor.configs.tensor_parallel_size, timeout_s)
     counters = core.kv_transfer_counters

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
+from cluster import ray_cluster
 from cluster.config import EngineArgs, ExecutorSite, resolve_executor_backend
-from cluster.config import engine_args as engine_args_module
 from cluster.config.engine_args import validate_engine_kwargs
 
 
@@ -99,7 +99,7 @@ def test_executor_backend_defaults_by_where_the_engine_runs(
     inside_ray: bool,
     backend: str,
 ) -> None:
-    monkeypatch.setattr(engine_args_module, "_inside_ray", lambda: inside_ray)
+    monkeypatch.setattr(ray_cluster, "inside_ray", lambda: inside_ray)
     assert resolve_executor_backend(EngineArgs(**kwargs), where) == backend
 
 
