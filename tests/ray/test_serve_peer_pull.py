@@ -44,6 +44,10 @@ ROUTER = {
     },
 }
 DRAIN_S = 6.0
+BUSY_TOKENS = 180
+"""Steps the request keeping the conversation's replica busy runs (no early end of sequence):
+long enough to outlast the next turn's routing on a loaded machine, within the model's 256
+positions."""
 FIRST = [{"role": "user", "content": " ".join(f"t{20 + i}" for i in range(40))}]
 
 
@@ -84,11 +88,17 @@ def handle(ray_cluster: None, model_dir: Path) -> Iterator[Any]:
         yield serve.get_deployment_handle(deployment_name(MODEL), app_name=APP)
 
 
-def chat(handle: Any, messages: list[dict[str, str]], request_id: str, max_tokens: int) -> Any:
+def chat(
+    handle: Any,
+    messages: list[dict[str, str]],
+    request_id: str,
+    max_tokens: int,
+    ignore_eos: bool = False,
+) -> Any:
     """The stream of a greedy chat request through the handle (this process's router)."""
     request = ChatCompletionRequest(
         model=MODEL, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
-        stream_options={"include_usage": True},
+        stream_options={"include_usage": True}, ignore_eos=ignore_eos,
     )  # fmt: skip
     return iter(handle.options(stream=True).generate.remote(request, request_id, False))
 
@@ -103,13 +113,15 @@ def answer(chunks: list[Any]) -> tuple[str, int]:
 def test_a_turn_sent_away_from_its_replica_pulls_the_prefix(handle: Any, model_dir: Path) -> None:
     first_text, _ = answer(list(chat(handle, FIRST, "turn-1", 4)))
     router = handle._router._asyncio_router.request_router
+    holders = wait_until(lambda: holders_of(router, model_dir, FIRST), "the first turn's events")
+    assert len(holders) == 1, holders
     second = [
         *FIRST,
         {"role": "assistant", "content": first_text},
         {"role": "user", "content": "t90 t91 t92"},
     ]
-    busy = chat(handle, [*FIRST, {"role": "user", "content": "t80"}], "busy", 64)
-    next(busy)  # routed (to the holder of the conversation), in flight
+    busy = chat(handle, [*FIRST, {"role": "user", "content": "t80"}], "busy", BUSY_TOKENS, True)
+    next(busy)  # routed (to the holder of the conversation), in flight for BUSY_TOKENS steps
     text, cached = answer(list(chat(handle, second, "turn-2", 4)))
     list(busy)
     assert cached >= 32  # the first turn's prompt (43 tokens) came from a cache
@@ -161,6 +173,13 @@ def is_gone(replica: ReplicaID) -> bool:
     return False
 
 
+def holders_of(router: Any, model_dir: Path, messages: list[dict[str, str]]) -> list[ReplicaID]:
+    """The replicas the router predicts to cache the conversation's prefix (from their KV
+    events: the first request of a deployment leaves no guess, the router cannot hash yet)."""
+    replicas = router.curr_replicas
+    return [replica for replica in replicas if held_by(router, replica, model_dir, [messages])]
+
+
 def held_by(router: Any, replica: ReplicaID, model_dir: Path, turns: list[Any]) -> list[int]:
     """The turns whose prefix the router predicts `replica` caches, longest first."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -193,7 +212,8 @@ def test_a_draining_replica_is_pulled_from_and_once_gone_its_turns_recompute(
         for index, first in enumerate(firsts)
     ]
     router = handle._router._asyncio_router.request_router
-    time.sleep(1.0)  # the replicas' KV events reach the router
+    for turn in turns:  # the replicas' KV events reach the router
+        wait_until(lambda turn=turn: holders_of(router, model_dir, turn), "a turn's events")
     before = {replica: direct(replica, "transfer_stats") for replica in router.curr_replicas}
     holders = {replica: held_by(router, replica, model_dir, turns) for replica in before}
     drained, kept = scale_down(handle, model_dir)
