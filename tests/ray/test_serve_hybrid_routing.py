@@ -30,6 +30,7 @@ from scheduler.request import SamplingParams
 from tests.helpers.serve_app import deployed, save_word_tokenizer
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from tests.helpers.tiny_models import save_tiny_model
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.ray
 # Two replicas (a one-CPU rank bundle each) plus the ingress and the replicas' own share.
@@ -184,10 +185,10 @@ def test_evictions_reach_the_router(routed: Routed, sessions: list[list[dict[str
     handle = serve.get_deployment_handle(deployment_name(MODEL), app_name=APP)
     token_ids = [20 + i for i in range(40)]
     _complete(handle, " ".join(f"t{t}" for t in token_ids), "probe-first")
-    time.sleep(1.0)
     router = _router(handle)
     after_guesses = time.monotonic() + RoutingOptions.guess_ttl_s + 1
-    assert len(_holders(router, token_ids, after_guesses)) == 1
+    holders = wait_until(lambda: _holders(router, token_ids, after_guesses), "the probe's events")
+    assert len(holders) == 1
     for number in range(FLOOD_PROMPTS):  # distinct prompts, until the pools have turned over
         words = " ".join(f"t{(number * 37 + i * 11) % 230 + 20}" for i in range(40))
         _complete(handle, words, f"flood-{number}")

@@ -7,7 +7,7 @@ the offline engine's, and the pull counter moves."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from cluster.serve.peer_pull import call_replica
 from scheduler.request import SamplingParams
 from tests.helpers.serve_app import deployed, save_word_tokenizer
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
+from tests.helpers.waiting import wait_until
 
 pytestmark = pytest.mark.ray
 RAY_CPUS = 4
@@ -153,16 +154,6 @@ def next_turn(first: list[dict[str, str]], text: str) -> list[dict[str, str]]:
 def direct(replica: ReplicaID, method: str) -> Any:
     """`method()` called on that replica itself (routable or draining)."""
     return ray.get(call_replica(replica, method).ref, timeout=30)
-
-
-def wait_until(condition: Callable[[], Any], what: str, timeout_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = condition()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"{what} within {timeout_s} s")
 
 
 def is_gone(replica: ReplicaID) -> bool:
