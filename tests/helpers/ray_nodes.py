@@ -29,6 +29,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from tests.helpers.ray_head import RAY
 from tests.helpers.ray_local import REPO_ROOT
 
@@ -63,9 +65,15 @@ class RayNode:
         return self.process.poll() is None
 
     def kill(self) -> None:
-        """SIGKILL the whole node at once (raylet, workers, agents): a lost machine."""
+        """SIGKILL the whole node at once: a lost machine. Its group (raylet, agents) and every
+        process below it: Ray starts each worker in a process group of its own, and a worker
+        outliving its raylet for a moment would still finish the requests it holds."""
+        workers = psutil.Process(self.process.pid).children(recursive=True)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
+        for worker in workers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                worker.kill()
         self.process.wait()
 
     def stop(self, timeout: float = 30.0) -> None:
