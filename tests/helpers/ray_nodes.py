@@ -68,12 +68,12 @@ class RayNode:
         """SIGKILL the whole node at once: a lost machine. Its group (raylet, agents) and every
         process below it: Ray starts each worker in a process group of its own, and a worker
         outliving its raylet for a moment would still finish the requests it holds."""
-        workers = psutil.Process(self.process.pid).children(recursive=True)
+        below = psutil.Process(self.process.pid).children(recursive=True)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
-        for worker in workers:
+        for process in below:
             with contextlib.suppress(psutil.NoSuchProcess):
-                worker.kill()
+                process.kill()
         self.process.wait()
 
     def stop(self, timeout: float = 30.0) -> None:

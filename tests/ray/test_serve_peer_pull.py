@@ -23,6 +23,7 @@ from cluster.llm import LLM
 from cluster.openai_api.protocol import ChatCompletionRequest
 from cluster.serve import build_llm_deployment, deployment_name
 from cluster.serve.peer_pull import call_replica
+from cluster.serve.routing_options import RoutingOptions
 from scheduler.request import SamplingParams
 from tests.helpers.serve_app import deployed, save_word_tokenizer
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
@@ -114,7 +115,8 @@ def answer(chunks: list[Any]) -> tuple[str, int]:
 def test_a_turn_sent_away_from_its_replica_pulls_the_prefix(handle: Any, model_dir: Path) -> None:
     first_text, _ = answer(list(chat(handle, FIRST, "turn-1", 4)))
     router = handle._router._asyncio_router.request_router
-    holders = wait_until(lambda: holders_of(router, model_dir, FIRST), "the first turn's events")
+    [first_ids] = prompt_ids(model_dir, [FIRST])
+    holders = wait_until(lambda: holders_by_events(router, first_ids), "the first turn's events")
     assert len(holders) == 1, holders
     second = [
         *FIRST,
@@ -164,23 +166,31 @@ def is_gone(replica: ReplicaID) -> bool:
     return False
 
 
-def holders_of(router: Any, model_dir: Path, messages: list[dict[str, str]]) -> list[ReplicaID]:
-    """The replicas the router predicts to cache the conversation's prefix (from their KV
-    events: the first request of a deployment leaves no guess, the router cannot hash yet)."""
-    replicas = router.curr_replicas
-    return [replica for replica in replicas if held_by(router, replica, model_dir, [messages])]
-
-
-def held_by(router: Any, replica: ReplicaID, model_dir: Path, turns: list[Any]) -> list[int]:
-    """The turns whose prefix the router predicts `replica` caches, longest first."""
+def prompt_ids(model_dir: Path, turns: list[Any]) -> list[list[int]]:
+    """Each conversation's prompt as the replicas tokenize it (chat template, generation prompt)."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    texts = [
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        for messages in turns
+    ]
+    return [tokenizer.encode(text) for text in texts]
+
+
+def held_by(router: Any, replica: ReplicaID, prompts: list[list[int]], now: float) -> list[int]:
+    """The prompts whose prefix the router predicts `replica` caches at `now`, longest first."""
     hits = {}
-    for index, messages in enumerate(turns):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        token_ids = tokenizer.encode(text)
+    for index, token_ids in enumerate(prompts):
         keys = router.policy.prompt_keys(token_ids, None)
-        hits[index] = router.policy.predicted_hit(replica, keys, time.monotonic())
+        hits[index] = router.policy.predicted_hit(replica, keys, now)
     return sorted((i for i in hits if hits[i] >= 16), key=lambda i: -hits[i])
+
+
+def holders_by_events(router: Any, token_ids: list[int]) -> list[ReplicaID]:
+    """The replicas the router predicts to cache the prompt's prefix from their KV events alone
+    (read past the guesses' lifetime; the first request of a deployment leaves no guess anyway:
+    the router cannot hash before some replica's events)."""
+    after_guesses = time.monotonic() + RoutingOptions.guess_ttl_s + 1
+    return [r for r in router.curr_replicas if held_by(router, r, [token_ids], after_guesses)]
 
 
 def scale_down(handle: Any, model_dir: Path) -> tuple[ReplicaID, ReplicaID]:
@@ -203,10 +213,12 @@ def test_a_draining_replica_is_pulled_from_and_once_gone_its_turns_recompute(
         for index, first in enumerate(firsts)
     ]
     router = handle._router._asyncio_router.request_router
-    for turn in turns:  # the replicas' KV events reach the router
-        wait_until(lambda turn=turn: holders_of(router, model_dir, turn), "a turn's events")
+    prompts = prompt_ids(model_dir, turns)
+    for ids in prompts:  # the replicas' KV events reach the router
+        wait_until(lambda ids=ids: holders_by_events(router, ids), "a turn's events")
     before = {replica: direct(replica, "transfer_stats") for replica in router.curr_replicas}
-    holders = {replica: held_by(router, replica, model_dir, turns) for replica in before}
+    now = time.monotonic()
+    holders = {replica: held_by(router, replica, prompts, now) for replica in before}
     drained, kept = scale_down(handle, model_dir)
     live, gone = holders[drained][:2]
     live_text, live_cached = answer(list(chat(handle, turns[live], "live", 4)))
