@@ -1,10 +1,14 @@
 """Speculative decoding and the KV cache of recurrent hybrids: every Mamba cache mode, prefix
-caching off, fine state checkpoints, preemption, async scheduling (with and without
-preemption), TP = 2, and the A -> B -> A poisoning probe (CPU fp32,
-tiny random models, the offline `LLM`). Greedy tokens must equal those without speculation."""
+caching off, fine state checkpoints and preemption, each with synchronous and with async steps,
+TP = 2, and the A -> B -> A poisoning probe (CPU fp32, tiny random models, the offline `LLM`).
+Greedy tokens must equal those without speculation; every case rejects drafts and restores the
+recurrent states of the accepted position (a rollback), and runs ahead of its tokens exactly
+when it schedules asynchronously."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -12,7 +16,7 @@ import pytest
 
 from cluster import LLM, SamplingParams
 from tests.helpers.drafters import ScriptedProposer, install_proposer
-from tests.helpers.engine_probe import engine_stats
+from tests.helpers.engine_probe import engine_stats, num_scheduled_ahead
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from tests.helpers.tiny_linear_hybrid import save_tiny_linear_hybrid
 
@@ -28,19 +32,15 @@ LLM_ARGS: dict[str, Any] = {
     "max_num_batched_tokens": 24,
     "kv_cache_memory_bytes": 1 << 21,
 }
-CASES = {
-    "align": {},
+CACHE_CASES: dict[str, dict[str, Any]] = {
+    "align": {"mamba_cache_mode": "align"},
     "all": {"mamba_cache_mode": "all"},
     "no_caching": {"enable_prefix_caching": False},
     "checkpoints": {"prefix_match_unit": 4},
     "preemption": {"kv_cache_memory_bytes": 18 * 3072, "max_model_len": 72},
-    "async": {"async_scheduling": True},
-    "async_preemption": {
-        "async_scheduling": True,
-        "kv_cache_memory_bytes": 18 * 3072,
-        "max_model_len": 72,
-    },
 }
+SCHEDULING = {"sync": False, "async": True}
+"""Case name -> async_scheduling (set explicitly: the engine's default is async)."""
 
 
 class Saved(NamedTuple):
@@ -73,20 +73,48 @@ def _expected(saved: Saved, prompts: list[list[int]]) -> list[list[int]]:
     return [by_prompt[tuple(prompt)] for prompt in prompts]
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_cache_modes_and_preemption_keep_the_tokens(saved: Saved, case: str) -> None:
+@contextmanager
+def count_state_restores(llm: LLM) -> Iterator[list[int]]:
+    """Yield a list that receives, per rollback of a request's recurrent states to a draft
+    position's slot (drafts rejected), the number of drafts accepted."""
+    slots = llm.client.core.scheduler.kv_cache_manager.spec_slots
+    assert slots is not None, "no draft-position state slots: not a recurrent hybrid"
+    restore = slots.restore
+    seen: list[int] = []
+
+    def recording_restore(req_id: str, num_accepted: int, num_computed: int) -> None:
+        seen.append(num_accepted)
+        restore(req_id, num_accepted, num_computed)
+
+    slots.restore = recording_restore  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        del slots.restore
+
+
+@pytest.mark.parametrize("scheduling", list(SCHEDULING))
+@pytest.mark.parametrize("case", list(CACHE_CASES))
+def test_cache_modes_and_preemption_keep_the_tokens(
+    saved: Saved, case: str, scheduling: str
+) -> None:
     spec = {"method": "ngram", "num_speculative_tokens": 3}
-    llm = LLM(str(saved.path), speculative_config=spec, **{**LLM_ARGS, **CASES[case]})
-    for kind in ("oracle", "perturbed"):
-        install_proposer(llm, ScriptedProposer(3, saved.sequences, kind))
-        assert _generate(llm, PROMPTS) == _expected(saved, PROMPTS), kind
+    args = {**LLM_ARGS, **CACHE_CASES[case], "async_scheduling": SCHEDULING[scheduling]}
+    llm = LLM(str(saved.path), speculative_config=spec, **args)
+    with count_state_restores(llm) as restores:
+        for kind in ("oracle", "perturbed"):
+            install_proposer(llm, ScriptedProposer(3, saved.sequences, kind))
+            assert _generate(llm, PROMPTS) == _expected(saved, PROMPTS), kind
     stats = engine_stats(llm)
-    assert stats.spec_decoding is not None
-    assert stats.spec_decoding.num_accepted_tokens > 0
-    if "preemption" in case:
-        assert stats.num_preemptions > 0
+    ahead = num_scheduled_ahead(llm)
     llm.client.core.scheduler.kv_cache_manager.check_invariants()
     llm.shutdown()
+    assert (ahead > 0) == SCHEDULING[scheduling], ahead  # which scheduling ran
+    spec_stats = stats.spec_decoding
+    assert spec_stats is not None
+    assert 0 < spec_stats.num_accepted_tokens < spec_stats.num_draft_tokens  # drafts rejected
+    assert restores, "no rollback restored a draft position's recurrent states"
+    assert (stats.num_preemptions > 0) == (case == "preemption")
 
 
 def test_a_then_b_then_a_gives_a_the_same_answer(saved: Saved) -> None:
