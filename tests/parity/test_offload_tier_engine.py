@@ -1,8 +1,10 @@
 """The offload tier end to end on tiny random models (CPU fp32, offline `LLM`): chat sessions take
 turns in a device pool too small for all of them, so later turns hit blocks the pool evicted and
 the tier keeps; every token (greedy and seeded) equals a cold prefill and a warm device hit, and
-the tier's hits are asserted non-zero. Layouts: sliding window (Gemma 3), KV sharing (Gemma 3n),
-Mamba-2 hybrid (Bamba), gated DeltaNet hybrid (Qwen3.5) and short convolution (LFM2)."""
+the tier's hits are asserted non-zero, with async steps (every layout) and with synchronous ones
+(two layouts), which steps ran checked by the scheduler's count of steps run ahead. Layouts:
+sliding window (Gemma 3), KV sharing (Gemma 3n), Mamba-2 hybrid (Bamba), gated DeltaNet hybrid
+(Qwen3.5) and short convolution (LFM2)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import pytest
 from cluster import LLM, SamplingParams
 from scheduler.kv_cache.builder import block_bytes, request_blocks
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
+from tests.helpers.engine_probe import num_scheduled_ahead
 from tests.helpers.tiny_gemma3n import save_tiny_gemma3n
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from tests.helpers.tiny_linear_hybrid import save_tiny_linear_hybrid
@@ -98,10 +101,12 @@ def test_tier_hits_give_the_tokens_of_a_cold_prefill_and_a_device_hit(
     warm, llm = _sessions(tmp_path, kv_cache_memory_bytes=1 << 22)
     llm.shutdown()
     assert warm == cold
-    tiered, llm = _sessions(tmp_path, **small, **TIER)
+    tiered, llm = _sessions(tmp_path, **small, **TIER, async_scheduling=True)
     stats = llm.client.core.get_stats()  # type: ignore[attr-defined]
+    ahead = num_scheduled_ahead(llm)
     llm.shutdown()
     assert tiered == cold
+    assert ahead > 0  # the steps ran ahead of their tokens
     assert stats.offload is not None
     assert stats.offload.loaded_bytes > 0, stats.offload
     assert sum(stats.offload.group_hit_tokens) > 0
@@ -186,19 +191,25 @@ def test_the_disk_tier_is_found_again_after_a_restart_and_bad_files_are_ignored(
 
 
 @pytest.mark.parametrize("family", ["gemma3", "bamba"])
-def test_tier_hits_with_async_scheduling_give_the_tokens_of_a_cold_prefill(
+def test_tier_hits_with_synchronous_steps_give_the_tokens_of_a_cold_prefill(
     family: str, tmp_path: Path
 ) -> None:
+    """The tier with synchronous steps (each scheduled after the previous one's tokens are
+    back)."""
     SAVERS[family](tmp_path)
     small = _small_pool(tmp_path)
     cold, llm = _sessions(tmp_path, enable_prefix_caching=False)
     llm.shutdown()
-    tiered, llm = _sessions(tmp_path, **small, **TIER, async_scheduling=True)
+    tiered, llm = _sessions(tmp_path, **small, **TIER, async_scheduling=False)
     stats = llm.client.core.get_stats()  # type: ignore[attr-defined]
+    ahead = num_scheduled_ahead(llm)
     llm.shutdown()
     assert tiered == cold
+    assert ahead == 0  # no step ran ahead of its tokens
     assert stats.offload is not None
     assert stats.offload.loaded_bytes > 0
+    assert sum(stats.offload.group_hit_tokens) > 0
+    assert stats.offload.num_failed_loads == 0
 
 
 @pytest.mark.slow  # two tensor-parallel engines (minutes on a shared CPU); the ranks' agreement
