@@ -18,7 +18,8 @@ from scheduler.kv_cache.events import KVEventSink
 from scheduler.kv_cache.eviction import ChainProtection, EvictionPolicy, Tier, TieredFreeQueue
 from scheduler.kv_cache.eviction_history import EvictionHistory
 from scheduler.kv_cache.free_block_queue import FreeBlockQueue, KVCacheBlock
-from scheduler.kv_cache.offload import DeviceOrOffloaded, OffloadIndex
+from scheduler.kv_cache.offload import OffloadIndex
+from scheduler.kv_cache.offload_levels import DeviceOrOffloaded
 
 __all__ = ["BlockPool", "FreeBlockQueue", "KVCacheBlock"]
 

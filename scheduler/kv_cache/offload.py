@@ -24,8 +24,8 @@ recomputes.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple, Protocol
 
 from scheduler.block_hash import BlockHash
 from scheduler.config import OffloadConfig
@@ -46,10 +46,7 @@ from scheduler.kv_cache.offload_levels import (
 from scheduler.kv_cache.spec import KVCacheConfig
 from scheduler.output import OffloadLoad, OffloadOps, OffloadSpill, OffloadStore
 
-if TYPE_CHECKING:
-    from scheduler.kv_cache.block_pool import BlockPool
-
-__all__ = ["DeviceOrOffloaded", "OffloadIndex", "OffloadedBlock", "group_block_bytes"]
+__all__ = ["DeviceOrOffloaded", "DevicePool", "OffloadIndex", "OffloadedBlock", "group_block_bytes"]
 
 
 THRASH_LOOKAHEAD = 8
@@ -69,6 +66,17 @@ class DiskTier(NamedTuple):
     folder: str
     """The fingerprint folder: `kv_offloading_dir/<fingerprint>`."""
     capacity_bytes: int
+
+
+class DevicePool(Protocol):
+    """What the tier asks of the device pool it sits below (`BlockPool`, which imports this
+    module: the pool calls the tier, the tier names only this)."""
+
+    def touch(self, blocks: Iterable[KVCacheBlock]) -> None: ...
+
+    def get_new_blocks(self, count: int, group_id: int) -> list[KVCacheBlock]: ...
+
+    def register_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None: ...
 
 
 class OffloadCounters(NamedTuple):
@@ -200,7 +208,7 @@ class OffloadIndex:
         entry.slot = None
         self.disk.add(entry)
 
-    def adopt(self, pool: BlockPool, table: list[KVCacheBlock], start: int, req_id: str) -> None:
+    def adopt(self, pool: DevicePool, table: list[KVCacheBlock], start: int, req_id: str) -> None:
         """A new table starts from a hit (entries from `start` on): touch its device blocks and
         keep its tier entries (no eviction) until `fill` gives them device blocks."""
         device = []
@@ -213,7 +221,7 @@ class OffloadIndex:
                 device.append(block)
         pool.touch(device)
 
-    def fill(self, pool: BlockPool) -> None:
+    def fill(self, pool: DevicePool) -> None:
         """Give every adopted tier entry a fresh device block (in its table) and a load; call
         once every group of the request adopted its hit, so no pop evicts one of its blocks."""
         for req_id, table, index in self._to_fill:
@@ -230,7 +238,7 @@ class OffloadIndex:
         """Whether the request waits for loads from the tier."""
         return req_id in self._pending
 
-    def finish(self, pool: BlockPool, req_id: str, succeeded: bool) -> None:
+    def finish(self, pool: DevicePool, req_id: str, succeeded: bool) -> None:
         """The workers ended the request's loads: register the filled blocks in the device pool,
         or, after a failure, drop the entries read (their blocks stay unregistered)."""
         for source, block in self._pending.pop(req_id, ()):
