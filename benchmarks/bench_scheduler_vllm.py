@@ -21,13 +21,17 @@ import argparse
 import importlib.util
 import json
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from bench_scheduler import (
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.workloads.hybrid_scheduler_loads import (
     BLOCK_SIZE,
     HYBRID_WINDOW,
     HybridLoad,
@@ -36,7 +40,6 @@ from bench_scheduler import (
     hybrid_kv_config,
     hybrid_mixed_load,
 )
-
 from scheduler.config import SchedulerConfig
 from scheduler.output import ModelRunnerOutput
 from scheduler.request import Request, SamplingParams
