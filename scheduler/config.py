@@ -74,7 +74,8 @@ class SchedulerConfig:
     prefix_match_unit: int | None = None
     """Tokens of the prefix-match grid of models with recurrent-state (Mamba) groups: prompts
     also save state checkpoints on this grid (`scheduler.kv_cache.checkpoints`), so hits need
-    not end on the (often hundreds of tokens long) unified block. None: the block grid only."""
+    not end on the (often hundreds of tokens long) unified block. None or 0: the block grid
+    only (the engine's default is `resolve_prefix_match_unit`'s)."""
 
     async_scheduling: bool = False
     """Schedule step N+1 before step N's sampled tokens are back: a running request's token in
@@ -102,8 +103,11 @@ class SchedulerConfig:
                 "long_prefill_token_threshold must be >= 0 (0 disables it), got "
                 f"{self.long_prefill_token_threshold}"
             )
-        if self.prefix_match_unit is not None and self.prefix_match_unit < 1:
-            raise ValueError(f"prefix_match_unit must be >= 1, got {self.prefix_match_unit}")
+        if self.prefix_match_unit is not None and self.prefix_match_unit < 0:
+            raise ValueError(
+                f"prefix_match_unit must be >= 0 (0: the block grid only), got "
+                f"{self.prefix_match_unit}"
+            )
         if not isinstance(self.policy, SchedulingPolicy):
             raise TypeError(f"policy must be a SchedulingPolicy, got {self.policy!r}")
         if not self.enable_chunked_prefill:
@@ -121,3 +125,12 @@ class SchedulerConfig:
                 "long_prefill_token_threshold splits prefills and needs enable_chunked_prefill; "
                 "set it to 0 or enable chunked prefill"
             )
+
+
+def resolve_prefix_match_unit(unit: int | None, block_size: int) -> int | None:
+    """The engine's prefix-match unit: None (unset) gives the attention layers' configured block
+    size, so a hybrid whose unified block is hundreds of tokens still hits where an
+    attention-only model would; 0 keeps the block grid only (None returned)."""
+    if unit is None:
+        return block_size
+    return unit or None

@@ -23,7 +23,7 @@ from scheduler.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec
 from scheduler.kv_cache.spec_factory import make_spec
 from scheduler.prefill_split import block_aligned_num_tokens
 from scheduler.replay_keys import unknown_key_warnings
-from scheduler.request import Request, SamplingParams
+from scheduler.request import Request, RequestStatus, SamplingParams
 
 Record = dict[str, Any]
 
@@ -272,11 +272,14 @@ class TraceReplayer:
                 allocated = False
                 break
             request.num_computed_tokens += num_new
+            self.manager.take_step_ops()  # a step ran: its checkpoints are written
+            self.manager.begin_step()
         return {"allocated": allocated, "block_ids": self._table(req_id)}
 
     def _free(self, req_id: str, op: dict[str, Any]) -> Record:
         request = self.requests.pop(req_id, None)
         if request is not None:
+            request.status = RequestStatus.FINISHED_STOPPED
             self.manager.free(request)
         return {}
 

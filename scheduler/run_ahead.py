@@ -24,7 +24,7 @@ def may_run_ahead(request: Request, max_model_len: int, manager: KVCacheManager)
     checkpoints = manager.checkpoints
     end = request.num_computed_tokens + 1
     # A state checkpoint needs the hash of the tokens before it: wait until they are known.
-    return checkpoints is None or not checkpoints.wants(request.req_id, end)
+    return checkpoints is None or not checkpoints.wants(request, end)
 
 
 def samples_this_step(request: Request) -> bool:

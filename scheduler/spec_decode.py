@@ -108,9 +108,7 @@ class DraftVerification:
             num = min(num, slots.window_tokens(computed) - 1)
         checkpoints = self.manager.checkpoints
         while (
-            num > 0
-            and checkpoints is not None
-            and checkpoints.wants(request.req_id, computed + 1 + num)
+            num > 0 and checkpoints is not None and checkpoints.wants(request, computed + 1 + num)
         ):
             num -= 1
         if num > 0 and slots is not None and not slots.reserve(request.req_id):

@@ -11,7 +11,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from cluster.config.engine_args import EngineArgs
-from scheduler.config import OffloadConfig, SchedulerConfig, SchedulingPolicy
+from scheduler.config import (
+    OffloadConfig,
+    SchedulerConfig,
+    SchedulingPolicy,
+    resolve_prefix_match_unit,
+)
 from scheduler.kv_cache.eviction import EvictionPolicy
 
 if TYPE_CHECKING:  # torch-heavy: imported where the workers run, not by callers
@@ -90,7 +95,7 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
         policy=SchedulingPolicy(args.scheduling_policy),
         enable_prefix_caching=args.enable_prefix_caching,
         prefix_cache_eviction=EvictionPolicy(args.prefix_cache_eviction),
-        prefix_match_unit=args.prefix_match_unit,
+        prefix_match_unit=resolve_prefix_match_unit(args.prefix_match_unit, args.block_size),
         async_scheduling=args.async_scheduling,
         kv_offloading=offload_config(args, model),
         speculative=speculative,

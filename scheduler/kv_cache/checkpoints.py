@@ -2,8 +2,8 @@
 
 A hybrid's unified block can be hundreds of tokens long, and a recurrent state is kept only at
 block ends: prompts sharing less than one block never hit. With `prefix_match_unit` u smaller
-than the hit alignment B, a request also saves checkpoints at positions p on the u grid (in its
-prompt and its outputs: the next turn of a chat reads its answer back), spaced
+than the hit alignment B, a request also saves checkpoints at positions p on the u grid of its
+prompt, spaced
 max(u, u * floor(0.1 * p / u)) apart (so every prefix has one within 10 % below it) and at most
 `max_per_request` of them. A checkpoint at p is, per group, one pool block keyed by the
 chained hash of the tokens before p (a hash chain at u tokens, tagged so it never equals a block
@@ -18,6 +18,17 @@ fresh blocks for the rest, which the workers fill from the checkpoint before the
 (copy-on-write: the checkpoint itself is never written). Checkpoint blocks are registered (and
 become evictable like any cached block) at the step after the one that wrote them, and count in
 the pool like every other block.
+
+Two more kinds of checkpoint make a chat's next turn resume where the last one ended:
+    prompt end   a save at the last unit-grid position of the prompt (a regenerated answer or
+                 an edited next message starts there)
+    answer end   a finished request leaves its own state and partial attention blocks in the
+                 cache, keyed at its exact computed length (no copy: the blocks are registered
+                 as they are freed); the next turn, which extends the prompt and the answer,
+                 resumes there. The end checkpoint a request resumed from is evicted first once
+                 the request leaves its own (nothing reaches it any more but an edited turn).
+Answer ends are left without speculative decoding only: after a verify step with rejected drafts
+the running state is restored at the request's next step, which a finished request never has.
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ from typing import NamedTuple
 
 import xxhash
 
-from scheduler.block_hash import BlockHash, extend_block_hashes
+from scheduler.block_hash import BlockHash, extend_block_hashes, hash_block_tokens
 from scheduler.kv_cache.block_pool import BlockPool, KVCacheBlock
 from scheduler.kv_cache.mamba_manager import MambaManager
 from scheduler.kv_cache.single_type_manager import SingleTypeManager
@@ -44,6 +55,7 @@ FREE_SHARE_KEPT = 8
 optimisation, and must not take the blocks running requests grow into."""
 
 _TAG = b"state-checkpoint"
+_END_TAG = b"state-end"
 
 
 def checkpoint_positions(num_tokens: int, unit: int, limit: int) -> list[int]:
@@ -67,6 +79,11 @@ def checkpoint_keys(token_ids: Sequence[int], unit: int, salt: str | None) -> li
     chain: list[BlockHash] = []
     extend_block_hashes(chain, token_ids, unit, salt)
     return [xxhash.xxh3_128_digest(digest + _TAG) for digest in chain]
+
+
+def end_key(grid_key: BlockHash, tail: Sequence[int]) -> BlockHash:
+    """Key of an answer-end checkpoint: the unit-grid key before it and the tokens after it."""
+    return xxhash.xxh3_128_digest(hash_block_tokens(grid_key, tail) + _END_TAG)
 
 
 class FineHit(NamedTuple):
@@ -112,6 +129,14 @@ class StateCheckpoints:
         self._copies_after: list[tuple[str, BlockCopy]] = []
         self._state_saves: list[StateSave] = []
         """Worker ops planned for the step being scheduled (with the request they serve)."""
+        self.keep_answer_ends = True
+        """Leave finished requests' end states in the cache (off with speculative decoding)."""
+        self._ends: dict[BlockHash, dict[int, BlockHash]] = {}
+        """Answer-end checkpoints: unit-grid key before them -> {position: end key}."""
+        self._resumed: dict[str, list[tuple[KVCacheBlock, BlockHash]]] = {}
+        """Per request resumed from an end checkpoint: its blocks (and keys at that time)."""
+        self._untrusted: set[str] = set()
+        """Requests whose blocks a failed step left untrustworthy (no end checkpoint)."""
 
     @classmethod
     def create(
@@ -124,6 +149,20 @@ class StateCheckpoints:
         if any(m.mode is MambaCacheMode.NONE for m in states) or unit >= states[0].hit_alignment:
             return None  # a state kept per request, or hits on the unit grid already
         return cls(managers, pool, unit)
+
+    def describe(self) -> str:
+        """One line for the start-up log: the grid and what one checkpoint costs."""
+        num_states = len(self.state_groups)
+        num_attention = len(self.managers) - num_states
+        usable = self.pool.num_blocks - 1
+        share = 100 * (num_states + num_attention) / usable
+        return (
+            f"prefix_match_unit {self.unit}: state checkpoints on a {self.unit}-token grid inside "
+            f"{self.managers[0].hit_alignment}-token hybrid blocks, at prompt and answer ends; "
+            f"one takes {num_states} state slots + up to {num_attention} attention blocks "
+            f"({share:.2f} % of the {usable}-block pool), evictable like cached blocks, and is "
+            f"saved only while 1/{FREE_SHARE_KEPT} of the pool stays free"
+        )
 
     def _request_keys(self, request: Request) -> list[BlockHash]:
         """Keys of every full unit of the request's tokens (extended as outputs arrive)."""
@@ -141,6 +180,9 @@ class StateCheckpoints:
         maps = self.pool.hash_maps
         for index in range(len(keys) - 1, -1, -1):
             position = (index + 1) * self.unit
+            end = self._find_end(keys[index], tokens, block_hashes, position, hit)
+            if end is not None:
+                return end
             if position <= hit:
                 return None
             key = keys[index]
@@ -149,6 +191,37 @@ class StateCheckpoints:
             found = self._restore(block_hashes, key, position)
             if found is not None:
                 return found
+        return None
+
+    def _find_end(
+        self,
+        grid_key: BlockHash,
+        tokens: Sequence[int],
+        block_hashes: Sequence[BlockHash],
+        grid_position: int,
+        hit: int,
+    ) -> FineHit | None:
+        """The longest answer-end checkpoint after the grid position `grid_key` names, within
+        `tokens` and longer than `hit` (stale entries, evicted since, are dropped)."""
+        ends = self._ends.get(grid_key)
+        if not ends:
+            return None
+        state_map = self.pool.hash_maps[self.state_groups[0]]
+        for position in sorted(ends, reverse=True):
+            key = ends[position]
+            if key not in state_map:
+                del ends[position]
+                continue
+            if position <= hit or position > len(tokens):
+                continue
+            if end_key(grid_key, tokens[grid_position:position]) != key:
+                continue
+            if all(key in self.pool.hash_maps[group_id] for group_id in self.state_groups):
+                found = self._restore(block_hashes, key, position)
+                if found is not None:
+                    return found
+        if not ends:
+            del self._ends[grid_key]
         return None
 
     def _restore(
@@ -198,6 +271,9 @@ class StateCheckpoints:
 
     def adopt(self, req_id: str, sources: Sequence[KVCacheBlock | None]) -> None:
         """Append a fresh block filled from each source to the new request's tables."""
+        self._resumed[req_id] = [
+            (source, source.block_hash) for source in sources if source and source.block_hash
+        ]
         for manager, source in zip(self.managers, sources, strict=True):
             if source is None:
                 continue
@@ -208,24 +284,34 @@ class StateCheckpoints:
 
     # Saving
 
-    def wants(self, req_id: str, end: int) -> bool:
+    def wants(self, request: Request, end: int) -> bool:
         """Whether a step of the request computing up to `end` tokens reaches a checkpoint."""
-        position, count = self._next.get(req_id, (self.unit, 0))
-        return position <= end and count < self.max_per_request
+        position, count = self._next.get(request.req_id, (self.unit, 0))
+        if position <= min(end, request.num_prompt_tokens) and count < self.max_per_request:
+            return True
+        prompt_end = self._prompt_end(request)
+        return request.num_computed_tokens < prompt_end <= end
+
+    def _prompt_end(self, request: Request) -> int:
+        """The last unit-grid position of the prompt (0: a prompt shorter than the unit)."""
+        return request.num_prompt_tokens // self.unit * self.unit
 
     def plan_saves(self, request: Request, start: int, end: int) -> None:
         """Checkpoints at positions in (start, end] (prompt or outputs) for the step being
         scheduled (computing tokens [start, end)); those up to `start` (a hit) are passed."""
         req_id = request.req_id
-        if not self.wants(req_id, end):
-            return
         position, count = self._next.get(req_id, (self.unit, 0))
         keys = self._request_keys(request)
-        while position <= end and count < self.max_per_request:
+        saved = 0
+        while position <= min(end, request.num_prompt_tokens) and count < self.max_per_request:
             if position > start:
                 self._save(request, keys[position // self.unit - 1], position)
+                saved = position
             position, count = next_position(position, self.unit), count + 1
         self._next[req_id] = (position, count)
+        prompt_end = self._prompt_end(request)
+        if start < prompt_end <= end and prompt_end != saved:
+            self._save(request, keys[prompt_end // self.unit - 1], prompt_end)
 
     def _save(self, request: Request, key: BlockHash, position: int) -> None:
         maps = self.pool.hash_maps
@@ -293,6 +379,57 @@ class StateCheckpoints:
             for _, block in entry.written
         ]
 
+    def keep_answer_end(self, request: Request, finished: bool) -> None:
+        """Before a request's blocks are freed: when it finished, register its end state at
+        its computed length (if that is off the hit grid) and demote the end it resumed from."""
+        req_id = request.req_id
+        resumed = self._resumed.pop(req_id, [])
+        trusted = req_id not in self._untrusted
+        self._untrusted.discard(req_id)
+        if not (finished and trusted and self.keep_answer_ends):
+            return
+        position = request.num_computed_tokens
+        alignment = self.managers[0].hit_alignment
+        if position < self.unit or position > request.num_tokens or not position % alignment:
+            return
+        blocks = self._end_blocks(req_id, position)
+        if blocks is None:
+            return
+        chain, _ = self._chains.get(req_id) or ([], [])
+        extend_block_hashes(chain, request.all_token_ids, self.unit, request.hash_salt)
+        index = position // self.unit - 1
+        grid_key = xxhash.xxh3_128_digest(chain[index] + _TAG)
+        key = end_key(grid_key, request.all_token_ids[(index + 1) * self.unit : position])
+        for group_id, block in blocks:
+            self.pool.cache_full_blocks([key], [block], [0], group_id, 1)
+            if self.pool.offload is not None:  # found by `find` on the device only
+                self.pool.offload.keep_on_device(group_id, key)
+        self._ends.setdefault(grid_key, {})[position] = key
+        self.pool.demote([b.block_id for b, was in resumed if b.block_hash == was])
+
+    def _end_blocks(self, req_id: str, position: int) -> list[tuple[int, KVCacheBlock]] | None:
+        """Per group, the block holding the request's state (or its partial attention block)
+        at `position`; None when one is missing or already registered."""
+        found = []
+        for manager in self.managers:
+            table = manager.req_to_blocks.get(req_id, [])
+            if isinstance(manager, MambaManager):  # the state after the last step's tokens
+                index = (position - 1) // manager.block_size
+                if index >= len(table):
+                    return None
+                block = table[index]
+            elif position % manager.block_size:
+                index = position // manager.block_size
+                if index >= len(table):
+                    return None
+                block = table[index]
+            else:
+                continue
+            if block is self.pool.null_block or block.block_hash is not None:
+                return None
+            found.append((manager.group_id, block))
+        return found
+
     def forget(self, req_id: str, keep_sent: bool = True) -> None:
         """Drop a request's state (finished or preempted): its checkpoints whose ops were sent
         are registered (unless `keep_sent` is False: a failed step); the others are freed
@@ -303,7 +440,10 @@ class StateCheckpoints:
         self._state_saves = [op for op in self._state_saves if op.req_id != req_id]
         self._chains.pop(req_id, None)
         self._next.pop(req_id, None)
+        self._resumed.pop(req_id, None)
         if keep_sent:
             self._settle(req_id)
+        else:
+            self._untrusted.add(req_id)
         unsent = self._pending.pop(req_id, ())
         self.pool.free_blocks([block for entry in unsent for _, block in entry.written])

@@ -6,6 +6,7 @@ KV cache group -> one shared `BlockPool`. Block lists are always one per group, 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from typing import ClassVar
@@ -27,6 +28,8 @@ from scheduler.kv_cache.spec_slots import SpecStateSlots
 from scheduler.kv_cache.window_managers import ChunkedLocalManager, SlidingWindowManager
 from scheduler.output import BlockCopy, OffloadOps, StateSave
 from scheduler.request import Request
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["CacheHit", "KVCacheBlocks", "KVCacheManager", "KVCacheStats"]
 
@@ -71,9 +74,11 @@ class KVCacheManager:
             cache_unreachable_blocks,
         )
         self.checkpoints = StateCheckpoints.create(
-            self.coordinator.managers, self.pool, prefix_match_unit, self.enable_caching
+            self.coordinator.managers, self.pool, prefix_match_unit or None, self.enable_caching
         )
         """Fine-grained hits of recurrent-state models (None: hits on the block grid only)."""
+        if self.checkpoints is not None:
+            logger.info(self.checkpoints.describe())
         self.spec_slots: SpecStateSlots | None = None
         """Draft-position states of recurrent groups (None: no speculation or no such group)."""
         self.draft_lookahead = 0
@@ -115,6 +120,8 @@ class KVCacheManager:
         self.draft_lookahead = draft_lookahead
         self.coordinator.set_drafter_lookahead(draft_lookahead, self.max_model_len)
         managers = [m for m in self.coordinator.managers if isinstance(m, MambaManager)]
+        if self.checkpoints is not None:
+            self.checkpoints.keep_answer_ends = False
         if managers:
             self.spec_slots = SpecStateSlots(managers, self.pool, num_speculative_tokens)
 
@@ -247,7 +254,7 @@ class KVCacheManager:
         if num_new_tokens < 0 or num_lookahead_tokens < 0 or num_new_computed_tokens < 0:
             raise ValueError("token counts must be >= 0")
         end = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        if self.checkpoints is not None and self.checkpoints.wants(request.req_id, end):
+        if self.checkpoints is not None and self.checkpoints.wants(request, end):
             return self._allocate_saving_checkpoints(
                 request,
                 num_new_tokens,
@@ -357,6 +364,8 @@ class KVCacheManager:
             if self.enable_caching:  # async scheduling: blocks filled by tokens computed ahead
                 known = min(request.num_computed_tokens, request.num_tokens)
                 self.coordinator.cache_blocks(request.req_id, request.block_hashes, known)
+            if self.checkpoints is not None:
+                self.checkpoints.keep_answer_end(request, request.status.is_finished)
             self.coordinator.free(request.req_id, request.block_hashes)
             if self.pool.offload is not None:
                 clock = self.pool.chains.clock if self.pool.chains is not None else None

@@ -139,8 +139,8 @@ def test_checkpoints_are_pool_blocks_bounded_per_request_and_evictable() -> None
     held = free_before - manager.num_free_blocks
     table_blocks = sum(1 for group in manager.get_block_ids("a") for b in group if b)
     # 3 checkpoints (4, 8, 12): a state block each, and an attention copy in both attention
-    # groups (all three are mid-block).
-    assert held - table_blocks == 3 * 3
+    # groups (all three are mid-block); and the prompt's end (48, on a block end): a state block.
+    assert held - table_blocks == 3 * 3 + 1
     manager.check_invariants()
     manager.free(first)
     manager.begin_step()
@@ -195,8 +195,8 @@ def test_scheduler_sends_the_ops_and_starts_the_request_at_the_checkpoint() -> N
     assert not scheduler.has_unfinished_requests()
 
 
-@pytest.mark.parametrize("unit", [0, -4])
-def test_config_rejects_a_unit_below_one(unit: int) -> None:
+@pytest.mark.parametrize("unit", [-1, -4])
+def test_config_rejects_a_negative_unit(unit: int) -> None:
     config = make_config(10, *HYBRID)
     with pytest.raises(ValueError, match="prefix_match_unit"):
         make_scheduler(config, prefix_match_unit=unit)

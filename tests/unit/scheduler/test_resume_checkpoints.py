@@ -1,0 +1,151 @@
+"""Where a chat's next turn resumes (scheduler.kv_cache.checkpoints): the prompt's end on the
+unit grid, a finished answer's exact end, what neither is kept for, the eviction order of an end
+already resumed from, the engine's default unit and what one checkpoint costs."""
+
+from __future__ import annotations
+
+import pytest
+from kv_cache_helpers import full, make_config, make_request, mamba, window
+
+from scheduler.config import SchedulerConfig, resolve_prefix_match_unit
+from scheduler.kv_cache.eviction import EvictionPolicy
+from scheduler.kv_cache.manager import KVCacheManager
+from scheduler.kv_cache.spec import MambaCacheMode
+from scheduler.request import Request, RequestStatus
+
+HYBRID = [full(16), window(16, 40), mamba(16, MambaCacheMode.ALIGN)]
+"""Full attention, a 40-token window and a Mamba group; hits align to 16 tokens."""
+
+
+def _manager(unit: int | None, num_blocks: int = 200) -> KVCacheManager:
+    return KVCacheManager(
+        make_config(num_blocks, *HYBRID),
+        max_model_len=512,
+        prefix_match_unit=unit,
+        eviction=EvictionPolicy.LRU,
+    )
+
+
+def _start(manager: KVCacheManager, req_id: str, tokens: list[int]) -> tuple[Request, int]:
+    """Look up and compute the whole prompt in one step (its ops sent)."""
+    manager.begin_step()
+    request = make_request(req_id, tokens, manager.hash_block_size)
+    found = manager.get_computed_blocks(request)
+    num_new = request.num_tokens - found.num_tokens
+    assert manager.allocate_slots(request, num_new, found.num_tokens, found.blocks) is not None
+    request.num_computed_tokens = request.num_tokens
+    manager.take_step_ops()
+    return request, found.num_tokens
+
+
+def _decode(manager: KVCacheManager, request: Request, tokens: list[int]) -> None:
+    """One step per token; the last sampled token is not computed (as when a request stops)."""
+    for token in tokens:
+        manager.begin_step()
+        request.append_output_token_ids([token])
+        assert manager.allocate_slots(request, 1) is not None
+        request.num_computed_tokens += 1
+        manager.take_step_ops()
+    request.append_output_token_ids([999])
+
+
+def _finish(manager: KVCacheManager, request: Request) -> None:
+    request.status = RequestStatus.FINISHED_STOPPED
+    manager.free(request)
+    manager.begin_step()
+
+
+def _turn(request: Request, new: list[int]) -> list[int]:
+    return [*request.all_token_ids, *new]
+
+
+PROMPT = list(range(1, 31))
+ANSWER = [500 + i for i in range(7)]
+
+
+def test_the_next_turn_resumes_at_the_answers_exact_end() -> None:
+    manager = _manager(4)
+    first, _ = _start(manager, "a", PROMPT)
+    _decode(manager, first, ANSWER)
+    assert first.num_computed_tokens == 37
+    _finish(manager, first)
+    second, hit = _start(manager, "b", _turn(first, [7, 8, 9]))
+    assert hit == 37  # off the 4-token grid: the end state itself
+    manager.check_invariants()
+    grid_only = _manager(None)
+    first, _ = _start(grid_only, "a", PROMPT)
+    _decode(grid_only, first, ANSWER)
+    _finish(grid_only, first)
+    assert _start(grid_only, "b", _turn(first, [7, 8, 9]))[1] == 32
+
+
+def test_the_prompts_end_is_kept_past_the_per_request_limit() -> None:
+    manager = _manager(4)
+    assert manager.checkpoints is not None
+    manager.checkpoints.max_per_request = 1  # the 10 % grid keeps 4 only
+    first, _ = _start(manager, "a", PROMPT)
+    first.status = RequestStatus.PREEMPTED  # no answer end: only the prompt's checkpoints
+    manager.free(first)
+    assert _start(manager, "b", [*PROMPT, 77, 78])[1] == 28
+
+
+@pytest.mark.parametrize("why", ["preempted", "failed step", "speculation"])
+def test_no_answer_end_where_the_state_may_be_wrong_or_the_request_returns(why: str) -> None:
+    manager = _manager(4)
+    if why == "speculation":
+        manager.enable_spec_slots(2)
+    first, _ = _start(manager, "a", PROMPT)
+    _decode(manager, first, ANSWER)
+    if why == "failed step":
+        manager.uncache_blocks("a")
+    if why == "preempted":
+        manager.free(first)
+    else:
+        _finish(manager, first)
+    # Not 37: the state a decode step left on the block grid at 32; after a failed step none of
+    # the request's blocks (a checkpoint's copy source at 12 is not one of them).
+    expected = 12 if why == "failed step" else 32
+    assert _start(manager, "b", _turn(first, [7, 8, 9]))[1] == expected
+    manager.check_invariants()
+
+
+def test_an_end_resumed_from_is_evicted_first_once_the_turn_leaves_its_own() -> None:
+    manager = _manager(4)
+    first, _ = _start(manager, "a", PROMPT)
+    _decode(manager, first, ANSWER)
+    _finish(manager, first)
+    end_blocks = {group: manager.pool.hash_maps[group] for group in range(3)}
+    keys = [key for key in end_blocks[2] if end_blocks[2][key].block_hash == key]
+    first_end = {manager.pool.hash_maps[2][key].block_id for key in keys}
+    second, hit = _start(manager, "b", _turn(first, [7, 8, 9]))
+    assert hit == 37
+    _decode(manager, second, [600, 601])
+    _finish(manager, second)
+    front = manager.pool.free_queue.eviction_order(3)
+    assert first_end & {block.block_id for block in front}
+    assert _start(manager, "c", _turn(second, [1]))[1] == second.num_computed_tokens
+
+
+def test_engine_default_is_the_attention_block_size_and_zero_keeps_the_grid() -> None:
+    assert resolve_prefix_match_unit(None, 16) == 16
+    assert resolve_prefix_match_unit(0, 16) is None
+    assert resolve_prefix_match_unit(8, 16) == 8
+    assert SchedulerConfig(prefix_match_unit=0).prefix_match_unit == 0
+    assert _manager(0).checkpoints is None
+    with pytest.raises(ValueError, match="prefix_match_unit"):
+        SchedulerConfig(prefix_match_unit=-1)
+
+
+def test_one_checkpoint_costs_what_the_start_up_line_says() -> None:
+    manager = _manager(4)
+    assert manager.checkpoints is not None
+    line = manager.checkpoints.describe()
+    usable = manager.pool.num_blocks - 1
+    assert "1 state slots + up to 2 attention blocks" in line
+    assert f"({100 * 3 / usable:.2f} % of the {usable}-block pool)" in line
+    free_before = manager.num_free_blocks
+    manager.checkpoints.max_per_request = 1
+    request = make_request("a", list(range(1, 11)), manager.hash_block_size)
+    assert manager.allocate_slots(request, 10) is not None  # saves at 4 and 8 (the prompt's end)
+    held = free_before - manager.num_free_blocks
+    assert held - 3 == 2 * 3  # its table (a block per group), then 3 blocks per checkpoint
