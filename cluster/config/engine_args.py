@@ -60,9 +60,11 @@ class EngineArgs(StrictModel):
     prefix_cache_eviction: Literal["chain", "lru"] = "chain"
     """Which cached KV blocks are reused first: chain (whole prefix chains, a protected subset
     when many sessions take turns) or lru (vLLM's order, to compare with vLLM exactly)."""
-    prefix_match_unit: int | None = Field(None, ge=1)
-    """Tokens of the prefix-match grid of Mamba hybrids (state checkpoints on it, so hits need
-    not end on the unified block); default: the block grid only."""
+    prefix_match_unit: int | None = Field(None, ge=0)
+    """Tokens of the prefix-match grid of models with recurrent state (Mamba, gated DeltaNet,
+    short convolution): state checkpoints on it, and at each prompt's and finished answer's
+    end, so hits need not end on the (often hundreds of tokens long) unified block. Default:
+    `block_size`; 0: the block grid only."""
     disable_hybrid_kv_cache_manager: bool = False
     """Keep every layer's KV for every token in one group (no per-type groups)."""
     tensor_parallel_size: int = Field(1, ge=1)

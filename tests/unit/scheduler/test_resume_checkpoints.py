@@ -69,7 +69,7 @@ def test_the_next_turn_resumes_at_the_answers_exact_end() -> None:
     _decode(manager, first, ANSWER)
     assert first.num_computed_tokens == 37
     _finish(manager, first)
-    second, hit = _start(manager, "b", _turn(first, [7, 8, 9]))
+    _, hit = _start(manager, "b", _turn(first, [7, 8, 9]))
     assert hit == 37  # off the 4-token grid: the end state itself
     manager.check_invariants()
     grid_only = _manager(None)
