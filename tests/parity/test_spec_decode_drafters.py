@@ -4,7 +4,9 @@ tokens identical to decoding without it (CPU fp32, tiny random models, the offli
 The drafter's layers live in KV cache groups of their own in the shared pool: no group mixes
 them with the target's, and every block is back in the pool when the requests are done. Draft
 = target accepts every draft; a different random draft model and random MTP weights accept
-(almost) none, and the outputs stay exact either way.
+(almost) none, and the outputs stay exact either way. Every MTP proposal is the one a plain
+torch forward of the MTP layer's weights (transformers' modules) makes from the transformers
+target's hidden states (`tests.helpers.tiny_mtp.ReferenceMtp`).
 """
 
 from __future__ import annotations
@@ -15,10 +17,15 @@ from typing import Any
 import pytest
 
 from cluster import LLM, SamplingParams
-from tests.helpers.engine_probe import engine_stats, kv_cache_groups, watch_preemptions
+from tests.helpers.engine_probe import (
+    engine_stats,
+    kv_cache_groups,
+    record_drafts,
+    watch_preemptions,
+)
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from tests.helpers.tiny_models import save_tiny_model
-from tests.helpers.tiny_mtp import save_tiny_with_mtp
+from tests.helpers.tiny_mtp import ReferenceMtp, save_tiny_with_mtp
 
 pytestmark = pytest.mark.parity
 
@@ -44,10 +51,11 @@ def _reference(path: Path, **overrides: Any) -> list[list[int]]:
 
 
 def _run_speculative(path: Path, spec: dict[str, Any], **overrides: Any) -> tuple[Any, ...]:
-    """(greedy tokens, accepted, drafted, preemptions) with `spec`, after checking the
-    drafter's groups are its own and that no block stays held."""
+    """(greedy tokens, accepted, drafted, preemptions, proposals: (tokens so far, drafts) per
+    request drafted for) with `spec`, after checking the drafter's groups are its own and that
+    no block stays held."""
     llm = LLM(str(path), speculative_config=spec, **{**LLM_ARGS, **overrides})
-    with watch_preemptions(llm) as preemptions:
+    with watch_preemptions(llm) as preemptions, record_drafts(llm) as proposals:
         tokens = _generate(llm)
     groups = kv_cache_groups(llm)
     assert any(is_drafter for is_drafter, _ in groups), "the drafter has no KV cache group"
@@ -60,7 +68,8 @@ def _run_speculative(path: Path, spec: dict[str, Any], **overrides: Any) -> tupl
     spec_stats = stats.spec_decoding
     assert spec_stats is not None
     llm.shutdown()
-    return tokens, spec_stats.num_accepted_tokens, spec_stats.num_draft_tokens, len(preemptions)
+    accepted, drafted = spec_stats.num_accepted_tokens, spec_stats.num_draft_tokens
+    return tokens, accepted, drafted, len(preemptions), proposals
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +91,7 @@ SELF_DRAFT_CASES: dict[str, dict[str, Any]] = {
 def test_self_draft_accepts_every_draft(gemma3: tuple[Path, list[list[int]]], case: str) -> None:
     path, reference = gemma3
     spec = {"method": "draft_model", "model": str(path), "num_speculative_tokens": 2}
-    tokens, accepted, drafted, preempted = _run_speculative(path, spec, **SELF_DRAFT_CASES[case])
+    tokens, accepted, drafted, preempted, _ = _run_speculative(path, spec, **SELF_DRAFT_CASES[case])
     assert tokens == reference
     assert drafted > 0
     assert accepted == drafted  # the drafter computes what the target does
@@ -96,21 +105,26 @@ def test_random_draft_model_on_mamba_hybrid(tmp_path: Path) -> None:
     save_tiny_model("llama", draft, seed=3, max_position_embeddings=256)
     reference = _reference(target)
     spec = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 2}
-    tokens, accepted, drafted, _ = _run_speculative(target, spec)
+    tokens, accepted, drafted, _, _ = _run_speculative(target, spec)
     assert tokens == reference
     assert drafted > 0
     assert accepted < drafted / 2
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
-def test_mtp_keeps_greedy_tokens(tmp_path: Path, family: str) -> None:
-    """The MTP layer (random weights) on a gated-DeltaNet hybrid drafts; outputs stay exact."""
-    save_tiny_with_mtp(family, tmp_path)
+def test_mtp_drafts_as_its_reference_and_keeps_greedy_tokens(tmp_path: Path, family: str) -> None:
+    """The MTP layer (random weights) on a gated-DeltaNet hybrid drafts what a plain torch
+    forward of its weights on transformers' hidden states drafts, at every step (also after
+    rejected drafts); outputs stay exact."""
+    mtp = ReferenceMtp(save_tiny_with_mtp(family, tmp_path), tmp_path)
     reference = _reference(tmp_path)
     spec = {"method": "mtp", "num_speculative_tokens": 2}
-    tokens, _, drafted, _ = _run_speculative(tmp_path, spec)
+    tokens, accepted, drafted, _, proposals = _run_speculative(tmp_path, spec)
     assert tokens == reference
-    assert drafted > 0
+    assert drafted > accepted  # drafts were rejected: later proposals follow a rollback
+    assert len(proposals) >= len(PROMPTS) * (NUM_NEW // 2)
+    for known, drafts in proposals:
+        assert drafts == mtp.drafts(known, 2), known
 
 
 def test_seeded_sampling_with_draft_model_is_reproducible(
