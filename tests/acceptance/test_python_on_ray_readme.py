@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers.cli_process import CliProcess
 from tests.helpers.ray_local import NODE_IP
-from tests.helpers.readme import code_block
+from tests.helpers.readme import README, code_block
 
 pytestmark = pytest.mark.ray
 
@@ -20,7 +20,7 @@ LAST_LINE = 'print("script: done", flush=True)\n'
 
 
 def test_the_readme_ray_script_exits_by_itself(user_env: dict[str, str], tmp_path: Path) -> None:
-    source = code_block('distributed_executor_backend="ray"', "python")
+    source = code_block('distributed_executor_backend="ray"', "python", README)
     assert "shutdown()" not in source
     pinned = source.replace("ray.init()", f"ray.init(_node_ip_address={NODE_IP!r})")
     assert pinned != source

@@ -1,6 +1,7 @@
 """The README's first path: `make serve` (= `hybridserve serve`), its `curl` and `openai`
-examples (also the JSON-schema and tool-calling ones), and Ctrl-C; on this machine's own CPU
-count, with no Ray cluster started beforehand.
+examples (also the JSON-schema and scoring ones, and the tool-calling script of the structured
+outputs page), and Ctrl-C; on this machine's own CPU count, with no Ray cluster started
+beforehand.
 """
 
 from __future__ import annotations
@@ -15,32 +16,35 @@ import pytest
 
 from tests.acceptance.conftest import serve_command, serve_port
 from tests.helpers.cli_process import CliProcess
-from tests.helpers.readme import code_block
+from tests.helpers.readme import README, code_block
 
 pytestmark = pytest.mark.ray
+
+STRUCTURED_OUTPUTS_PAGE = "docs/structured-outputs.md"
 
 READY_TIMEOUT_S = 240.0
 """The first start on a fresh machine converts the embedded model (about half a minute)."""
 
 
 def _curl_example(port: int) -> str:
-    block = code_block("curl http://127.0.0.1:8000/v1/chat/completions", "bash")
+    block = code_block("curl http://127.0.0.1:8000/v1/chat/completions", "bash", README)
     return block.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
 
 
 def _json_schema_example(port: int) -> str:
-    block = code_block('"response_format"', "bash")
+    block = code_block('"response_format"', "bash", README)
     return block.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
 
 
 def _tool_call_example(port: int) -> str:
-    block = code_block("tool_choice=", "python")
+    block = code_block("tool_choice=", "python", STRUCTURED_OUTPUTS_PAGE)
     return block.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
 
 
 def _check_structured_examples(port: int) -> None:
-    """The README's JSON-schema `curl` gives JSON valid for its schema; its tool-calling script
-    prints calls whose arguments are valid for the function's parameters."""
+    """The README's JSON-schema `curl` gives JSON valid for its schema; the structured outputs
+    page's tool-calling script prints calls whose arguments are valid for the function's
+    parameters."""
     example = _json_schema_example(port)
     reply = subprocess.run(["bash", "-c", example], capture_output=True, text=True, timeout=120)
     body = json.loads(reply.stdout)
@@ -63,7 +67,8 @@ def _check_structured_examples(port: int) -> None:
 def _check_scoring_example(port: int) -> None:
     """The README's scoring `curl` echoes the scored prompt: its tokens, the first one's logprob
     null, every later one's a log probability, and nothing generated."""
-    block = code_block('"echo": true', "bash").replace("127.0.0.1:8000", f"127.0.0.1:{port}")
+    block = code_block('"echo": true', "bash", README)
+    block = block.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
     reply = subprocess.run(["bash", "-c", block], capture_output=True, text=True, timeout=60)
     (choice,) = json.loads(reply.stdout)["choices"]
     logprobs = choice["logprobs"]
@@ -73,7 +78,7 @@ def _check_scoring_example(port: int) -> None:
 
 
 def _streaming_example(port: int) -> str:
-    block = code_block("stream=True", "python")
+    block = code_block("stream=True", "python", README)
     return block.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
 
 
