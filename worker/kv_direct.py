@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from worker.block_export import BlockPages
+from worker.deadlines import timeout_until
 from worker.kv_transfer import KVShard
 
 logger = logging.getLogger(__name__)
@@ -115,7 +116,7 @@ def fetch_shard(offer: ShardOffer, timeout_s: float) -> KVShard:
     deadline = time.monotonic() + timeout_s
     tensors = [spec.empty() for group in offer.pages for spec in group.tensors]
     try:
-        with socket.create_connection(offer.address, timeout=max(timeout_s, 0.001)) as conn:
+        with socket.create_connection(offer.address, timeout=timeout_until(deadline)) as conn:
             conn.sendall(offer.transfer_id.encode())
             for tensor in tensors:
                 _receive_into(conn, tensor, deadline)
@@ -194,7 +195,7 @@ class _Outbox:
             tensors, deadline = waiting
             taken = False
             try:
-                conn.settimeout(max(deadline - time.monotonic(), 0.001))
+                conn.settimeout(timeout_until(deadline))
                 for tensor in tensors:
                     conn.sendall(_buffer(tensor))
                 taken = _receive_exactly(conn, len(_ACK)) == _ACK
@@ -236,7 +237,7 @@ def _receive_into(conn: socket.socket, target: torch.Tensor, deadline: float) ->
     view = _buffer(target)
     filled = 0
     while filled < len(view):
-        conn.settimeout(max(deadline - time.monotonic(), 0.001))
+        conn.settimeout(timeout_until(deadline))
         count = conn.recv_into(view[filled:])
         if count == 0:
             raise EOFError("the sender closed the connection (it no longer holds the pages)")

@@ -42,6 +42,7 @@ from scheduler.kv_cache.transfer import (
     reserve_import,
 )
 from scheduler.request import Request, SamplingParams
+from worker.deadlines import timeout_until
 from worker.kv_direct import SEND_TIMEOUT_S, ShardOffer, fetch_shard
 from worker.kv_transfer import KVShard
 
@@ -161,9 +162,7 @@ def receive(transfer: KVTransfer, num_ranks: int, timeout_s: float = SEND_TIMEOU
         return transfer
     deadline = time.monotonic() + timeout_s
     shards = tuple(
-        fetch_shard(shard, max(deadline - time.monotonic(), 0.001))
-        if isinstance(shard, ShardOffer)
-        else shard
+        fetch_shard(shard, timeout_until(deadline)) if isinstance(shard, ShardOffer) else shard
         for shard in transfer.shards
     )
     return KVTransfer(transfer.keys, shards)
@@ -179,8 +178,7 @@ async def import_within(
     ranks = engine.core.executor.configs.tensor_parallel_size
     if _taken_by_engine(transfer, ranks):
         transfer = await asyncio.to_thread(receive, transfer, ranks, timeout_s)
-    left = max(deadline - time.monotonic(), 0.001)
-    result: KVImportResult = await engine.call_core(kv_import, transfer, left)
+    result: KVImportResult = await engine.call_core(kv_import, transfer, timeout_until(deadline))
     return result
 
 

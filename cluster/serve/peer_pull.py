@@ -39,6 +39,7 @@ from cluster.engine.errors import EngineDeadError
 from cluster.engine.kv_transfer import KVImportResult, KVTransfer, import_within, kv_held_keys
 from cluster.engine.request import EngineRequest
 from scheduler.kv_cache.transfer import HeldKeys
+from worker.deadlines import timeout_until
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +105,7 @@ async def import_prefix(
         held = await engine.call_core(kv_held_keys, prompt, request.cache_salt)
         response = export(prompt, held, request.cache_salt, timeout_s)
         sent = await asyncio.wait_for(_awaited(response), timeout_s)
-        result = await import_within(engine, sent, max(deadline - time.monotonic(), 0.001))
+        result = await import_within(engine, sent, timeout_until(deadline))
     except (asyncio.TimeoutError, RayError, RuntimeError, ValueError) as exc:
         if isinstance(exc, EngineDeadError):
             raise

@@ -33,6 +33,7 @@ from cluster.engine.executor.rank_channel import (
     RankTarget,
     serve_rank,
 )
+from worker.deadlines import seconds_left
 from worker.worker import Worker, WorkerSpec
 
 logger = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ class MultiprocExecutor(ChannelExecutor, LocalTokenizer):
             self._channels = None
         until = time.monotonic() + join_timeout_s
         for proc in self._procs:
-            proc.join(max(0.0, until - time.monotonic()))
+            proc.join(seconds_left(until))
         for proc in self._procs:
             if proc.is_alive():
                 logger.warning("rank process %s did not exit; killing it", proc.name)

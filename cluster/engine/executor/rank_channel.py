@@ -25,6 +25,8 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 
+from worker.deadlines import seconds_left
+
 logger = logging.getLogger(__name__)
 
 SHUTDOWN = "shutdown"
@@ -78,7 +80,8 @@ class Deadline:
         return cls(time.monotonic() + seconds, seconds, setting)
 
     def remaining(self) -> float:
-        return self.at - time.monotonic()
+        """Seconds left; 0 once the deadline passed."""
+        return seconds_left(self.at)
 
     def error(self, what: str) -> RankTimeoutError:
         """The error for `what` not done by the deadline."""
@@ -240,7 +243,7 @@ class RankChannels:
     def check_overdue(self) -> None:
         """RankTimeoutError when the call in flight has passed its deadline."""
         deadline = self.deadline
-        if deadline is not None and deadline.remaining() < 0:
+        if deadline is not None and deadline.remaining() <= 0:
             raise deadline.error("the call in flight")
 
     def close(self) -> None:

@@ -178,7 +178,7 @@ def _connect(address: tuple[str, int], authkey: bytes, deadline: Deadline) -> Co
 
     thread = threading.Thread(target=connect, name="rank-connect", daemon=True)
     thread.start()
-    thread.join(max(0.0, deadline.remaining()))
+    thread.join(deadline.remaining())
     if not result:
         raise deadline.error(f"connecting to the rank at {address[0]}:{address[1]}")
     if isinstance(result[0], BaseException):
@@ -193,7 +193,7 @@ def _get(ref: Any, deadline: Deadline) -> Any:
 
 def _get_all(refs: list[Any], deadline: Deadline) -> list[Any]:
     try:
-        return list(ray.get(refs, timeout=max(0.0, deadline.remaining())))
+        return list(ray.get(refs, timeout=deadline.remaining()))
     except ray.exceptions.GetTimeoutError:
         raise deadline.error("the worker actors' start-up") from None
     except ray.exceptions.RayTaskError as exc:
