@@ -25,6 +25,9 @@ class KVTransferCounters:
     """Requests whose prefix came from another engine (a P/D hand-off or a pull)."""
     num_recomputes: int = 0
     """Requests that computed their prefix here because the transfer failed or timed out."""
+    num_pulls_in_flight: int = 0
+    """Requests waiting for their prefix from another engine now (counted until it is imported
+    or given up)."""
     num_offers: int = 0
     """Exports whose shards the ranks offered over direct connections (the direct transport)."""
     num_sends_pending: int = 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from ray.serve.request_router import (
@@ -109,6 +110,18 @@ def routing_stats(core: EngineCore) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class RoutingChoice:
+    """A request's routing as the router decided it (its latest, for logs and tests)."""
+
+    replica: ReplicaID
+    """The replica ranked first."""
+    in_flight: Mapping[ReplicaID, int]
+    """Each candidate's requests in flight as the choice saw them."""
+    pull: PeerPull | None
+    """Where the chosen replica is told to pull the prompt's prefix from (None: nowhere)."""
+
+
 class HybridPrefixRouter(FIFOMixin, RequestRouter):
     """Routes each request to the replica predicted to serve the longest prefix from its
     hybrid cache (valid for every KV cache group), within a load bound."""
@@ -124,6 +137,8 @@ class HybridPrefixRouter(FIFOMixin, RequestRouter):
         self._tokenizer_source = tokenizer_source
         self._inputs: InputProcessor | None = None
         self._prompts: dict[str, PromptKeys | None] = {}
+        self.last_choice: RoutingChoice | None = None
+        """The latest request's routing (None before the first)."""
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -157,7 +172,11 @@ class HybridPrefixRouter(FIFOMixin, RequestRouter):
         now = time.monotonic()
         ranks = self.policy.choose(list(by_id), prompt, now)
         if pending_request is not None and ranks and ranks[0]:
-            self._hint_pull(pending_request, ranks[0][0], prompt, now)
+            chosen = ranks[0][0]
+            pull = self._hint_pull(pending_request, chosen, prompt, now)
+            in_flight = {key: self.policy.in_flight(key) for key in by_id}
+            self.last_choice = RoutingChoice(chosen, in_flight, pull)
+            logger.debug("routing: %s (in flight %s, pull %s)", chosen, in_flight, pull)
         return [[by_id[key] for key in rank] for rank in ranks if rank]
 
     def _hint_pull(
@@ -166,18 +185,20 @@ class HybridPrefixRouter(FIFOMixin, RequestRouter):
         chosen: ReplicaID,
         prompt: PromptKeys | None,
         now: float,
-    ) -> None:
-        """Tell the chosen replica where the prompt's prefix is cached when it should pull it."""
+    ) -> PeerPull | None:
+        """Tell the chosen replica where the prompt's prefix is cached when it should pull it
+        (the hint given, or None)."""
         options = self.policy.options
         if options.pull_threshold_tokens is None:
-            return
+            return None
         hint = self.policy.pull_source(chosen, prompt, now, options.pull_threshold_tokens)
         if hint is None:
             pending_request.kwargs.pop(KV_SOURCE_KWARG, None)
-            return
+            return None
         source = hint.source.unique_id
         pull = PeerPull(source, hint.num_tokens, options.pull_timeout_s)
         pending_request.kwargs[KV_SOURCE_KWARG] = pull
+        return pull
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any

@@ -33,7 +33,7 @@ from cluster.engine.errors import EngineDeadError
 from cluster.engine.executor import create_executor
 from cluster.engine.executor.placement import PlacementSpec, uses_gpus
 from cluster.engine.input_processor import InputProcessor
-from cluster.engine.kv_transfer import KVTransfer, kv_export
+from cluster.engine.kv_transfer import KVTransfer, kv_export, transfer_counters
 from cluster.engine.outputs import OutputAccumulator, RequestOutput
 from cluster.engine.request import EngineRequest
 from cluster.engine.stream_batching import StreamBatching
@@ -250,18 +250,22 @@ class LLMServer:
             kv_export, prompt_token_ids, held, cache_salt, demote, timeout_s
         )
 
-    def transfer_stats(self, to_replica: str | None = None) -> dict[str, int]:
+    async def transfer_stats(self, to_replica: str | None = None) -> dict[str, int]:
         """Requests whose prefix this replica took from another engine (P/D hand-off, pull),
-        those it recomputed after a failed transfer, the KV blocks it sent and received, and its
-        exports offered over direct connections (`to_replica` names this replica to the
-        router)."""
-        counters = self.engine.core.kv_transfer_counters
+        those it recomputed after a failed transfer, those waiting for theirs now, the KV blocks
+        it sent and received, and its exports offered over direct connections: all of them,
+        those whose pages its ranks still hold, and those dropped untaken (`to_replica` names
+        this replica to the router)."""
+        counters = await self.engine.call_core(transfer_counters)
         return {
             "pulls": counters.num_pulls,
             "recomputes": counters.num_recomputes,
+            "pulls_in_flight": counters.num_pulls_in_flight,
             "blocks_sent": sum(counters.blocks_sent),
             "blocks_received": sum(counters.blocks_received),
             "direct_offers": counters.num_offers,
+            "sends_pending": counters.num_sends_pending,
+            "failed_sends": counters.num_failed_sends,
         }
 
     async def before_add(self, request: EngineRequest) -> None:

@@ -101,6 +101,7 @@ async def import_prefix(
     prompt = list(request.prompt_token_ids)
     response = None
     deadline = time.monotonic() + timeout_s
+    counters.num_pulls_in_flight += 1
     try:
         held = await engine.call_core(kv_held_keys, prompt, request.cache_salt)
         response = export(prompt, held, request.cache_salt, timeout_s)
@@ -114,6 +115,8 @@ async def import_prefix(
         counters.num_recomputes += 1
         logger.warning("%s failed; recomputing: %s", label, exc)
         return None
+    finally:
+        counters.num_pulls_in_flight -= 1
     counters.num_pulls += 1
     return result
 

@@ -47,9 +47,9 @@ ROUTER = {
 }
 DRAIN_S = 6.0
 BUSY_TOKENS = 180
-"""Steps the request keeping the conversation's replica busy runs (no early end of sequence):
-long enough to outlast the next turn's routing on a loaded machine, within the model's 256
-positions."""
+"""Steps the request keeping the conversation's replica busy runs (no early end of sequence),
+within the model's 256 positions: the next turn is routed as soon as the router counts it in
+flight there, and the router's choice shows it was still in flight then."""
 FIRST = [{"role": "user", "content": " ".join(f"t{20 + i}" for i in range(40))}]
 
 
@@ -123,10 +123,15 @@ def test_a_turn_sent_away_from_its_replica_pulls_the_prefix(handle: Any, model_d
         {"role": "assistant", "content": first_text},
         {"role": "user", "content": "t90 t91 t92"},
     ]
+    [holder] = holders
     busy = chat(handle, [*FIRST, {"role": "user", "content": "t80"}], "busy", BUSY_TOKENS, True)
-    next(busy)  # routed (to the holder of the conversation), in flight for BUSY_TOKENS steps
+    wait_until(lambda: router.policy.in_flight(holder), "the busy request is routed to its holder")
     text, cached = answer(list(chat(handle, second, "turn-2", 4)))
+    choice = router.last_choice  # the second turn's
     list(busy)
+    assert choice.in_flight[holder] == 1, choice  # the holder was busy: over the bound
+    assert choice.replica != holder, choice
+    assert (choice.pull.source if choice.pull else None) == holder.unique_id, choice
     assert cached >= 32  # the first turn's prompt (43 tokens) came from a cache
     llm = LLM(str(model_dir), **ENGINE, kv_cache_memory_bytes=2 << 20, enable_prefix_caching=False)
     try:
