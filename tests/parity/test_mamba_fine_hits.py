@@ -66,8 +66,9 @@ def test_greedy_hits_inside_a_block_give_transformers_tokens(
 
 
 def test_the_next_turn_hits_inside_the_answer(saved: tuple[Path, torch.nn.Module]) -> None:
-    """Checkpoints are kept while decoding too: a second turn (prompt, answer, new message)
-    hits 44 of its 46 computed shared tokens, where the prompt's checkpoints alone give 28."""
+    """A finished answer leaves its end state: a second turn (prompt, answer, new message)
+    hits all 45 tokens the first computed (its last token never is), where the prompt's
+    checkpoints alone give 28."""
     path, hf_model = saved
     llm = LLM(str(path), prefix_match_unit=4, **LLM_ARGS)
     try:
@@ -76,7 +77,7 @@ def test_the_next_turn_hits_inside_the_answer(saved: tuple[Path, torch.nn.Module
         tokens, hits = _run(llm, [turn], GREEDY)
     finally:
         llm.shutdown()
-    assert hits == [44]
+    assert hits == [45]
     assert tokens == [hf_greedy(hf_model, turn, 16)]
 
 
