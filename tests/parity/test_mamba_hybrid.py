@@ -103,13 +103,14 @@ def test_prompt_and_decode_logprobs_match_transformers(saved: Saved) -> None:
 
 
 def test_chunked_prefill_and_align_prefix_hits_give_transformers_tokens(saved: Saved) -> None:
-    llm = LLM(str(saved.path), **LLM_ARGS)
+    llm = LLM(str(saved.path), prefix_match_unit=0, **LLM_ARGS)  # the block grid only
     groups = llm.client.core.scheduler.kv_cache_config.groups
     assert {g.spec.block_size for g in groups} == {12}
     results = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert _tokens(results) == _expected(saved, PROMPTS)
     # The first prompt's first chunk ended at 24 (on the 12-token grid), so its state there is
-    # cached; align mode keeps no state at 12 (inside that chunk): the second prompt misses.
+    # cached; align mode keeps no state at 12 (inside that chunk): the second prompt misses
+    # (by default a state checkpoint on the 4-token grid would give it 12).
     results = llm.generate(SHARED, GREEDY, use_tqdm=False)
     assert _tokens(results) == _expected(saved, SHARED)
     assert [r.num_cached_tokens for r in results] == [24, 0]
