@@ -1,8 +1,13 @@
-"""The verifier's rejection sampler: emitted tokens are distributed exactly as the target's
-sampling distribution (total variation below 0.01 over 10^5 draws), whatever the drafts; greedy
-rows accept exactly the argmax prefix; seeded rows repeat."""
+"""The verifier's rejection sampler: at every emitted position of a verify step (after each
+of k = 3 drafts, and the bonus token after all of them) tokens are distributed exactly as the
+target's sampling distribution there, computed here from the logits and sampling settings
+rather than by the sampler (total variation within a few standard errors of the draws that
+reach the position), whatever the drafts; greedy rows accept exactly the argmax prefix; seeded
+rows repeat."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -13,7 +18,14 @@ from worker.spec_decode.rejection_sampler import VerifyRows, rejection_sample, t
 
 VOCAB = 6
 LOGITS = torch.tensor([2.0, 1.0, 0.5, 0.0, -0.5, -3.0])
-NUM_DRAWS = 100_000
+NUM_DRAFTS = 3
+POSITION_LOGITS = torch.stack([LOGITS.roll(j) for j in range(NUM_DRAFTS + 1)])
+"""The target's logits at each verified row of a request (each position its own best token)."""
+DRAFT_LOGITS = torch.tensor([0.0, 1.0, 2.0, 0.0, 1.0, 0.5])
+NUM_REQUESTS = 40_000
+STANDARD_ERRORS = 3.0
+"""Total variation allowed at a position reached n times: this many times 1 / sqrt(n) (about
+three times its expected value for 6 tokens)."""
 SETTINGS = [
     {"temperature": 1.0},
     {"temperature": 0.6},
@@ -33,19 +45,56 @@ def _tensors(params: SamplingParams, num_rows: int, seeded: bool = False) -> Sam
     return SamplingTensors.build([params] * num_rows, generators, VOCAB, torch.device("cpu"))
 
 
-def _first_tokens(
+def _reference_probs(logits: torch.Tensor, setting: dict) -> torch.Tensor:
+    """The distribution sampling with `setting` draws from, token by token: temperature; tokens
+    below min_p times the best probability dropped; the top_k best kept; of those, the best
+    ones until their mass reaches top_p of the kept mass (the best always kept)."""
+    probs = torch.softmax(logits / setting["temperature"], dim=-1).tolist()
+    best_first = sorted(range(VOCAB), key=lambda token: -probs[token])
+    kept = [t for t in best_first if probs[t] >= setting.get("min_p", 0.0) * max(probs)]
+    kept = kept[: setting.get("top_k", VOCAB)]
+    mass = sum(probs[t] for t in kept)
+    head: list[int] = []
+    for token in kept:
+        if head and sum(probs[t] for t in head) >= setting.get("top_p", 1.0) * mass:
+            break
+        head.append(token)
+    out = torch.zeros(VOCAB)
+    out[head] = torch.tensor([probs[t] for t in head])
+    return out / out.sum()
+
+
+def _drafts(drafter: str, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[NUM_REQUESTS, NUM_DRAFTS] drafts, and per position the draft's distribution (None:
+    one-hot drafts)."""
+    if drafter == "best_token":  # the position's best token: many requests reach the bonus
+        best = POSITION_LOGITS[:NUM_DRAFTS].argmax(dim=-1)
+        return best.expand(NUM_REQUESTS, NUM_DRAFTS), None
+    if drafter == "one_hot_uniform":
+        return torch.randint(VOCAB, (NUM_REQUESTS, NUM_DRAFTS), generator=generator), None
+    q = torch.softmax(torch.stack([DRAFT_LOGITS.roll(j) for j in range(NUM_DRAFTS)]), dim=-1)
+    columns = [
+        torch.multinomial(q[j], NUM_REQUESTS, replacement=True, generator=generator)
+        for j in range(NUM_DRAFTS)
+    ]
+    return torch.stack(columns, dim=1), q
+
+
+def _emitted(
     params: SamplingParams, drafts: torch.Tensor, q: torch.Tensor | None
-) -> list[int]:
-    """The first emitted token of NUM_DRAWS requests with one draft each (2 rows each)."""
-    rows = VerifyRows.build([[int(d)] for d in drafts], torch.device("cpu"))
-    num_rows = 2 * NUM_DRAWS
+) -> list[list[int]]:
+    """Per request (NUM_DRAFTS drafts each, NUM_DRAFTS + 1 rows), the tokens emitted."""
+    rows = VerifyRows.build(drafts.tolist(), torch.device("cpu"))
+    num_rows = NUM_REQUESTS * (NUM_DRAFTS + 1)
     tensors = _tensors(params, num_rows)
-    probs = target_probs(LOGITS.expand(num_rows, VOCAB).clone(), tensors)
-    draft_probs = None if q is None else q.expand(num_rows, VOCAB).clone()
+    logits = POSITION_LOGITS.repeat(NUM_REQUESTS, 1)
+    probs = target_probs(logits, tensors)
+    draft_probs = None
+    if q is not None:  # the last row of a request has no draft: any distribution
+        draft_probs = torch.cat([q, torch.full((1, VOCAB), 1 / VOCAB)]).repeat(NUM_REQUESTS, 1)
     generator = torch.Generator()
     generator.manual_seed(0)
-    emitted = rejection_sample(probs, rows, tensors, generator, draft_probs)
-    return [tokens[0] for tokens in emitted]
+    return rejection_sample(probs, rows, tensors, generator, draft_probs)
 
 
 def _total_variation(tokens: list[int], expected: torch.Tensor) -> float:
@@ -54,22 +103,20 @@ def _total_variation(tokens: list[int], expected: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("setting", SETTINGS)
-@pytest.mark.parametrize("drafter", ["fixed_token", "one_hot_uniform", "draft_distribution"])
-def test_emitted_tokens_follow_the_target_distribution(setting: dict, drafter: str) -> None:
-    params = SamplingParams(**setting)
-    target = target_probs(LOGITS[None], _tensors(params, 1))[0]
+@pytest.mark.parametrize("drafter", ["best_token", "one_hot_uniform", "draft_distribution"])
+def test_every_emitted_position_follows_the_target_distribution(
+    setting: dict, drafter: str
+) -> None:
     generator = torch.Generator()
     generator.manual_seed(1)
-    q = None
-    if drafter == "fixed_token":
-        drafts = torch.full((NUM_DRAWS,), 1)
-    elif drafter == "one_hot_uniform":
-        drafts = torch.randint(VOCAB, (NUM_DRAWS,), generator=generator)
-    else:
-        q = torch.softmax(torch.tensor([0.0, 1.0, 2.0, 0.0, 1.0, 0.5]), dim=-1)
-        drafts = torch.multinomial(q, NUM_DRAWS, replacement=True, generator=generator)
-    tokens = _first_tokens(params, drafts, q)
-    assert _total_variation(tokens, target) < 0.01
+    drafts, q = _drafts(drafter, generator)
+    emitted = _emitted(SamplingParams(**setting), drafts, q)
+    for position in range(NUM_DRAFTS + 1):  # the last: the bonus token after every draft
+        tokens = [request[position] for request in emitted if len(request) > position]
+        assert tokens, f"no request reached position {position + 1}"
+        expected = _reference_probs(POSITION_LOGITS[position], setting)
+        tolerance = STANDARD_ERRORS / math.sqrt(len(tokens))
+        assert _total_variation(tokens, expected) < tolerance, (position, len(tokens))
 
 
 def test_greedy_rows_accept_the_argmax_prefix_then_correct() -> None:
