@@ -66,4 +66,7 @@ def test_scoring_matches_transformers_warm_or_cold_and_leaves_hits(
         llm.shutdown()
     assert cold == pytest.approx(expected, abs=1e-4)
     assert ordinary.num_cached_tokens > 0
-    assert warm == pytest.approx(cold, abs=1e-5)
+    # Not bit-equal on recurrent layers: the cold request's prefill is cut where it saves state
+    # checkpoints, the warm one's (the checkpoints exist) is not, so fp32 sums run in another
+    # order (seen: 1.001e-5 of -4.95, a relative 2e-6).
+    assert warm == pytest.approx(cold, rel=1e-5, abs=1e-5)
