@@ -9,6 +9,7 @@ import difflib
 from collections.abc import Iterable
 
 from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 
 _VALUE_ERROR_PREFIX = "Value error, "
 _SHOWS_INPUT = {"literal_error", "greater_than", "greater_than_equal", "less_than_equal"}
@@ -34,8 +35,14 @@ def _location(loc: tuple[int | str, ...]) -> str:
 
 def format_validation_error(error: ValidationError, prefix: str = "") -> str:
     """Turn a pydantic error into one line: `where: what; where: what`."""
+    return format_error_details(error.errors(include_url=False), prefix)
+
+
+def format_error_details(items: Iterable[ErrorDetails], prefix: str = "") -> str:
+    """`format_validation_error` of a pydantic error's details (FastAPI hands a route's body
+    errors over as these)."""
     parts = []
-    for item in error.errors(include_url=False):
+    for item in items:
         loc: tuple[int | str, ...] = ((prefix,) if prefix else ()) + tuple(item["loc"])
         message = item["msg"].removeprefix(_VALUE_ERROR_PREFIX)
         if item["type"].endswith("_type") or item["type"] in _SHOWS_INPUT:

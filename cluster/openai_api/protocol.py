@@ -12,8 +12,15 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from typing_extensions import TypedDict
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
+from typing_extensions import Required, TypedDict
 
 from cluster.openai_api.tool_models import (
     ChatTool,
@@ -55,7 +62,30 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-StopField = Annotated[str | list[str] | None, Field(None)]
+_STOP_TEXT = {"type": "string", "minLength": 1}
+StopField = Annotated[
+    str | list[str] | None,
+    Field(None),
+    WithJsonSchema(
+        {
+            "anyOf": [_STOP_TEXT, {"type": "array", "items": _STOP_TEXT}, {"type": "null"}],
+            "title": "Stop",
+        }
+    ),
+]
+TokenIdKey = Annotated[str, Field(pattern=r"^[0-9]+$")]
+"""A token ID as a JSON object key (`logit_bias`)."""
+_LOGIT_BIAS = {
+    "anyOf": [
+        {
+            "type": "object",
+            "propertyNames": {"pattern": "^[0-9]+$"},
+            "additionalProperties": {"type": "number"},
+        },
+        {"type": "null"},
+    ],
+    "title": "Logit Bias",
+}
 
 
 class SamplingFields(_Request):
@@ -75,7 +105,7 @@ class SamplingFields(_Request):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: Annotated[dict[TokenIdKey, float] | None, WithJsonSchema(_LOGIT_BIAS)] = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -101,12 +131,33 @@ class SamplingFields(_Request):
 
 
 TokenIds = list[Annotated[int, Field(ge=0)]]
+_TEXT = {"type": "string", "minLength": 1}
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+_PROMPT_SCHEMA = {
+    "anyOf": [
+        _TEXT,
+        {"type": "array", "items": _TEXT, "minItems": 1},
+        _TOKEN_IDS,
+        {"type": "array", "items": _TOKEN_IDS, "minItems": 1},
+    ],
+    "title": "Prompt",
+}
+"""The prompt as documented: what `_check_prompt` lets through (never empty)."""
 
 
 class CompletionRequest(SamplingFields):
     """`POST /v1/completions`."""
 
-    prompt: str | list[str] | TokenIds | list[TokenIds]
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {"model": "my-model", "prompt": "Say this is a test", "max_tokens": 7},
+                {"model": "my-model", "prompt": [1, 2, 3], "max_tokens": 2, "stream": True},
+            ]
+        }
+    )
+
+    prompt: Annotated[str | list[str] | TokenIds | list[TokenIds], WithJsonSchema(_PROMPT_SCHEMA)]
     """One prompt (text or token IDs), or a batch of them: one choice per prompt (times `n`)."""
     max_tokens: int | None = Field(16, ge=0)
     """0 only with `echo`: the prompt is scored, nothing is generated."""
@@ -118,13 +169,13 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _check_prompt(cls, value: Any) -> Any:
-        if isinstance(value, list) and not value:
+        if not value:
             raise ValueError("prompt must not be empty")
         if isinstance(value, list) and isinstance(value[0], str | list):
+            if any(not one for one in value):
+                raise ValueError("prompt must not be empty")
             if len(value) == 1:
                 return value[0]
-            if any(isinstance(one, list) and not one for one in value):
-                raise ValueError("prompt must not be empty")
         return value
 
     @model_validator(mode="after")
@@ -149,7 +200,7 @@ class ContentPart(TypedDict, total=False):
 class ChatMessage(TypedDict, total=False):
     """One message; a dict, so routers that read `messages` see plain data."""
 
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    role: Required[Literal["system", "user", "assistant", "tool", "developer"]]
     content: str | list[ContentPart] | None
     name: str
     tool_calls: list[dict[str, Any]]
@@ -158,6 +209,28 @@ class ChatMessage(TypedDict, total=False):
 
 class ChatCompletionRequest(SamplingFields):
     """`POST /v1/chat/completions`."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "model": "my-model",
+                    "messages": [{"role": "user", "content": "Hello!"}],
+                    "max_completion_tokens": 8,
+                },
+                {
+                    "model": "my-model",
+                    "messages": [
+                        {"role": "system", "content": "Be brief."},
+                        {"role": "user", "content": "Hi"},
+                    ],
+                    "max_tokens": 4,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                },
+            ]
+        }
+    )
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
@@ -170,14 +243,6 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: ToolChoice | None = None
     """None: "auto" when tools are given, else "none"."""
     parallel_tool_calls: bool = True
-
-    @field_validator("messages")
-    @classmethod
-    def _check_messages(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
-        for index, message in enumerate(messages):
-            if "role" not in message:
-                raise ValueError(f"messages.{index}: role is required")
-        return messages
 
 
 class UsageDetails(BaseModel):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from pydantic import ValidationError
 
-from cluster.config.errors import format_validation_error
+from cluster.config.errors import format_error_details, format_validation_error
 from cluster.openai_api.protocol import ErrorInfo, ErrorResponse
 
 _TYPES = {
@@ -28,9 +31,8 @@ def error_response(
     message: str, status: int = 400, *, param: str | None = None, code: str | None = None
 ) -> ErrorResponse:
     """An OpenAI error body going out with HTTP `status`."""
-    info = ErrorInfo(
-        message=message, type=_TYPES.get(status, "server_error"), param=param, code=code
-    )
+    kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    info = ErrorInfo(message=message, type=kind, param=param, code=code)
     return ErrorResponse(error=info, status=status)
 
 
@@ -57,3 +59,14 @@ def from_validation_error(error: ValidationError) -> ErrorResponse:
     errors = error.errors(include_url=False)
     param = ".".join(str(p) for p in errors[0]["loc"]) if errors else None
     return bad_request(format_validation_error(error), param=param)
+
+
+def from_body_errors(details: Sequence[Any]) -> ErrorResponse:
+    """A 400 from FastAPI's errors of a request body (locations start with "body"): the first
+    invalid field is the `param`; a body that is not JSON says so."""
+    fields = [{**item, "loc": tuple(item["loc"])[1:]} for item in details]
+    if fields and fields[0]["type"] == "json_invalid":
+        reason = fields[0].get("ctx", {}).get("error", "")
+        return bad_request(f"the request body is not valid JSON: {reason}".rstrip(": "))
+    param = ".".join(str(part) for part in fields[0]["loc"]) if fields else None
+    return bad_request(format_error_details(fields) or "invalid request body", param=param or None)

@@ -1,6 +1,9 @@
 """`OpenAiIngress`: the OpenAI HTTP routes (FastAPI) and gRPC methods in front of the models.
 
-It validates request bodies with the pydantic models, routes each by `model` to that model's
+The routes take the pydantic request models as their bodies, so FastAPI validates them and
+`/openapi.json` describes every route (answers: `openapi_docs`); a body that fails validation
+is a 400 in OpenAI's shape, and a missing or wrong API key a 401 before the body is looked at.
+Each request goes by `model` to that model's
 `LLMServer` deployment handle and relays what comes back: the first item of the server's stream
 is peeked, so an error becomes a proper HTTP error (never a 200 stream that fails); a stream
 that fails once begun (the replica died) ends with an error event in OpenAI's shape, then
@@ -12,21 +15,26 @@ import logging
 import secrets
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Protocol, cast
+from typing import Annotated, Any, Protocol, cast
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, Request, Security
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from ray import serve
 from ray.exceptions import RayActorError
 from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cluster.config.env import api_key_from_env
 from cluster.config.lora import served_model
 from cluster.openai_api.protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     ErrorResponse,
     ModelCard,
     ModelList,
@@ -34,12 +42,18 @@ from cluster.openai_api.protocol import (
 from cluster.serve import errors
 from cluster.serve.formatting import DONE, sse
 from cluster.serve.grpc.methods import GrpcMethods
+from cluster.serve.openapi_docs import (
+    HEALTH_RESPONSES,
+    DescribedApp,
+    error_responses,
+    generation_responses,
+)
 
 logger = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
 
-app = FastAPI(title="hybridserve", description="OpenAI-compatible API")
+app = DescribedApp(title="hybridserve", description="OpenAI-compatible API")
 
 
 def error_json(error: ErrorResponse) -> JSONResponse:
@@ -67,10 +81,55 @@ class ItemStream(Protocol):
     def cancel(self) -> None: ...
 
 
+class ApiError(Exception):
+    """An OpenAI error raised where a route's dependency answers the request."""
+
+    def __init__(self, error: ErrorResponse) -> None:
+        super().__init__(error.error.message)
+        self.error = error
+
+
+@app.exception_handler(ApiError)
+async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+    return error_json(exc.error)
+
+
+@app.exception_handler(RequestValidationError)
+async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return error_json(errors.from_body_errors(exc.errors()))
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """FastAPI's and Starlette's own errors (an unknown path, a body that cannot be read) in
+    OpenAI's shape too."""
+    error = errors.error_response(str(exc.detail), exc.status_code)
+    return JSONResponse(error.model_dump(), status_code=exc.status_code, headers=exc.headers)
+
+
 @app.exception_handler(Exception)
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unexpected error in %s", request.url.path)
     return error_json(errors.error_response(f"internal error: {exc}", 500))
+
+
+BEARER = HTTPBearer(
+    auto_error=False, description="The server's API key, when it has one (HYBRIDSERVE_API_KEY)."
+)
+
+
+async def require_api_key(
+    raw: Request, _documented: Annotated[HTTPAuthorizationCredentials | None, Security(BEARER)]
+) -> None:
+    """The key check of the routes that need it (run before the body is validated): the
+    serving replica's `check_api_key` on the Authorization header."""
+    ingress: OpenAiIngress = serve.get_replica_context().servable_object
+    denied = ingress.check_api_key(raw.headers.get("authorization"))
+    if denied is not None:
+        raise ApiError(denied)
+
+
+AUTHORIZED = [Depends(require_api_key)]
 
 
 class OpenAiIngress(GrpcMethods):
@@ -130,32 +189,46 @@ class OpenAiIngress(GrpcMethods):
 
     # -- HTTP -----------------------------------------------------------------------------------
 
-    @app.post("/v1/completions")
-    async def completions(self, raw: Request) -> Response:
-        return await self.http_generate(raw, CompletionRequest)
+    @app.post(
+        "/v1/completions",
+        response_model=None,
+        responses=generation_responses(CompletionResponse, CompletionResponse),
+        dependencies=AUTHORIZED,
+    )
+    async def completions(self, request: CompletionRequest, raw: Request) -> Response:
+        return await self.http_generate(request, raw)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(self, raw: Request) -> Response:
-        return await self.http_generate(raw, ChatCompletionRequest)
+    @app.post(
+        "/v1/chat/completions",
+        response_model=None,
+        responses=generation_responses(ChatCompletionResponse, ChatCompletionChunk),
+        dependencies=AUTHORIZED,
+    )
+    async def chat_completions(self, request: ChatCompletionRequest, raw: Request) -> Response:
+        return await self.http_generate(request, raw)
 
-    @app.get("/v1/models")
-    async def list_models(self, raw: Request) -> Response:
-        denied = self.check_api_key(raw.headers.get("authorization"))
-        if denied is not None:
-            return error_json(denied)
+    @app.get(
+        "/v1/models",
+        response_model=ModelList,
+        responses=error_responses(401),
+        dependencies=AUTHORIZED,
+    )
+    async def list_models(self) -> Response:
         return JSONResponse((await self.models()).model_dump())
 
-    @app.get("/v1/models/{model:path}")
-    async def get_model(self, model: str, raw: Request) -> Response:
-        denied = self.check_api_key(raw.headers.get("authorization"))
-        if denied is not None:
-            return error_json(denied)
+    @app.get(
+        "/v1/models/{model:path}",
+        response_model=ModelCard,
+        responses=error_responses(401, 404),
+        dependencies=AUTHORIZED,
+    )
+    async def get_model(self, model: str) -> Response:
         card = await self.find_model_card(model)
         if isinstance(card, ErrorResponse):
             return error_json(card)
         return JSONResponse(card.model_dump())
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses=HEALTH_RESPONSES)
     async def health(self) -> Response:
         """200 when every model's engine and workers are healthy, else 503."""
         unhealthy = await self.unhealthy_model()
@@ -180,17 +253,10 @@ class OpenAiIngress(GrpcMethods):
         return None
 
     async def http_generate(
-        self, raw: Request, request_cls: type[CompletionRequest] | type[ChatCompletionRequest]
+        self, request: CompletionRequest | ChatCompletionRequest, raw: Request
     ) -> Response:
         """Serve echoes `x-request-id` on every response; it is also the engine's request ID."""
         request_id = request_id_of(raw)
-        denied = self.check_api_key(raw.headers.get("authorization"))
-        if denied is not None:
-            return error_json(denied)
-        try:
-            request = request_cls.model_validate_json(await raw.body())
-        except ValidationError as error:
-            return error_json(errors.from_validation_error(error))
         first, stream = await self.start(request, request_id, as_sse=True)
         if isinstance(first, ErrorResponse):
             return error_json(first)
