@@ -4,8 +4,9 @@ Llama (full attention), Gemma 3 (sliding window + global), Gemma 4 (K = V, KV sh
 sizes), gpt-oss (sinks, MoE), Bamba (Mamba-2 hybrid) and Qwen3-Next (gated DeltaNet hybrid),
 served by the offline `LLM` on CUDA with the default kernels (Triton attention, Triton Mamba-2,
 fla-core's gated delta rule when installed) against transformers' eager bf16 forward on CUDA,
-by the rule of `tests/helpers/bf16_parity.py` (equal tokens, or at the first divergence each
-side's token in the other's top 5).
+by the rule of `tests/helpers/bf16_parity.py` (on our tokens, transformers' bf16 greedy choices
+equal ours at least 80 % of the time and within 2 points of how often they equal its own fp32
+choices on the device).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """bf16 on CPU: greedy parity with transformers in bf16 for a few layouts (full attention,
 sliding window + global, a Mamba-2 hybrid, a gated DeltaNet hybrid), by the rule of
-`tests/helpers/bf16_parity.py`: equal tokens, or at the first divergence each side's token in
-the other's top 5. (The fp32 parity tests keep token identity with transformers in fp32.)"""
+`tests/helpers/bf16_parity.py`: on our tokens, transformers' bf16 greedy choices equal ours at
+least 80 % of the time and within 2 points of how often they equal its own fp32 choices. (The
+fp32 parity tests keep token identity with transformers in fp32.)"""
 
 from __future__ import annotations
 
