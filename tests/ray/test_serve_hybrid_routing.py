@@ -27,6 +27,7 @@ from cluster.openai_api.protocol import CompletionRequest
 from cluster.serve import build_openai_app, deployment_name
 from cluster.serve.routing_options import RoutingOptions
 from scheduler.request import SamplingParams
+from tests.helpers.router_view import local_router, wait_until_heard
 from tests.helpers.serve_app import deployed, save_word_tokenizer
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from tests.helpers.tiny_models import save_tiny_model
@@ -109,7 +110,12 @@ def _user_words(session: int, turn: int) -> str:
 
 
 def _play_sessions(routed: Routed) -> list[list[dict[str, Any]]]:
-    """Every session's turns, interleaved across sessions; each turn's full response."""
+    """Every session's turns, interleaved across sessions; each turn's full response. Between
+    rounds the replicas' events reach the routers (this process's router, probed first, has
+    heard them)."""
+    handle = serve.get_deployment_handle(deployment_name(MODEL), app_name=APP)
+    _complete(handle, "t5 t6", "probe-sessions")
+    router = local_router(handle)
     histories: list[list[dict[str, str]]] = [[] for _ in range(NUM_SESSIONS)]
     responses: list[list[dict[str, Any]]] = [[] for _ in range(NUM_SESSIONS)]
     for turn in range(NUM_TURNS):
@@ -118,7 +124,7 @@ def _play_sessions(routed: Routed) -> list[list[dict[str, Any]]]:
             response = routed.chat(history)
             responses[session].append(response)
             history.append({"role": "assistant", "content": _answer(response)})
-        time.sleep(0.5)  # the replicas' events reach the router (stats every 0.2 s)
+        wait_until_heard(router, f"the events of round {turn} reach the routers")
     return responses
 
 
@@ -164,11 +170,6 @@ def test_greedy_outputs_match_the_offline_engine(
         llm.shutdown()
 
 
-def _router(handle: Any) -> Any:
-    """The `HybridPrefixRouter` behind a handle of this process (after its first request)."""
-    return handle._router._asyncio_router.request_router
-
-
 def _complete(handle: Any, prompt: str, request_id: str) -> None:
     request = CompletionRequest(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
     list(handle.options(stream=True).generate.remote(request, request_id, False))
@@ -185,7 +186,7 @@ def test_evictions_reach_the_router(routed: Routed, sessions: list[list[dict[str
     handle = serve.get_deployment_handle(deployment_name(MODEL), app_name=APP)
     token_ids = [20 + i for i in range(40)]
     _complete(handle, " ".join(f"t{t}" for t in token_ids), "probe-first")
-    router = _router(handle)
+    router = local_router(handle)
     after_guesses = time.monotonic() + RoutingOptions.guess_ttl_s + 1
     holders = wait_until(lambda: _holders(router, token_ids, after_guesses), "the probe's events")
     assert len(holders) == 1
@@ -193,7 +194,7 @@ def test_evictions_reach_the_router(routed: Routed, sessions: list[list[dict[str
         words = " ".join(f"t{(number * 37 + i * 11) % 230 + 20}" for i in range(40))
         _complete(handle, words, f"flood-{number}")
         if number % 20 == 19:
-            time.sleep(0.5)
+            wait_until_heard(router, "the flood's events reach the router")
             if not _holders(router, token_ids, after_guesses):
                 break
     assert _holders(router, token_ids, after_guesses) == []
@@ -202,13 +203,14 @@ def test_evictions_reach_the_router(routed: Routed, sessions: list[list[dict[str
 def test_a_dead_replica_leaves_the_index(routed: Routed) -> None:
     handle = serve.get_deployment_handle(deployment_name(MODEL), app_name=APP)
     _complete(handle, "t30 t31 t32 t33 t34 t35 t36 t37 t38", "probe-dead")
-    router = _router(handle)
+    router = local_router(handle)
     victim = next(iter(router.curr_replicas))
     ray.kill(ray.get_actor(victim.to_full_id_str(), namespace="serve"), no_restart=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and victim in router.curr_replicas:
+
+    def served_without_victim() -> bool:  # requests go on meanwhile (the router may pick it)
         _complete(handle, "t40 t41 t42 t43 t44", f"after-{time.monotonic()}")
-        time.sleep(0.5)
-    assert victim not in router.curr_replicas
+        return victim not in router.curr_replicas
+
+    wait_until(served_without_victim, "the killed replica leaves routing")
     assert victim not in router.policy.replicas
     _complete(handle, "t50 t51 t52", "still-served")

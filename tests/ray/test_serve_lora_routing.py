@@ -9,7 +9,6 @@ outputs equal the offline `LLM`'s with the same `LoRARequest`.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +20,9 @@ from transformers import AutoModelForCausalLM
 from cluster.llm import LLM
 from cluster.openai_api.protocol import CompletionRequest
 from cluster.serve import build_openai_app, deployment_name
-from cluster.serve.hybrid_router import LORA_ADAPTERS_STAT
 from scheduler.lora import LoRARequest
 from scheduler.request import SamplingParams
+from tests.helpers.router_view import loaded_adapters, local_router, wait_until_heard
 from tests.helpers.serve_app import deployed, save_tiny_served_model
 from tests.helpers.tiny_lora import save_random_adapter
 
@@ -69,27 +68,13 @@ def _app_config(model_dir: Path, adapters: Path) -> dict[str, Any]:
     return {"llm_configs": [config], "ingress_deployment_config": ingress}
 
 
-def _loaded_adapters(timeout: float = 30.0) -> dict[Any, tuple[str, ...]]:
-    """Each replica's loaded adapters, as its routing stats report them to a router of this
-    process (made by a base-model request through a handle): once every adapter shows, and a
-    few stats periods later (so a replica that loaded one too has reported it)."""
+def _probed_router() -> Any:
+    """This process's router of the deployment, made by a base-model request through a handle;
+    it hears the replicas' stats as the ingress's router does."""
     handle: Any = serve.get_deployment_handle(deployment_name(MODEL), app_name=APP)
     request = CompletionRequest(model=MODEL, prompt="t5 t6", max_tokens=1, temperature=0)
     list(handle.options(stream=True).generate.remote(request, "probe", False))
-    router = handle._router._asyncio_router.request_router
-
-    def loaded() -> dict[Any, tuple[str, ...]]:
-        replicas = router.curr_replicas.items()
-        return {key: tuple(r.routing_stats.get(LORA_ADAPTERS_STAT, ())) for key, r in replicas}
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        shown = {name for names in loaded().values() for name in names}
-        if shown >= set(ADAPTERS):
-            break
-        time.sleep(0.3)
-    time.sleep(1.0)
-    return loaded()
+    return local_router(handle)
 
 
 def test_adapters_route_to_the_replica_that_loaded_them(ray_cluster: None, tmp_path: Path) -> None:
@@ -100,6 +85,7 @@ def test_adapters_route_to_the_replica_that_loaded_them(ray_cluster: None, tmp_p
     app = build_openai_app(_app_config(model_dir, tmp_path / "adapters"))
     with deployed(app, APP) as address:
         client = openai.OpenAI(base_url=f"{address.base_url}/v1", api_key="unused")
+        router = _probed_router()
         served: dict[tuple[int, int], str] = {}
         for adapter, name in enumerate(ADAPTERS):
             for turn in range(2):
@@ -110,8 +96,8 @@ def test_adapters_route_to_the_replica_that_loaded_them(ray_cluster: None, tmp_p
                     temperature=0,
                 )
                 served[adapter, turn] = completion.choices[0].text
-                time.sleep(0.5)  # the replicas' stats reach the router (every 0.2 s)
-        loaded = _loaded_adapters()
+                wait_until_heard(router, "the replicas' stats reach the routers")
+        loaded = loaded_adapters(router)
         holders = {name: [k for k, names in loaded.items() if name in names] for name in ADAPTERS}
         assert all(len(keys) == 1 for keys in holders.values()), loaded
 
