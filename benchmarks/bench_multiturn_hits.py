@@ -6,9 +6,11 @@ an answer of 50-300 tokens (the conversations' steps interleaved, as a batch dec
 frees. Per layout (`benchmarks.workloads.chat_layouts`, pools of `--memory-gib` after page-size
 unification) the table gives, for turns 2-8, hit tokens over the previous turn's computed tokens
 (mean and worst turn), with the default `prefix_match_unit` (the attention layers' block size)
-and with 0 (the block grid only), in the same run; and what the checkpoints cost: the most pool
-blocks holding checkpoints at a turn's end (cached, evictable) and the most held by running
-requests' unregistered checkpoints, each as a share of the pool.
+and with 0 (the block grid only), in the same run; and what the checkpoints cost, each as a
+share of the pool: the capacity they take from requests (the most blocks unregistered
+checkpoints hold at a step's end: nothing can evict them), and the most pool blocks holding
+registered checkpoints at a turn's end (cached like any prefix block: evictable, so they take
+only memory nothing else needs at the time).
 
     .venv/bin/python benchmarks/bench_multiturn_hits.py [--conversations 32] [--turns 8]
 """
@@ -20,6 +22,7 @@ import random
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -87,7 +90,8 @@ def run_chats(manager: KVCacheManager, chats: list[list[tuple[list, list]]]) -> 
     replayer = TraceReplayer(manager)
     result = ChatResult(alignment=manager.alignment_tokens, num_blocks=manager.pool.num_blocks)
     known: set[BlockHash] = set()
-    cached = held = 0
+    cached = 0
+    held = count_held_checkpoints(manager)
     for turn, messages in enumerate(chats):
         ratios = []
         for index, (user, _) in enumerate(messages):
@@ -100,8 +104,6 @@ def run_chats(manager: KVCacheManager, chats: list[list[tuple[list, list]]]) -> 
         if ratios:
             result.ratios.append(ratios)
         decode_interleaved(replayer, turn, [answer for _, answer in messages])
-        if manager.checkpoints is not None:
-            held = max(held, len(manager.checkpoints.held_blocks()))
         for index, (_, answer) in enumerate(messages):
             histories[index] += answer
             computed[index] = len(histories[index])
@@ -109,8 +111,23 @@ def run_chats(manager: KVCacheManager, chats: list[list[tuple[list, list]]]) -> 
             replayer.run([{"op": "free", "id": f"c{index}t{turn}"}])
         cached = max(cached, checkpoint_blocks(manager, known))
     result.cached_share = cached / manager.pool.num_blocks
-    result.held_share = held / manager.pool.num_blocks
+    result.held_share = max(held) / manager.pool.num_blocks
     return result
+
+
+def count_held_checkpoints(manager: KVCacheManager) -> list[int]:
+    """The most blocks checkpoints hold unregistered (not evictable: capacity running requests
+    cannot use) at any step's end, in a list the manager's `take_step_ops` keeps current."""
+    peak = [0]
+    take_step_ops = manager.take_step_ops
+
+    def counting() -> Any:
+        if manager.checkpoints is not None:
+            peak[0] = max(peak[0], len(manager.checkpoints.held_blocks()))
+        return take_step_ops()
+
+    manager.take_step_ops = counting  # type: ignore[method-assign]
+    return peak
 
 
 def extend_hashes(known: set[BlockHash], tokens: list[int], block_size: int) -> None:
@@ -142,7 +159,7 @@ def row(layout: str, default: ChatResult, grid: ChatResult, unit: int | None) ->
         f"| {layout} | {default.alignment} | {unit or 'grid'} | "
         f"{mean(turn_means):.3f} (worst turn {min(turn_means):.3f}) | "
         f"{mean(grid_means):.3f} (worst turn {min(grid_means):.3f}) | "
-        f"{100 * default.cached_share:.2f} % | {100 * default.held_share:.2f} % |"
+        f"{100 * default.held_share:.2f} % | {100 * default.cached_share:.2f} % |"
     )
 
 
@@ -161,7 +178,7 @@ def main() -> None:
     )
     print(
         "| layout | hit grid (tokens) | default unit | hits / previous turn, default | "
-        "block grid only | checkpoints cached (peak) | checkpoints held (peak) |"
+        "block grid only | capacity taken (peak) | cached, evictable (peak) |"
     )
     print("|---|---|---|---|---|---|---|")
     for layout in CHAT_LAYOUTS:

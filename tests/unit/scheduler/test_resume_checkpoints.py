@@ -1,13 +1,16 @@
 """Where a chat's next turn resumes (scheduler.kv_cache.checkpoints): the prompt's end on the
 unit grid, a finished answer's exact end, what neither is kept for, the eviction order of an end
-already resumed from, the engine's default unit and what one checkpoint costs."""
+already resumed from, the engine's default unit, what one checkpoint costs and what a step's
+checkpoints may hold."""
 
 from __future__ import annotations
 
 import pytest
 from kv_cache_helpers import full, make_config, make_request, mamba, window
 
+from benchmarks.workloads.hybrid_capacity import GRANITE_4_H_SMALL, hybrid_layer_specs
 from scheduler.config import SchedulerConfig, resolve_prefix_match_unit
+from scheduler.kv_cache.builder import build_kv_cache_config
 from scheduler.kv_cache.eviction import EvictionPolicy
 from scheduler.kv_cache.manager import KVCacheManager
 from scheduler.kv_cache.spec import MambaCacheMode
@@ -149,3 +152,26 @@ def test_one_checkpoint_costs_what_the_start_up_line_says() -> None:
     assert manager.allocate_slots(request, 10) is not None  # saves at 4 and 8 (the prompt's end)
     held = free_before - manager.num_free_blocks
     assert held - 3 == 2 * 3  # its table (a block per group), then 3 blocks per checkpoint
+
+
+def test_checkpoints_a_step_writes_hold_at_most_a_twentieth_of_the_pool() -> None:
+    """A 10,240-token prompt in one step on a Granite-4.0-H-Small-shaped pool: its 10 % grid
+    wants 40 checkpoints of 10 blocks; it keeps the prompt's end and the grid from the end down
+    while they fit in 1/20 of the pool (down to about a ninth of its length)."""
+    specs = hybrid_layer_specs(GRANITE_4_H_SMALL, 16, MambaCacheMode.ALIGN)
+    config = build_kv_cache_config(specs, 40 << 30, max_model_len=16_384)
+    manager = KVCacheManager(config, max_model_len=16_384, prefix_match_unit=64)
+    assert manager.checkpoints is not None
+    tokens = list(range(10_240))
+    request = make_request("a", tokens, manager.hash_block_size)
+    assert manager.allocate_slots(request, len(tokens)) is not None
+    held = len(manager.checkpoints.held_blocks())
+    assert 0 < held <= manager.pool.num_blocks // 20
+    request.num_computed_tokens = len(tokens)
+    manager.take_step_ops()
+    request.status = RequestStatus.FINISHED_STOPPED
+    manager.free(request)
+    manager.begin_step()
+    for shared in (1_500, 4_000, 9_000):
+        other = make_request(f"s{shared}", [*tokens[:shared], -1, -2], manager.hash_block_size)
+        assert manager.get_computed_blocks(other).num_tokens >= 0.9 * shared
