@@ -1,6 +1,7 @@
 """Stream batching: the interval a stream holds its tokens, by load (`StreamBatching`), the hold
 and flush decisions of one stream on an injected clock (`HeldChunk`), the config key and flag,
-and an engine whose streams hold tokens under a fixed interval but never the first or the last.
+an engine whose streams hold tokens under a fixed interval but never the first or the last, and
+the Serve replica's default (adaptive) policy driven by many streams at once.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -27,8 +29,10 @@ from cluster.engine.stream_batching import (
     HeldChunk,
     StreamBatching,
 )
+from cluster.openai_api.protocol import CompletionRequest
+from cluster.serve.llm_server import LLMServer
 from scheduler.request import SamplingParams
-from tests.helpers.serve_app import save_tiny_served_model
+from tests.helpers.serve_app import llm_config, save_tiny_served_model
 
 ARGS = {"dtype": "float32", "block_size": 4, "kv_cache_memory_bytes": 1 << 22, "max_model_len": 64}
 
@@ -133,3 +137,76 @@ def test_an_engine_stream_holds_tokens_but_not_the_first_or_the_final(tmp_path: 
     unbatched, _ = asyncio.run(read(0))
     assert len(unbatched) > 2
     assert sum(unbatched) == 16
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One streamed chunk as its reader saw it: the engine's step count when it arrived, the
+    tokens it carries (one word each) and its finish reason."""
+
+    step: int
+    num_tokens: int
+    finish_reason: str | None
+
+
+MANY_STREAMS = 64
+"""Enough streams that the adaptive interval spans several engine steps."""
+
+
+def _max_tokens(index: int) -> int:
+    """Lengths from 12 to 24 tokens: most streams finish while others still run."""
+    return 12 + index % 13
+
+
+async def _read_streams(server: LLMServer, num_streams: int) -> list[list[Chunk]]:
+    """`num_streams` streamed completions started at once through the replica; each stream's
+    chunks, steps counted from the first step of the batch."""
+    start = server.engine.num_steps
+
+    async def read(index: int) -> list[Chunk]:
+        request = CompletionRequest(
+            model="tiny", prompt=f"t{index + 1} t2 t3", max_tokens=_max_tokens(index),
+            ignore_eos=True, stream=True, temperature=0,
+        )  # fmt: skip
+        chunks = []
+        async for item in server.generate(request, f"{num_streams}-{index}", as_sse=False):
+            (choice,) = item.choices
+            step = server.engine.num_steps - start
+            chunks.append(Chunk(step, len(choice.text.split()), choice.finish_reason))
+        return chunks
+
+    return list(await asyncio.gather(*(read(index) for index in range(num_streams))))
+
+
+def test_the_replica_adapts_the_interval_to_the_number_of_streams(tmp_path: Path) -> None:
+    """The replica's default policy on real streams: with a few streams every token is its own
+    chunk; with many (an interval of several steps), chunks carry several tokens, yet each
+    stream's first token is a chunk of its own from the first step, and its final chunk leaves
+    at the step that finishes it (while other streams keep the engine stepping), not an
+    interval later. Steps are the engine's count when the reader gets the chunk."""
+    model_dir = save_tiny_served_model(tmp_path)
+    config = llm_config(model_dir, distributed_executor_backend="uni", max_model_len=64)
+    server = LLMServer({**config, "log_engine_metrics": False})
+    assert server.config.stream_batching_interval_ms is None  # adaptive: the default
+
+    async def read_both() -> tuple[list[list[Chunk]], list[list[Chunk]]]:
+        return await _read_streams(server, FEW_STREAMS), await _read_streams(server, MANY_STREAMS)
+
+    try:
+        few, many = asyncio.run(read_both())
+    finally:
+        server.engine.core.shutdown()
+    for chunks in few:  # one token each (two where the reader fell a step behind)
+        assert max(chunk.num_tokens for chunk in chunks) <= 2, chunks
+    longest = max(_max_tokens(index) for index in range(MANY_STREAMS))
+    middle_sizes = []
+    for index, chunks in enumerate(many):
+        first, *middle, final = chunks
+        assert first.num_tokens == 1
+        assert first.step <= 2  # sent from the step that made it (or the next)
+        assert sum(chunk.num_tokens for chunk in chunks) == _max_tokens(index)
+        assert final.finish_reason == "length"
+        if _max_tokens(index) < longest:
+            assert final.step <= _max_tokens(index) + 1, chunks  # its last token's step
+        middle_sizes += [chunk.num_tokens for chunk in middle]
+    assert sum(middle_sizes) / len(middle_sizes) >= 3, middle_sizes
