@@ -60,8 +60,9 @@ most 1/20 of the pool (or MIN_HELD checkpoints' blocks in a small pool). A step 
 ends first, then each prompt's 10 % grid from the step's end down (on a Granite-4.0-H-Small
 layout in 40 GiB: 23 checkpoints, shared prefixes down to a ninth of the step's end)."""
 
-MIN_HELD = 8
-"""Checkpoints' worth of blocks a small pool may hold unregistered whatever its size."""
+MIN_HELD = 2
+"""Checkpoints' worth of blocks a small pool may hold unregistered whatever its size (a prompt's
+end and one more)."""
 
 _TAG = b"state-checkpoint"
 _END_TAG = b"state-end"

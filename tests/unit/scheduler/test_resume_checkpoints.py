@@ -21,12 +21,17 @@ HYBRID = [full(16), window(16, 40), mamba(16, MambaCacheMode.ALIGN)]
 
 
 def _manager(unit: int | None, num_blocks: int = 200) -> KVCacheManager:
-    return KVCacheManager(
+    """A small pool whose steps may hold any number of checkpoints (the bound on what a step
+    holds, 1/20 of a realistic pool, has its own test below)."""
+    manager = KVCacheManager(
         make_config(num_blocks, *HYBRID),
         max_model_len=512,
         prefix_match_unit=unit,
         eviction=EvictionPolicy.LRU,
     )
+    if manager.checkpoints is not None:
+        manager.checkpoints.max_held_blocks = num_blocks
+    return manager
 
 
 def _start(manager: KVCacheManager, req_id: str, tokens: list[int]) -> tuple[Request, int]:

@@ -134,6 +134,7 @@ def test_checkpoints_are_pool_blocks_bounded_per_request_and_evictable() -> None
     manager = _manager(60, 4)
     assert manager.checkpoints is not None
     manager.checkpoints.max_per_request = 3
+    manager.checkpoints.max_held_blocks = 60  # the per-request bound alone
     free_before = manager.num_free_blocks
     first, _ = _prefill(manager, "a", _shared(40, 8, 1000))
     held = free_before - manager.num_free_blocks
