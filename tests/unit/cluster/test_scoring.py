@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 import torch
 from pydantic import ValidationError
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from cluster import LLM, SamplingParams
 from cluster.batch.rows import parse_line
 from cluster.openai_api.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from cluster.serve.llm_server import LLMServer
@@ -46,12 +45,20 @@ def server(model_dir: Path) -> Iterator[LLMServer]:
 
 
 @pytest.fixture(scope="module")
-def reference_logprobs(model_dir: Path) -> torch.Tensor:
-    """transformers' log-softmax over the prompt IDS: row i scores token i + 1."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+def transformers_model(model_dir: Path) -> Any:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _log_softmax(model: Any, ids: list[int]) -> torch.Tensor:
+    """transformers' log-softmax over `ids`: row i scores token i + 1."""
     with torch.no_grad():
-        logits = model(torch.tensor([IDS])).logits[0]
+        logits = model(torch.tensor([ids])).logits[0]
     return torch.log_softmax(logits.float(), dim=-1)
+
+
+@pytest.fixture(scope="module")
+def reference_logprobs(transformers_model: Any) -> torch.Tensor:
+    return _log_softmax(transformers_model, IDS)
 
 
 def _items(server: LLMServer, body: dict[str, Any]) -> list[Any]:
@@ -155,7 +162,7 @@ def test_a_streamed_batch_with_echo_matches_the_whole_response(server: LLMServer
 
 
 def test_prompt_logprobs_field_on_completions_and_chat(
-    server: LLMServer, model_dir: Path, reference_logprobs: torch.Tensor
+    server: LLMServer, model_dir: Path, reference_logprobs: torch.Tensor, transformers_model: Any
 ) -> None:
     choice = _one(server, {"prompt": PROMPT, "prompt_logprobs": 1, "max_tokens": 1})["choices"][0]
     positions = choice["prompt_logprobs"]
@@ -165,13 +172,18 @@ def test_prompt_logprobs_field_on_completions_and_chat(
     assert got == pytest.approx(_expected(reference_logprobs), abs=1e-4)
     messages = [{"role": "user", "content": "t9 t10"}]
     chat = _one(server, {"messages": messages, "prompt_logprobs": 0, "max_tokens": 1})
-    want = LLM(str(model_dir), **ENGINE).chat(
-        messages, SamplingParams(max_tokens=1, prompt_logprobs=0)
-    )[0]
-    assert len(chat["prompt_logprobs"]) == len(want.prompt_token_ids)
-    for ours, theirs in zip(chat["prompt_logprobs"][1:], want.prompt_logprobs[1:], strict=True):
-        ((token_id, entry),) = theirs.items()
-        assert ours[str(token_id)]["logprob"] == pytest.approx(entry.logprob, abs=1e-5)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)  # the chat template, rendered by HF
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    chat_ids = tokenizer(text, add_special_tokens=False).input_ids
+    want = _log_softmax(transformers_model, chat_ids)
+    positions = chat["prompt_logprobs"]
+    assert len(positions) == len(chat_ids)
+    assert positions[0] is None
+    for index, position in enumerate(positions[1:]):
+        token_id = chat_ids[index + 1]
+        assert list(position) == [str(token_id)]  # 0 alternatives: the prompt's token only
+        expected = float(want[index, token_id])
+        assert position[str(token_id)]["logprob"] == pytest.approx(expected, abs=1e-4)
 
 
 def test_an_unknown_field_is_ignored_with_a_warning(
