@@ -186,3 +186,18 @@ def model_specs(draw: st.DrawFn, max_groups: int = 4) -> list[KVCacheSpec]:
         else:
             specs.append(mamba(size, draw(st.sampled_from(list(MambaCacheMode)))))
     return specs
+
+
+def prefill_in_one_step(
+    manager: KVCacheManager, req_id: str, tokens: list[int]
+) -> tuple[Request, int]:
+    """Look up, allocate the whole rest of the prompt as one step, send its ops: (the request,
+    its hit tokens)."""
+    manager.begin_step()
+    request = make_request(req_id, tokens, manager.hash_block_size)
+    found = manager.get_computed_blocks(request)
+    num_new = request.num_tokens - found.num_tokens
+    assert manager.allocate_slots(request, num_new, found.num_tokens, found.blocks) is not None
+    request.num_computed_tokens = request.num_tokens
+    manager.take_step_ops()
+    return request, found.num_tokens

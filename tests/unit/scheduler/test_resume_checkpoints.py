@@ -6,7 +6,7 @@ checkpoints may hold."""
 from __future__ import annotations
 
 import pytest
-from kv_cache_helpers import full, make_config, make_request, mamba, window
+from kv_cache_helpers import full, make_config, make_request, mamba, prefill_in_one_step, window
 
 from benchmarks.workloads.hybrid_capacity import GRANITE_4_H_SMALL, hybrid_layer_specs
 from scheduler.config import SchedulerConfig, resolve_prefix_match_unit
@@ -34,16 +34,7 @@ def _manager(unit: int | None, num_blocks: int = 200) -> KVCacheManager:
     return manager
 
 
-def _start(manager: KVCacheManager, req_id: str, tokens: list[int]) -> tuple[Request, int]:
-    """Look up and compute the whole prompt in one step (its ops sent)."""
-    manager.begin_step()
-    request = make_request(req_id, tokens, manager.hash_block_size)
-    found = manager.get_computed_blocks(request)
-    num_new = request.num_tokens - found.num_tokens
-    assert manager.allocate_slots(request, num_new, found.num_tokens, found.blocks) is not None
-    request.num_computed_tokens = request.num_tokens
-    manager.take_step_ops()
-    return request, found.num_tokens
+_start = prefill_in_one_step
 
 
 def _decode(manager: KVCacheManager, request: Request, tokens: list[int]) -> None:

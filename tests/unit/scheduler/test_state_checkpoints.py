@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from kv_cache_helpers import full, make_config, make_request, mamba, window
+from kv_cache_helpers import full, make_config, make_request, mamba, prefill_in_one_step, window
 from scheduler_drive import make_scheduler
 from scheduler_fake_runner import FakeModelRunner
 
@@ -35,16 +35,7 @@ def _manager(num_blocks: int, unit: int | None, **kwargs: Any) -> KVCacheManager
     )
 
 
-def _prefill(manager: KVCacheManager, req_id: str, tokens: list[int]) -> tuple[Request, int]:
-    """Look up, allocate the whole rest of the prompt as one step, send its ops."""
-    manager.begin_step()
-    request = make_request(req_id, tokens, manager.hash_block_size)
-    found = manager.get_computed_blocks(request)
-    num_new = request.num_tokens - found.num_tokens
-    assert manager.allocate_slots(request, num_new, found.num_tokens, found.blocks) is not None
-    request.num_computed_tokens = request.num_tokens
-    manager.take_step_ops()
-    return request, found.num_tokens
+_prefill = prefill_in_one_step
 
 
 def _shared(num_shared: int, suffix: int, tag: int) -> list[int]:
