@@ -68,5 +68,7 @@ def from_body_errors(details: Sequence[Any]) -> ErrorResponse:
     if fields and fields[0]["type"] == "json_invalid":
         reason = fields[0].get("ctx", {}).get("error", "")
         return bad_request(f"the request body is not valid JSON: {reason}".rstrip(": "))
+    if fields and not fields[0]["loc"] and isinstance(fields[0].get("input"), bytes):
+        return bad_request("the request body must be JSON (Content-Type: application/json)")
     param = ".".join(str(part) for part in fields[0]["loc"]) if fields else None
     return bad_request(format_error_details(fields) or "invalid request body", param=param or None)

@@ -53,7 +53,11 @@ logger = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
 
-app = DescribedApp(title="hybridserve", description="OpenAI-compatible API")
+app = DescribedApp(
+    title="hybridserve",
+    description="OpenAI-compatible API",
+    strict_content_type=False,  # a body without a Content-Type is read as JSON (as before)
+)
 
 
 def error_json(error: ErrorResponse) -> JSONResponse:

@@ -568,21 +568,31 @@ def test_lm_evaluation_harness_scores_a_multiple_choice_task(
     served: Served, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """lm-evaluation-harness's `local-completions` model against the server, on a task from a
-    local JSON file: it finishes with an accuracy, and each choice's loglikelihood equals
-    transformers' over the same weights."""
+    local JSON file: each choice's loglikelihood equals transformers' over the same weights, and
+    its accuracy is the share of questions whose answer transformers scores highest."""
     from tests.helpers import lm_eval_task
 
     for name, value in lm_eval_task.harness_environment(tmp_path, API_KEY).items():
         monkeypatch.setenv(name, value)
     task_dir = lm_eval_task.write_task(tmp_path)
     results = lm_eval_task.run_harness(served.base_url, served.model_dir, task_dir)
+    want = lm_eval_task.offline_loglikelihoods(served.model_dir)
     (task,) = results["results"].values()
-    assert 0.0 <= task["acc,none"] <= 1.0
+    assert task["acc,none"] == pytest.approx(_accuracy(want, lm_eval_task.QUESTIONS))
     (samples,) = results["samples"].values()
     got = [[resp[0][0] for resp in sample["resps"]] for sample in sorted(samples, key=_doc_id)]
-    want = lm_eval_task.offline_loglikelihoods(served.model_dir)
     for ours, theirs in zip(got, want, strict=True):
         assert ours == pytest.approx(theirs, abs=1e-4)
+
+
+def _accuracy(loglikelihoods: list[list[float]], questions: list[dict[str, Any]]) -> float:
+    """The share of questions whose answer has the highest loglikelihood of their choices."""
+    right = 0
+    for scores, question in zip(loglikelihoods, questions, strict=True):
+        best = max(scores)
+        assert scores.count(best) == 1, scores  # no tie for the harness to break its own way
+        right += scores.index(best) == question["answer"]
+    return right / len(questions)
 
 
 def _doc_id(sample: dict[str, Any]) -> int:
