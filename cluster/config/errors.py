@@ -6,10 +6,10 @@ Used by every config model here, by `validate_engine_kwargs` and by `hybridserve
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 from pydantic import ValidationError
-from pydantic_core import ErrorDetails
 
 _VALUE_ERROR_PREFIX = "Value error, "
 _SHOWS_INPUT = {"literal_error", "greater_than", "greater_than_equal", "less_than_equal"}
@@ -38,7 +38,7 @@ def format_validation_error(error: ValidationError, prefix: str = "") -> str:
     return format_error_details(error.errors(include_url=False), prefix)
 
 
-def format_error_details(items: Iterable[ErrorDetails], prefix: str = "") -> str:
+def format_error_details(items: Iterable[Mapping[str, Any]], prefix: str = "") -> str:
     """`format_validation_error` of a pydantic error's details (FastAPI hands a route's body
     errors over as these)."""
     parts = []

@@ -127,7 +127,7 @@ async def require_api_key(
 ) -> None:
     """The key check of the routes that need it (run before the body is validated): the
     serving replica's `check_api_key` on the Authorization header."""
-    ingress: OpenAiIngress = serve.get_replica_context().servable_object
+    ingress = cast("OpenAiIngress", serve.get_replica_context().servable_object)
     denied = ingress.check_api_key(raw.headers.get("authorization"))
     if denied is not None:
         raise ApiError(denied)

@@ -34,10 +34,8 @@ _ERROR_MEANINGS = {
 
 def error_responses(*statuses: int) -> Responses:
     """The `ErrorResponse` answers of a route: `statuses` and `default`."""
-    return {
-        status: {"model": ErrorResponse, "description": _ERROR_MEANINGS[status]}
-        for status in (*statuses, "default")
-    }
+    keys: list[int | str] = [*statuses, "default"]
+    return {key: {"model": ErrorResponse, "description": _ERROR_MEANINGS[key]} for key in keys}
 
 
 STREAMED_MODELS: tuple[type[BaseModel], ...] = (
