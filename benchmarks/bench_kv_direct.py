@@ -15,7 +15,7 @@ its rank over the rank channels; directly, rank to rank.
 
 `--wire-only` leaves the engines out: two plain actors, one holding one rank's pages (16 fp32
 tensors, as the model's layers give), the other taking them, through the object store (returned
-and passed on) or over the direct connection (`worker.kv_direct.offer_shard` and
+and passed on) or over the direct connection (`worker.kv_io.kv_direct.offer_shard` and
 `fetch_shard`).
 """
 
@@ -44,9 +44,9 @@ from cluster.engine.request import EngineRequest
 from cluster.ray_cluster import node_address
 from scheduler.request import SamplingParams
 from tests.helpers.tiny_models import save_tiny_model
-from worker.block_export import BlockPages
-from worker.kv_direct import ShardOffer, fetch_shard, offer_shard
-from worker.kv_transfer import KVShard
+from worker.kv_io.block_export import BlockPages
+from worker.kv_io.kv_direct import ShardOffer, fetch_shard, offer_shard
+from worker.kv_io.kv_transfer import KVShard
 
 MODEL = {
     "num_hidden_layers": 8,

@@ -4,7 +4,7 @@ The scheduler's fine prefix hits (`scheduler.kv_cache.checkpoints`) need two thi
 not do by itself: copying one block's pages onto another block of the same group (before the
 forward: a hit starts from a copy of a checkpoint; after it: a checkpoint keeps a copy of a
 partly filled attention block), and keeping a Mamba state at a position inside a step's tokens
-(a cut of the scan, see `worker.mamba_metadata`) or at its end (a copy of the state written).
+(a cut of the scan, see `worker.state.mamba_metadata`) or at its end (a copy of the state written).
 
 Every layer cache is a tensor (or a pair) whose leading dimension holds `split` rows per pool
 block (the attention kernel block split; 1 for Mamba states), so one copy is the same row

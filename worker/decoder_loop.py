@@ -15,8 +15,8 @@ from typing import TypeVar, Union, cast
 import torch
 from torch import nn
 
-from worker.attention import Attention, ForwardContext
-from worker.metadata_transforms import first_truncated_layer
+from worker.attention.attention import Attention, ForwardContext
+from worker.attention.metadata_transforms import first_truncated_layer
 
 RowData = Union[torch.Tensor, tuple["RowData", ...], Mapping[str, "RowData"]]  # noqa: UP007
 """Per-token inputs of the layers (tokens on dim 0), possibly nested in tuples and dicts."""

@@ -22,7 +22,7 @@ import torch
 from scheduler.lora import LoRARequest
 from scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from scheduler.request import SamplingParams
-from worker.block_table import MultiGroupBlockTable
+from worker.attention.block_table import MultiGroupBlockTable
 
 
 @dataclass(eq=False)

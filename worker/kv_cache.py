@@ -32,8 +32,8 @@ from scheduler.kv_cache.spec import (
     MambaSpec,
     UniformTypeKVCacheSpecs,
 )
-from worker.attention import Attention
-from worker.mamba_cache import block_contiguous_attention_view, has_mamba_groups, mamba_view
+from worker.attention.attention import Attention
+from worker.state.mamba_cache import block_contiguous_attention_view, has_mamba_groups, mamba_view
 
 logger = logging.getLogger(__name__)
 

@@ -24,16 +24,17 @@ from scheduler.kv_cache.builder import group_of_layer
 from scheduler.kv_cache.spec import KVCacheConfig, MambaCacheMode
 from scheduler.lora import LoRARequest
 from scheduler.output import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from worker.attention import ForwardContext, KernelNeeds
-from worker.attention_groups import (
+from worker.attention.attention import ForwardContext, KernelNeeds
+from worker.attention.attention_groups import (
     AttentionGroup,
     GroupingOptions,
     MetadataBuildStats,
     build_attention_groups,
     build_forward_context,
 )
+from worker.attention.block_table import MultiGroupBlockTable
+from worker.attention.metadata_transforms import StepRows
 from worker.block_copies import GroupTensors, copy_blocks, group_tensors, saves_by_request
-from worker.block_table import MultiGroupBlockTable
 from worker.distributed import broadcast_token_lists
 from worker.grammar_mask import GrammarMask
 from worker.input_batch import (
@@ -50,11 +51,8 @@ from worker.kv_cache import (
     attention_layers,
     report_kv_cache_specs,
 )
+from worker.kv_io.offload_store import HostOffloadStore
 from worker.lora.manager import LoRAManager
-from worker.mamba_cache import mamba_layers, model_order_specs
-from worker.mamba_metadata import build_mamba_metadata, checkpoint_cuts, mamba_group_modes
-from worker.metadata_transforms import StepRows
-from worker.offload_store import HostOffloadStore
 from worker.prompt_logprobs import prompt_logprob_rows, prompt_logprobs
 from worker.runner_config import RunnerConfig
 from worker.sampler import Sampler
@@ -64,6 +62,8 @@ from worker.spec_decode.factory import make_proposer
 from worker.spec_decode.proposer import DrafterCache, DraftProposer
 from worker.spec_decode.ranks import run_proposer
 from worker.spec_decode.verify import RowLayout, verify_drafts
+from worker.state.mamba_cache import mamba_layers, model_order_specs
+from worker.state.mamba_metadata import build_mamba_metadata, checkpoint_cuts, mamba_group_modes
 
 logger = logging.getLogger(__name__)
 

@@ -21,8 +21,14 @@ from scheduler.spec_config import SpecMethod
 from worker.config import ModelConfig, ParallelConfig
 from worker.distributed import destroy_distributed, init_distributed
 from worker.kv_cache import KVCacheSpecReport, available_kv_cache_memory
-from worker.kv_direct import SEND_TIMEOUT_S, ShardOffer, fetch_shard, offer_counts, offer_shard
-from worker.kv_transfer import (
+from worker.kv_io.kv_direct import (
+    SEND_TIMEOUT_S,
+    ShardOffer,
+    fetch_shard,
+    offer_counts,
+    offer_shard,
+)
+from worker.kv_io.kv_transfer import (
     CacheLayer,
     GroupLayouts,
     KVShard,
@@ -49,7 +55,7 @@ class WorkerSpec:
     distributed_init_method: str = "tcp://127.0.0.1:29500"
     """Rendezvous address of the process group (used when tp_size > 1)."""
     node_address: str = "127.0.0.1"
-    """This rank's node address: its direct KV transfers (`worker.kv_direct`) listen there."""
+    """This rank's node address: its direct KV transfers (`worker.kv_io.kv_direct`) listen there."""
 
 
 class Worker:
@@ -175,7 +181,7 @@ class Worker:
         import_shard(tensors, num_blocks, shard, selected, block_ids)
 
     def kv_offer_counts(self) -> tuple[int, int, int]:
-        """This rank's direct offers: (made, ended, dropped) (`worker.kv_direct`)."""
+        """This rank's direct offers: (made, ended, dropped) (`worker.kv_io.kv_direct`)."""
         return offer_counts()
 
     @functools.cached_property

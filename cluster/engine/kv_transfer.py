@@ -7,7 +7,7 @@ sizes: the shards travel as sent, and the receiver's ranks reshard them.
     receiver.held ─► HeldKeys ─► sender.export ─► KVTransfer (keys + per-rank shards)
                                                      │ Ray's object store between actors; or
                                                      │ each rank's shard offered, its pages
-                                                     │ sent rank to rank (`worker.kv_direct`)
+                                                     │ sent rank to rank (`worker.kv_io.kv_direct`)
                                                      ▼
                                               receiver.import ─► KVImportResult
 
@@ -43,8 +43,8 @@ from scheduler.kv_cache.transfer import (
 )
 from scheduler.request import Request, SamplingParams
 from worker.deadlines import timeout_until
-from worker.kv_direct import SEND_TIMEOUT_S, ShardOffer, fetch_shard
-from worker.kv_transfer import KVShard
+from worker.kv_io.kv_direct import SEND_TIMEOUT_S, ShardOffer, fetch_shard
+from worker.kv_io.kv_transfer import KVShard
 
 logger = logging.getLogger(__name__)
 

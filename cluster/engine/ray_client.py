@@ -46,7 +46,7 @@ from cluster.engine.request import EngineRequest
 from cluster.ray_cluster import connect
 from scheduler.kv_cache.transfer import HeldKeys
 from scheduler.stats import SchedulerStats
-from worker.kv_direct import SEND_TIMEOUT_S
+from worker.kv_io.kv_direct import SEND_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 

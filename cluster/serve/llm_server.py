@@ -61,7 +61,7 @@ from cluster.serve.peer_pull import PeerPull, pull_from_peer
 from cluster.serve.transfer_metrics import TransferMetrics
 from scheduler.kv_cache.transfer import HeldKeys
 from scheduler.lora import LoRARequest
-from worker.kv_direct import SEND_TIMEOUT_S
+from worker.kv_io.kv_direct import SEND_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ import torch
 
 from scheduler.output import OffloadLoad, OffloadOps, OffloadSpill, OffloadStore
 from worker.distributed import destroy_distributed, init_distributed
-from worker.offload_store import HostOffloadStore, OffloadReport
+from worker.kv_io.offload_store import HostOffloadStore, OffloadReport
 
 NUM_BLOCKS = 4
 

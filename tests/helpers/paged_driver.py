@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from kernels import reference
-from worker.attention import Attention, AttentionMetadata, ForwardContext
+from worker.attention.attention import Attention, AttentionMetadata, ForwardContext
 
 
 @dataclass

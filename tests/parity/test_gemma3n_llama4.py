@@ -23,10 +23,10 @@ from tests.helpers.shared_kv_reference import greedy_with_shared_kv
 from tests.helpers.tiny_gemma3n import COMMON
 from tests.helpers.tiny_gemma3n import GEMMA3N as TINY_GEMMA3N
 from tests.helpers.tiny_models import hf_greedy, load_our_model, random_eager_model
-from worker.attention import Attention, ForwardContext
+from worker.attention.attention import Attention, ForwardContext
+from worker.attention.metadata_transforms import ChunkedLocalBatches, StepRows, apply_transforms
 from worker.config import ModelConfig, ParallelConfig
 from worker.kv_cache import attention_layers, report_kv_cache_specs
-from worker.metadata_transforms import ChunkedLocalBatches, StepRows, apply_transforms
 from worker.models.decoder import attention_layer_name as _layer
 from worker.models.decoder import layer_prefix
 from worker.models.registry import get_model_class

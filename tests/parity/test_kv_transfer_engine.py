@@ -22,7 +22,7 @@ from tests.helpers.tiny_gemma3n import save_tiny_gemma3n
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from tests.helpers.tiny_linear_hybrid import save_tiny_linear_hybrid
 from tests.helpers.tiny_models import save_tiny_model
-from worker.kv_transfer import GroupLayouts, KVShard, group_layouts
+from worker.kv_io.kv_transfer import GroupLayouts, KVShard, group_layouts
 
 pytestmark = pytest.mark.parity
 

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 import kernels
-import worker.mamba_metadata
+import worker.state.mamba_metadata
 from cluster import LLM, SamplingParams
 from scheduler.kv_cache.linear_state_spec import GatedDeltaNetSpec, ShortConvSpec
 from scheduler.kv_cache.spec import manager_spec
@@ -131,8 +131,8 @@ def test_hits_on_states_written_in_the_same_step(
         waves.append(len(found))
         return found
 
-    make_waves = worker.mamba_metadata._waves
-    monkeypatch.setattr(worker.mamba_metadata, "_waves", counting)
+    make_waves = worker.state.mamba_metadata._waves
+    monkeypatch.setattr(worker.state.mamba_metadata, "_waves", counting)
     llm = LLM(str(saved.path), **{**LLM_ARGS, "max_num_batched_tokens": 64})
     # The first prompt's first chunk ends at 24 (its last full block end) in align mode.
     prompts = [PROMPTS[0], [*PROMPTS[0][:24], 9, 8, 7]]

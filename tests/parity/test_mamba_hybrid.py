@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import kernels
-import worker.mamba_metadata
+import worker.state.mamba_metadata
 from cluster import LLM, SamplingParams
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from tests.helpers.tiny_models import hf_greedy
@@ -130,8 +130,8 @@ def test_hits_on_states_written_in_the_same_step(
         waves.append(len(found))
         return found
 
-    make_waves = worker.mamba_metadata._waves
-    monkeypatch.setattr(worker.mamba_metadata, "_waves", counting)
+    make_waves = worker.state.mamba_metadata._waves
+    monkeypatch.setattr(worker.state.mamba_metadata, "_waves", counting)
     llm = LLM(str(saved.path), **{**LLM_ARGS, "max_num_batched_tokens": 64})
     prompts = [PROMPTS[0], *SHARED]
     results = llm.generate(prompts, GREEDY, use_tqdm=False)

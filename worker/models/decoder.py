@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from worker.attention import Attention, AttentionConfig, ForwardContext
+from worker.attention.attention import Attention, AttentionConfig, ForwardContext
 from worker.config import ModelConfig, ParallelConfig
 from worker.decoder_loop import DecoderLayerLoop
 from worker.kv_sharing import kv_sharing_targets_from_config

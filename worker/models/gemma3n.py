@@ -15,7 +15,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from worker.attention import ForwardContext
+from worker.attention.attention import ForwardContext
 from worker.config import ParallelConfig
 from worker.decoder_loop import DecoderLayerLoop
 from worker.layers.embedding import VocabParallelEmbedding

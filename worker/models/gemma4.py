@@ -18,7 +18,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from worker.attention import ForwardContext
+from worker.attention.attention import ForwardContext
 from worker.config import ModelConfig, ParallelConfig
 from worker.decoder_loop import DecoderLayerLoop
 from worker.layers.embedding import VocabParallelEmbedding

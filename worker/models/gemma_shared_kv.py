@@ -16,7 +16,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from kernels.reference import KeyFromValue
-from worker.attention import Attention, AttentionConfig, ForwardContext
+from worker.attention.attention import Attention, AttentionConfig, ForwardContext
 from worker.config import ModelConfig, ParallelConfig
 from worker.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from worker.layers.loading import WeightSource

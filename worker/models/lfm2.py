@@ -31,7 +31,7 @@ from worker.models.mamba_hybrid import (
     HybridModel,
     build_layers,
 )
-from worker.short_conv import ShortConv, ShortConvConfig
+from worker.state.short_conv import ShortConv, ShortConvConfig
 
 
 def feed_forward_size(hf_config: PretrainedConfig) -> int:

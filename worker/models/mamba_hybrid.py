@@ -16,14 +16,14 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from worker.attention import ForwardContext
+from worker.attention.attention import ForwardContext
 from worker.config import ParallelConfig
 from worker.layers.embedding import VocabParallelEmbedding
 from worker.layers.loading import WeightSource
 from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary
-from worker.mamba import MambaConfig, MambaMixer2
 from worker.models.decoder import DecoderAttention, DecoderForCausalLM, layer_prefix
+from worker.state.mamba import MambaConfig, MambaMixer2
 
 MAMBA = "mamba"
 ATTENTION = "attention"

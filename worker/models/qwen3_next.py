@@ -18,9 +18,8 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from scheduler.kv_cache.linear_state_spec import GatedDeltaNetShape
-from worker.attention import ForwardContext
+from worker.attention.attention import ForwardContext
 from worker.config import ParallelConfig
-from worker.gated_delta_net import GatedDeltaNet, GatedDeltaNetConfig
 from worker.layers.linear import QKVParallelLinear
 from worker.layers.loading import WeightSource
 from worker.layers.norm import RMSNorm
@@ -36,6 +35,7 @@ from worker.models.mamba_hybrid import (
     build_layers,
 )
 from worker.models.qwen_next_moe import QwenSparseMoE, split_stacked_experts
+from worker.state.gated_delta_net import GatedDeltaNet, GatedDeltaNetConfig
 
 LINEAR_ATTENTION = "linear_attention"
 

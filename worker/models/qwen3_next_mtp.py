@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from worker.attention import ForwardContext
+from worker.attention.attention import ForwardContext
 from worker.config import ModelConfig, ParallelConfig
 from worker.layers.linear import ReplicatedLinear
 from worker.layers.loading import WeightSource

@@ -28,16 +28,16 @@ import numpy as np
 import torch
 from torch import nn
 
-from worker.attention import Attention, ForwardContext
-from worker.attention_groups import build_forward_context
+from worker.attention.attention import Attention, ForwardContext
+from worker.attention.attention_groups import build_forward_context
+from worker.attention.metadata_transforms import StepRows
 from worker.input_batch import InputBatch, RequestStates, pack_input_batch
 from worker.kv_cache import attention_layers
-from worker.mamba_cache import mamba_layers
-from worker.metadata_transforms import StepRows
 from worker.models.decoder import DecoderForCausalLM
 from worker.spec_decode.draft_states import DraftStates, StepSaves
 from worker.spec_decode.proposer import DrafterCache, DraftProposer, DraftRequest
-from worker.state_layer import StateLayer
+from worker.state.mamba_cache import mamba_layers
+from worker.state.state_layer import StateLayer
 
 ANY_POSITION = 1 << 62
 DRAFTER_PREFIX = "drafter."

@@ -22,9 +22,9 @@ import torch
 
 from kernels.mamba_registry import MambaKernels
 from scheduler.kv_cache.spec import MambaCacheMode
-from worker.attention import ForwardContext
+from worker.attention.attention import ForwardContext
 from worker.input_batch import RequestStates
-from worker.mamba_metadata import MambaMetadata, MambaWave
+from worker.state.mamba_metadata import MambaMetadata, MambaWave
 
 StepSaves = dict[int, dict[str, list[tuple[int, int]]]]
 """Group -> request -> [(tokens, block)]: the states a step kept (`saves_by_request`)."""

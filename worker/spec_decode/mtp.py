@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.attention import ForwardContext
+from worker.attention.attention import ForwardContext
 from worker.input_batch import InputBatch
 from worker.models.qwen3_next_mtp import Qwen3NextMTP
 from worker.spec_decode.draft_model import ModelProposer, greedy_drafts, require_cache

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.attention import Attention, ForwardContext
-from worker.attention_groups import AttentionGroup
+from worker.attention.attention import Attention, ForwardContext
+from worker.attention.attention_groups import AttentionGroup
 from worker.input_batch import InputBatch, RequestStates
 from worker.kv_cache import KVCaches
 from worker.spec_decode.draft_states import DrafterStateGroups, StepSaves
 from worker.spec_decode.ngram import propose_ngram
-from worker.state_layer import StateLayer
+from worker.state.state_layer import StateLayer
 
 
 @dataclass(frozen=True)

@@ -13,18 +13,18 @@ from scheduler.kv_cache.spec import FullAttentionSpec, SlidingWindowSpec
 from scheduler.output import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from scheduler.request import SamplingParams
 from tests.helpers.tiny_models import save_tiny_model
-from worker.attention import Attention, AttentionConfig, KernelNeeds
-from worker.attention_groups import (
+from worker.attention.attention import Attention, AttentionConfig, KernelNeeds
+from worker.attention.attention_groups import (
     GroupingOptions,
     MetadataBuildStats,
     build_attention_groups,
     build_forward_context,
 )
-from worker.block_table import MultiGroupBlockTable
+from worker.attention.block_table import MultiGroupBlockTable
+from worker.attention.metadata_transforms import StepRows
 from worker.config import ModelConfig, ParallelConfig
 from worker.input_batch import RequestStates, build_input_batch
 from worker.kv_cache import allocate_kv_caches, report_kv_cache_specs
-from worker.metadata_transforms import StepRows
 from worker.model_loader import load_model
 from worker.model_runner import ModelRunner, ModelSettings
 from worker.runner_config import RunnerConfig

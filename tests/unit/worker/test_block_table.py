@@ -8,7 +8,7 @@ import torch
 
 from scheduler.output import NewRequestData, SchedulerOutput
 from scheduler.request import SamplingParams
-from worker.block_table import (
+from worker.attention.block_table import (
     BlockTable,
     MultiGroupBlockTable,
     choose_kernel_block_size,

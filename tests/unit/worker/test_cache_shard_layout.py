@@ -16,13 +16,13 @@ from torch import nn
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from tests.helpers.tiny_linear_hybrid import save_tiny_linear_hybrid
 from tests.helpers.tiny_models import save_tiny_model
-from worker.attention import Attention
-from worker.cache_shard_layout import CachePart, CacheShardLayout
+from worker.attention.attention import Attention
 from worker.config import ModelConfig, ParallelConfig
-from worker.gated_delta_net import GatedDeltaNet
-from worker.mamba import MambaMixer2
+from worker.kv_io.cache_shard_layout import CachePart, CacheShardLayout
 from worker.models.registry import get_model_class
-from worker.short_conv import ShortConv
+from worker.state.gated_delta_net import GatedDeltaNet
+from worker.state.mamba import MambaMixer2
+from worker.state.short_conv import ShortConv
 from worker.weights import iterate_weights
 
 MAMBA_CONV = CacheShardLayout(-2, (CachePart(4, 3), CachePart(1, 2), CachePart(1, 2)))

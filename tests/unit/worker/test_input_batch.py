@@ -8,7 +8,7 @@ import torch
 
 from scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from scheduler.request import SamplingParams
-from worker.block_table import MultiGroupBlockTable
+from worker.attention.block_table import MultiGroupBlockTable
 from worker.input_batch import RequestStates, batch_order, build_input_batch, to_device_packed
 
 GREEDY = SamplingParams(temperature=0)

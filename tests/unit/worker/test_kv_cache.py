@@ -7,7 +7,7 @@ import torch
 
 from kernels.reference import store_kv_cache
 from scheduler.kv_cache.builder import build_kv_cache_config
-from worker.attention import Attention, AttentionConfig
+from worker.attention.attention import Attention, AttentionConfig
 from worker.kv_cache import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     allocate_kv_caches,

@@ -17,9 +17,9 @@ import torch
 from cluster.engine.kv_transfer import KVTransfer, receive
 from scheduler.kv_cache.transfer import TransferKeys
 from tests.helpers.waiting import wait_until
-from worker.block_export import BlockPages
-from worker.kv_direct import ShardOffer, fetch_shard, offer_counts, offer_shard
-from worker.kv_transfer import KVShard
+from worker.kv_io.block_export import BlockPages
+from worker.kv_io.kv_direct import ShardOffer, fetch_shard, offer_counts, offer_shard
+from worker.kv_io.kv_transfer import KVShard
 
 HOST = "127.0.0.1"
 UNBOUNDED_S = 30.0

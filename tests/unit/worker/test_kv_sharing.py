@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from worker.attention_groups import AttentionGroupPlan, plan_attention_groups
-from worker.metadata_transforms import truncated_prefill_layers
+from worker.attention.attention_groups import AttentionGroupPlan, plan_attention_groups
+from worker.attention.metadata_transforms import truncated_prefill_layers
 from worker.models.decoder import attention_layer_name as _layer
 
 
@@ -145,7 +145,7 @@ def test_placement_from_built_kv_cache_config(disable_hybrid):
 
 
 def _attention(idx: int, target: int | None = None):
-    from worker.attention import Attention, AttentionConfig
+    from worker.attention.attention import Attention, AttentionConfig
 
     return Attention(
         AttentionConfig(
@@ -163,7 +163,7 @@ def _context(query_rows):
     import torch
 
     from kernels.reference import paged_attention, store_kv_cache
-    from worker.attention import AttentionMetadata, ForwardContext
+    from worker.attention.attention import AttentionMetadata, ForwardContext
 
     meta = AttentionMetadata(
         query_start_loc=torch.tensor([0, 6]),
@@ -252,7 +252,7 @@ INVALID = [
 
 
 def _typed_attention(idx: int, target: int | None = None, **extra):
-    from worker.attention import Attention, AttentionConfig
+    from worker.attention.attention import Attention, AttentionConfig
 
     return Attention(
         AttentionConfig(

@@ -10,11 +10,11 @@ import torch
 from scheduler.kv_cache.spec import MambaCacheMode
 from tests.helpers.tiny_linear_hybrid import build_tiny_linear_hybrid
 from worker.config import ParallelConfig
-from worker.gated_delta_net import GatedDeltaNet
 from worker.layers.loading import read_part
 from worker.models.qwen3_next import delta_net_config
 from worker.models.qwen_next_moe import split_stacked_experts
-from worker.short_conv import ShortConv, ShortConvConfig
+from worker.state.gated_delta_net import GatedDeltaNet
+from worker.state.short_conv import ShortConv, ShortConvConfig
 from worker.weights import load_named_weights
 
 KEY_HEADS, VALUE_HEADS, DK, DV = 2, 4, 8, 8  # tests.helpers.tiny_linear_hybrid's sizes

@@ -43,7 +43,7 @@ def test_attention_and_mamba_blocks_are_disjoint_page_ranges() -> None:
 
 def _mixer(groups: int, tp: int, rank: int):  # type: ignore[no-untyped-def]
     from worker.config import ParallelConfig
-    from worker.mamba import MambaConfig, MambaMixer2
+    from worker.state.mamba import MambaConfig, MambaMixer2
 
     cfg = MambaConfig(
         layer_name="model.layers.0.mamba", hidden_size=64, num_heads=8, head_dim=16,

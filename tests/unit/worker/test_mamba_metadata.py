@@ -10,9 +10,9 @@ import torch
 
 from kernels.mamba_registry import select_mamba_kernels
 from scheduler.kv_cache.spec import MambaCacheMode
-from worker.block_table import MultiGroupBlockTable
+from worker.attention.block_table import MultiGroupBlockTable
 from worker.input_batch import RequestStates
-from worker.mamba_metadata import build_mamba_metadata
+from worker.state.mamba_metadata import build_mamba_metadata
 
 BS = 4
 

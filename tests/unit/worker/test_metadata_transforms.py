@@ -16,8 +16,8 @@ import torch
 
 from kernels import HAS_TRITON
 from kernels.reference import paged_attention, store_kv_cache
-from worker.attention import AttentionMetadata
-from worker.metadata_transforms import (
+from worker.attention.attention import AttentionMetadata
+from worker.attention.metadata_transforms import (
     ChunkedLocalBatches,
     StepRows,
     TruncatedPrefill,
@@ -311,7 +311,9 @@ TRITON_CHECK = """
 import torch
 from kernels import triton_attention
 from tests.unit.worker import test_metadata_transforms as t
-from worker.metadata_transforms import ChunkedLocalBatches, TruncatedPrefill, apply_transforms
+from worker.attention.metadata_transforms import (
+    ChunkedLocalBatches, TruncatedPrefill, apply_transforms,
+)
 
 assert triton_attention.is_interpreted()
 meta, query, caches, keys, values = t._paged_batch(t.MIXED_Q, t.MIXED_K, 2)

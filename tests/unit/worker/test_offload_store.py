@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from scheduler.output import OffloadLoad, OffloadOps, OffloadSpill, OffloadStore
-from worker.block_export import export_blocks, import_blocks
-from worker.offload_store import HostOffloadStore, OffloadReport
+from worker.kv_io.block_export import export_blocks, import_blocks
+from worker.kv_io.offload_store import HostOffloadStore, OffloadReport
 
 NUM_BLOCKS = 8
 

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from worker.attention import AttentionMetadata
+from worker.attention.attention import AttentionMetadata
 
 
 class VirtualBatches(NamedTuple):

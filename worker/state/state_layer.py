@@ -2,7 +2,7 @@
 pool (Mamba-2 mixers, gated DeltaNet, short convolution).
 
 The runner finds these layers by this type, asks each for its `MambaSpec` (one page per state)
-and hands each its Mamba metadata (`worker.mamba_metadata`) and state views every step.
+and hands each its Mamba metadata (`worker.state.mamba_metadata`) and state views every step.
 `state_waves` is the loop every such layer runs: the step's tokens in waves, so that a request
 reading a state another request writes in the same step runs after it.
 """
@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from scheduler.kv_cache.spec import MambaCacheMode, MambaSpec
-from worker.cache_shard_layout import CacheShardLayout
-from worker.mamba_metadata import MambaMetadata, MambaWave
+from worker.kv_io.cache_shard_layout import CacheShardLayout
+from worker.state.mamba_metadata import MambaMetadata, MambaWave
 
 
 class StateLayer(nn.Module, abc.ABC):

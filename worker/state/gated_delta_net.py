@@ -23,9 +23,9 @@ from torch import nn
 from kernels.gated_delta_reference import DeltaRuleInputs, gate_and_beta, l2_normalize
 from scheduler.kv_cache.linear_state_spec import GatedDeltaNetShape, GatedDeltaNetSpec
 from scheduler.kv_cache.spec import MambaCacheMode
-from worker.attention import ForwardContext
-from worker.cache_shard_layout import CachePart, CacheShardLayout, heads_layout
+from worker.attention.attention import ForwardContext
 from worker.config import ParallelConfig
+from worker.kv_io.cache_shard_layout import CachePart, CacheShardLayout, heads_layout
 from worker.layers.linear import ProjectionWeights, RowParallelLinear
 from worker.layers.loading import (
     ShardId,
@@ -35,8 +35,8 @@ from worker.layers.loading import (
     new_parameter,
     read_part,
 )
-from worker.mamba_metadata import MambaWave
-from worker.state_layer import Rows, StateLayer, initial_states, state_waves, store_states
+from worker.state.mamba_metadata import MambaWave
+from worker.state.state_layer import Rows, StateLayer, initial_states, state_waves, store_states
 
 
 @dataclass(frozen=True)

@@ -21,10 +21,10 @@ from scheduler.kv_cache.spec import (
     KVCacheSpec,
     SlidingWindowSpec,
 )
-from worker.cache_shard_layout import CacheShardLayout, heads_layout
+from worker.kv_io.cache_shard_layout import CacheShardLayout, heads_layout
 
 if TYPE_CHECKING:
-    from worker.mamba_metadata import MambaMetadata
+    from worker.state.mamba_metadata import MambaMetadata
 
 StoreKVCache = Callable[..., None]
 PagedAttention = Callable[..., torch.Tensor]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from worker.block_export import BlockPages
+from worker.kv_io.block_export import BlockPages
 
 MAGIC = b"HSKVBLK1"
 _LENGTH = struct.Struct("<I")

@@ -21,8 +21,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from scheduler.output import OffloadLoad
-from worker.block_export import BlockPages
-from worker.offload_disk import BlockFileError, read_block_file, write_block_file
+from worker.kv_io.block_export import BlockPages
+from worker.kv_io.offload_disk import BlockFileError, read_block_file, write_block_file
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from scheduler.kv_cache.spec import (
     MambaSpec,
     manager_spec,
 )
-from worker.attention import Attention
-from worker.state_layer import StateLayer
+from worker.attention.attention import Attention
+from worker.state.state_layer import StateLayer
 
 
 class HasModules(Protocol):

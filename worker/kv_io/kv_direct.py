@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from worker.block_export import BlockPages
 from worker.deadlines import timeout_until
-from worker.kv_transfer import KVShard
+from worker.kv_io.block_export import BlockPages
+from worker.kv_io.kv_transfer import KVShard
 
 logger = logging.getLogger(__name__)
 

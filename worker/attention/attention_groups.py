@@ -30,10 +30,9 @@ from scheduler.kv_cache.spec import (
     MambaSpec,
     manager_spec,
 )
-from worker.attention import Attention, AttentionMetadata, ForwardContext, KernelNeeds
-from worker.block_table import choose_kernel_block_size
-from worker.input_batch import InputBatch
-from worker.metadata_transforms import (
+from worker.attention.attention import Attention, AttentionMetadata, ForwardContext, KernelNeeds
+from worker.attention.block_table import choose_kernel_block_size
+from worker.attention.metadata_transforms import (
     ChunkedLocalBatches,
     MetadataTransform,
     StepRows,
@@ -41,6 +40,7 @@ from worker.metadata_transforms import (
     apply_transforms,
     truncated_prefill_layers,
 )
+from worker.input_batch import InputBatch
 
 BackendFactory = Callable[[int, KernelNeeds], AttentionBackend]
 """(kernel block size, layer's needs) -> backend; ValueError when it cannot serve them."""

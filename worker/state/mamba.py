@@ -7,7 +7,7 @@ Each rank holds `num_heads / tp` heads and the B/C groups those heads read (grou
 ranks, or one group replicated on every rank). A layer's state per request is a conv state
 `[conv_dim, width - 1]` and an SSM state `[heads, head_dim, state_size]`, both in the model
 dtype, kept in one page of its KV cache group (`MambaSpec`); the metadata of the step
-(`worker.mamba_metadata`) names the blocks to read and write.
+(`worker.state.mamba_metadata`) names the blocks to read and write.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from scheduler.kv_cache.spec import MambaCacheMode, MambaSpec
-from worker.attention import ForwardContext
-from worker.cache_shard_layout import CachePart, CacheShardLayout, heads_layout
+from worker.attention.attention import ForwardContext
 from worker.config import ParallelConfig
 from worker.distributed import all_reduce
+from worker.kv_io.cache_shard_layout import CachePart, CacheShardLayout, heads_layout
 from worker.layers.linear import ProjectionWeights, RowParallelLinear
 from worker.layers.loading import ShardId, WeightSource, copy_checked, new_parameter, read_part
-from worker.mamba_metadata import MambaWave
-from worker.state_layer import StateLayer
+from worker.state.mamba_metadata import MambaWave
+from worker.state.state_layer import StateLayer
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,13 @@ from torch import nn
 from kernels.mamba_reference import ConvOutput
 from scheduler.kv_cache.linear_state_spec import ShortConvShape, ShortConvSpec
 from scheduler.kv_cache.spec import MambaCacheMode
-from worker.attention import ForwardContext
-from worker.cache_shard_layout import CacheShardLayout, heads_layout
+from worker.attention.attention import ForwardContext
 from worker.config import ParallelConfig
+from worker.kv_io.cache_shard_layout import CacheShardLayout, heads_layout
 from worker.layers.linear import ProjectionWeights, RowParallelLinear
 from worker.layers.loading import ShardId, WeightSource, copy_checked, new_parameter, read_part
-from worker.mamba_metadata import MambaWave
-from worker.state_layer import Rows, StateLayer, initial_states, state_waves, store_states
+from worker.state.mamba_metadata import MambaWave
+from worker.state.state_layer import Rows, StateLayer, initial_states, state_waves, store_states
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,12 @@
 """A rank's shard of a KV transfer between engines: the pages of some blocks of every KV cache
-group, copied out of one engine's pool and into another's (`worker.block_export` per group).
+group, copied out of one engine's pool and into another's (`worker.kv_io.block_export` per group).
 
 Each tensor-parallel rank exports its own shard (its heads of K/V, its slice of the recurrent
 states). A receiver of the same tensor-parallel size imports shard r on rank r; one of another
 size reshards on each rank: every cache tensor is rebuilt whole from the sender's shards and cut
-as this rank holds it (`worker.cache_shard_layout`, declared by each layer). Pages the sender's
-offload tier holds (`TierPage`) are read from there, at their places in the group's order.
+as this rank holds it (`worker.kv_io.cache_shard_layout`, declared by each layer). Pages the
+sender's offload tier holds (`TierPage`) are read from there, at their places in the group's
+order.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import torch
 from scheduler.kv_cache.spec import KVCacheConfig
 from scheduler.output import TierPage
 from worker.block_copies import GroupTensors, distinct_cache_tensors
-from worker.block_export import BlockPages, concat_pages, export_blocks, import_blocks
-from worker.cache_shard_layout import CacheShardLayout
+from worker.kv_io.block_export import BlockPages, concat_pages, export_blocks, import_blocks
+from worker.kv_io.cache_shard_layout import CacheShardLayout
 
 ReadTierPage = Callable[[TierPage, int], BlockPages]
 """Reads one offload-tier entry's pages (the entry, its group)."""

@@ -5,7 +5,7 @@ on the compute stream, so they precede the writes of this step's forward), spill
 block file of the disk level, written by a background thread), loads, drops, disk drops (by the
 thread, in order). Loads never hold up the step: on CUDA host pages are copied on a stream of
 their own; block files, and on CPU every page, are read and copied into the pool by background
-threads (`worker.offload_disk_io`) while the step's forward runs other requests.
+threads (`worker.kv_io.offload_disk_io`) while the step's forward runs other requests.
 
 A request's loads are reported done once their copies completed on every tensor-parallel rank
 (the ranks agree each step while loads are pending); a load that raises, reads a slot this
@@ -27,9 +27,9 @@ import torch
 
 from scheduler.output import OffloadLoad, OffloadOps, OffloadSpill, OffloadStore, TierPage
 from worker.block_copies import GroupTensors
-from worker.block_export import BlockPages, export_blocks, import_blocks
 from worker.distributed import all_reduce, tp_rank, tp_size
-from worker.offload_disk_io import LOAD_ERRORS, DiskIO, LoadedPages, LoadJob
+from worker.kv_io.block_export import BlockPages, export_blocks, import_blocks
+from worker.kv_io.offload_disk_io import LOAD_ERRORS, DiskIO, LoadedPages, LoadJob
 
 logger = logging.getLogger(__name__)
 
