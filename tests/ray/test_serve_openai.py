@@ -6,7 +6,8 @@ Every test runs on both topologies: two hops (proxy -> ingress -> model deployme
 Greedy outputs are compared with the offline `LLM` on the same tiny model; the word-level
 tokenizer maps each token to one word, so equal text means equal tokens. A second tiny model
 (`bytes`, a byte-level tokenizer, in-process executor) serves the structured-output and
-tool-call tests. Near the end a test
+tool-call tests. The served `/openapi.json` describes every route, and schemathesis fuzzes the
+routes against it (`tests/helpers/openapi_fuzz.py`). Near the end a test
 kills the replica's worker actor mid-stream: the stream ends with an error event, the next
 request runs.
 """
@@ -39,6 +40,14 @@ from cluster.serve import build_openai_app, deployment_name
 from cluster.serve.grpc import llm_pb2, llm_pb2_grpc
 from scheduler.request import SamplingParams
 from tests.helpers.byte_model import save_byte_model
+from tests.helpers.openapi_fuzz import (
+    FUZZED,
+    OPERATIONS,
+    POSITIVE,
+    GenerationMode,
+    fuzz_operation,
+    load_schema,
+)
 from tests.helpers.ray_local import NODE_IP
 from tests.helpers.ray_state import live_engine_actors
 from tests.helpers.serve_app import (
@@ -335,6 +344,47 @@ def test_fuzzed_bodies_never_get_a_5xx(served: Served, data: tuple[str, dict[str
     assert response.status_code < 500, (body, response.text)
     if response.status_code >= 400:
         assert "error" in response.json()
+
+
+def test_every_route_is_described(served: Served) -> None:
+    document = httpx.get(f"{served.base_url}/openapi.json", timeout=30).json()
+    paths = document["paths"]
+    described = [f"{method.upper()} {path}" for path, ops in paths.items() for method in ops]
+    assert sorted(described) == sorted(OPERATIONS)
+    schemas = document["components"]["schemas"]
+    for path, body_model, chunk_model in [
+        ("/v1/completions", "CompletionRequest", "CompletionResponse"),
+        ("/v1/chat/completions", "ChatCompletionRequest", "ChatCompletionChunk"),
+    ]:
+        operation = paths[path]["post"]
+        body = operation["requestBody"]["content"]["application/json"]["schema"]
+        assert body == {"$ref": f"#/components/schemas/{body_model}"}
+        streamed = operation["responses"]["200"]["content"]["text/event-stream"]["schema"]
+        done, chunk = streamed["properties"]["data"]["anyOf"]
+        assert done == {"const": "[DONE]"}
+        assert {"$ref": f"#/components/schemas/{chunk_model}"} in chunk["contentSchema"]["anyOf"]
+        assert chunk_model in schemas
+    for path, ops in paths.items():
+        for operation in ops.values():
+            error = operation["responses"]["default"]["content"]["application/json"]["schema"]
+            assert error == {"$ref": "#/components/schemas/ErrorResponse"}, path
+    assert {"prompt", "max_tokens", "logprobs"} <= set(schemas["CompletionRequest"]["properties"])
+    assert schemas["ModelList"]["properties"]["data"]["items"]["$ref"].endswith("/ModelCard")
+
+
+@pytest.fixture(scope="module")
+def openapi_schema(served: Served) -> Any:
+    return load_schema(served.base_url)
+
+
+@pytest.mark.parametrize(("label", "mode", "examples"), FUZZED)
+def test_fuzzed_requests_get_documented_answers(
+    served: Served, openapi_schema: Any, label: str, mode: GenerationMode, examples: int
+) -> None:
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    answered = fuzz_operation(openapi_schema, served.base_url, label, mode, examples, auth, "tiny")
+    if label.startswith("POST") and mode == POSITIVE:  # the documented examples ran
+        assert {(200, "application/json"), (200, "text/event-stream")} <= answered, answered
 
 
 def test_server_is_healthy_after_the_fuzz(served: Served) -> None:
