@@ -61,6 +61,7 @@ def _free_ports(count: int) -> list[int]:
 
 
 def _wait_for_dashboard(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
+    import http.client
     import urllib.error
     import urllib.request
 
@@ -73,8 +74,8 @@ def _wait_for_dashboard(url: str, process: subprocess.Popen[bytes], log: Path) -
             return
         except urllib.error.HTTPError:  # 401 without a token: the dashboard is up
             return
-        except OSError:
-            pass
+        except (OSError, http.client.HTTPException):  # not up yet, or not yet ours: a
+            pass  # process starting beside it may hold the port for a moment (seen: HTTP/2)
         time.sleep(1)
     raise TimeoutError(f"the Ray dashboard at {url} did not come up: {log.read_text()}")
 

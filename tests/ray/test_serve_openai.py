@@ -443,19 +443,23 @@ def test_metrics_are_exported_with_sane_values(served: Served) -> None:
     node = next(n for n in ray.nodes() if n["Alive"])
     url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
     deadline = time.monotonic() + 60
-    while True:
-        samples = metric_samples(httpx.get(url, timeout=10).text)
-        missing = [m for m in METRICS if not has_metric(samples, exported(m))]
-        missing += [name for name in DASHBOARD_SERVE_SERIES if name not in samples]
-        if not missing:
-            break
-        assert time.monotonic() < deadline, f"metrics never exported: {missing}"
-        time.sleep(1)
+    samples: dict[str, Any] = {}
 
     def value(name: str, label: str = "") -> float:
         return sum(
-            v for labels, v in samples[name] if label in labels and 'model_name="tiny"' in labels
+            v
+            for labels, v in samples.get(name, ())
+            if label in labels and 'model_name="tiny"' in labels
         )
+
+    while True:  # the series may exist already (earlier tests): wait for this request's counts
+        samples = metric_samples(httpx.get(url, timeout=10).text)
+        missing = [m for m in METRICS if not has_metric(samples, exported(m))]
+        missing += [name for name in DASHBOARD_SERVE_SERIES if name not in samples]
+        if not missing and value("ray_vllm_generation_tokens_total") >= 4:
+            break
+        assert time.monotonic() < deadline, f"metrics never exported: {missing}"
+        time.sleep(1)
 
     assert value("ray_vllm_generation_tokens_total") >= 4
     assert value("ray_vllm_prompt_tokens_total") >= 5
