@@ -36,11 +36,14 @@ FAMILIES = {
 attention page, as in the released models: unified blocks of 48 tokens; None: blocks of 16)."""
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_each_turn_resumes_where_the_last_one_ended(family: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("family", "mode"), [*((family, "align") for family in FAMILIES), ("bamba", "all")]
+)
+def test_each_turn_resumes_where_the_last_one_ended(family: str, mode: str, tmp_path: Path) -> None:
+    """`mode`: mamba_cache_mode (align, the default; all keeps a state at every block end)."""
     save, state_sizes = FAMILIES[family]
     hf_model = save(family, tmp_path, **(state_sizes or {}))
-    llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory_bytes=1 << 22)
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_memory_bytes=1 << 22, mamba_cache_mode=mode)
     prompt, computed, hits = FIRST, 0, []
     try:
         for new in [[], *NEW_TOKENS]:
