@@ -41,6 +41,9 @@ STEP_TIMEOUT_S = 10.0
 REPLACEMENT_S = 150.0
 """A replacement replica starts two processes (replica, rank) that import torch: slow on 2 cores."""
 DEADLINE_S = 60.0
+LONG_ANSWER = 200
+"""Tokens of each answer in the lost-node test: streams of a second or more on this machine."""
+STREAMING_S = 0.3
 """A request still running this long after it was sent has hung."""
 ENGINE_KWARGS: dict[str, Any] = {"block_size": 4, "kv_cache_memory_bytes": 8 << 20}
 PROMPTS = [[5, 17, 33, 2, 9], [100, 3, 3, 42, 8, 1, 77], [7] * 12]
@@ -166,11 +169,16 @@ def _wait_for_replacement(cluster: RayNodes, lost_ip: str, timeout: float) -> No
 
 
 async def _kill_when_busy(cluster: RayNodes, lost_ip: str, replica: str) -> float:
-    """Kill the node at `lost_ip` once its replica is handling requests; when it was killed."""
+    """Kill the node at `lost_ip` once its replica is streaming answers; when it was killed.
+
+    A request the replica has accepted but not begun to answer may be retried by Serve on the
+    other replica (and complete): the kill waits until the replica has held two requests for
+    STREAMING_S, long enough for their first tokens and short of their last."""
     deadline = time.monotonic() + DEADLINE_S
     while await asyncio.to_thread(_ongoing, replica) < 2:
         assert time.monotonic() < deadline, f"{replica} never had two requests at once"
         await asyncio.sleep(0.05)
+    await asyncio.sleep(STREAMING_S)
     cluster.worker(lost_ip).kill()
     return time.monotonic()
 
@@ -184,7 +192,9 @@ def test_lost_worker_node_fails_its_requests_and_serve_replaces_the_replica(
     marks: dict[str, float] = {}
 
     async def scenario() -> list[Outcome]:
-        traffic = asyncio.ensure_future(steady_traffic(base_url, MODEL, 4, stop, DEADLINE_S, 64))
+        traffic = asyncio.ensure_future(
+            steady_traffic(base_url, MODEL, 4, stop, DEADLINE_S, LONG_ANSWER)
+        )
         marks["killed"] = await _kill_when_busy(cluster, lost_ip, replica)
         await asyncio.to_thread(_wait_for_replacement, cluster, lost_ip, REPLACEMENT_S)
         marks["replaced"] = time.monotonic()
