@@ -21,6 +21,7 @@ from cluster import LLM, SamplingParams
 from scheduler.kv_cache.builder import block_bytes, request_blocks
 from scheduler.output import ModelRunnerOutput, SchedulerOutput
 from tests.helpers.engine_probe import num_scheduled_ahead
+from tests.helpers.session_turns import session_turns
 from tests.helpers.tiny_gemma3n import save_tiny_gemma3n
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
 from tests.helpers.tiny_linear_hybrid import save_tiny_linear_hybrid
@@ -49,27 +50,10 @@ SAVERS: dict[str, Callable[[Path], object]] = {
 SPARE_BLOCKS = 4
 
 
-def _params(session: int, round_index: int) -> SamplingParams:
-    """Greedy for even sessions, seeded sampling for odd ones."""
-    if session % 2 == 0:
-        return SamplingParams(temperature=0, max_tokens=4)
-    return SamplingParams(temperature=1.0, max_tokens=4, seed=100 * session + round_index)
-
-
 def _sessions(path: Path, **kwargs: object) -> tuple[list[list[int]], LLM]:
     """Tokens of every turn, session after session in each round, and the (open) engine."""
     llm = LLM(str(path), **LLM_ARGS, **kwargs)
-    histories = [[(5 * s + 3 * i) % 250 + 1 for i in range(16)] for s in range(NUM_SESSIONS)]
-    tokens = []
-    for round_index in range(NUM_ROUNDS):
-        for session, history in enumerate(histories):
-            history.extend([(31 * session + 7 * round_index + i) % 250 + 1 for i in range(8)])
-            params = _params(session, round_index)
-            (result,) = llm.generate([{"prompt_token_ids": history}], params, use_tqdm=False)
-            output = list(result.outputs[0].token_ids)
-            tokens.append(output)
-            history.extend(output)
-    return tokens, llm
+    return session_turns(llm, NUM_SESSIONS, NUM_ROUNDS), llm
 
 
 def _small_pool(path: Path) -> dict[str, int]:

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster import LLM, SamplingParams
+from cluster import LLM
 from scheduler.kv_cache.builder import block_bytes, request_blocks
+from tests.helpers.session_turns import session_turns
 from tests.helpers.tiny_models import save_tiny_model
 
 pytestmark = pytest.mark.parity
@@ -29,27 +30,9 @@ HOST_BLOCKS = 16
 second round loads from both levels."""
 
 
-def _params(session: int, round_index: int) -> SamplingParams:
-    """Greedy for even sessions, seeded sampling for odd ones."""
-    if session % 2 == 0:
-        return SamplingParams(temperature=0, max_tokens=4)
-    return SamplingParams(temperature=1.0, max_tokens=4, seed=100 * session + round_index)
-
-
 def _turns(llm: LLM) -> list[list[int]]:
-    """Tokens of every turn, session after session in each round (each turn's prompt is the
-    session's history so far and eight new tokens)."""
-    histories = [[(5 * s + 3 * i) % 250 + 1 for i in range(16)] for s in range(NUM_SESSIONS)]
-    tokens = []
-    for round_index in range(NUM_ROUNDS):
-        for session, history in enumerate(histories):
-            history.extend([(31 * session + 7 * round_index + i) % 250 + 1 for i in range(8)])
-            params = _params(session, round_index)
-            (result,) = llm.generate([{"prompt_token_ids": history}], params, use_tqdm=False)
-            output = list(result.outputs[0].token_ids)
-            tokens.append(output)
-            history.extend(output)
-    return tokens
+    """Tokens of every turn, session after session in each round."""
+    return session_turns(llm, NUM_SESSIONS, NUM_ROUNDS)
 
 
 def _untiered_turns(model: Path) -> tuple[list[list[int]], int, int]:
