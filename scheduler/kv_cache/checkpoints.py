@@ -145,8 +145,10 @@ class StateCheckpoints:
         """Leave finished requests' end states in the cache (off with speculative decoding)."""
         self._ends: dict[BlockHash, dict[int, BlockHash]] = {}
         """Answer-end checkpoints: unit-grid key before them -> {position: end key}."""
+        self._end_keys: set[BlockHash] = set()
+        """Every end key in `_ends` (swept of evicted ones when it outgrows the pool)."""
         self._resumed: dict[str, list[tuple[KVCacheBlock, BlockHash]]] = {}
-        """Per request resumed from an end checkpoint: its blocks (and keys at that time)."""
+        """Per request resumed from an answer end: that end's blocks (and its key)."""
         self._untrusted: set[str] = set()
         """Requests whose blocks a failed step left untrustworthy (no end checkpoint)."""
 
@@ -224,6 +226,7 @@ class StateCheckpoints:
             key = ends[position]
             if key not in state_map:
                 del ends[position]
+                self._end_keys.discard(key)
                 continue
             if position <= hit or position > len(tokens):
                 continue
@@ -284,8 +287,10 @@ class StateCheckpoints:
 
     def adopt(self, req_id: str, sources: Sequence[KVCacheBlock | None]) -> None:
         """Append a fresh block filled from each source to the new request's tables."""
-        self._resumed[req_id] = [
-            (source, source.block_hash) for source in sources if source and source.block_hash
+        self._resumed[req_id] = [  # only a conversation's own end: the grid is shared
+            (source, source.block_hash)
+            for source in sources
+            if source is not None and source.block_hash in self._end_keys
         ]
         for manager, source in zip(self.managers, sources, strict=True):
             if source is None:
@@ -420,8 +425,23 @@ class StateCheckpoints:
             self.pool.cache_full_blocks([key], [block], [0], group_id, 1)
             if self.pool.offload is not None:  # found by `find` on the device only
                 self.pool.offload.keep_on_device(group_id, key)
-        self._ends.setdefault(grid_key, {})[position] = key
+        self._remember_end(grid_key, position, key)
         self.pool.demote([b.block_id for b, was in resumed if b.block_hash == was])
+
+    def _remember_end(self, grid_key: BlockHash, position: int, key: BlockHash) -> None:
+        """Index an answer end; past twice the pool's blocks, drop the evicted ones first (at
+        most one end per pool block is registered at a time)."""
+        if len(self._end_keys) >= 2 * self.pool.num_blocks:
+            state_map = self.pool.hash_maps[self.state_groups[0]]
+            for grid, ends in list(self._ends.items()):
+                for place, end in list(ends.items()):
+                    if end not in state_map:
+                        del ends[place]
+                        self._end_keys.discard(end)
+                if not ends:
+                    del self._ends[grid]
+        self._ends.setdefault(grid_key, {})[position] = key
+        self._end_keys.add(key)
 
     def _end_blocks(self, req_id: str, position: int) -> list[tuple[int, KVCacheBlock]] | None:
         """Per group, the block holding the request's state (or its partial attention block)

@@ -171,3 +171,36 @@ def test_checkpoints_a_step_writes_hold_at_most_a_twentieth_of_the_pool() -> Non
     for shared in (1_500, 4_000, 9_000):
         other = make_request(f"s{shared}", [*tokens[:shared], -1, -2], manager.hash_block_size)
         assert manager.get_computed_blocks(other).num_tokens >= 0.9 * shared
+
+
+def test_a_shared_grid_checkpoint_resumed_from_is_not_demoted() -> None:
+    """A system prompt's checkpoint serves every conversation: only a conversation's own answer
+    end goes to the front of the eviction order."""
+    manager = _manager(4)
+    system = list(range(1, 23))  # 22 tokens: the 10 % grid keeps 20
+    first, _ = _start(manager, "a", [*system, 100, 101, 102])
+    _finish(manager, first)
+    second, hit = _start(manager, "b", [*system, 200, 201, 202])
+    assert hit == 20
+    _decode(manager, second, [300, 301])
+    _finish(manager, second)
+    shared = {
+        block.block_id
+        for group in range(3)
+        for key, block in manager.pool.hash_maps[group].items()
+        if block.block_hash == key and key not in manager.checkpoints._end_keys  # type: ignore[union-attr]
+    }
+    front = {block.block_id for block in manager.pool.free_queue.eviction_order(3)}
+    assert not shared & front
+    assert _start(manager, "c", [*system, 400])[1] == 20
+
+
+def test_the_index_of_answer_ends_stays_within_twice_the_pool() -> None:
+    manager = _manager(4, num_blocks=40)
+    assert manager.checkpoints is not None
+    for index in range(120):  # every conversation's end is evicted by the next ones
+        request, _ = _start(manager, f"r{index}", [1000 * (index + 1) + i for i in range(21)])
+        _decode(manager, request, [7, 8])
+        _finish(manager, request)
+    assert len(manager.checkpoints._end_keys) <= 2 * manager.pool.num_blocks
+    assert sum(map(len, manager.checkpoints._ends.values())) == len(manager.checkpoints._end_keys)
