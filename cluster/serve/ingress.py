@@ -107,8 +107,9 @@ async def _invalid_body(request: Request, exc: RequestValidationError) -> JSONRe
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     """FastAPI's and Starlette's own errors (an unknown path, a body that cannot be read) in
     OpenAI's shape too."""
-    error = errors.error_response(str(exc.detail), exc.status_code)
-    return JSONResponse(error.model_dump(), status_code=exc.status_code, headers=exc.headers)
+    response = error_json(errors.error_response(str(exc.detail), exc.status_code))
+    response.headers.update(exc.headers or {})
+    return response
 
 
 @app.exception_handler(Exception)

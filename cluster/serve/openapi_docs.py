@@ -91,6 +91,8 @@ class DescribedApp(FastAPI):
     schemas only)."""
 
     def openapi(self) -> dict[str, Any]:
+        if self.openapi_schema is not None:  # built once, then served as it is
+            return self.openapi_schema
         document = super().openapi()
         components = document.setdefault("components", {}).setdefault("schemas", {})
         _, definitions = models_json_schema(

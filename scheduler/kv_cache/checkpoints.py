@@ -404,10 +404,7 @@ class StateCheckpoints:
         """Before a request's blocks are freed: when it finished, register its end state at
         its computed length (if that is off the hit grid) and demote the end it resumed from."""
         req_id = request.req_id
-        resumed = self._resumed.pop(req_id, [])
-        trusted = req_id not in self._untrusted
-        self._untrusted.discard(req_id)
-        if not (finished and trusted and self.keep_answer_ends):
+        if not finished or req_id in self._untrusted or not self.keep_answer_ends:
             return
         position = request.num_computed_tokens
         alignment = self.managers[0].hit_alignment
@@ -426,6 +423,7 @@ class StateCheckpoints:
             if self.pool.offload is not None:  # found by `find` on the device only
                 self.pool.offload.keep_on_device(group_id, key)
         self._remember_end(grid_key, position, key)
+        resumed = self._resumed.get(req_id, ())
         self.pool.demote([b.block_id for b, was in resumed if b.block_hash == was])
 
     def _remember_end(self, grid_key: BlockHash, position: int, key: BlockHash) -> None:
@@ -477,8 +475,9 @@ class StateCheckpoints:
         self._chains.pop(req_id, None)
         self._next.pop(req_id, None)
         self._resumed.pop(req_id, None)
-        if keep_sent:
+        if keep_sent:  # the request is freed (`keep_answer_end` has run)
             self._settle(req_id)
+            self._untrusted.discard(req_id)
         else:
             self._untrusted.add(req_id)
         unsent = self._pending.pop(req_id, ())

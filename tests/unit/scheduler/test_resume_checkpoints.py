@@ -204,3 +204,16 @@ def test_the_index_of_answer_ends_stays_within_twice_the_pool() -> None:
         _finish(manager, request)
     assert len(manager.checkpoints._end_keys) <= 2 * manager.pool.num_blocks
     assert sum(map(len, manager.checkpoints._ends.values())) == len(manager.checkpoints._end_keys)
+
+
+def test_no_answer_end_after_a_failed_step_inside_the_first_block() -> None:
+    """An end inside the first block needs no block by hash: only the failed step's mark keeps
+    its untrusted state out (the prompt's own checkpoints, saved by earlier steps, still hit)."""
+    manager = _manager(4)
+    first, _ = _start(manager, "a", list(range(1, 11)))
+    _decode(manager, first, [50, 51])
+    assert first.num_computed_tokens == 12
+    manager.uncache_blocks("a")
+    _finish(manager, first)
+    assert _start(manager, "b", _turn(first, [7]))[1] == 8
+    manager.check_invariants()
