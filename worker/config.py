@@ -76,6 +76,9 @@ class ModelConfig:
     """Token ids that end generation (config.json and generation_config.json merged)."""
     tokenizer_path: str
     """Folder the tokenizer is loaded from."""
+    quantization: str | None = None
+    """Weight quantization method the checkpoint is loaded with (its `quantization_config`'s
+    `quant_method`, or the `quantization` engine argument); None: unquantized weights."""
 
     @classmethod
     def from_pretrained(
@@ -84,6 +87,7 @@ class ModelConfig:
         dtype: str | torch.dtype = "auto",
         max_model_len: int | None = None,
         device_type: str | None = None,
+        quantization: str | None = None,
     ) -> ModelConfig:
         """Read a local checkpoint folder.
 
@@ -93,6 +97,7 @@ class ModelConfig:
                 `torch_dtype` when it has one, else bf16.
             max_model_len: defaults to, and may not exceed, `max_position_embeddings`.
             device_type: "cpu" or "cuda" for resolving "auto"; None means cuda when available.
+            quantization: the `quantization` engine argument (None: the checkpoint's own).
         """
         folder = Path(path)
         if not folder.is_dir():
@@ -123,6 +128,7 @@ class ModelConfig:
             vocab_size=int(hf_config.vocab_size),
             eos_token_ids=_read_eos_token_ids(folder, hf_config),
             tokenizer_path=str(folder),
+            quantization=quantization,
         )
 
     @property

@@ -16,6 +16,10 @@ from scheduler.spec_config import SpeculativeConfig
 from worker.config import ModelConfig
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+"""Accepted `kv_cache_dtype` values (vLLM's spelling)."""
+
+
 @dataclass(frozen=True)
 class RunnerConfig:
     """How one worker runs the model: device, batch limits, KV cache memory, kernels."""
@@ -51,6 +55,15 @@ class RunnerConfig:
     """Speculative method 'draft_model': the draft model, loaded beside the target."""
     lora: LoRAConfig | None = None
     """Adapter slots and the largest rank (None: LoRA off)."""
+    kv_cache_dtype: str = "auto"
+    """Element type of attention KV pages: "auto" (the model dtype), "fp8" (= "fp8_e4m3") or
+    "fp8_e5m2" (vLLM's key); recurrent state is not affected."""
+    calculate_kv_scales: bool = False
+    """fp8 KV: compute each layer's key and value scales from the first batch it stores
+    instead of using the checkpoint's (or 1.0)."""
+    mamba_ssm_cache_dtype: str = "auto"
+    """Element type of recurrent and convolution state pages: "auto" (the model dtype) or a
+    dtype name (float32, bfloat16, float16)."""
 
     offload_load_timeout_s: float = 10.0
     """Seconds an offload-tier load may take before it counts as failed (the request then
@@ -73,6 +86,11 @@ class RunnerConfig:
         if self.mamba_cache_mode not in ("none", "align", "all"):
             raise ValueError(
                 f"mamba_cache_mode must be 'none', 'align' or 'all', got {self.mamba_cache_mode!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                f"got {self.kv_cache_dtype!r}"
             )
         if torch.device(self.device).type not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")

@@ -49,6 +49,10 @@ class EngineArgs(StrictModel):
     dtype: str = "auto"
     """"auto" (bf16 on a CPU with native bf16, else fp32; the checkpoint's 16-bit dtype or
     bf16 on GPU) or a dtype name (float32, bfloat16, float16)."""
+    quantization: str | None = None
+    """Weight quantization method; default: the checkpoint's own `quantization_config`
+    (`fp8`, `mxfp4`, `compressed-tensors`, `awq`, `gptq`). Naming another method than the
+    checkpoint's is refused with one line."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """"auto" (cuda when available), "cuda" or "cpu"."""
     block_size: int = Field(16, ge=1)
@@ -79,6 +83,15 @@ class EngineArgs(StrictModel):
     attention_backend: str = "auto"
     """auto | triton | flash_attn | torch (batched torch; auto on CPU) | reference (per-request
     torch, the kernels' test oracle)."""
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    """Element type of attention KV pages: auto (the model dtype) or fp8 (e4m3; e5m2 on
+    request): half the bytes per token. Recurrent state keeps `mamba_ssm_cache_dtype`."""
+    calculate_kv_scales: bool = False
+    """fp8 KV: compute each layer's key and value scales from the first batch it stores,
+    instead of the checkpoint's `k_scale` / `v_scale` (or 1.0 when it has none)."""
+    mamba_ssm_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Element type of recurrent and convolution state (Mamba, gated DeltaNet, short conv):
+    auto (the model dtype) or a dtype name."""
     kv_cache_memory_bytes: int | None = None
     """KV cache budget per rank; default measured on GPU, 1 GiB on CPU."""
     kv_offloading_backend: Literal["native"] = "native"

@@ -67,7 +67,11 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
     device = resolve_device(args.device)
     speculative = args.speculative_config.to_config() if args.speculative_config else None
     model = ModelConfig.from_pretrained(
-        model_folder(args), args.dtype, args.max_model_len, device_type=device
+        model_folder(args),
+        args.dtype,
+        args.max_model_len,
+        device_type=device,
+        quantization=args.quantization,
     )
     runner = RunnerConfig(
         device=device,
@@ -84,6 +88,9 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
         speculative=speculative,
         draft_model=draft_model_config(args, model, device),
         lora=args.lora_config(),
+        kv_cache_dtype=args.kv_cache_dtype,
+        calculate_kv_scales=args.calculate_kv_scales,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
     )
     batched = args.max_num_batched_tokens or max(
         DEFAULT_MAX_NUM_BATCHED_TOKENS, model.max_model_len
