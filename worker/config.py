@@ -16,6 +16,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig
 
 from worker import cpu_dtype
+from worker.quantization.methods import resolve_quantization
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ class ModelConfig:
             vocab_size=int(hf_config.vocab_size),
             eos_token_ids=_read_eos_token_ids(folder, hf_config),
             tokenizer_path=str(folder),
-            quantization=quantization,
+            quantization=resolve_quantization(folder, quantization),
         )
 
     @property

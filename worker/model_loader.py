@@ -57,7 +57,9 @@ def load_model(
     else:
         loaded = model.load_weights(
             iterate_weights(
-                model_config.model_path, show_progress=parallel.rank == 0 and sys.stderr.isatty()
+                model_config.model_path,
+                show_progress=parallel.rank == 0 and sys.stderr.isatty(),
+                dtype=model_config.dtype,
             )
         )
         _check_complete(model, loaded, model_config.model_path)

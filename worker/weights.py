@@ -3,11 +3,14 @@
 `iterate_weights` yields `(hf_name, lazy tensor)` over a single-file or sharded checkpoint; a
 lazy tensor reads from disk only the rows or columns a rank's `weight_loader` asks for.
 `load_named_weights` maps HF names onto our packed parameters (q/k/v -> qkv_proj, gate/up ->
-gate_up_proj) and calls the loaders.
+gate_up_proj) and calls the loaders. A quantized checkpoint (`quantization_config` in its
+config.json) is read through `worker.quantization`: each quantized tensor arrives as one
+source dequantized on first read, under its unquantized name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 from collections.abc import Iterable, Iterator, Sequence
@@ -20,6 +23,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from worker.layers.loading import ShardId, WeightSource, weight_loader_of
+from worker.quantization.checkpoint import DequantizationReport, dequantized_weights
+from worker.quantization.methods import read_quantization_config
+from worker.quantization.schemes import scheme_for
 
 logger = logging.getLogger(__name__)
 
@@ -41,14 +47,21 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb
 class SafetensorsWeight:
     """One tensor of an open safetensors file, read lazily (a `LazyWeight`)."""
 
-    def __init__(self, safe_slice: object) -> None:
-        self._slice = safe_slice
-        self.shape = tuple(int(d) for d in safe_slice.get_shape())  # type: ignore[attr-defined]
+    def __init__(self, handle: Any, name: str) -> None:
+        self._handle, self._name = handle, name
+        self._slice = handle.get_slice(name)
+        self.shape = tuple(int(d) for d in self._slice.get_shape())
+        self.dtype_name: str = self._slice.get_dtype()
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         """Read elements `[start, start + length)` of `dim` (and everything of other dims)."""
         index = (slice(None),) * dim + (slice(start, start + length),)
-        tensor: torch.Tensor = self._slice[index]  # type: ignore[index]
+        tensor: torch.Tensor = self._slice[index]
+        return tensor
+
+    def read_all(self) -> torch.Tensor:
+        """The whole tensor (scalars included)."""
+        tensor: torch.Tensor = self._handle.get_tensor(self._name)
         return tensor
 
 
@@ -68,18 +81,40 @@ def checkpoint_files(folder: str | Path) -> list[Path]:
 
 
 def iterate_weights(
-    folder: str | Path, show_progress: bool = False
-) -> Iterator[tuple[str, SafetensorsWeight]]:
+    folder: str | Path, show_progress: bool = False, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, WeightSource]]:
     """Yield `(name, lazy tensor)` for every tensor of the checkpoint.
 
     A lazy tensor is valid until the next item is requested (its file may be closed then).
+    A quantized checkpoint yields its quantized tensors dequantized (float32, cast by the
+    parameter's copy); the cost is logged once, in `dtype` when given.
     """
+    quant_config = read_quantization_config(folder)
+    if quant_config is None:
+        yield from _plain_weights(folder, show_progress)
+        return
+    scheme = scheme_for(quant_config, folder)
+    report = DequantizationReport(scheme.method)
+    with contextlib.ExitStack() as stack:
+        tensors: dict[str, SafetensorsWeight] = {}
+        for path in checkpoint_files(folder):
+            handle = stack.enter_context(_open_checkpoint(path))
+            for name in handle.keys():  # noqa: SIM118 (safe_open handles are not mappings)
+                tensors[name] = SafetensorsWeight(handle, name)
+        items = dequantized_weights(tensors, scheme, report)
+        yield from tqdm(
+            items, desc="Loading quantized weights", unit="tensors", disable=not show_progress
+        )
+    logger.info("%s", report.describe(dtype or torch.float32))
+
+
+def _plain_weights(folder: str | Path, show_progress: bool) -> Iterator[tuple[str, WeightSource]]:
     files = checkpoint_files(folder)
     with tqdm(total=len(files), desc="Loading safetensors files", disable=not show_progress) as bar:
         for path in files:
             with _open_checkpoint(path) as handle:
                 for name in handle.keys():  # noqa: SIM118 (safe_open handles are not mappings)
-                    yield name, SafetensorsWeight(handle.get_slice(name))
+                    yield name, SafetensorsWeight(handle, name)
             bar.update(1)
             logger.debug("read %s", path.name)
 
