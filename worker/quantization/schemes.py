@@ -6,7 +6,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from worker.quantization.awq import AwqScheme
 from worker.quantization.fp8 import Fp8Scheme
+from worker.quantization.gptq import GptqScheme
 from worker.quantization.methods import method_of
 from worker.quantization.scheme import WeightScheme
 
@@ -14,6 +16,8 @@ SchemeBuilder = Callable[[Mapping[str, Any]], WeightScheme]
 
 SCHEME_BUILDERS: dict[str, SchemeBuilder] = {
     "fp8": Fp8Scheme,
+    "awq": AwqScheme,
+    "gptq": GptqScheme,
 }
 
 
