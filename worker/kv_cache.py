@@ -134,8 +134,10 @@ def allocate_kv_caches(
     kernel_block_sizes: Sequence[int],
     dtype: torch.dtype,
     device: torch.device,
+    state_dtype: torch.dtype | None = None,
 ) -> KVCaches:
-    """Allocate the tensor plan's buffers and view them per layer; sharing layers alias."""
+    """Allocate the tensor plan's buffers and view them per layer; sharing layers alias. State
+    layers' pages are viewed in `state_dtype` (default `dtype`)."""
     group_of = {name: gid for gid, g in enumerate(config.groups) for name in g.layer_names}
     element_size = dtype.itemsize
     with_mamba = has_mamba_groups(config)
@@ -146,7 +148,7 @@ def allocate_kv_caches(
             gid = group_of[name]
             member = _member_spec(config, gid, name)
             if isinstance(member, MambaSpec):
-                caches[name] = mamba_view(buffer, member, config.num_blocks, dtype)
+                caches[name] = mamba_view(buffer, member, config.num_blocks, state_dtype or dtype)
                 continue
             spec = layer_spec(config, gid, name)
             if spec.dtype_bytes != element_size:

@@ -62,7 +62,7 @@ from worker.spec_decode.factory import make_proposer
 from worker.spec_decode.proposer import DrafterCache, DraftProposer
 from worker.spec_decode.ranks import run_proposer
 from worker.spec_decode.verify import RowLayout, verify_drafts
-from worker.state.mamba_cache import mamba_layers, model_order_specs
+from worker.state.mamba_cache import mamba_layers, model_order_specs, resolve_state_dtype
 from worker.state.mamba_metadata import build_mamba_metadata, checkpoint_cuts, mamba_group_modes
 
 logger = logging.getLogger(__name__)
@@ -126,6 +126,8 @@ class ModelRunner:
         """Mamba layer -> its KV cache group."""
         self._mamba_modes: dict[int, tuple[int, MambaCacheMode]] = {}
         self._mamba_kernels = select_mamba_kernels("torch", device)
+        self.state_dtype = resolve_state_dtype(config.mamba_ssm_cache_dtype, settings.dtype)
+        """Dtype of recurrent and conv state pages (`mamba_ssm_cache_dtype`)."""
         self.sampler = Sampler(config.seed, device)
         self.sampling_state = SamplingState(device, settings.eos_token_ids)
         self.attention_groups: list[AttentionGroup] = []
@@ -154,13 +156,14 @@ class ModelRunner:
         report = report_kv_cache_specs(target + self.drafter_layers, block_size, dtype_bytes)
         specs = report.layer_specs
         mode = MambaCacheMode(self.config.mamba_cache_mode)
+        state_bytes = self.state_dtype.itemsize
         if self.mamba_layers:
-            specs = model_order_specs(self.model, specs, block_size, dtype_bytes, mode)
+            specs = model_order_specs(self.model, specs, block_size, state_bytes, mode)
         for layer in self.drafter_layers:  # after the target's, in groups of their own
             name = layer.layer_name
             specs[name] = replace(report.layer_specs[name], drafter=True)
         for state in self.drafter_state_layers:
-            spec = state.kv_cache_spec(block_size, dtype_bytes, mode)
+            spec = state.kv_cache_spec(block_size, state_bytes, mode)
             specs[state.layer_name] = replace(spec, drafter=True)
         return replace(report, layer_specs=specs)
 
@@ -177,7 +180,7 @@ class ModelRunner:
         for attn_group in self.attention_groups:
             kernel_sizes[attn_group.kv_cache_group_id] = attn_group.kernel_block_size
         self.kv_caches = allocate_kv_caches(
-            kv_cache_config, kernel_sizes, self.settings.dtype, self.device
+            kv_cache_config, kernel_sizes, self.settings.dtype, self.device, self.state_dtype
         )
         tables = MultiGroupBlockTable(
             kv_cache_config.block_sizes,

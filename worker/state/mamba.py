@@ -28,7 +28,7 @@ from worker.kv_io.cache_shard_layout import CachePart, CacheShardLayout, heads_l
 from worker.layers.linear import ProjectionWeights, RowParallelLinear
 from worker.layers.loading import ShardId, WeightSource, copy_checked, new_parameter, read_part
 from worker.state.mamba_metadata import MambaWave
-from worker.state.state_layer import StateLayer
+from worker.state.state_layer import StateLayer, initial_states, store_states
 
 
 @dataclass(frozen=True)
@@ -146,7 +146,7 @@ class MambaMixer2(StateLayer):
         )
 
     def kv_cache_spec(self, block_size: int, dtype_bytes: int, mode: MambaCacheMode) -> MambaSpec:
-        """This layer's spec: both states in the model dtype, one state per block."""
+        """This layer's spec: both states in `dtype_bytes`-byte elements, one state per block."""
         return MambaSpec(
             block_size=block_size,
             shapes=self.state_shapes(),
@@ -222,15 +222,14 @@ class MambaMixer2(StateLayer):
         """Conv, then scan, of one wave's tokens; states read before and written after."""
         conv_cache, ssm_cache = caches
         lay, cfg = self.layout, self.cfg
-        keep = wave.has_state
-        conv_init = torch.where(keep[:, None, None], conv_cache[wave.read_blocks], 0)
         conv = kernels.causal_conv1d(  # type: ignore[attr-defined]
-            xbc, self.conv1d.weight[:, 0], self.conv1d.bias, conv_init, wave.query_start_loc,
+            xbc, self.conv1d.weight[:, 0], self.conv1d.bias,
+            initial_states(conv_cache, wave, xbc.dtype), wave.query_start_loc,
             activation="silu", cut_positions=wave.cut_positions,
         )  # fmt: skip
         bc_size = lay.groups * cfg.state_size
         x, b, c = torch.split(conv.out, [self.inner, bc_size, bc_size], dim=-1)
-        ssm_init = torch.where(keep[:, None, None, None], ssm_cache[wave.read_blocks].float(), 0)
+        ssm_init = initial_states(ssm_cache, wave, torch.float32)
         num_tokens = x.shape[0]
         scan = kernels.ssd_scan(  # type: ignore[attr-defined]
             x.reshape(num_tokens, lay.heads, cfg.head_dim), dt, -torch.exp(self.A_log.float()),
@@ -238,11 +237,8 @@ class MambaMixer2(StateLayer):
             c.reshape(num_tokens, lay.groups, cfg.state_size), self.D, self.dt_bias, ssm_init,
             wave.query_start_loc, cfg.chunk_size, cfg.dt_limit, wave.cut_positions,
         )  # fmt: skip
-        conv_cache[wave.write_blocks] = conv.final_states.to(conv_cache.dtype)
-        ssm_cache[wave.write_blocks] = scan.final_states.to(ssm_cache.dtype)
-        if wave.cut_positions:
-            conv_cache[wave.cut_blocks] = conv.cut_states.to(conv_cache.dtype)
-            ssm_cache[wave.cut_blocks] = scan.cut_states.to(ssm_cache.dtype)
+        store_states(conv_cache, wave, conv.final_states, conv.cut_states)
+        store_states(ssm_cache, wave, scan.final_states, scan.cut_states)
         out: torch.Tensor = scan.out.reshape(num_tokens, self.inner)
         return out
 

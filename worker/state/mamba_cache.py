@@ -1,4 +1,5 @@
-"""Mamba state in the KV pool: the layers' specs, and their views of the shared buffers.
+"""Mamba state in the KV pool: the layers' specs, their state dtype, and their views of the
+shared buffers.
 
 A Mamba layer's page (one block) holds its conv state then its SSM state, padded to the
 group's page size (`MambaSpec.page_size_padded`). Buffers are shared with attention layers of
@@ -7,6 +8,10 @@ range too: K and V of a block are adjacent (`[num_blocks, 2, block, heads, dim]`
 all K pages then all V pages. Block b of any layer is then bytes [b * page, (b + 1) * page).
 
     page of block b:  | conv state [conv_dim, width-1] | SSM state [heads, head_dim, N] | pad |
+
+Every state tensor is kept in the state dtype (`mamba_ssm_cache_dtype`: the model dtype, or
+float32 / bfloat16 / float16), whatever dtype the attention pages use; the layers convert on
+load and store (`worker.state.state_layer.initial_states` / `store_states`).
 """
 
 from __future__ import annotations
@@ -34,6 +39,20 @@ class HasModules(Protocol):
     def modules(self) -> Iterator[nn.Module]: ...
 
 
+STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""`mamba_ssm_cache_dtype` names besides "auto"."""
+
+
+def resolve_state_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of recurrent and conv state pages: `model_dtype` for "auto", else `name`'s."""
+    if name == "auto":
+        return model_dtype
+    if name not in STATE_DTYPES:
+        names = ", ".join(STATE_DTYPES)
+        raise ValueError(f"mamba_ssm_cache_dtype must be 'auto' or one of {names}, got {name!r}")
+    return STATE_DTYPES[name]
+
+
 def mamba_layers(model: HasModules) -> list[StateLayer]:
     """The model's state layers (Mamba mixers, gated DeltaNet, short conv) in module order."""
     return [module for module in model.modules() if isinstance(module, StateLayer)]
@@ -47,14 +66,15 @@ def model_order_specs(
     model: HasModules,
     attention_specs: dict[str, KVCacheSpec],
     block_size: int,
-    dtype_bytes: int,
+    state_dtype_bytes: int,
     mode: MambaCacheMode,
 ) -> dict[str, KVCacheSpec]:
-    """Attention and Mamba specs together, in the order the layers appear in the model."""
+    """Attention and Mamba specs together, in the order the layers appear in the model (state
+    layers' specs in `state_dtype_bytes`-byte elements)."""
     specs: dict[str, KVCacheSpec] = {}
     for module in model.modules():
         if isinstance(module, StateLayer):
-            specs[module.layer_name] = module.kv_cache_spec(block_size, dtype_bytes, mode)
+            specs[module.layer_name] = module.kv_cache_spec(block_size, state_dtype_bytes, mode)
         elif isinstance(module, Attention) and module.layer_name in attention_specs:
             specs[module.layer_name] = attention_specs[module.layer_name]
     return specs
@@ -63,12 +83,13 @@ def model_order_specs(
 def mamba_view(
     buffer: torch.Tensor, spec: MambaSpec, num_blocks: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, ...]:
-    """One view [num_blocks, *shape] of a raw buffer per state (Mamba-2: conv, then SSM)."""
+    """One view [num_blocks, *shape] of a raw buffer per state (Mamba-2: conv, then SSM), in
+    the state dtype `dtype`."""
     page = spec.page_size_bytes
     if page % dtype.itemsize:
         raise ValueError(f"Mamba page of {page} bytes is not a whole number of {dtype} elements")
     if any(size != dtype.itemsize for size in spec.dtype_bytes):
-        raise ValueError(f"Mamba states are kept in the model dtype {dtype}, spec says {spec}")
+        raise ValueError(f"state pages are kept in {dtype}, but the spec says {spec}")
     pages = buffer[: num_blocks * page].view(dtype).view(num_blocks, page // dtype.itemsize)
     views, offset = [], 0
     for shape in spec.shapes:

@@ -39,7 +39,8 @@ class StateLayer(nn.Module, abc.ABC):
 
     @abc.abstractmethod
     def kv_cache_spec(self, block_size: int, dtype_bytes: int, mode: MambaCacheMode) -> MambaSpec:
-        """This rank's state spec: every state tensor in the model dtype."""
+        """This rank's state spec: every state tensor in `dtype_bytes`-byte elements (the
+        state dtype, `mamba_ssm_cache_dtype`)."""
 
     @abc.abstractmethod
     def cache_shard_layouts(self) -> tuple[CacheShardLayout, ...]:
@@ -71,7 +72,8 @@ def state_waves(
 
 
 def initial_states(cache: torch.Tensor, wave: MambaWave, dtype: torch.dtype) -> torch.Tensor:
-    """The states the wave's sequences start from: their read blocks, zeros for fresh ones."""
+    """The states the wave's sequences start from, in the kernels' `dtype`: their read blocks
+    (converted from the state dtype of the pool), zeros for fresh ones."""
     keep = wave.has_state.view(-1, *([1] * (cache.dim() - 1)))
     return torch.where(keep, cache[wave.read_blocks].to(dtype), 0)
 
@@ -79,7 +81,8 @@ def initial_states(cache: torch.Tensor, wave: MambaWave, dtype: torch.dtype) -> 
 def store_states(
     cache: torch.Tensor, wave: MambaWave, final: torch.Tensor, cut: torch.Tensor
 ) -> None:
-    """Write the wave's final states (and the states at its cut positions) into the pool."""
+    """Write the wave's final states (and the states at its cut positions) into the pool,
+    converted to its state dtype: the one place states are stored."""
     cache[wave.write_blocks] = final.to(cache.dtype)
     if wave.cut_positions:
         cache[wave.cut_blocks] = cut.to(cache.dtype)
