@@ -29,6 +29,9 @@ class HybridShape:
     mamba_state: int
     conv_width: int
     dtype_bytes: int = 2
+    """Bytes per attention KV element (2: bf16; 1: an fp8 KV cache)."""
+    state_dtype_bytes: int = 2
+    """Bytes per conv and SSM state element (`mamba_ssm_cache_dtype`)."""
 
 
 GRANITE_4_H_SMALL = HybridShape(
@@ -70,7 +73,7 @@ def hybrid_layer_specs(
             (conv_dim, shape.conv_width - 1),
             (shape.mamba_heads, shape.mamba_head_dim, shape.mamba_state),
         ),
-        dtype_bytes=(shape.dtype_bytes, shape.dtype_bytes),
+        dtype_bytes=(shape.state_dtype_bytes, shape.state_dtype_bytes),
         mamba_cache_mode=mode,
     )
     return {

@@ -26,6 +26,9 @@ class LinearHybridShape:
     head_size: int
     delta_net: GatedDeltaNetShape
     dtype_bytes: int = 2
+    """Bytes per attention KV element (2: bf16; 1: an fp8 KV cache)."""
+    state_dtype_bytes: int = 2
+    """Bytes per conv and recurrent state element (`mamba_ssm_cache_dtype`)."""
 
     def is_attention(self, layer_idx: int) -> bool:
         return (layer_idx + 1) % self.full_attention_interval == 0
@@ -70,7 +73,7 @@ def linear_hybrid_specs(
 ) -> dict[str, KVCacheSpec]:
     """Specs of every layer of `shape` in model order, for one of `tp_size` ranks."""
     attention = _attention(shape, block_size, tp_size)
-    state = shape.delta_net.per_rank(tp_size).spec(block_size, shape.dtype_bytes, mode)
+    state = shape.delta_net.per_rank(tp_size).spec(block_size, shape.state_dtype_bytes, mode)
     return {
         f"model.layers.{i}": attention if shape.is_attention(i) else state
         for i in range(shape.num_layers)
