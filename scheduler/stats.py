@@ -58,6 +58,10 @@ class SchedulerStats:
     """LoRA adapters of waiting requests (sorted)."""
     max_lora: int = 0
     """The scheduler's adapter slots (0: LoRA off)."""
+    max_concurrency: float = 0.0
+    """Requests of `max_model_len` tokens the KV cache holds at once, each at its worst case
+    over every group (windows and states at their most): vLLM's "Maximum concurrency". Set by
+    the engine; inf for a model without KV memory."""
 
     @classmethod
     def from_kv_stats(

@@ -33,7 +33,7 @@ from cluster.engine.output_processor import OutputProcessor, child_request_id, n
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
 from cluster.engine.structured import StructuredOutputManager
-from scheduler.kv_cache.builder import build_kv_cache_config
+from scheduler.kv_cache.builder import build_kv_cache_config, max_concurrency
 from scheduler.kv_cache.events import KVEventLog
 from scheduler.kv_cache.spec import KVCacheConfig
 from scheduler.kv_cache.transfer import transfer_fingerprint
@@ -273,8 +273,17 @@ class EngineCore:
                 manager.take_events(), manager.eviction_outlook(self.scheduler.running)
             )
 
+    @functools.cached_property
+    def max_concurrency(self) -> float:
+        """Requests of `max_model_len` tokens the KV cache holds at once, each charged its worst
+        case in every group (a window's most, a state's pages), as vLLM's start-up log counts."""
+        config = self.scheduler.config
+        return max_concurrency(
+            self.scheduler.kv_cache_config, config.max_model_len, config.max_num_batched_tokens
+        )
+
     def get_stats(self) -> SchedulerStats:
-        return self.scheduler.make_stats()
+        return replace(self.scheduler.make_stats(), max_concurrency=self.max_concurrency)
 
     def fail_requests(self, exc: BaseException) -> EngineDeadError:
         """After a failed step: every request leaves the engine and the prefix cache is
@@ -396,13 +405,19 @@ def build_engine_core(args: EngineArgs, executor: Executor | None = None) -> Eng
     except BaseException:
         executor.shutdown()
         raise
-    return EngineCore(
+    core = EngineCore(
         scheduler,
         executor,
         tokenizer,
         args.guided_decoding_backend,
         args.kv_transfer_transport,
     )
+    logger.info(
+        "Maximum concurrency for %s tokens per request: %.2fx",
+        f"{configs.scheduler.max_model_len:,}",
+        core.max_concurrency,
+    )
+    return core
 
 
 def _plan_kv_cache(executor: Executor, args: EngineArgs) -> KVCacheConfig:

@@ -45,6 +45,7 @@ def read_metrics(stats: SchedulerStats) -> list[Metric]:
         Counter("vllm:prefix_cache_queries", sum(stats.prefix_cache_queries)),
         Counter("vllm:prefix_cache_hits", stats.prefix_cache_hit_tokens),
         Counter("vllm:num_preemptions", stats.num_preemptions),
+        Gauge("hybridserve:max_concurrency", stats.max_concurrency),
     ]
     spec = stats.spec_decoding
     if spec is not None:
