@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.kv_quant import KVScales, dequantize, split_scales
 from kernels.reference import (
     KeyFromValue,
     PagedKV,
@@ -43,6 +44,7 @@ def paged_attention(  # noqa: PLR0913 (the signature shared by every backend)
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     key_from_value: KeyFromValue | None = None,
+    kv_scales: KVScales | None = None,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch over a paged KV cache; see the reference."""
     check_attention_args(query, key_cache, value_cache, block_table, sliding_window, softcap, sinks)
@@ -57,10 +59,10 @@ def paged_attention(  # noqa: PLR0913 (the signature shared by every backend)
         if end - start == 1 and len(lengths) > 1:
             decodes.append(req_idx)
         elif end > start:  # prefill chunks, and a lone request (batch 1: the reference path)
-            paged = PagedKV(key_cache, value_cache, block_table[req_idx], key_from_value)
+            paged = PagedKV(key_cache, value_cache, block_table[req_idx], key_from_value, kv_scales)
             output[start:end] = attend_request(query[start:end], seq_len, paged, rule)
     if decodes:
-        paged = PagedKV(key_cache, value_cache, block_table, key_from_value)
+        paged = PagedKV(key_cache, value_cache, block_table, key_from_value, kv_scales)
         spans = [_key_span(lengths[idx], sliding_window) for idx in decodes]
         for chunk in _decode_chunks(decodes, spans, key_cache.shape[2] * key_cache.shape[3]):
             rows = torch.tensor([starts[idx] for idx in chunk], device=query.device)
@@ -122,8 +124,9 @@ def _decode(
 def _gather(
     paged: PagedKV, block_table: torch.Tensor, seq_lens: torch.Tensor, window: int | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 keys and values `[D, L, num_kv_heads, head_size]` of whole cache blocks, from the
-    first block in each request's window, and which of the L slots each request sees `[D, L]`.
+    """fp32 keys and values `[D, L, num_kv_heads, head_size]` of whole cache blocks (fp8 pages
+    dequantized), from the first block in each request's window, and which of the L slots each
+    request sees `[D, L]`.
 
     Block-table entries past a request's last block are replaced by its last block, and the
     values of slots it does not see are zeroed, so nothing outside its keys reaches the output
@@ -143,14 +146,16 @@ def _gather(
     )  # [D, L]
     is_visible = (positions >= key_start[:, None]) & (positions < seq_lens[:, None])
 
-    def gather(cache: torch.Tensor) -> torch.Tensor:
-        pages = cache.index_select(0, block_ids)  # [D * num_blocks, block_size, heads, size]
-        return pages.view(len(seq_lens), -1, *cache.shape[2:]).float()
+    key_scale, value_scale = split_scales(paged.kv_scales)
 
-    values = gather(paged.value_cache)
+    def gather(cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+        pages = cache.index_select(0, block_ids)  # [D * num_blocks, block_size, heads, size]
+        return dequantize(pages.view(len(seq_lens), -1, *cache.shape[2:]), scale)
+
+    values = gather(paged.value_cache, value_scale)
     values.masked_fill_(~is_visible[:, :, None, None], 0.0)
     if paged.key_from_value is None:
-        keys = gather(paged.key_cache)
+        keys = gather(paged.key_cache, key_scale)
     else:
         flat = values.flatten(0, 1)
         keys = rotate_values_into_keys(flat, positions.flatten(), paged.key_from_value)

@@ -2,6 +2,10 @@
 
 flash-attn builds only for CUDA and is imported on first use. `unsupported_reason` says
 why it cannot serve a configuration (the registry logs that reason and falls back).
+
+fp8 KV pages are refused: flash-attn 2 reads fp16/bf16 pages only, and dequantizing every
+page a step reads into a temporary would move 2.5x the bytes of reading fp8 in the kernel
+(read fp8, write and read bf16), so `auto` picks Triton, which dequantizes as it loads.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import inspect
 
 import torch
 
+from kernels.kv_quant import KVScales, is_fp8
 from kernels.reference import KeyFromValue, check_attention_args
 
 _PAGED_BLOCK_MULTIPLE = 256  # flash-attn 2 rejects paged KV blocks of other sizes
@@ -37,7 +42,7 @@ def import_error() -> str | None:
     return None
 
 
-def unsupported_reason(
+def unsupported_reason(  # noqa: PLR0913 (the cache layout, then what the layers need)
     device: torch.device,
     block_size: int,
     head_size: int,
@@ -45,8 +50,11 @@ def unsupported_reason(
     *,
     has_sinks: bool = False,
     keys_from_values: bool = False,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> str | None:
     """Why flash-attn cannot run this configuration, or None when it can."""
+    if kv_cache_dtype is not None and is_fp8(kv_cache_dtype):
+        return f"flash-attn 2 reads float16/bfloat16 KV pages only, not {kv_cache_dtype}"
     if has_sinks:
         return "flash-attn 2 has no attention sinks (per-head logits in the softmax denominator)"
     if keys_from_values:
@@ -77,8 +85,10 @@ def paged_attention(  # noqa: PLR0913 (the signature shared by every backend)
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     key_from_value: KeyFromValue | None = None,
+    kv_scales: KVScales | None = None,
 ) -> torch.Tensor:
-    """Paged attention of a mixed batch; same contract as `kernels.reference.paged_attention`.
+    """Paged attention of a mixed batch; same contract as `kernels.reference.paged_attention`
+    (fp8 caches are refused: `kv_scales` is there for the shared signature).
 
     NOTE: reads `max(q_len)` and `max(seq_len)` on the host (one device sync), as
     flash-attn's varlen API needs them. flash-attn starts its key loop at the window's first
@@ -92,6 +102,7 @@ def paged_attention(  # noqa: PLR0913 (the signature shared by every backend)
         query.dtype,
         has_sinks=sinks is not None,
         keys_from_values=key_from_value is not None,
+        kv_cache_dtype=key_cache.dtype,
     )
     if reason is not None:
         raise ValueError(reason)

@@ -2,7 +2,8 @@
 the cache store and prefill path of the batched kernel (`batched_attention`, the CPU default).
 
 Called through the backend registry; every other backend has the same signatures. Caches use
-the paged layout `[num_blocks, block_size, num_kv_heads, head_size]`.
+the paged layout `[num_blocks, block_size, num_kv_heads, head_size]`, in the model dtype or in
+fp8 with per-layer scales (`kernels.kv_quant`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from kernels.kv_quant import KVScales, dequantize, quantize, split_scales
 
 # Upper bound on the fp32 score elements of one matmul; long prefills are cut into query
 # chunks so that a CPU prefill of thousands of tokens does not allocate gigabytes of scores.
@@ -39,6 +42,8 @@ class PagedKV(NamedTuple):
     value_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_size]
     block_ids: torch.Tensor  # [max_blocks] int32
     key_from_value: KeyFromValue | None = None
+    kv_scales: KVScales | None = None
+    """fp8 caches: the scales their pages are read with (None: 1.0)."""
 
 
 class ScoreRule(NamedTuple):
@@ -57,19 +62,23 @@ def store_kv_cache(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    kv_scales: KVScales | None = None,
 ) -> None:
     """Write `key`/`value` `[num_tokens, num_kv_heads, head_size]` into the caches in place.
 
     Token `t` goes to `slot_mapping[t] = block_id * block_size + offset`; slot -1 skips it.
     The caches may be strided views into a shared buffer; indexing writes through the view.
+    fp8 caches store `key / kv_scales.key` and `value / kv_scales.value`, clamped (1.0 when
+    `kv_scales` is None; `kernels.kv_quant.quantize`).
     """
     check_store_args(key, value, key_cache, value_cache, slot_mapping)
+    key_scale, value_scale = split_scales(kv_scales)
     block_size = key_cache.shape[1]
     is_stored = slot_mapping >= 0
     slots = slot_mapping[is_stored].long()
     block_ids, offsets = slots // block_size, slots % block_size
-    key_cache[block_ids, offsets] = key[is_stored].to(key_cache.dtype)
-    value_cache[block_ids, offsets] = value[is_stored].to(value_cache.dtype)
+    key_cache[block_ids, offsets] = quantize(key[is_stored], key_scale, key_cache.dtype)
+    value_cache[block_ids, offsets] = quantize(value[is_stored], value_scale, value_cache.dtype)
 
 
 def paged_attention(  # noqa: PLR0913 (the signature shared by every backend)
@@ -84,6 +93,7 @@ def paged_attention(  # noqa: PLR0913 (the signature shared by every backend)
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     key_from_value: KeyFromValue | None = None,
+    kv_scales: KVScales | None = None,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch (prefill chunks and decodes) over a paged KV cache.
 
@@ -91,7 +101,9 @@ def paged_attention(  # noqa: PLR0913 (the signature shared by every backend)
     of `seq_lens[i]`. `sinks` [num_q_heads] are learned logits that take part in each query
     head's softmax denominator but have no value (attention sinks, gpt-oss): the weights of
     the keys then sum to less than one. `key_from_value`: the keys are derived from the values
-    (see `KeyFromValue`). Returns `[num_tokens, num_q_heads, head_size]` in the query dtype.
+    (see `KeyFromValue`; rebuilt from values read with the value scale). `kv_scales`: fp8
+    pages are read as `fp8.float() * scale` (1.0 when None). Returns `[num_tokens, num_q_heads,
+    head_size]` in the query dtype.
     """
     check_attention_args(query, key_cache, value_cache, block_table, sliding_window, softcap, sinks)
     check_key_from_value(key_from_value, query.shape[2])
@@ -101,7 +113,7 @@ def paged_attention(  # noqa: PLR0913 (the signature shared by every backend)
     for req_idx, seq_len in enumerate(seq_lens.tolist()):
         start, end = starts[req_idx], starts[req_idx + 1]
         if end > start:
-            paged = PagedKV(key_cache, value_cache, block_table[req_idx], key_from_value)
+            paged = PagedKV(key_cache, value_cache, block_table[req_idx], key_from_value, kv_scales)
             output[start:end] = attend_request(query[start:end], seq_len, paged, rule)
     return output
 
@@ -136,6 +148,7 @@ def check_store_args(
     assert key.shape == value.shape, (key.shape, value.shape)
     assert key_cache.dim() == 4, key_cache.shape
     assert key_cache.shape == value_cache.shape, (key_cache.shape, value_cache.shape)
+    assert key_cache.dtype == value_cache.dtype, (key_cache.dtype, value_cache.dtype)
     assert key_cache.shape[2:] == key.shape[1:], (key_cache.shape, key.shape)
     assert slot_mapping.shape == (key.shape[0],), slot_mapping.shape
 
@@ -247,7 +260,8 @@ def _explicit_attention(
 
 
 def _gather_keys(paged: PagedKV, key_start: int, key_end: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values at positions `[key_start, key_end)`, fp32 `[num_kv_heads, n, head_size]`."""
+    """Keys and values at positions `[key_start, key_end)`, fp32 `[num_kv_heads, n, head_size]`
+    (fp8 pages dequantized with their scales)."""
     block_size = paged.key_cache.shape[1]
     first_block = key_start // block_size
     last_block = (key_end - 1) // block_size
@@ -255,14 +269,16 @@ def _gather_keys(paged: PagedKV, key_start: int, key_end: int) -> tuple[torch.Te
     skip = key_start - first_block * block_size
     num_keys = key_end - key_start
 
-    def gather(cache: torch.Tensor) -> torch.Tensor:
+    key_scale, value_scale = split_scales(paged.kv_scales)
+
+    def gather(cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         # index_select (not advanced indexing): several times faster on CPU
         pages = cache.index_select(0, block_ids).flatten(0, 1)[skip : skip + num_keys]
-        return pages.float()  # [n, heads, size]
+        return dequantize(pages, scale)  # [n, heads, size]
 
-    values = gather(paged.value_cache)
+    values = gather(paged.value_cache, value_scale)
     if paged.key_from_value is None:
-        keys = gather(paged.key_cache)
+        keys = gather(paged.key_cache, key_scale)
     else:
         positions = torch.arange(key_start, key_end, device=values.device)
         keys = rotate_values_into_keys(values, positions, paged.key_from_value)

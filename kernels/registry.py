@@ -4,7 +4,8 @@
 kernel ("torch": all decodes of a step in a few gathers and batched products) on CPU, and logs
 why; on CPU it beats the per-request reference end to end in fp32 and in bf16
 (docs/benchmarks.md). "reference" is the per-request torch path, the oracle every other backend
-is tested against. Kernel modules are imported only when selected.
+is tested against. Kernel modules are imported only when selected. fp8 KV pages
+(`kernels.kv_quant`) are read by every backend but flash-attn 2, which `auto` then skips.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from kernels.kv_quant import KVScales
     from kernels.reference import KeyFromValue
 
 logger = logging.getLogger(__name__)
@@ -26,7 +28,8 @@ BACKEND_NAMES = ("auto", "triton", "flash_attn", "torch", "reference")
 
 
 class StoreKVCacheFn(Protocol):
-    """`store_kv_cache(key, value, key_cache, value_cache, slot_mapping)`: writes the caches."""
+    """`store_kv_cache(key, value, key_cache, value_cache, slot_mapping, kv_scales)`: writes
+    the caches (fp8 caches quantized with `kv_scales`)."""
 
     def __call__(
         self,
@@ -35,6 +38,7 @@ class StoreKVCacheFn(Protocol):
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
+        kv_scales: KVScales | None = None,
     ) -> None: ...
 
 
@@ -54,6 +58,7 @@ class PagedAttentionFn(Protocol):
         softcap: float | None = None,
         sinks: torch.Tensor | None = None,
         key_from_value: KeyFromValue | None = None,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -74,6 +79,7 @@ class _Request:
     dtype: torch.dtype | None
     has_sinks: bool = False
     keys_from_values: bool = False
+    kv_cache_dtype: torch.dtype | None = None
 
 
 @functools.cache
@@ -95,17 +101,25 @@ def select_backend(  # noqa: PLR0913 (the cache layout, then what the layers nee
     dtype: torch.dtype | None = None,
     has_sinks: bool = False,
     keys_from_values: bool = False,
+    kv_cache_dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
     """The backend `name` (one of `BACKEND_NAMES`) for this device and cache layout.
 
     `has_sinks`: the layers pass per-head sink logits; `keys_from_values`: they pass a
-    `KeyFromValue` (one stored tensor). Not every backend supports either.
+    `KeyFromValue` (one stored tensor); `kv_cache_dtype`: the pages' element type when it is
+    not `dtype` (fp8). Not every backend supports each.
     Raises ValueError naming the reason when an explicitly requested backend is unavailable.
     """
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKEND_NAMES}")
     request = _Request(
-        torch.device(device), block_size, head_size, dtype, has_sinks, keys_from_values
+        torch.device(device),
+        block_size,
+        head_size,
+        dtype,
+        has_sinks,
+        keys_from_values,
+        kv_cache_dtype,
     )
     if name == "auto":
         return _select_auto(request)
@@ -143,6 +157,7 @@ def _unavailable_reason(name: str, request: _Request) -> str | None:
             request.dtype,
             has_sinks=request.has_sinks,
             keys_from_values=request.keys_from_values,
+            kv_cache_dtype=request.kv_cache_dtype,
         )
     return _triton_unavailable_reason(request)
 
@@ -153,7 +168,17 @@ def _triton_unavailable_reason(request: _Request) -> str | None:
         return error
     if request.head_size > 512:
         return f"the Triton kernel supports head_size <= 512, got {request.head_size}"
-    return triton_device_reason(request.device)
+    reason = triton_device_reason(request.device)
+    if reason is None and request.kv_cache_dtype == torch.float8_e4m3fn:
+        return _triton_e4m3_reason(request.device)
+    return reason
+
+
+def _triton_e4m3_reason(device: torch.device) -> str | None:
+    """Triton has float8_e4m3fn (its fp8e4nv) on compute capability 8.9 and later only."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9):
+        return None
+    return "Triton reads float8_e4m3fn pages on compute capability >= 8.9 only (try fp8_e5m2)"
 
 
 def triton_device_reason(device: torch.device) -> str | None:

@@ -8,7 +8,8 @@ head, so GQA decode runs on tensor cores), one KV head and one split of the key 
 
 With more than one split (long decodes, few requests) each split writes an unnormalised
 partial result and a second kernel merges them. Block size is free: keys are walked in tiles
-of `BLOCK_N` positions and each position looks up its block in the block table.
+of `BLOCK_N` positions and each position looks up its block in the block table. fp8 pages
+are dequantized as they are loaded (`fp8 * scale` in fp32, `kernels.kv_quant`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_quant import KVScales, is_fp8, scale_tensors
 from kernels.reference import KeyFromValue, check_attention_args, check_key_from_value
 
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -68,10 +70,11 @@ def _tanh(x):  # type: ignore[no-untyped-def]
 @triton.jit  # type: ignore[untyped-decorator]
 def _rotate_values_into_keys(  # type: ignore[no-untyped-def]
     v, v_cache_ptr, v_offs, k_mask, key_pos, dims, dim_ok, key_scale_ptr, inv_freq_ptr,
-    rope_scaling, ROTARY_DIM: tl.constexpr,
+    rope_scaling, value_scale, ROTARY_DIM: tl.constexpr,
 ):  # fmt: skip
     # Key tile [HEAD_PAD, BLOCK_N] = rope(value * scale) (see kernels.reference.KeyFromValue):
-    # rotated features pair d with d +- ROTARY_DIM / 2 (rotate-half), the others pass.
+    # rotated features pair d with d +- ROTARY_DIM / 2 (rotate-half), the others pass. `v` is
+    # already dequantized; the partner features read here are scaled by `value_scale` (fp8).
     HALF: tl.constexpr = ROTARY_DIM // 2
     is_rotated = dims < ROTARY_DIM
     partner = tl.where(dims < HALF, dims + HALF, dims - HALF)
@@ -81,7 +84,7 @@ def _rotate_values_into_keys(  # type: ignore[no-untyped-def]
     own = tl.trans(v)  # the value tile [BLOCK_N, HEAD_PAD], as a key tile
     paired = tl.load(v_cache_ptr + v_offs[None, :] + partner[:, None], mask=k_mask, other=0.0)
     own = own.to(tl.float32) * key_scale[:, None]
-    paired = paired.to(tl.float32) * partner_scale[:, None]
+    paired = paired.to(tl.float32) * (partner_scale[:, None] * value_scale)
     freq = tl.load(inv_freq_ptr + dims % HALF, mask=is_rotated, other=0.0)
     angle = key_pos[None, :].to(tl.float32) * freq[:, None]
     sign = tl.where(dims < HALF, -1.0, 1.0)
@@ -95,7 +98,7 @@ def _rotate_values_into_keys(  # type: ignore[no-untyped-def]
 def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
-    sinks_ptr, key_scale_ptr, inv_freq_ptr, rope_scaling,
+    sinks_ptr, key_scale_ptr, inv_freq_ptr, rope_scaling, k_scale_ptr, v_scale_ptr,
     scale, softcap, sliding_window, num_reqs, block_size,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -103,7 +106,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     HEAD_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr, KEY_FROM_VALUE: tl.constexpr, ROTARY_DIM: tl.constexpr,
-    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -150,6 +153,11 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         m_i = tl.where(has_sink, sink, m_i)
         l_i = tl.where(has_sink, 1.0, l_i)
     acc = tl.zeros([BLOCK_M, HEAD_PAD], tl.float32)
+    k_scale = 1.0
+    v_scale = 1.0
+    if KV_FP8:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
     block_table_row = block_table_ptr + req.to(tl.int64) * stride_bt
     for key_tile in range(tile_begin, tile_end):
         key_pos = key_tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -162,14 +170,20 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         v_offs = block_ids * stride_vb + slot_in_block * stride_vs + kv_head * stride_vh
         v_mask = key_ok[:, None] & dim_ok[None, :]
         v = tl.load(v_cache_ptr + v_offs[:, None] + dims[None, :], mask=v_mask, other=0.0)
+        if KV_FP8:  # fp8 pages: dequantized in fp32, then in the query dtype for the products
+            v = v.to(tl.float32) * v_scale
         if KEY_FROM_VALUE:
             k = _rotate_values_into_keys(
                 v, v_cache_ptr, v_offs, k_mask, key_pos, dims, dim_ok, key_scale_ptr,
-                inv_freq_ptr, rope_scaling, ROTARY_DIM,
+                inv_freq_ptr, rope_scaling, v_scale, ROTARY_DIM,
             ).to(q.dtype)  # fmt: skip
         else:
             k_offs = block_ids * stride_kb + slot_in_block * stride_ks + kv_head * stride_kh
             k = tl.load(k_cache_ptr + k_offs[None, :] + dims[:, None], mask=k_mask, other=0.0)
+            if KV_FP8:
+                k = (k.to(tl.float32) * k_scale).to(q.dtype)
+        if KV_FP8:
+            v = v.to(q.dtype)
         if DOT_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -272,6 +286,7 @@ def paged_attention(  # the signature shared by every backend
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     key_from_value: KeyFromValue | None = None,
+    kv_scales: KVScales | None = None,
     *,
     launch: LaunchConfig | None = None,
 ) -> torch.Tensor:
@@ -302,12 +317,14 @@ def paged_attention(  # the signature shared by every backend
     partials = _allocate_partials(output, launch.num_splits, head_pad)
     is_fp32 = query.dtype == torch.float32
     derived = _key_from_value_args(key_from_value, output)
+    k_scale, v_scale = scale_tensors(kv_scales, query.device)
     grid = (num_tokens // launch.block_q + num_reqs, num_kv_heads, launch.num_splits)
     _paged_attention_kernel[grid](
         output, *partials,
         query, key_cache, value_cache, block_table, query_start_loc.contiguous(),
         seq_lens.contiguous(), output if sinks is None else sinks.float().contiguous(),
-        *derived[:3], scale, softcap or 1.0, sliding_window or 1, num_reqs, key_cache.shape[1],
+        *derived[:3], k_scale, v_scale, scale, softcap or 1.0, sliding_window or 1, num_reqs,
+        key_cache.shape[1],
         query.stride(0), query.stride(1), output.stride(0), output.stride(1), block_table.stride(0),
         *key_cache.stride()[:3], *value_cache.stride()[:3],
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_SIZE=head_size,
@@ -316,7 +333,8 @@ def paged_attention(  # the signature shared by every backend
         HAS_SOFTCAP=softcap is not None, HAS_SINKS=sinks is not None,
         KEY_FROM_VALUE=key_from_value is not None, ROTARY_DIM=derived[3],
         DOT_FP32=is_interpreted() or is_fp32,
-        DOT_PRECISION="ieee" if is_fp32 else "tf32", num_warps=launch.num_warps,
+        DOT_PRECISION="ieee" if is_fp32 else "tf32", KV_FP8=is_fp8(key_cache.dtype),
+        num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )  # fmt: skip
     if launch.num_splits > 1:

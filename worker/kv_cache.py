@@ -13,6 +13,8 @@ A layer whose kernels rebuild the keys from the values (`keys_from_values`) stor
 per page, viewed `[num_blocks * f, 1, ...]` and returned as both its key and its value cache.
 Since every page is one contiguous byte range, block b is the same bytes for all layers sharing
 a buffer, whatever tensors their pages hold (the pool gives a block to one group at a time).
+Attention pages hold the KV cache dtype (`kv_cache_dtype`: the model dtype, or fp8 with one
+byte per element), state pages the state dtype.
 """
 
 from __future__ import annotations
@@ -81,6 +83,16 @@ def report_kv_cache_specs(
     return KVCacheSpecReport(layer_specs=specs, shared_kv_layers=shared)
 
 
+def check_kv_cache_dtype(name: str, layers: Sequence[Attention], architecture: str) -> None:
+    """ValueError when `kv_cache_dtype` `name` is not "auto" but there are no attention pages
+    for it to apply to."""
+    if name != "auto" and not layers:
+        raise ValueError(
+            f"kv_cache_dtype {name} applies to attention KV pages, but {architecture} has no "
+            "attention layers; recurrent state keeps mamba_ssm_cache_dtype"
+        )
+
+
 def available_kv_cache_memory(
     device: torch.device, gpu_memory_utilization: float, kv_cache_memory_bytes: int | None
 ) -> int:
@@ -136,8 +148,9 @@ def allocate_kv_caches(
     device: torch.device,
     state_dtype: torch.dtype | None = None,
 ) -> KVCaches:
-    """Allocate the tensor plan's buffers and view them per layer; sharing layers alias. State
-    layers' pages are viewed in `state_dtype` (default `dtype`)."""
+    """Allocate the tensor plan's buffers and view them per layer; sharing layers alias.
+    Attention pages are viewed in `dtype` (the KV cache dtype), state layers' pages in
+    `state_dtype` (default `dtype`)."""
     group_of = {name: gid for gid, g in enumerate(config.groups) for name in g.layer_names}
     element_size = dtype.itemsize
     with_mamba = has_mamba_groups(config)

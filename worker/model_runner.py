@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from kernels import AttentionBackend, select_backend
+from kernels.kv_quant import is_fp8, kv_cache_torch_dtype
 from kernels.mamba_registry import select_mamba_kernels
 from scheduler.kv_cache.builder import group_of_layer
 from scheduler.kv_cache.spec import KVCacheConfig, MambaCacheMode
@@ -33,6 +34,7 @@ from worker.attention.attention_groups import (
     build_forward_context,
 )
 from worker.attention.block_table import MultiGroupBlockTable
+from worker.attention.kv_scales import prepare_kv_scales
 from worker.attention.metadata_transforms import StepRows
 from worker.block_copies import GroupTensors, copy_blocks, group_tensors, saves_by_request
 from worker.distributed import broadcast_token_lists
@@ -49,6 +51,7 @@ from worker.kv_cache import (
     KVCacheSpecReport,
     allocate_kv_caches,
     attention_layers,
+    check_kv_cache_dtype,
     report_kv_cache_specs,
 )
 from worker.kv_io.offload_store import HostOffloadStore
@@ -128,6 +131,8 @@ class ModelRunner:
         self._mamba_kernels = select_mamba_kernels("torch", device)
         self.state_dtype = resolve_state_dtype(config.mamba_ssm_cache_dtype, settings.dtype)
         """Dtype of recurrent and conv state pages (`mamba_ssm_cache_dtype`)."""
+        self.kv_cache_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, settings.dtype)
+        """Dtype of attention KV pages (`kv_cache_dtype`: the model dtype, or fp8)."""
         self.sampler = Sampler(config.seed, device)
         self.sampling_state = SamplingState(device, settings.eos_token_ids)
         self.attention_groups: list[AttentionGroup] = []
@@ -147,10 +152,12 @@ class ModelRunner:
 
     @property
     def dtype_bytes(self) -> int:
-        return self.settings.dtype.itemsize
+        """Bytes of one attention KV element."""
+        return self.kv_cache_dtype.itemsize
 
     def kv_cache_specs(self) -> KVCacheSpecReport:
         """Per-layer KV specs of this rank at the configured block size (Mamba layers too)."""
+        check_kv_cache_dtype(self.config.kv_cache_dtype, self.layers, type(self.model).__name__)
         block_size, dtype_bytes = self.config.block_size, self.dtype_bytes
         target = attention_layers(self.model)
         report = report_kv_cache_specs(target + self.drafter_layers, block_size, dtype_bytes)
@@ -180,7 +187,10 @@ class ModelRunner:
         for attn_group in self.attention_groups:
             kernel_sizes[attn_group.kv_cache_group_id] = attn_group.kernel_block_size
         self.kv_caches = allocate_kv_caches(
-            kv_cache_config, kernel_sizes, self.settings.dtype, self.device, self.state_dtype
+            kv_cache_config, kernel_sizes, self.kv_cache_dtype, self.device, self.state_dtype
+        )
+        prepare_kv_scales(
+            self.layers, self.config.calculate_kv_scales and is_fp8(self.kv_cache_dtype)
         )
         tables = MultiGroupBlockTable(
             kv_cache_config.block_sizes,
@@ -235,6 +245,7 @@ class ModelRunner:
                 dtype=self.settings.dtype,
                 has_sinks=needs.has_sinks,
                 keys_from_values=needs.keys_from_values,
+                kv_cache_dtype=self.kv_cache_dtype,
             )
         return self._backends[key]
 

@@ -2,7 +2,9 @@
 
 Models build one `Attention` per attention layer; each step the runner passes a `ForwardContext`
 holding, per layer name, the metadata of that layer's attention group and the layer's KV cache.
-No global context: the context is an argument of every forward.
+No global context: the context is an argument of every forward. Each layer holds its fp8 KV
+scales (`k_scale`, `v_scale` buffers, 1.0 unless a checkpoint or the first stored batch sets
+them; `worker.attention.kv_scales`), which the kernels apply when the caches are fp8.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from kernels.kv_quant import KVScales, scale_of_amax
 from kernels.reference import KeyFromValue
 from scheduler.kv_cache.spec import (
     ChunkedLocalAttentionSpec,
@@ -21,6 +25,7 @@ from scheduler.kv_cache.spec import (
     KVCacheSpec,
     SlidingWindowSpec,
 )
+from worker.distributed import tp_size
 from worker.kv_io.cache_shard_layout import CacheShardLayout, heads_layout
 
 if TYPE_CHECKING:
@@ -97,7 +102,14 @@ class KernelNeeds(NamedTuple):
 
 
 class Attention(nn.Module):
-    """Paged causal attention over the KV cache of this layer (or of its sharing target)."""
+    """Paged causal attention over the KV cache of this layer (or of its sharing target).
+
+    `k_scale` / `v_scale`: fp32 scalar buffers (not parameters: a checkpoint need not have
+    them) that fp8 pages are stored and read with; a K = V layer uses `v_scale` for both.
+    """
+
+    k_scale: torch.Tensor
+    v_scale: torch.Tensor
 
     def __init__(self, config: AttentionConfig) -> None:
         super().__init__()
@@ -107,6 +119,16 @@ class Attention(nn.Module):
                 f"{config.num_kv_heads} KV heads"
             )
         self.config = config
+        self.register_buffer("k_scale", torch.ones((), dtype=torch.float32))
+        self.register_buffer("v_scale", torch.ones((), dtype=torch.float32))
+        self.calculates_kv_scales = False
+        """Set the scales from the next batch this layer stores (then clear this)."""
+
+    @property
+    def kv_scales(self) -> KVScales:
+        """The scales this layer's pages are stored and read with."""
+        key_scale = self.v_scale if self.config.keys_from_values else self.k_scale
+        return KVScales(key_scale, self.v_scale)
 
     @property
     def layer_name(self) -> str:
@@ -186,7 +208,11 @@ class Attention(nn.Module):
             value = value.view(-1, cfg.num_kv_heads, cfg.head_size)
             # keys_from_values: both caches view one tensor, which holds the values.
             key = value if cfg.keys_from_values else key.view(-1, cfg.num_kv_heads, cfg.head_size)
-            meta.store_kv_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+            if self.calculates_kv_scales:
+                self._calculate_kv_scales(key, value, key_cache.dtype)
+            meta.store_kv_cache(
+                key, value, key_cache, value_cache, meta.slot_mapping, self.kv_scales
+            )
         out = meta.paged_attention(
             query,
             key_cache,
@@ -199,5 +225,21 @@ class Attention(nn.Module):
             softcap=cfg.logits_softcap,
             sinks=sinks,
             key_from_value=key_from_value,
+            kv_scales=self.kv_scales,
         )
         return out.reshape(num_tokens, cfg.num_heads * cfg.head_size)
+
+    def _calculate_kv_scales(
+        self, key: torch.Tensor, value: torch.Tensor, dtype: torch.dtype
+    ) -> None:
+        """`amax(|x|) / fp8_max` of this batch's keys and values, the largest over the
+        tensor-parallel ranks (every rank then holds the same scalars); fixed from now on."""
+        if key.numel() == 0:
+            return
+        amax = torch.stack((key.abs().amax(), value.abs().amax())).float()
+        if tp_size() > 1:
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX)
+        scales = scale_of_amax(amax, dtype)
+        self.k_scale.copy_(scales[0])
+        self.v_scale.copy_(scales[1])
+        self.calculates_kv_scales = False

@@ -18,6 +18,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from worker.attention.attention import Attention, AttentionConfig, ForwardContext
+from worker.attention.kv_scales import read_kv_scales
 from worker.config import ModelConfig, ParallelConfig
 from worker.decoder_loop import DecoderLayerLoop
 from worker.kv_sharing import kv_sharing_targets_from_config
@@ -324,9 +325,10 @@ class DecoderForCausalLM(nn.Module, abc.ABC):
         return logits
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> set[str]:
-        """Load HF-named checkpoint tensors; returns the names of the parameters filled."""
+        """Load HF-named checkpoint tensors; returns the names of the parameters filled (fp8
+        KV scales, when the checkpoint has them, go to the attention layers' buffers)."""
         skip = ("lm_head.",) if self.tie_word_embeddings else ()
-        return load_named_weights(self, weights, skip_prefixes=skip)
+        return load_named_weights(self, read_kv_scales(self, weights), skip_prefixes=skip)
 
 
 def window_from_layer_types(hf_config: PretrainedConfig, layer_idx: int) -> int | None:

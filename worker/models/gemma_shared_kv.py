@@ -17,6 +17,7 @@ from transformers import PretrainedConfig
 
 from kernels.reference import KeyFromValue
 from worker.attention.attention import Attention, AttentionConfig, ForwardContext
+from worker.attention.kv_scales import read_kv_scales
 from worker.config import ModelConfig, ParallelConfig
 from worker.layers.linear import ColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from worker.layers.loading import WeightSource
@@ -149,7 +150,8 @@ class SharedKVForCausalLM(DecoderForCausalLM):
         if self.tie_word_embeddings:
             skip.append("lm_head.")
         queries = tuple(f"{prefix}q_proj." for prefix in shared)
-        return load_named_weights(self, _renamed(weights, queries), skip_prefixes=skip)
+        renamed = read_kv_scales(self, _renamed(weights, queries))
+        return load_named_weights(self, renamed, skip_prefixes=skip)
 
 
 def _renamed(
