@@ -7,15 +7,19 @@ from pathlib import Path
 from typing import Any
 
 from worker.quantization.awq import AwqScheme
+from worker.quantization.compressed_tensors import CompressedTensorsScheme
 from worker.quantization.fp8 import Fp8Scheme
 from worker.quantization.gptq import GptqScheme
 from worker.quantization.methods import method_of
+from worker.quantization.mxfp4 import Mxfp4Scheme
 from worker.quantization.scheme import WeightScheme
 
 SchemeBuilder = Callable[[Mapping[str, Any]], WeightScheme]
 
 SCHEME_BUILDERS: dict[str, SchemeBuilder] = {
     "fp8": Fp8Scheme,
+    "mxfp4": Mxfp4Scheme,
+    "compressed-tensors": CompressedTensorsScheme,
     "awq": AwqScheme,
     "gptq": GptqScheme,
 }
