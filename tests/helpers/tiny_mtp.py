@@ -15,12 +15,12 @@ from tests.helpers.tiny_linear_hybrid import save_tiny_linear_hybrid
 MTP_LAYER_KEY = {"qwen3_next": "num_nextn_predict_layers", "qwen3_5": "mtp_num_hidden_layers"}
 
 
-def save_tiny_with_mtp(family: str, path: Path) -> torch.nn.Module:
+def save_tiny_with_mtp(family: str, path: Path, **overrides: object) -> torch.nn.Module:
     """A tiny `family` model at `path` whose checkpoint also holds one random MTP layer: the
     attention and norms shaped as the model's first full-attention layer's, the feed-forward
     block as layer 0's (the MTP layer counts as layer 0 for MoE), plus fc and three norms.
     Returns the transformers target (which leaves the MTP tensors unused)."""
-    model = save_tiny_linear_hybrid(family, path, **{MTP_LAYER_KEY[family]: 1})
+    model = save_tiny_linear_hybrid(family, path, **{MTP_LAYER_KEY[family]: 1, **overrides})
     config = model.config
     attention = list(config.layer_types).index("full_attention")
     prefix = f"model.layers.{attention}."
