@@ -44,27 +44,25 @@ class Mxfp4Weight:
     """float32 [E, N, K]"""
 
 
-def _generator(seed: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed)
+def _generator(device: torch.device | str, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def random_fp8_block_weight(
     rows: int, cols: int, block: tuple[int, int], device: torch.device | str, seed: int = 0
 ) -> Fp8BlockWeight:
     """e4m3 values of about unit size, block scales spread over two octaves around 1/sqrt(K)."""
-    gen = _generator(seed)
-    weight = torch.randn(rows, cols, generator=gen).clamp(-6, 6).to(torch.float8_e4m3fn)
+    gen = _generator(device, seed)
+    weight = torch.randn(rows, cols, generator=gen, device=device).clamp(-6, 6)
+    weight = weight.to(torch.float8_e4m3fn)
     grid = (-(-rows // block[0]), -(-cols // block[1]))
-    scale_inv = torch.rand(grid, generator=gen).add(0.5) * cols**-0.5
-    dense = torch.empty(rows, cols)
-    for i in range(grid[0]):
-        for j in range(grid[1]):
-            tile = (
-                slice(i * block[0], (i + 1) * block[0]),
-                slice(j * block[1], (j + 1) * block[1]),
-            )
-            dense[tile] = weight[tile].float() * scale_inv[i, j]
-    return Fp8BlockWeight(weight.to(device), scale_inv.to(device), dense.to(device))
+    scale_inv = torch.rand(grid, generator=gen, device=device).add(0.5) * cols**-0.5
+    padded = torch.nn.functional.pad(
+        weight.float(), (0, grid[1] * block[1] - cols, 0, grid[0] * block[0] - rows)
+    )
+    tiles = padded.view(grid[0], block[0], grid[1], block[1]) * scale_inv[:, None, :, None]
+    dense = tiles.view(padded.shape)[:rows, :cols]
+    return Fp8BlockWeight(weight, scale_inv, dense)
 
 
 def random_int4_weight(
@@ -76,31 +74,27 @@ def random_int4_weight(
     seed: int = 0,
 ) -> Int4Weight:
     """`shape` is [..., N, K]: random nibbles, per-group scales around 1/(4 sqrt(K))."""
-    gen = _generator(seed)
+    gen = _generator(device, seed)
     *lead, rows, cols = shape
     groups = -(-cols // group)
-    nibbles = torch.randint(0, 16, (*lead, rows, groups * group), generator=gen)
-    scales = (torch.rand(*lead, rows, groups, generator=gen) + 0.5) * cols**-0.5 / 4
-    scales = scales.to(dtype)
-    zeros = torch.randint(0, 16, (*lead, rows, groups), generator=gen) if zero_points else None
-    zero = (
-        torch.full_like(scales, INT4_SYMMETRIC_ZERO, dtype=torch.int64) if zeros is None else zeros
-    )
-    grouped = nibbles.view(*lead, rows, groups, group)
-    dense = (grouped - zero[..., None]).float() * scales.float()[..., None]
-    nibbles = nibbles[..., :cols]
-    nibbles = torch.nn.functional.pad(nibbles, (0, -cols % 8)).view(*lead, rows, -1, 8)
-    words = torch.zeros(nibbles.shape[:-1], dtype=torch.int64)
+
+    def randint(size: tuple[int, ...]) -> torch.Tensor:
+        return torch.randint(0, 16, size, generator=gen, device=device, dtype=torch.uint8)
+
+    nibbles = randint((*lead, rows, groups * group))
+    scales = torch.rand(*lead, rows, groups, generator=gen, device=device)
+    scales = ((scales + 0.5) * cols**-0.5 / 4).to(dtype)
+    zeros = randint((*lead, rows, groups)) if zero_points else None
+    zero = INT4_SYMMETRIC_ZERO if zeros is None else zeros[..., None].float()
+    grouped = nibbles.view(*lead, rows, groups, group).float()
+    dense = ((grouped - zero) * scales.float()[..., None]).flatten(-2)[..., :cols]
+    nibbles = torch.nn.functional.pad(nibbles[..., :cols], (0, -cols % 8))
+    nibbles = nibbles.view(*lead, rows, -1, 8).to(torch.int64)
+    words = torch.zeros(nibbles.shape[:-1], dtype=torch.int64, device=device)
     for position in range(8):
         words |= nibbles[..., position] << (4 * position)
     qweight = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    return Int4Weight(
-        qweight.to(device),
-        scales.to(device),
-        None if zeros is None else zeros.to(torch.uint8).to(device),
-        group,
-        dense.flatten(-2)[..., :cols].to(device),
-    )
+    return Int4Weight(qweight, scales, zeros, group, dense)
 
 
 def random_mxfp4_weight(
@@ -108,15 +102,21 @@ def random_mxfp4_weight(
 ) -> Mxfp4Weight:
     """Random e2m1 codes, exponents 2^-9 .. 2^-5 (values of about 1/sqrt(K) for K ~ 3k)."""
     assert cols % MXFP4_BLOCK == 0, "MXFP4 rows are whole 32-element blocks"
-    gen = _generator(seed)
-    codes = torch.randint(0, 16, (experts, rows, cols), generator=gen)
-    scales = torch.randint(127 - 9, 127 - 4, (experts, rows, cols // MXFP4_BLOCK), generator=gen)
-    values = torch.tensor(FP4_VALUES)[codes]
-    dense = values * torch.exp2(scales.float() - 127).repeat_interleave(MXFP4_BLOCK, -1)
+    gen = _generator(device, seed)
+    per_row = cols // MXFP4_BLOCK
+
+    def randint(low: int, high: int, size: tuple[int, ...]) -> torch.Tensor:
+        return torch.randint(low, high, size, generator=gen, device=device, dtype=torch.uint8)
+
+    codes = randint(0, 16, (experts, rows, cols))
+    scales = randint(127 - 9, 127 - 4, (experts, rows, per_row))
+    values = torch.tensor(FP4_VALUES, device=device)[codes.long()]
+    powers = torch.exp2(scales.float() - 127)
+    dense = (values.view(experts, rows, per_row, MXFP4_BLOCK) * powers[..., None]).flatten(-2)
     pairs = codes.view(experts, rows, cols // 2, 2)
-    packed = (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
-    blocks = packed.view(experts, rows, cols // MXFP4_BLOCK, MXFP4_BLOCK // 2)
-    return Mxfp4Weight(blocks.to(device), scales.to(torch.uint8).to(device), dense.to(device))
+    packed = pairs[..., 0] | (pairs[..., 1] << 4)
+    blocks = packed.view(experts, rows, per_row, MXFP4_BLOCK // 2)
+    return Mxfp4Weight(blocks, scales, dense)
 
 
 def expert_offsets(tokens_per_expert: list[int], device: torch.device | str) -> torch.Tensor:
