@@ -102,7 +102,9 @@ def dequantize(
             f"{int(groups.min())}..{int(groups.max())} but there are {num_groups} scales a row"
         )
     zero = (
-        torch.full((), float(SIGNED_OFFSET)) if zeros is None else zeros[:, groups].to(torch.float32)
+        torch.full((), float(SIGNED_OFFSET))
+        if zeros is None
+        else zeros[:, groups].to(torch.float32)
     )
     values: torch.Tensor = (codes.to(torch.float32) - zero) * scales[:, groups].to(torch.float32)
     return values
@@ -119,21 +121,27 @@ class PackedInt4Args:
     """`actorder: group`: the checkpoint stores each input column's group (`weight_g_idx`)."""
 
     @classmethod
-    def from_config(cls, weights: Mapping[str, Any]) -> PackedInt4Args:
-        """The arguments of a `weights` entry; ValueError (one line) for one not int4 groups."""
+    def from_config(cls, group: str, weights: Mapping[str, Any]) -> PackedInt4Args:
+        """The arguments of config group `group`'s `weights`; ValueError (one line) for
+        weights that are not int4 with group or channel scales."""
         kind, bits = weights.get("type"), weights.get("num_bits")
         strategy = weights.get("strategy")
         if kind != "int" or bits != BITS or strategy not in ("group", "channel"):
             raise ValueError(
-                f"compressed-tensors pack-quantized weights of type {kind!r}, num_bits "
-                f"{bits!r}, strategy {strategy!r} are not supported (int, 4 bits, group or channel)"
+                f"compressed-tensors config group {group}: pack-quantized {kind}{bits} weights "
+                f"with strategy {strategy!r} are not supported (int4, group or channel)"
             )
         if weights.get("dynamic"):
-            raise ValueError("compressed-tensors pack-quantized weights cannot be dynamic")
+            raise ValueError(f"compressed-tensors config group {group}: weights are dynamic")
         group_size = int(weights.get("group_size") or 0) if strategy == "group" else -1
         if strategy == "group" and group_size < 1:
-            raise ValueError("compressed-tensors strategy group needs a positive group_size")
+            raise ValueError(
+                f"compressed-tensors config group {group}: strategy group needs a group_size"
+            )
         return cls(group_size, bool(weights.get("symmetric", True)), _orders_groups(weights))
+
+    def num_groups(self, in_features: int) -> int:
+        return 1 if self.group_size == -1 else -(-in_features // self.group_size)
 
 
 def _orders_groups(weights: Mapping[str, Any]) -> bool:
@@ -170,3 +178,28 @@ def dequantize_packed(
     g_idx = require(logical, parts, "weight_g_idx")[0] if args.activation_order else None
     groups = group_index(cols, args.group_size, g_idx, logical)
     return dequantize(codes, scales, zeros, groups, logical)
+
+
+class PackedInt4Group:
+    """A compressed-tensors config group of int4 weights stored `pack-quantized` (W4A16):
+    a `compressed_tensors.GroupScheme`."""
+
+    part_suffixes: Mapping[str, str] = PACKED_ROLES
+
+    def __init__(self, group: str, weights: Mapping[str, Any]) -> None:
+        self.args = PackedInt4Args.from_config(group, weights)
+
+    def accepts(self, parts: Mapping[str, torch.Tensor]) -> bool:
+        """Packed int4 parts whose scales have this group's number of groups a row."""
+        if "weight_packed" not in parts:
+            return False
+        shape, scales = parts.get("weight_shape"), parts.get("weight_scale")
+        if shape is None or scales is None or shape.numel() != 2 or scales.dim() != 2:
+            return True  # dequantize names what is missing or misshapen
+        return scales.shape[1] == self.args.num_groups(int(shape.reshape(-1)[1]))
+
+    def dequantize(self, logical: str, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return dequantize_packed(logical, parts, self.args)
+
+    def check_plain(self, name: str, dtype_name: str) -> None:
+        """Nothing to check: packed parts never share a name with a plain tensor."""
