@@ -155,19 +155,42 @@ def offload_config(args: EngineArgs, model: ModelConfig) -> OffloadConfig | None
         host_bytes=int(args.kv_offloading_size * GIB / ranks),
         disk_dir=args.kv_offloading_dir if disk_bytes else None,
         disk_bytes=disk_bytes,
-        model_id=model_identity(model, ranks),
+        model_id=model_identity(model, ranks, cache_dtypes_of(args, model)),
     )
 
 
-def model_identity(model: ModelConfig, tp_size: int | None, with_times: bool = True) -> str:
+def cache_dtypes_of(args: EngineArgs, model: ModelConfig) -> str:
+    """`cache_dtypes` of these engine arguments."""
+    return cache_dtypes(
+        args.kv_cache_dtype, args.mamba_ssm_cache_dtype, args.calculate_kv_scales, model.dtype
+    )
+
+
+def cache_dtypes(
+    kv_cache_dtype: str, mamba_ssm_cache_dtype: str, calculate_kv_scales: bool, model_dtype: object
+) -> str:
+    """How KV and state pages encode their elements, e.g. "kv fp8_e4m3, state float32": part of
+    every fingerprint pages are shared under (offload tier, KV transfers), so that an engine
+    never reads pages of another encoding (a bf16 engine fp8 pages, e4m3 e5m2, fp16 bf16)."""
+    model = str(model_dtype).removeprefix("torch.")
+    kv = {"auto": model, "fp8": "fp8_e4m3"}.get(kv_cache_dtype, kv_cache_dtype)
+    if kv.startswith("fp8") and calculate_kv_scales:
+        kv += " with calculated scales"
+    state = model if mamba_ssm_cache_dtype == "auto" else mamba_ssm_cache_dtype
+    return f"kv {kv}, state {state}"
+
+
+def model_identity(
+    model: ModelConfig, tp_size: int | None, cache_dtypes: str, with_times: bool = True
+) -> str:
     """The model's weights and numerics as far as the KV cache sees them: its folder's config
-    and weight files (names, sizes and, `with_times`, modification times), dtype and
-    tensor-parallel degree (None: left out, for KV transfers, which reshard). Without times it
-    names copies of one model on other machines alike."""
+    and weight files (names, sizes and, `with_times`, modification times), dtype, the pages'
+    `cache_dtypes` and tensor-parallel degree (None: left out, for KV transfers, which
+    reshard). Without times it names copies of one model on other machines alike."""
     folder = Path(model.model_path)
     weights = sorted(
         (path.name, path.stat().st_size, path.stat().st_mtime_ns if with_times else 0)
         for path in folder.glob("*.safetensors")
     )
     config = (folder / "config.json").read_text() if (folder / "config.json").exists() else ""
-    return repr((config, weights, str(model.dtype), tp_size))
+    return repr((config, weights, str(model.dtype), cache_dtypes, tp_size))

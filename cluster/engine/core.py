@@ -23,7 +23,7 @@ from typing import Any
 
 from cluster.config.engine_args import EngineArgs, KVTransferTransport
 from cluster.engine.bad_words import attach_bad_words_token_ids
-from cluster.engine.configs import model_identity
+from cluster.engine.configs import cache_dtypes, model_identity
 from cluster.engine.errors import EngineDeadError
 from cluster.engine.executor import Executor, create_executor
 from cluster.engine.executor.base import PendingStep
@@ -94,8 +94,16 @@ class EngineCore:
         """The model, numerics and KV layout of this engine, which both ends of a KV transfer
         must share, whatever their tensor-parallel sizes (computed once: it reads the model's
         folder)."""
-        identity = model_identity(self.executor.configs.model, None, with_times=False)
-        return transfer_fingerprint(self.scheduler.kv_cache_config, identity)
+        configs = self.executor.configs
+        runner = configs.runner
+        dtypes = cache_dtypes(
+            runner.kv_cache_dtype,
+            runner.mamba_ssm_cache_dtype,
+            runner.calculate_kv_scales,
+            configs.model.dtype,
+        )
+        identity = model_identity(configs.model, None, dtypes, with_times=False)
+        return transfer_fingerprint(self.scheduler.kv_cache_config, identity, dtypes)
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request (all of its `n` samples, or none); ValueError if it can never run,

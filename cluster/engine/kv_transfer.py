@@ -200,7 +200,11 @@ def kv_import(
     transfer = receive(transfer, core.executor.configs.tensor_parallel_size, timeout_s)
     counters = core.kv_transfer_counters
     if transfer.keys.fingerprint != core.kv_transfer_fingerprint:
-        raise ValueError("kv transfer: the sending engine runs another model or KV layout")
+        raise ValueError(
+            "kv transfer: the sending engine runs another model, KV layout or cache dtypes "
+            f"(fingerprint {transfer.keys.fingerprint} there, {core.kv_transfer_fingerprint} "
+            "here): its pages are not imported"
+        )
     manager = core.scheduler.kv_cache_manager
     reservation = reserve_import(manager, transfer.keys)
     if reservation is None:

@@ -93,12 +93,17 @@ class ImportReservation:
         return tuple(tuple(block.block_id for block in group) for group in self.blocks)
 
 
-def transfer_fingerprint(config: KVCacheConfig, model_id: str) -> str:
+def transfer_fingerprint(config: KVCacheConfig, model_id: str, cache_dtypes: str = "") -> str:
     """Names the model and its KV layout (groups, block sizes, windows, state modes, dtypes)
     but not the per-rank sizes tensor parallelism divides (KV heads, state shapes, page
-    padding): engines of one model at different tensor-parallel sizes get the same one."""
+    padding): engines of one model at different tensor-parallel sizes get the same one.
+
+    `cache_dtypes` names how pages encode their elements (e.g. "kv fp8_e4m3, state bfloat16"):
+    hashed with the rest, and shown after the hash so that a refused transfer says why."""
     groups = tuple(replace(group, spec=_without_rank_sizes(group.spec)) for group in config.groups)
-    return layout_fingerprint(KVCacheConfig(num_blocks=0, groups=groups, tensors=()), model_id)
+    layout = KVCacheConfig(num_blocks=0, groups=groups, tensors=())
+    digest = layout_fingerprint(layout, f"{model_id}|{cache_dtypes}")
+    return f"{digest} ({cache_dtypes})" if cache_dtypes else digest
 
 
 def _without_rank_sizes(spec: KVCacheSpec) -> KVCacheSpec:
@@ -138,7 +143,7 @@ def find_export(
     differ."""
     if held.fingerprint != fingerprint:
         raise ValueError(
-            "kv transfer: the engines differ in model or KV layout "
+            "kv transfer: the engines differ in model, KV layout or cache dtypes "
             f"(fingerprint {fingerprint} here, {held.fingerprint} at the receiver)"
         )
     if not manager.enable_caching:

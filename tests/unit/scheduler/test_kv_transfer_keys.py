@@ -108,7 +108,7 @@ def test_a_failed_or_roomless_import_leaves_the_pool_as_it_was() -> None:
 def test_engines_of_other_layouts_are_refused() -> None:
     sender, receiver = _manager("sliding+full"), _manager("sliding+full")
     hashes = _request(PROMPT, sender).block_hashes
-    with pytest.raises(ValueError, match="differ in model or KV layout"):
+    with pytest.raises(ValueError, match="differ in model, KV layout or cache dtypes"):
         find_export(sender, hashes, 100, held_keys(receiver, hashes, "a"), "b")
 
 

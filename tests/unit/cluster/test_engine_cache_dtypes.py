@@ -1,0 +1,85 @@
+"""Engines whose pages encode elements differently share nothing: the offload tier's model id
+and the KV transfer fingerprint name the KV and state dtypes, and a transfer between two real
+engines that differ only in their state dtype (bfloat16 and float16: same bytes, same layout) is
+refused on both sides with a message naming both encodings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cluster import LLM
+from cluster.config.engine_args import EngineArgs
+from cluster.engine.configs import engine_configs
+from cluster.engine.kv_transfer import kv_export, kv_held_keys, kv_import
+from scheduler.kv_cache.transfer import HeldKeys
+from tests.helpers.tiny_hybrid import save_tiny_hybrid
+
+PROMPT = [(7 * i + 3) % 250 + 1 for i in range(41)]
+ENGINE = {"dtype": "bfloat16", "block_size": 4, "kv_cache_memory_bytes": 1 << 21}
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("bamba")
+    save_tiny_hybrid("bamba", path)
+    return path
+
+
+def _offload_model_id(path: Path, tmp_path: Path, **cache: object) -> str:
+    args = EngineArgs(
+        model=str(path),
+        dtype="bfloat16",
+        kv_offloading_size=0.01,
+        kv_offloading_disk_size=0.01,
+        kv_offloading_dir=str(tmp_path),
+        **cache,  # type: ignore[arg-type]
+    )
+    offload = engine_configs(args).scheduler.kv_offloading
+    assert offload is not None
+    return offload.model_id
+
+
+def test_the_offload_tier_model_id_names_the_cache_dtypes(model_path: Path, tmp_path) -> None:
+    variants = [
+        {},
+        {"kv_cache_dtype": "fp8"},
+        {"kv_cache_dtype": "fp8_e5m2"},
+        {"kv_cache_dtype": "fp8", "calculate_kv_scales": True},
+        {"mamba_ssm_cache_dtype": "float16"},
+        {"mamba_ssm_cache_dtype": "float32"},
+    ]
+    ids = [_offload_model_id(model_path, tmp_path, **variant) for variant in variants]
+    assert len(set(ids)) == len(ids)
+    # spelled alike, encoded alike: one id
+    assert _offload_model_id(model_path, tmp_path, kv_cache_dtype="fp8") == _offload_model_id(
+        model_path, tmp_path, kv_cache_dtype="fp8_e4m3"
+    )
+    assert _offload_model_id(model_path, tmp_path) == _offload_model_id(
+        model_path, tmp_path, mamba_ssm_cache_dtype="bfloat16"
+    )
+
+
+def test_a_transfer_between_state_dtypes_is_refused_on_both_sides(model_path: Path) -> None:
+    sender = LLM(str(model_path), **ENGINE, mamba_ssm_cache_dtype="float16")
+    receiver = LLM(str(model_path), **ENGINE)
+    try:
+        sender_core, receiver_core = sender.client.core, receiver.client.core
+        assert sender_core.scheduler.kv_cache_config == receiver_core.scheduler.kv_cache_config
+        sender.generate([PROMPT[:-1]])
+        held = kv_held_keys(receiver_core, PROMPT)
+        with pytest.raises(ValueError, match="state float16") as refused:
+            kv_export(sender_core, PROMPT, held)
+        assert "state bfloat16" in str(refused.value)
+        # a sender that took no notice: the receiver refuses the pages themselves
+        nothing_held = HeldKeys(sender_core.kv_transfer_fingerprint, held.groups)
+        transfer = kv_export(sender_core, PROMPT, nothing_held)
+        assert transfer.keys.num_blocks > 0
+        with pytest.raises(ValueError, match="not imported") as refused:
+            kv_import(receiver_core, transfer)
+        assert "state float16" in str(refused.value)
+        assert "state bfloat16" in str(refused.value)
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
