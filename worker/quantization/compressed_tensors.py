@@ -14,6 +14,9 @@ FP8 (`float-quantized`, weights float 8-bit, symmetric): `X.weight` float8_e4m3f
 `X.weight_scale`, [1] per tensor, [N, 1] per output channel or [ceil(N/bn), ceil(K/bk)] per
 block (`block_structure` [bn, bk]); `X.input_scale` (static activations) is unused when
 computing in 16 bits.
+
+W4A16 (`pack-quantized`, weights int 4-bit, group or channel scales): read by
+`int4.PackedInt4Group` (packed codes, scales, packed zero points, g_idx).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
+from worker.quantization.int4 import PackedInt4Group
 from worker.quantization.scheme import WEIGHT_ROLE, check_shape, expand_blocks, require
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -107,6 +111,7 @@ class Fp8Group:
 GROUP_SCHEMES: dict[tuple[str, str, int], GroupBuilder] = {
     ("float-quantized", "float", 8): Fp8Group,
     ("naive-quantized", "float", 8): Fp8Group,
+    ("pack-quantized", "int", 4): PackedInt4Group,
 }
 """(storage format, weight type, weight bits) -> the group scheme that reads it."""
 
@@ -167,7 +172,7 @@ def _group_scheme(name: str, group: Mapping[str, Any], default_format: Any) -> G
         raise ValueError(
             f"compressed-tensors scheme {_describe(storage, weights, group)} (config group "
             f"{name}) is not supported; supported: FP8 weights (float-quantized, per tensor, "
-            "channel or block)"
+            "channel or block), W4A16 int4 (pack-quantized, group or channel)"
         )
     return builder(name, weights)
 
