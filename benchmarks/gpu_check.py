@@ -8,6 +8,8 @@ Sections, in order (`--sections` picks some):
 - `attention`: decode as a fraction of the copy bandwidth, prefill against SDPA's flash backend.
 - `recurrent`: Mamba-2 and gated delta rule kernels against the torch reference.
 - `lora`: the adapter matmuls of one layer (Triton on CUDA) against the torch reference.
+- `quant`: quantized-weight GEMMs (FP8 block and per-channel, int4, MXFP4 / int4 MoE) against
+  their dequantized references, timed against the dequantized bf16 path.
 - `e2e`: batch-64 decode of a Llama-8B-shaped random model against transformers + SDPA, as
   fractions of the memory-bandwidth roofline.
 
@@ -45,10 +47,11 @@ from gpu_check_kernels import (  # noqa: E402
     mamba_figures,
     measure_copy_bandwidth,
     prefill_tile_sweep,
+    quant_figures,
 )
 from gpu_check_lora import lora_figures  # noqa: E402
 
-SECTIONS = ("tests", "attention", "recurrent", "lora", "e2e")
+SECTIONS = ("tests", "attention", "recurrent", "lora", "quant", "e2e")
 Report = dict[str, object]
 
 
@@ -98,6 +101,11 @@ def run_recurrent(args: argparse.Namespace, device: torch.device) -> Report:
         "mamba2": mamba_figures(device, dtype, args.tiny),
         "gated_delta": gated_delta_figures(device, dtype, args.tiny),
     }
+
+
+def run_quant(args: argparse.Namespace, device: torch.device) -> Report:
+    rows = quant_figures(device, _dtype(device), args.tiny)
+    return {"all_within_tolerance": all(row["within_tolerance"] for row in rows), "rows": rows}
 
 
 def run_e2e(args: argparse.Namespace, device: torch.device) -> Report:
@@ -151,6 +159,7 @@ def run_sections(args: argparse.Namespace, out: Path) -> Report:
         "attention": lambda: run_attention(args, device),
         "recurrent": lambda: run_recurrent(args, device),
         "lora": lambda: {"rows": lora_figures(device, _dtype(device), args.tiny)},
+        "quant": lambda: run_quant(args, device),
         "e2e": lambda: run_e2e(args, device),
     }
     report: Report = header(args)

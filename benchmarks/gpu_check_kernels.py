@@ -6,6 +6,9 @@
   `scaled_dot_product_attention` on unpaged K/V, restricted to its flash backend on CUDA.
 - Mamba-2 (conv1d + SSD scan) and the gated delta rule: tokens/s of the GPU kernels (Triton,
   fla-core when installed) against the torch reference kernels, for a prefill and a decode step.
+- Quantized weights: block-scaled FP8 (Triton), per-channel FP8 (`torch._scaled_mm`), int4
+  W4A16 and MXFP4 / int4 MoE grouped GEMMs (Triton) against their dequantized references, timed
+  against the dequantized bf16 path at Llama-8B, Qwen3-Next and gpt-oss-20b shapes.
 
 Shapes shrink with `tiny` (the CPU dry run); every figure is a plain dict for the JSON report.
 """
@@ -13,16 +16,19 @@ Shapes shrink with `tiny` (the CPU dry run); every figure is a plain dict for th
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 from bench_attention import Inputs, Workload, copy_bandwidth, make_inputs, time_call
 
-from kernels import gated_delta_reference, mamba_reference, select_backend
+from kernels import gated_delta_reference, mamba_reference, quant_reference, select_backend
 from kernels.gated_delta_registry import select_gated_delta_kernels
 from kernels.mamba_testing import make_mamba_batch
+from kernels.quant_testing import random_fp8_block_weight, random_int4_weight, random_mxfp4_weight
 
 Figures = list[dict[str, object]]
 
@@ -229,3 +235,192 @@ def _delta_inputs(
         g=-F.softplus(rand(num_tokens, 2 * k_heads)),
         beta=torch.sigmoid(rand(num_tokens, 2 * k_heads)).to(dtype),
     )
+
+
+@dataclass(frozen=True)
+class QuantCase:
+    """One quantized-weight GEMM: ours, its dequantized reference and the bf16 baseline, each
+    called with (x sorted by expert, expert offsets, expert row bounds on the host)."""
+
+    kernel: str
+    model: str
+    shape: str
+    in_features: int
+    experts: int
+    top_k: int
+    impl: str
+    ours: Callable[..., torch.Tensor]
+    reference: Callable[..., torch.Tensor]
+    baseline: Callable[..., torch.Tensor]
+    weight_bytes: int
+
+
+def quant_figures(device: torch.device, dtype: torch.dtype, tiny: bool) -> Figures:
+    """Each quantized-weight GEMM at decode (1, 64 tokens) and prefill (2048) shapes: its
+    error against the dequantized reference (max |error| over max |output|) and its time
+    against the dequantized bf16 path (`x @ W.T`; for MoE a per-expert loop)."""
+    token_counts = (1, 16) if tiny else (1, 64, 2048)
+    rows: Figures = []
+    for make_case in _quant_case_makers(tiny):
+        case = make_case(device, dtype)
+        rows += [_quant_row(case, tokens, device, dtype, 3 if tiny else 10)
+                 for tokens in token_counts]  # fmt: skip
+        del case
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _quant_row(
+    case: QuantCase, tokens: int, device: torch.device, dtype: torch.dtype, repeats: int
+) -> dict[str, object]:
+    gen = torch.Generator().manual_seed(tokens)
+    picks = torch.rand(tokens, case.experts, generator=gen).topk(case.top_k, dim=1).indices
+    counts = torch.bincount(picks.flatten(), minlength=case.experts)
+    bounds = [0, *torch.cumsum(counts, 0).tolist()]
+    offsets = torch.tensor(bounds, dtype=torch.int32, device=device)
+    x = torch.randn(bounds[-1], case.in_features, device=device).to(dtype)
+    args = (x, offsets, bounds)
+    want = case.reference(*args).float()
+    error = float((case.ours(*args).float() - want).abs().max() / want.abs().max())
+    ours = time_call(partial(case.ours, *args), device, repeats)
+    bf16 = time_call(partial(case.baseline, *args), device, repeats)
+    return {
+        "kernel": case.kernel, "model": case.model, "shape": case.shape, "tokens": tokens,
+        "impl": case.impl, "ours_ms": round(ours * 1e3, 4), "bf16_ms": round(bf16 * 1e3, 4),
+        "ratio_to_bf16": float(f"{bf16 / ours:.3g}"),
+        "ours_weight_gbs": round(case.weight_bytes / ours / 1e9, 1),
+        "rel_err": float(f"{error:.2e}"), "within_tolerance": error < QUANT_TOLERANCE,
+    }  # fmt: skip
+
+
+QUANT_TOLERANCE = 2e-2
+"""Max |error| over max |output| against the dequantized reference (bf16 output rounding)."""
+
+
+def _quant_case_makers(tiny: bool) -> list[Callable[[torch.device, torch.dtype], QuantCase]]:
+    if tiny:
+        return [partial(_fp8_block_case, "tiny", 256, 256),
+                partial(_fp8_channel_case, "tiny", 256, 256),
+                partial(_int4_case, "tiny", 256, 256, 32, False),
+                partial(_mxfp4_moe_case, "tiny", 4, 2, 128, 128),
+                partial(_int4_moe_case, "tiny", 8, 2, 64, 128)]  # fmt: skip
+    return [
+        partial(_fp8_block_case, "Llama-8B qkv", 6144, 4096),
+        partial(_fp8_block_case, "Llama-8B down", 4096, 14336),
+        partial(_fp8_block_case, "Qwen3-Next in_proj_qkvz", 12288, 2048),
+        partial(_fp8_channel_case, "Llama-8B gate_up", 28672, 4096),
+        partial(_int4_case, "Llama-8B gate_up", 28672, 4096, 128, True),
+        partial(_int4_case, "Llama-8B down", 4096, 14336, 32, False),
+        partial(_mxfp4_moe_case, "gpt-oss-20b gate_up", 32, 4, 5760, 2880),
+        partial(_mxfp4_moe_case, "gpt-oss-20b down", 32, 4, 2880, 2880),
+        partial(_int4_moe_case, "Qwen3-Next experts gate_up", 512, 10, 1024, 2048),
+    ]
+
+
+def _dense(
+    x: torch.Tensor, offsets: torch.Tensor, bounds: list[int], weight: torch.Tensor
+) -> torch.Tensor:
+    return x @ weight.T
+
+
+def _expert_loop(
+    x: torch.Tensor, offsets: torch.Tensor, bounds: list[int], weights: torch.Tensor
+) -> torch.Tensor:
+    """The bf16 MoE baseline: one matmul per expert with tokens."""
+    out = x.new_empty(x.shape[0], weights.shape[1])
+    for expert, (start, end) in enumerate(itertools.pairwise(bounds)):
+        if end > start:
+            torch.matmul(x[start:end], weights[expert].T, out=out[start:end])
+    return out
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _fp8_block_case(model: str, rows: int, cols: int, device: torch.device,
+                    dtype: torch.dtype) -> QuantCase:  # fmt: skip
+    w = random_fp8_block_weight(rows, cols, (128, 128), device)
+    impl, gemm = "torch", quant_reference.fp8_block_gemm
+    if device.type == "cuda":
+        from kernels import triton_quant_fp8
+
+        if triton_quant_fp8.fp8_gemm_supported(device):
+            impl, gemm = "triton", triton_quant_fp8.fp8_block_gemm
+    return QuantCase(
+        "fp8_block", model, f"{rows}x{cols}", cols, 1, 1, impl,
+        lambda x, *_: gemm(x, w.weight, w.scale_inv),
+        lambda x, *_: quant_reference.fp8_block_gemm(x, w.weight, w.scale_inv),
+        partial(_dense, weight=w.dense.to(dtype)), _nbytes(w.weight, w.scale_inv),
+    )  # fmt: skip
+
+
+def _fp8_channel_case(model: str, rows: int, cols: int, device: torch.device,
+                      dtype: torch.dtype) -> QuantCase:  # fmt: skip
+    from kernels.quant_scaled_mm import fp8_scaled_mm, scaled_mm_applies
+
+    weight = torch.randn(rows, cols, device=device).to(torch.float8_e4m3fn)
+    scale = torch.rand(rows, device=device) * cols**-0.5 + 0.5 * cols**-0.5
+    probe = torch.zeros(1, cols, device=device, dtype=dtype)
+    applies = scaled_mm_applies(probe, weight, scale)
+    impl = "scaled_mm" if applies else "torch"
+    gemm = fp8_scaled_mm if applies else quant_reference.fp8_channel_gemm
+    dense = (weight.float() * scale[:, None]).to(dtype)
+    return QuantCase(
+        "fp8_channel", model, f"{rows}x{cols}", cols, 1, 1, impl,
+        lambda x, *_: gemm(x, weight, scale),
+        lambda x, *_: quant_reference.fp8_channel_gemm(x, weight, scale),
+        partial(_dense, weight=dense), _nbytes(weight, scale),
+    )  # fmt: skip
+
+
+def _int4_case(model: str, rows: int, cols: int, group: int, zero_points: bool,
+               device: torch.device, dtype: torch.dtype) -> QuantCase:  # fmt: skip
+    w = random_int4_weight((rows, cols), group, zero_points, dtype, device)
+    impl, gemm = "torch", quant_reference.int4_gemm
+    if device.type == "cuda":
+        from kernels import triton_quant_moe
+
+        impl, gemm = "triton", triton_quant_moe.int4_gemm
+    zeros = "zero points" if zero_points else "symmetric"
+    return QuantCase(
+        f"int4 g{group} {zeros}", model, f"{rows}x{cols}", cols, 1, 1, impl,
+        lambda x, *_: gemm(x, w.qweight, w.scales, w.zeros, group),
+        lambda x, *_: quant_reference.int4_gemm(x, w.qweight, w.scales, w.zeros, group),
+        partial(_dense, weight=w.dense.to(dtype)), _nbytes(w.qweight, w.scales, w.zeros),
+    )  # fmt: skip
+
+
+def _mxfp4_moe_case(model: str, experts: int, top_k: int, rows: int, cols: int,
+                    device: torch.device, dtype: torch.dtype) -> QuantCase:  # fmt: skip
+    w = random_mxfp4_weight(experts, rows, cols, device)
+    impl, gemm = "torch", quant_reference.mxfp4_moe_gemm
+    if device.type == "cuda":
+        from kernels import triton_quant_moe
+
+        impl, gemm = "triton", triton_quant_moe.mxfp4_moe_gemm
+    return QuantCase(
+        "mxfp4_moe", model, f"{experts}x{rows}x{cols} top-{top_k}", cols, experts, top_k, impl,
+        lambda x, offsets, _: gemm(x, offsets, w.blocks, w.scales),
+        lambda x, offsets, _: quant_reference.mxfp4_moe_gemm(x, offsets, w.blocks, w.scales),
+        partial(_expert_loop, weights=w.dense.to(dtype)), _nbytes(w.blocks, w.scales),
+    )  # fmt: skip
+
+
+def _int4_moe_case(model: str, experts: int, top_k: int, rows: int, cols: int,
+                   device: torch.device, dtype: torch.dtype) -> QuantCase:  # fmt: skip
+    w = random_int4_weight((experts, rows, cols), 128, True, dtype, device)
+    impl, gemm = "torch", quant_reference.int4_moe_gemm
+    if device.type == "cuda":
+        from kernels import triton_quant_moe
+
+        impl, gemm = "triton", triton_quant_moe.int4_moe_gemm
+    return QuantCase(
+        "int4_moe g128 zero points", model, f"{experts}x{rows}x{cols} top-{top_k}", cols,
+        experts, top_k, impl,
+        lambda x, offsets, _: gemm(x, offsets, w.qweight, w.scales, w.zeros, 128),
+        lambda x, offsets, _: quant_reference.int4_moe_gemm(
+            x, offsets, w.qweight, w.scales, w.zeros, 128),
+        partial(_expert_loop, weights=w.dense.to(dtype)), _nbytes(w.qweight, w.scales, w.zeros),
+    )  # fmt: skip

@@ -24,8 +24,13 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     report = json.loads((out / "gpu-check.json").read_text())
     assert report["commit"] == "c0"
     sections = report["sections"]
-    assert list(sections) == ["tests", "attention", "recurrent", "lora", "e2e"]
+    assert list(sections) == ["tests", "attention", "recurrent", "lora", "quant", "e2e"]
     assert {row["kernel"] for row in sections["lora"]["rows"]} == {"torch"}
+    quant = sections["quant"]
+    assert quant["all_within_tolerance"] is True
+    assert {row["kernel"].split()[0] for row in quant["rows"]} == {
+        "fp8_block", "fp8_channel", "int4", "mxfp4_moe", "int4_moe"}  # fmt: skip
+    assert all(row["ratio_to_bf16"] > 0 for row in quant["rows"])
     assert not [name for name, section in sections.items() if "error" in section]
     assert sections["tests"]["collected"] >= 100
     decode, prefill = sections["attention"]["rows"]
@@ -40,6 +45,7 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     assert "commit c0" in markdown
     assert "## e2e" in markdown
     assert "| decode 4x1024 |" in markdown
+    assert "| mxfp4_moe | tiny |" in markdown
 
 
 def test_a_failing_section_is_reported_and_fails_the_run(tmp_path: Path) -> None:
