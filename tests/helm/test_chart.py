@@ -273,6 +273,26 @@ def test_kv_offload_values_reach_engine_kwargs_and_put_the_disk_level_on_a_volum
     assert default.kv_offloading_size is None
 
 
+CACHE_DTYPES = {
+    "kv_cache_dtype": "fp8_e5m2",
+    "calculate_kv_scales": True,
+    "mamba_ssm_cache_dtype": "float32",
+    "quantization": "fp8",
+}
+
+
+def test_cache_dtype_and_quantization_values_reach_engine_kwargs() -> None:
+    rayservice = _render({"engine": {"extraKwargs": CACHE_DTYPES}})["RayService"]
+    (config,) = _serving_args(rayservice).llm_configs
+    assert config.engine_args().model_dump(include=set(CACHE_DTYPES)) == CACHE_DTYPES
+
+
+def test_an_unknown_kv_cache_dtype_renders_but_fails_our_validation() -> None:
+    rayservice = _render({"engine": {"extraKwargs": {"kv_cache_dtype": "fp4"}}})["RayService"]
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        _serving_args(rayservice).llm_configs[0].engine_args()
+
+
 def test_lora_values_reach_lora_config_and_engine_kwargs() -> None:
     values = {"lora": {"dynamicLoraLoadingPath": "/models/adapters", "maxLoras": 4}}
     (config,) = _serving_args(_render(values)["RayService"]).llm_configs
