@@ -2,9 +2,10 @@
 compressed-tensors W4A16 release: a random Llama (hidden size 256, 4 layers) with a byte-level
 tokenizer, its linear layers quantized to 4 bits per group and packed in the chosen format,
 with the `quantization_config` those releases carry. The engine reads the format from
-config.json and dequantizes once at load.
+config.json and dequantizes once at load. Run from the repository root (it uses the tests'
+model and tokenizer helpers):
 
-    .venv/bin/python benchmarks/make_quantized_checkpoint.py /tmp/tiny-gptq --act-order
+    .venv/bin/python -m benchmarks.make_quantized_checkpoint /tmp/tiny-gptq --act-order
     .venv/bin/hybridserve generate --model /tmp/tiny-gptq --prompt "Hello" --max-tokens 16
     .venv/bin/hybridserve serve --model /tmp/tiny-gptq
 

@@ -167,14 +167,13 @@ def test_quantized_draft_model_drafts_what_its_dequantized_target_computes(
 def test_example_script_writes_a_checkpoint_the_engine_serves(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """benchmarks/make_quantized_checkpoint.py (run as a script) writes a GPTQ checkpoint with
-    a tokenizer; `LLM(folder)` generates from a text prompt the tokens transformers generates
-    from the folder's weights dequantized by the reference."""
-    script = Path(__file__).parents[2] / "benchmarks" / "make_quantized_checkpoint.py"
+    """`python -m benchmarks.make_quantized_checkpoint OUT --act-order` writes a GPTQ
+    checkpoint with a tokenizer; `LLM(OUT)` generates from a text prompt the tokens transformers
+    generates from the folder's weights dequantized by the reference."""
     out = tmp_path / "tiny-gptq"
-    monkeypatch.setattr(sys, "argv", [str(script), str(out), "--format", "gptq", "--act-order"])
+    monkeypatch.setattr(sys, "argv", ["make_quantized_checkpoint", str(out), "--act-order"])
     with pytest.raises(SystemExit) as exited:
-        runpy.run_path(str(script), run_name="__main__")
+        runpy.run_module("benchmarks.make_quantized_checkpoint", run_name="__main__")
     assert exited.value.code == 0
     assert f"--model {out}" in capsys.readouterr().out
     reference = reference_from_folder(out, Int4Format("gptq", 128, act_order=True))
