@@ -1,7 +1,8 @@
 """Engines whose pages encode elements differently share nothing: the offload tier's model id
 and the KV transfer fingerprint name the KV and state dtypes, and a transfer between two real
 engines that differ only in their state dtype (bfloat16 and float16: same bytes, same layout) is
-refused on both sides with a message naming both encodings."""
+refused on both sides with a message naming both encodings; an fp8 engine's transfer carries
+half the bytes per block of a bf16 engine's, and the bf16 engine refuses it."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from cluster.engine.configs import engine_configs
 from cluster.engine.kv_transfer import kv_export, kv_held_keys, kv_import
 from scheduler.kv_cache.transfer import HeldKeys
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
+from tests.helpers.tiny_models import save_tiny_model
 
 PROMPT = [(7 * i + 3) % 250 + 1 for i in range(41)]
 ENGINE = {"dtype": "bfloat16", "block_size": 4, "kv_cache_memory_bytes": 1 << 21}
@@ -83,3 +85,31 @@ def test_a_transfer_between_state_dtypes_is_refused_on_both_sides(model_path: Pa
     finally:
         sender.shutdown()
         receiver.shutdown()
+
+
+def test_an_fp8_engine_moves_half_the_bytes_and_a_bf16_engine_refuses_them(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Attention only (tiny Llama): fp8 pages are half the bytes per block in a transfer, the
+    pool holds twice the blocks, and a bf16 engine refuses an fp8 engine's pages."""
+    path = tmp_path_factory.mktemp("llama")
+    save_tiny_model("llama", path)
+    engines = {dtype: LLM(str(path), **ENGINE, kv_cache_dtype=dtype) for dtype in ("auto", "fp8")}
+    try:
+        cores = {dtype: llm.client.core for dtype, llm in engines.items()}
+        sent = {}
+        for dtype, llm in engines.items():
+            llm.generate([PROMPT[:-1]])
+            held = kv_held_keys(cores[dtype], PROMPT)
+            nothing_held = HeldKeys(held.fingerprint, tuple(frozenset() for _ in held.groups))
+            sent[dtype] = kv_export(cores[dtype], PROMPT, nothing_held)
+        assert sent["fp8"].keys.num_blocks == sent["auto"].keys.num_blocks > 0
+        assert 2 * sent["fp8"].nbytes == sent["auto"].nbytes
+        pools = {dtype: core.scheduler.kv_cache_config.num_blocks for dtype, core in cores.items()}
+        assert pools["fp8"] == 2 * pools["auto"]
+        with pytest.raises(ValueError, match="kv fp8_e4m3") as refused:
+            kv_import(cores["auto"], sent["fp8"])
+        assert "kv bfloat16" in str(refused.value)
+    finally:
+        for llm in engines.values():
+            llm.shutdown()
