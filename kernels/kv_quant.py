@@ -8,6 +8,7 @@ kernels spell the same arithmetic in fp32 (the torch reference is their oracle).
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -44,6 +45,22 @@ def is_fp8(dtype: torch.dtype) -> bool:
 def fp8_max(dtype: torch.dtype) -> float:
     """Largest finite value of the fp8 `dtype` (448 for e4m3fn, 57344 for e5m2)."""
     return float(torch.finfo(dtype).max)
+
+
+class Fp8Format(NamedTuple):
+    """What a kernel needs to round to an fp8 dtype by itself."""
+
+    max: float
+    mantissa_bits: int
+    min_step_exp: int
+    """Spacing of the subnormals is 2**min_step_exp (-9 for e4m3fn, -16 for e5m2)."""
+
+
+def fp8_format(dtype: torch.dtype) -> Fp8Format:
+    """The `Fp8Format` of an fp8 `dtype`."""
+    mantissa_bits = {torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}[dtype]
+    min_normal_exp = int(math.log2(torch.finfo(dtype).smallest_normal))
+    return Fp8Format(fp8_max(dtype), mantissa_bits, min_normal_exp - mantissa_bits)
 
 
 def quantize(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
