@@ -2,7 +2,8 @@
 them, and an independent reference dequantizer of each format (nothing here imports
 worker.quantization).
 
-Writers rewrite a plain checkpoint folder in place: `write_mxfp4` (gpt-oss: the experts in
+Writers rewrite a plain checkpoint folder in place (tensors they leave unquantized in bf16, as
+releases store them): `write_mxfp4` (gpt-oss: the experts in
 MXFP4 `_blocks` / `_scales`), `write_fp8_blocks` (Qwen3 / Qwen3.5 / Qwen3-Next `-FP8`:
 e4m3 weights with one `weight_scale_inv` per 128x128 block) and `write_compressed_fp8`
 (llm-compressor FP8 / FP8-dynamic: e4m3 weights with a per-tensor or per-channel
@@ -51,8 +52,13 @@ def read_tensors(path: Path) -> dict[str, torch.Tensor]:
         return {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
 
 
-def _rewrite(path: Path, tensors: dict[str, torch.Tensor], quant: dict[str, Any]) -> None:
-    save_file(tensors, path / FILE, metadata={"format": "pt"})
+def _rewrite(
+    path: Path, tensors: dict[str, torch.Tensor], quant: dict[str, Any], written: set[str]
+) -> None:
+    """Save `tensors` (those not `written` by the quantizer in bf16, as releases store them)
+    and add `quant` to config.json."""
+    plain = {n: t.to(torch.bfloat16) for n, t in tensors.items() if n not in written}
+    save_file({**tensors, **plain}, path / FILE, metadata={"format": "pt"})
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = quant
     (path / "config.json").write_text(json.dumps(config, indent=2))
@@ -70,6 +76,7 @@ def write_mxfp4(path: Path) -> None:
     [E, N, K/32, 16] (two e2m1 codes a byte, low nibble first) and `P_scales` uint8
     [E, N, K/32] (e8m0), the smallest power of two that fits each 32 values' max into 6."""
     tensors = read_tensors(path)
+    written = set()
     for name in [n for n in tensors if n.endswith(MXFP4_EXPERTS)]:
         rows = tensors.pop(name).transpose(-1, -2)  # [E, N, K]: output rows
         groups = rows.reshape(*rows.shape[:-1], -1, 32)
@@ -80,12 +87,13 @@ def write_mxfp4(path: Path) -> None:
         codes = (magnitude | ((scaled < 0).long() << 3)).to(torch.uint8)
         tensors[f"{name}_blocks"] = codes[..., 0::2] | (codes[..., 1::2] << 4)
         tensors[f"{name}_scales"] = (exponent + 127).to(torch.uint8)
+        written |= {f"{name}_blocks", f"{name}_scales"}
     not_converted = ["model.layers.*.self_attn", "model.layers.*.mlp.router"]
     quant = {
         "quant_method": "mxfp4",
         "modules_to_not_convert": [*not_converted, "model.embed_tokens", "lm_head"],
     }
-    _rewrite(path, tensors, quant)
+    _rewrite(path, tensors, quant, written)
 
 
 def _fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -96,7 +104,7 @@ def write_fp8_blocks(path: Path, scale_dtype: torch.dtype = torch.float32) -> No
     """Qwen's `-FP8` release format: each linear weight [N, K] as e4m3 with `weight_scale_inv`
     [ceil(N/128), ceil(K/128)] (the block's max over 448, multiplied in to dequantize)."""
     tensors = read_tensors(path)
-    kept = set()
+    kept, written = set(), set()
     for name in list(tensors):
         weight = tensors[name]
         if not _is_quantized_linear(name, weight):
@@ -111,6 +119,7 @@ def write_fp8_blocks(path: Path, scale_dtype: torch.dtype = torch.float32) -> No
         full = scales.float().repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)
         tensors[name] = _fp8(weight, full[:rows, :cols])
         tensors[f"{name}_scale_inv"] = scales
+        written |= {name, f"{name}_scale_inv"}
     quant = {
         "quant_method": "fp8",
         "fmt": "e4m3",
@@ -118,13 +127,14 @@ def write_fp8_blocks(path: Path, scale_dtype: torch.dtype = torch.float32) -> No
         "weight_block_size": [BLOCK, BLOCK],
         "modules_to_not_convert": sorted(kept),
     }
-    _rewrite(path, tensors, quant)
+    _rewrite(path, tensors, quant, written)
 
 
 def write_compressed_fp8(path: Path, strategy: str) -> None:
     """llm-compressor's FP8 formats: `tensor` (FP8, static input scales) or `channel`
     (FP8-dynamic, per-token activations): e4m3 weights, `weight_scale` [1] or [N, 1] in bf16."""
     tensors = read_tensors(path)
+    written = set()
     for name in list(tensors):
         weight = tensors[name]
         if not _is_quantized_linear(name, weight):
@@ -134,14 +144,16 @@ def write_compressed_fp8(path: Path, strategy: str) -> None:
         else:
             amax = weight.abs().amax(1, keepdim=True)
         scale = (amax / FP8_MAX).to(torch.bfloat16)
+        module = name.removesuffix(".weight")
         tensors[name] = _fp8(weight, scale.float())
-        tensors[f"{name.removesuffix('.weight')}.weight_scale"] = scale
+        tensors[f"{module}.weight_scale"] = scale
+        written |= {name, f"{module}.weight_scale", f"{module}.input_scale"}
         if strategy == "tensor":
-            tensors[f"{name.removesuffix('.weight')}.input_scale"] = torch.tensor([0.02])
+            tensors[f"{module}.input_scale"] = torch.tensor([0.02])
     ignore = ["lm_head"]
     if any("router" in name for name in tensors):
         ignore.append("re:.*block_sparse_moe.router.*")
-    _rewrite(path, tensors, compressed_fp8_config(strategy, ignore))
+    _rewrite(path, tensors, compressed_fp8_config(strategy, ignore), written)
 
 
 def compressed_fp8_config(strategy: str, ignore: list[str]) -> dict[str, Any]:
