@@ -84,27 +84,32 @@ def _decode_int4(packed_ptr, scale_ptr, zero_ptr, k, mask, GROUP: tl.constexpr, 
 @triton.jit  # type: ignore[untyped-decorator]
 def _weight_only_grouped_kernel(  # type: ignore[no-untyped-def]
     x_ptr, offsets_ptr, tile_ends_ptr, packed_ptr, scale_ptr, zero_ptr, bias_ptr, out_ptr,
-    num_experts, N, K,
+    num_experts, num_rows, N, K,
     stride_xm, stride_pe, stride_pn, stride_se, stride_sn, stride_be, stride_om,
     KIND: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, SYMMETRIC_ZERO: tl.constexpr,
-    HAS_BIAS: tl.constexpr,
-    EXPERTS_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SINGLE_EXPERT: tl.constexpr, EXPERTS_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
     tile = tl.program_id(0)
-    experts = tl.arange(0, EXPERTS_POW2)
-    ends = tl.load(tile_ends_ptr + experts, mask=experts < num_experts, other=2**30)
-    expert = tl.sum((ends <= tile).to(tl.int32), axis=0)
-    if expert >= num_experts:
-        return
-    first_tile = tl.load(tile_ends_ptr + expert - 1, mask=expert > 0, other=0)
-    row_end = tl.load(offsets_ptr + expert + 1)
-    rows = tl.load(offsets_ptr + expert) + (tile - first_tile) * BLOCK_M + tl.arange(0, BLOCK_M)
+    if SINGLE_EXPERT:  # dense: every row is expert 0's, one tile per program
+        expert = 0
+        row_start = tile * BLOCK_M
+        row_end = num_rows
+    else:
+        experts = tl.arange(0, EXPERTS_POW2)
+        ends = tl.load(tile_ends_ptr + experts, mask=experts < num_experts, other=2**30)
+        expert = tl.sum((ends <= tile).to(tl.int32), axis=0)
+        if expert >= num_experts:
+            return
+        first_tile = tl.load(tile_ends_ptr + expert - 1, mask=expert > 0, other=0)
+        row_end = tl.load(offsets_ptr + expert + 1)
+        row_start = tl.load(offsets_ptr + expert) + (tile - first_tile) * BLOCK_M
+    rows = row_start + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < row_end
     col_ok = cols < N
     x_rows = x_ptr + rows[:, None].to(tl.int64) * stride_xm
-    expert_64 = expert.to(tl.int64)
+    expert_64 = tl.full((), expert, tl.int64)
     packed_cols = packed_ptr + expert_64 * stride_pe + cols[None, :].to(tl.int64) * stride_pn
     scale_cols = scale_ptr + expert_64 * stride_se + cols[None, :].to(tl.int64) * stride_sn
     zero_cols = zero_ptr + expert_64 * stride_se + cols[None, :].to(tl.int64) * stride_sn
@@ -173,39 +178,46 @@ def choose_moe_launch(num_rows: int, num_experts: int) -> MoeLaunchConfig:
 
 def grouped_weight_only_gemm(
     x: torch.Tensor,
-    expert_offsets: torch.Tensor,
+    expert_offsets: torch.Tensor | None,
     experts: PackedExperts,
     bias: torch.Tensor | None = None,
     launch: MoeLaunchConfig | None = None,
 ) -> torch.Tensor:
     """Tokens sorted by expert x [T, K] -> [T, N] in x's dtype; rows of expert e times its
-    dequantized weight^T (+ bias [E, N])."""
+    dequantized weight^T (+ bias [E, N]). No offsets: one expert owns every row (dense)."""
     num_experts = experts.packed.shape[0]
     assert x.dim() == 2, "x is [T, K]"
     assert x.stride(1) == 1, "x is row-major"
-    assert expert_offsets.shape == (num_experts + 1,), "expert_offsets is [E + 1]"
-    assert expert_offsets.dtype == torch.int32, "expert_offsets is int32"
-    assert expert_offsets.device == x.device, "offsets live on x's device"
     assert bias is None or (bias.shape == (num_experts, experts.out_features))
     assert bias is None or bias.stride(1) == 1
     num_rows, num_k = x.shape
     launch = launch or choose_moe_launch(num_rows, num_experts)
-    tile_ends = torch.cumsum((expert_offsets.diff() + launch.block_m - 1) // launch.block_m, 0)
     out = torch.empty(num_rows, experts.out_features, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
-    grid = (triton.cdiv(num_rows, launch.block_m) + num_experts,
-            triton.cdiv(experts.out_features, launch.block_n))  # fmt: skip
+    if expert_offsets is None:
+        assert num_experts == 1, "without offsets the weight is one expert's"
+        tile_ends = expert_offsets = out  # never read
+        row_tiles = triton.cdiv(num_rows, launch.block_m)
+    else:
+        assert expert_offsets.shape == (num_experts + 1,), "expert_offsets is [E + 1]"
+        assert expert_offsets.dtype == torch.int32, "expert_offsets is int32"
+        assert expert_offsets.device == x.device, "offsets live on x's device"
+        tiles = (expert_offsets.diff() + launch.block_m - 1) // launch.block_m
+        tile_ends = torch.cumsum(tiles, 0).to(torch.int32)
+        row_tiles = triton.cdiv(num_rows, launch.block_m) + num_experts  # a bound: no sync
+    grid = (row_tiles, triton.cdiv(experts.out_features, launch.block_n))
     packed, scales = experts.packed, experts.scales
     zeros = experts.zeros if experts.zeros is not None else scales
     _weight_only_grouped_kernel[grid](
-        x, expert_offsets, tile_ends.to(torch.int32), packed, scales, zeros,
-        bias if bias is not None else out, out, num_experts, experts.out_features, num_k,
+        x, expert_offsets, tile_ends, packed, scales, zeros, bias if bias is not None else out,
+        out, num_experts, num_rows, experts.out_features, num_k,
         x.stride(0), packed.stride(0), packed.stride(1), scales.stride(0), scales.stride(1),
         bias.stride(0) if bias is not None else 0, out.stride(0),
         KIND=experts.kind, GROUP=experts.group, HAS_ZEROS=experts.zeros is not None,
         SYMMETRIC_ZERO=INT4_SYMMETRIC_ZERO,
-        HAS_BIAS=bias is not None, EXPERTS_POW2=triton.next_power_of_2(num_experts),
+        HAS_BIAS=bias is not None, SINGLE_EXPERT=tile_ends is out,
+        EXPERTS_POW2=triton.next_power_of_2(num_experts),
         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
         DOT_FP32=x.dtype == torch.float32 or x.device.type != "cuda",
         num_warps=launch.num_warps, num_stages=launch.num_stages,
@@ -249,9 +261,8 @@ def int4_gemm(
     launch: MoeLaunchConfig | None = None,
 ) -> torch.Tensor:
     """Dense W4A16 x [M, K] @ W^T (canonical int4 [N, K]): the one-expert grouped GEMM."""
-    offsets = torch.tensor([0, x.shape[0]], dtype=torch.int32).to(x.device, non_blocking=True)
     experts = int4_experts(
         qweight[None], scales[None], None if zeros is None else zeros[None], group
     )
     launch = launch or choose_moe_launch(x.shape[0], 1)
-    return grouped_weight_only_gemm(x, offsets, experts, None, launch)
+    return grouped_weight_only_gemm(x, None, experts, None, launch)

@@ -1,6 +1,7 @@
 """The quantized-weight Triton kernels compile to CUDA binaries on a machine without a GPU
 (see test_triton_compile.py): the FP8 GEMM on FP8 tensor cores (sm_90), the weight-only
-grouped GEMM with bf16 tensor-core dots for MXFP4 (sm_90) and int4 with zero points (sm_80)."""
+GEMM with bf16 tensor-core dots for MXFP4 experts (sm_90) and dense int4 with zero points
+(sm_80)."""
 
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ def test_quantized_gemm_kernels_compile_for_hopper_and_ampere(tmp_path: Path) ->
                         "packed_ptr": packed, "scale_ptr": scales, "zero_ptr": "*u8",
                         "bias_ptr": "*bf16", "out_ptr": "*bf16"}
             constexprs = dict(KIND=kind, GROUP=32, HAS_ZEROS=zeros, SYMMETRIC_ZERO=8,
-                              HAS_BIAS=True, EXPERTS_POW2=32, BLOCK_M=64, BLOCK_N=64,
-                              BLOCK_K=64, DOT_FP32=False)
+                              HAS_BIAS=kind == 0, SINGLE_EXPERT=kind == 1, EXPERTS_POW2=32,
+                              BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, DOT_FP32=False)
             ptx = compile_for(kernel, pointers, constexprs, capability=capability)
             assert "wgmma" in ptx or "mma.sync" in ptx, "no tensor-core instruction"
         """,
