@@ -7,6 +7,7 @@ depend on it; the executors call it where their ranks run.
 
 from __future__ import annotations
 
+import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -171,11 +172,14 @@ def cache_dtypes(
 ) -> str:
     """How KV and state pages encode their elements, e.g. "kv fp8_e4m3, state float32": part of
     every fingerprint pages are shared under (offload tier, KV transfers), so that an engine
-    never reads pages of another encoding (a bf16 engine fp8 pages, e4m3 e5m2, fp16 bf16)."""
+    never reads pages of another encoding (a bf16 engine fp8 pages, e4m3 e5m2, fp16 bf16).
+
+    Scales calculated from an engine's first batch are its own, so such pages are named by a
+    fresh token on every call: no other engine, and no later start of this one, reads them."""
     model = str(model_dtype).removeprefix("torch.")
     kv = {"auto": model, "fp8": "fp8_e4m3"}.get(kv_cache_dtype, kv_cache_dtype)
     if kv.startswith("fp8") and calculate_kv_scales:
-        kv += " with calculated scales"
+        kv += f" with scales calculated by engine {uuid.uuid4().hex[:12]}"
     state = model if mamba_ssm_cache_dtype == "auto" else mamba_ssm_cache_dtype
     return f"kv {kv}, state {state}"
 

@@ -61,6 +61,11 @@ def test_the_offload_tier_model_id_names_the_cache_dtypes(model_path: Path, tmp_
     assert _offload_model_id(model_path, tmp_path) == _offload_model_id(
         model_path, tmp_path, mamba_ssm_cache_dtype="bfloat16"
     )
+    # scales calculated from each engine's own first batch: no two engines (or starts) alike
+    calculated = {"kv_cache_dtype": "fp8", "calculate_kv_scales": True}
+    assert _offload_model_id(model_path, tmp_path, **calculated) != _offload_model_id(
+        model_path, tmp_path, **calculated
+    )
 
 
 def test_a_transfer_between_state_dtypes_is_refused_on_both_sides(model_path: Path) -> None:
