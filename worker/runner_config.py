@@ -15,7 +15,6 @@ from scheduler.lora import LoRAConfig
 from scheduler.spec_config import SpeculativeConfig
 from worker.config import ModelConfig
 
-
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 """Accepted `kv_cache_dtype` values (vLLM's spelling)."""
 
