@@ -219,3 +219,13 @@ def test_fp8_kv_cache_on_a_model_without_attention_layers_fails_at_start(tmp_pat
     save_tiny_hybrid("bamba", tmp_path, attn_layer_indices=[])
     with pytest.raises(ValueError, match="kv_cache_dtype fp8 applies to attention KV pages"):
         LLM(str(tmp_path), kv_cache_dtype="fp8", **LLM_ARGS)
+
+
+def test_tensor_parallel_ranks_calculate_one_scale_and_give_the_single_rank_tokens(
+    checkpoints: dict[str, Path],
+) -> None:
+    """Two ranks each hold half the KV heads; the scale each calculates from its first batch
+    is the maximum over both, so the pages (and tokens) are those of one rank holding all."""
+    single = _generate(checkpoints["llama"], PROMPTS, **FP8_CALCULATED)
+    split = _generate(checkpoints["llama"], PROMPTS, tensor_parallel_size=2, **FP8_CALCULATED)
+    assert split == single
