@@ -14,6 +14,7 @@ from typing import NamedTuple
 import msgspec
 
 from scheduler.lora import LoRARequest
+from scheduler.multimodal import MultiModalFeature
 from scheduler.request import SamplingParams
 
 GroupBlockIds = tuple[list[int], ...]
@@ -111,6 +112,8 @@ class NewRequestData:
     """Tokens already in the cache (prefix-cache hit) before this step."""
     lora_request: LoRARequest | None = None
     """The adapter the request runs with (None: the base model)."""
+    mm_features: tuple[MultiModalFeature, ...] = ()
+    """The prompt's images (placeholder runs, hashes, encoder inputs), in prompt order."""
 
 
 class CachedRequestData(msgspec.Struct, frozen=True):

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from scheduler.block_hash import BlockHash, extend_block_hashes
 from scheduler.lora import LoRARequest, prefix_salt
+from scheduler.multimodal import MultiModalFeature, cache_token_ids, check_features
 from scheduler.sampling_params import SamplingParams
 
 __all__ = ["Request", "RequestStatus", "SamplingParams"]
@@ -69,6 +70,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     """Speculative decoding: drafts proposed after the last token, verified by the next step
     that schedules the request (never part of `all_token_ids` nor of the block hashes)."""
+    mm_features: tuple[MultiModalFeature, ...] = ()
+    """The prompt's images in prompt order (their placeholder runs, hashes, encoder inputs)."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -76,6 +79,14 @@ class Request:
         if self.hash_block_size < 1:
             raise ValueError(f"hash_block_size must be >= 1, got {self.hash_block_size}")
         self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+        check_features(self.mm_features, len(self.prompt_token_ids))
+        self.cache_token_ids = (
+            cache_token_ids(self.all_token_ids, self.mm_features)
+            if self.mm_features
+            else self.all_token_ids
+        )
+        """The tokens every prefix-cache key is computed over (`scheduler.multimodal`): the
+        same list as `all_token_ids` for a prompt without images."""
         self._extend_hashes()
 
     @property
@@ -97,6 +108,8 @@ class Request:
         """Append sampled tokens; block hashes extend as blocks fill."""
         self.output_token_ids.extend(token_ids)
         self.all_token_ids.extend(token_ids)
+        if self.cache_token_ids is not self.all_token_ids:
+            self.cache_token_ids.extend(token_ids)
         if len(self.all_token_ids) >= (len(self.block_hashes) + 1) * self.hash_block_size:
             self._extend_hashes()
 
@@ -111,5 +124,5 @@ class Request:
 
     def _extend_hashes(self) -> None:
         extend_block_hashes(
-            self.block_hashes, self.all_token_ids, self.hash_block_size, self.hash_salt
+            self.block_hashes, self.cache_token_ids, self.hash_block_size, self.hash_salt
         )

@@ -111,6 +111,7 @@ class WorkerView:
                 block_ids=table_ids,
                 num_computed_tokens=request.num_computed_tokens,
                 lora_request=request.lora_request,
+                mm_features=request.mm_features,
             )
         self._resumed_req_ids.discard(req_id)
         return CachedRequestData(

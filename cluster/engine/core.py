@@ -370,6 +370,7 @@ class EngineCore:
                 priority=request.priority,
                 cache_salt=request.cache_salt,
                 lora_request=request.lora_request,
+                mm_features=request.mm_features,
             )
             for index in range(num_samples)
         ]

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from scheduler.lora import LoRARequest
+from scheduler.multimodal import MultiModalFeature
 from scheduler.request import SamplingParams
 
 
@@ -32,6 +33,8 @@ class EngineRequest:
     """The adapter to run with (None: the base model)."""
     arrival_time: float = field(default_factory=time.time)
     """Wall-clock time (seconds since the epoch) the request reached the system."""
+    mm_features: tuple[MultiModalFeature, ...] = ()
+    """The prompt's images: placeholder runs in `prompt_token_ids`, hashes, encoder inputs."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:

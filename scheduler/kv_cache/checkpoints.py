@@ -182,7 +182,7 @@ class StateCheckpoints:
     def _request_keys(self, request: Request) -> list[BlockHash]:
         """Keys of every full unit of the request's tokens (extended as outputs arrive)."""
         chain, keys = self._chains.setdefault(request.req_id, ([], []))
-        extend_block_hashes(chain, request.all_token_ids, self.unit, request.hash_salt)
+        extend_block_hashes(chain, request.cache_token_ids, self.unit, request.hash_salt)
         keys.extend(xxhash.xxh3_128_digest(digest + _TAG) for digest in chain[len(keys) :])
         return keys
 
@@ -190,7 +190,7 @@ class StateCheckpoints:
 
     def find(self, request: Request, block_hashes: Sequence[BlockHash], hit: int) -> FineHit | None:
         """The longest checkpoint hit longer than `hit` tokens (at most all tokens but one)."""
-        tokens = request.all_token_ids[: request.num_tokens - 1]
+        tokens = request.cache_token_ids[: request.num_tokens - 1]
         keys = checkpoint_keys(tokens, self.unit, request.hash_salt)
         maps = self.pool.hash_maps
         for index in range(len(keys) - 1, -1, -1):
@@ -414,10 +414,10 @@ class StateCheckpoints:
         if blocks is None:
             return
         chain, _ = self._chains.get(req_id) or ([], [])
-        extend_block_hashes(chain, request.all_token_ids, self.unit, request.hash_salt)
+        extend_block_hashes(chain, request.cache_token_ids, self.unit, request.hash_salt)
         index = position // self.unit - 1
         grid_key = xxhash.xxh3_128_digest(chain[index] + _TAG)
-        key = end_key(grid_key, request.all_token_ids[(index + 1) * self.unit : position])
+        key = end_key(grid_key, request.cache_token_ids[(index + 1) * self.unit : position])
         for group_id, block in blocks:
             self.pool.cache_full_blocks([key], [block], [0], group_id, 1)
             if self.pool.offload is not None:  # found by `find` on the device only
