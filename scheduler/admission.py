@@ -7,6 +7,7 @@ leave it waiting forever); each step calls `num_new_tokens` for every prefill ch
 from __future__ import annotations
 
 from scheduler.config import SchedulerConfig
+from scheduler.image_chunks import check_images, limit_chunk
 from scheduler.kv_cache.manager import KVCacheManager
 from scheduler.kv_cache.spec import KVCacheConfig, cdiv
 from scheduler.prefill_split import block_aligned_num_tokens
@@ -44,6 +45,13 @@ def check_new_request(
             f"{max_model_len - 1} prompt tokens"
         )
     _check_fits_pool(request, config, kv_cache_config)
+    check_images(
+        req_id,
+        request.mm_features,
+        whole_images=config.whole_images,
+        encoder_budget=config.encoder_budget_tokens,
+        max_chunk=max_chunk_tokens(config),
+    )
 
 
 def _check_fits_pool(
@@ -105,7 +113,43 @@ def check_chunk_limits(config: SchedulerConfig, kv_cache_manager: KVCacheManager
         )
 
 
-def num_new_tokens(
+def num_new_tokens(  # noqa: PLR0913 (the request, the step's budgets, the cache's rules)
+    request: Request,
+    num_computed: int,
+    budget: int,
+    config: SchedulerConfig,
+    kv_cache_manager: KVCacheManager,
+    junction_tokens: int,
+    encoder_budget: int = 0,
+    first_chunk: bool = False,
+) -> int:
+    """Tokens of `request` to compute this step, from `num_computed` on: capped by the long-prefill
+    threshold and the budget, cut before images the step cannot take (`image_chunks`), then cut
+    at a block boundary when recurrent-state groups need it.
+
+    Without chunked prefill, a request whose tokens exceed the budget gets 0 (it waits).
+    """
+    num_new = _num_new_without_images(
+        request, num_computed, budget, config, kv_cache_manager, junction_tokens
+    )
+    if not request.mm_features:
+        return num_new
+    for _ in range(2):  # the block alignment can end a chunk inside an image: cut again
+        num_new = limit_chunk(
+            request.mm_features,
+            num_computed,
+            num_new,
+            first_chunk=first_chunk,
+            whole_images=config.whole_images,
+            encoder_budget=encoder_budget,
+        ).num_new
+        num_new = _num_new_without_images(
+            request, num_computed, num_new, config, kv_cache_manager, junction_tokens
+        )
+    return num_new
+
+
+def _num_new_without_images(
     request: Request,
     num_computed: int,
     budget: int,
@@ -113,11 +157,6 @@ def num_new_tokens(
     kv_cache_manager: KVCacheManager,
     junction_tokens: int,
 ) -> int:
-    """Tokens of `request` to compute this step, from `num_computed` on: capped by the long-prefill
-    threshold and the budget, then cut at a block boundary when recurrent-state groups need it.
-
-    Without chunked prefill, a request whose tokens exceed the budget gets 0 (it waits).
-    """
     num_remaining = len(request.all_token_ids) - num_computed
     num_new = num_remaining
     threshold = config.long_prefill_token_threshold

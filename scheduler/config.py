@@ -92,6 +92,16 @@ class SchedulerConfig:
     kv_offloading: OffloadConfig | None = None
     """The offload tier below the device pool (None: none): blocks the pool evicts are kept in
     host memory (and on local disk below it) and prefix hits load them back."""
+    whole_images: bool = False
+    """The model's image tokens attend to each other both ways (Gemma 3): a prefill chunk
+    never ends inside an image (`scheduler.image_chunks`)."""
+    encoder_budget: int | None = None
+    """Most image positions one step may encode; None: `max_num_batched_tokens`."""
+
+    @property
+    def encoder_budget_tokens(self) -> int:
+        """`encoder_budget`, resolved."""
+        return self.encoder_budget or self.max_num_batched_tokens
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):

@@ -18,6 +18,7 @@ from itertools import chain
 
 from scheduler.admission import check_chunk_limits, check_new_request, num_new_tokens
 from scheduler.config import SchedulerConfig, SchedulingPolicy
+from scheduler.image_chunks import encoder_positions
 from scheduler.kv_cache.manager import CacheHit, KVCacheBlocks, KVCacheManager
 from scheduler.kv_cache.spec import KVCacheConfig
 from scheduler.lora import adapter_fits, adapter_names, upcoming_adapters
@@ -100,7 +101,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's tokens: running requests first, then admissions from the queue."""
-        plan = StepPlan(budget=self.config.max_num_batched_tokens)
+        plan = StepPlan(
+            budget=self.config.max_num_batched_tokens,
+            encoder_budget=self.config.encoder_budget_tokens,
+        )
         self.kv_cache_manager.begin_step()
         self._schedule_running(plan)
         if not plan.preempted_req_ids:
@@ -232,7 +236,7 @@ class Scheduler:
                 continue  # needs it known, or it verifies drafts once it is back
             num_new = len(request.all_token_ids) + in_flight - request.num_computed_tokens
             if num_new != 1:  # a prefill chunk (a decode token needs no cap nor alignment)
-                num_new = self._num_new_tokens(request, request.num_computed_tokens, plan.budget)
+                num_new = self._num_new_tokens(request, request.num_computed_tokens, plan)
                 if num_new == 0:
                     index += 1
                     continue
@@ -309,7 +313,7 @@ class Scheduler:
                 if not self._start_loading(request, manager.explain_misses(request, hit)):
                     return  # room comes back as running requests finish
                 continue
-            num_new = self._num_new_tokens(request, hit.num_tokens, plan.budget)
+            num_new = self._num_new_tokens(request, hit.num_tokens, plan, first_chunk=True)
             if num_new == 0:
                 return
             hit = manager.explain_misses(request, hit)  # the cache as looked up (see there)
@@ -402,12 +406,27 @@ class Scheduler:
         plan.add(request, num_new, blocks)
         plan.table_ids[request.req_id] = self.kv_cache_manager.get_block_ids(request.req_id)
 
-    def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
-        """Tokens to compute this step (0: wait); see `admission.num_new_tokens`."""
+    def _num_new_tokens(
+        self, request: Request, num_computed: int, plan: StepPlan, first_chunk: bool = False
+    ) -> int:
+        """Tokens to compute this step (0: wait); see `admission.num_new_tokens`. The images
+        the chunk encodes are taken from the step's encoder budget."""
         junction = self._junction_tokens.get(request.req_id, 0)
-        return num_new_tokens(
-            request, num_computed, budget, self.config, self.kv_cache_manager, junction
+        num_new = num_new_tokens(
+            request,
+            num_computed,
+            plan.budget,
+            self.config,
+            self.kv_cache_manager,
+            junction,
+            plan.encoder_budget,
+            first_chunk,
         )
+        if request.mm_features and num_new:
+            plan.encoder_budget -= encoder_positions(
+                request.mm_features, num_computed, num_new, first_chunk
+            )
+        return num_new
 
     def _pick_victim(self) -> Request:
         """FCFS: the last running request; priority: the largest (priority, arrival_time)."""

@@ -22,6 +22,8 @@ class StepPlan:
     """
 
     budget: int
+    encoder_budget: int = 0
+    """Image positions the step may still encode (`scheduler.image_chunks`)."""
     scheduled: list[Request] = field(default_factory=list)
     """Scheduled requests in scheduling order (the batch order sent to workers)."""
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)

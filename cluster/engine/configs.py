@@ -84,6 +84,7 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
         gpu_memory_utilization=args.gpu_memory_utilization,
         kv_sharing_fast_prefill=args.kv_sharing_fast_prefill,
         load_format=args.load_format,
+        quantized_weight_mode=args.quantized_weight_mode,
         mamba_cache_mode=args.mamba_cache_mode if args.enable_prefix_caching else "none",
         offload_load_timeout_s=args.kv_offloading_load_timeout_s,
         speculative=speculative,
@@ -108,6 +109,7 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
         kv_offloading=offload_config(args, model),
         speculative=speculative,
         max_loras=args.max_loras if args.enable_lora else None,
+        whole_images=takes_whole_images(model),
     )
     return EngineConfigs(
         model,
@@ -116,6 +118,14 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
         args.tensor_parallel_size,
         args.disable_hybrid_kv_cache_manager,
     )
+
+
+def takes_whole_images(model: ModelConfig) -> bool:
+    """Whether the model's image tokens attend to each other both ways (Gemma 3), so that the
+    scheduler never ends a prefill chunk inside an image."""
+    from worker.models.registry import get_model_class
+
+    return bool(getattr(get_model_class(model.architecture), "bidirectional_images", False))
 
 
 def draft_model_config(args: EngineArgs, target: ModelConfig, device: str) -> ModelConfig | None:

@@ -43,6 +43,8 @@ def test_every_config_field_has_an_attribute_docstring() -> None:
         "kv_offloading",
         "speculative",
         "max_loras",
+        "whole_images",
+        "encoder_budget",
     }
     docs = _field_docstrings(SchedulerConfig)
     assert set(docs) == names
