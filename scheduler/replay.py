@@ -21,6 +21,7 @@ from scheduler.kv_cache.eviction import EvictionPolicy
 from scheduler.kv_cache.manager import KVCacheBlocks, KVCacheManager
 from scheduler.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec, KVCacheSpec, MambaCacheMode
 from scheduler.kv_cache.spec_factory import make_spec
+from scheduler.multimodal import MultiModalFeature
 from scheduler.prefill_split import block_aligned_num_tokens
 from scheduler.replay_keys import unknown_key_warnings
 from scheduler.request import Request, RequestStatus, SamplingParams
@@ -61,6 +62,24 @@ def _get_tokens(op: dict[str, Any]) -> list[int]:
     ):
         raise ValueError(f"'tokens' must be a list of integers, got {tokens!r}")
     return tokens
+
+
+def _get_images(op: dict[str, Any]) -> tuple[MultiModalFeature, ...]:
+    """A prefill's `images`: [{"id": content id, "offset": first position, "length": n}]."""
+    if "images" not in op:
+        return ()
+    images = _get_objects(op, "images")
+    features = []
+    for image in images:
+        identifier = image.get("id")
+        if not isinstance(identifier, str) or not identifier:
+            raise ValueError(f"an image's 'id' must be a non-empty string, got {identifier!r}")
+        features.append(
+            MultiModalFeature(
+                "image", identifier, _get_int(image, "offset"), _get_int(image, "length")
+            )
+        )
+    return tuple(features)
 
 
 def build_spec(
@@ -194,7 +213,13 @@ class TraceReplayer:
         tokens = _get_tokens(op)
         self._check_length(req_id, len(tokens))
         self.manager.begin_step()
-        request = Request(req_id, tokens, SamplingParams(), self.manager.hash_block_size)
+        request = Request(
+            req_id,
+            tokens,
+            SamplingParams(),
+            self.manager.hash_block_size,
+            mm_features=_get_images(op),
+        )
         hit = self.manager.explain_misses(request, self.manager.get_computed_blocks(request))
         misses = [dict(group) for group in hit.misses] or [{} for _ in self.miss_totals]
         for totals, group in zip(self.miss_totals, misses, strict=True):
