@@ -37,16 +37,15 @@ from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.workloads.attention_layouts import GEMMA_3_27B, GPT_OSS_20B
 from benchmarks.workloads.hybrid_capacity import GRANITE_4_H_SMALL, hybrid_layer_specs
 from benchmarks.workloads.linear_attention_capacity import QWEN3_5_27B, linear_hybrid_specs
 from scheduler.kv_cache.builder import block_bytes, build_kv_cache_config, max_concurrency
 from scheduler.kv_cache.spec import (
-    FullAttentionSpec,
     KVCacheConfig,
     KVCacheSpec,
     MambaCacheMode,
     MambaSpec,
-    SlidingWindowSpec,
     cdiv,
     manager_spec,
 )
@@ -61,42 +60,12 @@ Layout = Callable[[int, MambaCacheMode], dict[str, KVCacheSpec]]
 """(KV element bytes, state cache mode) -> the layer specs of one rank in model order."""
 
 
-class AttentionLayers(NamedTuple):
-    """Sliding and full attention layers of one shape; `is_full(i)` picks the full ones."""
-
-    num_layers: int
-    is_full: Callable[[int], bool]
-    num_kv_heads: int
-    head_size: int
-    sliding_window: int
-
-    def specs(self, kv_bytes: int, _: MambaCacheMode) -> dict[str, KVCacheSpec]:
-        """Layer specs with `kv_bytes`-byte KV elements."""
-        heads, head = self.num_kv_heads, self.head_size
-        full = FullAttentionSpec(
-            block_size=BLOCK_SIZE, num_kv_heads=heads, head_size=head, dtype_bytes=kv_bytes
-        )
-        sliding = SlidingWindowSpec(
-            block_size=BLOCK_SIZE,
-            num_kv_heads=heads,
-            head_size=head,
-            dtype_bytes=kv_bytes,
-            sliding_window=self.sliding_window,
-        )
-        layers = range(self.num_layers)
-        return {f"model.layers.{i}": full if self.is_full(i) else sliding for i in layers}
-
-
-GPT_OSS_20B = AttentionLayers(24, lambda i: i % 2 == 1, 8, 64, 128)
-GEMMA_3_27B = AttentionLayers(62, lambda i: (i + 1) % 6 == 0, 16, 128, 1024)
-
-
 LAYOUTS: dict[str, Layout] = {
     "Qwen3.5-27B": lambda b, mode: linear_hybrid_specs(
         replace(QWEN3_5_27B, dtype_bytes=b), BLOCK_SIZE, mode
     ),
-    "gpt-oss-20b": GPT_OSS_20B.specs,
-    "Gemma-3-27B": GEMMA_3_27B.specs,
+    "gpt-oss-20b": lambda b, _: GPT_OSS_20B.specs(BLOCK_SIZE, b),
+    "Gemma-3-27B": lambda b, _: GEMMA_3_27B.specs(BLOCK_SIZE, b),
     "Granite-4.0-H-Small": lambda b, mode: hybrid_layer_specs(
         replace(GRANITE_4_H_SMALL, dtype_bytes=b), BLOCK_SIZE, mode
     ),
