@@ -14,6 +14,12 @@ from torch import nn
 from worker.config import ModelConfig, ParallelConfig
 from worker.models.decoder import DecoderForCausalLM
 from worker.models.registry import get_model_class
+from worker.quantization.execution import (
+    choose_path,
+    finish_quantized_layers,
+    prepare_quantized_layers,
+)
+from worker.quantization.methods import read_quantization_config
 from worker.weights import iterate_weights
 
 logger = logging.getLogger(__name__)
@@ -37,11 +43,15 @@ def load_model(
     parallel: ParallelConfig,
     device: str | torch.device,
     load_format: str = "auto",
+    quantized_weight_mode: str = "auto",
 ) -> DecoderForCausalLM:
     """The model of `model_config`, with this rank's shard of every weight, in eval mode.
 
     `load_format` "dummy" reads no checkpoint: every parameter is drawn from U(-1e-3, 1e-3)
     (vLLM's dummy format, for benchmarks of model shapes without their weights).
+    A quantized checkpoint's weights stay quantized on the GPU kernels where
+    `quantized_weight_mode` ("auto", "kernels", "dequantize") and the device allow
+    (`worker.quantization.execution`); otherwise they are dequantized at load.
     Raises ValueError when the checkpoint leaves any parameter unfilled.
     """
     if load_format not in LOAD_FORMATS:
@@ -55,6 +65,10 @@ def load_model(
     if load_format == "dummy":
         _fill_dummy_weights(model)
     else:
+        kernel_path = None
+        if read_quantization_config(model_config.model_path) is not None:
+            kernel_path = choose_path(quantized_weight_mode, torch.device(device))
+            prepare_quantized_layers(model, kernel_path)
         loaded = model.load_weights(
             iterate_weights(
                 model_config.model_path,
@@ -62,6 +76,8 @@ def load_model(
                 dtype=model_config.dtype,
             )
         )
+        if kernel_path is not None:
+            finish_quantized_layers(model, model_config.dtype, kernel_path)
         _check_complete(model, loaded, model_config.model_path)
     model.eval()
     num_params = sum(p.numel() for p in model.parameters())

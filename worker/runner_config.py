@@ -15,6 +15,9 @@ from scheduler.lora import LoRAConfig
 from scheduler.spec_config import SpeculativeConfig
 from worker.config import ModelConfig
 
+QUANTIZED_WEIGHT_MODES = ("auto", "kernels", "dequantize")
+"""Accepted `quantized_weight_mode` values."""
+
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 """Accepted `kv_cache_dtype` values (vLLM's spelling)."""
 
@@ -64,6 +67,12 @@ class RunnerConfig:
     """Element type of recurrent and convolution state pages: "auto" (the model dtype) or a
     dtype name (float32, bfloat16, float16)."""
 
+    quantized_weight_mode: str = "auto"
+    """How a quantized checkpoint's weights are multiplied: "auto" (kept quantized on the GPU
+    kernels on CUDA where the format has one, dequantized at load on CPU), "kernels" (the
+    kernels on any device; on CPU they run under TRITON_INTERPRET=1, for tests) or
+    "dequantize" (dequantized at load everywhere)."""
+
     offload_load_timeout_s: float = 10.0
     """Seconds an offload-tier load may take before it counts as failed (the request then
     recomputes what it would have loaded)."""
@@ -90,6 +99,11 @@ class RunnerConfig:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                 f"got {self.kv_cache_dtype!r}"
+            )
+        if self.quantized_weight_mode not in QUANTIZED_WEIGHT_MODES:
+            raise ValueError(
+                f"quantized_weight_mode must be one of {', '.join(QUANTIZED_WEIGHT_MODES)}, "
+                f"got {self.quantized_weight_mode!r}"
             )
         if torch.device(self.device).type not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")

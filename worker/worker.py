@@ -88,7 +88,14 @@ class Worker:
         """Build the model and read this rank's shard of the weights."""
         spec = self.spec
         torch.manual_seed(spec.runner.seed)
-        model = load_model(spec.model_config, spec.parallel, self.device, spec.runner.load_format)
+        runner = spec.runner
+        model = load_model(
+            spec.model_config,
+            spec.parallel,
+            self.device,
+            runner.load_format,
+            runner.quantized_weight_mode,
+        )
         settings = ModelSettings(
             dtype=spec.model_config.dtype,
             max_model_len=spec.model_config.max_model_len,
@@ -107,7 +114,10 @@ class Worker:
         draft = spec.runner.draft_model
         if draft is None:
             return None
-        return load_model(draft, spec.parallel, self.device, spec.runner.load_format)
+        runner = spec.runner
+        return load_model(
+            draft, spec.parallel, self.device, runner.load_format, runner.quantized_weight_mode
+        )
 
     @property
     def model_runner(self) -> ModelRunner:

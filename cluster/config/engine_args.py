@@ -53,6 +53,10 @@ class EngineArgs(StrictModel):
     """Weight quantization method; default: the checkpoint's own `quantization_config`
     (`fp8`, `mxfp4`, `compressed-tensors`, `awq`, `gptq`). Naming another method than the
     checkpoint's is refused with one line."""
+    quantized_weight_mode: Literal["auto", "kernels", "dequantize"] = "auto"
+    """How a quantized checkpoint's weights are multiplied: auto (kept quantized on the GPU
+    kernels on CUDA where the format has one, dequantized at load on CPU) | kernels (the
+    kernels on any device; on CPU only under TRITON_INTERPRET=1, for tests) | dequantize."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """"auto" (cuda when available), "cuda" or "cpu"."""
     block_size: int = Field(16, ge=1)

@@ -8,7 +8,7 @@ naming which one is being loaded and copy this rank's rows of it into the right 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -26,16 +26,51 @@ from worker.layers.loading import (
     read_part,
 )
 
+if TYPE_CHECKING:
+    from worker.quantization.execution import QuantizedWeights
 
-class ReplicatedLinear(nn.Module):
+
+class _Projection(nn.Module):
+    """A layer whose `weight` may stay quantized on a kernel (`worker.quantization.execution`
+    sets `quantized` at load when the model runs on quantized-weight kernels)."""
+
+    quantized_params = ("weight",)
+    weight: nn.Parameter
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.quantized: QuantizedWeights | None = None
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T + bias, on the quantized kernel when the weight has one."""
+        if self.quantized is None:
+            return F.linear(x, self.weight, bias)
+        return self.quantized.linear(x, bias)
+
+    def offer_quantized(
+        self, param: nn.Parameter, source: WeightSource, **cut: tuple[int, int] | int
+    ) -> bool:
+        """Whether the quantized weights took `source` (else the caller loads it dense)."""
+        return self.quantized is not None and self.quantized.take("weight", param, source, **cut)  # type: ignore[arg-type]
+
+
+class ReplicatedLinear(_Projection):
     """A bias-free projection every rank holds and computes in full (small matrices)."""
 
     def __init__(self, input_size: int, output_size: int) -> None:
         super().__init__()
-        self.weight = new_parameter((output_size, input_size), default_weight_loader)
+        self.weight = new_parameter((output_size, input_size), self.weight_loader)
+
+    def weight_loader(
+        self, param: nn.Parameter, source: WeightSource, shard_id: ShardId = None
+    ) -> None:
+        """The whole checkpoint tensor."""
+        if shard_id is None and self.offer_quantized(param, source):
+            return
+        default_weight_loader(param, source, shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+        return self.project(x, None)
 
 
 class ProjectionWeights(nn.Module):
@@ -58,7 +93,7 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_Projection):
     """y = x W^T + b with W's output rows split evenly over ranks."""
 
     def __init__(
@@ -85,10 +120,13 @@ class ColumnParallelLinear(nn.Module):
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")
         size = self.output_size_per_rank
-        copy_checked(param.data, read_part(source, 0, self.parallel.rank * size, size))
+        start = self.parallel.rank * size
+        if param is self.weight and self.offer_quantized(param, source, rows=(start, size)):
+            return
+        copy_checked(param.data, read_part(source, 0, start, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = self.project(x, self.bias)
         if self.gather_output and self.parallel.tp_size > 1:
             out = all_gather(out, dim=-1)
         return out
@@ -123,6 +161,11 @@ class _PackedColumnLinear(ColumnParallelLinear):
         if shard_id not in self.shards:
             raise ValueError(f"{type(self).__name__} expects a shard id in {list(self.shards)}")
         shard = self.shards[shard_id]
+        rows = (shard.source_start, shard.size)
+        if param is self.weight and self.offer_quantized(
+            param, source, rows=rows, param_start=shard.param_start
+        ):
+            return
         target = param.data.narrow(0, shard.param_start, shard.size)
         copy_checked(target, read_part(source, 0, shard.source_start, shard.size))
 
@@ -197,7 +240,7 @@ class QKVParallelLinear(_PackedColumnLinear):
         return q, k, v
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_Projection):
     """y = x W^T + b with W's input columns split over ranks and the partial sums all-reduced."""
 
     def __init__(
@@ -220,7 +263,10 @@ class RowParallelLinear(nn.Module):
         if shard_id is not None:
             raise ValueError(f"RowParallelLinear has no shard {shard_id!r}")
         size = self.input_size_per_rank
-        copy_checked(param.data, read_part(source, 1, self.parallel.rank * size, size))
+        start = self.parallel.rank * size
+        if self.offer_quantized(param, source, cols=(start, size)):
+            return
+        copy_checked(param.data, read_part(source, 1, start, size))
 
     def bias_loader(
         self, param: nn.Parameter, source: WeightSource, shard_id: ShardId = None
@@ -228,8 +274,12 @@ class RowParallelLinear(nn.Module):
         """The bias is replicated: it is added once, after the all-reduce."""
         copy_checked(param.data, read_full(source))
 
+    def partial_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of x W^T (its input columns), without the bias or all-reduce."""
+        return self.project(x, None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.parallel.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = all_reduce(F.linear(x, self.weight))
+            return self.project(x, self.bias)
+        out = all_reduce(self.partial_sum(x))
         return out if self.bias is None else out + self.bias

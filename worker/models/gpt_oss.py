@@ -11,6 +11,9 @@ and KV heads (and their sinks) and every expert's intermediate size.
 
 from __future__ import annotations
 
+import itertools
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,10 +39,16 @@ from worker.models.decoder import (
     window_from_layer_types,
 )
 
+if TYPE_CHECKING:
+    from worker.quantization.execution import QuantizedWeights
+
 
 class GptOssExperts(nn.Module):
     """Stacked experts: `gate_up_proj` [E, H, 2I] (gate, up interleaved), `down_proj` [E, I, H],
-    with biases; this rank holds intermediate features [rank * I/tp, (rank + 1) * I/tp)."""
+    with biases; this rank holds intermediate features [rank * I/tp, (rank + 1) * I/tp).
+    An MXFP4 checkpoint's experts may stay quantized (`quantized`), run by the MoE kernel."""
+
+    quantized_params = ("gate_up_proj", "down_proj")
 
     def __init__(self, hf_config: PretrainedConfig, parallel: ParallelConfig) -> None:
         super().__init__()
@@ -51,6 +60,7 @@ class GptOssExperts(nn.Module):
         self.gate_up_proj_bias = new_parameter((num, 2 * inner), self.load_gate_up)
         self.down_proj = new_parameter((num, inner, hidden), self.load_down)
         self.down_proj_bias = new_parameter((num, hidden), default_weight_loader)
+        self.quantized: QuantizedWeights | None = None
         self.expert_deltas = ExpertDeltas(
             {
                 "gate_up_proj": PeftExpertParameter("gate_up_proj", True, 1),
@@ -62,22 +72,33 @@ class GptOssExperts(nn.Module):
     def load_gate_up(self, param: nn.Parameter, source: WeightSource, _: ShardId = None) -> None:
         """Interleaved gate/up columns of this rank's features: one contiguous range."""
         size = 2 * self.inner_per_rank
+        start = self.parallel.rank * size
+        if self._offer(param, source, rows=(start, size)):
+            return
         dim = param.dim() - 1
         copy_checked(param.data, read_part(source, dim, self.parallel.rank * size, size))
 
     def load_down(self, param: nn.Parameter, source: WeightSource, _: ShardId = None) -> None:
         """This rank's input rows of every expert's down projection."""
         size = self.inner_per_rank
+        if self._offer(param, source, cols=(self.parallel.rank * size, size)):
+            return
         copy_checked(param.data, read_part(source, 1, self.parallel.rank * size, size))
+
+    def _offer(self, param: nn.Parameter, source: WeightSource, **cut: tuple[int, int]) -> bool:
+        """Whether the quantized experts took `source` (a weight, not a bias)."""
+        names = {id(self.gate_up_proj): "gate_up_proj", id(self.down_proj): "down_proj"}
+        name = names.get(id(param))
+        if self.quantized is None or name is None:
+            return False
+        return self.quantized.take(name, param, source, **cut)  # type: ignore[arg-type]
 
     def _expert(self, x: torch.Tensor, tokens: torch.Tensor, expert: int) -> torch.Tensor:
         """Expert `expert` on the batch rows `tokens` of x."""
         routed = x[tokens]
         gate_up = routed @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert]
         gate_up = self.expert_deltas.apply("gate_up_proj", routed, gate_up, tokens, expert)
-        gate = gate_up[..., ::2].clamp(max=self.limit)
-        up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
-        inner = (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+        inner = self._activation(gate_up)
         out = self.expert_deltas.apply(
             "down_proj", inner, inner @ self.down_proj[expert], tokens, expert
         )
@@ -85,8 +106,52 @@ class GptOssExperts(nn.Module):
             out = out + self.down_proj_bias[expert]
         return out
 
+    def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate = gate_up[..., ::2].clamp(max=self.limit)
+        up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+
+    def _grouped(
+        self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, kernel: QuantizedWeights
+    ) -> torch.Tensor:
+        """Every (token, choice) pair sorted by expert through the grouped MoE kernel."""
+        order = torch.argsort(chosen.reshape(-1), stable=True)
+        tokens = order // chosen.shape[1]
+        counts = torch.bincount(chosen.reshape(-1), minlength=self.gate_up_proj.shape[0])
+        offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
+        routed = x[tokens]
+        gate_up = kernel.experts("gate_up_proj", routed, offsets, self.gate_up_proj_bias)
+        gate_up = self._expert_deltas("gate_up_proj", routed, gate_up, tokens, offsets)
+        inner = self._activation(gate_up)
+        bias = self.down_proj_bias if self.parallel.rank == 0 else None
+        out = kernel.experts("down_proj", inner, offsets, bias)
+        out = self._expert_deltas("down_proj", inner, out, tokens, offsets)
+        summed = torch.zeros_like(x)
+        summed.index_add_(0, tokens, (out * weights.reshape(-1)[order, None]).to(x.dtype))
+        return all_reduce(summed) if self.parallel.tp_size > 1 else summed
+
+    def _expert_deltas(
+        self,
+        name: str,
+        x: torch.Tensor,
+        out: torch.Tensor,
+        tokens: torch.Tensor,
+        offsets: torch.Tensor,
+    ) -> torch.Tensor:
+        """Adapters' terms on each expert's rows (nothing to do without adapters)."""
+        if name not in self.expert_deltas.deltas:
+            return out
+        bounds = offsets.tolist()
+        pieces = [
+            self.expert_deltas.apply(name, x[a:b], out[a:b], tokens[a:b], expert)
+            for expert, (a, b) in enumerate(itertools.pairwise(bounds))
+        ]
+        return torch.cat(pieces)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """x [T, H], routing weights and expert ids [T, k] -> sum of weighted expert outputs."""
+        if self.quantized is not None:
+            return self._grouped(x, weights, chosen, self.quantized)
         out = torch.zeros_like(x)
         for expert in torch.unique(chosen).tolist():
             tokens, slot = torch.where(chosen == expert)

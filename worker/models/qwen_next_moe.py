@@ -18,7 +18,6 @@ import re
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -80,7 +79,7 @@ class QwenExperts(nn.ModuleList):
                 "gate_up_proj", routed, expert.gate_up_proj(routed), tokens, expert_id
             )
             inner = expert.act(gate_up)
-            hidden = F.linear(inner, expert.down_proj.weight)
+            hidden = expert.down_proj.partial_sum(inner)
             hidden = self.expert_deltas.apply("down_proj", inner, hidden, tokens, expert_id)
             out.index_add_(0, tokens, hidden * weights[tokens, slot, None])
         return all_reduce(out) if self.parallel.tp_size > 1 else out

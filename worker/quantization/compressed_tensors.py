@@ -140,6 +140,10 @@ class CompressedTensorsScheme:
         return None
 
     def dequantize(self, logical: str, parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return self.group_for(logical, parts).dequantize(logical, parts)
+
+    def group_for(self, logical: str, parts: Mapping[str, torch.Tensor]) -> GroupScheme:
+        """The config group that targets `logical`'s module and stores its `parts`."""
         module = logical.removesuffix(".weight")
         targeted = sorted(
             (rank, index, scheme)
@@ -148,7 +152,7 @@ class CompressedTensorsScheme:
         )
         for _, _, scheme in targeted:
             if scheme.accepts(parts):
-                return scheme.dequantize(logical, parts)
+                return scheme
         raise ValueError(
             f"quantized checkpoint tensor {logical} (parts: {', '.join(sorted(parts))}) is "
             f"stored as no config group that targets {module} "
