@@ -12,6 +12,9 @@ Sections, in order (`--sections` picks some):
   their dequantized references, timed against the dequantized bf16 path.
 - `e2e`: batch-64 decode of a Llama-8B-shaped random model against transformers + SDPA, as
   fractions of the memory-bandwidth roofline.
+- `quant_e2e`: block-FP8 and MXFP4 (gpt-oss) checkpoints written on the fly, served with their
+  weights kept quantized on the kernels and dequantized at load: decode step times and greedy
+  agreement.
 
 Every section's figures (or its error) land in OUT/gpu-check.json and OUT/gpu-check.md, with
 device, date and commit, rewritten after each section so that a run cut short keeps what it
@@ -50,8 +53,9 @@ from gpu_check_kernels import (  # noqa: E402
     quant_figures,
 )
 from gpu_check_lora import lora_figures  # noqa: E402
+from gpu_check_quant_e2e import quant_e2e_figures, quant_e2e_run  # noqa: E402
 
-SECTIONS = ("tests", "attention", "recurrent", "lora", "quant", "e2e")
+SECTIONS = ("tests", "attention", "recurrent", "lora", "quant", "e2e", "quant_e2e")
 Report = dict[str, object]
 
 
@@ -161,6 +165,7 @@ def run_sections(args: argparse.Namespace, out: Path) -> Report:
         "lora": lambda: {"rows": lora_figures(device, _dtype(device), args.tiny)},
         "quant": lambda: run_quant(args, device),
         "e2e": lambda: run_e2e(args, device),
+        "quant_e2e": lambda: {"rows": quant_e2e_figures(quant_e2e_run(args.tiny, device))},
     }
     report: Report = header(args)
     sections: dict[str, Report] = {}

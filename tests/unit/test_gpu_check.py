@@ -24,7 +24,15 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     report = json.loads((out / "gpu-check.json").read_text())
     assert report["commit"] == "c0"
     sections = report["sections"]
-    assert list(sections) == ["tests", "attention", "recurrent", "lora", "quant", "e2e"]
+    assert list(sections) == [
+        "tests",
+        "attention",
+        "recurrent",
+        "lora",
+        "quant",
+        "e2e",
+        "quant_e2e",
+    ]
     assert {row["kernel"] for row in sections["lora"]["rows"]} == {"torch"}
     quant = sections["quant"]
     assert quant["all_within_tolerance"] is True
@@ -41,6 +49,13 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     assert e2e["ours_tok_s"] > 0
     assert e2e["sdpa_tok_s"] > 0
     assert 0 < e2e["ours_fraction_of_roofline"] < 1
+    quant_e2e = sections["quant_e2e"]["rows"]
+    assert [row["checkpoint"].split()[0] for row in quant_e2e] == ["fp8-block", "mxfp4"]
+    assert all(
+        row["kernel_ms_per_step"] > 0 and row["dequantized_ms_per_step"] > 0 for row in quant_e2e
+    )
+    assert all(0 <= row["greedy_agreement"] <= 1 for row in quant_e2e)
+    assert all("dequantized at load" in row["kernel_path"] for row in quant_e2e)  # CPU: auto
     markdown = (out / "gpu-check.md").read_text()
     assert "commit c0" in markdown
     assert "## e2e" in markdown
