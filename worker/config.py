@@ -38,6 +38,9 @@ TEXT_MODEL_OF = {
 }
 """Multimodal checkpoints served as their text model: architecture -> the text model's (its
 config is the checkpoint's `text_config`; the model class skips the vision weights)."""
+IMAGE_MODELS = frozenset({"Gemma4ForConditionalGeneration", "Llama4ForConditionalGeneration"})
+"""Multimodal checkpoints served with their images under their own architecture: `hf_config` is
+the checkpoint's `text_config`; the model class reads the vision config from the checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +121,8 @@ class ModelConfig:
         architecture = architectures[0]
         if architecture in TEXT_MODEL_OF:
             hf_config, architecture = _text_config(hf_config), TEXT_MODEL_OF[architecture]
+        elif architecture in IMAGE_MODELS:
+            hf_config = _text_config(hf_config)
         if device_type is None:
             device_type = "cuda" if torch.cuda.is_available() else "cpu"
         return cls(

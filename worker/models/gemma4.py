@@ -130,11 +130,24 @@ class Gemma4Model(PerLayerInputs):
         scaled: torch.Tensor = self.sum_per_layer_inputs(input_ids, embeds) * 2.0**-0.5
         return scaled
 
+    @staticmethod
+    def scale_embeddings(embeds: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [T, H] times sqrt(H), rounded to their dtype as transformers does."""
+        scaled: torch.Tensor = embeds * torch.tensor(embeds.shape[-1] ** 0.5).to(embeds.dtype)
+        return scaled
+
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        embeds = self.embed_tokens(input_ids)
-        embeds = embeds * torch.tensor(embeds.shape[-1] ** 0.5).to(embeds.dtype)  # [T, H]
+        """`inputs_embeds` (already scaled, images inserted) replace the lookup of `input_ids`,
+        which still key the per-layer token table."""
+        if inputs_embeds is None:
+            inputs_embeds = self.scale_embeddings(self.embed_tokens(input_ids))
+        embeds = inputs_embeds  # [T, H]
         tables = {kind: rope(positions) for kind, rope in self.rotary_emb.items()}
         if self.per_layer:
             per_layer = self._per_layer_inputs(input_ids, embeds)

@@ -8,6 +8,7 @@ from worker.models.gemma2 import Gemma2ForCausalLM
 from worker.models.gemma3 import Gemma3ForCausalLM
 from worker.models.gemma3n import Gemma3nForCausalLM
 from worker.models.gemma4 import Gemma4ForCausalLM
+from worker.models.gemma4_vision import Gemma4ForConditionalGeneration
 from worker.models.gpt_oss import GptOssForCausalLM
 from worker.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from worker.models.lfm2 import Lfm2ForCausalLM
@@ -30,6 +31,7 @@ _MODELS: dict[str, type[DecoderForCausalLM]] = {
     "Gemma3nForCausalLM": Gemma3nForCausalLM,
     "Llama4ForCausalLM": Llama4ForCausalLM,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
+    "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,
     "GptOssForCausalLM": GptOssForCausalLM,
     "BambaForCausalLM": BambaForCausalLM,
     "GraniteMoeHybridForCausalLM": GraniteMoeHybridForCausalLM,

@@ -1,0 +1,196 @@
+"""Tiny random Gemma 4 and Llama 4 image-text checkpoints, with their tokenizer and image inputs,
+built offline.
+
+The tokenizer is word level (t0..tN) plus each family's special tokens at the top of the
+vocabulary. Gemma 4's images go through transformers' `Gemma4ImageProcessorPil` and its
+processor's own placeholder expansion (`Gemma4Processor.replace_image_token`); the full
+processors need torchvision for their video part, absent on CPU machines. Llama 4's image
+processor exists only for torchvision, so its tiles are random pixels of the processor's
+output shape, laid out in the prompt by `Llama4Processor._prompt_split_image`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+from scheduler.multimodal import MultiModalFeature
+from tests.helpers.tiny_gemma4_gpt_oss import GEMMA4
+from tests.helpers.tiny_models import BASE, CHUNKED_FAMILIES, random_eager_model
+
+VOCAB_SIZE = 256
+GEMMA4_SPECIAL = {
+    "image_token": "<|image|>",
+    "boi_token": "<|boi|>",
+    "eoi_token": "<|eoi|>",
+    "audio_token": "<|audio|>",
+    "boa_token": "<|boa|>",
+    "eoa_token": "<|eoa|>",
+}
+LLAMA4_SPECIAL = {
+    "image_start": "<|image_start|>",
+    "image_end": "<|image_end|>",
+    "image": "<|image|>",
+    "patch": "<|patch|>",
+    "tile_x": "<|tile_x_separator|>",
+    "tile_y": "<|tile_y_separator|>",
+}
+GEMMA4_VISION = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "patch_size": 4,
+    "pooling_kernel_size": 2,
+    "position_embedding_size": 32,
+}
+GEMMA4_IMAGES = {"patch_size": 4, "max_soft_tokens": 70, "pooling_kernel_size": 2}
+"""Image processor options: at most 70 soft tokens of 2 x 2 pooled 4-pixel patches."""
+LLAMA4_TILE = 16
+LLAMA4_VISION = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "image_size": LLAMA4_TILE,
+    "patch_size": 4,
+    "pixel_shuffle_ratio": 0.5,
+    "projector_input_dim": 48,
+    "projector_output_dim": 48,
+    "vision_output_dim": 48,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+}
+
+
+def save_tokenizer(path: Path, special: dict[str, str]) -> PreTrainedTokenizerFast:
+    """Word tokenizer t0..t{n-1}, then `special`'s tokens as the last ids; saved to `path`."""
+    first_special = VOCAB_SIZE - len(special)
+    vocab = {f"t{i}": i for i in range(first_special)}
+    vocab |= {token: first_special + i for i, token in enumerate(special.values())}
+    backend = Tokenizer(WordLevel(vocab, unk_token="t0"))
+    backend.pre_tokenizer = WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, unk_token="t0", extra_special_tokens=special
+    )
+    tokenizer.save_pretrained(path)
+    return tokenizer
+
+
+def _random_model(config: transformers.PretrainedConfig, model_class: str) -> PreTrainedModel:
+    return random_eager_model(config, model_class, lambda name: "norm" in name or "scale" in name)
+
+
+def save_tiny_gemma4_vlm(
+    path: Path, bidirectional: bool = True
+) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """A random `Gemma4ForConditionalGeneration` (the tiny Gemma 4 text model of the text tests,
+    pad 0, bidirectional image attention when asked) with its tokenizer, saved to `path`."""
+    tokenizer = save_tokenizer(path, GEMMA4_SPECIAL)
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in GEMMA4_SPECIAL.items()}
+    text = {**GEMMA4, "pad_token_id": 0}
+    text["use_bidirectional_attention"] = "vision" if bidirectional else None
+    config = transformers.Gemma4Config(
+        text_config=text,
+        vision_config=GEMMA4_VISION,
+        audio_config=None,
+        image_token_id=ids["image_token"],
+        boi_token_id=ids["boi_token"],
+        eoi_token_id=ids["eoi_token"],
+        audio_token_id=ids["audio_token"],
+        boa_token_id=ids["boa_token"],
+        eoa_token_index=ids["eoa_token"],
+        video_token_id=0,
+    )
+    model = _random_model(config, "Gemma4ForConditionalGeneration")
+    model.save_pretrained(path)
+    return model, tokenizer
+
+
+def save_tiny_llama4_vlm(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
+    """A random `Llama4ForConditionalGeneration` (the tiny chunked Llama 4 text model) with its
+    tokenizer, saved to `path`."""
+    tokenizer = save_tokenizer(path, LLAMA4_SPECIAL)
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in LLAMA4_SPECIAL.items()}
+    text = {**BASE, **CHUNKED_FAMILIES["llama4"][1], "vocab_size": VOCAB_SIZE}
+    config = transformers.Llama4Config(
+        text_config=text,
+        vision_config=LLAMA4_VISION,
+        boi_token_index=ids["image_start"],
+        eoi_token_index=ids["image_end"],
+        image_token_index=ids["patch"],
+    )
+    model = _random_model(config, "Llama4ForConditionalGeneration")
+    model.save_pretrained(path)
+    return model, tokenizer
+
+
+def images(sizes: list[tuple[int, int]], seed: int = 0) -> list[np.ndarray]:
+    """Random RGB images [height, width, 3] (uint8) of the given sizes."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8) for h, w in sizes]
+
+
+def _identifier(*tensors: torch.Tensor) -> str:
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        digest.update(tensor.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _features(
+    token_ids: list[int], run_token: int, datas: list[dict[str, torch.Tensor]]
+) -> list[MultiModalFeature]:
+    """One feature per run of `run_token` in `token_ids`, in order, carrying `datas`."""
+    runs, idx = [], 0
+    while idx < len(token_ids):
+        if token_ids[idx] != run_token:
+            idx += 1
+            continue
+        start = idx
+        while idx < len(token_ids) and token_ids[idx] == run_token:
+            idx += 1
+        runs.append((start, idx - start))
+    assert len(runs) == len(datas), (len(runs), len(datas))
+    return [
+        MultiModalFeature("image", _identifier(*data.values()), offset, length, data)
+        for (offset, length), data in zip(runs, datas, strict=True)
+    ]
+
+
+def gemma4_inputs(
+    tokenizer: PreTrainedTokenizerFast, words: list[str], pictures: list[np.ndarray]
+) -> tuple[list[int], list[MultiModalFeature], dict[str, torch.Tensor]]:
+    """Prompt ids of `words` (each "<|image|>" takes the next picture, expanded by transformers'
+    Gemma 4 processor code), one feature per image, and the processor's batched tensors."""
+    processor = transformers.Gemma4ImageProcessorPil(**GEMMA4_IMAGES)
+    batch = processor(images=pictures, return_tensors="pt") if pictures else {}
+    expand = SimpleNamespace(**{name: GEMMA4_SPECIAL[name] for name in GEMMA4_SPECIAL})
+    text, image_idx = [], 0
+    for word in words:
+        if word == GEMMA4_SPECIAL["image_token"]:
+            word = transformers.Gemma4Processor.replace_image_token(expand, batch, image_idx)
+            image_idx += 1
+        text.append(word)
+    token_ids = tokenizer(" ".join(text), add_special_tokens=False)["input_ids"]
+    datas = [
+        {
+            "pixel_values": batch["pixel_values"][i : i + 1],
+            "image_position_ids": batch["image_position_ids"][i : i + 1],
+        }
+        for i in range(len(pictures))
+    ]
+    image_id = tokenizer.convert_tokens_to_ids(GEMMA4_SPECIAL["image_token"])
+    tensors = {k: v for k, v in batch.items() if k in ("pixel_values", "image_position_ids")}
+    return token_ids, _features(token_ids, image_id, datas), tensors
