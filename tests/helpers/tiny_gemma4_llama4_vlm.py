@@ -60,7 +60,7 @@ GEMMA4_IMAGES = {"patch_size": 4, "max_soft_tokens": 70, "pooling_kernel_size": 
 LLAMA4_TILE = 16
 LLAMA4_VISION = {
     "hidden_size": 32,
-    "intermediate_size": 64,
+    "intermediate_size": 128,  # the pixel shuffle's width: hidden / ratio^2
     "num_hidden_layers": 2,
     "num_attention_heads": 2,
     "image_size": LLAMA4_TILE,
@@ -194,3 +194,30 @@ def gemma4_inputs(
     image_id = tokenizer.convert_tokens_to_ids(GEMMA4_SPECIAL["image_token"])
     tensors = {k: v for k, v in batch.items() if k in ("pixel_values", "image_position_ids")}
     return token_ids, _features(token_ids, image_id, datas), tensors
+
+
+def llama4_inputs(
+    tokenizer: PreTrainedTokenizerFast,
+    words: list[str],
+    grids: list[tuple[int, int]],
+    seed: int = 0,
+) -> tuple[list[int], list[MultiModalFeature], torch.Tensor]:
+    """Prompt ids of `words` (each "<|image|>" takes the next tile grid, laid out by
+    transformers' Llama 4 processor code), one feature per tile, and all tiles in prompt order
+    (an image of more than one tile ends with its global view), as the processor batches them."""
+    generator = torch.Generator().manual_seed(seed)
+    per_tile = (LLAMA4_TILE // LLAMA4_VISION["patch_size"]) ** 2 // 4  # pixel shuffle 0.5
+    text, tiles, grid_idx = [], [], 0
+    for word in words:
+        if word == LLAMA4_SPECIAL["image"]:
+            ratio_h, ratio_w = grids[grid_idx]
+            word = transformers.Llama4Processor._prompt_split_image(None, grids[grid_idx], per_tile)
+            num_tiles = ratio_h * ratio_w + (1 if ratio_h * ratio_w > 1 else 0)
+            tiles.append(torch.rand(num_tiles, 3, LLAMA4_TILE, LLAMA4_TILE, generator=generator))
+            grid_idx += 1
+        text.append(word)
+    token_ids = tokenizer(" ".join(text), add_special_tokens=False)["input_ids"]
+    pixel_values = torch.cat(tiles) if tiles else torch.empty(0, 3, LLAMA4_TILE, LLAMA4_TILE)
+    datas = [{"pixel_values": pixel_values[i : i + 1]} for i in range(pixel_values.shape[0])]
+    patch_id = tokenizer.convert_tokens_to_ids(LLAMA4_SPECIAL["patch"])
+    return token_ids, _features(token_ids, patch_id, datas), pixel_values

@@ -142,14 +142,22 @@ class Llama4Model(nn.Module):
         self.loop = DecoderLayerLoop(self.layers)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`inputs_embeds` [T, H] (images inserted) replace the lookup of `input_ids`."""
+
         def run_layer(idx: int, hidden: torch.Tensor, inputs: Inputs) -> torch.Tensor:
             out: torch.Tensor = self.layers[idx](hidden, inputs, ctx)
             return out
 
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
         inputs: Inputs = (positions, self.rotary_emb(positions))
-        hidden = self.loop.run(run_layer, self.embed_tokens(input_ids), inputs, ctx)
+        hidden = self.loop.run(run_layer, inputs_embeds, inputs, ctx)
         normed: torch.Tensor = self.norm(hidden)
         return normed
 

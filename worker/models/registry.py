@@ -14,6 +14,7 @@ from worker.models.granitemoehybrid import GraniteMoeHybridForCausalLM
 from worker.models.lfm2 import Lfm2ForCausalLM
 from worker.models.llama import LlamaForCausalLM, MistralForCausalLM
 from worker.models.llama4 import Llama4ForCausalLM
+from worker.models.llama4_vision import Llama4ForConditionalGeneration
 from worker.models.nemotron_h import NemotronHForCausalLM
 from worker.models.qwen2 import Qwen2ForCausalLM
 from worker.models.qwen3_next import (
@@ -30,6 +31,7 @@ _MODELS: dict[str, type[DecoderForCausalLM]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3nForCausalLM": Gemma3nForCausalLM,
     "Llama4ForCausalLM": Llama4ForCausalLM,
+    "Llama4ForConditionalGeneration": Llama4ForConditionalGeneration,
     "Gemma4ForCausalLM": Gemma4ForCausalLM,
     "Gemma4ForConditionalGeneration": Gemma4ForConditionalGeneration,
     "GptOssForCausalLM": GptOssForCausalLM,
