@@ -1,7 +1,8 @@
 """Tiny quantized checkpoints run twice, dequantized at load and on the quantized-weight
 kernels (`quantized_weight_mode="kernels"`), through the paged model on CPU.
 
-Run as `python -m tests.helpers.quantized_kernel_runs OUT.json` with TRITON_INTERPRET=1 set
+Run as `python -m tests.helpers.quantized_kernel_runs OUT.json [--tensor-parallel]` with
+TRITON_INTERPRET=1 set
 (the Triton kernels then run in the interpreter); it writes, per case, both paths' greedy
 tokens, the largest first-step (prefill) logit difference relative to the largest logit, and
 the execution log lines of the kernel path (which layer ran which kernel). FP8 kernels also
@@ -152,13 +153,33 @@ def _error(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float
     return max(float((got[r] - want[r]).abs().max() / want[r].abs().max()) for r in PROMPTS)
 
 
-def main(out: str) -> None:
-    results = {}
+def run_tensor_parallel(root: Path) -> dict[str, Any]:
+    """The GPTQ case over two ranks (mp executor, a process each) on the kernels through
+    `LLM`, and one rank dequantized at load through the paged model."""
+    from cluster import LLM, SamplingParams
+
+    folder = CASES["llama-gptq"](root / "llama-gptq")
+    want, _, _ = _run(folder, "dequantize")
+    llm = LLM(str(folder), quantized_weight_mode="kernels", tensor_parallel_size=2,
+              dtype="float32", block_size=4, max_num_batched_tokens=16,
+              kv_cache_memory_bytes=1 << 22)  # fmt: skip
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=NUM_NEW)
+        results = llm.generate(list(PROMPTS.values()), greedy, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    got = {name: list(r.outputs[0].token_ids) for name, r in zip(PROMPTS, results, strict=True)}
+    return {"dequantized": want, "kernels_tp2": got}
+
+
+def main(out: str, tensor_parallel: bool) -> None:
     with tempfile.TemporaryDirectory() as root:
-        for name in CASES:
-            results[name] = run_case(name, Path(root))
+        if tensor_parallel:
+            results = run_tensor_parallel(Path(root))
+        else:
+            results = {name: run_case(name, Path(root)) for name in CASES}
     Path(out).write_text(json.dumps(results))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], "--tensor-parallel" in sys.argv[2:])

@@ -9,7 +9,8 @@ through the paged model. Tolerances (largest first-step logit difference over th
 logit): weight-only formats 1e-5 and the same greedy tokens; FP8, which also quantizes
 activations, 1e-5 and the same tokens against the dequantized model whose projection inputs
 are rounded to e4m3 as the kernels round them, and against the plain dequantized model at most
-0.2 (measured 0.09-0.12 on these random models) with the same first token.
+0.2 (measured 0.09-0.12 on these random models) with the same first token. Marked slow: the
+same GPTQ checkpoint over two tensor-parallel ranks on the kernels, through `LLM`.
 """
 
 from __future__ import annotations
@@ -42,12 +43,10 @@ EXACT = 1e-5
 FP8_AGAINST_16_BIT = 0.2
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    out = tmp_path_factory.mktemp("kernel_runs") / "runs.json"
+def _interpreted_runs(out: Path, *flags: str) -> dict[str, Any]:
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.helpers.quantized_kernel_runs", str(out)],
+        [sys.executable, "-m", "tests.helpers.quantized_kernel_runs", str(out), *flags],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -57,6 +56,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     assert proc.returncode == 0, proc.stderr[-4000:]
     result: dict[str, Any] = json.loads(out.read_text())
     return result
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return _interpreted_runs(tmp_path_factory.mktemp("kernel_runs") / "runs.json")
 
 
 def _ran_on(run: dict[str, Any], kernel: str) -> None:
@@ -85,3 +89,14 @@ def test_fp8_kernels_compute_with_activations_rounded_to_e4m3(
     assert run["first_step_error"] < FP8_AGAINST_16_BIT
     first_tokens = {prompt: tokens[0] for prompt, tokens in run["dequantized"].items()}
     assert {prompt: tokens[0] for prompt, tokens in run["kernels"].items()} == first_tokens
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_on_the_int4_kernel_give_the_dequantized_tokens(
+    tmp_path: Path,
+) -> None:
+    """GPTQ over two ranks (a process each, both in the interpreter): column layers keep
+    their rows of the packed codes, scales and zero points, row layers their groups of input
+    features, and the all-reduced partial sums give one dequantized rank's tokens (~15 s)."""
+    run = _interpreted_runs(tmp_path / "tp.json", "--tensor-parallel")
+    assert run["kernels_tp2"] == run["dequantized"]

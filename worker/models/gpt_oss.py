@@ -117,7 +117,9 @@ class GptOssExperts(nn.Module):
         """Every (token, choice) pair sorted by expert through the grouped MoE kernel."""
         order = torch.argsort(chosen.reshape(-1), stable=True)
         tokens = order // chosen.shape[1]
-        counts = torch.bincount(chosen.reshape(-1), minlength=self.gate_up_proj.shape[0])
+        flat = chosen.reshape(-1)
+        counts = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))  # no host sync, unlike bincount
         offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(torch.int32)
         routed = x[tokens]
         gate_up = kernel.experts("gate_up_proj", routed, offsets, self.gate_up_proj_bias)
