@@ -24,8 +24,9 @@ from tqdm.auto import tqdm
 
 from cluster.config.engine_args import resolve_executor_backend, validate_engine_kwargs
 from cluster.engine.client import EngineClient, EngineInfo, collect
-from cluster.engine.input_processor import ChatMessage, InputProcessor, PromptInput
+from cluster.engine.input_processor import ChatMessage, InputProcessor, Prompt, PromptInput
 from cluster.engine.metric_reader import Metric, read_metrics
+from cluster.engine.mm_inputs import MultiModalConfig, load_multimodal_inputs
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
 from cluster.llm_inputs import (
@@ -60,8 +61,15 @@ class LLM:
             self.client = RayEngineClient.start(args, address=address)
         self.info: EngineInfo = self.client.get_info()
         self.tokenizer = self.client.get_tokenizer()
+        multimodal = load_multimodal_inputs(
+            self.info.model_path, MultiModalConfig.from_engine_args(args)
+        )
         self.inputs = InputProcessor(
-            self.tokenizer, self.info.vocab_size, self.info.max_model_len, self.info.model_path
+            self.tokenizer,
+            self.info.vocab_size,
+            self.info.max_model_len,
+            self.info.model_path,
+            multimodal,
         )
         self._finalizer = weakref.finalize(self, self.client.shutdown)
         # At interpreter exit, before Ray's own exit hook (registered earlier, run later):
@@ -82,6 +90,9 @@ class LLM:
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (strings, token-ID lists or prompt dicts), in input order.
+
+        A prompt with images is vLLM's `{"prompt": text, "multi_modal_data": {"image": image or
+        [images]}}` (PIL images; the text holds the model's image placeholder once per image).
 
         `priority` (one per prompt, lower first) orders the queue when the engine runs with
         `scheduling_policy="priority"`. `lora_request` (one for all prompts, or one per prompt)
@@ -114,6 +125,8 @@ class LLM:
 
         A conversation is a list of `{"role": ..., "content": ...}` messages, rendered with the
         tokenizer's chat template (or `chat_template`); `.prompt` holds the rendered text.
+        Content may be a list of parts: text, `{"type": "image_url", "image_url": {"url": ...}}`
+        (data:, http(s):// or allowed file:// URLs) or `{"type": "image_pil", "image_pil": image}`.
         `tools` (OpenAI function definitions) are passed to the template, as vLLM does; constrain
         the reply with `SamplingParams(structured_outputs=...)`.
         """
@@ -167,13 +180,13 @@ class LLM:
 
     def _run(
         self,
-        prompts: Sequence[tuple[str | None, list[int]]],
+        prompts: Sequence[Prompt],
         params_list: Sequence[SamplingParams],
         use_tqdm: bool | None,
         priorities: Sequence[int] | None = None,
         loras: Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
-        """Queue every (text, token IDs) prompt, read every stream to its end."""
+        """Queue every prompt, read every stream to its end."""
         requests = self._requests(prompts, params_list, priorities, loras)
         streams = self._add_requests(requests)
         show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
@@ -191,22 +204,23 @@ class LLM:
 
     def _requests(
         self,
-        prompts: Sequence[tuple[str | None, list[int]]],
+        prompts: Sequence[Prompt],
         params_list: Sequence[SamplingParams],
         priorities: Sequence[int] | None = None,
         loras: Sequence[LoRARequest | None] | None = None,
     ) -> list[EngineRequest]:
         requests = []
-        for index, ((text, token_ids), params) in enumerate(zip(prompts, params_list, strict=True)):
-            self._warn_if_capped(index, len(token_ids), params.max_tokens)
+        for index, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+            self._warn_if_capped(index, len(prompt.token_ids), params.max_tokens)
             requests.append(
                 EngineRequest(
                     request_id=str(next(self._req_counter)),
-                    prompt_token_ids=tuple(token_ids),
+                    prompt_token_ids=tuple(prompt.token_ids),
                     sampling_params=params,
-                    prompt=text,
+                    prompt=prompt.text,
                     priority=0 if priorities is None else priorities[index],
                     lora_request=None if loras is None else loras[index],
+                    mm_features=prompt.mm_features,
                 )
             )
         return requests
@@ -236,10 +250,9 @@ class LLM:
                 raise ValueError(f"prompt {index}: {exc}") from None
         return streams
 
-    def _tokenize(self, index: int, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        """(text or None, checked token IDs) of prompt `index`."""
-        processed = self.inputs.prompt(prompt, index)
-        return processed.text, processed.token_ids
+    def _tokenize(self, index: int, prompt: PromptInput) -> Prompt:
+        """Prompt `index` checked: its text (or None), token IDs and images."""
+        return self.inputs.prompt(prompt, index)
 
     def _render_chat(
         self,
@@ -248,10 +261,7 @@ class LLM:
         chat_template: str | None,
         add_generation_prompt: bool,
         tools: Sequence[Mapping[str, Any]] | None = None,
-    ) -> tuple[str, list[int]]:
-        """Conversation `index` as template text and its token IDs (the template adds BOS)."""
-        processed = self.inputs.chat(
-            conversation, chat_template, add_generation_prompt, index, tools=tools
-        )
-        assert processed.text is not None
-        return processed.text, processed.token_ids
+    ) -> Prompt:
+        """Conversation `index` as template text, its token IDs (the template adds BOS) and
+        its images."""
+        return self.inputs.chat(conversation, chat_template, add_generation_prompt, index, tools)

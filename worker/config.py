@@ -32,13 +32,17 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 
-TEXT_MODEL_OF = {
-    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
-    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
-}
+TEXT_MODEL_OF: dict[str, str] = {}
 """Multimodal checkpoints served as their text model: architecture -> the text model's (its
 config is the checkpoint's `text_config`; the model class skips the vision weights)."""
-IMAGE_MODELS = frozenset({"Gemma4ForConditionalGeneration", "Llama4ForConditionalGeneration"})
+IMAGE_MODELS = frozenset(
+    {
+        "Gemma4ForConditionalGeneration",
+        "Llama4ForConditionalGeneration",
+        "Qwen3_5ForConditionalGeneration",
+        "Qwen3_5MoeForConditionalGeneration",
+    }
+)
 """Multimodal checkpoints served with their images under their own architecture: `hf_config` is
 the checkpoint's `text_config`; the model class reads the vision config from the checkpoint."""
 

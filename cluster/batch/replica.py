@@ -3,8 +3,9 @@
 Ray Data builds one instance per actor of the pool (`--replicas`); each instance owns one
 in-process engine. A call gets a whole batch: every row's request is queued first, then the
 streams are read, so the engine schedules the rows together (continuous batching). A row that
-cannot run (its prompt too long, an empty prompt, no chat template) becomes an `error` row. Prompts
-go through the engine's one input processor, as they do for `LLM` and the Serve replica.
+cannot run (its prompt too long, an empty prompt, no chat template, a bad image) becomes an `error`
+row. Prompts, images included, go through the engine's one input processor, as they do for `LLM`
+and the Serve replica.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from cluster.batch.rows import (
 from cluster.config.engine_args import EngineArgs
 from cluster.engine.client import collect
 from cluster.engine.input_processor import InputProcessor, Prompt
+from cluster.engine.mm_inputs import MultiModalConfig, load_multimodal_inputs
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
 
@@ -45,8 +47,15 @@ class EngineReplica:
         self.client = InProcessEngineClient.from_engine_args(engine_args)
         self.info = self.client.get_info()
         self.tokenizer = self.client.get_tokenizer()
+        multimodal = load_multimodal_inputs(
+            self.info.model_path, MultiModalConfig.from_engine_args(engine_args)
+        )
         self.inputs = InputProcessor(
-            self.tokenizer, self.info.vocab_size, self.info.max_model_len, self.info.model_path
+            self.tokenizer,
+            self.info.vocab_size,
+            self.info.max_model_len,
+            self.info.model_path,
+            multimodal,
         )
 
     def __call__(self, batch: Batch) -> Batch:
@@ -101,6 +110,7 @@ class EngineReplica:
             sampling_params=params,
             prompt=prompt.text,
             lora_request=lora,
+            mm_features=prompt.mm_features,
         )
 
     def _row_prompt(self, request: dict[str, Any]) -> Prompt:

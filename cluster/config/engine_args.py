@@ -9,7 +9,7 @@ the machine-dependent resolution into per-package configs happens where the work
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import ErrorDetails
@@ -165,6 +165,24 @@ class EngineArgs(StrictModel):
     """How long the Ray executor's placement group (and, for `hybridserve serve`, each replica)
     may wait for resources other work holds before start-up fails, naming what the cluster has
     free (a Ray executor's group the cluster can never hold fails at once)."""
+
+    limit_mm_per_prompt: dict[str, Annotated[int, Field(ge=0)]] | None = None
+    """Most images in one prompt, vLLM's key: {"image": 4}; default 999 (vLLM's); {"image": 0}
+    takes none. Only "image" is read."""
+    mm_processor_kwargs: dict[str, Any] | None = None
+    """Options passed to the model's Hugging Face processor on every call (vLLM's key), e.g.
+    {"max_pixels": 1003520} for Qwen-style processors, {"do_pan_and_scan": true} for Gemma 3."""
+    allowed_local_media_path: str = ""
+    """Folder whose files requests may name as file:// image URLs (vLLM's key); empty: none."""
+    allowed_media_domains: list[str] | None = None
+    """Hosts that http(s) image URLs may name (vLLM's key); None: any host."""
+    media_fetch_timeout_s: float = Field(5.0, gt=0)
+    """Seconds an http(s) image fetch may take, first byte to last (vLLM's
+    VLLM_IMAGE_FETCH_TIMEOUT)."""
+    max_media_bytes: int = Field(20 * 1024 * 1024, ge=1)
+    """Largest encoded image a request may send or point to, in bytes."""
+    max_image_pixels: int = Field(1 << 25, ge=1)
+    """Largest image a request may send, in pixels (width x height)."""
 
     @model_validator(mode="after")
     def _check_offloading(self) -> EngineArgs:

@@ -53,6 +53,10 @@ def _value_options(name: str, schema: dict[str, Any]) -> dict[str, Any]:
     (value,) = [option for option in schema.get("anyOf", [schema]) if option.get("type") != "null"]
     if "$ref" in value:  # a nested config (speculative_config): JSON, as vLLM's flag takes it
         return {"type": _json_object, "metavar": "JSON"}
+    if value["type"] == "object":  # limit_mm_per_prompt, mm_processor_kwargs: JSON, as vLLM's
+        return {"type": _json_object, "metavar": "JSON"}
+    if value["type"] == "array":  # allowed_media_domains: one or more values
+        return {"type": _PARSERS[value["items"]["type"]], "nargs": "+", "metavar": name.upper()}
     if value["type"] == "boolean":
         return {"action": argparse.BooleanOptionalAction}
     if "enum" in value:

@@ -4,6 +4,8 @@
     text prompt ──tokenize──┐
     token IDs ──────────────┼─► check IDs (non-empty, ints, in the vocabulary) ─► Prompt
     messages ──chat template┘
+    messages with images / {"prompt", "multi_modal_data"} ─► the model's HF processor
+        (cluster.engine.mm_inputs) ─► Prompt with one MultiModalFeature per placeholder run
     OpenAI request ─► Prompt + room left in the context ─► SamplingParams (cluster.openai_api)
 
 Every refusal is a ValueError (TypeError for a wrong type) naming what to fix.
@@ -16,23 +18,29 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cluster.engine.mm_inputs import MultiModalConfig, MultiModalInputs
+from cluster.openai_api.content_parts import template_messages
 from cluster.openai_api.protocol import ChatCompletionRequest, CompletionRequest
 from cluster.openai_api.sampling import to_sampling_params
 from cluster.openai_api.tools import tool_dicts
+from scheduler.multimodal import MultiModalFeature
 from scheduler.request import SamplingParams
 
 PromptInput = str | Sequence[int] | Mapping[str, object]
-"""A prompt: text, token IDs, or vLLM's `{"prompt": text}` / `{"prompt_token_ids": ids}` dicts."""
+"""A prompt: text, token IDs, or vLLM's `{"prompt": text}` / `{"prompt_token_ids": ids}` dicts
+(`{"prompt": text, "multi_modal_data": {"image": image or [images]}}` with images)."""
 ChatMessage = Mapping[str, object]
 """One chat message: {"role": "user" | "assistant" | "system", "content": ...}."""
 
 
 @dataclass(frozen=True)
 class Prompt:
-    """A prompt ready for the engine: its text (None when given as IDs) and its token IDs."""
+    """A prompt ready for the engine: its text (None when given as IDs), its token IDs and
+    its images (placeholder runs in the token IDs)."""
 
     text: str | None
     token_ids: list[int]
+    mm_features: tuple[MultiModalFeature, ...] = ()
 
 
 def is_token_id(value: object) -> bool:
@@ -61,15 +69,26 @@ def check_token_ids(index: int, token_ids: Sequence[object], vocab_size: int) ->
 class InputProcessor:
     """Turns what callers send into what the engine runs, for one model."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, model_path: str):
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        max_model_len: int,
+        model_path: str,
+        multimodal: MultiModalInputs | None = None,
+    ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.model_path = model_path
+        self.multimodal = multimodal or MultiModalInputs(None, None, MultiModalConfig())
+        """Image processing (one that refuses images when the model takes none)."""
 
     def prompt(self, prompt: PromptInput, index: int = 0) -> Prompt:
         """A text prompt tokenized (with the tokenizer's special tokens), or IDs checked."""
         if isinstance(prompt, Mapping):
+            if prompt.get("multi_modal_data") is not None:
+                return self._prompt_with_images(prompt, index)
             ids = prompt.get("prompt_token_ids")
             text = prompt.get("prompt")
             if ids is None:
@@ -93,11 +112,10 @@ class InputProcessor:
         """A conversation rendered by the chat template (which adds BOS), and its IDs; `tools`
         (OpenAI's function definitions) go to the template as its `tools`."""
         _check_messages(messages)
+        rendered, image_refs = template_messages(messages)
+        self.multimodal.check_images([ref.where for ref in image_refs])
         tokenizer = self._require_tokenizer("chat messages are rendered by the tokenizer")
-        template = chat_template or tokenizer.chat_template
-        if not template:
-            raise ValueError(f"the tokenizer of {self.model_path} has no chat template")
-        rendered = [_rendered_message(m) for m in messages]
+        template = self._chat_template(chat_template)
         extra = {"tools": list(tools)} if tools else {}
         try:
             text = str(
@@ -111,6 +129,10 @@ class InputProcessor:
             )
         except Exception as error:  # a template error is the messages' fault
             raise ValueError(f"the chat template failed on these messages: {error}") from None
+        if image_refs:
+            images = self.multimodal.load(image_refs)
+            ids, features = self.multimodal.process(text, images, add_special_tokens=False)
+            return Prompt(text, self._ids(index, ids), features)
         ids = tokenizer(text, add_special_tokens=False).input_ids
         return Prompt(text, self._ids(index, ids))
 
@@ -142,6 +164,38 @@ class InputProcessor:
             )
         return prompt, to_sampling_params(request, _max_tokens(request, room))
 
+    def _prompt_with_images(self, prompt: Mapping[str, object], index: int) -> Prompt:
+        """vLLM's `{"prompt": text with one placeholder per image, "multi_modal_data":
+        {"image": image or [images]}}`, processed by the model's processor (which adds the
+        tokenizer's special tokens, as a text prompt gets)."""
+        data = prompt["multi_modal_data"]
+        where = f"prompt {index}: multi_modal_data"
+        if not isinstance(data, Mapping) or set(data) - {"image"}:
+            raise ValueError(f'{where} must be {{"image": image or [images]}}, got {data!r:.80}')
+        text = prompt.get("prompt")
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"{where} needs the prompt as text (with the image placeholders)")
+        images = self.multimodal.checked_images(data.get("image", []), f"{where}['image']")
+        if not images:
+            return self.prompt(text, index)
+        try:
+            ids, features = self.multimodal.process(text, images, add_special_tokens=True)
+        except ValueError as error:
+            raise ValueError(f"prompt {index}: {error}") from None
+        return Prompt(text, self._ids(index, ids), features)
+
+    def _chat_template(self, chat_template: str | None) -> str:
+        """The request's template, else the tokenizer's, else the processor's."""
+        processor = self.multimodal.processor
+        template = (
+            chat_template
+            or self.tokenizer.chat_template
+            or getattr(processor, "chat_template", None)
+        )
+        if not template:
+            raise ValueError(f"the tokenizer of {self.model_path} has no chat template")
+        return str(template)
+
     def _ids(self, index: int, token_ids: object) -> list[int]:
         return check_token_ids(index, token_ids, self.vocab_size)  # type: ignore[arg-type]
 
@@ -159,32 +213,6 @@ def _check_messages(messages: object) -> None:
     for index, message in enumerate(messages):
         if not isinstance(message, Mapping) or "role" not in message:
             raise ValueError(f"messages[{index}] must be an object with a 'role', got {message!r}")
-
-
-_PASSED_KEYS = ("name", "tool_calls", "tool_call_id")
-"""Message keys the template sees besides role and content (tool calls and their results)."""
-
-
-def _rendered_message(message: ChatMessage) -> dict[str, object]:
-    rendered = {"role": message["role"], "content": _content_text(message)}
-    rendered.update({key: message[key] for key in _PASSED_KEYS if key in message})
-    return rendered
-
-
-def _content_text(message: ChatMessage) -> str:
-    """A message's content as text (OpenAI's list of text parts joined)."""
-    content = message.get("content")
-    if content is None or isinstance(content, str):
-        return content or ""
-    if not isinstance(content, Sequence):
-        raise TypeError(f"message content must be text or a list of parts, got {content!r}")
-    parts = []
-    for part in content:
-        if not isinstance(part, Mapping) or part.get("type", "text") != "text":
-            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-            raise ValueError(f"content parts of type {kind!r} are not supported")
-        parts.append(str(part.get("text", "")))
-    return "".join(parts)
 
 
 def _max_tokens(request: CompletionRequest | ChatCompletionRequest, room: int) -> int:

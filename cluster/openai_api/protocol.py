@@ -192,9 +192,20 @@ class CompletionRequest(SamplingFields):
         return [self.prompt]  # type: ignore[list-item]
 
 
+class ImageUrl(TypedDict, total=False):
+    """OpenAI's `image_url` object: a data:image/...;base64, http(s):// or file:// URL."""
+
+    url: Required[str]
+    detail: Literal["auto", "low", "high"]
+
+
 class ContentPart(TypedDict, total=False):
+    """A part of a message's content: `{"type": "text", "text": ...}` or
+    `{"type": "image_url", "image_url": {"url": ...}}`."""
+
     type: str
     text: str
+    image_url: ImageUrl
 
 
 class ChatMessage(TypedDict, total=False):

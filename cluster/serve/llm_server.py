@@ -34,9 +34,11 @@ from cluster.engine.executor import create_executor
 from cluster.engine.executor.placement import PlacementSpec, uses_gpus
 from cluster.engine.input_processor import InputProcessor
 from cluster.engine.kv_transfer import KVTransfer, kv_export, transfer_counters
+from cluster.engine.mm_inputs import MultiModalConfig, load_multimodal_inputs
 from cluster.engine.outputs import OutputAccumulator, RequestOutput
 from cluster.engine.request import EngineRequest
 from cluster.engine.stream_batching import StreamBatching
+from cluster.openai_api.content_parts import first_image_part
 from cluster.openai_api.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -105,8 +107,11 @@ class LLMServer:
         self.tokenizer = self.engine.core.tokenizer
         model = self.engine.core.model_config
         self.max_model_len = model.max_model_len
+        multimodal = load_multimodal_inputs(
+            model.model_path, MultiModalConfig.from_engine_args(args)
+        )
         self.inputs = InputProcessor(
-            self.tokenizer, model.vocab_size, model.max_model_len, self.config.model_id
+            self.tokenizer, model.vocab_size, model.max_model_len, self.config.model_id, multimodal
         )
         self.draining = False
         self.metrics: EngineMetrics | None = None
@@ -143,7 +148,9 @@ class LLMServer:
                 yield item
             return
         try:
-            engine_request, formatter = self._prepare(request, request_id, prompt_token_ids)
+            engine_request, formatter = await self._prepare_off_loop(
+                request, request_id, prompt_token_ids
+            )
             await self.before_add(engine_request)
             if kv_source is not None:
                 await pull_from_peer(self.engine, engine_request, kv_source)
@@ -275,6 +282,18 @@ class LLMServer:
         if self.metrics is not None:
             self.metrics.record_tokens(delta)
 
+    async def _prepare_off_loop(
+        self,
+        request: CompletionRequest | ChatCompletionRequest,
+        request_id: str,
+        prompt_token_ids: list[int] | None,
+    ) -> tuple[EngineRequest, Formatter]:
+        """`_prepare`, in a thread for a request with images (fetched and processed there), so
+        the other requests' streams keep flowing meanwhile."""
+        if isinstance(request, ChatCompletionRequest) and first_image_part(request.messages):
+            return await asyncio.to_thread(self._prepare, request, request_id)
+        return self._prepare(request, request_id, prompt_token_ids)
+
     def _prepare(
         self,
         request: CompletionRequest | ChatCompletionRequest,
@@ -291,6 +310,7 @@ class LLMServer:
             priority=request.priority,
             cache_salt=request.cache_salt,
             lora_request=self._lora_request(request.model),
+            mm_features=prompt.mm_features,
         )
         formatter: Formatter
         if isinstance(request, ChatCompletionRequest):

@@ -17,6 +17,10 @@ from worker.models.llama4 import Llama4ForCausalLM
 from worker.models.llama4_vision import Llama4ForConditionalGeneration
 from worker.models.nemotron_h import NemotronHForCausalLM
 from worker.models.qwen2 import Qwen2ForCausalLM
+from worker.models.qwen3_5_vision import (
+    Qwen3_5ForConditionalGeneration,
+    Qwen3_5MoeForConditionalGeneration,
+)
 from worker.models.qwen3_next import (
     Qwen3_5ForCausalLM,
     Qwen3_5MoeForCausalLM,
@@ -41,6 +45,8 @@ _MODELS: dict[str, type[DecoderForCausalLM]] = {
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
     "Qwen3_5ForCausalLM": Qwen3_5ForCausalLM,
     "Qwen3_5MoeForCausalLM": Qwen3_5MoeForCausalLM,
+    "Qwen3_5ForConditionalGeneration": Qwen3_5ForConditionalGeneration,
+    "Qwen3_5MoeForConditionalGeneration": Qwen3_5MoeForConditionalGeneration,
     "Lfm2ForCausalLM": Lfm2ForCausalLM,
 }
 

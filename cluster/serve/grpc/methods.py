@@ -67,6 +67,9 @@ def _request_dict(message: Message, stream: bool) -> dict[str, Any]:
             data[name] = _integral(data[name])
     if "prompt_token_ids" in data:
         data["prompt"] = data.pop("prompt_token_ids")
+    for message in data.get("messages", []):
+        if "content_parts" in message:  # OpenAI's list of parts (text, image_url)
+            message["content"] = message.pop("content_parts")
     data["stream"] = stream
     return data
 
