@@ -4,6 +4,11 @@ proportional (Gemma 4: a fraction of the frequencies rotate, the rest are zero) 
 cos/sin are computed from the positions of each step exactly as transformers does (fp32 outer
 product, `cat(freqs, freqs)`, then cast to the activation dtype), so CPU fp32 runs match it
 bit for bit. With `partial_rotary_factor < 1` only the first `rotary_dim` features rotate.
+
+Multimodal rope (M-RoPE, Qwen3.5): a config with `mrope_section` [t, h, w] takes positions
+[3, T] (temporal, height, width) as well as [T]; frequency i reads the height position when
+i % 3 == 1 and i < 3h, the width position when i % 3 == 2 and i < 3w, else the temporal one
+(the interleaved layout). Text positions are equal on every axis, so [T] positions stay plain rope.
 """
 
 from __future__ import annotations
@@ -151,12 +156,29 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = 2 * inv_freq.numel()
         # NOTE: kept in fp32 on purpose; casting the model with `.to(bf16)` would degrade it.
         self.register_buffer("inv_freq", inv_freq.to(torch.get_default_device()), persistent=False)
+        section = params.get("mrope_section")
+        self.mrope_section = tuple(section) if isinstance(section, (list, tuple)) else None
+        """[t, h, w] frequencies per axis of M-RoPE (None: positions are [T] only)."""
 
     def forward(self, positions: torch.Tensor) -> RopeTables:
-        """[T] positions -> fp32 cos/sin [T, rotary_dim]."""
-        freqs = positions[:, None].float() * self.inv_freq.float()
+        """[T] positions (or M-RoPE's [3, T]) -> fp32 cos/sin [T, rotary_dim]."""
+        if positions.dim() == 2:
+            freqs = self._mrope_freqs(positions)
+        else:
+            freqs = positions[:, None].float() * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
         return RopeTables(emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling)
+
+    def _mrope_freqs(self, positions: torch.Tensor) -> torch.Tensor:
+        """[3, T] positions -> [T, rotary_dim / 2] angles, each frequency from its axis."""
+        if self.mrope_section is None:
+            raise ValueError("[3, T] positions need a rope config with `mrope_section`")
+        per_axis = positions[..., None].float() * self.inv_freq.float()  # [3, T, rotary_dim / 2]
+        freqs = per_axis[0].clone()
+        for axis in (1, 2):
+            frequencies = slice(axis, 3 * self.mrope_section[axis], 3)
+            freqs[..., frequencies] = per_axis[axis, ..., frequencies]
+        return freqs
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

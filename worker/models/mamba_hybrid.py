@@ -127,12 +127,22 @@ class HybridModel(nn.Module):
         self.rotary_emb = rotary
         self.embedding_multiplier = embedding_multiplier
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, hidden]: token embeddings times the embedding multiplier."""
         hidden: torch.Tensor = self.embed_tokens(input_ids)
         if self.embedding_multiplier != 1:
             hidden = hidden * self.embedding_multiplier
+        return hidden
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`inputs_embeds` [T, hidden] (images merged in) replaces `embed_input_ids`."""
+        hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         rope = self.rotary_emb(positions) if self.rotary_emb is not None else None
         for layer in self.layers:
             hidden = layer(hidden, rope, ctx)

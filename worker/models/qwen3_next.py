@@ -106,8 +106,10 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
     """Checkpoints keep `in_proj_qkvz` / `in_proj_ba` (Qwen3.5: four projections)."""
     renames = (("model.language_model.", "model."),)
     """A multimodal checkpoint's text model (`worker.config.TEXT_MODEL_OF`)."""
-    skipped_prefixes = ("mtp.", "model.visual.")
+    skipped_prefixes: tuple[str, ...] = ("mtp.", "model.visual.")
     """The multi-token-prediction head and the vision encoder: not served."""
+    default_mrope_section: tuple[int, ...] | None = None
+    """M-RoPE's [t, h, w] frequencies when the config names none (None: plain rope only)."""
 
     def load_weights(self, weights: Iterable[tuple[str, WeightSource]]) -> set[str]:
         kept = (
@@ -173,7 +175,10 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
                 "mlp": self.build_ffn(hf_config, idx, parallel),
             }
 
-        rotary = RotaryEmbedding(head_size_of(hf_config), rope_parameters(hf_config))
+        rope = rope_parameters(hf_config)
+        if self.default_mrope_section is not None:
+            rope.setdefault("mrope_section", list(self.default_mrope_section))
+        rotary = RotaryEmbedding(head_size_of(hf_config), rope)
         model = HybridModel(hf_config, build_layers(specs, modules), parallel, rotary, eps)
         model.norm = RMSNorm(hidden, eps, add_unit_offset=True)
         return model
