@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
+from torch import nn
 from transformers import AutoConfig, AutoModel, PretrainedConfig
 from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder
 
@@ -31,7 +32,7 @@ from scheduler.multimodal import MultiModalFeature
 from worker.attention.attention import ForwardContext
 from worker.config import ModelConfig, ParallelConfig
 from worker.layers.loading import WeightSource, copy_checked, read_full
-from worker.models.gemma4 import Gemma4ForCausalLM
+from worker.models.gemma4 import Gemma4ForCausalLM, Gemma4Model
 
 TEXT_PREFIX = "model.language_model."
 """Checkpoint names of the text model (ours: `model.`)."""
@@ -71,16 +72,16 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
         self.bidirectional_images = text_config.use_bidirectional_attention == "vision"
         """An image's tokens attend to each other both ways (in the sliding layers only)."""
         self.pad_token_id = int(text_config.pad_token_id or 0)
-        self.vision_tower = AutoModel.from_config(
+        self.vision_tower: nn.Module = AutoModel.from_config(  # type: ignore[no-untyped-call]
             config.vision_config, attn_implementation="sdpa", dtype=torch.get_default_dtype()
         )
-        self.embed_vision = Gemma4MultimodalEmbedder(config.vision_config, text_config)
+        self.embed_vision = Gemma4MultimodalEmbedder(config.vision_config, text_config)  # type: ignore[arg-type]
         self.pooling_kernel_size = int(config.vision_config.pooling_kernel_size)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden]: token embeddings scaled by sqrt(hidden), as the forward has them."""
-        embeds: torch.Tensor = self.model.embed_tokens(input_ids)
-        return self.model.scale_embeddings(embeds)
+        embeds: torch.Tensor = self.model.embed_tokens(input_ids)  # type: ignore[operator]
+        return Gemma4Model.scale_embeddings(embeds)
 
     def forward(
         self,
@@ -117,7 +118,7 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
     def _encode(self, features: list[MultiModalFeature]) -> list[torch.Tensor]:
         """Encode images padded to one patch count in one batch."""
         weight = self.embed_vision.embedding_projection.weight
-        device, dtype = weight.device, self.vision_tower.dtype
+        device, dtype = weight.device, weight.dtype
         pixels = torch.cat([feature.data["pixel_values"] for feature in features])
         position_ids = torch.cat([feature.data["image_position_ids"] for feature in features])
         position_ids = position_ids.to(device)

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 import torch
+from torch import nn
 from transformers import AutoConfig, Llama4VisionModel, PretrainedConfig
 from transformers.models.llama4.modeling_llama4 import Llama4MultiModalProjector
 
@@ -61,14 +62,14 @@ class Llama4ForConditionalGeneration(Llama4ForCausalLM):
     def __init__(self, model_config: ModelConfig, parallel: ParallelConfig) -> None:
         super().__init__(model_config, parallel)
         config = checkpoint_config(model_config)
-        self.vision_model = Llama4VisionModel._from_config(
+        self.vision_model: nn.Module = Llama4VisionModel._from_config(  # type: ignore[no-untyped-call]
             config.vision_config, attn_implementation="sdpa", dtype=torch.get_default_dtype()
         )
-        self.multi_modal_projector = Llama4MultiModalProjector(config)
+        self.multi_modal_projector = Llama4MultiModalProjector(config)  # type: ignore[no-untyped-call]
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden]: the token embeddings (Llama 4 does not scale them)."""
-        embeds: torch.Tensor = self.model.embed_tokens(input_ids)
+        embeds: torch.Tensor = self.model.embed_tokens(input_ids)  # type: ignore[operator]
         return embeds
 
     def forward(
