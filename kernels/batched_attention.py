@@ -23,6 +23,7 @@ from kernels.reference import (
     ScoreRule,
     attend_request,
     check_attention_args,
+    check_key_ends,
     check_key_from_value,
     rotate_values_into_keys,
 )
@@ -45,10 +46,16 @@ def paged_attention(  # noqa: PLR0913 (the signature shared by every backend)
     sinks: torch.Tensor | None = None,
     key_from_value: KeyFromValue | None = None,
     kv_scales: KVScales | None = None,
+    key_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal attention of a mixed batch over a paged KV cache; see the reference."""
+    """Causal attention of a mixed batch over a paged KV cache; see the reference.
+
+    `key_ends` reach the prefill chunks only: a single-token query sees up to itself anyway
+    (an image of one token ends at that token's position + 1).
+    """
     check_attention_args(query, key_cache, value_cache, block_table, sliding_window, softcap, sinks)
     check_key_from_value(key_from_value, query.shape[2])
+    check_key_ends(key_ends, query.shape[0])
     rule = ScoreRule(scale, sliding_window, softcap, None if sinks is None else sinks.float())
     starts = query_start_loc.tolist()
     lengths = seq_lens.tolist()
@@ -60,7 +67,8 @@ def paged_attention(  # noqa: PLR0913 (the signature shared by every backend)
             decodes.append(req_idx)
         elif end > start:  # prefill chunks, and a lone request (batch 1: the reference path)
             paged = PagedKV(key_cache, value_cache, block_table[req_idx], key_from_value, kv_scales)
-            output[start:end] = attend_request(query[start:end], seq_len, paged, rule)
+            ends = None if key_ends is None else key_ends[start:end]
+            output[start:end] = attend_request(query[start:end], seq_len, paged, rule, ends)
     if decodes:
         paged = PagedKV(key_cache, value_cache, block_table, key_from_value, kv_scales)
         spans = [_key_span(lengths[idx], sliding_window) for idx in decodes]

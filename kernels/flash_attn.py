@@ -6,6 +6,10 @@ why it cannot serve a configuration (the registry logs that reason and falls bac
 fp8 KV pages are refused: flash-attn 2 reads fp16/bf16 pages only, and dequantizing every
 page a step reads into a temporary would move 2.5x the bytes of reading fp8 in the kernel
 (read fp8, write and read bf16), so `auto` picks Triton, which dequantizes as it loads.
+
+Per-row key ends (an image's tokens attending to each other both ways, Gemma 3) are served by
+handing that call to the Triton kernel: flash-attn 2 has causal or full masks only. Only the
+steps that prefill such an image carry them; every other step stays on flash-attn.
 """
 
 from __future__ import annotations
@@ -86,15 +90,24 @@ def paged_attention(  # noqa: PLR0913 (the signature shared by every backend)
     sinks: torch.Tensor | None = None,
     key_from_value: KeyFromValue | None = None,
     kv_scales: KVScales | None = None,
+    key_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged attention of a mixed batch; same contract as `kernels.reference.paged_attention`
-    (fp8 caches are refused: `kv_scales` is there for the shared signature).
+    (fp8 caches are refused: `kv_scales` is there for the shared signature; a call with
+    `key_ends` runs the Triton kernel).
 
     NOTE: reads `max(q_len)` and `max(seq_len)` on the host (one device sync), as
     flash-attn's varlen API needs them. flash-attn starts its key loop at the window's first
     block, so stale block-table entries before the window are not dereferenced.
     """
     check_attention_args(query, key_cache, value_cache, block_table, sliding_window, softcap, sinks)
+    if key_ends is not None:
+        from kernels import triton_attention
+
+        return triton_attention.paged_attention(
+            query, key_cache, value_cache, block_table, query_start_loc, seq_lens, scale,
+            sliding_window, softcap, sinks, key_from_value, kv_scales, key_ends,
+        )  # fmt: skip
     reason = unsupported_reason(
         query.device,
         key_cache.shape[1],

@@ -94,6 +94,7 @@ def paged_attention(  # noqa: PLR0913 (the signature shared by every backend)
     sinks: torch.Tensor | None = None,
     key_from_value: KeyFromValue | None = None,
     kv_scales: KVScales | None = None,
+    key_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch (prefill chunks and decodes) over a paged KV cache.
 
@@ -102,11 +103,13 @@ def paged_attention(  # noqa: PLR0913 (the signature shared by every backend)
     head's softmax denominator but have no value (attention sinks, gpt-oss): the weights of
     the keys then sum to less than one. `key_from_value`: the keys are derived from the values
     (see `KeyFromValue`; rebuilt from values read with the value scale). `kv_scales`: fp8
-    pages are read as `fp8.float() * scale` (1.0 when None). Returns `[num_tokens, num_q_heads,
-    head_size]` in the query dtype.
+    pages are read as `fp8.float() * scale` (1.0 when None). `key_ends` [num_tokens] int32: per
+    query row, one past the last key position it sees (see `check_key_ends`; None: causal).
+    Returns `[num_tokens, num_q_heads, head_size]` in the query dtype.
     """
     check_attention_args(query, key_cache, value_cache, block_table, sliding_window, softcap, sinks)
     check_key_from_value(key_from_value, query.shape[2])
+    check_key_ends(key_ends, query.shape[0])
     output = torch.zeros_like(query)
     rule = ScoreRule(scale, sliding_window, softcap, None if sinks is None else sinks.float())
     starts = query_start_loc.tolist()
@@ -114,25 +117,32 @@ def paged_attention(  # noqa: PLR0913 (the signature shared by every backend)
         start, end = starts[req_idx], starts[req_idx + 1]
         if end > start:
             paged = PagedKV(key_cache, value_cache, block_table[req_idx], key_from_value, kv_scales)
-            output[start:end] = attend_request(query[start:end], seq_len, paged, rule)
+            ends = None if key_ends is None else key_ends[start:end]
+            output[start:end] = attend_request(query[start:end], seq_len, paged, rule, ends)
     return output
 
 
 def attend_request(
-    query: torch.Tensor, seq_len: int, paged: PagedKV, rule: ScoreRule
+    query: torch.Tensor,
+    seq_len: int,
+    paged: PagedKV,
+    rule: ScoreRule,
+    key_ends: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One request's attention: `query` `[q_len, num_q_heads, head_size]` holds its newest
-    tokens out of `seq_len`; long queries go in row chunks under the score budget."""
+    tokens out of `seq_len` (`key_ends`: its rows' key ends, None: causal); long queries go in
+    row chunks under the score budget."""
     q_len = query.shape[0]
     context_len = seq_len - q_len
     rows = _chunk_rows(query.shape[1], seq_len)
     if rows >= q_len:
-        return _attend(query, context_len, paged, rule)
+        return _attend(query, context_len, paged, rule, key_ends)
     output = torch.empty_like(query)
     for chunk_start in range(0, q_len, rows):
         chunk_end = min(chunk_start + rows, q_len)
         chunk = query[chunk_start:chunk_end]
-        output[chunk_start:chunk_end] = _attend(chunk, context_len + chunk_start, paged, rule)
+        ends = None if key_ends is None else key_ends[chunk_start:chunk_end]
+        output[chunk_start:chunk_end] = _attend(chunk, context_len + chunk_start, paged, rule, ends)
     return output
 
 
@@ -174,6 +184,19 @@ def check_attention_args(  # noqa: PLR0913 (every argument of the kernel signatu
     assert sinks is None or sinks.shape == (query.shape[1],), "sinks: one logit per query head"
 
 
+def check_key_ends(key_ends: torch.Tensor | None, num_tokens: int) -> None:
+    """Assert the shape of `key_ends` (shared by every backend that accepts it).
+
+    `key_ends[t]` is one past the last key position query row `t` sees: its position + 1 for a
+    causal row, more for a row that also sees later keys (the tokens of one image attending to
+    each other both ways, Gemma 3). A sliding window still bounds keys from below. Every key
+    below a row's end must be in the cache this step (its request's `seq_lens`).
+    """
+    if key_ends is None:
+        return
+    assert key_ends.shape == (num_tokens,), (key_ends.shape, num_tokens)
+
+
 def check_key_from_value(key_from_value: KeyFromValue | None, head_size: int) -> None:
     """Assert the shapes of a `KeyFromValue` (shared by every backend that accepts one)."""
     if key_from_value is None:
@@ -204,19 +227,27 @@ def _chunk_rows(num_q_heads: int, seq_len: int) -> int:
     return max(1, _MAX_SCORE_ELEMENTS // (num_q_heads * max(seq_len, 1)))
 
 
-def _attend(query: torch.Tensor, first_pos: int, paged: PagedKV, rule: ScoreRule) -> torch.Tensor:
-    """Attention of `query` `[q_len, num_q_heads, head_size]`, first token at `first_pos`.
+def _attend(
+    query: torch.Tensor,
+    first_pos: int,
+    paged: PagedKV,
+    rule: ScoreRule,
+    key_ends: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of `query` `[q_len, num_q_heads, head_size]`, first token at `first_pos`
+    (`key_ends`: each row's key end, None: causal).
 
     Only blocks that hold keys some query may see are gathered, so block-table entries of
     blocks wholly outside the sliding window are never read.
     """
     q_len = query.shape[0]
     key_start = 0 if rule.sliding_window is None else max(0, first_pos - rule.sliding_window + 1)
-    key_end = first_pos + q_len
+    query_pos = torch.arange(first_pos, first_pos + q_len, device=query.device)[:, None]
+    row_ends = query_pos + 1 if key_ends is None else key_ends.to(query.device).long()[:, None]
+    key_end = first_pos + q_len if key_ends is None else int(row_ends.max())
     keys, values = _gather_keys(paged, key_start, key_end)  # [num_kv_heads, num_keys, head_size]
-    query_pos = torch.arange(first_pos, key_end, device=query.device)[:, None]
     key_pos = torch.arange(key_start, key_end, device=query.device)[None, :]
-    is_visible = key_pos <= query_pos  # [q_len, num_keys]
+    is_visible = key_pos < row_ends  # [q_len, num_keys]
     if rule.sliding_window is not None:
         is_visible &= query_pos - key_pos < rule.sliding_window
     q = query.float().transpose(0, 1)  # [num_q_heads, q_len, head_size]

@@ -59,6 +59,7 @@ class PagedAttentionFn(Protocol):
         sinks: torch.Tensor | None = None,
         key_from_value: KeyFromValue | None = None,
         kv_scales: KVScales | None = None,
+        key_ends: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 

@@ -22,7 +22,12 @@ import triton
 import triton.language as tl
 
 from kernels.kv_quant import KVScales, is_fp8, scale_tensors
-from kernels.reference import KeyFromValue, check_attention_args, check_key_from_value
+from kernels.reference import (
+    KeyFromValue,
+    check_attention_args,
+    check_key_ends,
+    check_key_from_value,
+)
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 
@@ -98,7 +103,7 @@ def _rotate_values_into_keys(  # type: ignore[no-untyped-def]
 def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
-    sinks_ptr, key_scale_ptr, inv_freq_ptr, rope_scaling, k_scale_ptr, v_scale_ptr,
+    sinks_ptr, key_scale_ptr, inv_freq_ptr, rope_scaling, k_scale_ptr, v_scale_ptr, key_ends_ptr,
     scale, softcap, sliding_window, num_reqs, block_size,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -107,6 +112,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr, KEY_FROM_VALUE: tl.constexpr, ROTARY_DIM: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+    HAS_KEY_ENDS: tl.constexpr,
 ):  # fmt: skip
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -134,7 +140,12 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         q = q.to(tl.float32)
 
     # Keys this tile may see: [key_start, key_end); tiles outside the window are not visited.
+    # Each row sees keys below its own end: its position + 1, or further (`key_ends`).
     key_end = tl.minimum(context_len + q_local + BLOCK_Q, context_len + q_len)
+    row_key_end = row_pos + 1
+    if HAS_KEY_ENDS:
+        row_key_end = tl.load(key_ends_ptr + q_start + row_token, mask=row_ok, other=0)
+        key_end = tl.max(row_key_end, 0)
     key_start = 0
     if HAS_WINDOW:
         key_start = tl.maximum(context_len + q_local - sliding_window + 1, 0)
@@ -191,7 +202,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
         if HAS_SOFTCAP:
             scores = softcap * _tanh(scores / softcap)
-        is_visible = row_ok[:, None] & key_ok[None, :] & (key_pos[None, :] <= row_pos[:, None])
+        is_visible = row_ok[:, None] & key_ok[None, :] & (key_pos[None, :] < row_key_end[:, None])
         if HAS_WINDOW:
             is_visible = is_visible & (row_pos[:, None] - key_pos[None, :] < sliding_window)
         scores = tl.where(is_visible, scores, float("-inf"))
@@ -287,6 +298,7 @@ def paged_attention(  # the signature shared by every backend
     sinks: torch.Tensor | None = None,
     key_from_value: KeyFromValue | None = None,
     kv_scales: KVScales | None = None,
+    key_ends: torch.Tensor | None = None,
     *,
     launch: LaunchConfig | None = None,
 ) -> torch.Tensor:
@@ -297,6 +309,7 @@ def paged_attention(  # the signature shared by every backend
     """
     check_attention_args(query, key_cache, value_cache, block_table, sliding_window, softcap, sinks)
     check_key_from_value(key_from_value, query.shape[2])
+    check_key_ends(key_ends, query.shape[0])
     assert query.stride(2) == 1, "head_size must be contiguous"
     assert key_cache.stride(3) == 1, "head_size must be contiguous"
     assert value_cache.stride(3) == 1, "head_size must be contiguous"
@@ -323,7 +336,9 @@ def paged_attention(  # the signature shared by every backend
         output, *partials,
         query, key_cache, value_cache, block_table, query_start_loc.contiguous(),
         seq_lens.contiguous(), output if sinks is None else sinks.float().contiguous(),
-        *derived[:3], k_scale, v_scale, scale, softcap or 1.0, sliding_window or 1, num_reqs,
+        *derived[:3], k_scale, v_scale,
+        output if key_ends is None else key_ends.to(torch.int32).contiguous(),
+        scale, softcap or 1.0, sliding_window or 1, num_reqs,
         key_cache.shape[1],
         query.stride(0), query.stride(1), output.stride(0), output.stride(1), block_table.stride(0),
         *key_cache.stride()[:3], *value_cache.stride()[:3],
@@ -334,6 +349,7 @@ def paged_attention(  # the signature shared by every backend
         KEY_FROM_VALUE=key_from_value is not None, ROTARY_DIM=derived[3],
         DOT_FP32=is_interpreted() or is_fp32,
         DOT_PRECISION="ieee" if is_fp32 else "tf32", KV_FP8=is_fp8(key_cache.dtype),
+        HAS_KEY_ENDS=key_ends is not None,
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )  # fmt: skip

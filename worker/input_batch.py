@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from scheduler.lora import LoRARequest
+from scheduler.multimodal import MultiModalFeature
 from scheduler.output import CachedRequestData, NewRequestData, SchedulerOutput
 from scheduler.request import SamplingParams
 from worker.attention.block_table import MultiGroupBlockTable
@@ -42,6 +43,8 @@ class CachedRequestState:
     """Seeded requests draw from their own generator, so their tokens are reproducible."""
     lora_request: LoRARequest | None = None
     """The request's adapter (None: the base model)."""
+    mm_features: tuple[MultiModalFeature, ...] = ()
+    """The prompt's images (placeholder runs and encoder inputs), in prompt order."""
 
     @property
     def num_tokens(self) -> int:
@@ -86,6 +89,7 @@ class RequestStates:
             sampling_params=params,
             generator=generator,
             lora_request=new_req.lora_request,
+            mm_features=new_req.mm_features,
         )
         self._assign_row(new_req.req_id)
 
@@ -137,6 +141,9 @@ class InputBatch:
     query_start_loc_np: np.ndarray
     seq_lens_np: np.ndarray
     num_computed_np: np.ndarray
+    key_ends: torch.Tensor | None = None
+    """[num_tokens] int32: per query row, one past the last key it sees, when an image's tokens
+    attend to each other both ways this step (`worker.multimodal`); None: causal."""
 
     @property
     def num_reqs(self) -> int:

@@ -56,6 +56,7 @@ from worker.kv_cache import (
 )
 from worker.kv_io.offload_store import HostOffloadStore
 from worker.lora.manager import LoRAManager
+from worker.multimodal import ImageStep, takes_images
 from worker.prompt_logprobs import prompt_logprob_rows, prompt_logprobs
 from worker.runner_config import RunnerConfig
 from worker.sampler import Sampler
@@ -149,6 +150,7 @@ class ModelRunner:
             LoRAManager(model, config.lora, device) if config.lora is not None else None  # type: ignore[arg-type]
         )
         """The adapters' host copies and device slots (None: LoRA off)."""
+        self.images = ImageStep(model, device) if takes_images(model) else None  # type: ignore[arg-type]
 
     @property
     def dtype_bytes(self) -> int:
@@ -279,6 +281,9 @@ class ModelRunner:
             scheduler_output.num_scheduled_tokens,
             scheduler_output.scheduled_spec_tokens,
         )
+        model_inputs: dict[str, torch.Tensor] = {}
+        if self.images is not None:  # images: input embeddings, and key ends if both ways
+            batch, model_inputs = self.images.prepare(batch, states)
         prompt_rows = prompt_logprob_rows(batch, states, self.device)
         step = StepRows(batch.logits_indices, self._full_reqs(batch))
         ctx = build_forward_context(
@@ -295,7 +300,7 @@ class ModelRunner:
             layers = {name: per_group[gid] for name, gid in self._mamba_groups.items()}
             ctx = replace(ctx, mamba_metadata=layers)
         with self._lora_step(batch, scheduler_output.upcoming_loras):
-            hidden = self.model(batch.input_ids, batch.positions, ctx)  # [num_tokens, hidden]
+            hidden = self.model(batch.input_ids, batch.positions, ctx, **model_inputs)
         if self.proposer is not None:
             self.proposer.observe(batch, ctx, hidden, saves)
         if copies_after:

@@ -54,6 +54,9 @@ class AttentionMetadata:
     paged_attention: PagedAttention = field(repr=False)
     query_rows: torch.Tensor | None = None
     """Rows of the step's hidden states this group computes (truncated prefill); None: all."""
+    key_ends: torch.Tensor | None = None
+    """[num_actual_tokens] int32: per query row, one past the last key position it sees (an
+    image's tokens see the whole image, Gemma 3); None: causal (`kernels.reference`)."""
 
 
 @dataclass(frozen=True)
@@ -226,6 +229,7 @@ class Attention(nn.Module):
             sinks=sinks,
             key_from_value=key_from_value,
             kv_scales=self.kv_scales,
+            key_ends=meta.key_ends,
         )
         return out.reshape(num_tokens, cfg.num_heads * cfg.head_size)
 

@@ -57,6 +57,7 @@ class CommonAttentionMetadata:
     max_query_len: int
     max_seq_len: int
     num_actual_tokens: int
+    key_ends: torch.Tensor | None = None  # [num_tokens] int32; None: causal
 
 
 def common_metadata(batch: InputBatch) -> list[CommonAttentionMetadata]:
@@ -70,6 +71,7 @@ def common_metadata(batch: InputBatch) -> list[CommonAttentionMetadata]:
             max_query_len=batch.max_query_len,
             max_seq_len=batch.max_seq_len,
             num_actual_tokens=batch.num_tokens,
+            key_ends=batch.key_ends,
         )
         for table, slots in zip(batch.block_tables, batch.slot_mappings, strict=True)
     ]
@@ -93,6 +95,7 @@ class MetadataBuilder:
             num_actual_tokens=common.num_actual_tokens,
             store_kv_cache=self.backend.store_kv_cache,
             paged_attention=self.backend.paged_attention,
+            key_ends=common.key_ends,
         )
         return apply_transforms(meta, self.transforms, step)
 

@@ -232,6 +232,7 @@ class TruncatedPrefill:
             max_query_len=kept.max_query_len,
             num_actual_tokens=kept.num_actual_tokens,
             query_rows=kept.query_rows,
+            key_ends=None if meta.key_ends is None else meta.key_ends[kept.query_rows],
         )
 
 
@@ -247,6 +248,7 @@ class ChunkedLocalBatches:
         check_chunk_size(self.chunk_size, self.block_size)
 
     def __call__(self, meta: AttentionMetadata, step: StepRows) -> AttentionMetadata:
+        assert meta.key_ends is None, "chunked local layers attend causally (no image spans)"
         virtual = make_virtual_batches(
             meta.query_start_loc,
             meta.seq_lens,

@@ -242,12 +242,22 @@ class DecoderModel(nn.Module):
         )
         self.loop = DecoderLayerLoop(self.layers)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        hidden: torch.Tensor = self.embed_tokens(input_ids)  # [T, hidden]
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, hidden]: token embeddings, scaled as the family does (Gemma)."""
+        hidden: torch.Tensor = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
             hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        return hidden
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`inputs_embeds` [T, hidden]: the layers' input as given (images merged in)."""
+        hidden = self.embed_input_ids(input_ids) if inputs_embeds is None else inputs_embeds
         tables = {key: rope(positions) for key, rope in self.rotary_emb.items()}
 
         def run_layer(idx: int, hidden: torch.Tensor, rope: dict[str, RopeTables]) -> torch.Tensor:
@@ -310,11 +320,24 @@ class DecoderForCausalLM(nn.Module, abc.ABC):
         return None
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: ForwardContext,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """[T] token ids and positions -> final hidden states [T, hidden_size]."""
-        hidden: torch.Tensor = self.model(input_ids, positions, ctx)
+        """[T] token ids and positions -> final hidden states [T, hidden_size]; with
+        `inputs_embeds` [T, hidden_size] the embedding lookup is skipped (`worker.multimodal`)."""
+        if inputs_embeds is None:
+            hidden: torch.Tensor = self.model(input_ids, positions, ctx)
+        else:
+            hidden = self.model(input_ids, positions, ctx, inputs_embeds)
         return hidden
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, hidden_size]: the token embeddings the forward would compute."""
+        embeds: torch.Tensor = self.model.embed_input_ids(input_ids)
+        return embeds
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> fp32 [N, vocab], full vocabulary on every rank, final softcap applied."""
