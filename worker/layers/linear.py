@@ -50,8 +50,11 @@ class _Projection(nn.Module):
     def offer_quantized(
         self, param: nn.Parameter, source: WeightSource, **cut: tuple[int, int] | int
     ) -> bool:
-        """Whether the quantized weights took `source` (else the caller loads it dense)."""
-        return self.quantized is not None and self.quantized.take("weight", param, source, **cut)  # type: ignore[arg-type]
+        """Whether the quantized weights took `source` (else the caller loads it dense); only
+        the layer's own weight is offered (adapters cut their factors with these loaders)."""
+        if self.quantized is None or param is not self.weight:
+            return False
+        return self.quantized.take("weight", param, source, **cut)  # type: ignore[arg-type]
 
 
 class ReplicatedLinear(_Projection):
@@ -121,7 +124,7 @@ class ColumnParallelLinear(_Projection):
             raise ValueError(f"{type(self).__name__} has no shard {shard_id!r}")
         size = self.output_size_per_rank
         start = self.parallel.rank * size
-        if param is self.weight and self.offer_quantized(param, source, rows=(start, size)):
+        if self.offer_quantized(param, source, rows=(start, size)):
             return
         copy_checked(param.data, read_part(source, 0, start, size))
 
@@ -162,9 +165,7 @@ class _PackedColumnLinear(ColumnParallelLinear):
             raise ValueError(f"{type(self).__name__} expects a shard id in {list(self.shards)}")
         shard = self.shards[shard_id]
         rows = (shard.source_start, shard.size)
-        if param is self.weight and self.offer_quantized(
-            param, source, rows=rows, param_start=shard.param_start
-        ):
+        if self.offer_quantized(param, source, rows=rows, param_start=shard.param_start):
             return
         target = param.data.narrow(0, shard.param_start, shard.size)
         copy_checked(target, read_part(source, 0, shard.source_start, shard.size))

@@ -96,6 +96,7 @@ class QuantizedWeights:
         self.shapes = {name: tuple(param.shape) for name, param in params.items()}
         self.collected = {name: _Collected() for name in params}
         self.layouts: dict[str, AnyLayout] = {}
+        self.finished = False
         for param in params.values():
             _drop_storage(param)
 
@@ -110,6 +111,8 @@ class QuantizedWeights:
     ) -> bool:
         """Keep this rank's `rows` (output features) or `cols` (input features) of `source`
         quantized; False (the parameter made dense for the caller to fill) when it has none."""
+        if self.finished:
+            return False  # after load: an adapter's factor cut by the layer's loader
         collected = self.collected[name]
         found = (
             _cut(kernel_weight(source), rows, cols)
@@ -127,6 +130,7 @@ class QuantizedWeights:
     def finish(self, params: dict[str, nn.Parameter], dtype: torch.dtype) -> str | None:
         """Settle every parameter: None when all run on kernels, else the reason all are
         dense (their quantized pieces dequantized into them)."""
+        self.finished = True
         reason = self._settle(params, dtype)
         if reason is None:
             return None

@@ -114,3 +114,21 @@ def test_cpu_loads_keep_no_quantized_layer(tmp_path: Path) -> None:
         ModelConfig.from_pretrained(str(folder), dtype="float32"), ParallelConfig(), "cpu"
     )
     assert all(getattr(module, "quantized", None) is None for module in model.modules())
+
+
+def test_adapter_factors_are_cut_by_the_loaders_of_layers_kept_quantized(tmp_path: Path) -> None:
+    """LoRA cuts its factors with the base weight's loader after load: on a layer kept
+    quantized (rank 1 of 2) that still copies this rank's input columns (o_proj's A, 64 -> 32)
+    or rows of a shard (the gate's B, 96 -> 48) into the factor, and leaves the kernel on."""
+    layers = dict(_load(_gptq(tmp_path), 1, "kernels").named_modules())
+    cases = (  # layer, full factor, shard, this rank's part
+        ("model.layers.0.self_attn.o_proj", torch.randn(3, 64), None, (slice(None), slice(32, 64))),
+        ("model.layers.0.mlp.gate_up_proj", torch.randn(96, 3), 0, (slice(48, 96), slice(None))),
+    )
+    for name, full, shard, part in cases:
+        layer = layers[name]
+        assert isinstance(layer.quantized, QuantizedWeights)
+        target = torch.nn.Parameter(torch.zeros(full[part].shape), requires_grad=False)
+        layer.weight.weight_loader(target, full, shard)
+        torch.testing.assert_close(target.data, full[part], rtol=0, atol=0)
+        assert isinstance(layer.quantized, QuantizedWeights)
