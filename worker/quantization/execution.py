@@ -75,7 +75,7 @@ def choose_path(mode: str, device: torch.device) -> KernelPath:
     if mode == "kernels":
         return KernelPath(True, "quantized_weight_mode=kernels")
     if device.type != "cuda":
-        return KernelPath(False, "on CPU weights are dequantized at load (faster than per matmul)")
+        return KernelPath(False, "on CPU, where dequantizing at every matmul is slower")
     return KernelPath(True, "CUDA")
 
 
