@@ -7,11 +7,12 @@ leave it waiting forever); each step calls `num_new_tokens` for every prefill ch
 from __future__ import annotations
 
 from scheduler.config import SchedulerConfig
-from scheduler.image_chunks import check_images, limit_chunk
+from scheduler.image_chunks import check_images, encoder_positions, limit_chunk
 from scheduler.kv_cache.manager import KVCacheManager
 from scheduler.kv_cache.spec import KVCacheConfig, cdiv
 from scheduler.prefill_split import block_aligned_num_tokens
 from scheduler.request import Request, RequestStatus
+from scheduler.step_plan import StepPlan
 
 
 def check_new_request(
@@ -111,6 +112,34 @@ def check_chunk_limits(config: SchedulerConfig, kv_cache_manager: KVCacheManager
             f"recurrent-state groups split prefills at {alignment}-token boundaries: "
             f"max_num_batched_tokens and long_prefill_token_threshold must be >= {alignment}"
         )
+
+
+def chunk_of_step(  # noqa: PLR0913 (the request, the step, the cache's rules)
+    request: Request,
+    num_computed: int,
+    plan: StepPlan,
+    config: SchedulerConfig,
+    kv_cache_manager: KVCacheManager,
+    junction_tokens: int,
+    first_chunk: bool,
+) -> int:
+    """`num_new_tokens` within the step's token and encoder budgets; the images the chunk
+    encodes are taken from the step's encoder budget."""
+    num_new = num_new_tokens(
+        request,
+        num_computed,
+        plan.budget,
+        config,
+        kv_cache_manager,
+        junction_tokens,
+        plan.encoder_budget,
+        first_chunk,
+    )
+    if request.mm_features and num_new:
+        plan.encoder_budget -= encoder_positions(
+            request.mm_features, num_computed, num_new, first_chunk
+        )
+    return num_new
 
 
 def num_new_tokens(  # noqa: PLR0913 (the request, the step's budgets, the cache's rules)

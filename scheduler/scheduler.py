@@ -16,9 +16,8 @@ import logging
 from collections.abc import Iterable
 from itertools import chain
 
-from scheduler.admission import check_chunk_limits, check_new_request, num_new_tokens
+from scheduler.admission import check_chunk_limits, check_new_request, chunk_of_step
 from scheduler.config import SchedulerConfig, SchedulingPolicy
-from scheduler.image_chunks import encoder_positions
 from scheduler.kv_cache.manager import CacheHit, KVCacheBlocks, KVCacheManager
 from scheduler.kv_cache.spec import KVCacheConfig
 from scheduler.lora import adapter_fits, adapter_names, upcoming_adapters
@@ -101,10 +100,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Pick this step's tokens: running requests first, then admissions from the queue."""
-        plan = StepPlan(
-            budget=self.config.max_num_batched_tokens,
-            encoder_budget=self.config.encoder_budget_tokens,
-        )
+        plan = StepPlan(self.config.max_num_batched_tokens, self.config.encoder_budget_tokens)
         self.kv_cache_manager.begin_step()
         self._schedule_running(plan)
         if not plan.preempted_req_ids:
@@ -409,24 +405,11 @@ class Scheduler:
     def _num_new_tokens(
         self, request: Request, num_computed: int, plan: StepPlan, first_chunk: bool = False
     ) -> int:
-        """Tokens to compute this step (0: wait); see `admission.num_new_tokens`. The images
-        the chunk encodes are taken from the step's encoder budget."""
+        """Tokens to compute this step (0: wait); see `admission.chunk_of_step`."""
         junction = self._junction_tokens.get(request.req_id, 0)
-        num_new = num_new_tokens(
-            request,
-            num_computed,
-            plan.budget,
-            self.config,
-            self.kv_cache_manager,
-            junction,
-            plan.encoder_budget,
-            first_chunk,
+        return chunk_of_step(
+            request, num_computed, plan, self.config, self.kv_cache_manager, junction, first_chunk
         )
-        if request.mm_features and num_new:
-            plan.encoder_budget -= encoder_positions(
-                request.mm_features, num_computed, num_new, first_chunk
-            )
-        return num_new
 
     def _pick_victim(self) -> Request:
         """FCFS: the last running request; priority: the largest (priority, arrival_time)."""
