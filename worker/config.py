@@ -37,6 +37,7 @@ TEXT_MODEL_OF: dict[str, str] = {}
 config is the checkpoint's `text_config`; the model class skips the vision weights)."""
 IMAGE_MODELS = frozenset(
     {
+        "Gemma3ForConditionalGeneration",
         "Gemma4ForConditionalGeneration",
         "Llama4ForConditionalGeneration",
         "Qwen3_5ForConditionalGeneration",

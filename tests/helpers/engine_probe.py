@@ -15,6 +15,7 @@ import torch
 
 from cluster import LLM
 from scheduler.stats import SchedulerStats
+from worker.multimodal.encoder_cache import EncoderCache
 
 
 def engine_stats(llm: LLM) -> SchedulerStats:
@@ -94,3 +95,10 @@ def record_drafts(llm: LLM) -> Iterator[list[tuple[list[int], list[int]]]]:
 def num_scheduled_ahead(llm: LLM) -> int:
     """Requests the scheduler ran ahead of their token in flight (async scheduling)."""
     return llm.client.core.scheduler.num_scheduled_ahead
+
+
+def encoder_cache(llm: LLM) -> EncoderCache:
+    """The (in-process, tp_size 1) runner's encoder cache of an image model."""
+    images = llm.client.core.executor.worker.model_runner.images
+    assert images is not None, "the model takes no images"
+    return images.cache

@@ -6,6 +6,7 @@ from worker.models.bamba import BambaForCausalLM
 from worker.models.decoder import DecoderForCausalLM
 from worker.models.gemma2 import Gemma2ForCausalLM
 from worker.models.gemma3 import Gemma3ForCausalLM
+from worker.models.gemma3_vision import Gemma3ForConditionalGeneration
 from worker.models.gemma3n import Gemma3nForCausalLM
 from worker.models.gemma4 import Gemma4ForCausalLM
 from worker.models.gemma4_vision import Gemma4ForConditionalGeneration
@@ -33,6 +34,7 @@ _MODELS: dict[str, type[DecoderForCausalLM]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "Gemma3nForCausalLM": Gemma3nForCausalLM,
     "Llama4ForCausalLM": Llama4ForCausalLM,
     "Llama4ForConditionalGeneration": Llama4ForConditionalGeneration,

@@ -1,0 +1,99 @@
+"""Gemma 3 sees images: a tiny random `Gemma3ForConditionalGeneration` with transformers' own
+processor, served by `LLM`, gives transformers' greedy tokens for prompts holding 0, 1 and 2
+images (an image's tokens attending to each other both ways, in sliding and full layers),
+through prefix-cache hits and chunked prefill; the same image hits past itself, another image
+with the same text does not; each image is encoded once and dropped when no request needs it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from cluster import LLM, SamplingParams
+from tests.helpers.engine_probe import encoder_cache
+from tests.helpers.tiny_vlm import (
+    BOI,
+    MM_TOKENS,
+    build_tiny_processor,
+    features_of,
+    hf_greedy_with_images,
+    process,
+    random_image,
+    save_tiny_gemma3_vlm,
+)
+
+NUM_NEW = 8
+ENGINE = {"dtype": "float32", "block_size": 4, "kv_cache_memory_bytes": 1 << 22}
+TEXT = f"t5 t6 t7 {BOI} t8 t9 t10 {BOI} t11 t12 t13"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module, Any]:
+    path = tmp_path_factory.mktemp("gemma3_vlm")
+    hf_model = save_tiny_gemma3_vlm(path)
+    return path, hf_model, build_tiny_processor()
+
+
+@pytest.fixture(scope="module")
+def llm(served: tuple[Path, torch.nn.Module, Any]) -> LLM:
+    return LLM(str(served[0]), max_model_len=64, **ENGINE)
+
+
+def _greedy() -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=NUM_NEW)
+
+
+def _prompt(text: str, images: list[Any]) -> dict[str, Any] | str:
+    return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
+
+
+def _want(served: tuple[Path, torch.nn.Module, Any], text: str, images: list[Any]) -> list[int]:
+    _, hf_model, processor = served
+    return hf_greedy_with_images(hf_model, process(processor, text, images), NUM_NEW)
+
+
+def test_greedy_tokens_match_transformers_with_0_1_2_images(llm: LLM, served) -> None:
+    cases = [
+        ("t5 t6 t7 t8 t9 t10 t11", []),
+        (f"t5 t6 {BOI} t7 t8 t9", [random_image(1)]),
+        (TEXT, [random_image(2), random_image(3)]),
+    ]
+    cache = encoder_cache(llm)
+    calls, encoded = cache.num_encoder_calls, cache.num_images_encoded
+    outputs = llm.generate([_prompt(text, images) for text, images in cases], _greedy())
+    for (text, images), output in zip(cases, outputs, strict=True):
+        assert output.outputs[0].token_ids == _want(served, text, images), text
+    # the three images were scheduled in one step: one encoder call, then dropped
+    assert (cache.num_encoder_calls - calls, cache.num_images_encoded - encoded) == (1, 3)
+    assert len(cache) == 0
+
+
+def test_prefix_hits_past_the_same_image_and_not_past_another(llm: LLM, served) -> None:
+    llm.client.core.scheduler.reset_prefix_cache()
+    first, second = [random_image(4), random_image(5)], [random_image(4), random_image(6)]
+    offsets = [f.offset for f in features_of(process(served[2], TEXT, second))]
+    cold = llm.generate(_prompt(TEXT, first), _greedy())[0]
+    warm = llm.generate(_prompt(TEXT, first), _greedy())[0]
+    other = llm.generate(_prompt(TEXT, second), _greedy())[0]
+    assert cold.outputs[0].token_ids == warm.outputs[0].token_ids == _want(served, TEXT, first)
+    assert warm.num_cached_tokens > offsets[1] + MM_TOKENS  # past both images
+    assert offsets[0] + MM_TOKENS <= other.num_cached_tokens <= offsets[1]  # not past image 2
+    assert other.outputs[0].token_ids == _want(served, TEXT, second)
+    assert cold.outputs[0].token_ids != other.outputs[0].token_ids  # the image is seen
+
+
+def test_chunked_prefill_keeps_images_whole_and_matches(served) -> None:
+    chunked = LLM(
+        str(served[0]), max_model_len=64, max_num_batched_tokens=8, max_num_seqs=2, **ENGINE
+    )
+    cases = [(TEXT, [random_image(7), random_image(8)]), (TEXT, [random_image(9), random_image(7)])]
+    outputs = chunked.generate([_prompt(text, images) for text, images in cases], _greedy())
+    for (text, images), output in zip(cases, outputs, strict=True):
+        assert output.outputs[0].token_ids == _want(served, text, images)
+    cache = encoder_cache(chunked)
+    assert cache.num_encoder_calls > 1  # 20-token prompts in chunks of 8: images in several steps
+    assert len(cache) == 0
