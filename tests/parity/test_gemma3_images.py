@@ -7,11 +7,13 @@ with the same text does not; each image is encoded once and dropped when no requ
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from cluster import LLM, SamplingParams
 from tests.helpers.engine_probe import encoder_cache
@@ -25,6 +27,8 @@ from tests.helpers.tiny_vlm import (
     random_image,
     save_tiny_gemma3_vlm,
 )
+from worker.config import ModelConfig, ParallelConfig
+from worker.model_loader import load_model
 
 NUM_NEW = 8
 ENGINE = {"dtype": "float32", "block_size": 4, "kv_cache_memory_bytes": 1 << 22}
@@ -97,3 +101,46 @@ def test_chunked_prefill_keeps_images_whole_and_matches(served) -> None:
     cache = encoder_cache(chunked)
     assert cache.num_encoder_calls > 1  # 20-token prompts in chunks of 8: images in several steps
     assert len(cache) == 0
+
+
+NAMINGS = {
+    "saved": (),  # as transformers 5 saves: language_model.model.*, vision_tower.*, ...
+    "released": (("vision_tower.", "vision_tower.vision_model."),),  # google/gemma-3-*-it
+    "in_memory": (
+        ("language_model.model.", "model.language_model."),
+        ("vision_tower.", "model.vision_tower."),
+        ("multi_modal_projector.", "model.multi_modal_projector."),
+    ),
+}
+
+
+@pytest.mark.parametrize("naming", list(NAMINGS))
+def test_checkpoint_loads_whole_and_embeds_images_as_transformers(
+    served, tmp_path: Path, naming: str
+) -> None:
+    """Every tensor naming loads every parameter; image features equal transformers' own."""
+    path, hf_model, processor = served
+    path = _renamed_checkpoint(path, tmp_path, NAMINGS[naming])
+    config = ModelConfig.from_pretrained(path, dtype="float32", device_type="cpu")
+    model = load_model(config, ParallelConfig(), "cpu")
+    inputs = process(processor, TEXT, [random_image(10), random_image(11)])
+    got = model.embed_images(list(features_of(inputs)))
+    with torch.no_grad():
+        want = hf_model.model.get_image_features(inputs["pixel_values"]).pooler_output
+    torch.testing.assert_close(torch.stack(got), want, atol=1e-5, rtol=1e-5)
+
+
+def _renamed_checkpoint(source: Path, target: Path, renames: tuple[tuple[str, str], ...]) -> Path:
+    """`source`'s checkpoint with name prefixes replaced (first match), in `target`."""
+    tensors = {}
+    for name, tensor in load_file(source / "model.safetensors").items():
+        for old, new in renames:
+            if name.startswith(old):
+                name = new + name.removeprefix(old)
+                break
+        tensors[name] = tensor
+    for file in source.iterdir():
+        if file.suffix != ".safetensors":
+            shutil.copy(file, target / file.name)
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    return target
