@@ -105,7 +105,8 @@ def iterate_weights(
         yield from tqdm(
             items, desc="Loading quantized weights", unit="tensors", disable=not show_progress
         )
-    logger.info("%s", report.describe(dtype or torch.float32))
+    if report.tensors:  # none when every quantized layer keeps its quantized weights
+        logger.info("%s", report.describe(dtype or torch.float32))
 
 
 def _plain_weights(folder: str | Path, show_progress: bool) -> Iterator[tuple[str, WeightSource]]:
