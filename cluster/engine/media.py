@@ -80,6 +80,14 @@ def decode_image(payload: bytes, config: MediaConfig) -> Image.Image:
     return image
 
 
+def check_media_type(media_type: str, where: str) -> None:
+    """MediaError unless `media_type` is an image type PIL reads (`image/png`, ...)."""
+    Image.init()
+    readable = {kind for kind in Image.MIME.values() if kind.startswith("image/")}
+    if media_type not in readable | {"image/jpg"}:
+        raise MediaError(f"unsupported image type {media_type!r} {where}")
+
+
 def check_pixels(image: Image.Image, config: MediaConfig) -> None:
     """MediaError when `image` has more than `max_image_pixels` pixels."""
     width, height = image.size
@@ -94,8 +102,7 @@ def _data_url_bytes(url: str, config: MediaConfig) -> bytes:
     if not comma:
         raise MediaError("data URL has no ',' before its data")
     media_type, *params = header[len("data:") :].split(";")
-    if not media_type.lower().startswith("image/"):
-        raise MediaError(f"unsupported image type {media_type or 'text/plain'!r} in data URL")
+    check_media_type(media_type.strip().lower() or "text/plain", "in data URL")
     if "base64" not in (param.lower() for param in params):
         raise MediaError("data URL must be base64-encoded (data:image/...;base64,...)")
     if len(data) * 3 // 4 > config.max_media_bytes:
@@ -129,8 +136,8 @@ def _body(response: httpx.Response, config: MediaConfig, deadline: float) -> byt
     if response.status_code != httpx.codes.OK:
         raise MediaError(f"image could not be fetched: HTTP {response.status_code}")
     content_type = response.headers.get("content-type", "").split(";")[0].strip().lower()
-    if content_type and not content_type.startswith(("image/", "application/octet-stream")):
-        raise MediaError(f"unsupported image type {content_type!r} at the image URL")
+    if content_type not in ("", "application/octet-stream"):  # no type: the bytes tell
+        check_media_type(content_type, "at the image URL")
     declared = int(response.headers.get("content-length") or 0)
     if declared > config.max_media_bytes:
         raise MediaError(_too_large(config))

@@ -26,7 +26,7 @@ IMAGE_TOKEN = "<image_soft_token>"
 IMAGE_SIZE = 28
 TOKENS_PER_IMAGE = 4
 CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{{ 't1 ' }}"
+    "{% if bos_token %}{{ bos_token }}{% endif %}{% for m in messages %}{{ 't1 ' }}"
     "{% if m['content'] is string %}{{ m['content'] + ' ' }}"
     "{% else %}{% for p in m['content'] %}"
     "{% if p['type'] == 'image' %}{{ '<start_of_image> ' }}{% else %}{{ p['text'] + ' ' }}"
@@ -69,6 +69,11 @@ def save_tiny_gemma3_processor(path: Path, vocab_size: int = 64) -> Gemma3Proces
     if not config.exists():
         config.write_text(json.dumps({"architectures": [GEMMA3_ARCHITECTURE]}))
     return processor
+
+
+def add_chat_template(path: Path) -> None:
+    """Give the model folder's tokenizer and processor `CHAT_TEMPLATE` (the file both read)."""
+    (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
 
 
 def random_image(seed: int, width: int = 40, height: int = 30) -> Image.Image:
