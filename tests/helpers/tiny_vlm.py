@@ -1,8 +1,8 @@
 """A tiny random Gemma 3 vision-language checkpoint with its processor, built in-process and saved
 to a folder (no downloads).
 
-Text model: the tiny Gemma 3 of `tiny_models` (sliding window 6, four layers, softcapped
-logits). Vision tower: two SigLIP layers of width 32 over 56-pixel images in 14-pixel patches
+Text model: the tiny Gemma 3 of `tiny_models` (sliding window 6, four layers) without the final
+softcap, as released Gemma 3 configs have it (transformers' image model does not apply one). Vision tower: two SigLIP layers of width 32 over 56-pixel images in 14-pixel patches
 (16 patches), pooled 2 x 2 into `MM_TOKENS` = 4 image tokens. The processor is transformers'
 `Gemma3Processor`: its image processor resizes to 56 x 56 and its word-level tokenizer knows
 t0..t252 plus the image tokens at the top of the 256-token vocabulary, so a prompt's
@@ -42,7 +42,7 @@ VISION = {
 
 def build_tiny_gemma3_vlm(seed: int = 0) -> torch.nn.Module:
     """A random fp32 eager `Gemma3ForConditionalGeneration`."""
-    text = {**BASE, **FAMILIES["gemma3"][1]}
+    text = {**BASE, **FAMILIES["gemma3"][1], "final_logit_softcapping": None}
     text.pop("tie_word_embeddings")
     config = transformers.Gemma3Config(
         text_config=text,
@@ -108,9 +108,21 @@ def features_of(inputs: dict) -> tuple[MultiModalFeature, ...]:
     return tuple(features)
 
 
-def hf_greedy_with_images(model: torch.nn.Module, inputs: dict, num_new: int) -> list[int]:
-    """transformers' greedy continuation of one processed prompt."""
+def hf_greedy_with_images(
+    model: torch.nn.Module, inputs: dict, num_new: int
+) -> tuple[list[int], list[float]]:
+    """transformers' greedy continuation of one processed prompt, and each token's logprob."""
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=num_new, do_sample=False)
-    tokens: list[int] = out[0, inputs["input_ids"].shape[1] :].tolist()
-    return tokens
+        out = model.generate(
+            **inputs,
+            max_new_tokens=num_new,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    tokens: list[int] = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+    logprobs = [
+        float(torch.log_softmax(logits[0].double(), -1)[token])
+        for logits, token in zip(out.logits, tokens, strict=True)
+    ]
+    return tokens, logprobs
