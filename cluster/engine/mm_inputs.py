@@ -216,7 +216,10 @@ def load_multimodal_inputs(model_path: str, config: MultiModalConfig) -> MultiMo
     from transformers import AutoProcessor
 
     try:
-        processor = AutoProcessor.from_pretrained(model_path, local_files_only=True)
+        if adapter.load_processor is not None:
+            processor = adapter.load_processor(model_path)
+        else:
+            processor = AutoProcessor.from_pretrained(model_path, local_files_only=True)
     except (OSError, ValueError, TypeError) as error:
         logger.warning("%s: no image processor (%s); images are refused", model_path, error)
         return MultiModalInputs(None, None, config, f"{NO_IMAGES}: its folder has no processor")

@@ -1,10 +1,13 @@
-"""A tiny random Qwen3.5 vision-language checkpoint (dense or MoE text model), saved to a folder.
+"""A tiny random Qwen3.5 vision-language checkpoint (dense or MoE text model) with its processor,
+saved to a folder, built offline.
 
 Text model: the tiny gated-DeltaNet hybrid of the linear-hybrid tests (three DeltaNet layers,
 then gated attention), with a head size of 32 of which half rotates, so M-RoPE's interleaved
 sections [3, 3, 2] give every axis (temporal, height, width) frequencies of its own. Vision
 tower: two blocks of width 32 over 4-pixel patches, merged 2 x 2 into the text width (64).
-The vision special tokens take the top of the 256-token vocabulary.
+Processor: Qwen2-VL's image processor at 4-pixel patches within 64..1024 pixels (so an image
+fills 1 to 16 placeholder tokens), and a byte-level tokenizer of Qwen3.5's kind without merges
+(one token per byte, ids 0..255) with Qwen's vision tokens after the bytes.
 """
 
 from __future__ import annotations
@@ -12,26 +15,35 @@ from __future__ import annotations
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import transformers
+from PIL import Image
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer
 
+from cluster.engine.mm_qwen3_5 import Qwen3_5ImageProcessor, load_qwen3_5_processor
 from tests.helpers.tiny_linear_hybrid import COMMON, DELTA_NET, MOE
 from tests.helpers.tiny_models import random_eager_model
 
-IMAGE_TOKEN_ID = 250
-VIDEO_TOKEN_ID = 251
-VISION_START_ID = 252
-VISION_END_ID = 253
+END_OF_TEXT = "<|endoftext|>"
+VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+IMAGE_TOKEN_ID, VIDEO_TOKEN_ID, VISION_START_ID, VISION_END_ID = range(257, 261)
+IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+"""What stands for one image in prompt text."""
+MIN_PIXELS, MAX_PIXELS = 64, 1024
 PATCH_SIZE = 4
 MERGE_SIZE = 2
 TEMPORAL_PATCH_SIZE = 2
 TEXT: dict[str, object] = {
     **COMMON,
     **DELTA_NET,
+    "vocab_size": 264,
     "head_dim": 32,
     "rope_parameters": {
         "rope_type": "default",
-        "rope_theta": 10000.0,
+        "rope_theta": 100.0,
         "partial_rotary_factor": 0.5,
         "mrope_section": [3, 3, 2],
         "mrope_interleaved": True,
@@ -72,10 +84,53 @@ def build_tiny_qwen35_vlm(moe: bool = False, seed: int = 0) -> torch.nn.Module:
 
 
 def save_tiny_qwen35_vlm(path: Path, moe: bool = False, seed: int = 0) -> torch.nn.Module:
-    """Build the tiny model, save it to `path`, return the transformers model."""
+    """Build the tiny model, save it and its processor to `path`, return the transformers model."""
     model = build_tiny_qwen35_vlm(moe, seed)
     model.save_pretrained(path)
+    save_tiny_qwen35_processor(path)
     return model
+
+
+def save_tiny_qwen35_processor(path: Path) -> Qwen3_5ImageProcessor:
+    """Save the tokenizer and image processor to `path` (the model folder); return the
+    processor the engine builds from them."""
+    byte_chars = bytes_to_unicode()
+    vocab = {byte_chars[byte]: byte for byte in range(256)}
+    tokenizer = Qwen3_5Tokenizer(vocab=vocab, merges=[], unk_token=None, eos_token=END_OF_TEXT)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    assert tokenizer.convert_tokens_to_ids(list(VISION_TOKENS)) == list(range(257, 261))
+    tokenizer.save_pretrained(path)
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=PATCH_SIZE,
+        merge_size=MERGE_SIZE,
+        temporal_patch_size=TEMPORAL_PATCH_SIZE,
+        size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
+    )
+    image_processor.save_pretrained(path)
+    return load_qwen3_5_processor(str(path))
+
+
+def random_image(seed: int, width: int, height: int) -> Image.Image:
+    """An RGB image of random pixels."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def hf_greedy_from_text(
+    hf_model: torch.nn.Module,
+    processor: Qwen3_5ImageProcessor,
+    prompt: str,
+    images: list[Image.Image],
+    num_new: int,
+) -> list[int]:
+    """transformers' greedy continuation of `prompt` (one IMAGE_PLACEHOLDER per image) with the
+    processor's inputs (token ids, patches, grids, token types)."""
+    inputs = processor(text=[prompt], images=[images] if images else None, return_tensors="pt")
+    inputs.pop("attention_mask", None)
+    with torch.no_grad():
+        out = hf_model.generate(**inputs, max_new_tokens=num_new, do_sample=False)
+    tokens: list[int] = out[0, inputs["input_ids"].shape[1] :].tolist()
+    return tokens
 
 
 def _is_offset(name: str) -> bool:

@@ -46,7 +46,9 @@ def features_of(prompt: list[int], images: list[ImageInputs]) -> list[MultiModal
     for number, image in enumerate(images):
         offset = prompt.index(IMAGE_TOKEN_ID, start)
         data = {"pixel_values": image.pixel_values, "image_grid_thw": image.image_grid_thw}
-        features.append(MultiModalFeature("image", f"image{number}", offset, image.num_tokens, data))
+        features.append(
+            MultiModalFeature("image", f"image{number}", offset, image.num_tokens, data)
+        )
         start = offset + image.num_tokens
     return features
 
@@ -87,8 +89,9 @@ def test_mrope_tables_match_transformers_rotary(saved: Saved) -> None:
     torch.testing.assert_close(tables.sin, sin[0], rtol=0, atol=0)
     assert not torch.equal(tables.cos, saved.ours.model.rotary_emb(axes[0]).cos)
     text = torch.arange(7)
-    plain, repeated = saved.ours.model.rotary_emb(text), saved.ours.model.rotary_emb(
-        text.expand(3, -1)
+    plain, repeated = (
+        saved.ours.model.rotary_emb(text),
+        saved.ours.model.rotary_emb(text.expand(3, -1)),
     )
     assert torch.equal(plain.cos, repeated.cos)
     assert torch.equal(plain.sin, repeated.sin)

@@ -22,7 +22,6 @@ at its index plus `delta` (the prompt's last position + 1 - its length) on all t
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -35,18 +34,10 @@ from worker.config import ModelConfig, ParallelConfig
 from worker.layers.loading import WeightSource, copy_checked, read_full
 from worker.models.mamba_hybrid import HybridModel
 from worker.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
+from worker.multimodal.mrope import PromptPositions
 
 VISION_PREFIX = "model.visual."
 """Checkpoint names of the vision tower (ours: `visual.`)."""
-
-
-class PromptPositions(NamedTuple):
-    """M-RoPE positions of one prompt."""
-
-    positions: np.ndarray
-    """[3, prompt_len] int64: temporal, height and width position of each prompt token."""
-    delta: int
-    """Token index + delta is the position (on every axis) of each token after the prompt."""
 
 
 def image_grid(feature: MultiModalFeature) -> tuple[int, int, int]:
@@ -134,10 +125,12 @@ class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
         positions: torch.Tensor,
         ctx: ForwardContext,
         inputs_embeds: torch.Tensor | None = None,
+        rope_positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """[T] ids and positions ([3, T] for M-RoPE), optionally `inputs_embeds` [T, hidden]
-        with images merged in -> final hidden states [T, hidden]."""
-        hidden: torch.Tensor = self.model(input_ids, positions, ctx, inputs_embeds)
+        """[T] ids and positions -> final hidden states [T, hidden]; `inputs_embeds` [T, hidden]
+        has the images merged in, `rope_positions` [3, T] (M-RoPE) replace the positions."""
+        rotated = positions if rope_positions is None else rope_positions
+        hidden: torch.Tensor = self.model(input_ids, rotated, ctx, inputs_embeds)
         return hidden
 
     @torch.inference_mode()

@@ -19,6 +19,7 @@ from torch import nn
 from scheduler.multimodal import MultiModalFeature
 from worker.input_batch import InputBatch, RequestStates
 from worker.multimodal.encoder_cache import EncoderCache
+from worker.multimodal.mrope import MropeSteps
 
 
 class ImageSlice(NamedTuple):
@@ -111,19 +112,23 @@ class ImageStep:
         self.bidirectional = bool(getattr(model, "bidirectional_images", False))
         """The model's image tokens attend to each other both ways (Gemma 3)."""
         self.cache = EncoderCache()
+        self.mrope = MropeSteps.of_model(model)
+        """The step's M-RoPE positions (models that have them: Qwen3.5)."""
 
     def prepare(
         self, batch: InputBatch, states: RequestStates
     ) -> tuple[InputBatch, dict[str, torch.Tensor]]:
         """The batch (with `key_ends` when the step has images attending both ways) and the
-        forward's extra arguments (`inputs_embeds` when the step has image rows)."""
+        forward's extra arguments (`inputs_embeds` when the step has image rows,
+        `rope_positions` when an M-RoPE model's step holds a request with images)."""
         self.cache.retain(needed_images(states))
+        positions = self.mrope.step_inputs(batch, states)
         slices = scheduled_slices(batch, states)
         if not slices:
-            return batch, {}
+            return batch, positions
         self.cache.ensure([piece.feature for piece in slices], self.model.embed_images)
         embeds = merged_embeddings(self.model, batch.input_ids, slices, self.cache)
         if self.bidirectional:
             ends = torch.from_numpy(bidirectional_key_ends(batch, slices)).to(self.device)
             batch = replace(batch, key_ends=ends)
-        return batch, {"inputs_embeds": embeds}
+        return batch, {"inputs_embeds": embeds, **positions}
