@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from cluster.engine.mm_qwen3_5 import load_qwen3_5_processor
+
 ProcessorOutputs = Mapping[str, Any]
 """The HF processor's outputs (`BatchFeature`) for one prompt, tensors batched over images."""
 EncoderInputs = dict[str, torch.Tensor]
@@ -30,6 +32,8 @@ class ImageAdapter:
     begin / end markers)."""
     split: Callable[[ProcessorOutputs, int], list[EncoderInputs]]
     """(processor outputs, number of runs) -> each run's encoder inputs, in prompt order."""
+    load_processor: Callable[[str], Any] | None = None
+    """model folder -> its processor, where `AutoProcessor` cannot build it (None: it can)."""
 
 
 def split_rows(keys: tuple[str, ...]) -> Callable[[ProcessorOutputs, int], list[EncoderInputs]]:
@@ -77,7 +81,7 @@ def _gemma3_image_token(processor: Any) -> int:
 
 
 def _gemma4_image_token(processor: Any) -> int:
-    """`<|image|>`: the soft token each image expands to a run of, between its begin / end markers."""
+    """`<|image|>`: the soft token each image expands to a run of (between its markers)."""
     return int(processor.image_token_id)
 
 
@@ -86,6 +90,18 @@ def _llama4_patch_token(processor: Any) -> int:
     separated by tile separators and `<|image|>` (ordinary tokens)."""
     return int(processor.tokenizer.convert_tokens_to_ids(processor.img_patch_token))
 
+
+def _qwen3_5_image_pad(processor: Any) -> int:
+    """`<|image_pad|>`: each image expands to a run of it between `<|vision_start|>` and
+    `<|vision_end|>` (ordinary tokens), one per merged 2 x 2 patch."""
+    return int(processor.image_token_id)
+
+
+_QWEN3_5 = ImageAdapter(
+    placeholder_token_id=_qwen3_5_image_pad,
+    split=split_patches_by_grid(),
+    load_processor=load_qwen3_5_processor,
+)
 
 IMAGE_ADAPTERS: dict[str, ImageAdapter] = {
     "Gemma3ForConditionalGeneration": ImageAdapter(
@@ -99,4 +115,6 @@ IMAGE_ADAPTERS: dict[str, ImageAdapter] = {
     "Llama4ForConditionalGeneration": ImageAdapter(
         placeholder_token_id=_llama4_patch_token, split=split_rows(("pixel_values",))
     ),
+    "Qwen3_5ForConditionalGeneration": _QWEN3_5,
+    "Qwen3_5MoeForConditionalGeneration": _QWEN3_5,
 }
