@@ -2,11 +2,12 @@
 to a folder (no downloads).
 
 Text model: the tiny Gemma 3 of `tiny_models` (sliding window 6, four layers) without the final
-softcap, as released Gemma 3 configs have it (transformers' image model does not apply one). Vision tower: two SigLIP layers of width 32 over 56-pixel images in 14-pixel patches
-(16 patches), pooled 2 x 2 into `MM_TOKENS` = 4 image tokens. The processor is transformers'
-`Gemma3Processor`: its image processor resizes to 56 x 56 and its word-level tokenizer knows
-t0..t252 plus the image tokens at the top of the 256-token vocabulary, so a prompt's
-`<start_of_image>` expands to `<start_of_image>` + 4 `<image_soft_token>` + `<end_of_image>`.
+softcap, as released Gemma 3 configs have it (transformers' image model applies none). Vision
+tower: two SigLIP layers of width 32 over 56-pixel images in 14-pixel patches (16 patches),
+pooled 2 x 2 into `MM_TOKENS` = 4 image tokens. The processor is transformers' `Gemma3Processor`:
+its image processor resizes to 56 x 56 and its word-level tokenizer knows t0..t252 plus the
+image tokens at the top of the 256-token vocabulary, so a prompt's `<start_of_image>` expands to
+`<start_of_image>` + 4 `<image_soft_token>` + `<end_of_image>`.
 """
 
 from __future__ import annotations

@@ -336,7 +336,7 @@ class DecoderForCausalLM(nn.Module, abc.ABC):
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden_size]: the token embeddings the forward would compute."""
-        embeds: torch.Tensor = self.model.embed_input_ids(input_ids)
+        embeds: torch.Tensor = self.model.embed_input_ids(input_ids)  # type: ignore[operator]
         return embeds
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import logging
 from collections.abc import Iterable, Iterator
 
 import torch
-from transformers import PretrainedConfig, SiglipVisionModel
+from transformers import Gemma3Config, SiglipVisionConfig, SiglipVisionModel
 from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
 
 from scheduler.multimodal import MultiModalFeature
@@ -60,6 +60,7 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     def __init__(self, model_config: ModelConfig, parallel: ParallelConfig) -> None:
         super().__init__(model_config, parallel)
         config = checkpoint_config(model_config)
+        assert isinstance(config, Gemma3Config), type(config)
         self.vision_tower = SiglipVisionModel(_vision_config(config))
         self.multi_modal_projector = Gemma3MultiModalProjector(config)
 
@@ -105,9 +106,10 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
         return super().load_weights(text_weights()) | loaded
 
 
-def _vision_config(config: PretrainedConfig) -> PretrainedConfig:
+def _vision_config(config: Gemma3Config) -> SiglipVisionConfig:
     """The checkpoint's vision config, with torch's fused attention for the tower."""
-    vision_config: PretrainedConfig = config.vision_config
+    vision_config = config.vision_config
+    assert isinstance(vision_config, SiglipVisionConfig), type(vision_config)
     vision_config._attn_implementation = "sdpa"
     return vision_config
 

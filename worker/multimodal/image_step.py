@@ -10,7 +10,7 @@ embeddings, and (for images attending both ways) each query row's key end.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -20,6 +20,14 @@ from scheduler.multimodal import MultiModalFeature
 from worker.input_batch import InputBatch, RequestStates
 from worker.multimodal.encoder_cache import EncoderCache
 from worker.multimodal.mrope import MropeSteps
+
+
+class ImageModel(Protocol):
+    """What the step needs of a model that takes images (see the package docstring)."""
+
+    def embed_images(self, features: list[MultiModalFeature]) -> list[torch.Tensor]: ...
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor: ...
 
 
 class ImageSlice(NamedTuple):
@@ -69,7 +77,7 @@ def needed_images(states: RequestStates) -> set[str]:
 
 
 def merged_embeddings(
-    model: nn.Module, input_ids: torch.Tensor, slices: list[ImageSlice], cache: EncoderCache
+    model: ImageModel, input_ids: torch.Tensor, slices: list[ImageSlice], cache: EncoderCache
 ) -> torch.Tensor:
     """[T, hidden] token embeddings with each slice's rows replaced by its encoder rows."""
     rows = torch.cat([torch.arange(s.batch_row, s.batch_row + s.end - s.start) for s in slices]).to(
@@ -77,7 +85,7 @@ def merged_embeddings(
     )
     ids = input_ids.clone()
     ids[rows] = 0  # placeholder ids may lie outside the vocabulary; their rows are replaced
-    embeds: torch.Tensor = model.embed_input_ids(ids)
+    embeds = model.embed_input_ids(ids)
     image_rows = torch.cat([cache[s.feature.identifier][s.start : s.end] for s in slices])
     embeds[rows] = image_rows.to(device=embeds.device, dtype=embeds.dtype)
     return embeds
@@ -100,13 +108,14 @@ def bidirectional_key_ends(batch: InputBatch, slices: list[ImageSlice]) -> np.nd
                 "(whole_images)"
             )
         ends[piece.batch_row : piece.batch_row + feature.length] = feature.end
-    return ends.astype(np.int32)
+    key_ends: np.ndarray = ends.astype(np.int32)
+    return key_ends
 
 
 class ImageStep:
     """The model runner's image side: the encoder cache and the step's image inputs."""
 
-    def __init__(self, model: nn.Module, device: torch.device) -> None:
+    def __init__(self, model: ImageModel, device: torch.device) -> None:
         self.model = model
         self.device = device
         self.bidirectional = bool(getattr(model, "bidirectional_images", False))
