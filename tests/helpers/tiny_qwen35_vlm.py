@@ -168,19 +168,3 @@ def image_prompt(segments: list[list[int] | ImageInputs]) -> list[int]:
         else:
             ids += segment
     return ids
-
-
-def hf_greedy_with_images(
-    hf_model: torch.nn.Module, prompt: list[int], images: list[ImageInputs], num_new: int
-) -> list[int]:
-    """transformers' greedy continuation of a prompt holding `images` (in prompt order)."""
-    input_ids = torch.tensor([prompt])
-    kwargs: dict[str, torch.Tensor] = {}
-    if images:
-        kwargs["pixel_values"] = torch.cat([image.pixel_values for image in images])
-        kwargs["image_grid_thw"] = torch.cat([image.image_grid_thw for image in images])
-        kwargs["mm_token_type_ids"] = (input_ids == IMAGE_TOKEN_ID).int()
-    with torch.no_grad():
-        out = hf_model.generate(input_ids, max_new_tokens=num_new, do_sample=False, **kwargs)
-    tokens: list[int] = out[0, len(prompt) :].tolist()
-    return tokens

@@ -169,3 +169,18 @@ def test_moe_checkpoint_takes_images(tmp_path: Path) -> None:
         engine.shutdown()
     want = hf_greedy_from_text(hf_model, processor, text, [TALL, WIDE], NUM_NEW)
     assert output.outputs[0].token_ids == want
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_each_encode_the_images(served: Served) -> None:
+    """The vision tower is replicated: two ranks (text model split) give the same tokens."""
+    engine = LLM(str(served.path), tensor_parallel_size=2, **ENGINE)
+    text = f"a {IMG} b {IMG} c"
+    try:
+        (output,) = engine.generate(
+            [_prompt(text, [WIDE, TALL])], SamplingParams(temperature=0, max_tokens=NUM_NEW)
+        )
+    finally:
+        engine.shutdown()
+    want = hf_greedy_from_text(served.hf_model, served.processor, text, [WIDE, TALL], NUM_NEW)
+    assert output.outputs[0].token_ids == want
