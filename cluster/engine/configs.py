@@ -121,11 +121,16 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
 
 
 def takes_whole_images(model: ModelConfig) -> bool:
-    """Whether the model's image tokens attend to each other both ways (Gemma 3), so that the
-    scheduler never ends a prefill chunk inside an image."""
+    """Whether the model's image tokens attend to each other both ways (Gemma 3; Gemma 4 as its
+    config says: `images_attend_both_ways`), so that the scheduler never ends a prefill chunk
+    inside an image."""
     from worker.models.registry import get_model_class
 
-    return bool(getattr(get_model_class(model.architecture), "bidirectional_images", False))
+    model_class = get_model_class(model.architecture)
+    from_config = getattr(model_class, "images_attend_both_ways", None)
+    if from_config is not None:
+        return bool(from_config(model.hf_config))
+    return bool(getattr(model_class, "bidirectional_images", False))
 
 
 def draft_model_config(args: EngineArgs, target: ModelConfig, device: str) -> ModelConfig | None:

@@ -94,6 +94,10 @@ class AttentionConfig:
     total_num_kv_heads: int | None = None
     """KV heads of the whole model, dealt to the ranks as `QKVParallelLinear` deals them (None:
     not known, so pages of this layer cannot be resharded to another tensor-parallel size)."""
+    bidirectional_images: bool = True
+    """An image's tokens attend to each other both ways in this layer when the step gives image
+    key ends (`AttentionMetadata.key_ends`, only for models with `bidirectional_images`, Gemma 3
+    in every layer); False: the layer ignores them and stays causal (Gemma 4's global layers)."""
 
 
 class KernelNeeds(NamedTuple):
@@ -229,7 +233,7 @@ class Attention(nn.Module):
             sinks=sinks,
             key_from_value=key_from_value,
             kv_scales=self.kv_scales,
-            key_ends=meta.key_ends,
+            key_ends=meta.key_ends if cfg.bidirectional_images else None,
         )
         return out.reshape(num_tokens, cfg.num_heads * cfg.head_size)
 

@@ -65,6 +65,12 @@ class Gemma4Attention(SharedKVAttention):
             bool(hf_config.attention_k_eq_v) and hf_config.layer_types[idx] != "sliding_attention"
         )
 
+    @staticmethod
+    def bidirectional_images_in_layer(hf_config: PretrainedConfig, idx: int) -> bool:
+        """Sliding layers only: transformers' Gemma 4 masks keep global layers causal for image
+        tokens too (`create_masks_for_vision_model`)."""
+        return bool(hf_config.layer_types[idx] == "sliding_attention")
+
     def key_from_value(self) -> KeyFromValue:
         """How the kernel rebuilds this layer's keys from its cached values."""
         rope = self.key_rope

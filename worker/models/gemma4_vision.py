@@ -69,14 +69,20 @@ class Gemma4ForConditionalGeneration(Gemma4ForCausalLM):
         self.image_token_id = int(config.image_token_id)
         super().__init__(model_config, parallel)
         text_config = model_config.hf_config
-        self.bidirectional_images = text_config.use_bidirectional_attention == "vision"
-        """An image's tokens attend to each other both ways (in the sliding layers only)."""
+        self.bidirectional_images = self.images_attend_both_ways(text_config)
+        """An image's tokens attend to each other both ways (in the sliding layers only:
+        `Gemma4Attention.bidirectional_images_in_layer`)."""
         self.pad_token_id = int(text_config.pad_token_id or 0)
         self.vision_tower: nn.Module = AutoModel.from_config(  # type: ignore[no-untyped-call]
             config.vision_config, attn_implementation="sdpa", dtype=torch.get_default_dtype()
         )
         self.embed_vision = Gemma4MultimodalEmbedder(config.vision_config, text_config)  # type: ignore[arg-type]
         self.pooling_kernel_size = int(config.vision_config.pooling_kernel_size)
+
+    @staticmethod
+    def images_attend_both_ways(text_config: PretrainedConfig) -> bool:
+        """`use_bidirectional_attention: "vision"`: the scheduler then keeps images whole."""
+        return bool(text_config.use_bidirectional_attention == "vision")
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden]: token embeddings scaled by sqrt(hidden), as the forward has them."""

@@ -86,6 +86,7 @@ class SharedKVAttention(nn.Module):
                 sliding_window=window_from_layer_types(hf_config, idx),
                 kv_sharing_target=None if target is None else attention_layer_name(target),
                 keys_from_values=self.keys_from_values,
+                bidirectional_images=self.bidirectional_images_in_layer(hf_config, idx),
             )
         )
 
@@ -98,6 +99,12 @@ class SharedKVAttention(nn.Module):
     def caches_values_only(hf_config: PretrainedConfig, idx: int) -> bool:
         """Whether layer `idx` caches V alone and the kernel rebuilds K from it."""
         return False
+
+    @staticmethod
+    def bidirectional_images_in_layer(hf_config: PretrainedConfig, idx: int) -> bool:
+        """Whether layer `idx` lets an image's tokens attend to each other both ways (when the
+        model's images do: `AttentionConfig.bidirectional_images`)."""
+        return True
 
     def key_from_value_source(self) -> KeyFromValue | None:
         """How the kernel rebuilds this layer's keys from its cached values (None: cached keys)."""
