@@ -6,12 +6,12 @@ vocabulary. Gemma 4's images go through transformers' `Gemma4ImageProcessorPil` 
 processor's own placeholder expansion (`Gemma4Processor.replace_image_token`); the full
 processors need torchvision for their video part, absent on CPU machines. Llama 4's image
 processor exists only for torchvision, so its tiles are random pixels of the processor's
-output shape, laid out in the prompt by `Llama4Processor._prompt_split_image`.
+output shape, laid out in the prompt by `Llama4Processor._prompt_split_image`. The features are
+cut from those outputs by the engine's adapter entries (`cluster.engine.mm_adapters`).
 """
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -23,6 +23,8 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+from cluster.engine.mm_adapters import IMAGE_ADAPTERS
+from cluster.engine.mm_inputs import feature_identifier, placeholder_runs
 from scheduler.multimodal import MultiModalFeature
 from tests.helpers.tiny_gemma4_gpt_oss import GEMMA4
 from tests.helpers.tiny_models import BASE, CHUNKED_FAMILIES, random_eager_model
@@ -142,30 +144,17 @@ def images(sizes: list[tuple[int, int]], seed: int = 0) -> list[np.ndarray]:
     return [rng.integers(0, 256, size=(h, w, 3), dtype=np.uint8) for h, w in sizes]
 
 
-def _identifier(*tensors: torch.Tensor) -> str:
-    digest = hashlib.sha256()
-    for tensor in tensors:
-        digest.update(tensor.numpy().tobytes())
-    return digest.hexdigest()
-
-
-def _features(
-    token_ids: list[int], run_token: int, datas: list[dict[str, torch.Tensor]]
+def adapter_features(
+    architecture: str, processor: object, token_ids: list[int], outputs: dict[str, torch.Tensor]
 ) -> list[MultiModalFeature]:
-    """One feature per run of `run_token` in `token_ids`, in order, carrying `datas`."""
-    runs, idx = [], 0
-    while idx < len(token_ids):
-        if token_ids[idx] != run_token:
-            idx += 1
-            continue
-        start = idx
-        while idx < len(token_ids) and token_ids[idx] == run_token:
-            idx += 1
-        runs.append((start, idx - start))
-    assert len(runs) == len(datas), (len(runs), len(datas))
+    """One feature per placeholder run of `token_ids`, cut from the processor's batched
+    `outputs` by the architecture's adapter entry, as the engine's input processing does."""
+    adapter = IMAGE_ADAPTERS[architecture]
+    runs = placeholder_runs(token_ids, adapter.placeholder_token_id(processor))
+    pieces = adapter.split(outputs, len(runs)) if runs else []
     return [
-        MultiModalFeature("image", _identifier(*data.values()), offset, length, data)
-        for (offset, length), data in zip(runs, datas, strict=True)
+        MultiModalFeature("image", feature_identifier(piece), offset, length, piece)
+        for (offset, length), piece in zip(runs, pieces, strict=True)
     ]
 
 
@@ -184,28 +173,32 @@ def gemma4_inputs(
             image_idx += 1
         text.append(word)
     token_ids = tokenizer(" ".join(text), add_special_tokens=False)["input_ids"]
-    datas = [
-        {
-            "pixel_values": batch["pixel_values"][i : i + 1],
-            "image_position_ids": batch["image_position_ids"][i : i + 1],
-        }
-        for i in range(len(pictures))
-    ]
-    image_id = tokenizer.convert_tokens_to_ids(GEMMA4_SPECIAL["image_token"])
     tensors = {k: v for k, v in batch.items() if k in ("pixel_values", "image_position_ids")}
-    return token_ids, _features(token_ids, image_id, datas), tensors
+    image_id = tokenizer.convert_tokens_to_ids(GEMMA4_SPECIAL["image_token"])
+    processor = SimpleNamespace(image_token_id=image_id)  # what the adapter reads of it
+    features = adapter_features("Gemma4ForConditionalGeneration", processor, token_ids, tensors)
+    return token_ids, features, tensors
+
+
+def _random_tiles(num_tiles: int, seed: int) -> torch.Tensor:
+    """[num_tiles, 3, tile, tile] normalized pixels in [-1, 1]: random 2 x 2 blocks of colour
+    (uniform noise per pixel would give every tile nearly the same features)."""
+    generator = torch.Generator().manual_seed(seed)
+    blocks = torch.rand(num_tiles, 3, 2, 2, generator=generator) * 2 - 1
+    return blocks.repeat_interleave(LLAMA4_TILE // 2, 2).repeat_interleave(LLAMA4_TILE // 2, 3)
 
 
 def llama4_inputs(
     tokenizer: PreTrainedTokenizerFast,
     words: list[str],
     grids: list[tuple[int, int]],
-    seed: int = 0,
+    seeds: list[int] | None = None,
 ) -> tuple[list[int], list[MultiModalFeature], torch.Tensor]:
     """Prompt ids of `words` (each "<|image|>" takes the next tile grid, laid out by
     transformers' Llama 4 processor code), one feature per tile, and all tiles in prompt order
-    (an image of more than one tile ends with its global view), as the processor batches them."""
-    generator = torch.Generator().manual_seed(seed)
+    (an image of more than one tile ends with its global view), as the processor batches them.
+    Image i's pixels are random from `seeds[i]` (default: i)."""
+    seeds = list(range(len(grids))) if seeds is None else seeds
     per_tile = (LLAMA4_TILE // LLAMA4_VISION["patch_size"]) ** 2 // 4  # pixel shuffle 0.5
     text, tiles, grid_idx = [], [], 0
     for word in words:
@@ -213,11 +206,12 @@ def llama4_inputs(
             ratio_h, ratio_w = grids[grid_idx]
             word = transformers.Llama4Processor._prompt_split_image(None, grids[grid_idx], per_tile)
             num_tiles = ratio_h * ratio_w + (1 if ratio_h * ratio_w > 1 else 0)
-            tiles.append(torch.rand(num_tiles, 3, LLAMA4_TILE, LLAMA4_TILE, generator=generator))
+            tiles.append(_random_tiles(num_tiles, seeds[grid_idx]))
             grid_idx += 1
         text.append(word)
     token_ids = tokenizer(" ".join(text), add_special_tokens=False)["input_ids"]
     pixel_values = torch.cat(tiles) if tiles else torch.empty(0, 3, LLAMA4_TILE, LLAMA4_TILE)
-    datas = [{"pixel_values": pixel_values[i : i + 1]} for i in range(pixel_values.shape[0])]
-    patch_id = tokenizer.convert_tokens_to_ids(LLAMA4_SPECIAL["patch"])
-    return token_ids, _features(token_ids, patch_id, datas), pixel_values
+    processor = SimpleNamespace(tokenizer=tokenizer, img_patch_token=LLAMA4_SPECIAL["patch"])
+    outputs = {"pixel_values": pixel_values}
+    features = adapter_features("Llama4ForConditionalGeneration", processor, token_ids, outputs)
+    return token_ids, features, pixel_values

@@ -1,20 +1,36 @@
-"""Gemma 4 and Llama 4 take images: our checkpoint loading and image encoders against
-transformers' `Gemma4ForConditionalGeneration` / `Llama4ForConditionalGeneration` (tiny random
-configs, fp32, built offline).
+"""Gemma 4 and Llama 4 take images: our checkpoint loading, image encoders and served tokens
+against transformers' `Gemma4ForConditionalGeneration` / `Llama4ForConditionalGeneration` (tiny
+random configs, fp32, built offline).
 
 Both families load every tensor of the checkpoint (vision tower and projector included), and
 `embed_images` gives, per placeholder run, exactly the rows transformers inserts there
 (`get_image_features` + projection) with the same attention implementation (sdpa).
+
+Served through `LLM`'s engine (requests carrying the features the adapter entries cut from the
+image processor's outputs: the full processors need torchvision), prompts with 0, 1 and 2 images
+give transformers' greedy tokens: Gemma 4's image tokens attend to each other both ways in its
+sliding layers only (`use_bidirectional_attention: "vision"`), with prefill chunks that would
+otherwise end inside an image; Llama 4's tiles are one feature each. Prefix caching hits past the
+same images and never past the start of another.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
 
+from cluster import LLM, SamplingParams
+from cluster.engine.client import collect
+from cluster.engine.outputs import RequestOutput
+from cluster.engine.request import EngineRequest
+from scheduler.multimodal import MultiModalFeature
 from tests.helpers.tiny_gemma4_llama4_vlm import (
+    GEMMA4_SPECIAL,
     gemma4_inputs,
     images,
     llama4_inputs,
@@ -24,6 +40,185 @@ from tests.helpers.tiny_gemma4_llama4_vlm import (
 from tests.helpers.tiny_models import load_our_model
 
 pytestmark = pytest.mark.parity
+
+NUM_NEW = 8
+GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW)
+ENGINE = {"dtype": "float32", "block_size": 4, "kv_cache_memory_bytes": 1 << 22}
+IMG = "<|image|>"
+WORDS = {
+    0: [f"t{i}" for i in range(5, 17)],
+    1: ["t5", "t6", IMG, "t7", "t8", "t9"],
+    2: ["t5", IMG, "t7", IMG, "t8", "t9", "t10", "t11", "t12", "t13"],
+}
+"""Prompt words by number of images; each IMG takes the next image."""
+GEMMA4_SIZES = [(16, 24), (30, 20)]
+"""Image sizes (height, width) of Gemma 4's images: about 60 soft tokens each."""
+GEMMA4_CHUNK = 72
+"""Tokens a step: the batch's first step ends inside the one-image prompt's image unless the
+scheduler keeps images whole (the step's encoder budget, 72 positions, would take it)."""
+LLAMA4_GRIDS = [(1, 2), (2, 1)]
+"""Tile grids of Llama 4's images (more than one tile: the tiles, then a global view)."""
+
+
+class Prompt(NamedTuple):
+    """One prompt as the engine takes it and the transformers inputs of the same prompt."""
+
+    token_ids: list[int]
+    features: list[MultiModalFeature]
+    hf_inputs: dict[str, torch.Tensor]
+
+
+class Served(NamedTuple):
+    llm: LLM
+    hf_model: torch.nn.Module
+    prompt: Callable[[list[int]], Prompt]
+    """Image seeds (one per image, 0 to 2 of them) -> the prompt of `WORDS` with those images."""
+
+
+_request_ids = itertools.count()
+
+
+def _generate(
+    llm: LLM, prompts: list[Prompt], params: SamplingParams = GREEDY
+) -> list[RequestOutput]:
+    """Outputs of `prompts`, queued together (one batch) in `llm`'s engine."""
+    requests = [
+        EngineRequest(
+            request_id=f"image-{next(_request_ids)}",
+            prompt_token_ids=tuple(prompt.token_ids),
+            sampling_params=params,
+            mm_features=tuple(prompt.features),
+        )
+        for prompt in prompts
+    ]
+    streams = [llm.client.add_request(request) for request in requests]
+    return [collect(stream) for stream in streams]
+
+
+def _hf_greedy(hf_model: torch.nn.Module, prompt: Prompt) -> list[int]:
+    ids = torch.tensor([prompt.token_ids])
+    with torch.no_grad():
+        out = hf_model.generate(ids, **prompt.hf_inputs, max_new_tokens=NUM_NEW, do_sample=False)
+    tokens: list[int] = out[0, ids.shape[1] :].tolist()
+    return tokens
+
+
+class Llama4Generator(torch.nn.Module):
+    """transformers' Llama 4 generating from the embeddings its own forward builds (tiles through
+    the vision model and projector, scattered over the `<|patch|>` rows): this transformers
+    version's `Llama4ForConditionalGeneration.forward` fails on its output type."""
+
+    def __init__(self, hf_model: torch.nn.Module) -> None:
+        super().__init__()
+        self.hf_model = hf_model
+
+    def generate(self, ids: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        hf_model = self.hf_model
+        embeds = hf_model.get_input_embeddings()(ids)
+        tiles = kwargs.pop("pixel_values", None)
+        if tiles is not None:
+            image = hf_model.get_image_features(pixel_values=tiles, return_dict=True)
+            hidden = image.last_hidden_state
+            rows = hf_model.multi_modal_projector(hidden.view(-1, hidden.size(-1)))
+            mask = hf_model.get_placeholder_mask(ids, inputs_embeds=embeds, image_features=rows)
+            embeds = embeds.masked_scatter(mask, rows)
+        new = hf_model.language_model.generate(inputs_embeds=embeds, **kwargs)
+        return torch.cat([ids, new], dim=1)
+
+
+@pytest.fixture(scope="module")
+def gemma4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    path = tmp_path_factory.mktemp("gemma4_vlm")
+    hf_model, tokenizer = save_tiny_gemma4_vlm(path)  # bidirectional images
+    hf_model.model.vision_tower.set_attn_implementation("sdpa")
+    image_id = tokenizer.convert_tokens_to_ids(GEMMA4_SPECIAL["image_token"])
+
+    def prompt(seeds: list[int]) -> Prompt:
+        sizes = GEMMA4_SIZES[: len(seeds)]
+        pictures = [images([size], seed)[0] for size, seed in zip(sizes, seeds, strict=True)]
+        token_ids, features, tensors = gemma4_inputs(tokenizer, WORDS[len(seeds)], pictures)
+        hf_inputs = dict(tensors)
+        if pictures:  # transformers' bidirectional mask groups the image tokens by these
+            hf_inputs["mm_token_type_ids"] = (torch.tensor([token_ids]) == image_id).long()
+        return Prompt(token_ids, features, hf_inputs)
+
+    llm = LLM(str(path), max_model_len=160, max_num_batched_tokens=GEMMA4_CHUNK, **ENGINE)
+    yield Served(llm, hf_model, prompt)
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def llama4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    path = tmp_path_factory.mktemp("llama4_vlm")
+    hf_model, tokenizer = save_tiny_llama4_vlm(path)
+    hf_model.vision_model.set_attn_implementation("sdpa")
+
+    def prompt(seeds: list[int]) -> Prompt:
+        grids = LLAMA4_GRIDS[: len(seeds)]
+        token_ids, features, tiles = llama4_inputs(tokenizer, WORDS[len(seeds)], grids, seeds)
+        return Prompt(token_ids, features, {"pixel_values": tiles} if seeds else {})
+
+    llm = LLM(str(path), max_model_len=120, **ENGINE)
+    yield Served(llm, Llama4Generator(hf_model), prompt)
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("family", ["gemma4", "llama4"])
+def test_greedy_tokens_match_transformers_with_0_1_2_images(family: str, request) -> None:
+    served: Served = request.getfixturevalue(family)
+    prompts = [served.prompt([]), served.prompt([1]), served.prompt([2, 3])]
+    outputs = _generate(served.llm, prompts)
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert output.outputs[0].token_ids == _hf_greedy(served.hf_model, prompt)
+
+
+@pytest.mark.parametrize("family", ["gemma4", "llama4"])
+def test_prefix_hits_past_the_same_images_and_not_past_another(family: str, request) -> None:
+    served: Served = request.getfixturevalue(family)
+    served.llm.client.core.scheduler.reset_prefix_cache()
+    same, other = served.prompt([4, 5]), served.prompt([4, 6])  # the second image differs
+    assert same.token_ids == other.token_ids
+    second_image = _image_starts(other)[1]
+    cold, warm, changed = (_generate(served.llm, [prompt])[0] for prompt in (same, same, other))
+    assert cold.outputs[0].token_ids == warm.outputs[0].token_ids
+    assert warm.outputs[0].token_ids == _hf_greedy(served.hf_model, same)
+    assert warm.num_cached_tokens >= same.features[-1].end  # past both images
+    assert same.features[0].end <= changed.num_cached_tokens <= second_image
+    assert changed.outputs[0].token_ids == _hf_greedy(served.hf_model, other)
+    assert changed.outputs[0].token_ids != cold.outputs[0].token_ids  # the image is seen
+
+
+def test_gemma4_images_attend_both_ways_in_sliding_layers_only(gemma4: Served) -> None:
+    """Prompt logprobs equal transformers' (whose global layers keep image tokens causal): the
+    tiny model's greedy tokens alone do not tell the global layers' masks apart."""
+    prompt = gemma4.prompt([7, 8])
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    (output,) = _generate(gemma4.llm, [prompt], params)
+    ids = torch.tensor([prompt.token_ids])
+    with torch.no_grad():
+        logits = gemma4.hf_model(ids, **prompt.hf_inputs).logits[0, :-1]
+    want = torch.log_softmax(logits.double(), dim=-1).gather(1, ids[0, 1:, None])[:, 0]
+    got = torch.tensor(
+        [
+            position[token].logprob
+            for position, token in zip(
+                output.prompt_logprobs[1:], prompt.token_ids[1:], strict=True
+            )
+        ],
+        dtype=torch.float64,
+    )
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def _image_starts(prompt: Prompt) -> list[int]:
+    """First position of each image (a Llama 4 image is several tile features, each with its
+    own pixels; its first feature is the first after a run of text)."""
+    starts, end = [], -1
+    for feature in prompt.features:
+        if feature.offset - end > 2:  # tiles of one image are one or two separators apart
+            starts.append(feature.offset)
+        end = feature.end
+    return starts
 
 
 def test_gemma4_images_embed_as_transformers(tmp_path: Path) -> None:
