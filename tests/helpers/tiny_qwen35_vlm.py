@@ -12,6 +12,7 @@ fills 1 to 16 placeholder tokens), and a byte-level tokenizer of Qwen3.5's kind 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import NamedTuple
 
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 import transformers
 from PIL import Image
+from safetensors.torch import load_file, save_file
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer
@@ -89,6 +91,36 @@ def save_tiny_qwen35_vlm(path: Path, moe: bool = False, seed: int = 0) -> torch.
     model.save_pretrained(path)
     save_tiny_qwen35_processor(path)
     return model
+
+
+def add_mtp_layer(path: Path, hf_model: torch.nn.Module) -> None:
+    """Add one random MTP layer (`mtp.*`, as released Qwen3.5 checkpoints hold) to the checkpoint
+    at `path`: attention shaped as the first full-attention layer's, the MLP as layer 0's."""
+    config = hf_model.config.text_config
+    attention = list(config.layer_types).index("full_attention")
+    prefix, first = f"model.language_model.layers.{attention}.", "model.language_model.layers.0."
+    generator = torch.Generator().manual_seed(1)
+
+    def draw(shape: torch.Size, is_norm: bool) -> torch.Tensor:
+        return torch.randn(shape, generator=generator) * (0.1 if is_norm else 0.2)
+
+    state = hf_model.state_dict()
+    mtp = {
+        f"mtp.layers.0.{name[len(source) :]}": draw(tensor.shape, "norm" in name)
+        for name, tensor in state.items()
+        for source in (prefix, first)
+        if name.startswith(source) and (".mlp." in name) == (source == first)
+    }
+    hidden = config.hidden_size
+    mtp["mtp.fc.weight"] = draw(torch.Size([hidden, 2 * hidden]), False)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        mtp[f"mtp.{norm}.weight"] = draw(torch.Size([hidden]), True)
+    file = path / "model.safetensors"
+    save_file({**load_file(file), **mtp}, file, metadata={"format": "pt"})
+    config_file = path / "config.json"
+    saved = json.loads(config_file.read_text())
+    saved["text_config"]["mtp_num_hidden_layers"] = 1
+    config_file.write_text(json.dumps(saved))
 
 
 def save_tiny_qwen35_processor(path: Path) -> Qwen3_5ImageProcessor:

@@ -8,6 +8,7 @@ with one more image, resumes from the DeltaNet state checkpoints of the previous
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -17,12 +18,13 @@ from PIL import Image
 
 from cluster import LLM, SamplingParams
 from cluster.engine.mm_qwen3_5 import Qwen3_5ImageProcessor, load_qwen3_5_processor
-from tests.helpers.engine_probe import encoder_cache
+from tests.helpers.engine_probe import encoder_cache, engine_stats
 from tests.helpers.tiny_qwen35_vlm import (
     IMAGE_PLACEHOLDER as IMG,
 )
 from tests.helpers.tiny_qwen35_vlm import (
     IMAGE_TOKEN_ID,
+    add_mtp_layer,
     hf_greedy_from_text,
     random_image,
     save_tiny_qwen35_vlm,
@@ -169,6 +171,27 @@ def test_moe_checkpoint_takes_images(tmp_path: Path) -> None:
         engine.shutdown()
     want = hf_greedy_from_text(hf_model, processor, text, [TALL, WIDE], NUM_NEW)
     assert output.outputs[0].token_ids == want
+
+
+def test_mtp_speculation_keeps_the_image_tokens(served: Served, tmp_path: Path) -> None:
+    """A released-style checkpoint with an MTP layer speculates on prompts holding images (the
+    drafts see plain positions; verification keeps the target's tokens)."""
+    shutil.copytree(served.path, tmp_path, dirs_exist_ok=True)
+    add_mtp_layer(tmp_path, served.hf_model)
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    engine = LLM(str(tmp_path), speculative_config=spec, **ENGINE)
+    text = f"a {IMG} b {IMG} c"
+    try:
+        (output,) = engine.generate(
+            [_prompt(text, [WIDE, TALL])], SamplingParams(temperature=0, max_tokens=NUM_NEW)
+        )
+        drafted = engine_stats(engine).spec_decoding
+    finally:
+        engine.shutdown()
+    want = hf_greedy_from_text(served.hf_model, served.processor, text, [WIDE, TALL], NUM_NEW)
+    assert output.outputs[0].token_ids == want
+    assert drafted is not None
+    assert drafted.num_draft_tokens > 0
 
 
 @pytest.mark.slow
