@@ -5,8 +5,8 @@ Every layer: x + mixer(norm(x)), then x + ffn(norm(x)); norms scale by (1 + w). 
 a gated DeltaNet (`linear_attn`) or gated attention (`self_attn`: q_proj yields a query and a
 gate per head; q/k RMSNorm, partial rope, output * sigmoid(gate)). The ffn (`mlp`) is a gated
 MLP or the sparse MoE with a gated shared expert. Qwen3.5 uses multimodal rope, which for text
-(the same position on every axis) is plain rope; its multimodal checkpoints are served as their
-text model (`model.language_model.` weights; vision and MTP weights skipped).
+(the same position on every axis) is plain rope; its multimodal checkpoints (the text model's
+weights under `model.language_model.`) take images in `qwen3_5_vision`.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class Qwen3NextForCausalLM(HybridForCausalLM):
     fused_projections = True
     """Checkpoints keep `in_proj_qkvz` / `in_proj_ba` (Qwen3.5: four projections)."""
     renames = (("model.language_model.", "model."),)
-    """A multimodal checkpoint's text model (`worker.config.TEXT_MODEL_OF`)."""
+    """A multimodal checkpoint's text model."""
     skipped_prefixes: tuple[str, ...] = ("mtp.", "model.visual.")
     """The multi-token-prediction head and the vision encoder: not served."""
     default_mrope_section: tuple[int, ...] | None = None
