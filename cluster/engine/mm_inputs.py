@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_LIMIT_PER_PROMPT = 999
 """Images per prompt when `limit_mm_per_prompt` names none (vLLM's default)."""
 NO_IMAGES = "this model takes no images"
+NEEDS_PACKAGE = "its image processor needs a package that is not installed (torchvision)"
 
 
 @dataclass(frozen=True)
@@ -223,6 +224,11 @@ def load_multimodal_inputs(model_path: str, config: MultiModalConfig) -> MultiMo
     except (OSError, ValueError, TypeError) as error:
         logger.warning("%s: no image processor (%s); images are refused", model_path, error)
         return MultiModalInputs(None, None, config, f"{NO_IMAGES}: its folder has no processor")
+    except ImportError as error:  # e.g. Gemma 4's and Llama 4's processors without torchvision
+        logger.warning(
+            "%s: image processor unavailable (%r); images are refused", model_path, error
+        )
+        return MultiModalInputs(None, None, config, f"{NO_IMAGES} here: {NEEDS_PACKAGE}")
     if not hasattr(processor, "image_processor"):
         return MultiModalInputs(None, None, config, f"{NO_IMAGES}: its folder has no processor")
     return MultiModalInputs(processor, adapter, config)

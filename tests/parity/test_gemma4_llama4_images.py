@@ -16,7 +16,9 @@ same images and never past the start of another.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
@@ -26,20 +28,25 @@ import torch
 
 from cluster import LLM, SamplingParams
 from cluster.engine.client import collect
+from cluster.engine.mm_inputs import MultiModalConfig, load_multimodal_inputs
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
 from scheduler.multimodal import MultiModalFeature
 from tests.helpers.tiny_gemma4_llama4_vlm import (
     GEMMA4_SPECIAL,
+    LLAMA4_SPECIAL,
     gemma4_inputs,
     images,
     llama4_inputs,
     save_tiny_gemma4_vlm,
     save_tiny_llama4_vlm,
+    save_tokenizer,
 )
 from tests.helpers.tiny_models import load_our_model
 
 pytestmark = pytest.mark.parity
+
+HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
 
 NUM_NEW = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=NUM_NEW)
@@ -208,6 +215,28 @@ def test_gemma4_images_attend_both_ways_in_sliding_layers_only(gemma4: Served) -
         dtype=torch.float64,
     )
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+TORCHVISION_PROCESSORS = {
+    "gemma4": ("Gemma4ForConditionalGeneration", "Gemma4ImageProcessor", GEMMA4_SPECIAL),
+    "llama4": ("Llama4ForConditionalGeneration", "Llama4ImageProcessorFast", LLAMA4_SPECIAL),
+}
+
+
+@pytest.mark.skipif(HAS_TORCHVISION, reason="torchvision builds these processors")
+@pytest.mark.parametrize("family", list(TORCHVISION_PROCESSORS))
+def test_without_torchvision_images_are_refused_saying_why(family: str, tmp_path: Path) -> None:
+    """A released checkpoint's processor config names a processor needing torchvision: the
+    engine starts and refuses images, naming the missing package."""
+    architecture, image_processor, special = TORCHVISION_PROCESSORS[family]
+    save_tokenizer(tmp_path, special)
+    config = {"architectures": [architecture], "model_type": family}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    processor_config = {"image_processor_type": image_processor}
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(processor_config))
+    inputs = load_multimodal_inputs(str(tmp_path), MultiModalConfig())
+    with pytest.raises(ValueError, match=r"^messages\[0\]: .*not installed \(torchvision\)"):
+        inputs.check_images(["messages[0]"])
 
 
 def _image_starts(prompt: Prompt) -> list[int]:
