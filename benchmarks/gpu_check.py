@@ -15,6 +15,9 @@ Sections, in order (`--sections` picks some):
 - `quant_e2e`: block-FP8 and MXFP4 (gpt-oss) checkpoints written on the fly, served with their
   weights kept quantized on the kernels and dequantized at load: decode step times and greedy
   agreement.
+- `images`: a Gemma-3-shaped image model (SigLIP-So400m at 896 px, Gemma-3-4B text, random
+  weights) through `LLM`: images/s and time to first token with 1 and 8 images per request, the
+  encoder's share of the step time, a step's images in one encoder call against one per call.
 
 Every section's figures (or its error) land in OUT/gpu-check.json and OUT/gpu-check.md, with
 device, date and commit, rewritten after each section so that a run cut short keeps what it
@@ -43,6 +46,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO_ROOT))
 
 import torch  # noqa: E402
+from bench_images import SHAPES as IMAGE_SHAPES  # noqa: E402
+from bench_images import image_figures  # noqa: E402
 from gpu_check_e2e import decode_run, e2e_figures, profile_decode  # noqa: E402
 from gpu_check_kernels import (  # noqa: E402
     attention_figures,
@@ -55,7 +60,7 @@ from gpu_check_kernels import (  # noqa: E402
 from gpu_check_lora import lora_figures  # noqa: E402
 from gpu_check_quant_e2e import quant_e2e_figures, quant_e2e_run  # noqa: E402
 
-SECTIONS = ("tests", "attention", "recurrent", "lora", "quant", "e2e", "quant_e2e")
+SECTIONS = ("tests", "attention", "recurrent", "lora", "quant", "e2e", "quant_e2e", "images")
 Report = dict[str, object]
 
 
@@ -166,6 +171,7 @@ def run_sections(args: argparse.Namespace, out: Path) -> Report:
         "quant": lambda: run_quant(args, device),
         "e2e": lambda: run_e2e(args, device),
         "quant_e2e": lambda: {"rows": quant_e2e_figures(quant_e2e_run(args.tiny, device))},
+        "images": lambda: image_figures(IMAGE_SHAPES["tiny" if args.tiny else "gpu"], device),
     }
     report: Report = header(args)
     sections: dict[str, Report] = {}

@@ -32,6 +32,7 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
         "quant",
         "e2e",
         "quant_e2e",
+        "images",
     ]
     assert {row["kernel"] for row in sections["lora"]["rows"]} == {"torch"}
     quant = sections["quant"]
@@ -56,11 +57,27 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     )
     assert all(0 <= row["greedy_agreement"] <= 1 for row in quant_e2e)
     assert all("dequantized at load" in row["kernel_path"] for row in quant_e2e)  # CPU: auto
+    _check_images(sections["images"])
     markdown = (out / "gpu-check.md").read_text()
     assert "commit c0" in markdown
     assert "## e2e" in markdown
     assert "| decode 4x1024 |" in markdown
     assert "| mxfp4_moe | tiny |" in markdown
+    assert "## images" in markdown
+
+
+def _check_images(images: dict) -> None:
+    """Every setting measured; a step's images in one encoder call, or one per call."""
+    rows = {(row["images/request"], row["mode"]): row for row in images["rows"]}
+    assert set(rows) == {(k, mode) for k in (1, 8) for mode in ("batched", "one per call", "alone")}
+    for row in rows.values():
+        assert row["median_images_per_s"] > 0
+        assert row["median_ttft_ms"] > 0
+        assert 0 < row["encoder_share_of_image_steps"] < 1
+    assert rows[(8, "batched")]["images/encoder call"] > 8  # both requests' images in one call
+    assert rows[(8, "alone")]["images/encoder call"] == 8
+    assert rows[(8, "one per call")]["images/encoder call"] == 1
+    assert [ratio["images/request"] for ratio in images["batching"]] == [1, 8]
 
 
 def test_a_failing_section_is_reported_and_fails_the_run(tmp_path: Path) -> None:
