@@ -44,7 +44,8 @@ def _transformers_tokens(llm: LLM, model: torch.nn.Module, text: str, images: li
     inputs = dict(
         processor(text=[text], images=[images], return_tensors="pt", add_special_tokens=False)
     )
-    return inputs["input_ids"][0].tolist(), hf_greedy_with_images(model, inputs, NUM_NEW)
+    tokens, _ = hf_greedy_with_images(model, inputs, NUM_NEW)
+    return inputs["input_ids"][0].tolist(), tokens
 
 
 def test_chat_with_images_gives_transformers_greedy_tokens(vlm: tuple[LLM, Any]) -> None:
