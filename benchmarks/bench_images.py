@@ -302,7 +302,11 @@ class Samples:
     """What one setting measured over its repeats."""
 
     images_per_s: list[float] = field(default_factory=list)
+    """Per repeat."""
+    encoder_s_per_image: list[float] = field(default_factory=list)
+    """Per repeat."""
     ttft_s: list[float] = field(default_factory=list)
+    """Per request."""
     steps: StepTimes = field(default_factory=StepTimes)
 
     def add_steps(self, times: StepTimes) -> None:
@@ -335,11 +339,15 @@ def measure_once(
         results = [run_call(llm, call, shape.max_tokens) for call in calls]
     samples.images_per_s.append(num_images / sum(seconds for seconds, _ in results))
     samples.ttft_s += [ttft for _, ttfts in results for ttft in ttfts]
+    samples.encoder_s_per_image.append(sum(times.encoder) / max(sum(times.images), 1))
     samples.add_steps(times)
 
 
-def measure(shape: Shape, device: torch.device, log: Callable[[str], None] = print) -> list[dict]:
-    """Every setting of `shape` (images per request x mode), repeats alternating the modes."""
+def measure(
+    shape: Shape, device: torch.device, log: Callable[[str], None] = print
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Every setting of `shape` (images per request x mode), repeats alternating the modes: a
+    row per setting, and per images/request the batching ratios."""
     with tempfile.TemporaryDirectory() as folder:
         write_model(shape, Path(folder))
         llm = open_llm(shape, Path(folder), device.type)
@@ -355,7 +363,12 @@ def measure(shape: Shape, device: torch.device, log: Callable[[str], None] = pri
                 log(f"repeat {repeat + 1}/{shape.repeats} done")
         finally:
             llm.shutdown()
-    return [row(shape, k, mode, sample) for (k, mode), sample in samples.items()]
+    rows = [row(shape, k, mode, sample) for (k, mode), sample in samples.items()]
+    ratios = [
+        batching_ratios(k, samples[(k, BATCHED)], samples[(k, ONE_PER_CALL)])
+        for k in shape.requests
+    ]
+    return rows, ratios
 
 
 def spread(values: list[float], scale: float = 1.0, digits: int = 1) -> str:
@@ -389,36 +402,31 @@ def row(shape: Shape, num_images: int, mode: str, samples: Samples) -> dict[str,
     }
 
 
-def batching_ratios(rows: list[dict[str, Any]]) -> list[dict[str, object]]:
-    """Per images/request: one-per-call over batched encoder ms/image, batched over one-per-call
-    images/s (above 1: batching helps)."""
-    by_key = {(r["images/request"], r["mode"]): r for r in rows}
-    ratios = []
-    for k in sorted({r["images/request"] for r in rows}):
-        batched, single = by_key[(k, BATCHED)], by_key[(k, ONE_PER_CALL)]
-        ratios.append(
-            {
-                "images/request": k,
-                "encoder_ms/image, one per call / batched": round(
-                    single["encoder_ms/image"] / batched["encoder_ms/image"], 2
-                ),
-                "images/s, batched / one per call": round(
-                    batched["median_images_per_s"] / single["median_images_per_s"], 2
-                ),
-            }
-        )
-    return ratios
+def batching_ratios(num_images: int, batched: Samples, single: Samples) -> dict[str, object]:
+    """Batched against one image per call, paired within each repeat (the two run back to
+    back): one-per-call over batched encoder s/image, batched over one-per-call images/s (above
+    1: batching helps); median (min-max) over the repeats."""
+    pairs = zip(batched.encoder_s_per_image, single.encoder_s_per_image, strict=True)
+    encoder = [one / both for both, one in pairs]
+    pairs = zip(batched.images_per_s, single.images_per_s, strict=True)
+    throughput = [both / one for both, one in pairs]
+    return {
+        "images/request": num_images,
+        "encoder s/image, one per call / batched": spread(encoder, digits=2),
+        "images/s, batched / one per call": spread(throughput, digits=2),
+        "median_encoder_ratio": round(statistics.median(encoder), 3),
+    }
 
 
 def image_figures(shape: Shape, device: torch.device) -> dict[str, object]:
     """The GPU check's `images` section: the shape, its rows and the batching ratios."""
-    rows = measure(shape, device, log=lambda line: None)
+    rows, ratios = measure(shape, device, log=lambda line: None)
     return {
         "model": shape.name,
         "repeats": shape.repeats,
         "max_tokens": shape.max_tokens,
         "rows": rows,
-        "batching": batching_ratios(rows),
+        "batching": ratios,
     }
 
 
@@ -435,10 +443,9 @@ TABLE_COLUMNS = (
 )
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
+def markdown(rows: list[dict[str, Any]], ratios: list[dict[str, Any]]) -> str:
     """The rows' table, then the batching ratios' table."""
-    ratios = batching_ratios(rows)
-    return "\n".join([*_table(rows, TABLE_COLUMNS), "", *_table(ratios, tuple(ratios[0]))])
+    return "\n".join([*_table(rows, TABLE_COLUMNS), "", *_table(ratios, tuple(ratios[0])[:3])])
 
 
 def _table(rows: list[dict[str, Any]], columns: tuple[str, ...]) -> list[str]:
@@ -472,10 +479,10 @@ def main(argv: list[str] | None = None) -> None:
         f"{shape.name}: vision {shape.vision}, {shape.image_size} px, {shape.mm_tokens} tokens"
         f"/image; text {shape.text}; torch threads {torch.get_num_threads()}"
     )
-    rows = measure(shape, torch.device(args.device))
+    rows, ratios = measure(shape, torch.device(args.device))
     if args.json is not None:
-        args.json.write_text(json.dumps(rows, indent=2) + "\n")
-    print(markdown(rows))
+        args.json.write_text(json.dumps({"rows": rows, "batching": ratios}, indent=2) + "\n")
+    print(markdown(rows, ratios))
 
 
 if __name__ == "__main__":
