@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from PIL import Image
+from PIL import Image, UnidentifiedImageError
 
 MAX_REDIRECTS = 5
 _CHUNK_BYTES = 1 << 16
@@ -68,7 +68,7 @@ def decode_image(payload: bytes, config: MediaConfig) -> Image.Image:
     PIL reads, is corrupt, or has more pixels than allowed."""
     try:
         image = Image.open(io.BytesIO(payload))
-    except Image.UnidentifiedImageError:
+    except UnidentifiedImageError:
         raise MediaError("image could not be decoded (not an image format we read)") from None
     except Exception as error:  # e.g. PIL's DecompressionBombError
         raise MediaError(f"image could not be decoded: {error}") from None

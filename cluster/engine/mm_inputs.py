@@ -220,7 +220,9 @@ def load_multimodal_inputs(model_path: str, config: MultiModalConfig) -> MultiMo
         if adapter.load_processor is not None:
             processor = adapter.load_processor(model_path)
         else:
-            processor = AutoProcessor.from_pretrained(model_path, local_files_only=True)
+            processor = AutoProcessor.from_pretrained(  # type: ignore[no-untyped-call]
+                model_path, local_files_only=True
+            )
     except (OSError, ValueError, TypeError) as error:
         logger.warning("%s: no image processor (%s); images are refused", model_path, error)
         return MultiModalInputs(None, None, config, f"{NO_IMAGES}: its folder has no processor")
