@@ -374,7 +374,8 @@ def measure(
 def spread(values: list[float], scale: float = 1.0, digits: int = 1) -> str:
     """`median (min-max)` of `values` times `scale`."""
     med, low, high = (
-        round(v * scale, digits) for v in (statistics.median(values), min(values), max(values))
+        round(v * scale, digits or None)
+        for v in (statistics.median(values), min(values), max(values))
     )
     return f"{med} ({low}-{high})"
 
