@@ -134,7 +134,7 @@ SHAPES = {
         text=GEMMA3_4B_TEXT,
         image_size=896,
         mm_tokens=256,
-        requests={1: 64, 8: 16},
+        requests={1: 32, 8: 8},
     ),
     "tiny": Shape(
         "tiny SigLIP 56px, tiny Gemma 3 text",
