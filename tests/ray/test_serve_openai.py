@@ -6,8 +6,9 @@ Every test runs on both topologies: two hops (proxy -> ingress -> model deployme
 Greedy outputs are compared with the offline `LLM` on the same tiny model; the word-level
 tokenizer maps each token to one word, so equal text means equal tokens. A second tiny model
 (`bytes`, a byte-level tokenizer, in-process executor) serves the structured-output and
-tool-call tests. The served `/openapi.json` describes every route, and schemathesis fuzzes the
-routes against it (`tests/helpers/openapi_fuzz.py`). Near the end a test
+tool-call tests, and a third (`vlm`, the tiny Gemma 3 vision-language model, in-process
+executor) the image tests, on two hops. The served `/openapi.json` describes every route, and
+schemathesis fuzzes the routes against it (`tests/helpers/openapi_fuzz.py`). Near the end a test
 kills the replica's worker actor mid-stream: the stream ends with an error event, the next
 request runs.
 """
@@ -15,6 +16,7 @@ request runs.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import threading
 import time
@@ -32,6 +34,7 @@ from google.protobuf import json_format
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ray import serve
+from transformers import AutoProcessor
 
 from cluster.config import API_KEY_ENV
 from cluster.llm import LLM
@@ -66,6 +69,13 @@ from tests.helpers.serve_cases import (
     metric_samples,
     request_bodies,
 )
+from tests.helpers.tiny_image_processor import (
+    add_chat_template,
+    data_url,
+    image_part,
+    png_bytes,
+)
+from tests.helpers.tiny_vlm import hf_greedy_with_images, random_image, save_tiny_gemma3_vlm
 
 pytestmark = pytest.mark.ray
 # Two model deployments (a one-CPU rank bundle each) and the ingress run at once, and the
@@ -91,11 +101,15 @@ class Served:
 
     @property
     def model_ids(self) -> list[str]:
-        return ["tiny", "bytes"] if self.topology == "two_hop" else ["tiny"]
+        return ["tiny", "bytes", "vlm"] if self.topology == "two_hop" else ["tiny"]
 
     def needs_byte_model(self) -> None:
         if self.topology != "two_hop":
             pytest.skip("the byte-level model is served on two hops only (one hop: one model)")
+
+    def needs_vlm(self) -> None:
+        if self.topology != "two_hop":
+            pytest.skip("the image model is served on two hops only (one hop: one model)")
 
     @property
     def client(self) -> openai.OpenAI:
@@ -118,9 +132,12 @@ class Served:
         return handle.stats.remote().result()
 
 
-def _app_config(model_dir: Path, byte_model_dir: Path | None) -> dict[str, Any]:
+def _app_config(
+    model_dir: Path, byte_model_dir: Path | None, vlm_dir: Path | None = None
+) -> dict[str, Any]:
     """The tiny model behind Ray's prefix-aware router, draining for up to 30 s; an API key;
-    the byte-level model when given (its engine in the replica's process: no rank actor)."""
+    the byte-level and image models when given (their engines in their replicas' processes:
+    no rank actor)."""
     config = llm_config(model_dir)
     config["deployment_config"].update(
         {
@@ -138,6 +155,11 @@ def _app_config(model_dir: Path, byte_model_dir: Path | None) -> dict[str, Any]:
         configs.append(
             llm_config(byte_model_dir, "bytes", block_size=16, distributed_executor_backend="uni")
         )
+    if vlm_dir is not None:
+        vlm = llm_config(vlm_dir, "vlm", distributed_executor_backend="uni")
+        vlm["deployment_config"]["ray_actor_options"]["num_cpus"] = 0.25
+        vlm["placement_group_config"] = {"bundles": [{"CPU": 0.25}]}  # no rank actor to hold
+        configs.append(vlm)
     return {
         "llm_configs": configs,
         "ingress_deployment_config": {"ray_actor_options": ingress},
@@ -149,17 +171,29 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_served_model(tmp_path_factory.mktemp("served-model"))
 
 
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """The tiny Gemma 3 vision-language model's folder (with a chat template) and the
+    transformers model."""
+    folder = tmp_path_factory.mktemp("vlm")
+    model = save_tiny_gemma3_vlm(folder)
+    add_chat_template(folder)
+    return folder, model
+
+
 @pytest.fixture(scope="module", params=["two_hop", "one_hop"])
 def served(
     ray_cluster: None,
     model_dir: Path,
+    vlm: tuple[Path, Any],
     tmp_path_factory: pytest.TempPathFactory,
     request: pytest.FixtureRequest,
 ) -> Served:
-    # One hop serves a single model: the byte-level model's tests run on two hops only.
+    # One hop serves a single model: the byte-level and image models' tests run on two hops only.
     two_hop = request.param == "two_hop"
     byte_model_dir = save_byte_model(tmp_path_factory.mktemp("byte-model")) if two_hop else None
-    args = {**_app_config(model_dir, byte_model_dir), "topology": request.param}
+    vlm_dir = vlm[0] if two_hop else None
+    args = {**_app_config(model_dir, byte_model_dir, vlm_dir), "topology": request.param}
     with deployed(build_openai_app(args), APP) as address:
         channel = grpc.insecure_channel(f"{NODE_IP}:{address.grpc_port}")
         stub = llm_pb2_grpc.LLMServiceStub(channel)
@@ -491,6 +525,45 @@ def test_json_schema_response_format_through_the_client(served: Served) -> None:
         response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}},
     )
     jsonschema.validate(json.loads(reply.choices[0].message.content), WEATHER)
+
+
+def test_an_image_through_the_client(served: Served, vlm: tuple[Path, Any]) -> None:
+    """A base64 image gets transformers' greedy tokens, over HTTP and gRPC; a corrupt one gets a
+    400 naming its part while another image request streams on and completes."""
+    served.needs_vlm()
+    folder, model = vlm
+    image = random_image(0)
+    parts = [{"type": "text", "text": "t5 t6"}, image_part(data_url(image))]
+    messages: Any = [{"role": "user", "content": parts}]
+    long = served.client.chat.completions.create(
+        model="vlm", messages=messages, max_tokens=100, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}, stream_options={"include_usage": True},
+    )  # fmt: skip
+    chunks = iter(long)
+    next(chunks)
+    corrupt = "data:image/png;base64," + base64.b64encode(png_bytes(image)[:200]).decode()
+    bad: Any = [{"role": "user", "content": [parts[0], image_part(corrupt)]}]
+    with pytest.raises(openai.BadRequestError) as refused:
+        served.client.chat.completions.create(model="vlm", messages=bad, max_tokens=4)
+    assert "messages[0].content[1]: image could not be decoded" in refused.value.message
+    assert [chunk.usage.completion_tokens for chunk in chunks if chunk.usage] == [100]
+    reply = served.client.chat.completions.create(
+        model="vlm", messages=messages, max_tokens=8, temperature=0
+    )
+    processor = AutoProcessor.from_pretrained(folder)
+    template_view = [{"role": "user", "content": [parts[0], {"type": "image"}]}]
+    text = processor.apply_chat_template(template_view, tokenize=False, add_generation_prompt=True)
+    inputs = dict(processor(text=text, images=[image], return_tensors="pt"))
+    expected, _ = hf_greedy_with_images(model, inputs, 8)
+    assert reply.usage.prompt_tokens == inputs["input_ids"].shape[1]
+    content = reply.choices[0].message.content.split()
+    assert content == processor.tokenizer.convert_ids_to_tokens(expected)
+    body = {"model": "vlm", "messages": [{"role": "user", "content_parts": parts}], "max_tokens": 8}
+    over_grpc = served.stub.ChatCompletion(
+        json_format.ParseDict({**body, "temperature": 0}, llm_pb2.ChatCompletionRequest()),
+        metadata=METADATA,
+    )
+    assert over_grpc.choices[0].message.content == reply.choices[0].message.content
 
 
 @pytest.mark.parametrize(
