@@ -431,6 +431,8 @@ def _sample(field_schema: dict[str, Any]) -> Any:
         "string": "/x",
         "integer": option.get("minimum", 1),
         "number": option.get("minimum", 1),
+        "object": {"image": 1},
+        "array": ["x"],
     }[option["type"]]
 
 
