@@ -24,7 +24,6 @@ pytestmark = pytest.mark.parity
 NUM_NEW = 8
 
 
-@pytest.mark.slow  # two spawned rank processes: about 9 s
 @pytest.mark.timeout(300)
 def test_two_ranks_give_transformers_tokens_for_a_prompt_with_an_image(tmp_path) -> None:
     hf_model = save_tiny_gemma3_vlm(tmp_path)
