@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from cluster.engine.mm_gemma4 import load_gemma4_processor
 from cluster.engine.mm_qwen3_5 import load_qwen3_5_processor
 
 ProcessorOutputs = Mapping[str, Any]
@@ -110,6 +111,7 @@ IMAGE_ADAPTERS: dict[str, ImageAdapter] = {
     "Gemma4ForConditionalGeneration": ImageAdapter(
         placeholder_token_id=_gemma4_image_token,
         split=split_rows(("pixel_values", "image_position_ids")),
+        load_processor=load_gemma4_processor,
     ),
     # one run per tile: `pixel_values` [tiles of all images, 3, tile, tile] in prompt order
     "Llama4ForConditionalGeneration": ImageAdapter(

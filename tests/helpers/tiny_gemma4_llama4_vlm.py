@@ -4,7 +4,9 @@ built offline.
 The tokenizer is word level (t0..tN) plus each family's special tokens at the top of the
 vocabulary. Gemma 4's images go through transformers' `Gemma4ImageProcessorPil` and its
 processor's own placeholder expansion (`Gemma4Processor.replace_image_token`); the full
-processors need torchvision for their video part, absent on CPU machines. Llama 4's image
+processors need torchvision for their video part, absent on CPU machines; the Gemma 4 folder
+holds the image processor config and a chat template, from which the engine builds its
+images-only processor (`cluster.engine.mm_gemma4`). Llama 4's image
 processor exists only for torchvision, so its tiles are random pixels of the processor's
 output shape, laid out in the prompt by `Llama4Processor._prompt_split_image`. The features are
 cut from those outputs by the engine's adapter entries (`cluster.engine.mm_adapters`).
@@ -59,6 +61,16 @@ GEMMA4_VISION = {
 }
 GEMMA4_IMAGES = {"patch_size": 4, "max_soft_tokens": 70, "pooling_kernel_size": 2}
 """Image processor options: at most 70 soft tokens of 2 x 2 pooled 4-pixel patches."""
+GEMMA4_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ 't1 ' }}"
+    "{% if m['content'] is string %}{{ m['content'] + ' ' }}"
+    "{% else %}{% for p in m['content'] %}"
+    "{% if p['type'] == 'image' %}{{ '<|image|> ' }}{% else %}{{ p['text'] + ' ' }}"
+    "{% endif %}{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 't2' }}{% endif %}"
+)
+"""Each message is `t1 <content>`, an image part Gemma 4's `<|image|>` placeholder, the
+generation prompt `t2` (Gemma 4's template with words of this vocabulary)."""
 LLAMA4_TILE = 16
 LLAMA4_VISION = {
     "hidden_size": 32,
@@ -75,7 +87,9 @@ LLAMA4_VISION = {
 }
 
 
-def save_tokenizer(path: Path, special: dict[str, str]) -> PreTrainedTokenizerFast:
+def save_tokenizer(
+    path: Path, special: dict[str, str], pad_token: str | None = None
+) -> PreTrainedTokenizerFast:
     """Word tokenizer t0..t{n-1}, then `special`'s tokens as the last ids; saved to `path`."""
     first_special = VOCAB_SIZE - len(special)
     vocab = {f"t{i}": i for i in range(first_special)}
@@ -84,7 +98,7 @@ def save_tokenizer(path: Path, special: dict[str, str]) -> PreTrainedTokenizerFa
     backend.pre_tokenizer = WhitespaceSplit()
     backend.decoder = decoders.WordPiece(prefix="##")
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="t0", extra_special_tokens=special
+        tokenizer_object=backend, unk_token="t0", pad_token=pad_token, extra_special_tokens=special
     )
     tokenizer.save_pretrained(path)
     return tokenizer
@@ -98,8 +112,12 @@ def save_tiny_gemma4_vlm(
     path: Path, bidirectional: bool = True
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerFast]:
     """A random `Gemma4ForConditionalGeneration` (the tiny Gemma 4 text model of the text tests,
-    pad 0, bidirectional image attention when asked) with its tokenizer, saved to `path`."""
-    tokenizer = save_tokenizer(path, GEMMA4_SPECIAL)
+    pad 0, bidirectional image attention when asked) with its tokenizer, saved to `path` with
+    the image processor config (as a released checkpoint's, naming the torchvision
+    `Gemma4ImageProcessor`) and a chat template."""
+    tokenizer = save_tokenizer(path, GEMMA4_SPECIAL, pad_token="t0")
+    transformers.Gemma4ImageProcessorPil(**GEMMA4_IMAGES).save_pretrained(path)
+    (path / "chat_template.jinja").write_text(GEMMA4_CHAT_TEMPLATE)
     ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in GEMMA4_SPECIAL.items()}
     text = {**GEMMA4, "pad_token_id": 0}
     text["use_bidirectional_attention"] = "vision" if bidirectional else None

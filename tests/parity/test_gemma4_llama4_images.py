@@ -7,11 +7,13 @@ Both families load every tensor of the checkpoint (vision tower and projector in
 (`get_image_features` + projection) with the same attention implementation (sdpa).
 
 Served through `LLM`'s engine (requests carrying the features the adapter entries cut from the
-image processor's outputs: the full processors need torchvision), prompts with 0, 1 and 2 images
-give transformers' greedy tokens: Gemma 4's image tokens attend to each other both ways in its
-sliding layers only (`use_bidirectional_attention: "vision"`), with prefill chunks that would
-otherwise end inside an image; Llama 4's tiles are one feature each. Prefix caching hits past the
-same images and never past the start of another.
+image processors' outputs), prompts with 0, 1 and 2 images give transformers' greedy tokens:
+Gemma 4's image tokens attend to each other both ways in its sliding layers only
+(`use_bidirectional_attention: "vision"`), with prefill chunks that would otherwise end inside an
+image; Llama 4's tiles are one feature each. Prefix caching hits past the same images and never
+past the start of another. Gemma 4 also takes images through `LLM.chat`
+and `LLM.generate` without torchvision (its images-only processor from the checkpoint folder);
+Llama 4's image processor needs torchvision, so without it its images are refused.
 """
 
 from __future__ import annotations
@@ -23,8 +25,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
+from transformers import PreTrainedTokenizerFast
 
 from cluster import LLM, SamplingParams
 from cluster.engine.client import collect
@@ -42,6 +47,7 @@ from tests.helpers.tiny_gemma4_llama4_vlm import (
     save_tiny_llama4_vlm,
     save_tokenizer,
 )
+from tests.helpers.tiny_image_processor import data_url, image_part
 from tests.helpers.tiny_models import load_our_model
 
 pytestmark = pytest.mark.parity
@@ -80,6 +86,8 @@ class Served(NamedTuple):
     hf_model: torch.nn.Module
     prompt: Callable[[list[int]], Prompt]
     """Image seeds (one per image, 0 to 2 of them) -> the prompt of `WORDS` with those images."""
+    tokenizer: PreTrainedTokenizerFast | None = None
+    """Gemma 4's, for reference prompts of any words (`_gemma4_prompt`)."""
 
 
 _request_ids = itertools.count()
@@ -102,10 +110,19 @@ def _generate(
     return [collect(stream) for stream in streams]
 
 
-def _hf_greedy(hf_model: torch.nn.Module, prompt: Prompt) -> list[int]:
+def _hf_greedy(
+    hf_model: torch.nn.Module, prompt: Prompt, suppress: list[int] | None = None
+) -> list[int]:
+    """transformers' greedy tokens, never one of `suppress`."""
     ids = torch.tensor([prompt.token_ids])
     with torch.no_grad():
-        out = hf_model.generate(ids, **prompt.hf_inputs, max_new_tokens=NUM_NEW, do_sample=False)
+        out = hf_model.generate(
+            ids,
+            **prompt.hf_inputs,
+            max_new_tokens=NUM_NEW,
+            do_sample=False,
+            suppress_tokens=suppress,
+        )
     tokens: list[int] = out[0, ids.shape[1] :].tolist()
     return tokens
 
@@ -133,24 +150,32 @@ class Llama4Generator(torch.nn.Module):
         return torch.cat([ids, new], dim=1)
 
 
+def _gemma4_prompt(
+    tokenizer: PreTrainedTokenizerFast, words: list[str], pictures: list[np.ndarray]
+) -> Prompt:
+    """The prompt of `words` (each IMG takes the next picture) as the helper's reference path
+    (transformers' PIL image processor and placeholder expansion) builds it."""
+    token_ids, features, tensors = gemma4_inputs(tokenizer, words, pictures)
+    hf_inputs = dict(tensors)
+    if pictures:  # transformers' bidirectional mask groups the image tokens by these
+        image_id = tokenizer.convert_tokens_to_ids(GEMMA4_SPECIAL["image_token"])
+        hf_inputs["mm_token_type_ids"] = (torch.tensor([token_ids]) == image_id).long()
+    return Prompt(token_ids, features, hf_inputs)
+
+
 @pytest.fixture(scope="module")
 def gemma4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     path = tmp_path_factory.mktemp("gemma4_vlm")
     hf_model, tokenizer = save_tiny_gemma4_vlm(path)  # bidirectional images
     hf_model.model.vision_tower.set_attn_implementation("sdpa")
-    image_id = tokenizer.convert_tokens_to_ids(GEMMA4_SPECIAL["image_token"])
 
     def prompt(seeds: list[int]) -> Prompt:
         sizes = GEMMA4_SIZES[: len(seeds)]
         pictures = [images([size], seed)[0] for size, seed in zip(sizes, seeds, strict=True)]
-        token_ids, features, tensors = gemma4_inputs(tokenizer, WORDS[len(seeds)], pictures)
-        hf_inputs = dict(tensors)
-        if pictures:  # transformers' bidirectional mask groups the image tokens by these
-            hf_inputs["mm_token_type_ids"] = (torch.tensor([token_ids]) == image_id).long()
-        return Prompt(token_ids, features, hf_inputs)
+        return _gemma4_prompt(tokenizer, WORDS[len(seeds)], pictures)
 
     llm = LLM(str(path), max_model_len=160, max_num_batched_tokens=GEMMA4_CHUNK, **ENGINE)
-    yield Served(llm, hf_model, prompt)
+    yield Served(llm, hf_model, prompt, tokenizer)
     llm.shutdown()
 
 
@@ -217,8 +242,42 @@ def test_gemma4_images_attend_both_ways_in_sliding_layers_only(gemma4: Served) -
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
+def test_gemma4_chat_and_generate_take_images(gemma4: Served) -> None:
+    """`LLM.chat` with a base64 image part and `LLM.generate` with `multi_modal_data` (through the
+    images-only processor built from the folder, with or without torchvision) give the
+    reference prompt's token ids and transformers' greedy tokens. Answers are words: a special
+    token fed back (`<|audio|>`, `<|image|>`) is embedded as pad by transformers."""
+    assert gemma4.tokenizer is not None
+    special = sorted(gemma4.tokenizer.convert_tokens_to_ids(list(GEMMA4_SPECIAL.values())))
+    words = SamplingParams(
+        temperature=0, max_tokens=NUM_NEW, allowed_token_ids=list(range(special[0]))
+    )
+    pictures = images(GEMMA4_SIZES, seed=9)
+    first, second = (Image.fromarray(picture) for picture in pictures)
+    conversation = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "t5 t6"},
+                image_part(data_url(first)),
+                {"type": "text", "text": "t7"},
+            ],
+        }
+    ]
+    (chat,) = gemma4.llm.chat([conversation], words)
+    text = f"t5 {IMG} t7 {IMG} t8"
+    (generated,) = gemma4.llm.generate(
+        {"prompt": text, "multi_modal_data": {"image": [first, second]}}, words
+    )
+    cases = [(chat, pictures[:1]), (generated, pictures)]
+    for output, shown in cases:
+        assert output.prompt is not None
+        want = _gemma4_prompt(gemma4.tokenizer, output.prompt.split(), shown)
+        assert output.prompt_token_ids == want.token_ids
+        assert output.outputs[0].token_ids == _hf_greedy(gemma4.hf_model, want, special)
+
+
 TORCHVISION_PROCESSORS = {
-    "gemma4": ("Gemma4ForConditionalGeneration", "Gemma4ImageProcessor", GEMMA4_SPECIAL),
     "llama4": ("Llama4ForConditionalGeneration", "Llama4ImageProcessorFast", LLAMA4_SPECIAL),
 }
 
