@@ -48,7 +48,7 @@ def attention_pointers(dtype, cache_dtype=None):
                   ("part_acc_ptr", "part_max_ptr", "part_sum_ptr", "sinks_ptr",
                    "key_scale_ptr", "inv_freq_ptr", "k_scale_ptr", "v_scale_ptr")})
     types.update({name: "*i32" for name in
-                  ("block_table_ptr", "query_start_loc_ptr", "seq_lens_ptr")})
+                  ("block_table_ptr", "query_start_loc_ptr", "seq_lens_ptr", "key_ends_ptr")})
     return types
 
 def attention_constexprs(group, head_size, block_q, block_n, num_splits, dot_precision="tf32",
@@ -58,7 +58,8 @@ def attention_constexprs(group, head_size, block_q, block_n, num_splits, dot_pre
                 BLOCK_N=block_n, NUM_SPLITS=num_splits, HAS_WINDOW=has_extras,
                 HAS_SOFTCAP=has_extras, HAS_SINKS=has_extras,
                 KEY_FROM_VALUE=rotary_dim is not None, ROTARY_DIM=rotary_dim or 2,
-                DOT_FP32=False, DOT_PRECISION=dot_precision, KV_FP8=kv_fp8)
+                DOT_FP32=False, DOT_PRECISION=dot_precision, KV_FP8=kv_fp8,
+                HAS_KEY_ENDS=has_extras)
 
 def store_constexprs(kv_fp8=None):
     fp8 = dict(KV_FP8=False, FP8_MAX=1.0, MANTISSA_BITS=0, MIN_STEP_EXP=0)
