@@ -97,8 +97,10 @@ async def steady_traffic(
     stop: asyncio.Event,
     deadline_s: float,
     max_tokens: int = 16,
+    starts: list[float] | None = None,
 ) -> list[Outcome]:
-    """`concurrency` loops of streaming completions until `stop` is set; every outcome."""
+    """`concurrency` loops of streaming completions until `stop` is set; every outcome. Each
+    request's start time is also appended to `starts` as it is sent, when given."""
     api = client(base_url, deadline_s)
     outcomes: list[Outcome] = []
 
@@ -106,6 +108,8 @@ async def steady_traffic(
         count = 0
         while not stop.is_set():
             prompt = " ".join(f"t{(index * 7 + count + j) % 200 + 1}" for j in range(6))
+            if starts is not None:
+                starts.append(time.monotonic())
             outcomes.append(await stream_completion(api, model, prompt, max_tokens, deadline_s))
             count += 1
 

@@ -192,14 +192,19 @@ def test_lost_worker_node_fails_its_requests_and_serve_replaces_the_replica(
     stop = asyncio.Event()
     marks: dict[str, float] = {}
 
+    starts: list[float] = []
+
     async def scenario() -> list[Outcome]:
         traffic = asyncio.ensure_future(
-            steady_traffic(base_url, MODEL, 4, stop, DEADLINE_S, LONG_ANSWER)
+            steady_traffic(base_url, MODEL, 4, stop, DEADLINE_S, LONG_ANSWER, starts)
         )
         marks["killed"] = await _kill_when_busy(cluster, lost_ip, replica)
         await asyncio.to_thread(_wait_for_replacement, cluster, lost_ip, REPLACEMENT_S)
         marks["replaced"] = time.monotonic()
-        await asyncio.sleep(3)
+        while not any(start > marks["replaced"] for start in starts):  # long answers: wait
+            assert time.monotonic() < marks["replaced"] + DEADLINE_S, "no request after it"
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1)
         stop.set()
         return await traffic
 
