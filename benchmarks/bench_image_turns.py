@@ -25,6 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads.attention_layouts import GEMMA_3_27B
+from benchmarks.workloads.chat_replay import decode_interleaved
 from benchmarks.workloads.linear_attention_capacity import QWEN3_5_27B, linear_hybrid_specs
 from scheduler.config import resolve_prefix_match_unit
 from scheduler.kv_cache.builder import build_kv_cache_config
@@ -112,18 +113,6 @@ def run_chats(manager: KVCacheManager, layout: Layout, conversations: int, turns
             chat.computed = len(chat.tokens) - 1  # the last answer token is never computed
             replayer.run([{"op": "free", "id": f"c{index}t{turn}"}])
     return ratios
-
-
-def decode_interleaved(replayer: TraceReplayer, turn: int, answers: list[list[int]]) -> None:
-    """One token of every unfinished answer per step."""
-    for step in range(max(map(len, answers))):
-        replayer.run(
-            [
-                {"op": "decode", "id": f"c{index}t{turn}", "tokens": [answer[step]]}
-                for index, answer in enumerate(answers)
-                if step < len(answer)
-            ]
-        )
 
 
 def summary(ratios: list[list[float]]) -> tuple[float, float]:

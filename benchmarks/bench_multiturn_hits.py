@@ -27,6 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads.chat_layouts import CHAT_LAYOUTS
+from benchmarks.workloads.chat_replay import decode_interleaved
 from scheduler.block_hash import BlockHash, extend_block_hashes
 from scheduler.config import resolve_prefix_match_unit
 from scheduler.kv_cache.builder import build_kv_cache_config
@@ -134,18 +135,6 @@ def extend_hashes(known: set[BlockHash], tokens: list[int], block_size: int) -> 
     hashes: list[BlockHash] = []
     extend_block_hashes(hashes, tokens, block_size)
     known.update(hashes)
-
-
-def decode_interleaved(replayer: TraceReplayer, turn: int, answers: list[list[int]]) -> None:
-    """One token of every unfinished answer per step."""
-    for step in range(max(map(len, answers))):
-        replayer.run(
-            [
-                {"op": "decode", "id": f"c{index}t{turn}", "tokens": [answer[step]]}
-                for index, answer in enumerate(answers)
-                if step < len(answer)
-            ]
-        )
 
 
 def mean(values: list[float]) -> float:
