@@ -315,7 +315,11 @@ def test_start_up_log_reports_dequantization_cost_once(
     parameters = sum(t.numel() for t in weights)
     with caplog.at_level(logging.INFO, logger="worker.weights"):
         _llm_greedy(path)
-    reports = [r.getMessage() for r in caplog.records if "dequantized" in r.getMessage()]
+    reports = [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "worker.weights" and "dequantized" in r.getMessage()
+    ]
     assert len(reports) == 1, reports
     assert reports[0].startswith(
         f"dequantized {len(weights)} compressed-tensors tensors "
