@@ -7,15 +7,12 @@ subprocess. Shapes are tiny: the interpreter costs about 0.1-0.3 ms per Triton o
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from kernels import HAS_TRITON
+from tests.helpers.triton_subprocess import run_interpreted as run_in_interpreter
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
@@ -49,18 +46,8 @@ def check(spec, launch=None, window=None, softcap=None, atol=1e-5, seed=0, sinks
 
 
 def run_interpreted(code: str, timeout: float = 120.0) -> None:
-    """Run `PRELUDE + code` in a fresh Python with TRITON_INTERPRET=1; fail with its stderr."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
-    proc = subprocess.run(
-        [sys.executable, "-c", PRELUDE + textwrap.dedent(code)],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-6000:]}"
+    """Run `PRELUDE + code` in the Triton interpreter (`tests.helpers.triton_subprocess`)."""
+    run_in_interpreter(PRELUDE, code, timeout=timeout)
 
 
 def test_mixed_batch_with_gqa_matches_reference() -> None:
