@@ -8,8 +8,6 @@ the store must write the very bytes the reference writes.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from kernels import HAS_TRITON
@@ -17,7 +15,6 @@ from tests.helpers.triton_subprocess import run_interpreted as run_in_interprete
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
 
 PRELUDE = """
 import torch

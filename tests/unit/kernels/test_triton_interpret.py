@@ -7,8 +7,6 @@ subprocess. Shapes are tiny: the interpreter costs about 0.1-0.3 ms per Triton o
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
 from kernels import HAS_TRITON
@@ -16,7 +14,6 @@ from tests.helpers.triton_subprocess import run_interpreted as run_in_interprete
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
 
 # Defines check(spec, launch=None, window=None, softcap=None, sinks=None, derive=None):
 # Triton vs reference.
