@@ -148,6 +148,15 @@ class ModelConfig:
         return self.dtype.itemsize
 
 
+def checkpoint_config(model_config: ModelConfig) -> PretrainedConfig:
+    """The checkpoint's whole config (a multimodal model's vision tower and special tokens),
+    where `ModelConfig.hf_config` holds only its text model's."""
+    config: PretrainedConfig = AutoConfig.from_pretrained(
+        model_config.model_path, local_files_only=True
+    )
+    return config
+
+
 def _text_config(hf_config: PretrainedConfig) -> PretrainedConfig:
     """The text model's config of a multimodal checkpoint; embedding tying is the checkpoint's."""
     text: PretrainedConfig = hf_config.text_config

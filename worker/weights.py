@@ -128,6 +128,15 @@ def _open_checkpoint(path: Path) -> Any:
         raise ValueError(f"{path} is not a readable safetensors file: {exc}") from None
 
 
+def renamed_prefix(name: str, renames: Sequence[tuple[str, str]]) -> str:
+    """`name` with its first matching prefix `old` replaced by `new` (checkpoint layouts that
+    nest the text model under another prefix); unchanged when none matches."""
+    for old, new in renames:
+        if name.startswith(old):
+            return new + name.removeprefix(old)
+    return name
+
+
 def packed_target(name: str) -> tuple[str, ShardId] | None:
     """Our packed parameter and shard of an HF tensor name (None: not part of a packed one)."""
     for packed, original, shard_id in PACKED_MODULES:

@@ -22,10 +22,10 @@ from transformers import Gemma3Config, SiglipVisionConfig, SiglipVisionModel
 from transformers.models.gemma3.modeling_gemma3 import Gemma3MultiModalProjector
 
 from scheduler.multimodal import MultiModalFeature
-from worker.config import ModelConfig, ParallelConfig
+from worker.config import ModelConfig, ParallelConfig, checkpoint_config
 from worker.layers.loading import WeightSource, default_weight_loader
 from worker.models.gemma3 import Gemma3ForCausalLM
-from worker.models.gemma4_vision import checkpoint_config
+from worker.weights import renamed_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -42,13 +42,6 @@ _RENAMES = (
 `vision_model.` level any more."""
 _ENCODER_PREFIXES = ("vision_tower.", "multi_modal_projector.")
 """Our encoder parameters: replicated, loaded whole by name (no packed projections)."""
-
-
-def _renamed(name: str) -> str:
-    for old, new in _RENAMES:
-        if name.startswith(old):
-            return new + name[len(old) :]
-    return name
 
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
@@ -94,7 +87,7 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
 
         def text_weights() -> Iterator[tuple[str, WeightSource]]:
             for name, source in weights:
-                renamed = _renamed(name)
+                renamed = renamed_prefix(name, _RENAMES)
                 if not renamed.startswith(_ENCODER_PREFIXES):
                     yield renamed, source
                 elif renamed in encoder:

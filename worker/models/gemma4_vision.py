@@ -25,12 +25,12 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModel, PretrainedConfig
+from transformers import AutoModel, PretrainedConfig
 from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder
 
 from scheduler.multimodal import MultiModalFeature
 from worker.attention.attention import ForwardContext
-from worker.config import ModelConfig, ParallelConfig
+from worker.config import ModelConfig, ParallelConfig, checkpoint_config
 from worker.layers.loading import WeightSource, copy_checked, read_full
 from worker.models.gemma4 import Gemma4ForCausalLM, Gemma4Model
 
@@ -40,14 +40,6 @@ VISION_PREFIXES = ("model.vision_tower.", "model.embed_vision.")
 """Checkpoint names of the vision tower and its projection (ours: without `model.`)."""
 SKIPPED_PREFIXES = ("model.audio_tower.", "model.embed_audio.")
 """The audio encoder: not served."""
-
-
-def checkpoint_config(model_config: ModelConfig) -> PretrainedConfig:
-    """The multimodal checkpoint's whole config (vision tower, special tokens)."""
-    config: PretrainedConfig = AutoConfig.from_pretrained(
-        model_config.model_path, local_files_only=True
-    )
-    return config
 
 
 def soft_token_counts(position_ids: torch.Tensor, pooling_kernel_size: int) -> list[int]:

@@ -23,34 +23,20 @@ from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
-from transformers import AutoConfig, Llama4VisionModel, PretrainedConfig
+from transformers import Llama4VisionModel
 from transformers.models.llama4.modeling_llama4 import Llama4MultiModalProjector
 
 from scheduler.multimodal import MultiModalFeature
 from worker.attention.attention import ForwardContext
-from worker.config import ModelConfig, ParallelConfig
+from worker.config import ModelConfig, ParallelConfig, checkpoint_config
 from worker.layers.loading import WeightSource, copy_checked, read_full
 from worker.models.llama4 import Llama4ForCausalLM
+from worker.weights import renamed_prefix
 
 TEXT_RENAMES = (("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
 """Checkpoint names of the text model -> ours."""
 VISION_PREFIXES = ("vision_model.", "multi_modal_projector.")
 """Checkpoint names of the vision tower and projector (ours alike)."""
-
-
-def checkpoint_config(model_config: ModelConfig) -> PretrainedConfig:
-    """The multimodal checkpoint's whole config (vision tower, special tokens)."""
-    config: PretrainedConfig = AutoConfig.from_pretrained(
-        model_config.model_path, local_files_only=True
-    )
-    return config
-
-
-def _text_name(name: str) -> str:
-    for old, new in TEXT_RENAMES:
-        if name.startswith(old):
-            return new + name.removeprefix(old)
-    return name
 
 
 class Llama4ForConditionalGeneration(Llama4ForCausalLM):
@@ -110,7 +96,7 @@ class Llama4ForConditionalGeneration(Llama4ForCausalLM):
         def text_weights() -> Iterator[tuple[str, WeightSource]]:
             for name, source in weights:
                 if not name.startswith(VISION_PREFIXES):
-                    yield _text_name(name), source
+                    yield renamed_prefix(name, TEXT_RENAMES), source
                     continue
                 if name not in own:
                     raise ValueError(f"checkpoint tensor {name} matches no vision parameter")

@@ -26,11 +26,11 @@ from collections.abc import Iterable, Iterator, Sequence
 import numpy as np
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModel, PretrainedConfig
+from transformers import AutoModel, PretrainedConfig
 
 from scheduler.multimodal import MultiModalFeature
 from worker.attention.attention import ForwardContext
-from worker.config import ModelConfig, ParallelConfig
+from worker.config import ModelConfig, ParallelConfig, checkpoint_config
 from worker.layers.loading import WeightSource, copy_checked, read_full
 from worker.models.mamba_hybrid import HybridModel
 from worker.models.qwen3_next import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM
@@ -82,14 +82,6 @@ def mrope_prompt_positions(
     axes[:, cursor:] = next_position + np.arange(prompt_len - cursor)
     last = int(axes.max()) if prompt_len else -1
     return PromptPositions(axes, last + 1 - prompt_len)
-
-
-def checkpoint_config(model_config: ModelConfig) -> PretrainedConfig:
-    """The multimodal checkpoint's whole config (vision tower, special tokens)."""
-    config: PretrainedConfig = AutoConfig.from_pretrained(
-        model_config.model_path, local_files_only=True
-    )
-    return config
 
 
 def build_vision_tower(vision_config: PretrainedConfig) -> nn.Module:
