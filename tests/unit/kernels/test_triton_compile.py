@@ -7,19 +7,15 @@ TRITON_INTERPRET, with the compiler and ptxas that ship in the triton wheel.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
 from kernels import HAS_TRITON
+from tests.helpers.triton_subprocess import run_compiling
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
 
 PRELUDE = """
 import triton
@@ -72,18 +68,7 @@ def store_constexprs(kv_fp8=None):
 
 def run_compiler(code: str, cache_dir: Path) -> None:
     """Run `PRELUDE + code` in a fresh Python without the interpreter; fail with its stderr."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(PYTHONPATH=str(REPO_ROOT), TRITON_CACHE_DIR=str(cache_dir))
-    proc = subprocess.run(
-        [sys.executable, "-c", PRELUDE + textwrap.dedent(code)],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr[-6000:]}"
+    run_compiling(PRELUDE, code, cache_dir)
 
 
 def test_attention_kernels_compile_for_hopper_and_ampere_with_tensor_cores(
