@@ -24,6 +24,7 @@ from tqdm.auto import tqdm
 
 from cluster.config.engine_args import resolve_executor_backend, validate_engine_kwargs
 from cluster.engine.client import EngineClient, EngineInfo, collect
+from cluster.engine.controls import EngineControls
 from cluster.engine.input_processor import ChatMessage, InputProcessor, Prompt, PromptInput
 from cluster.engine.metric_reader import Metric, read_metrics
 from cluster.engine.mm_inputs import MultiModalConfig, load_multimodal_inputs
@@ -41,8 +42,13 @@ from scheduler.request import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class LLM:
-    """An offline engine for one model; keyword arguments are vLLM's engine arguments."""
+class LLM(EngineControls):
+    """An offline engine for one model; keyword arguments are vLLM's engine arguments.
+
+    vLLM's control calls (`sleep`, `wake_up`, `is_sleeping`, `pause_generation`,
+    `resume_generation`, `is_paused`, `reset_prefix_cache`, `collective_rpc`) come from
+    `cluster.engine.controls`, which also says where they differ from vLLM's.
+    """
 
     def __init__(self, model: str | None = None, *, address: str | None = None, **kwargs: Any):
         args = validate_engine_kwargs({"model": model, **kwargs})
@@ -167,6 +173,10 @@ class LLM:
         speculative decoding acceptance), as vLLM's `LLM.get_metrics()` gives them."""
         self._check_open()
         return read_metrics(self.client.get_stats())
+
+    def control(self, name: str, *args: object) -> Any:
+        self._check_open()
+        return self.client.control(name, *args)
 
     def shutdown(self) -> None:
         """Stop the engine and its workers (also done when the LLM is garbage-collected and

@@ -40,7 +40,9 @@ from worker.kv_io.kv_transfer import (
 from worker.model_loader import load_model
 from worker.model_runner import ModelRunner, ModelSettings
 from worker.models.qwen3_next_mtp import load_mtp
+from worker.rpc import RpcCall, run_rpc
 from worker.runner_config import RunnerConfig
+from worker.sleep import MemoryResidency, SleepReport, copy_weights
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,8 @@ class Worker:
         self.device = spec.runner.device_for_rank(self.rank)
         self._model_runner: ModelRunner | None = None
         self._kv_cache_config: KVCacheConfig | None = None
+        self._drafter: nn.Module | None = None
+        self._memory: MemoryResidency | None = None
 
     def init_device(self) -> None:
         """Select the device and join the tensor-parallel process group."""
@@ -101,8 +105,9 @@ class Worker:
             max_model_len=spec.model_config.max_model_len,
             eos_token_ids=spec.model_config.eos_token_ids,
         )
+        self._drafter = self._load_drafter(model)
         self._model_runner = ModelRunner(
-            model, settings, spec.runner, self.device, self.rank == 0, self._load_drafter(model)
+            model, settings, spec.runner, self.device, self.rank == 0, self._drafter
         )
 
     def _load_drafter(self, target: nn.Module) -> nn.Module | None:
@@ -221,6 +226,50 @@ class Worker:
         if self.model_runner.lora is not None:
             self.model_runner.lora.remove_adapter(lora_name)
 
+    def sleep(self, level: int) -> SleepReport:
+        """Release the KV pool and the weights (level 1 keeps a host copy; `worker.sleep`)."""
+        return self.memory.sleep(level)
+
+    def wake_up(self, tags: tuple[str, ...]) -> None:
+        """Restore the memory of `tags` ("weights", "kv_cache"); after a level-2 sleep the
+        checkpoint is read again once both are back, unless weights were loaded meanwhile."""
+        self.memory.wake_up(tags, self._reload_from_checkpoint)
+
+    def mark_weights_loaded(self) -> None:
+        """New weights were written into this rank's awake weight memory (weight updates)."""
+        self.memory.mark_weights_loaded()
+
+    def run_rpc(self, call: RpcCall) -> object:
+        """`collective_rpc` on this rank (`worker.rpc`)."""
+        return run_rpc(self, call)
+
+    @property
+    def memory(self) -> MemoryResidency:
+        if self._memory is None:
+            runner = self.model_runner
+            self._memory = MemoryResidency(
+                self.device,
+                lambda: [m for m in (runner.model, self._drafter) if isinstance(m, nn.Module)],
+                lambda: _lora_slots(runner),
+                lambda: [t for views in runner.kv_caches.values() for t in views],
+            )
+        return self._memory
+
+    def _reload_from_checkpoint(self) -> None:
+        """Read the weights again into this rank's (awake, empty) weight memory: a fresh load
+        of the checkpoint copied in (it holds a second copy of the weights for that time)."""
+        spec, runner = self.spec, self.spec.runner
+        fresh = load_model(
+            spec.model_config,
+            spec.parallel,
+            self.device,
+            runner.load_format,
+            runner.quantized_weight_mode,
+        )
+        targets = [m for m in (self.model_runner.model, self._drafter) if isinstance(m, nn.Module)]
+        drafter = self._load_drafter(fresh) if self._drafter is not None else None
+        copy_weights(targets, [m for m in (fresh, drafter) if m is not None])
+
     def cpu_threads(self) -> int:
         """Torch's intra-op threads in this rank's process."""
         return torch.get_num_threads()
@@ -228,6 +277,13 @@ class Worker:
     def shutdown(self) -> None:
         """Leave the process group (the model is freed with the worker)."""
         destroy_distributed()
+
+
+def _lora_slots(runner: ModelRunner) -> list[torch.Tensor]:
+    """The device slots of the LoRA adapters (none when LoRA is off)."""
+    if runner.lora is None:
+        return []
+    return [t for layer in runner.lora.layers.values() for t in (layer.lora_a, layer.lora_b)]
 
 
 def start_worker(spec: WorkerSpec) -> Worker:

@@ -28,8 +28,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
 from cluster.engine.client import EngineInfo, engine_info
+from cluster.engine.controls import AsyncEngineControls
 from cluster.engine.core import EngineCore
 from cluster.engine.errors import EngineDeadError
+from cluster.engine.lifecycle import drains_first, run_control
 from cluster.engine.outputs import OutputAccumulator, RequestOutput
 from cluster.engine.request import EngineRequest
 from cluster.engine.stream_batching import HeldChunk, StreamBatching
@@ -41,7 +43,7 @@ _StreamItem = RequestOutput | BaseException
 _T = TypeVar("_T")
 
 
-class AsyncEngine:
+class AsyncEngine(AsyncEngineControls):
     """An asyncio `EngineClient` over an engine core in this process."""
 
     def __init__(self, core: EngineCore, stream_batching: StreamBatching | None = None) -> None:
@@ -51,6 +53,9 @@ class AsyncEngine:
         its `stream_batching_interval_ms`, adaptive unless set)."""
         self._lock = asyncio.Lock()
         self._has_work = asyncio.Event()
+        self._admitting = asyncio.Event()
+        """Set while new requests may enter (clear while paused, asleep or draining)."""
+        self._admitting.set()
         self._queues: dict[str, asyncio.Queue[_StreamItem]] = {}
         self._loop_task: asyncio.Task[None] | None = None
         self.is_restarting = False
@@ -63,6 +68,7 @@ class AsyncEngine:
         self.core.raise_if_dead()
         self._ensure_loop()
         await self.core.structured.compiled_in_background(request.sampling_params)
+        await self._admitting.wait()  # paused or asleep: the request waits for the resume
         async with self._lock:
             self.core.add_request(request)  # ValueError or EngineDeadError: nothing was queued
         self._queues[request.request_id] = asyncio.Queue()
@@ -86,6 +92,25 @@ class AsyncEngine:
 
     async def get_stats(self) -> SchedulerStats:
         return self.core.get_stats()
+
+    async def control(self, name: str, *args: object) -> object:
+        """Run a control call (`cluster.engine.controls`) between two steps; mode "wait" first
+        lets the requests in the engine finish, new ones waiting at the door."""
+        if drains_first(name, args):
+            self._admitting.clear()
+            while self.core.has_unfinished_requests() and self.core.dead is None:
+                await asyncio.sleep(0.005)
+        try:
+            async with self._lock:
+                result = await asyncio.to_thread(run_control, self.core, name, *args)
+        finally:
+            if self.core.lifecycle.is_paused:
+                self._admitting.clear()
+            else:
+                self._admitting.set()
+                self._has_work.set()
+        self._publish(result.deltas)
+        return result.value
 
     async def call_core(self, function: Callable[..., _T], *args: object) -> _T:
         """`function(core, *args)` between two steps (in a thread, under the step lock)."""
@@ -118,7 +143,7 @@ class AsyncEngine:
         while True:
             await self._has_work.wait()
             async with self._lock:
-                if not self.core.has_unfinished_requests():
+                if self.core.lifecycle.is_paused or not self.core.has_unfinished_requests():
                     self._has_work.clear()
                     continue
                 try:

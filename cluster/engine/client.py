@@ -50,6 +50,10 @@ class EngineClient(Protocol):
 
     def get_tokenizer(self) -> Any: ...
 
+    def control(self, name: str, *args: object) -> Any:
+        """A control call: sleep, wake_up, pause, collective_rpc (`cluster.engine.controls`)."""
+        ...
+
     def shutdown(self) -> None: ...
 
 

@@ -29,6 +29,7 @@ from cluster.engine.executor import Executor, create_executor
 from cluster.engine.executor.base import PendingStep
 from cluster.engine.input_processor import check_token_ids
 from cluster.engine.kv_transfer_counters import KVTransferCounters
+from cluster.engine.lifecycle import Lifecycle
 from cluster.engine.output_processor import OutputProcessor, child_request_id, now
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
@@ -84,6 +85,8 @@ class EngineCore:
         """Counters of KV transfers with other engines (`cluster.engine.kv_transfer`)."""
         self.kv_transfer_transport = kv_transfer_transport
         """How this engine's exports travel: object_store or direct."""
+        self.lifecycle = Lifecycle()
+        """Paused or asleep (`cluster.engine.lifecycle`): clients step only when neither."""
 
     @property
     def model_config(self) -> ModelConfig:
@@ -160,6 +163,13 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
+
+    def finish_in_flight(self) -> list[RequestOutput]:
+        """Take the output of the step submitted ahead (async scheduling), if one is."""
+        if self._in_flight is None:
+            return []
+        in_flight, self._in_flight = self._in_flight, None
+        return self._finish(in_flight)
 
     def step(self) -> list[RequestOutput]:
         """Run one step; the output deltas of the requests it advanced."""

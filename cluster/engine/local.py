@@ -16,8 +16,10 @@ from typing import Any
 
 from cluster.config.engine_args import EngineArgs
 from cluster.engine.client import EngineInfo, engine_info
+from cluster.engine.controls import EngineControls
 from cluster.engine.core import EngineCore, build_engine_core
 from cluster.engine.errors import EngineDeadError
+from cluster.engine.lifecycle import drains_first, run_control
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
 from scheduler.stats import SchedulerStats
@@ -25,7 +27,7 @@ from scheduler.stats import SchedulerStats
 _StreamItem = RequestOutput | EngineDeadError
 
 
-class InProcessEngineClient:
+class InProcessEngineClient(EngineControls):
     """A blocking `EngineClient` over an engine core in this process."""
 
     def __init__(self, core: EngineCore) -> None:
@@ -39,6 +41,7 @@ class InProcessEngineClient:
         return cls(build_engine_core(args))
 
     def add_request(self, request: EngineRequest) -> Iterator[RequestOutput]:
+        self._raise_if_paused()
         if self.needs_restart:
             self.needs_restart = False
             self.core.restart_workers()  # EngineDeadError (the engine dead) when it cannot
@@ -49,9 +52,26 @@ class InProcessEngineClient:
     def abort(self, request_id: str) -> None:
         self._publish(self.core.abort([request_id]))
 
+    def control(self, name: str, *args: object) -> object:
+        """Run a control call (`cluster.engine.controls`); mode "wait" first steps the requests
+        in the engine to their end (their outputs wait in their streams)."""
+        if drains_first(name, args):
+            while self.core.has_unfinished_requests():
+                self.step()
+        result = run_control(self.core, name, *args)
+        self._publish(result.deltas)
+        return result.value
+
+    def _raise_if_paused(self) -> None:
+        if self.core.lifecycle.is_paused:
+            raise RuntimeError(
+                "the engine is paused or asleep: call wake_up() or resume_generation() first"
+            )
+
     def step(self) -> None:
         """Run one engine step and queue its deltas; a failed step queues its error instead, in
         every request's stream."""
+        self._raise_if_paused()
         try:
             deltas = self.core.step()
         except Exception as exc:

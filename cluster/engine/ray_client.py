@@ -28,6 +28,7 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 from cluster.config.engine_args import EngineArgs
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.client import EngineInfo
+from cluster.engine.controls import AsyncEngineControls, EngineControls
 from cluster.engine.core import build_engine_core
 from cluster.engine.errors import EngineDeadError
 from cluster.engine.executor.placement import PlacementSpec
@@ -41,6 +42,7 @@ from cluster.engine.kv_transfer import (
     transfer_counters,
 )
 from cluster.engine.kv_transfer_counters import KVTransferCounters
+from cluster.engine.lifecycle import CONTROL_NAMES
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
 from cluster.ray_cluster import connect
@@ -94,6 +96,12 @@ class EngineActor:
 
     async def get_info(self) -> EngineInfo:
         return await self.engine.get_info()
+
+    async def control(self, name: str, *args: object) -> object:
+        """A control call (sleep, wake_up, pause, collective_rpc: `cluster.engine.controls`)."""
+        if name not in CONTROL_NAMES:
+            raise ValueError(f"unknown engine control call {name!r}")
+        return await self.engine.control(name, *args)
 
     async def kv_held_keys(self, prompt_token_ids: list[int], cache_salt: str | None) -> HeldKeys:
         """KV transfer, receiver: which of the prompt's blocks this engine holds."""
@@ -188,7 +196,7 @@ def stop_engine_actor(actor: Any, group: PlacementGroup | None = None) -> None:
     ray.kill(actor, no_restart=True)
 
 
-class RayEngineClient:
+class RayEngineClient(EngineControls):
     """A blocking `EngineClient` on an engine actor."""
 
     def __init__(self, actor: Any, info: EngineInfo) -> None:
@@ -225,6 +233,9 @@ class RayEngineClient:
     def get_tokenizer(self) -> Any:
         return _get(self.actor.get_tokenizer.remote())
 
+    def control(self, name: str, *args: object) -> Any:
+        return _get(self.actor.control.remote(name, *args))
+
     def async_client(self) -> AsyncRayEngineClient:
         """An asyncio client on the same engine actor."""
         return AsyncRayEngineClient(self.actor, self.info, self.placement_group)
@@ -248,7 +259,7 @@ class RayEngineClient:
                 self.abort(request_id)
 
 
-class AsyncRayEngineClient:
+class AsyncRayEngineClient(AsyncEngineControls):
     """An asyncio `AsyncEngineClient` on an engine actor."""
 
     def __init__(
@@ -278,6 +289,9 @@ class AsyncRayEngineClient:
 
     async def get_tokenizer(self) -> Any:
         return await _aget(self.actor.get_tokenizer.remote())
+
+    async def control(self, name: str, *args: object) -> Any:
+        return await _aget(self.actor.control.remote(name, *args))
 
     async def shutdown(self) -> None:
         await asyncio.to_thread(stop_engine_actor, self.actor, self.placement_group)

@@ -30,8 +30,11 @@ class Executor(Protocol):
     configs: EngineConfigs
     """The engine's configs, resolved where the workers run (device, dtype, model folder)."""
 
-    def collective_rpc(self, method: str, *args: object) -> list[object]:
-        """Call `Worker.method(*args)` on every rank; the results in rank order."""
+    def collective_rpc(
+        self, method: str, *args: object, timeout_s: float | None = None
+    ) -> list[object]:
+        """Call `Worker.method(*args)` on every rank; the results in rank order (within
+        `timeout_s` where the ranks run apart, else the start-up deadline)."""
         ...
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput: ...

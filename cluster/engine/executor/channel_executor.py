@@ -22,9 +22,14 @@ class ChannelExecutor(ABC):
     args: EngineArgs
     _channels: RankChannels | None
 
-    def collective_rpc(self, method: str, *args: object) -> list[object]:
-        """A set-up call (KV specs, memory, KV cache): bounded by `worker_start_timeout_s`."""
-        return self._require_channels().call(method, args, self._start_deadline())
+    def collective_rpc(
+        self, method: str, *args: object, timeout_s: float | None = None
+    ) -> list[object]:
+        """A set-up or control call: bounded by `timeout_s`, else `worker_start_timeout_s`."""
+        deadline = self._start_deadline()
+        if timeout_s is not None:
+            deadline = Deadline.after(timeout_s, "collective_rpc timeout")
+        return self._require_channels().call(method, args, deadline)
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         output = self._require_channels().call(

@@ -19,7 +19,10 @@ class InProcessExecutor(LocalTokenizer):
         self._step_thread: ThreadPoolExecutor | None = None
         """Runs submitted steps, in order, while the caller schedules the next (async)."""
 
-    def collective_rpc(self, method: str, *args: object) -> list[object]:
+    def collective_rpc(
+        self, method: str, *args: object, timeout_s: float | None = None
+    ) -> list[object]:
+        del timeout_s  # the worker runs in this thread: nothing can wait for it
         return [getattr(self.worker, method)(*args)]
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
