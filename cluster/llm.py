@@ -30,6 +30,7 @@ from cluster.engine.metric_reader import Metric, read_metrics
 from cluster.engine.mm_inputs import MultiModalConfig, load_multimodal_inputs
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
+from cluster.engine.weight_calls import WeightCalls
 from cluster.llm_inputs import (
     as_conversation_list,
     as_lora_list,
@@ -42,7 +43,7 @@ from scheduler.request import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-class LLM(EngineControls):
+class LLM(EngineControls, WeightCalls):
     """An offline engine for one model; keyword arguments are vLLM's engine arguments.
 
     vLLM's control calls (`sleep`, `wake_up`, `is_sleeping`, `pause_generation`,
@@ -177,6 +178,13 @@ class LLM(EngineControls):
     def control(self, name: str, *args: object) -> Any:
         self._check_open()
         return self.client.control(name, *args)
+
+    def weight_call(self, name: str, *args: object) -> Any:
+        """A weight-transfer call: `init_weight_transfer_engine`, `start_weight_update`,
+        `update_weights`, `finish_weight_update`, `get_weight_version`, `reload_weights`
+        (`cluster.engine.weight_calls`)."""
+        self._check_open()
+        return self.client.weight_call(name, *args)
 
     def shutdown(self) -> None:
         """Stop the engine and its workers (also done when the LLM is garbage-collected and

@@ -1,7 +1,11 @@
 """Chained hashes of full token blocks, the keys of the prefix cache.
 
-`hash_i = H(hash_{i-1} or SEED, tokens of block i, extra keys of block i)`. A request's hashes cover
-only full blocks and grow as tokens are appended. Pure functions; the request keeps the list.
+`hash_i = H(hash_{i-1} or ROOT, tokens of block i, extra keys of block i)`. A request's hashes
+cover only full blocks and grow as tokens are appended. Pure functions; the request keeps the list.
+
+The root is `weights_root(weight_version)`: the engine's weight version is part of every chain, so
+a block (device pool, offload tier, transfer, router event) computed under other weights is never
+a hit. The initial weights (version None) keep the fixed `SEED`.
 """
 
 from __future__ import annotations
@@ -24,11 +28,22 @@ SEED: BlockHash = xxhash.xxh3_128_digest(b"hybridserve-prefix-cache-seed")
 """Parent of block 0: fixed, so hashes are reproducible across processes."""
 
 
+def weights_root(weight_version: str | None) -> BlockHash:
+    """The parent of block 0 for the weights of `weight_version` (None: the weights loaded at
+    start-up, whose root is `SEED`)."""
+    if weight_version is None:
+        return SEED
+    return xxhash.xxh3_128_digest(SEED + b"weights:" + weight_version.encode())
+
+
 def hash_block_tokens(
-    parent: BlockHash | None, token_ids: Sequence[int], extra_keys: ExtraKeys | None = None
+    parent: BlockHash | None,
+    token_ids: Sequence[int],
+    extra_keys: ExtraKeys | None = None,
+    root: BlockHash = SEED,
 ) -> BlockHash:
-    """Hash one block of tokens chained to its parent's hash."""
-    hasher = xxhash.xxh3_128(parent if parent is not None else SEED)
+    """Hash one block of tokens chained to its parent's hash (`root` for block 0)."""
+    hasher = xxhash.xxh3_128(parent if parent is not None else root)
     hasher.update(array("q", token_ids).tobytes())
     if extra_keys:
         hasher.update("\x00".join(extra_keys).encode())
@@ -40,6 +55,7 @@ def extend_block_hashes(
     token_ids: Sequence[int],
     block_size: int,
     cache_salt: str | None = None,
+    root: BlockHash = SEED,
 ) -> None:
     """Append the hashes of every full block of `token_ids` not hashed yet (in place).
 
@@ -51,9 +67,9 @@ def extend_block_hashes(
     num_full_blocks = len(token_ids) // block_size
     if num_full_blocks <= first:
         return
-    parent = block_hashes[-1] if block_hashes else SEED
+    parent = block_hashes[-1] if block_hashes else root
     if first == 0 and cache_salt is not None:
-        parent = hash_block_tokens(None, token_ids[:block_size], (cache_salt,))
+        parent = hash_block_tokens(None, token_ids[:block_size], (cache_salt,), root)
         block_hashes.append(parent)
         first = 1
     packed = array("q", token_ids[first * block_size : num_full_blocks * block_size]).tobytes()

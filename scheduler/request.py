@@ -11,7 +11,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from scheduler.block_hash import BlockHash, extend_block_hashes
+from scheduler.block_hash import SEED, BlockHash, extend_block_hashes
 from scheduler.lora import LoRARequest, prefix_salt
 from scheduler.multimodal import MultiModalFeature, cache_token_ids, check_features
 from scheduler.sampling_params import SamplingParams
@@ -72,6 +72,9 @@ class Request:
     that schedules the request (never part of `all_token_ids` nor of the block hashes)."""
     mm_features: tuple[MultiModalFeature, ...] = ()
     """The prompt's images in prompt order (their placeholder runs, hashes, encoder inputs)."""
+    hash_root: BlockHash = SEED
+    """Parent of block 0 of `block_hashes`: the root of the weights it runs under
+    (`scheduler.block_hash.weights_root`)."""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -122,7 +125,17 @@ class Request:
         """The block-0 key of the request's hashes: its cache salt and its adapter."""
         return prefix_salt(self.cache_salt, self.lora_name)
 
+    def rehash(self, root: BlockHash) -> None:
+        """Hash every full block again under another weights root (after a weight update)."""
+        self.hash_root = root
+        self.block_hashes = []
+        self._extend_hashes()
+
     def _extend_hashes(self) -> None:
         extend_block_hashes(
-            self.block_hashes, self.cache_token_ids, self.hash_block_size, self.hash_salt
+            self.block_hashes,
+            self.cache_token_ids,
+            self.hash_block_size,
+            self.hash_salt,
+            self.hash_root,
         )

@@ -460,7 +460,7 @@ class Scheduler:
             total_num_scheduled_tokens=plan.total_num_scheduled_tokens,
             num_common_prefix_blocks=self._num_common_prefix_blocks(),
             finished_req_ids=self._worker_view.take_finished(),
-            preempted_req_ids=frozenset(plan.preempted_req_ids),
+            preempted_req_ids=self._worker_view.take_recomputed().union(plan.preempted_req_ids),
             copies_before_step=tuple(before),
             state_saves=tuple(saves),
             copies_after_step=tuple(after),

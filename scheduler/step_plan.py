@@ -84,6 +84,8 @@ class WorkerView:
         self._resumed_req_ids: set[str] = set()
         self.finished_req_ids: set[str] = set()
         """Requests finished since the last step's message."""
+        self.recomputed_req_ids: set[str] = set()
+        """Requests preempted between steps (a weight update): dropped by the next message."""
 
     def request_data(
         self,
@@ -134,6 +136,12 @@ class WorkerView:
         self._num_sent_tokens.pop(req_id, None)
         self._resumed_req_ids.discard(req_id)
         self.finished_req_ids.add(req_id)
+
+    def take_recomputed(self) -> frozenset[str]:
+        """Requests preempted between steps, for this step's message; the set starts over."""
+        recomputed = frozenset(self.recomputed_req_ids)
+        self.recomputed_req_ids.clear()
+        return recomputed
 
     def take_finished(self) -> frozenset[str]:
         """Finished IDs for this step's message; the set starts over."""

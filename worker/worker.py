@@ -43,6 +43,7 @@ from worker.models.qwen3_next_mtp import load_mtp
 from worker.rpc import RpcCall, run_rpc
 from worker.runner_config import RunnerConfig
 from worker.sleep import MemoryResidency, SleepReport, copy_weights
+from worker.weight_calls import WeightUpdateCalls
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class WorkerSpec:
     """This rank's node address: its direct KV transfers (`worker.kv_io.kv_direct`) listen there."""
 
 
-class Worker:
+class Worker(WeightUpdateCalls):
     """Runs the model of one tensor-parallel rank.
 
     Start-up is split so that an executor can drive every rank through each phase together:

@@ -3,6 +3,7 @@
     hybridserve serve                          the embedded default model (SmolLM2-135M-Instruct)
     hybridserve serve --model DIR [flags]      a local model folder with engine flags
     hybridserve serve --config FILE.yaml       a Serve config, an LLMServingArgs or an LLMConfig
+    hybridserve serve --ingress proxy          Serve's Python proxy instead of HAProxy
 
 It joins the cluster `--address` or RAY_ADDRESS names (or the one `ray start` runs on this
 machine), else starts a local Ray instance; deploys; waits until the applications run, or fails
@@ -18,6 +19,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from cluster.cli.ingress_mode import AUTO, INGRESS_MODES
 from cluster.cli.serve_apps import PD_IMPORT_PATH, say
 from cluster.config.engine_flags import add_engine_arg_flags, engine_kwargs_from_args
 
@@ -36,6 +38,13 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--grpc-port", type=int, default=None, help="also serve gRPC here")
     parser.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY`")
+    parser.add_argument(
+        "--ingress",
+        choices=INGRESS_MODES,
+        default=AUTO,
+        help="HTTP ingress: haproxy (HAProxy straight to the replicas), proxy (Serve's Python "
+        "proxy) or auto (haproxy where its binary is found; default)",
+    )
     parser.add_argument(
         "--address",
         default=None,

@@ -1,6 +1,7 @@
 """One foreground run of `hybridserve serve`: connect, deploy, wait until running, stop.
 
-    connect (cluster.ray_cluster) ─► serve.start ─► deploy (non-blocking) ─► wait: running?
+    ingress mode (cluster.cli.ingress_mode) ─► connect (cluster.ray_cluster) ─► serve.start
+        ─► deploy (non-blocking) ─► wait: running? ─► (haproxy) wait: HAProxy has every app up
         │ a replica still unplaced after the placement timeout ─► PlacementTimeoutError
         │ an application failed to deploy                       ─► DeployFailedError
     stop: drain (once ready) ─► delete our apps / shut Serve down ─► ray.shutdown
@@ -20,6 +21,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from cluster.cli import ingress_mode
 from cluster.cli.errors import StartupFailedError
 from cluster.cli.serve_apps import DEFAULT_IMPORT_PATH, SERVICER, builder, say, with_api_key
 from cluster.ray_cluster import ClusterTarget, connect
@@ -68,6 +70,7 @@ class ServeSession:
         self.grpc = file_options.get("grpc_options")
         self.target: ClusterTarget | None = None
         self.app_names: list[str] = []
+        self.ingress = ingress_mode.PROXY
         self.is_ready = False
         self._is_stopped = False
 
@@ -78,6 +81,11 @@ class ServeSession:
     def start(self, apps: list[dict[str, Any]]) -> None:
         """Connect, deploy `apps` and wait until every one of them runs."""
 
+        requested = getattr(self.args, "ingress", ingress_mode.AUTO)
+        mode, note = ingress_mode.resolve_mode(requested, ingress_mode.haproxy_binary())
+        if note:
+            say(note)
+        ingress_mode.set_mode_env(mode)
         say("connecting to Ray")
         self.target = connect(
             self.args.address,
@@ -87,9 +95,16 @@ class ServeSession:
         )
         raise_on_signals()
         say(f"Ray: {self.target.address or self.target.origin}")
+        if not self.target.is_new_instance:
+            mode = ingress_mode.check_joined_cluster(mode, requested)
+            ingress_mode.set_mode_env(mode)
+        self.ingress = mode
+        say(f"HTTP ingress: {mode}")
         self._start_serve()
         self._deploy(apps)
         wait_until_running(self.app_names, placement_timeout_s(self.args))
+        if mode == ingress_mode.HAPROXY:
+            wait_for_haproxy()
         self.is_ready = True
 
     def wait_forever(self) -> None:
@@ -126,9 +141,14 @@ class ServeSession:
         grpc_options = self.grpc
         if self.args.grpc_port is not None:
             grpc_options = {"port": self.args.grpc_port, "grpc_servicer_functions": [SERVICER]}
-        kwargs: dict[str, Any] = {"http_options": HTTPOptions(**self.http)}
+        is_new = self.target is not None and self.target.is_new_instance
+        host = ingress_mode.serve_host(self.ingress, self.http.get("host", "127.0.0.1"), is_new)
+        kwargs: dict[str, Any] = {"http_options": HTTPOptions(**{**self.http, "host": host})}
         if grpc_options:
             kwargs["grpc_options"] = gRPCOptions(**grpc_options)
+            note = ingress_mode.grpc_note(self.ingress)
+            if note:
+                say(note)
         serve.start(**kwargs)
 
     def _deploy(self, apps: list[dict[str, Any]]) -> None:
@@ -193,6 +213,14 @@ def wait_until_running(app_names: list[str], placement_timeout_s: float) -> None
             if unplaced:
                 raise PlacementTimeoutError(_placement_message(unplaced, apps, placement_timeout_s))
         time.sleep(_POLL_S)
+
+
+def wait_for_haproxy() -> None:
+    """Return once HAProxy on every proxy node has a live replica for every application (its
+    health checks passed), as `serve.run` waits for its proxies."""
+    from ray.serve.context import _get_global_client
+
+    _get_global_client().wait_for_proxies_serving(wait_for_applications_running=True)
 
 
 def unplaced_replicas(app_names: list[str]) -> dict[str, int]:

@@ -16,6 +16,7 @@ from pydantic_core import ErrorDetails
 
 from cluster.config.base import StrictModel
 from cluster.config.speculative import SpeculativeConfigArgs
+from cluster.config.weight_transfer import WeightTransferConfigArgs
 from scheduler.lora import LoRAConfig
 
 ExecutorBackend = Literal["uni", "mp", "ray"]
@@ -136,6 +137,9 @@ class EngineArgs(StrictModel):
     fast or faster: docs/benchmarks.md; False: synchronous steps). While a
     structured-output request runs, step N+1 is sent to the workers once step N's token has been
     accepted by the grammar (its bitmask follows that token)."""
+    weight_transfer_config: WeightTransferConfigArgs | None = None
+    """How new weights reach the ranks in place (`LLM.update_weights`): {"backend": "ray"}
+    (default), "checkpoint" or "ipc"; "timeout_s" bounds a rank's wait for its shard."""
     speculative_config: SpeculativeConfigArgs | None = None
     """Speculative decoding, vLLM's keys: {"method": "ngram", "num_speculative_tokens": 3,
     "prompt_lookup_max": 4}; keys: method, num_speculative_tokens, prompt_lookup_min,

@@ -35,6 +35,8 @@ from cluster.engine.lifecycle import drains_first, run_control
 from cluster.engine.outputs import OutputAccumulator, RequestOutput
 from cluster.engine.request import EngineRequest
 from cluster.engine.stream_batching import HeldChunk, StreamBatching
+from cluster.engine.weight_calls import AsyncWeightCalls
+from cluster.engine.weight_sync import Settled, run_weight_call
 from scheduler.stats import SchedulerStats
 
 logger = logging.getLogger(__name__)
@@ -43,7 +45,7 @@ _StreamItem = RequestOutput | BaseException
 _T = TypeVar("_T")
 
 
-class AsyncEngine(AsyncEngineControls):
+class AsyncEngine(AsyncEngineControls, AsyncWeightCalls):
     """An asyncio `EngineClient` over an engine core in this process."""
 
     def __init__(self, core: EngineCore, stream_batching: StreamBatching | None = None) -> None:
@@ -111,6 +113,17 @@ class AsyncEngine(AsyncEngineControls):
                 self._has_work.set()
         self._publish(result.deltas)
         return result.value
+
+    async def weight_call(self, name: str, *args: object) -> Any:
+        """A weight-transfer call (`cluster.engine.weight_calls`), between two steps; the
+        deltas of a step it took out of flight reach their streams."""
+        async with self._lock:
+            result = await asyncio.to_thread(run_weight_call, self.core, name, *args)
+        if isinstance(result, Settled):
+            self._publish(result.deltas)
+            self._has_work.set()  # requests recomputed under the new weights
+            return result.value
+        return result
 
     async def call_core(self, function: Callable[..., _T], *args: object) -> _T:
         """`function(core, *args)` between two steps (in a thread, under the step lock)."""

@@ -50,6 +50,10 @@ class EngineClient(Protocol):
 
     def get_tokenizer(self) -> Any: ...
 
+    def weight_call(self, name: str, *args: object) -> Any:
+        """A weight-transfer call (`cluster.engine.weight_calls`)."""
+        ...
+
     def control(self, name: str, *args: object) -> Any:
         """A control call: sleep, wake_up, pause, collective_rpc (`cluster.engine.controls`)."""
         ...

@@ -34,6 +34,7 @@ from cluster.engine.output_processor import OutputProcessor, child_request_id, n
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
 from cluster.engine.structured import StructuredOutputManager
+from cluster.engine.weight_version import WeightVersion
 from scheduler.kv_cache.builder import build_kv_cache_config, max_concurrency
 from scheduler.kv_cache.events import KVEventLog
 from scheduler.kv_cache.spec import KVCacheConfig
@@ -85,6 +86,8 @@ class EngineCore:
         """Counters of KV transfers with other engines (`cluster.engine.kv_transfer`)."""
         self.kv_transfer_transport = kv_transfer_transport
         """How this engine's exports travel: object_store or direct."""
+        self.weights = WeightVersion()
+        """The weight version the workers run, and the block-hash root it gives."""
         self.lifecycle = Lifecycle()
         """Paused or asleep (`cluster.engine.lifecycle`): clients step only when neither."""
 
@@ -92,11 +95,17 @@ class EngineCore:
     def model_config(self) -> ModelConfig:
         return self.executor.configs.model
 
-    @functools.cached_property
+    @property
     def kv_transfer_fingerprint(self) -> str:
-        """The model, numerics and KV layout of this engine, which both ends of a KV transfer
-        must share, whatever their tensor-parallel sizes (computed once: it reads the model's
-        folder)."""
+        """The model, its weight version, numerics and KV layout of this engine, which both ends
+        of a KV transfer must share, whatever their tensor-parallel sizes."""
+        version = self.weights.version
+        layout = self._kv_layout_fingerprint
+        return layout if version is None else f"{layout} weights {version}"
+
+    @functools.cached_property
+    def _kv_layout_fingerprint(self) -> str:
+        """The model, numerics and KV layout (computed once: it reads the model's folder)."""
         configs = self.executor.configs
         runner = configs.runner
         dtypes = cache_dtypes(
@@ -381,6 +390,7 @@ class EngineCore:
                 cache_salt=request.cache_salt,
                 lora_request=request.lora_request,
                 mm_features=request.mm_features,
+                hash_root=self.weights.root,
             )
             for index in range(num_samples)
         ]
@@ -431,6 +441,7 @@ def build_engine_core(args: EngineArgs, executor: Executor | None = None) -> Eng
         args.guided_decoding_backend,
         args.kv_transfer_transport,
     )
+    core.weights.transfer_config = args.weight_transfer_config
     logger.info(
         "Maximum concurrency for %s tokens per request: %.2fx",
         f"{configs.scheduler.max_model_len:,}",

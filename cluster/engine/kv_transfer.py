@@ -95,6 +95,7 @@ def prompt_block_hashes(
         sampling_params=SamplingParams(),
         hash_block_size=core.scheduler.hash_block_size,
         cache_salt=cache_salt,
+        hash_root=core.weights.root,
     )
     return probe.block_hashes
 

@@ -22,12 +22,14 @@ from cluster.engine.errors import EngineDeadError
 from cluster.engine.lifecycle import drains_first, run_control
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
+from cluster.engine.weight_calls import WeightCalls
+from cluster.engine.weight_sync import Settled, run_weight_call
 from scheduler.stats import SchedulerStats
 
 _StreamItem = RequestOutput | EngineDeadError
 
 
-class InProcessEngineClient(EngineControls):
+class InProcessEngineClient(EngineControls, WeightCalls):
     """A blocking `EngineClient` over an engine core in this process."""
 
     def __init__(self, core: EngineCore) -> None:
@@ -96,6 +98,14 @@ class InProcessEngineClient(EngineControls):
 
     def get_tokenizer(self) -> Any:
         return self.core.tokenizer
+
+    def weight_call(self, name: str, *args: object) -> Any:
+        """A weight-transfer call (`cluster.engine.weight_calls`), between two steps."""
+        result = run_weight_call(self.core, name, *args)
+        if isinstance(result, Settled):
+            self._publish(result.deltas)
+            return result.value
+        return result
 
     def shutdown(self) -> None:
         self.core.shutdown()

@@ -45,6 +45,8 @@ from cluster.engine.kv_transfer_counters import KVTransferCounters
 from cluster.engine.lifecycle import CONTROL_NAMES
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
+from cluster.engine.weight_calls import AsyncWeightCalls, WeightCalls
+from cluster.engine.weight_sync import WEIGHT_CALLS
 from cluster.ray_cluster import connect
 from scheduler.kv_cache.transfer import HeldKeys
 from scheduler.stats import SchedulerStats
@@ -61,7 +63,7 @@ _STREAM_OPTIONS = {
 }
 
 
-class EngineActor:
+class EngineActor(AsyncWeightCalls):
     """The central engine: scheduler, hybrid KV coordinator and Ray executor, asyncio loop."""
 
     def __init__(self) -> None:
@@ -102,6 +104,12 @@ class EngineActor:
         if name not in CONTROL_NAMES:
             raise ValueError(f"unknown engine control call {name!r}")
         return await self.engine.control(name, *args)
+
+    async def weight_call(self, name: str, *args: object) -> Any:
+        """A weight-transfer call (`cluster.engine.weight_calls`)."""
+        if name not in WEIGHT_CALLS:
+            raise ValueError(f"unknown weight call {name!r}")
+        return await self.engine.weight_call(name, *args)
 
     async def kv_held_keys(self, prompt_token_ids: list[int], cache_salt: str | None) -> HeldKeys:
         """KV transfer, receiver: which of the prompt's blocks this engine holds."""
@@ -196,7 +204,7 @@ def stop_engine_actor(actor: Any, group: PlacementGroup | None = None) -> None:
     ray.kill(actor, no_restart=True)
 
 
-class RayEngineClient(EngineControls):
+class RayEngineClient(EngineControls, WeightCalls):
     """A blocking `EngineClient` on an engine actor."""
 
     def __init__(self, actor: Any, info: EngineInfo) -> None:
@@ -236,6 +244,9 @@ class RayEngineClient(EngineControls):
     def control(self, name: str, *args: object) -> Any:
         return _get(self.actor.control.remote(name, *args))
 
+    def weight_call(self, name: str, *args: object) -> Any:
+        return _get(self.actor.weight_call.remote(name, *args))
+
     def async_client(self) -> AsyncRayEngineClient:
         """An asyncio client on the same engine actor."""
         return AsyncRayEngineClient(self.actor, self.info, self.placement_group)
@@ -259,7 +270,7 @@ class RayEngineClient(EngineControls):
                 self.abort(request_id)
 
 
-class AsyncRayEngineClient(AsyncEngineControls):
+class AsyncRayEngineClient(AsyncEngineControls, AsyncWeightCalls):
     """An asyncio `AsyncEngineClient` on an engine actor."""
 
     def __init__(
@@ -292,6 +303,9 @@ class AsyncRayEngineClient(AsyncEngineControls):
 
     async def control(self, name: str, *args: object) -> Any:
         return await _aget(self.actor.control.remote(name, *args))
+
+    async def weight_call(self, name: str, *args: object) -> Any:
+        return await _aget(self.actor.weight_call.remote(name, *args))
 
     async def shutdown(self) -> None:
         await asyncio.to_thread(stop_engine_actor, self.actor, self.placement_group)

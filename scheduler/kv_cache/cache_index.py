@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from scheduler.block_hash import BlockHash, extend_block_hashes
+from scheduler.block_hash import SEED, BlockHash, extend_block_hashes
 from scheduler.kv_cache.block_pool import BlockPool, KVCacheBlock
 from scheduler.kv_cache.coordinator import CoordinatorHit, make_coordinator
 from scheduler.kv_cache.events import EvictionOutlook, KVEventBatch, KVEventWindow
@@ -55,6 +55,8 @@ class CacheIndex:
         sizes = [group.spec.block_size for group in groups]
         self.hash_block_size = math.gcd(*sizes)
         """Tokens per block hash: the engine's (gcd of the group block sizes)."""
+        self.hash_root = SEED
+        """The root of the engine's block hashes, as its latest events say."""
         self._pool = BlockPool(1, len(groups))
         self._coordinator = make_coordinator(groups, self._pool, self.hash_block_size, True)
         self._tier_maps: list[dict[BlockHash, KVCacheBlock]] = [{} for _ in groups]
@@ -93,9 +95,9 @@ class CacheIndex:
     def block_hashes(
         self, token_ids: Sequence[int], cache_salt: str | None = None
     ) -> list[BlockHash]:
-        """The engine's block hashes of a prompt."""
+        """The engine's block hashes of a prompt (from the root of its weights)."""
         hashes: list[BlockHash] = []
-        extend_block_hashes(hashes, token_ids, self.hash_block_size, cache_salt)
+        extend_block_hashes(hashes, token_ids, self.hash_block_size, cache_salt, self.hash_root)
         return hashes
 
     def predict_hit(self, block_hashes: Sequence[BlockHash], num_tokens: int, now: float) -> int:
@@ -216,6 +218,7 @@ class CacheIndex:
         """Replay one batch of events."""
         if batch.cleared:
             self.clear()
+        self.hash_root = batch.hash_root
         guesses = self._guesses
         done: list[tuple[int, BlockHash]] = []
         for group_id, (stored, removed) in enumerate(zip(batch.stored, batch.removed, strict=True)):

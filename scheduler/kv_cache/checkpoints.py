@@ -39,7 +39,12 @@ from typing import NamedTuple
 
 import xxhash
 
-from scheduler.block_hash import BlockHash, extend_block_hashes, hash_block_tokens
+from scheduler.block_hash import (
+    SEED,
+    BlockHash,
+    extend_block_hashes,
+    hash_block_tokens,
+)
 from scheduler.kv_cache.block_pool import BlockPool, KVCacheBlock
 from scheduler.kv_cache.mamba_manager import MambaManager
 from scheduler.kv_cache.single_type_manager import SingleTypeManager
@@ -84,10 +89,12 @@ def next_position(position: int, unit: int) -> int:
     return position + max(unit, unit * (position // (10 * unit)))
 
 
-def checkpoint_keys(token_ids: Sequence[int], unit: int, salt: str | None) -> list[BlockHash]:
-    """Key j names the first (j + 1) * unit tokens (salted like the block hashes)."""
+def checkpoint_keys(
+    token_ids: Sequence[int], unit: int, salt: str | None, root: BlockHash = SEED
+) -> list[BlockHash]:
+    """Key j names the first (j + 1) * unit tokens (salted and rooted like the block hashes)."""
     chain: list[BlockHash] = []
-    extend_block_hashes(chain, token_ids, unit, salt)
+    extend_block_hashes(chain, token_ids, unit, salt, root)
     return [xxhash.xxh3_128_digest(digest + _TAG) for digest in chain]
 
 
@@ -182,7 +189,9 @@ class StateCheckpoints:
     def _request_keys(self, request: Request) -> list[BlockHash]:
         """Keys of every full unit of the request's tokens (extended as outputs arrive)."""
         chain, keys = self._chains.setdefault(request.req_id, ([], []))
-        extend_block_hashes(chain, request.cache_token_ids, self.unit, request.hash_salt)
+        extend_block_hashes(
+            chain, request.cache_token_ids, self.unit, request.hash_salt, request.hash_root
+        )
         keys.extend(xxhash.xxh3_128_digest(digest + _TAG) for digest in chain[len(keys) :])
         return keys
 
@@ -191,7 +200,7 @@ class StateCheckpoints:
     def find(self, request: Request, block_hashes: Sequence[BlockHash], hit: int) -> FineHit | None:
         """The longest checkpoint hit longer than `hit` tokens (at most all tokens but one)."""
         tokens = request.cache_token_ids[: request.num_tokens - 1]
-        keys = checkpoint_keys(tokens, self.unit, request.hash_salt)
+        keys = checkpoint_keys(tokens, self.unit, request.hash_salt, request.hash_root)
         maps = self.pool.hash_maps
         for index in range(len(keys) - 1, -1, -1):
             position = (index + 1) * self.unit
@@ -414,7 +423,9 @@ class StateCheckpoints:
         if blocks is None:
             return
         chain, _ = self._chains.get(req_id) or ([], [])
-        extend_block_hashes(chain, request.cache_token_ids, self.unit, request.hash_salt)
+        extend_block_hashes(
+            chain, request.cache_token_ids, self.unit, request.hash_salt, request.hash_root
+        )
         index = position // self.unit - 1
         grid_key = xxhash.xxh3_128_digest(chain[index] + _TAG)
         key = end_key(grid_key, request.cache_token_ids[(index + 1) * self.unit : position])

@@ -18,7 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from scheduler.block_hash import BlockHash
+from scheduler.block_hash import SEED, BlockHash
 from scheduler.kv_cache.spec import KVCacheGroupSpec
 
 
@@ -41,6 +41,9 @@ class KVEventBatch:
     on them costs a load: a router scores them below keys on the device."""
     tier_removed: tuple[tuple[BlockHash, ...], ...] = ()
     """Per group, keys the offload tier no longer holds."""
+    hash_root: BlockHash = SEED
+    """The root the engine's block hashes chain from (its weight version's): a router hashes
+    prompts from it to predict hits."""
 
     @property
     def num_keys(self) -> int:
@@ -58,6 +61,14 @@ class KVEventSink:
         self._tier_stored: list[dict[BlockHash, None]] = [{} for _ in range(num_groups)]
         self._tier_removed: list[dict[BlockHash, None]] = [{} for _ in range(num_groups)]
         self._cleared = False
+        self.hash_root = SEED
+        """The engine's current weights root (`scheduler.block_hash.weights_root`)."""
+        self._root_changed = False
+
+    def set_hash_root(self, root: BlockHash) -> None:
+        """The engine's weights changed: later batches carry `root` (one batch at least)."""
+        self._root_changed = root != self.hash_root
+        self.hash_root = root
 
     def _all(self) -> tuple[dict[BlockHash, None], ...]:
         return (*self._stored, *self._removed, *self._tier_stored, *self._tier_removed)
@@ -90,7 +101,7 @@ class KVEventSink:
 
     def take(self) -> KVEventBatch | None:
         """The changes since the last take, or None when there were none."""
-        if not self._cleared and not any(self._all()):
+        if not self._cleared and not self._root_changed and not any(self._all()):
             return None
         has_tier = any(self._tier_stored) or any(self._tier_removed)
         batch = KVEventBatch(
@@ -99,7 +110,9 @@ class KVEventSink:
             cleared=self._cleared,
             tier_stored=tuple(tuple(keys) for keys in self._tier_stored) if has_tier else (),
             tier_removed=tuple(tuple(keys) for keys in self._tier_removed) if has_tier else (),
+            hash_root=self.hash_root,
         )
+        self._root_changed = False
         for keys in self._all():
             keys.clear()
         self._cleared = False

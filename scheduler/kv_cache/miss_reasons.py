@@ -142,5 +142,7 @@ def _salted_away(pool: BlockPool, request: Request) -> bool:
     """A salted request whose first block is known without its salt."""
     if request.hash_salt is None or request.num_tokens < request.hash_block_size:
         return False
-    unsalted = hash_block_tokens(None, request.cache_token_ids[: request.hash_block_size])
+    unsalted = hash_block_tokens(
+        None, request.cache_token_ids[: request.hash_block_size], root=request.hash_root
+    )
     return _is_known(pool, unsalted)

@@ -1,0 +1,135 @@
+"""Sending new weights to an engine's ranks: each rank receives only its own shard.
+
+A trainer holds its weights under their checkpoint (Hugging Face) names. The engine tells which
+part of each tensor each rank reads (`LLM.weight_shard_plans(shapes_of(state_dict))`, from the
+ranks' own loaders), the trainer cuts those parts and hands them over, and each rank fetches its
+own parts only:
+
+- `put_rank_shards` (backend "ray"): one object per rank in Ray's object store, owned by the
+  trainer actor that put it; a rank `ray.get`s its own object, within `timeout_s`. A trainer
+  that dies before the ranks have read their objects makes the update fail at once (the owner
+  is gone) and the engine keeps its weights.
+- `ipc_rank_shards` (backend "ipc", CUDA only): CUDA IPC handles of the parts on the GPU the
+  trainer shares with the engine; the rank maps them, nothing is copied through the host.
+
+A checkpoint folder needs no sender: `LLM.update_weights({"weights_path": folder})`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+
+from worker.weight_update import ReceivedShard, ShardPlan, WeightUpdateError, cut_shard
+
+DEFAULT_TIMEOUT_S = 60.0
+
+
+def shapes_of(
+    named_tensors: Mapping[str, torch.Tensor],
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Checkpoint name -> (full shape, dtype): what the engine needs to plan the shards."""
+    return {name: (tuple(t.shape), t.dtype) for name, t in named_tensors.items()}
+
+
+def cut_rank_shards(
+    named_tensors: Mapping[str, torch.Tensor], plans: Sequence[ShardPlan]
+) -> list[ReceivedShard]:
+    """Every rank's parts of the tensors (host memory, contiguous), as its plan names them."""
+    shards: list[ReceivedShard] = []
+    for plan in plans:
+        shard: ReceivedShard = {}
+        for name, regions in plan.items():
+            tensor = named_tensors[name].detach()
+            shard[name] = cut_shard(tensor.cpu() if tensor.is_cuda else tensor, regions)
+        shards.append(shard)
+    return shards
+
+
+@dataclass
+class ObjectStoreShards:
+    """One update's shards in Ray's object store, one object per rank (a `WeightShardSource`)."""
+
+    refs: list[Any]
+    """Rank r's `ReceivedShard`, as an ObjectRef."""
+    shapes: dict[str, tuple[int, ...]]
+    """Full checkpoint shape of every tensor sent."""
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def fetch(self, rank: int) -> ReceivedShard:
+        if rank >= len(self.refs):
+            raise WeightUpdateError(f"the update has {len(self.refs)} shards, none for rank {rank}")
+        try:
+            shard: ReceivedShard = ray.get(self.refs[rank], timeout=self.timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise WeightUpdateError(
+                f"rank {rank}'s weight shard did not arrive within {self.timeout_s:g} s"
+            ) from None
+        except ray.exceptions.RayError as exc:
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise WeightUpdateError(
+                f"rank {rank}'s weight shard is lost (the sender died?): {reason}"
+            ) from None
+        return shard
+
+
+def put_rank_shards(
+    named_tensors: Mapping[str, torch.Tensor],
+    plans: Sequence[ShardPlan],
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> ObjectStoreShards:
+    """Put each rank's parts in the object store (owned by the caller, e.g. the trainer actor);
+    the handle to pass as `update_weights({"shards": handle})`."""
+    refs = [ray.put(shard) for shard in cut_rank_shards(named_tensors, plans)]
+    shapes = {name: tuple(t.shape) for name, t in named_tensors.items()}
+    return ObjectStoreShards(refs, shapes, timeout_s)
+
+
+@dataclass
+class IpcShards:
+    """One update's shards as CUDA IPC handles, one map per rank (a `WeightShardSource`).
+
+    The sender keeps `keep_alive` (its GPU parts) until the update has finished."""
+
+    handles: list[dict[str, dict[tuple[int, int, int], tuple[Any, tuple[Any, ...]]]]]
+    shapes: dict[str, tuple[int, ...]]
+    keep_alive: list[torch.Tensor] = field(default_factory=list, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"handles": self.handles, "shapes": self.shapes, "keep_alive": []}
+
+    def fetch(self, rank: int) -> ReceivedShard:
+        if rank >= len(self.handles):
+            raise WeightUpdateError(
+                f"the update has {len(self.handles)} shards, none for rank {rank}"
+            )
+        shard: ReceivedShard = {}
+        for name, parts in self.handles[rank].items():
+            shard[name] = {region: rebuild(*args) for region, (rebuild, args) in parts.items()}
+        return shard
+
+
+def ipc_rank_shards(
+    named_tensors: Mapping[str, torch.Tensor], plans: Sequence[ShardPlan]
+) -> IpcShards:
+    """CUDA IPC handles of each rank's parts (the tensors must be on a CUDA device)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    handles: list[dict[str, dict[tuple[int, int, int], tuple[Any, tuple[Any, ...]]]]] = []
+    keep_alive: list[torch.Tensor] = []
+    for plan in plans:
+        rank_handles: dict[str, dict[tuple[int, int, int], tuple[Any, tuple[Any, ...]]]] = {}
+        for name, regions in plan.items():
+            tensor = named_tensors[name].detach()
+            if not tensor.is_cuda:
+                raise ValueError(f"backend 'ipc' needs CUDA tensors; {name} is on {tensor.device}")
+            parts = cut_shard(tensor, regions)
+            keep_alive.extend(parts.values())
+            rank_handles[name] = {region: reduce_tensor(part) for region, part in parts.items()}
+        handles.append(rank_handles)
+    shapes = {name: tuple(t.shape) for name, t in named_tensors.items()}
+    return IpcShards(handles, shapes, keep_alive)

@@ -1,0 +1,130 @@
+"""The weight-update calls one rank answers (a mixin of `worker.Worker`).
+
+The engine drives every rank through them together: `weight_shard_plan` (which part of each
+checkpoint tensor this rank reads), `receive_weight_shard` (fetch this rank's shard from a
+sender and check it; nothing changes yet), `apply_staged_weights` (copy the received tensors into
+the model in place), `discard_staged_weights`, and `reload_weights` (a checkpoint folder, read
+lazily: this rank reads only its shard). After weights change, outputs cached on the rank (image
+encoder outputs) are dropped. The fetch itself is the sender's (`WeightShardSource`): this
+package imports no transport.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from torch import nn
+
+from worker.weight_update import ReceivedShard, ShardPlan, WeightUpdateError, WeightUpdater
+from worker.weights import iterate_weights
+
+if TYPE_CHECKING:
+    from worker.model_runner import ModelRunner
+    from worker.worker import WorkerSpec
+
+logger = logging.getLogger(__name__)
+
+
+class WeightShardSource(Protocol):
+    """Where a rank fetches its shard of one update (a sender's handle, picklable)."""
+
+    shapes: Mapping[str, Sequence[int]]
+    """Full checkpoint shape of every tensor of the update."""
+
+    def fetch(self, rank: int) -> ReceivedShard:
+        """This rank's shard; WeightUpdateError when the sender is gone or too slow."""
+        ...
+
+
+class WeightUpdateCalls:
+    """Weight-update calls of a rank; needs the worker's `spec`, `rank` and `model_runner`."""
+
+    spec: WorkerSpec
+    rank: int
+    _weight_updater: WeightUpdater | None = None
+
+    @property
+    def model_runner(self) -> ModelRunner:  # provided by the worker
+        raise NotImplementedError
+
+    @property
+    def weight_updater(self) -> WeightUpdater:
+        if self._weight_updater is None:
+            runner = self.model_runner
+            self._weight_updater = WeightUpdater(
+                runner.model,  # type: ignore[arg-type]
+                self.spec.model_config,
+                self.spec.parallel,
+                _mtp_layer(runner),
+            )
+        return self._weight_updater
+
+    def weight_shard_plan(
+        self, shapes: Mapping[str, tuple[Sequence[int], torch.dtype]]
+    ) -> ShardPlan:
+        """The regions of each checkpoint tensor this rank reads (the update checked first)."""
+        return self.weight_updater.plan(shapes)
+
+    def receive_weight_shard(self, source: WeightShardSource) -> int:
+        """Fetch and check this rank's shard and keep it for `apply_staged_weights`; the bytes
+        received. On any error nothing is kept of this update."""
+        updater = self.weight_updater
+        try:
+            shard = source.fetch(self.rank)
+            before = updater.bytes_received
+            updater.stage(shard, source.shapes)
+        except Exception:
+            updater.discard_staged()
+            raise
+        return updater.bytes_received - before
+
+    def apply_staged_weights(self) -> int:
+        """Copy the staged tensors into the model; the number of tensors applied."""
+        applied = self.weight_updater.apply_staged()
+        self._after_weights_changed()
+        return applied
+
+    def discard_staged_weights(self) -> None:
+        self.weight_updater.discard_staged()
+
+    def weight_bytes_received(self) -> int:
+        """Bytes of weight shards this rank has received so far."""
+        return self.weight_updater.bytes_received
+
+    def reload_weights(self, weights_path: str | None = None) -> None:
+        """Load a checkpoint folder's weights in place (default: the model's own folder); the
+        whole checkpoint is checked before any weight changes."""
+        folder = weights_path or self.spec.model_config.model_path
+        if not Path(folder).is_dir():
+            raise WeightUpdateError(f"weights_path {folder!r} is not a folder")
+        dtype = self.spec.model_config.dtype
+        self.weight_updater.load_folder(lambda: iterate_weights(folder, dtype=dtype))
+        self._after_weights_changed()
+
+    def _after_weights_changed(self) -> None:
+        """Drop what the rank computed from the old weights, and let the runner refresh what it
+        derives from them (captured graphs)."""
+        runner = self.model_runner
+        if runner.images is not None:
+            runner.images.cache.retain(set())
+        rebuild = getattr(runner, "rebuild_cuda_graphs", None)
+        if callable(rebuild):
+            rebuild()
+        logger.info("rank %d: weights updated in place", self.rank)
+
+
+def _mtp_layer(runner: ModelRunner) -> nn.Module | None:
+    """The drafting MTP layer, whose weights are part of the target's checkpoint."""
+    proposer = runner.proposer
+    model = getattr(proposer, "model", None) if proposer is not None else None
+    if model is not None and type(model).__name__.endswith("MTP"):
+        assert isinstance(model, nn.Module)
+        return model
+    return None
+
+
+__all__ = ["WeightShardSource", "WeightUpdateCalls", "WeightUpdateError"]
