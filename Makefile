@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 GPU_STAMP := $(VENV)/.installed-gpu-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= --durations=30
 
 .PHONY: install test test-all test-gpu gpu-wheels gpu-check lint generate serve grpc bench image image-cpu clean
 
