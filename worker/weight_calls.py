@@ -114,6 +114,9 @@ class WeightUpdateCalls:
         rebuild = getattr(runner, "rebuild_cuda_graphs", None)
         if callable(rebuild):
             rebuild()
+        loaded = getattr(self, "mark_weights_loaded", None)
+        if callable(loaded):  # a level-2 sleep's wake then keeps these weights
+            loaded()
         logger.info("rank %d: weights updated in place", self.rank)
 
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
 import cloudpickle
 
 from cluster.engine.outputs import RequestOutput
+from cluster.engine.weight_sync import ENGINE_RPC_METHODS, engine_rpc
 from scheduler.pause import preempt_all
 from worker.rpc import RpcCall
 
@@ -133,6 +134,8 @@ def run_control(core: EngineCore, name: str, *args: Any) -> ControlResult:
         return ControlResult(core.scheduler.reset_prefix_cache(), [])
     if name == "collective_rpc":
         call, timeout = args
+        if call.method in ENGINE_RPC_METHODS:  # new weights: the engine's version moves on
+            return ControlResult(*engine_rpc(core, call))
         return ControlResult(core.executor.collective_rpc("run_rpc", call, timeout_s=timeout), [])
     value = state.is_sleeping if name == "is_sleeping" else state.is_paused
     return ControlResult(value, [])

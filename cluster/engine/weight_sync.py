@@ -52,6 +52,9 @@ WEIGHT_CALLS = (
     "weight_bytes_received",
 )
 """The calls every engine client forwards (`weight_call(name, *args)`)."""
+ENGINE_RPC_METHODS = frozenset({"reload_weights"})
+"""Worker methods that `collective_rpc` runs through the engine: they change the weights, so the
+weight version (and every block-hash root) moves on with them."""
 
 
 class Settled(NamedTuple):
@@ -169,6 +172,16 @@ def reload_weights(core: EngineCore, weights_path: str | None = None) -> Settled
     deltas = core.finish_in_flight()
     core.executor.collective_rpc("reload_weights", weights_path)
     return Settled(_advance(core, None), deltas)
+
+
+def engine_rpc(core: EngineCore, call: Any) -> Settled:
+    """`collective_rpc` of a method of `ENGINE_RPC_METHODS` (vLLM's
+    `collective_rpc("reload_weights", kwargs={"weights_path": ...})`): run on every rank between
+    two steps, then the new weights' version; the ranks' results."""
+    deltas = core.finish_in_flight()
+    results = core.executor.collective_rpc("run_rpc", call)
+    _advance(core, None)
+    return Settled(results, deltas)
 
 
 def get_weight_version(core: EngineCore) -> str | None:
