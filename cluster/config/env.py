@@ -27,3 +27,15 @@ def ray_address_from_env(environ: Mapping[str, str] | None = None) -> str | None
     """The cluster address RAY_ADDRESS names, or None when it is unset or empty."""
     value = (os.environ if environ is None else environ).get(RAY_ADDRESS_ENV, "").strip()
     return value or None
+
+
+SERVER_DEV_MODE_ENV = "HYBRIDSERVE_SERVER_DEV_MODE"
+"""Set to 1 (or true) to serve the development routes (`/sleep`, `/wake_up`, `/pause`,
+`/collective_rpc`, ...), as vLLM's `VLLM_SERVER_DEV_MODE`: they let any client stop the engine
+or run code on its workers, so never in production."""
+
+
+def server_dev_mode_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the development routes are served (`SERVER_DEV_MODE_ENV`)."""
+    value = (os.environ if environ is None else environ).get(SERVER_DEV_MODE_ENV, "")
+    return value.strip().lower() in ("1", "true", "yes", "on")

@@ -40,6 +40,8 @@ from cluster.openai_api.protocol import (
     ModelList,
 )
 from cluster.serve import errors
+from cluster.serve.dev_routes import DevRoutes
+from cluster.serve.dev_routes import router as dev_router
 from cluster.serve.formatting import DONE, sse
 from cluster.serve.grpc.methods import GrpcMethods
 from cluster.serve.openapi_docs import (
@@ -137,7 +139,7 @@ async def require_api_key(
 AUTHORIZED = [Depends(require_api_key)]
 
 
-class OpenAiIngress(GrpcMethods):
+class OpenAiIngress(GrpcMethods, DevRoutes):
     """Routes OpenAI requests to the model deployments (the body of the ingress deployment)."""
 
     def __init__(self, servers: dict[str, DeploymentHandle[Any]]) -> None:
@@ -301,6 +303,9 @@ def _first_line(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
     return lines[0] if lines else type(error).__name__
 
+
+# The development routes (`/sleep`, `/wake_up`, ...): 404 unless HYBRIDSERVE_SERVER_DEV_MODE=1.
+app.include_router(dev_router, dependencies=AUTHORIZED)
 
 # Bound at import, so a replica that imports this module gets the same class-based routes
 # (Serve pickles the module-level app by reference).

@@ -34,6 +34,7 @@ from cluster.engine.executor import create_executor
 from cluster.engine.executor.placement import PlacementSpec, uses_gpus
 from cluster.engine.input_processor import InputProcessor
 from cluster.engine.kv_transfer import KVTransfer, kv_export, transfer_counters
+from cluster.engine.lifecycle import CONTROL_NAMES
 from cluster.engine.mm_inputs import MultiModalConfig, load_multimodal_inputs
 from cluster.engine.outputs import OutputAccumulator, RequestOutput
 from cluster.engine.request import EngineRequest
@@ -371,6 +372,12 @@ class LLMServer:
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve polls this for the request routers: KV events and usage ({} when off)."""
         return routing_stats(self.engine.core)
+
+    async def control(self, name: str, *args: object) -> object:
+        """An engine control call of the development routes (`cluster.serve.dev_routes`)."""
+        if name not in CONTROL_NAMES:
+            raise ValueError(f"unknown engine control call {name!r}")
+        return await self.engine.control(name, *args)
 
     async def check_health(self) -> None:
         """Serve's health check: raises when the engine or a worker is dead."""

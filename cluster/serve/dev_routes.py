@@ -1,0 +1,161 @@
+"""The development routes of the OpenAI ingress, under vLLM's paths: sleep, wake, pause and resume,
+prefix-cache reset and collective RPC on a model's engine.
+
+They answer only where `HYBRIDSERVE_SERVER_DEV_MODE=1` is set in the ingress replica's
+environment (its `ray_actor_options.runtime_env.env_vars`, or the environment Ray started in),
+as vLLM's `VLLM_SERVER_DEV_MODE`; otherwise they are 404s like any unknown path. They let any
+client stop the engine or run worker methods: never in production. A call reaches the model's
+deployment through its handle, so one replica (as vLLM's one engine); several models: `?model=`.
+
+    POST /sleep?level=1&mode=abort       POST /wake_up?tags=weights&tags=kv_cache
+    GET  /is_sleeping                    POST /pause?mode=abort&clear_cache=true
+    POST /resume                         GET  /is_paused
+    POST /reset_prefix_cache             POST /collective_rpc {method, args, kwargs, timeout}
+
+Bad input (an unknown mode, level, tag or worker method) is a 400 whose message is one line.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import JSONResponse, Response
+from ray.serve.handle import DeploymentHandle
+
+from cluster.config.env import server_dev_mode_from_env
+from cluster.engine.lifecycle import (
+    check_pause_mode,
+    check_sleep_level,
+    check_wake_tags,
+    rpc_call,
+)
+from cluster.openai_api.protocol import ErrorResponse
+from cluster.serve import errors
+
+router = APIRouter()
+
+
+class DevRoutes:
+    """The development routes (a part of the ingress class; `route` picks the model)."""
+
+    def route(self, model: str | None) -> DeploymentHandle[Any] | ErrorResponse:
+        raise NotImplementedError
+
+    @router.post("/sleep", include_in_schema=False)
+    async def dev_sleep(
+        self, level: str = "1", mode: str = "abort", model: str | None = None
+    ) -> Response:
+        return await self._call(model, "sleep", lambda: (_level(level), check_pause_mode(mode)))
+
+    @router.post("/wake_up", include_in_schema=False)
+    async def dev_wake_up(
+        self, tags: Annotated[list[str] | None, Query()] = None, model: str | None = None
+    ) -> Response:
+        return await self._call(model, "wake_up", lambda: (check_wake_tags(tags or None),))
+
+    @router.get("/is_sleeping", include_in_schema=False)
+    async def dev_is_sleeping(self, model: str | None = None) -> Response:
+        return await self._call(model, "is_sleeping", tuple, "is_sleeping")
+
+    @router.post("/pause", include_in_schema=False)
+    async def dev_pause(
+        self, mode: str = "abort", clear_cache: bool = True, model: str | None = None
+    ) -> Response:
+        args = lambda: (check_pause_mode(mode), clear_cache)  # noqa: E731
+        return await self._call(model, "pause_generation", args, status="paused")
+
+    @router.post("/resume", include_in_schema=False)
+    async def dev_resume(self, model: str | None = None) -> Response:
+        return await self._call(model, "resume_generation", tuple, status="resumed")
+
+    @router.get("/is_paused", include_in_schema=False)
+    async def dev_is_paused(self, model: str | None = None) -> Response:
+        return await self._call(model, "is_paused", tuple, "is_paused")
+
+    @router.post("/reset_prefix_cache", include_in_schema=False)
+    async def dev_reset_prefix_cache(self, model: str | None = None) -> Response:
+        return await self._call(model, "reset_prefix_cache", tuple, "reset")
+
+    @router.post("/collective_rpc", include_in_schema=False)
+    async def dev_collective_rpc(self, raw: Request, model: str | None = None) -> Response:
+        body = await _json_object(raw)
+        if isinstance(body, ErrorResponse):
+            return _error(body)
+
+        def args() -> tuple[object, ...]:
+            method = body.get("method")
+            if not isinstance(method, str):
+                raise ValueError("collective_rpc needs 'method': the name of a worker method")
+            call_args, kwargs = body.get("args", []), body.get("kwargs", {})
+            if not isinstance(call_args, list) or not isinstance(kwargs, dict):
+                raise ValueError("collective_rpc 'args' must be a list and 'kwargs' an object")
+            return rpc_call(method, call_args, kwargs), body.get("timeout")
+
+        return await self._call(model, "collective_rpc", args, "results")
+
+    async def _call(
+        self,
+        model: str | None,
+        name: str,
+        args: Any,
+        answer_key: str | None = None,
+        status: str | None = None,
+    ) -> Response:
+        """Check the arguments (`args()`), run the control call on the model's deployment and
+        answer as vLLM's route does."""
+        if not server_dev_mode_from_env():
+            return _error(errors.error_response("Not Found", 404))
+        handle = self.route(model)
+        if isinstance(handle, ErrorResponse):
+            return _error(handle)
+        try:
+            value = await handle.control.remote(name, *args())
+        except (ValueError, TypeError) as error:
+            return _error(errors.bad_request(_one_line(error)))
+        except Exception as error:
+            cause = getattr(error, "cause", None)
+            if isinstance(cause, (ValueError, TypeError)):
+                return _error(errors.bad_request(_one_line(cause)))
+            return _error(errors.error_response(_one_line(error), 500))
+        if status is not None:
+            return JSONResponse({"status": status})
+        if answer_key is None:
+            return Response(status_code=200)
+        return JSONResponse({answer_key: _jsonable(value)})
+
+
+def _level(level: str) -> int:
+    try:
+        return check_sleep_level(int(level))
+    except ValueError:
+        raise ValueError(f"sleep level must be 0, 1 or 2, got {level!r}") from None
+
+
+async def _json_object(raw: Request) -> dict[str, Any] | ErrorResponse:
+    try:
+        body = json.loads(await raw.body() or b"{}")
+    except json.JSONDecodeError as error:
+        return errors.bad_request(f"the body is not JSON: {error}")
+    if not isinstance(body, dict):
+        return errors.bad_request("the body must be a JSON object")
+    return body
+
+
+def _jsonable(value: object) -> object:
+    """Results as vLLM's route gives them: JSON values as they are, others as text."""
+    if isinstance(value, list):
+        return [
+            item if item is None or isinstance(item, (dict, list)) else str(item) for item in value
+        ]
+    return value
+
+
+def _one_line(error: BaseException) -> str:
+    lines = str(getattr(error, "cause", None) or error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def _error(error: ErrorResponse) -> JSONResponse:
+    return JSONResponse(error.model_dump(), status_code=error.status)
