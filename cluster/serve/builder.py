@@ -14,6 +14,7 @@ tenth of one each (the engine loop and the HTTP routing are light next to the mo
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from pydantic import ValidationError
@@ -142,12 +143,29 @@ def build_openai_app(args: LLMServingArgs | dict[str, Any]) -> Application:
     except ValidationError as error:
         raise ValueError(format_validation_error(error)) from None
     if serving_args.uses_one_hop:
+        check_one_hop_router(serving_args)
         return build_one_hop_app(serving_args)
     servers = {config.model_id: build_llm_deployment(config) for config in serving_args.llm_configs}
     ingress_options = ingress_deployment_options(serving_args.ingress_deployment_config)
     ingress: Any = serve.deployment(OpenAiIngressDeployment)
     app: Application = ingress.options(**ingress_options).bind(servers)
     return app
+
+
+def check_one_hop_router(serving_args: LLMServingArgs) -> None:
+    """Under Serve's HAProxy ingress, HAProxy picks the one-hop model replica itself, so a
+    request router there would never run: the two-hop topology keeps it (in the ingress)."""
+    (config,) = serving_args.llm_configs
+    if config.deployment_config.get("request_router_config") and haproxy_ingress():
+        raise ValueError(
+            "topology one_hop with a request_router_config: HAProxy (the haproxy ingress) "
+            "would bypass the router; use topology two_hop (or auto), where the ingress runs it"
+        )
+
+
+def haproxy_ingress() -> bool:
+    """Whether Serve's processes run the HAProxy ingress (`hybridserve serve --ingress`)."""
+    return os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1"
 
 
 def build_one_hop_app(serving_args: LLMServingArgs) -> Application:

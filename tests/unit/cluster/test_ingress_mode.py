@@ -1,11 +1,16 @@
-"""`hybridserve serve --ingress`: the mode chosen, its one-line errors, where Serve listens."""
+"""`hybridserve serve --ingress`: the mode chosen, its one-line errors, where Serve listens, and
+the topology a request router needs under HAProxy."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from cluster.cli import ingress_mode as mode
 from cluster.cli import main
+from cluster.config import LLMServingArgs
+from cluster.serve.builder import check_one_hop_router
 
 
 def test_a_bad_ingress_name_is_one_usage_line(capsys: pytest.CaptureFixture[str]) -> None:
@@ -51,3 +56,21 @@ def test_haproxy_env_keeps_the_users_settings_and_takes_free_ports() -> None:
     proxy_env: dict[str, str] = {}
     mode.set_mode_env("proxy", proxy_env)
     assert proxy_env == {"RAY_SERVE_ENABLE_HA_PROXY": "0"}
+
+
+def test_one_hop_with_a_router_is_refused_under_haproxy(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """HAProxy would pick the one-hop replica itself and bypass the router: a one-line error
+    naming the topology that keeps it."""
+    router = {"request_router_class": "cluster.serve.routing:HybridPrefixRouter"}
+    config = {
+        "model_loading_config": {"model_id": "m", "model_source": str(tmp_path)},
+        "deployment_config": {"num_replicas": 2, "request_router_config": router},
+    }
+    args = LLMServingArgs.model_validate({"llm_configs": [config], "topology": "one_hop"})
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")
+    check_one_hop_router(args)
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "1")
+    with pytest.raises(ValueError, match="use topology two_hop"):
+        check_one_hop_router(args)
