@@ -1,7 +1,7 @@
 """The README's first path: `make serve` (= `hybridserve serve`), its `curl` and `openai`
 examples (also the JSON-schema and scoring ones, and the tool-calling script of the structured
-outputs page), and Ctrl-C; on this machine's own CPU count, with no Ray cluster started
-beforehand.
+outputs page), and Ctrl-C, with either HTTP ingress (HAProxy, Serve's Python proxy); on this
+machine's own CPU count, with no Ray cluster started beforehand.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import jsonschema
 import pytest
 
 from tests.acceptance.conftest import serve_command, serve_port
-from tests.helpers.cli_process import CliProcess
+from tests.helpers.cli_process import CliProcess, session_processes
 from tests.helpers.readme import README, code_block
 
 pytestmark = pytest.mark.ray
@@ -93,14 +93,23 @@ def _run_streaming_example(port: int) -> list[tuple[float, str]]:
     return printed
 
 
+def _runs_haproxy(cli: CliProcess) -> bool:
+    """Whether an HAProxy process serves for the command (its Ray instance's processes are in
+    the command's session)."""
+    return any(name.startswith("haproxy[") for name in session_processes(cli.sid))
+
+
+@pytest.mark.parametrize("ingress", ["haproxy", "proxy"])
 def test_make_serve_answers_the_readme_examples_and_stops_on_ctrl_c(
-    user_env: dict[str, str],
+    user_env: dict[str, str], ingress: str
 ) -> None:
     port = serve_port()
-    cli = CliProcess(serve_command("--port", str(port)), user_env)
+    cli = CliProcess(serve_command("--port", str(port), "--ingress", ingress), user_env)
     try:
         cli.wait_for_line("hybridserve: ready", READY_TIMEOUT_S)
         assert f"http://127.0.0.1:{port}/v1" in cli.output()
+        assert f"hybridserve: HTTP ingress: {ingress}" in cli.output()
+        assert _runs_haproxy(cli) == (ingress == "haproxy"), cli.output()
 
         reply = subprocess.run(
             ["bash", "-c", _curl_example(port)], capture_output=True, text=True, timeout=60
