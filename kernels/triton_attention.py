@@ -100,11 +100,123 @@ def _rotate_values_into_keys(  # type: ignore[no-untyped-def]
 
 
 @triton.jit  # type: ignore[untyped-decorator]
+def _tile_blocks(block_table_row, key_tile, key_ok, BLOCK_N: tl.constexpr,  # type: ignore[no-untyped-def]
+                 BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    # (block id, slot in block) of the tile's key positions, from one block-table lookup when
+    # the tile lies inside one block, else one per block the tile touches (per position,
+    # masked on the tile's edges). BLOCK_SIZE is a constexpr: `//` and `%` are shifts or
+    # multiplies, never divisions.
+    first = key_tile * BLOCK_N
+    key_pos = first + tl.arange(0, BLOCK_N)
+    if BLOCK_SIZE % BLOCK_N == 0:
+        block_ids = tl.load(block_table_row + first // BLOCK_SIZE)  # a scalar
+        slot_in_block = first % BLOCK_SIZE + tl.arange(0, BLOCK_N)
+    else:
+        if MASKED:  # entries of positions outside the range are never read
+            block_ids = tl.load(block_table_row + key_pos // BLOCK_SIZE, mask=key_ok, other=0)
+        else:
+            block_ids = tl.load(block_table_row + key_pos // BLOCK_SIZE)
+        slot_in_block = key_pos % BLOCK_SIZE
+    return block_ids.to(tl.int64), slot_in_block
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _attend_key_tile(  # type: ignore[no-untyped-def]
+    acc, m_i, l_i, q, key_tile, key_start, key_end, row_ok, row_pos, row_key_end, kv_head,
+    block_table_row, k_cache_ptr, v_cache_ptr, key_scale_ptr, inv_freq_ptr, rope_scaling,
+    k_scale, v_scale, scale, softcap, sliding_window,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, KEY_FROM_VALUE: tl.constexpr, ROTARY_DIM: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
+):  # fmt: skip
+    # One key tile into the running (acc, max, sum). MASKED tiles check every (row, key) pair;
+    # the others are visible to every row of the query tile (below the diagonal, inside the
+    # window, inside every row's key end): no mask but the head padding.
+    dims = tl.arange(0, HEAD_PAD)
+    dim_ok = dims < HEAD_SIZE
+    key_pos = key_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    key_ok = (key_pos >= key_start) & (key_pos < key_end)
+    block_ids, slot_in_block = _tile_blocks(
+        block_table_row, key_tile, key_ok, BLOCK_N, BLOCK_SIZE, MASKED
+    )
+    if MASKED:
+        k_mask = key_ok[None, :] & dim_ok[:, None]
+        v_mask = key_ok[:, None] & dim_ok[None, :]
+    else:
+        k_mask = (key_pos >= 0)[None, :] & dim_ok[:, None]
+        v_mask = (key_pos >= 0)[:, None] & dim_ok[None, :]
+    v_offs = block_ids * stride_vb + slot_in_block * stride_vs + kv_head * stride_vh
+    v = tl.load(v_cache_ptr + v_offs[:, None] + dims[None, :], mask=v_mask, other=0.0)
+    if KV_FP8:  # fp8 pages: dequantized in fp32, then in the query dtype for the products
+        v = v.to(tl.float32) * v_scale
+    if KEY_FROM_VALUE:
+        k = _rotate_values_into_keys(
+            v, v_cache_ptr, v_offs, k_mask, key_pos, dims, dim_ok, key_scale_ptr,
+            inv_freq_ptr, rope_scaling, v_scale, ROTARY_DIM,
+        ).to(q.dtype)  # fmt: skip
+    else:
+        k_offs = block_ids * stride_kb + slot_in_block * stride_ks + kv_head * stride_kh
+        k = tl.load(k_cache_ptr + k_offs[None, :] + dims[:, None], mask=k_mask, other=0.0)
+        if KV_FP8:
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+    if KV_FP8:
+        v = v.to(q.dtype)
+    if DOT_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+
+    scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
+    if HAS_SOFTCAP:
+        scores = softcap * _tanh(scores / softcap)
+    if MASKED:
+        is_visible = row_ok[:, None] & key_ok[None, :] & (key_pos[None, :] < row_key_end[:, None])
+        if HAS_WINDOW:
+            is_visible = is_visible & (row_pos[:, None] - key_pos[None, :] < sliding_window)
+        scores = tl.where(is_visible, scores, float("-inf"))
+
+    # Online softmax; rows that have seen no key yet keep m = -inf, so shift by 0 there
+    # (an unmasked tile gives every row a finite score).
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    m_shift = m_new
+    if MASKED:
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    probs = tl.exp2((scores - m_shift[:, None]) * _LOG2E)
+    alpha = tl.exp2((m_i - m_shift) * _LOG2E)
+    l_i = l_i * alpha + tl.sum(probs, 1)
+    acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _unmasked_tiles(  # type: ignore[no-untyped-def]
+    row_ok, row_key_end, context_len, q_local, q_len, sliding_window, tile_begin, tile_end,
+    BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_KEY_ENDS: tl.constexpr,
+):  # fmt: skip
+    # [lo, hi) inside [tile_begin, tile_end): the key tiles every row of the query tile sees
+    # whole: below the first row's key end (the diagonal), and with a window, at or above the
+    # last row's window start. The tiles around them are masked.
+    first_row_end = context_len + q_local + 1
+    if HAS_KEY_ENDS:
+        first_row_end = tl.min(tl.where(row_ok, row_key_end, 2147483647), 0)
+    hi = first_row_end // BLOCK_N
+    lo = tl.zeros((), tl.int32)
+    if HAS_WINDOW:
+        last_row_pos = context_len + tl.minimum(q_local + BLOCK_Q, q_len) - 1
+        lo = tl.cdiv(tl.maximum(last_row_pos - sliding_window + 1, 0), BLOCK_N)
+    lo = tl.minimum(tl.maximum(lo, tile_begin), tile_end)
+    hi = tl.minimum(tl.maximum(hi, lo), tile_end)
+    return lo, hi
+
+
+@triton.jit  # type: ignore[untyped-decorator]
 def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
     sinks_ptr, key_scale_ptr, inv_freq_ptr, rope_scaling, k_scale_ptr, v_scale_ptr, key_ends_ptr,
-    scale, softcap, sliding_window, num_reqs, block_size,
+    scale, softcap, sliding_window, num_reqs,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_SIZE: tl.constexpr,
@@ -112,7 +224,7 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
     NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     HAS_SINKS: tl.constexpr, KEY_FROM_VALUE: tl.constexpr, ROTARY_DIM: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_FP8: tl.constexpr,
-    HAS_KEY_ENDS: tl.constexpr,
+    HAS_KEY_ENDS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):  # fmt: skip
     tile_idx = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -170,51 +282,33 @@ def _paged_attention_kernel(  # type: ignore[no-untyped-def]
         k_scale = tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
     block_table_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    for key_tile in range(tile_begin, tile_end):
-        key_pos = key_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        key_ok = (key_pos >= key_start) & (key_pos < key_end)
-        # Masked: block-table entries of positions outside the range are never read.
-        block_ids = tl.load(block_table_row + key_pos // block_size, mask=key_ok, other=0)
-        block_ids = block_ids.to(tl.int64)
-        slot_in_block = key_pos % block_size
-        k_mask = key_ok[None, :] & dim_ok[:, None]
-        v_offs = block_ids * stride_vb + slot_in_block * stride_vs + kv_head * stride_vh
-        v_mask = key_ok[:, None] & dim_ok[None, :]
-        v = tl.load(v_cache_ptr + v_offs[:, None] + dims[None, :], mask=v_mask, other=0.0)
-        if KV_FP8:  # fp8 pages: dequantized in fp32, then in the query dtype for the products
-            v = v.to(tl.float32) * v_scale
-        if KEY_FROM_VALUE:
-            k = _rotate_values_into_keys(
-                v, v_cache_ptr, v_offs, k_mask, key_pos, dims, dim_ok, key_scale_ptr,
-                inv_freq_ptr, rope_scaling, v_scale, ROTARY_DIM,
-            ).to(q.dtype)  # fmt: skip
-        else:
-            k_offs = block_ids * stride_kb + slot_in_block * stride_ks + kv_head * stride_kh
-            k = tl.load(k_cache_ptr + k_offs[None, :] + dims[:, None], mask=k_mask, other=0.0)
-            if KV_FP8:
-                k = (k.to(tl.float32) * k_scale).to(q.dtype)
-        if KV_FP8:
-            v = v.to(q.dtype)
-        if DOT_FP32:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-
-        scores = tl.dot(q, k, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_N]
-        if HAS_SOFTCAP:
-            scores = softcap * _tanh(scores / softcap)
-        is_visible = row_ok[:, None] & key_ok[None, :] & (key_pos[None, :] < row_key_end[:, None])
-        if HAS_WINDOW:
-            is_visible = is_visible & (row_pos[:, None] - key_pos[None, :] < sliding_window)
-        scores = tl.where(is_visible, scores, float("-inf"))
-
-        # Online softmax; rows that have seen no key yet keep m = -inf, so shift by 0 there.
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        probs = tl.exp2((scores - m_shift[:, None]) * _LOG2E)
-        alpha = tl.exp2((m_i - m_shift) * _LOG2E)
-        l_i = l_i * alpha + tl.sum(probs, 1)
-        acc = acc * alpha[:, None] + tl.dot(probs.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    lo, hi = _unmasked_tiles(
+        row_ok, row_key_end, context_len, q_local, q_len, sliding_window, tile_begin, tile_end,
+        BLOCK_Q, BLOCK_N, HAS_WINDOW, HAS_KEY_ENDS,
+    )  # fmt: skip
+    for key_tile in range(lo, hi):
+        acc, m_i, l_i = _attend_key_tile(
+            acc, m_i, l_i, q, key_tile, key_start, key_end, row_ok, row_pos, row_key_end, kv_head,
+            block_table_row, k_cache_ptr, v_cache_ptr, key_scale_ptr, inv_freq_ptr, rope_scaling,
+            k_scale, v_scale, scale, softcap, sliding_window,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            HEAD_SIZE, HEAD_PAD,
+            BLOCK_N, BLOCK_SIZE, False, HAS_WINDOW, HAS_SOFTCAP, KEY_FROM_VALUE, ROTARY_DIM,
+            DOT_FP32, DOT_PRECISION, KV_FP8,
+        )  # fmt: skip
+    # The masked tiles: the window's edge [tile_begin, lo), then the diagonal [hi, tile_end).
+    num_before = lo - tile_begin
+    for step in range(0, num_before + tile_end - hi):
+        key_tile = tl.where(step < num_before, tile_begin + step, hi + step - num_before)
+        acc, m_i, l_i = _attend_key_tile(
+            acc, m_i, l_i, q, key_tile, key_start, key_end, row_ok, row_pos, row_key_end, kv_head,
+            block_table_row, k_cache_ptr, v_cache_ptr, key_scale_ptr, inv_freq_ptr, rope_scaling,
+            k_scale, v_scale, scale, softcap, sliding_window,
+            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            HEAD_SIZE, HEAD_PAD,
+            BLOCK_N, BLOCK_SIZE, True, HAS_WINDOW, HAS_SOFTCAP, KEY_FROM_VALUE, ROTARY_DIM,
+            DOT_FP32, DOT_PRECISION, KV_FP8,
+        )  # fmt: skip
 
     out_mask = row_ok[:, None] & dim_ok[None, :]
     tokens = q_start + row_token
@@ -339,7 +433,6 @@ def paged_attention(  # the signature shared by every backend
         *derived[:3], k_scale, v_scale,
         output if key_ends is None else key_ends.to(torch.int32).contiguous(),
         scale, softcap or 1.0, sliding_window or 1, num_reqs,
-        key_cache.shape[1],
         query.stride(0), query.stride(1), output.stride(0), output.stride(1), block_table.stride(0),
         *key_cache.stride()[:3], *value_cache.stride()[:3],
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_SIZE=head_size,
@@ -349,7 +442,7 @@ def paged_attention(  # the signature shared by every backend
         KEY_FROM_VALUE=key_from_value is not None, ROTARY_DIM=derived[3],
         DOT_FP32=is_interpreted() or is_fp32,
         DOT_PRECISION="ieee" if is_fp32 else "tf32", KV_FP8=is_fp8(key_cache.dtype),
-        HAS_KEY_ENDS=key_ends is not None,
+        HAS_KEY_ENDS=key_ends is not None, BLOCK_SIZE=key_cache.shape[1],
         num_warps=launch.num_warps,
         num_stages=launch.num_stages,
     )  # fmt: skip

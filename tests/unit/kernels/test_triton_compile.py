@@ -48,14 +48,14 @@ def attention_pointers(dtype, cache_dtype=None):
     return types
 
 def attention_constexprs(group, head_size, block_q, block_n, num_splits, dot_precision="tf32",
-                         has_extras=True, rotary_dim=None, kv_fp8=False):
+                         has_extras=True, rotary_dim=None, kv_fp8=False, block_size=16):
     return dict(GROUP=group, GROUP_PAD=triton.next_power_of_2(group), HEAD_SIZE=head_size,
                 HEAD_PAD=max(16, triton.next_power_of_2(head_size)), BLOCK_Q=block_q,
                 BLOCK_N=block_n, NUM_SPLITS=num_splits, HAS_WINDOW=has_extras,
                 HAS_SOFTCAP=has_extras, HAS_SINKS=has_extras,
                 KEY_FROM_VALUE=rotary_dim is not None, ROTARY_DIM=rotary_dim or 2,
                 DOT_FP32=False, DOT_PRECISION=dot_precision, KV_FP8=kv_fp8,
-                HAS_KEY_ENDS=has_extras)
+                HAS_KEY_ENDS=has_extras, BLOCK_SIZE=block_size)
 
 def store_constexprs(kv_fp8=None):
     fp8 = dict(KV_FP8=False, FP8_MAX=1.0, MANTISSA_BITS=0, MIN_STEP_EXP=0)
@@ -81,6 +81,10 @@ def test_attention_kernels_compile_for_hopper_and_ampere_with_tensor_cores(
                                        num_splits=1)
         ptx = compile_for(kernel, attention_pointers("*bf16"), prefill)
         assert "wgmma" in ptx or "mma.sync" in ptx, "no tensor-core instruction"
+        # key tiles inside one 64-token block: one block-table lookup per tile
+        paged64 = attention_constexprs(group=4, head_size=128, block_q=32, block_n=64,
+                                       num_splits=1, has_extras=False, block_size=64)
+        compile_for(kernel, attention_pointers("*bf16"), paged64)
         decode = attention_constexprs(group=8, head_size=80, block_q=2, block_n=64, num_splits=8)
         ptx = compile_for(kernel, attention_pointers("*fp16"), decode, capability=80)
         assert "mma.sync" in ptx, "no tensor-core instruction"
@@ -125,6 +129,19 @@ def test_store_kernel_compiles_for_hopper(tmp_path: Path) -> None:
                               store_constexprs(fp8_format(dtype)))
             # The round-to-nearest-even of the store (x + 1.5 * 2**23 - 1.5 * 2**23) survives.
             assert "0f4B400000" in ptx, "the fp8 rounding was optimized away"
+        """,
+        tmp_path,
+    )
+
+
+def test_mamba_conv_decode_kernel_compiles_for_hopper(tmp_path: Path) -> None:
+    run_compiler(
+        """
+        from kernels import triton_mamba
+        pointers = {name: "*bf16" for name in ("x_ptr", "w_ptr", "b_ptr", "init_ptr", "out_ptr",
+                                                "final_ptr")}
+        constexprs = dict(WIDTH=4, HAS_BIAS=True, SILU=True, BLOCK_D=256)
+        compile_for(triton_mamba._conv_decode_kernel, pointers, constexprs)
         """,
         tmp_path,
     )

@@ -162,3 +162,16 @@ def test_keys_from_values_over_mixed_batches_windows_gqa_and_splits_match_refere
     """,
         timeout=300,
     )
+
+
+def test_causal_loop_split_into_unmasked_and_masked_tiles_matches_reference() -> None:
+    """Long chunks over many key tiles: tiles below the diagonal and inside the window go
+    unmasked, the window's edge and the diagonal masked; blocks holding whole tiles (one
+    block-table lookup per tile) and blocks smaller than a tile, of odd size."""
+    run_interpreted("""
+        spec = ((40, 72), (24, 24), (1, 70))
+        tile = LaunchConfig(block_q=8, block_n=16, num_splits=1)
+        check(BatchSpec(spec, num_q_heads=2, num_kv_heads=1, block_size=32), tile)
+        check(BatchSpec(spec, num_q_heads=2, num_kv_heads=1, block_size=5, sliding_window=37),
+              tile, window=37, sinks=torch.tensor([0.5, -1.0]))
+    """)
