@@ -1,7 +1,9 @@
 """Triton Mamba-2 kernels with the signatures of `kernels.mamba_reference`.
 
 `causal_conv1d`: one program per (token, block of channels) reads the `width` inputs ending at
-its token, from the sequence's conv state for positions before the sequence start.
+its token, from the sequence's conv state for positions before the sequence start. A decode
+step (one token per sequence, no cuts) takes one program per (sequence, block of channels) that
+also writes the state it leaves, so the step is one launch and no gather.
 `ssd_scan`: one program per (sequence, head, block of head_dim rows) keeps its slice of the
 state `[BLOCK_P, state]` in registers and walks the sequence's tokens (the recurrent form: exact
 like the chunked reference, linear in tokens; decodes and short chunks are its common case),
@@ -59,6 +61,37 @@ def _conv_kernel(  # type: ignore[no-untyped-def]
     tl.store(out_ptr + token * stride_ot + chans, acc.to(out_ptr.dtype.element_ty), mask=in_dim)
 
 
+@triton.jit  # type: ignore[untyped-decorator]
+def _conv_decode_kernel(  # type: ignore[no-untyped-def]
+    x_ptr, w_ptr, b_ptr, init_ptr, out_ptr, final_ptr, dim,
+    stride_xt, stride_is, stride_id, stride_ik, stride_ot, stride_fs, stride_fd,
+    WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # One token per sequence: the window is [conv state | the token]; the state it leaves is
+    # that window shifted by one, written here too (no gather after the launch).
+    seq = tl.program_id(0)
+    chans = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    in_dim = chans < dim
+    final_row = final_ptr + seq * stride_fs + chans * stride_fd
+    acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for k in tl.static_range(WIDTH - 1):
+        state_ptr = init_ptr + seq * stride_is + chans * stride_id + k * stride_ik
+        state_val = tl.load(state_ptr, mask=in_dim, other=0.0).to(final_ptr.dtype.element_ty)
+        weight = tl.load(w_ptr + chans * WIDTH + k, mask=in_dim, other=0.0).to(tl.float32)
+        acc += weight * state_val.to(tl.float32)
+        if k > 0:
+            tl.store(final_row + (k - 1), state_val, mask=in_dim)
+    x_val = tl.load(x_ptr + seq * stride_xt + chans, mask=in_dim, other=0.0)
+    weight = tl.load(w_ptr + chans * WIDTH + WIDTH - 1, mask=in_dim, other=0.0).to(tl.float32)
+    acc += weight * x_val.to(tl.float32)
+    tl.store(final_row + (WIDTH - 2), x_val, mask=in_dim)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + chans, mask=in_dim, other=0.0).to(tl.float32)
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    tl.store(out_ptr + seq * stride_ot + chans, acc.to(out_ptr.dtype.element_ty), mask=in_dim)
+
+
 def _token_seqs(starts: list[int], device: torch.device) -> torch.Tensor:
     lengths = torch.tensor([starts[i + 1] - starts[i] for i in range(len(starts) - 1)])
     seqs = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), lengths)
@@ -81,6 +114,8 @@ def causal_conv1d(
     x = x.contiguous()
     weight = weight.contiguous()
     num_tokens, dim = x.shape
+    if weight.shape[1] > 1 and not cut_positions and starts == list(range(num_tokens + 1)):
+        return _conv_decode(x, weight, bias, initial_states, activation)
     out = torch.empty_like(x)
     if num_tokens:
         start_t = torch.tensor(starts[:-1], dtype=torch.int32, device=x.device)
@@ -95,6 +130,29 @@ def causal_conv1d(
         )  # fmt: skip
     final, cut = collect_conv_states(x, initial_states, starts, cut_positions)
     return ConvOutput(out, final, cut)
+
+
+def _conv_decode(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    initial_states: torch.Tensor,
+    activation: str | None,
+) -> ConvOutput:
+    """One token per sequence (a decode step): output and final states from one launch."""
+    num_seqs, dim = x.shape
+    width = weight.shape[1]
+    out = torch.empty_like(x)
+    final = torch.empty(num_seqs, dim, width - 1, dtype=x.dtype, device=x.device)
+    if num_seqs:
+        block_d = min(256, triton.next_power_of_2(dim))
+        _conv_decode_kernel[(num_seqs, triton.cdiv(dim, block_d))](
+            x, weight, bias if bias is not None else weight, initial_states, out, final, dim,
+            x.stride(0), *initial_states.stride(), out.stride(0), final.stride(0),
+            final.stride(1), WIDTH=width, HAS_BIAS=bias is not None,
+            SILU=activation == "silu", BLOCK_D=block_d,
+        )  # fmt: skip
+    return ConvOutput(out, final, final.new_empty(0, dim, width - 1))
 
 
 @triton.jit  # type: ignore[untyped-decorator]

@@ -35,3 +35,28 @@ for heads, groups in ((4, 1), (4, 2)):
 
 def test_triton_conv1d_and_scan_match_reference() -> None:
     run_interpreted(CODE, timeout=300)
+
+
+def test_triton_conv1d_decode_step_takes_one_launch_and_matches_reference() -> None:
+    """One token per sequence (bf16 and fp32, conv widths 4 and 2): output and the states
+    left behind come from the decode kernel, equal to the reference's."""
+    run_interpreted("""
+        from kernels import mamba_reference as ref, triton_mamba
+        from kernels.mamba_testing import make_mamba_batch
+        decodes = []
+        decode = triton_mamba._conv_decode
+        def counted(*args, **kwargs):
+            decodes.append(1)
+            return decode(*args, **kwargs)
+        triton_mamba._conv_decode = counted
+        seqs = ((1, True), (1, False), (1, True))
+        cases = ((torch.float32, 4, True, 1e-5), (torch.bfloat16, 2, False, 2e-2))
+        for dtype, width, bias, tol in cases:
+            b = make_mamba_batch(seqs, heads=3, head_dim=8, state=8, width=width, dtype=dtype)
+            args = (b.xbc, b.conv_weight, b.conv_bias if bias else None, b.conv_init, b.qsl)
+            want, got = ref.causal_conv1d(*args), triton_mamba.causal_conv1d(*args)
+            for w, g in zip(want, got):
+                assert g.dtype == w.dtype and g.shape == w.shape
+                torch.testing.assert_close(g.float(), w.float(), atol=tol, rtol=tol)
+        assert len(decodes) == 2, decodes
+    """)
