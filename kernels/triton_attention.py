@@ -7,9 +7,16 @@ head, so GQA decode runs on tensor cores), one KV head and one split of the key 
     query tile rows:  row r -> token r // GROUP_PAD, query head kv_head * GROUP + r % GROUP_PAD
 
 With more than one split (long decodes, few requests) each split writes an unnormalised
-partial result and a second kernel merges them. Block size is free: keys are walked in tiles
-of `BLOCK_N` positions and each position looks up its block in the block table. fp8 pages
-are dequantized as they are loaded (`fp8 * scale` in fp32, `kernels.kv_quant`).
+partial result and a second kernel merges them. Keys are walked in tiles of `BLOCK_N`
+positions, first the tiles every row of the query tile sees whole, without masks, then the
+masked ones (the window's edge and the diagonal):
+
+    keys:  | window edge | unmasked tiles ... | diagonal |      (per query tile and split)
+             masked        no mask               masked
+
+Block size is free (a compile-time constant): a tile inside one block takes one block-table
+lookup, a tile over several blocks one per position. fp8 pages are dequantized as they are
+loaded (`fp8 * scale` in fp32, `kernels.kv_quant`).
 """
 
 from __future__ import annotations
