@@ -1,10 +1,16 @@
-"""Load generator for the OpenAI endpoint: both topologies, their floors, and the engine direct.
+"""Load generator for the OpenAI endpoint: both ingresses, both topologies, their floors, and the
+engine direct.
 
 Starts a local Ray instance and, side by side, the same model (a tiny random model by default,
 `--model DIR` for a real one, `--default-model` for the embedded SmolLM2-135M-Instruct) served
 in both topologies (`two_hop`: proxy -> ingress -> model deployment; `one_hop`: proxy -> the model
 deployment serving the routes itself), plus an `AsyncEngine` in this process (the engine client
-called directly, with the ingress's tokenization included), then in one run:
+called directly, with the ingress's tokenization included). Each path is measured through both
+HTTP ingresses (`--ingress both`, the default) of one Ray instance started in HAProxy mode:
+`haproxy` (HAProxy straight to the ingress replicas: Serve's direct ingress) and `proxy` (Serve's
+Python proxy; in HAProxy mode Serve runs it on the head as the fallback proxy, on a port of its
+own, and it relays exactly as in proxy mode). Targets are named `<path>@<ingress>`. Then in one
+run:
 
 1. time to first token of one request at a time (`--repeats`, interleaved in rounds): HTTP
    through each topology, the two-hop model deployment's handle, the engine direct, and Ray
@@ -17,14 +23,16 @@ called directly, with the ingress's tokenization included), then in one run:
    batching default), for one hop with a fixed 50 ms interval (Ray Serve LLM's default), for
    each floor (the same number of one-token chunks, no model) and for the engine direct (no
    tokens held), measured back to back at each level, with the CPU seconds each process role
-   spent on the level (`serve_cpu.py`);
-3. the goals as ratios of this run: TTFT added over the engine direct vs the one-hop floor + 3 ms
-   (and vs the body-reading floor + 3 ms),
+   spent on the level and per streamed request (`serve_cpu.py`: this process and the Ray
+   instance it started, nothing else of the machine);
+3. the goals as ratios of this run, per ingress: TTFT added over the engine direct vs the one-hop
+   floor + 3 ms (that ingress's floor, the proxy's floor, and the body-reading floor),
    ITL p50 added at concurrency 1 (≤ 1 ms), output tokens/s at concurrency 64 vs the engine
    direct (≥ 0.9×; and the floors' tokens/s vs the engine direct: the most Serve and the HTTP
    client carry one chunk per token).
 
     python benchmarks/bench_serve.py [--concurrency 1,2,4,8,16,32,64,128] [--max-tokens 32]
+        [--ingress both|haproxy|proxy] [--no-fixed-interval]
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -52,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_cpu import cpu_by_role, snapshot
 from serve_load import aiohttp_stream, engine_stream, http_stream, prompt_text, sweep_level
 
+from cluster.cli.ingress_mode import HAPROXY, LOCALHOST, PROXY, set_mode_env
 from tests.helpers.ray_local import NODE_IP, start_local_ray
 from tests.helpers.serve_app import free_port, llm_config, save_tiny_served_model
 
@@ -133,11 +143,20 @@ def fixed_target(args: argparse.Namespace) -> str:
 
 
 def served_targets(args: argparse.Namespace) -> tuple[str, ...]:
-    return (*TOPOLOGIES, fixed_target(args))
+    return TOPOLOGIES if args.no_fixed_interval else (*TOPOLOGIES, fixed_target(args))
 
 
 def floor_of(target: str) -> str:
     return FLOORS["two_hop" if target == "two_hop" else "one_hop"]
+
+
+def ingresses(args: argparse.Namespace) -> tuple[str, ...]:
+    return (HAPROXY, PROXY) if args.ingress == "both" else (args.ingress,)
+
+
+def at(target: str, ingress: str) -> str:
+    """A target's name through one ingress (`one_hop@haproxy`)."""
+    return f"{target}@{ingress}"
 
 
 def _body(index: int, args: argparse.Namespace, max_tokens: int | None = None) -> dict[str, Any]:
@@ -216,7 +235,7 @@ class DirectEngine:
         return result
 
 
-def _setup(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+def _setup(args: argparse.Namespace) -> tuple[dict[str, str], dict[str, Any]]:
     from ray.serve.config import HTTPOptions
 
     from cluster.serve import build_openai_app
@@ -232,9 +251,14 @@ def _setup(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     config = llm_config(model_dir, MODEL_ID, max_num_seqs=128)
     if args.default_model or args.model:
         config["engine_kwargs"].update({"block_size": 16, "kv_cache_memory_bytes": 512 << 20})
+    uses_haproxy = HAPROXY in ingresses(args)
+    if uses_haproxy:  # before Ray starts: its processes read it (the fallback proxy's port too)
+        set_mode_env(HAPROXY)
     start_local_ray(num_cpus=16)  # logical: two model replicas, the engine direct, the floors
     port = free_port()
-    serve.start(http_options=HTTPOptions(host=NODE_IP, port=port))
+    # HAProxy reaches the replicas of its own node through 127.0.0.1
+    host = LOCALHOST if uses_haproxy else NODE_IP
+    serve.start(http_options=HTTPOptions(host=host, port=port))
     for topology in TOPOLOGIES:
         app = build_openai_app({"llm_configs": [config], "topology": topology})
         serve.run(app, name=topology, route_prefix=f"/{topology}")
@@ -244,22 +268,39 @@ def _setup(args: argparse.Namespace) -> tuple[str, dict[str, Any]]:
     serve.run(app, name=fixed_target(args), route_prefix=f"/{fixed_target(args)}")
     serve.run(FloorRelay.bind(FloorAnswer.bind()), name="floor2", route_prefix="/floor2")
     serve.run(FloorDirect.bind(), name="floor1", route_prefix="/floor1")
-    return f"http://{NODE_IP}:{port}", config
+    if not uses_haproxy:
+        return {PROXY: f"http://{NODE_IP}:{port}"}, config
+    fallback = os.environ["RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"]
+    bases = {HAPROXY: f"http://{host}:{port}", PROXY: f"http://{host}:{fallback}"}
+    return {ingress: bases[ingress] for ingress in ingresses(args)}, config
+
+
+def _http_ttft_paths(base: str, ingress: str, body: dict[str, Any]) -> dict[str, Any]:
+    """The TTFT paths over HTTP through one ingress."""
+    paths: dict[str, Any] = {
+        at(f"http_{t}", ingress): (lambda t=t: _ttft_http(f"{base}/{t}", body, 5))
+        for t in TOPOLOGIES
+    }
+    floor1, floor2 = f"{base}/floor1", f"{base}/floor2"
+    paths[at("floor_one_hop", ingress)] = lambda: _ttft_http(floor1, body, 5)
+    paths[at("floor_one_hop_body", ingress)] = lambda: _ttft_http(
+        floor1, body, 5, "?read_body=true"
+    )
+    paths[at("floor_two_hop", ingress)] = lambda: _ttft_http(floor2, body, 5)
+    return paths
 
 
 async def _ttft_medians(
-    base: str, direct: DirectEngine, args: argparse.Namespace
+    bases: dict[str, str], direct: DirectEngine, args: argparse.Namespace
 ) -> dict[str, float]:
     """Median TTFT (ms) of one request at a time per path, sampled in interleaved rounds."""
     body = _body(1, args, max_tokens=4)
     paths: dict[str, Any] = {
-        **{f"http_{t}": (lambda t=t: _ttft_http(f"{base}/{t}", body, 5)) for t in TOPOLOGIES},
         "handle": lambda: _ttft_handle(body, 5),
         "engine": lambda: direct.ttft(body, 5),
-        "floor_one_hop": lambda: _ttft_http(f"{base}/floor1", body, 5),
-        "floor_one_hop_body": lambda: _ttft_http(f"{base}/floor1", body, 5, "?read_body=true"),
-        "floor_two_hop": lambda: _ttft_http(f"{base}/floor2", body, 5),
     }
+    for ingress, base in bases.items():
+        paths.update(_http_ttft_paths(base, ingress, body))
     samples: dict[str, list[float]] = {name: [] for name in paths}
     for round_index in range(max(1, args.repeats // 5) + 1):
         for name, measure in paths.items():
@@ -269,9 +310,11 @@ async def _ttft_medians(
     return {name: 1000 * statistics.median(values) for name, values in samples.items()}
 
 
-async def _sweep(base: str, direct: DirectEngine, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Each level, back to back: the engine direct, the floors paced at the engine direct's
-    inter-token latency of that level, both topologies over HTTP."""
+async def _sweep(
+    bases: dict[str, str], direct: DirectEngine, args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """Each level, back to back: the engine direct, then through each ingress the floors paced
+    at the engine direct's inter-token latency of that level and the served targets."""
     rows = []
     limits = httpx.Limits(max_connections=max(args.concurrency) + 8)
     connector = aiohttp.TCPConnector(limit=max(args.concurrency) + 8)
@@ -281,8 +324,8 @@ async def _sweep(base: str, direct: DirectEngine, args: argparse.Namespace) -> l
         aiohttp.ClientSession(connector=connector, timeout=timeout) as session,
     ):
 
-        def over_http(target: str, engine_row: dict[str, Any]) -> Any:
-            url = f"{base}/{target}/v1/completions"
+        def over_http(target: str, ingress: str, engine_row: dict[str, Any]) -> Any:
+            url = f"{bases[ingress]}/{target}/v1/completions"
             if target in FLOORS.values():  # as many chunks as the model, at the engine's pace
                 url += f"?tokens={args.max_tokens}&interval_ms={engine_row['itl_p50_ms']:.2f}"
             if args.client == "aiohttp":
@@ -295,11 +338,24 @@ async def _sweep(base: str, direct: DirectEngine, args: argparse.Namespace) -> l
         for concurrency in args.concurrency:
             requests = max(args.requests, 2 * concurrency)
             engine_row: dict[str, Any] = {}
-            for target in ("engine", *sorted(set(FLOORS.values())), *served_targets(args)):
-                one_request = on_engine if target == "engine" else over_http(target, engine_row)
+            targets = [("engine", "")] + [
+                (target, ingress)
+                for ingress in bases
+                for target in (*sorted(set(FLOORS.values())), *served_targets(args))
+            ]
+            for target, ingress in targets:
+                if target == "engine":
+                    one_request = on_engine
+                else:
+                    one_request = over_http(target, ingress, engine_row)
+                name = at(target, ingress) if ingress else target
                 before = snapshot()
-                row = {"target": target, **await sweep_level(one_request, concurrency, requests)}
+                row = {"target": name, **await sweep_level(one_request, concurrency, requests)}
                 row["cpu_s"] = cpu_by_role(before, snapshot())
+                row["cpu_ms_per_request"] = {
+                    role: round(1000 * seconds / requests, 2)
+                    for role, seconds in row["cpu_s"].items()
+                }
                 print(json.dumps(row), flush=True)
                 rows.append(row)
                 engine_row = engine_row or row
@@ -309,43 +365,67 @@ async def _sweep(base: str, direct: DirectEngine, args: argparse.Namespace) -> l
 def _goals(
     ttft: dict[str, float], sweep: list[dict[str, Any]], served: tuple[str, ...]
 ) -> dict[str, Any]:
+    goals: dict[str, Any] = {}
+    ingresses_run = sorted({key.rsplit("@", 1)[1] for key in ttft if "@" in key})
+    for ingress in ingresses_run:
+        for topology in served:
+            goals.update(_ttft_goals(ttft, topology, ingress))
+            goals.update(_sweep_goals(sweep, topology, ingress))
+    return goals
+
+
+def _ttft_goals(ttft: dict[str, float], topology: str, ingress: str) -> dict[str, Any]:
+    """TTFT added at concurrency 1 against the one-hop floor + 3 ms: this ingress's floor, the
+    proxy's (the floor the goal was first set against) and the body-reading floor."""
+    key = at(f"http_{topology}", ingress)
+    if key not in ttft:
+        return {}
+    name = at(topology, ingress)
+    added = ttft[key] - ttft["engine"]
+    goals: dict[str, Any] = {f"{name}_ttft_added_ms": round(added, 2)}
+    goals[f"{name}_ttft_goal_met"] = added <= ttft[at("floor_one_hop", ingress)] + 3
+    if at("floor_one_hop", PROXY) in ttft:
+        goals[f"{name}_ttft_goal_met_proxy_floor"] = added <= ttft[at("floor_one_hop", PROXY)] + 3
+    body_floor = ttft[at("floor_one_hop_body", ingress)]
+    goals[f"{name}_ttft_goal_met_body_floor"] = added <= body_floor + 3
+    return goals
+
+
+def _sweep_goals(sweep: list[dict[str, Any]], topology: str, ingress: str) -> dict[str, Any]:
+    """ITL p50 added at concurrency 1 (<= 1 ms) and output tokens/s at 64 (>= 0.9x the engine
+    direct), and the floor's tokens/s at 64 (the most Serve and the client carry, no model)."""
+
     def level(target: str, concurrency: int) -> dict[str, Any] | None:
         found = [r for r in sweep if r["target"] == target and r["concurrency"] == concurrency]
         return found[0] if found else None
 
+    name = at(topology, ingress)
     goals: dict[str, Any] = {}
-    for topology in served:
-        if f"http_{topology}" in ttft:
-            added = ttft[f"http_{topology}"] - ttft["engine"]
-            goals[f"{topology}_ttft_added_ms"] = round(added, 2)
-            goals[f"{topology}_ttft_goal_met"] = added <= ttft["floor_one_hop"] + 3
-            # the same goal against a floor that reads the request body, as the routes must
-            goals[f"{topology}_ttft_goal_met_body_floor"] = added <= ttft["floor_one_hop_body"] + 3
-        low, low_engine = level(topology, 1), level("engine", 1)
-        if low and low_engine:
-            added_itl = low["itl_p50_ms"] - low_engine["itl_p50_ms"]
-            goals[f"{topology}_itl_p50_added_ms"] = round(added_itl, 2)
-            goals[f"{topology}_itl_goal_met"] = added_itl <= 1
-        high, high_engine = level(topology, 64), level("engine", 64)
-        high_floor = level(floor_of(topology), 64)
-        if high and high_engine:
-            ratio = high["output_tok_s"] / high_engine["output_tok_s"]
-            goals[f"{topology}_tok_s_ratio_c64"] = round(ratio, 3)
-            goals[f"{topology}_tok_s_goal_met"] = ratio >= 0.9
-        if high_floor and high_engine:  # the most Serve and the client carry here, no model
-            goals[f"{topology}_floor_tok_s_ratio_c64"] = round(
-                high_floor["output_tok_s"] / high_engine["output_tok_s"], 3
-            )
+    low, low_engine = level(name, 1), level("engine", 1)
+    if low and low_engine:
+        added_itl = low["itl_p50_ms"] - low_engine["itl_p50_ms"]
+        goals[f"{name}_itl_p50_added_ms"] = round(added_itl, 2)
+        goals[f"{name}_itl_goal_met"] = added_itl <= 1
+    high, high_engine = level(name, 64), level("engine", 64)
+    high_floor = level(at(floor_of(topology), ingress), 64)
+    if high and high_engine:
+        ratio = high["output_tok_s"] / high_engine["output_tok_s"]
+        goals[f"{name}_tok_s_ratio_c64"] = round(ratio, 3)
+        goals[f"{name}_tok_s_goal_met"] = ratio >= 0.9
+    if high_floor and high_engine:
+        goals[f"{name}_floor_tok_s_ratio_c64"] = round(
+            high_floor["output_tok_s"] / high_engine["output_tok_s"], 3
+        )
     return goals
 
 
 async def _main(args: argparse.Namespace) -> dict[str, Any]:
-    base, config = _setup(args)
+    bases, config = _setup(args)
     direct = DirectEngine(config)
     try:
-        ttft = await _ttft_medians(base, direct, args)
+        ttft = await _ttft_medians(bases, direct, args)
         print(json.dumps({"ttft_median_ms": ttft}), flush=True)
-        sweep = await _sweep(base, direct, args)
+        sweep = await _sweep(bases, direct, args)
     finally:
         await direct.engine.shutdown()
     goals = _goals(ttft, sweep, served_targets(args))
@@ -370,6 +450,16 @@ def main() -> None:
         choices=("aiohttp", "httpx"),
         default="aiohttp",
         help="the sweep's HTTP client (aiohttp: less of the shared CPU than httpx)",
+    )
+    parser.add_argument(
+        "--ingress",
+        choices=("both", HAPROXY, PROXY),
+        default="both",
+        help="the HTTP ingresses measured (both: one Ray instance in HAProxy mode, the proxy "
+        "measured as its fallback proxy)",
+    )
+    parser.add_argument(
+        "--no-fixed-interval", action="store_true", help="leave out the fixed-interval app"
     )
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()

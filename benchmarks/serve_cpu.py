@@ -1,8 +1,9 @@
 """CPU seconds per process role while a benchmark level runs: where a served token's cost goes.
 
 Roles come from the process titles Ray gives its workers (`ray::ServeReplica:<app>:<deployment>`,
-`ray::ProxyActor`, the rank actors, ...), so a level's CPU can be split between the load
-generator, Serve's proxy, each application's replicas, the model ranks and Ray's own daemons.
+`ray::ProxyActor`, `ray::HAProxyManager`, the rank actors, ...) and the `haproxy` binary, so a
+level's CPU can be split between the load generator, Serve's proxy or HAProxy, each
+application's replicas, the model ranks and Ray's own daemons.
 """
 
 from __future__ import annotations
@@ -20,21 +21,23 @@ def _role(process: psutil.Process) -> str:
     title = " ".join(process.cmdline()) or process.name()
     if title.startswith("ray::ServeReplica:"):
         return "replica " + title.split(":")[3].split()[0]  # ray::ServeReplica:app:deployment
+    if title.startswith("ray::") and "ProxyActor" in title:  # also `SERVE_PROXY_ACTOR-...`
+        return "ProxyActor"
     if title.startswith("ray::"):
         return title[len("ray::") :].split()[0].split(".")[0]
-    for daemon in ("raylet", "gcs_server", "dashboard", "log_monitor", "runtime_env"):
+    for daemon in ("haproxy", "raylet", "gcs_server", "dashboard", "log_monitor", "runtime_env"):
         if daemon in title:
             return daemon
     return "other"
 
 
 def snapshot() -> CpuSnapshot:
-    """Every process of this user: its role and CPU seconds so far."""
+    """This process and its descendants (the local Ray instance it started, and everything
+    that instance runs; not other programs of the machine's user): role and CPU seconds so far."""
     found: CpuSnapshot = {}
-    for process in psutil.process_iter():
+    this = psutil.Process()
+    for process in [this, *this.children(recursive=True)]:
         try:
-            if process.uids().real != os.getuid():
-                continue
             times = process.cpu_times()
             found[process.pid] = (_role(process), times.user + times.system)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
