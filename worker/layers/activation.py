@@ -1,4 +1,8 @@
-"""Gated activations of the MLP: act(gate) * up on the two halves of a merged projection."""
+"""Gated activations of the MLP: act(gate) * up on the two halves of a merged projection.
+
+SiLU-and-mul runs on the device's layer kernels (`kernels.layer_ops_registry`: one fused Triton
+launch on CUDA, two torch calls elsewhere).
+"""
 
 from __future__ import annotations
 
@@ -6,13 +10,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.layers.norm import layer_kernels
+
 
 class SiluAndMul(nn.Module):
     """[..., 2 * d] -> [..., d]: silu(gate) * up."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels = layer_kernels()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return self.kernels.silu_and_mul(x)
 
 
 class GeluTanhAndMul(nn.Module):

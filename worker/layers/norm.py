@@ -2,7 +2,9 @@
 
 Llama-style norms multiply by `w` after casting back to the input dtype; Gemma-style norms
 multiply the fp32 result by `(1 + w)` and cast last. Both orders are kept for bit-close parity.
-`unscaled_rms` normalises without a learned scale.
+The work runs on the device's layer kernels (`kernels.layer_ops_registry`: one fused Triton
+launch on CUDA, the fewest torch calls elsewhere); `add_and_norm` fuses the residual add before
+it. `unscaled_rms` normalises without a learned scale.
 """
 
 from __future__ import annotations
@@ -10,7 +12,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kernels.layer_ops_registry import LayerKernels, select_layer_kernels
 from worker.layers.loading import default_weight_loader, new_parameter
+
+
+def layer_kernels() -> LayerKernels:
+    """The layer kernels of the device the model is being built on (the default device)."""
+    return select_layer_kernels(torch.get_default_device())
 
 
 class RMSNorm(nn.Module):
@@ -22,13 +30,16 @@ class RMSNorm(nn.Module):
         self.add_unit_offset = add_unit_offset
         fill = 0.0 if add_unit_offset else 1.0
         self.weight = new_parameter((hidden_size,), default_weight_loader, fill=fill)
+        self.kernels = layer_kernels()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float()
-        normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.add_unit_offset:
-            return (normed * (1.0 + self.weight.float())).type_as(x)
-        return self.weight * normed.to(x.dtype)
+        return self.kernels.rms_norm(x, self.weight, self.eps, self.add_unit_offset)
+
+    def add_and_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): a residual add and the next norm, fused."""
+        return self.kernels.add_rms_norm(x, residual, self.weight, self.eps, self.add_unit_offset)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}, add_unit_offset={self.add_unit_offset}"

@@ -20,14 +20,20 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from kernels.layer_ops_registry import LayerKernels
+
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
 
 class RopeTables(NamedTuple):
-    """cos and sin of one step, fp32 [num_tokens, rotary_dim]."""
+    """cos and sin of one step, fp32 [num_tokens, rotary_dim], and the same tables laid out
+    for `rotate_in_place` once per step: [num_tokens, 1, rotary_dim] in the model's dtype,
+    the sine's first half negated (`cat(-sin_half, sin_half)`)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
+    cos_rows: torch.Tensor
+    signed_sin_rows: torch.Tensor
 
 
 def rope_parameters(
@@ -154,6 +160,8 @@ class RotaryEmbedding(nn.Module):
         inv_freq, self.attention_scaling = compute_inv_freq(params, head_size)
         self.head_size = head_size
         self.rotary_dim = 2 * inv_freq.numel()
+        self.dtype = torch.get_default_dtype()
+        """Activation dtype of the model being built: the dtype of the in-place tables."""
         # NOTE: kept in fp32 on purpose; casting the model with `.to(bf16)` would degrade it.
         self.register_buffer("inv_freq", inv_freq.to(torch.get_default_device()), persistent=False)
         section = params.get("mrope_section")
@@ -167,7 +175,13 @@ class RotaryEmbedding(nn.Module):
         else:
             freqs = positions[:, None].float() * self.inv_freq.float()
         emb = torch.cat((freqs, freqs), dim=-1)
-        return RopeTables(emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        half = self.rotary_dim // 2
+        signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        return RopeTables(
+            cos, sin, cos.to(self.dtype)[:, None, :], signed_sin.to(self.dtype)[:, None, :]
+        )
 
     def _mrope_freqs(self, positions: torch.Tensor) -> torch.Tensor:
         """[3, T] positions -> [T, rotary_dim / 2] angles, each frequency from its axis."""
@@ -179,6 +193,15 @@ class RotaryEmbedding(nn.Module):
             frequencies = slice(axis, 3 * self.mrope_section[axis], 3)
             freqs[..., frequencies] = per_axis[axis, ..., frequencies]
         return freqs
+
+
+def rotate_in_place(x: torch.Tensor, tables: RopeTables, kernels: LayerKernels) -> None:
+    """Rotate `x` [T, num_heads, head_size] (a view into the projection output may do) by the
+    tables of its tokens' positions, in place on `kernels`; writes `x`."""
+    cos, signed_sin = tables.cos_rows, tables.signed_sin_rows
+    if cos.dtype != x.dtype:  # tables of another dtype than the model was built in
+        cos, signed_sin = cos.to(x.dtype), signed_sin.to(x.dtype)
+    kernels.rotate_in_place(x, cos, signed_sin)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -30,8 +30,8 @@ from worker.layers.linear import (
     RowParallelLinear,
 )
 from worker.layers.loading import ShardId, WeightSource, copy_checked, new_parameter, read_part
-from worker.layers.norm import RMSNorm
-from worker.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary, rope_parameters
+from worker.layers.norm import RMSNorm, layer_kernels
+from worker.layers.rotary import RopeTables, RotaryEmbedding, rope_parameters, rotate_in_place
 from worker.weights import load_named_weights
 
 DEFAULT_ROPE = "default"
@@ -135,6 +135,7 @@ class DecoderAttention(nn.Module):
                 has_sinks=options.attention_sinks,
             )
         )
+        self.kernels = layer_kernels()
         self.sinks: nn.Parameter | None = None
         if options.attention_sinks:
             self.rank = parallel.rank
@@ -148,12 +149,17 @@ class DecoderAttention(nn.Module):
     def forward(self, hidden: torch.Tensor, rope: RopeTables, ctx: ForwardContext) -> torch.Tensor:
         """[T, hidden] -> [T, hidden]."""
         num_tokens, head_size = hidden.shape[0], self.qkv_proj.head_size
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        q = q.reshape(num_tokens, -1, head_size)  # [T, num_heads, head_size]
-        k = k.reshape(num_tokens, -1, head_size)  # [T, num_kv_heads, head_size]
+        qkv = self.qkv_proj(hidden)
+        q, k, v = self.qkv_proj.split(qkv)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+            q = self.q_norm(q.unflatten(-1, (-1, head_size)))  # [T, num_heads, head_size]
+            k = self.k_norm(k.unflatten(-1, (-1, head_size)))  # [T, num_kv_heads, head_size]
+            rotate_in_place(q, rope, self.kernels)
+            rotate_in_place(k, rope, self.kernels)
+        else:  # queries and keys are adjacent in qkv: one rotation of both, in place
+            num_qk = self.qkv_proj.num_heads + self.qkv_proj.num_kv_heads
+            rotate_in_place(qkv[:, : num_qk * head_size].unflatten(-1, (num_qk, head_size)),
+                            rope, self.kernels)  # fmt: skip
         out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v, ctx, self.sinks)
         projected: torch.Tensor = self.o_proj(out)
         return projected
@@ -205,11 +211,12 @@ class DecoderLayer(nn.Module):
     def forward(self, hidden: torch.Tensor, rope: RopeTables, ctx: ForwardContext) -> torch.Tensor:
         attn_out: torch.Tensor = self.self_attn(self.input_layernorm(hidden), rope, ctx)
         if self.pre_feedforward_layernorm is None or self.post_feedforward_layernorm is None:
-            hidden = hidden + attn_out
-            mlp_out: torch.Tensor = self.mlp(self.post_attention_layernorm(hidden))
+            normed, hidden = self.post_attention_layernorm.add_and_norm(attn_out, hidden)
+            mlp_out: torch.Tensor = self.mlp(normed)
             return hidden + mlp_out
-        hidden = hidden + self.post_attention_layernorm(attn_out)
-        mlp_out = self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(hidden)))
+        attn_out = self.post_attention_layernorm(attn_out)
+        normed, hidden = self.pre_feedforward_layernorm.add_and_norm(attn_out, hidden)
+        mlp_out = self.post_feedforward_layernorm(self.mlp(normed))
         return hidden + mlp_out
 
 

@@ -21,7 +21,7 @@ from worker.config import ParallelConfig
 from worker.layers.embedding import VocabParallelEmbedding
 from worker.layers.loading import WeightSource
 from worker.layers.norm import RMSNorm
-from worker.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary
+from worker.layers.rotary import RopeTables, RotaryEmbedding, rotate_in_place
 from worker.models.decoder import DecoderAttention, DecoderForCausalLM, layer_prefix
 from worker.state.mamba import MambaConfig, MambaMixer2
 
@@ -35,11 +35,13 @@ class HybridAttention(DecoderAttention):
     def forward(
         self, hidden: torch.Tensor, rope: RopeTables | None, ctx: ForwardContext
     ) -> torch.Tensor:
-        num_tokens, head_size = hidden.shape[0], self.qkv_proj.head_size
-        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
-        if rope is not None:
-            q = apply_rotary(q.reshape(num_tokens, -1, head_size), rope).reshape(num_tokens, -1)
-            k = apply_rotary(k.reshape(num_tokens, -1, head_size), rope).reshape(num_tokens, -1)
+        head_size = self.qkv_proj.head_size
+        qkv = self.qkv_proj(hidden)
+        if rope is not None:  # queries and keys are adjacent in qkv: one rotation, in place
+            num_qk = self.qkv_proj.num_heads + self.qkv_proj.num_kv_heads
+            qk = qkv[:, : num_qk * head_size].unflatten(-1, (num_qk, head_size))
+            rotate_in_place(qk, rope, self.kernels)
+        q, k, v = self.qkv_proj.split(qkv)
         out: torch.Tensor = self.o_proj(self.attn(q, k, v, ctx))
         return out
 
@@ -96,10 +98,17 @@ class HybridLayer(nn.Module):
             out = mixer(normed, rope, ctx)
         else:
             out = mixer(normed)
-        hidden = hidden + out * self.multiplier if self.multiplier != 1 else hidden + out
+        if self.multiplier != 1:
+            out = out * self.multiplier
         if spec.ffn_name is None or spec.ffn_norm_name is None:
-            return hidden
-        ffn_out = getattr(self, spec.ffn_name)(getattr(self, spec.ffn_norm_name)(hidden))
+            return hidden + out
+        ffn_norm = getattr(self, spec.ffn_norm_name)
+        if isinstance(ffn_norm, RMSNorm):
+            normed, hidden = ffn_norm.add_and_norm(out, hidden)
+        else:
+            hidden = hidden + out
+            normed = ffn_norm(hidden)
+        ffn_out = getattr(self, spec.ffn_name)(normed)
         if self.multiplier != 1:
             ffn_out = ffn_out * self.multiplier
         result: torch.Tensor = hidden + ffn_out

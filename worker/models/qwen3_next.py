@@ -23,7 +23,7 @@ from worker.config import ParallelConfig
 from worker.layers.linear import QKVParallelLinear
 from worker.layers.loading import WeightSource
 from worker.layers.norm import RMSNorm
-from worker.layers.rotary import RopeTables, RotaryEmbedding, apply_rotary, rope_parameters
+from worker.layers.rotary import RopeTables, RotaryEmbedding, rope_parameters, rotate_in_place
 from worker.models.decoder import DecoderOptions, LayerOptions, head_size_of, layer_prefix
 from worker.models.llama4_moe import Llama4MLP as GatedMLP
 from worker.models.mamba_hybrid import (
@@ -71,9 +71,10 @@ class GatedAttention(HybridAttention):
         q, gate = query_gate.view(num_tokens, -1, 2 * head_size).chunk(2, dim=-1)
         assert self.q_norm is not None
         assert self.k_norm is not None
-        q, k = self.q_norm(q), self.k_norm(k.reshape(num_tokens, -1, head_size))
+        q, k = self.q_norm(q), self.k_norm(k.unflatten(-1, (-1, head_size)))
         if rope is not None:
-            q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+            rotate_in_place(q, rope, self.kernels)
+            rotate_in_place(k, rope, self.kernels)
         out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v, ctx)
         gated = out * torch.sigmoid(gate.reshape(num_tokens, -1))
         projected: torch.Tensor = self.o_proj(gated)

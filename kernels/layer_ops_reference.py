@@ -1,0 +1,56 @@
+"""The decoder layer's elementwise operations in plain PyTorch, in as few torch calls as each
+allows: RMSNorm (optionally after a residual add), rotary embedding applied in place, SiLU-and-mul.
+
+They are the CPU path and the oracle of the Triton kernels (`kernels.triton_layer_ops`, same
+signatures). Numerics follow transformers: RMS statistics in fp32; a Llama-style norm casts the
+normalised rows to the input dtype and then multiplies by `weight`, a Gemma-style norm
+(`unit_offset`) multiplies the fp32 rows by `1 + weight` and casts last; rotary products are in
+the activation dtype with the tables cast to it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
+    """[..., hidden] -> RMS-normalised rows scaled by `weight` (or `1 + weight`)."""
+    shape = [x.shape[-1]]
+    if unit_offset:
+        scale = weight.float() + 1.0
+        if x.dtype == torch.float32:
+            return torch.ops.aten._fused_rms_norm(x, shape, scale, eps)[0]
+        return torch.ops.aten._fused_rms_norm(x.float(), shape, scale, eps)[0].to(x.dtype)
+    if x.dtype == weight.dtype == torch.float32:
+        return torch.ops.aten._fused_rms_norm(x, shape, weight, eps)[0]
+    # NOTE: rows rounded to x's dtype before the scale, as transformers' Llama norm does.
+    return torch.ops.aten._fused_rms_norm(x, shape, None, eps)[0] * weight
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the pre-norm block's residual add and norm."""
+    summed = x + residual
+    return rms_norm(summed, weight, eps, unit_offset), summed
+
+
+def rotate_in_place(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+    """Rotate `x` [T, heads, head_size] in place (neox layout: the halves of the first
+    `rotary_dim` features pair up); writes `x`.
+
+    `cos` and `signed_sin` are [T, 1, rotary_dim] in x's dtype; `signed_sin` is
+    `cat(-sin_half, sin_half)`, so x * cos + swap_halves(x) * signed_sin is transformers'
+    x * cos + rotate_half(x) * sin with the same products.
+    """
+    rotary_dim = cos.shape[-1]
+    rotated = x if rotary_dim == x.shape[-1] else x[..., :rotary_dim]
+    swapped = rotated.unflatten(-1, (2, rotary_dim // 2)).flip(-2).flatten(-2)
+    rotated.mul_(cos).addcmul_(swapped, signed_sin)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2 * d] -> [..., d]: silu(gate) * up of a merged gate/up projection."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

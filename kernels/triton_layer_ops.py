@@ -1,0 +1,189 @@
+"""Triton kernels of the decoder layer's elementwise operations: (residual add +) RMSNorm,
+rotary embedding in place, SiLU-and-mul; one launch each, signatures of
+`kernels.layer_ops_reference`.
+
+One program per row (token): the row is read once, its statistics in fp32, and written once.
+The rotary kernel rotates one token's heads in place; the SiLU kernel reads the gate and up
+halves of one row of the merged projection.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    out_ptr,
+    sum_ptr,
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    x_row_stride,
+    residual_row_stride,
+    hidden,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    dtype = out_ptr.dtype.element_ty
+    # Arithmetic in fp32, rounded to the activation dtype where torch rounds (the sum, the
+    # normalised rows of a Llama norm, the result).
+    xf = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * residual_row_stride + cols, mask=mask, other=0.0)
+        x = (xf + residual.to(tl.float32)).to(dtype)
+        tl.store(sum_ptr + row * hidden + cols, x, mask=mask)
+        xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if UNIT_OFFSET:
+        out = xf * rstd * (1.0 + weight)
+    else:
+        out = (xf * rstd).to(dtype).to(tl.float32) * weight
+    tl.store(out_ptr + row * hidden + cols, out.to(dtype), mask=mask)
+
+
+def _norm(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    unit_offset: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden = x.shape[-1]
+    assert weight.shape == (hidden,)
+    assert weight.is_contiguous()
+    rows = x.reshape(-1, hidden)
+    assert rows.stride(-1) == 1, "rows must be contiguous in the hidden dimension"
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    summed = out
+    if residual is not None:
+        residual = residual.reshape(-1, hidden)
+        assert residual.shape == rows.shape
+        assert residual.stride(-1) == 1
+        summed = torch.empty_like(out)
+    if rows.shape[0]:
+        _rms_norm_kernel[(rows.shape[0],)](
+            out,
+            summed,
+            rows,
+            rows if residual is None else residual,
+            weight,
+            rows.stride(0),
+            rows.stride(0) if residual is None else residual.stride(0),
+            hidden,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            UNIT_OFFSET=unit_offset,
+            BLOCK=triton.next_power_of_2(hidden),
+        )
+    return out.view(x.shape), summed.view(x.shape)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
+    """[..., hidden] -> RMS-normalised rows scaled by `weight` (or `1 + weight`)."""
+    return _norm(x, None, weight, eps, unit_offset)[0]
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual) in one launch."""
+    return _norm(x, residual, weight, eps, unit_offset)
+
+
+@triton.jit
+def _rotary_kernel(
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    token_stride,
+    head_stride,
+    num_heads,
+    HALF: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    token = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)[:, None]
+    cols = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (heads < num_heads) & (cols < HALF)
+    table = token * 2 * HALF + cols
+    cos_first = tl.load(cos_ptr + table, mask=cols < HALF, other=0.0)
+    cos_second = tl.load(cos_ptr + table + HALF, mask=cols < HALF, other=0.0)
+    sin_first = tl.load(sin_ptr + table, mask=cols < HALF, other=0.0)  # -sin
+    sin_second = tl.load(sin_ptr + table + HALF, mask=cols < HALF, other=0.0)  # +sin
+    first_ptr = x_ptr + token * token_stride + heads * head_stride + cols
+    dtype = x_ptr.dtype.element_ty
+    first = tl.load(first_ptr, mask=mask, other=0.0).to(tl.float32)
+    second = tl.load(first_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+    # As torch: x * cos rounded to x's dtype, then + swapped * signed_sin rounded once.
+    scaled_first = (first * cos_first.to(tl.float32)).to(dtype).to(tl.float32)
+    scaled_second = (second * cos_second.to(tl.float32)).to(dtype).to(tl.float32)
+    new_first = scaled_first + second * sin_first.to(tl.float32)
+    new_second = scaled_second + first * sin_second.to(tl.float32)
+    tl.store(first_ptr, new_first.to(dtype), mask=mask)
+    tl.store(first_ptr + HALF, new_second.to(dtype), mask=mask)
+
+
+def rotate_in_place(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+    """Rotate `x` [T, heads, head_size] in place by `cos` / `signed_sin` [T, 1, rotary_dim]
+    (see the reference); writes `x`."""
+    num_tokens, num_heads, head_size = x.shape
+    rotary_dim = cos.shape[-1]
+    assert rotary_dim % 2 == 0
+    assert rotary_dim <= head_size
+    assert x.stride(-1) == 1
+    assert cos.is_contiguous()
+    assert signed_sin.is_contiguous()
+    assert cos.shape == signed_sin.shape == (num_tokens, 1, rotary_dim)
+    assert cos.dtype == signed_sin.dtype == x.dtype
+    if num_tokens == 0:
+        return
+    block_heads = min(triton.next_power_of_2(num_heads), 16)
+    grid = (num_tokens, triton.cdiv(num_heads, block_heads))
+    _rotary_kernel[grid](
+        x,
+        cos,
+        signed_sin,
+        x.stride(0),
+        x.stride(1),
+        num_heads,
+        HALF=rotary_dim // 2,
+        BLOCK_HEADS=block_heads,
+        BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2),
+    )
+
+
+@triton.jit
+def _silu_and_mul_kernel(out_ptr, x_ptr, x_row_stride, inner, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inner
+    gate = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0)
+    up = tl.load(x_ptr + row * x_row_stride + inner + cols, mask=mask, other=0.0)
+    gate_f = gate.to(tl.float32)
+    # transformers rounds silu(gate) to the activation dtype before the product.
+    activated = (gate_f / (1.0 + tl.exp(-gate_f))).to(gate.dtype).to(tl.float32)
+    product = activated * up.to(tl.float32)
+    tl.store(out_ptr + row * inner + cols, product.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2 * d] -> [..., d]: silu(gate) * up in one launch."""
+    inner = x.shape[-1] // 2
+    rows = x.reshape(-1, 2 * inner)
+    assert rows.stride(-1) == 1
+    out = torch.empty((rows.shape[0], inner), dtype=x.dtype, device=x.device)
+    block = min(triton.next_power_of_2(inner), 1024)
+    if rows.shape[0]:
+        grid = (rows.shape[0], triton.cdiv(inner, block))
+        _silu_and_mul_kernel[grid](out, rows, rows.stride(0), inner, BLOCK=block)
+    return out.view(*x.shape[:-1], inner)
