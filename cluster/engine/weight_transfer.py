@@ -9,6 +9,7 @@ own parts only:
   trainer actor that put it; a rank `ray.get`s its own object, within `timeout_s`. A trainer
   that dies before the ranks have read their objects makes the update fail at once (the owner
   is gone) and the engine keeps its weights.
+- `local_rank_shards`: the parts in memory, for a sender in the engine's own process.
 - `ipc_rank_shards` (backend "ipc", CUDA only): CUDA IPC handles of the parts on the GPU the
   trainer shares with the engine; the rank maps them, nothing is copied through the host.
 
@@ -133,3 +134,27 @@ def ipc_rank_shards(
         handles.append(rank_handles)
     shapes = {name: tuple(t.shape) for name, t in named_tensors.items()}
     return IpcShards(handles, shapes, keep_alive)
+
+
+@dataclass
+class LocalShards:
+    """One update's shards handed over in memory (a sender in the engine's own process: an
+    in-process `LLM`); a `WeightShardSource`."""
+
+    shards: list[ReceivedShard]
+    shapes: dict[str, tuple[int, ...]]
+
+    def fetch(self, rank: int) -> ReceivedShard:
+        if rank >= len(self.shards):
+            raise WeightUpdateError(
+                f"the update has {len(self.shards)} shards, none for rank {rank}"
+            )
+        return self.shards[rank]
+
+
+def local_rank_shards(
+    named_tensors: Mapping[str, torch.Tensor], plans: Sequence[ShardPlan]
+) -> LocalShards:
+    """Each rank's parts, kept in this process."""
+    shapes = {name: tuple(t.shape) for name, t in named_tensors.items()}
+    return LocalShards(cut_rank_shards(named_tensors, plans), shapes)
