@@ -11,12 +11,17 @@ import math
 from collections.abc import Sequence
 from typing import ClassVar
 
-from scheduler.block_hash import BlockHash
 from scheduler.config import OffloadConfig
 from scheduler.kv_cache.block_pool import BlockPool
 from scheduler.kv_cache.checkpoints import StateCheckpoints
 from scheduler.kv_cache.coordinator import make_coordinator
-from scheduler.kv_cache.events import OUTLOOK_BLOCKS, EvictionOutlook, KVEventBatch, KVEventSink
+from scheduler.kv_cache.events import (
+    OUTLOOK_BLOCKS,
+    EvictionOutlook,
+    KVEventBatch,
+    KVEventSink,
+    pool_eviction_outlook,
+)
 from scheduler.kv_cache.eviction import EvictionPolicy
 from scheduler.kv_cache.free_block_queue import block_ids
 from scheduler.kv_cache.mamba_manager import MambaManager
@@ -25,6 +30,7 @@ from scheduler.kv_cache.miss_reasons import explain_misses
 from scheduler.kv_cache.offload import build_offload_index, count_offloaded
 from scheduler.kv_cache.spec import KVCacheConfig, MambaCacheMode, MambaSpec, manager_spec
 from scheduler.kv_cache.spec_slots import SpecStateSlots
+from scheduler.kv_cache.step_phases import ALL_PHASES, StepPhases, step_phases
 from scheduler.kv_cache.window_managers import ChunkedLocalManager, SlidingWindowManager
 from scheduler.output import BlockCopy, OffloadOps, StateSave
 from scheduler.request import Request
@@ -263,21 +269,18 @@ class KVCacheManager:
                 num_lookahead_tokens,
             )
         limits = self._quiet.get(request.req_id)
+        phases = ALL_PHASES
         if (
             limits is not None
             and self._use_quiet_path
             and new_computed_blocks is None
             and not num_new_computed_tokens
-        ):
-            # Decode fast path: provably nothing to free, allocate or register (see limits).
+            and request.num_computed_tokens <= self.max_model_len
+        ):  # only the phases whose limits the step crosses; none: nothing to do (decodes)
+            ahead = num_lookahead_tokens + self.draft_lookahead
             computed = request.num_computed_tokens
-            main_tokens = computed + num_new_tokens
-            if (
-                computed < limits[1]
-                and computed <= self.max_model_len
-                and main_tokens + num_lookahead_tokens + self.draft_lookahead <= limits[0]
-                and (main_tokens < limits[2] or request.num_tokens < limits[2])
-            ):
+            phases = step_phases(limits, computed, num_new_tokens, ahead, request.num_tokens)
+            if not any(phases):
                 return self._no_blocks
         return self._allocate(
             request,
@@ -285,6 +288,7 @@ class KVCacheManager:
             num_new_computed_tokens,
             new_computed_blocks,
             num_lookahead_tokens,
+            phases,
         )
 
     def _allocate_saving_checkpoints(
@@ -317,6 +321,7 @@ class KVCacheManager:
         num_new_computed_tokens: int,
         new_computed_blocks: KVCacheBlocks | None,
         num_lookahead_tokens: int,
+        phases: StepPhases = ALL_PHASES,
     ) -> KVCacheBlocks | None:
         req_id = request.req_id
         is_new = req_id not in self._quiet
@@ -331,8 +336,11 @@ class KVCacheManager:
         num_slots = min(main_tokens + num_lookahead_tokens, self.max_model_len)
         hits = new_computed_blocks.blocks if new_computed_blocks is not None else None
         coordinator = self.coordinator
-        coordinator.remove_skipped_blocks(req_id, total_computed)
-        needed = coordinator.get_num_blocks_to_allocate(req_id, num_slots, hits, total_computed)
+        if phases.frees:
+            coordinator.remove_skipped_blocks(req_id, total_computed)
+        needed = 0
+        if phases.grows:
+            needed = coordinator.get_num_blocks_to_allocate(req_id, num_slots, hits, total_computed)
         if is_new:
             needed += self._num_copy_blocks(new_computed_blocks, num_slots)
         if needed > self.pool.num_free_blocks:
@@ -340,21 +348,26 @@ class KVCacheManager:
                 self._quiet[req_id] = coordinator.quiet_limits(req_id, self.enable_caching)
             return None
         if is_new:
-            coordinator.allocate_new_computed_blocks(req_id, hits, local_computed)
-            if self.pool.offload is not None:
-                self.pool.offload.fill(self.pool)
-            if new_computed_blocks is not None and new_computed_blocks.copy_sources:
-                assert self.checkpoints is not None
-                self.checkpoints.adopt(req_id, new_computed_blocks.copy_sources)
-        new_blocks = coordinator.allocate_new_blocks(req_id, num_slots)
-        if self.enable_caching:
-            coordinator.cache_blocks(
-                req_id, request.block_hashes, min(main_tokens, request.num_tokens)
-            )
+            self._adopt_hit(req_id, new_computed_blocks, local_computed)
+        new_blocks = coordinator.allocate_new_blocks(req_id, num_slots) if phases.grows else ()
+        if self.enable_caching and phases.caches:
+            num_known = min(main_tokens, request.num_tokens)
+            coordinator.cache_blocks(req_id, request.block_hashes, num_known)
         self._quiet[req_id] = coordinator.quiet_limits(req_id, self.enable_caching)
         if not any(new_blocks):
             return self._no_blocks
         return KVCacheBlocks(new_blocks)
+
+    def _adopt_hit(self, req_id: str, hit: KVCacheBlocks | None, num_computed: int) -> None:
+        """Start a new request's tables from its prefix hit (and the hit's state copies)."""
+        self.coordinator.allocate_new_computed_blocks(
+            req_id, hit.blocks if hit is not None else None, num_computed
+        )
+        if self.pool.offload is not None:
+            self.pool.offload.fill(self.pool)
+        if hit is not None and hit.copy_sources:
+            assert self.checkpoints is not None
+            self.checkpoints.adopt(req_id, hit.copy_sources)
 
     def free(self, request: Request) -> None:
         """Release every block of a finished or preempted request (cached ones stay hit-able)."""
@@ -456,16 +469,7 @@ class KVCacheManager:
     ) -> EvictionOutlook | None:
         """The keys the pool would evict next, in its order, with how far the `running`
         requests are (None: events off)."""
-        pool = self.pool
-        if pool.event_sink is None:
-            return None
-        maps = pool.hash_maps
-        order: list[tuple[int, BlockHash] | None] = []
-        for block in pool.free_queue.eviction_order(limit):
-            block_hash = block.block_hash
-            keyed = block_hash is not None and maps[block.group_id].get(block_hash) is block
-            order.append((block.group_id, block_hash) if keyed else None)  # type: ignore[arg-type]
-        return EvictionOutlook(tuple(order), tuple(map(_decode_progress, running)))
+        return pool_eviction_outlook(self.pool, running, limit)
 
     def make_stats(self) -> KVCacheStats:
         """A snapshot of usage and the cumulative prefix-cache counters."""
@@ -492,9 +496,3 @@ class KVCacheManager:
         if self.num_groups:
             held = set().union(*(manager.req_to_blocks for manager in self.coordinator.managers))
             assert set(self._quiet) == held, (set(self._quiet), held)
-
-
-def _decode_progress(request: Request) -> tuple[int, int]:
-    """A running request's tokens computed and the most tokens it may still generate."""
-    left = request.sampling_params.max_tokens - request.num_output_tokens
-    return request.num_computed_tokens, left
