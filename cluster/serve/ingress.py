@@ -40,8 +40,10 @@ from cluster.openai_api.protocol import (
     ModelList,
 )
 from cluster.serve import errors
+from cluster.serve.batches_api import router as batches_router
 from cluster.serve.dev_routes import DevRoutes
 from cluster.serve.dev_routes import router as dev_router
+from cluster.serve.files_api import router as files_router
 from cluster.serve.formatting import DONE, sse
 from cluster.serve.grpc.methods import GrpcMethods
 from cluster.serve.openapi_docs import (
@@ -303,6 +305,10 @@ def _first_line(error: BaseException) -> str:
     lines = str(error).strip().splitlines()
     return lines[0] if lines else type(error).__name__
 
+
+# The Files and Batch APIs (their own modules; state in the app's batch service actor).
+app.include_router(files_router, dependencies=AUTHORIZED)
+app.include_router(batches_router, dependencies=AUTHORIZED)
 
 # The development routes (`/sleep`, `/wake_up`, ...): 404 unless HYBRIDSERVE_SERVER_DEV_MODE=1.
 app.include_router(dev_router, dependencies=AUTHORIZED)

@@ -36,6 +36,15 @@ OPERATIONS = [
     "GET /v1/models",
     "GET /v1/models/{model}",
     "GET /health",
+    "POST /v1/files",
+    "GET /v1/files",
+    "GET /v1/files/{file_id}",
+    "GET /v1/files/{file_id}/content",
+    "DELETE /v1/files/{file_id}",
+    "POST /v1/batches",
+    "GET /v1/batches",
+    "GET /v1/batches/{batch_id}",
+    "POST /v1/batches/{batch_id}/cancel",
 ]
 POSITIVE, NEGATIVE = GenerationMode.POSITIVE, GenerationMode.NEGATIVE
 FUZZED = [
