@@ -501,6 +501,16 @@ def test_request_router_values_reach_the_model_deployment() -> None:
     assert "request_router_config" not in default.deployment_config
 
 
+@pytest.mark.parametrize(("ingress", "flag"), [(None, "1"), ("haproxy", "1"), ("proxy", "0")])
+def test_ingress_value_sets_haproxy_mode_on_every_pod(ingress: str | None, flag: str) -> None:
+    values = {} if ingress is None else {"serve": {"ingress": ingress}}
+    rayservice = _render(values)["RayService"]
+    for pod in _pods(rayservice["spec"]["rayClusterConfig"]):
+        (container,) = pod["containers"]
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env["RAY_SERVE_ENABLE_HA_PROXY"] == flag
+
+
 def test_prefill_decode_values_render_the_pd_app() -> None:
     pd = {"enabled": True, "kvTransferTimeoutS": 12, "kvTransferTransport": "direct"}
     rayservice = _render({"serve": {"prefillDecode": pd}})["RayService"]

@@ -117,6 +117,8 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
   valueFrom:
     secretKeyRef: {name: {{ . | quote }}, key: {{ $.Values.serve.apiKey.secretKey | quote }}}
 {{- end }}
+- name: RAY_SERVE_ENABLE_HA_PROXY
+  value: {{ ternary "1" "0" (eq (.Values.serve.ingress | default "haproxy") "haproxy") | quote }}
 {{- if .Values.modelCache.enabled }}
 - name: HF_HOME
   value: {{ .Values.modelCache.mountPath | quote }}
