@@ -3,7 +3,8 @@
 `hybridserve generate --prompt "..."` streams a completion (the embedded default model when no
 `--model` is given; in-process, or through a Ray cluster with `--address`); `hybridserve chat`
 talks with the model's chat template; `hybridserve serve` runs the OpenAI API on Ray Serve;
-`hybridserve batch` is `python -m cluster.batch` (Ray Data); `hybridserve replay TRACE.json ...`
+`hybridserve batch` is `python -m cluster.batch` (Ray Data); `hybridserve run-batch -i IN -o OUT`
+is vLLM's run-batch (OpenAI batch lines, in-process); `hybridserve replay TRACE.json ...`
 is `python -m scheduler.replay`; `hybridserve config validate FILE.yaml` checks a serving config
 without starting anything. Errors are reported as `cluster.cli.errors` says.
 """
@@ -21,7 +22,7 @@ from typing import NoReturn
 from cluster.cli.errors import EXIT_USAGE, run_reporting
 
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
-SUBCOMMANDS = ("generate", "chat", "serve", "batch", "replay", "config")
+SUBCOMMANDS = ("generate", "chat", "serve", "batch", "run-batch", "replay", "config")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,7 +45,7 @@ def add_log_level(parser: argparse.ArgumentParser, *, top: bool = False) -> None
 
 def subcommand(name: str) -> ModuleType:
     """The module of subcommand `name` (`add_parser(subparsers)`, `run(args)`)."""
-    return importlib.import_module(f"cluster.cli.{name}")
+    return importlib.import_module(f"cluster.cli.{name.replace('-', '_')}")
 
 
 def build_parser() -> argparse.ArgumentParser:
