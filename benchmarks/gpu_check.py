@@ -5,11 +5,15 @@ Sections, in order (`--sections` picks some):
   store-KV kernel, Triton Mamba-2, fla-core's gated delta rule, served hybrids, and bf16 greedy
   parity with transformers per layout), through pytest with a JUnit report. On the CPU they
   are only collected (they need CUDA), which still proves they import.
-- `attention`: decode as a fraction of the copy bandwidth, prefill against SDPA's flash backend.
-- `recurrent`: Mamba-2 and gated delta rule kernels against the torch reference.
+- `attention`: decode as a fraction of the copy bandwidth, prefill against SDPA's flash backend
+  (blocks of 16 and of 64 tokens: a key tile per block-table lookup or one lookup per tile).
+- `recurrent`: Mamba-2 (conv1d and SSD scan, prefill and decode) and gated delta rule kernels
+  against the torch reference.
 - `lora`: the adapter matmuls of one layer (Triton on CUDA) against the torch reference.
 - `quant`: quantized-weight GEMMs (FP8 block and per-channel, int4, MXFP4 / int4 MoE) against
   their dequantized references, timed against the dequantized bf16 path.
+- `kv_pull`: KV transfer between two engine actors against recomputing, by prompt length, on
+  the Llama-8B shape: the crossover in tokens that `pull_threshold_tokens` should be set near.
 - `e2e`: batch-64 decode of a Llama-8B-shaped random model against transformers + SDPA, as
   fractions of the memory-bandwidth roofline.
 - `quant_e2e`: block-FP8 and MXFP4 (gpt-oss) checkpoints written on the fly, served with their
@@ -57,10 +61,13 @@ from gpu_check_kernels import (  # noqa: E402
     prefill_tile_sweep,
     quant_figures,
 )
+from gpu_check_kv_pull import kv_pull_figures  # noqa: E402
 from gpu_check_lora import lora_figures  # noqa: E402
 from gpu_check_quant_e2e import quant_e2e_figures, quant_e2e_run  # noqa: E402
 
-SECTIONS = ("tests", "attention", "recurrent", "lora", "quant", "e2e", "quant_e2e", "images")
+SECTIONS = (
+    "tests", "attention", "recurrent", "lora", "quant", "kv_pull", "e2e", "quant_e2e", "images",
+)  # fmt: skip
 Report = dict[str, object]
 
 
@@ -169,6 +176,7 @@ def run_sections(args: argparse.Namespace, out: Path) -> Report:
         "recurrent": lambda: run_recurrent(args, device),
         "lora": lambda: {"rows": lora_figures(device, _dtype(device), args.tiny)},
         "quant": lambda: run_quant(args, device),
+        "kv_pull": lambda: kv_pull_figures(device, args.tiny),
         "e2e": lambda: run_e2e(args, device),
         "quant_e2e": lambda: {"rows": quant_e2e_figures(quant_e2e_run(args.tiny, device))},
         "images": lambda: image_figures(IMAGE_SHAPES["tiny" if args.tiny else "gpu"], device),

@@ -3,9 +3,11 @@
 - Decode attention: the Triton paged kernel's achieved bandwidth (K/V, query and output bytes
   over kernel time) as a fraction of a device-to-device copy measured in the same run.
 - Prefill attention: causal TFLOP/s of the Triton paged kernel at head size 128 against
-  `scaled_dot_product_attention` on unpaged K/V, restricted to its flash backend on CUDA.
+  `scaled_dot_product_attention` on unpaged K/V, restricted to its flash backend on CUDA
+  (`ratio_to_sdpa_flash`; blocks of 16 tokens, and one prefill on blocks of 64).
 - Mamba-2 (conv1d + SSD scan) and the gated delta rule: tokens/s of the GPU kernels (Triton,
-  fla-core when installed) against the torch reference kernels, for a prefill and a decode step.
+  fla-core when installed) against the torch reference kernels, for a prefill and a decode step
+  (`conv1d_vs_torch`, `scan_vs_torch`, `vs_torch`).
 - Quantized weights: block-scaled FP8 (Triton), per-channel FP8 (`torch._scaled_mm`), int4
   W4A16 and MXFP4 / int4 MoE grouped GEMMs (Triton) against their dequantized references, timed
   against the dequantized bf16 path at Llama-8B, Qwen3-Next and gpt-oss-20b shapes.
@@ -39,11 +41,15 @@ def measure_copy_bandwidth(device: torch.device, tiny: bool) -> float:
 
 
 def attention_workloads(tiny: bool) -> list[Workload]:
+    """Decodes, then prefills; the last prefill on 64-token blocks (one block-table lookup per
+    key tile, against one per block the tile touches on 16-token blocks)."""
     if tiny:
         small = {"num_q_heads": 4, "num_kv_heads": 2, "head_size": 128}
-        return [Workload("decode", 4, 1, 1024, **small), Workload("prefill", 1, 256, 256, **small)]
+        return [Workload("decode", 4, 1, 1024, **small), Workload("prefill", 1, 256, 256, **small),
+                Workload("prefill", 1, 256, 256, **small, block_size=64)]  # fmt: skip
     decodes = [Workload("decode", 64, 1, ctx) for ctx in (4096, 16384)]
-    return [*decodes, Workload("prefill", 1, 8192, 8192), Workload("prefill", 4, 4096, 4096)]
+    prefills = [Workload("prefill", 1, 8192, 8192), Workload("prefill", 4, 4096, 4096)]
+    return [*decodes, *prefills, Workload("prefill", 1, 8192, 8192, block_size=64)]
 
 
 def attention_figures(
@@ -101,7 +107,8 @@ def _attention_row(
     work: Workload, backend: str, ours_s: float, sdpa_s: float, copy_gbs: float, inputs: Inputs
 ) -> dict[str, object]:
     row: dict[str, object] = {
-        "workload": f"{work.kind} {work.num_reqs}x{work.seq_len}",
+        "workload": f"{work.kind} {work.num_reqs}x{work.seq_len}"
+        + ("" if work.block_size == 16 else f" block {work.block_size}"),
         "kernel": backend,
         "ours_ms": round(ours_s * 1e3, 4),
         "sdpa_ms": round(sdpa_s * 1e3, 4),
@@ -189,6 +196,7 @@ def mamba_figures(device: torch.device, dtype: torch.dtype, tiny: bool) -> Figur
                 "case": case, "kernel": name,
                 "conv1d_tok_s": round(batch.qsl[-1] / conv_s),
                 "scan_tok_s": round(batch.qsl[-1] / scan_s),
+                "conv1d_vs_torch": round(times["torch"][0] / conv_s, 2),
                 "scan_vs_torch": round(times["torch"][1] / scan_s, 2),
             })  # fmt: skip
     return rows

@@ -18,7 +18,7 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_WHEELS": str(tmp_path / "none")}
     proc = subprocess.run(
         ["sh", "benchmarks/gpu_check.sh", str(out), "--device", "cpu", "--tiny", "--commit", "c0"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=480, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "gpu-check.json").read_text())
@@ -30,6 +30,7 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
         "recurrent",
         "lora",
         "quant",
+        "kv_pull",
         "e2e",
         "quant_e2e",
         "images",
@@ -42,10 +43,14 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     assert all(row["ratio_to_bf16"] > 0 for row in quant["rows"])
     assert not [name for name, section in sections.items() if "error" in section]
     assert sections["tests"]["collected"] >= 100
-    decode, prefill = sections["attention"]["rows"]
+    decode, prefill, paged64 = sections["attention"]["rows"]
     assert decode["fraction_of_copy_bw"] > 0
     assert prefill["ratio_to_sdpa_flash"] > 0
+    assert paged64["workload"] == "prefill 1x256 block 64"
+    assert paged64["ratio_to_sdpa_flash"] > 0
     assert {row["kernel"] for row in sections["recurrent"]["mamba2"]} == {"torch"}
+    assert all(row["conv1d_vs_torch"] > 0 for row in sections["recurrent"]["mamba2"])
+    _check_kv_pull(sections["kv_pull"])
     e2e = sections["e2e"]
     assert e2e["ours_tok_s"] > 0
     assert e2e["sdpa_tok_s"] > 0
@@ -64,6 +69,16 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     assert "| decode 4x1024 |" in markdown
     assert "| mxfp4_moe | tiny |" in markdown
     assert "## images" in markdown
+
+
+def _check_kv_pull(kv_pull: dict) -> None:
+    """Both ways timed at every length through the engine actors (a pull that moved no block
+    fails the section); the crossover is a token count or None."""
+    assert [row["tokens"] for row in kv_pull["rows"]] == [32, 128]
+    for row in kv_pull["rows"]:
+        assert row["recompute_ms"] > 0
+        assert row["pull_ms"] > 0
+    assert kv_pull["crossover_tokens"] is None or kv_pull["crossover_tokens"] > 0
 
 
 def _check_images(images: dict) -> None:
