@@ -9,6 +9,8 @@ layers each, window 1,024, block 16; a pool small enough that cached blocks are 
   hybrid-decode: 256 running requests of 1,024-token prompts, one token each per step;
   hybrid-mixed:  four new 2,048-token prompts admitted every step (half of each a prefix shared
                  with other prompts), short outputs (8-32 tokens).
+Then the loads of `benchmarks.workloads.scheduler_mixes` (other prompt lengths, arrival patterns
+and group counts: mixed-2g, burst-12g, chat-4g, long-3g).
 The model runner is a stand-in (one fixed token per finished step) and is not timed. A second,
 instrumented pass times the KV cache manager calls alone, so the table shows which side of the
 step costs what (the ratio is manager time / whole step, both from that pass). Last, the per-step
@@ -43,6 +45,7 @@ from benchmarks.workloads.hybrid_scheduler_loads import (
     hybrid_kv_config,
     hybrid_mixed_load,
 )
+from benchmarks.workloads.scheduler_mixes import MORE_LOADS
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec
 from scheduler.kv_cache.spec_factory import AttentionShape, make_spec
@@ -121,7 +124,7 @@ def _mixed_load() -> Load:
 
 
 def _hybrid(hybrid: HybridLoad) -> Load:
-    scheduler = Scheduler(hybrid.config, hybrid_kv_config(hybrid.num_blocks))
+    scheduler = Scheduler(hybrid.config, hybrid_kv_config(hybrid.num_blocks, hybrid.layout))
     stream = hybrid.stream()
 
     def feed(step: int) -> None:
@@ -183,7 +186,7 @@ def _measure(name: str, make_load: Callable[[], Load], warmup: int, steps: int) 
     timed_samples, _, _ = _run(load, 0, steps)
     manager_share = spent[0] / sum(timed_samples)
     print(
-        f"{name:7s} {statistics.mean(samples) / 1e3:9.0f} {statistics.median(samples) / 1e3:9.0f}"
+        f"{name:9s} {statistics.mean(samples) / 1e3:7.0f} {statistics.median(samples) / 1e3:9.0f}"
         f" {running:8d} {tokens:8d} {statistics.mean(samples) / 1e3 / max(running, 1):9.2f}"
         f" {manager_share:13.2f}"
     )
@@ -231,10 +234,12 @@ def main() -> None:
         "--vllm-rounds", type=int, default=0, help="rounds against vLLM's scheduler (0: none)"
     )
     args = parser.parse_args()
-    print("load     mean_us  median_us  running  tokens  us/request  manager/step")
+    print("load       mean_us  median_us  running  tokens  us/request  manager/step")
     _measure("decode", _decode_load, warmup=8, steps=args.steps)
     _measure("mixed", _mixed_load, warmup=200, steps=args.steps)
-    for name, hybrid in (("h-decode", hybrid_decode_load()), ("h-mixed", hybrid_mixed_load())):
+    hybrids = {"h-decode": hybrid_decode_load, "h-mixed": hybrid_mixed_load, **MORE_LOADS}
+    for name, make_hybrid in hybrids.items():
+        hybrid = make_hybrid()
         _measure(name, functools.partial(_hybrid, hybrid), hybrid.warmup, args.steps)
     _measure_messages()
     if args.vllm_rounds:

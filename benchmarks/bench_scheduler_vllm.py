@@ -1,30 +1,38 @@
-"""Our scheduler step against vLLM's v1 scheduler on the 60-layer hybrid loads, side by side.
+"""Our scheduler step against vLLM's v1 scheduler on 60-layer hybrid loads, side by side.
 
-Both schedulers get the same KV cache groups (one full-attention group and five sliding-window
-groups of ten layers, window 1,024, block 16, same number of blocks), the same token budget and
-sequence cap, the same request stream (prompts, shared prefixes, output lengths) and a stand-in
-model output (one fixed token per request whose step reached its last known token). Only
+Loads: `h-mixed` and `h-decode` (`benchmarks.workloads.hybrid_scheduler_loads`) and the loads of
+`benchmarks.workloads.scheduler_mixes` (other prompt lengths, arrival patterns and group counts:
+`mixed-2g`, `burst-12g`, `chat-4g`, `long-3g`). Both schedulers get the same KV cache groups
+(one full-attention group and sliding-window groups, block 16, same number of blocks), the same
+token budget and sequence cap, the same request stream (prompts, shared prefixes, output
+lengths) and a stand-in model output (one fixed token per request whose step reached its last
+known token). Only
 `schedule()` + `update_from_output()` is timed, in CPU time, as in `bench_scheduler.py`. Rounds
 alternate the two sides; each round's ratio is ours / vLLM's mean step, and the median ratio is
 reported. Before timing, a check compares the work per step: tokens scheduled, prefix-hit tokens
-of newly admitted requests, requests finished.
+of newly admitted requests, requests finished. Each side runs with the heap it starts with
+frozen, as vLLM's engine core freezes it after start-up (`--no-gc-freeze`: not frozen; a full
+collection in a timed step then scans the whole block pool).
 
 vLLM is not a dependency: its side runs when `import vllm` works (for instance with a
 `pip install --no-deps --target DIR vllm` on `PYTHONPATH`) and is skipped with a note otherwise.
 
     PYTHONPATH=$PWD:DIR .venv/bin/python benchmarks/bench_scheduler_vllm.py [--rounds 3]
+        [--loads h-mixed,mixed-2g]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import importlib.util
 import json
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,13 +41,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.workloads.hybrid_scheduler_loads import (
     BLOCK_SIZE,
-    HYBRID_WINDOW,
+    GroupLayout,
     HybridLoad,
     StreamedRequest,
     hybrid_decode_load,
     hybrid_kv_config,
     hybrid_mixed_load,
 )
+from benchmarks.workloads.scheduler_mixes import MORE_LOADS
 from scheduler.config import SchedulerConfig
 from scheduler.output import ModelRunnerOutput
 from scheduler.request import Request, SamplingParams
@@ -87,8 +96,8 @@ def _hit_tokens(out: Any) -> int:
     return sum(new.num_computed_tokens for new in out.scheduled_new_reqs)
 
 
-def our_side(config: SchedulerConfig, num_blocks: int) -> Side:
-    scheduler = Scheduler(config, hybrid_kv_config(num_blocks))
+def our_side(load: HybridLoad) -> Side:
+    scheduler = Scheduler(load.config, hybrid_kv_config(load.num_blocks, load.layout))
 
     def add(streamed: StreamedRequest) -> None:
         params = SamplingParams(temperature=0, max_tokens=streamed.max_tokens)
@@ -137,8 +146,8 @@ def _vllm_config(config: SchedulerConfig, model_dir: str) -> Any:
     )
 
 
-def _vllm_kv_config(num_blocks: int) -> Any:
-    """vLLM's groups for `hybrid_kv_config`: one full-attention group, five window groups."""
+def _vllm_kv_config(num_blocks: int, layout: GroupLayout) -> Any:
+    """vLLM's groups for `hybrid_kv_config`: one full-attention group, the others a window."""
     import torch
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -149,18 +158,15 @@ def _vllm_kv_config(num_blocks: int) -> Any:
 
     shape: dict[str, Any] = {"num_kv_heads": 8, "head_size": 128, "dtype": torch.float16}
     full = FullAttentionSpec(block_size=BLOCK_SIZE, **shape)
-    window = SlidingWindowSpec(block_size=BLOCK_SIZE, sliding_window=HYBRID_WINDOW, **shape)
+    window = SlidingWindowSpec(block_size=BLOCK_SIZE, sliding_window=layout.window, **shape)
     groups = [
-        KVCacheGroupSpec(
-            [f"layers.{layer}.attn" for layer in range(group, 60, 6)],
-            full if group == 0 else window,
-        )
-        for group in range(6)
+        KVCacheGroupSpec(list(layout.layer_names(group)), full if group == 0 else window)
+        for group in range(layout.num_groups)
     ]
     return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
-def vllm_side(config: SchedulerConfig, num_blocks: int, model_dir: str) -> Side:
+def vllm_side(load: HybridLoad, model_dir: str) -> Side:
     from vllm import SamplingParams as VllmSamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -169,14 +175,15 @@ def vllm_side(config: SchedulerConfig, num_blocks: int, model_dir: str) -> Side:
     from vllm.v1.request import Request as VllmRequest
     from vllm.v1.structured_output import StructuredOutputManager
 
-    vllm_config = _vllm_config(config, model_dir)
+    num_blocks = load.num_blocks
+    vllm_config = _vllm_config(load.config, model_dir)
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
     init_none_hash(hash_fn)
     hasher = get_request_block_hasher(BLOCK_SIZE, hash_fn)
     scheduler = VllmScheduler(
         vllm_config,
-        _vllm_kv_config(num_blocks),
+        _vllm_kv_config(num_blocks, load.layout),
         StructuredOutputManager(vllm_config),
         block_size=BLOCK_SIZE,
         hash_block_size=BLOCK_SIZE,
@@ -244,39 +251,78 @@ def _check_work(name: str, our_work: list[StepWork], vllm_work: list[StepWork]) 
     )
 
 
-def compare(rounds: int, steps: int) -> None:
+def all_loads() -> dict[str, Callable[[], HybridLoad]]:
+    """Every load of the comparison by name: the two 60-layer hybrid loads, then the others."""
+    return {"h-mixed": hybrid_mixed_load, "h-decode": hybrid_decode_load, **MORE_LOADS}
+
+
+@contextlib.contextmanager
+def frozen_heap(freeze: bool) -> Iterator[None]:
+    """With `freeze`, the objects alive when a side starts (its block pool above all: hundreds
+    of thousands of blocks) are moved out of the garbage collector's sight while it runs, as
+    vLLM's engine core does after start-up (`freeze_gc_heap`); without, a full collection that
+    lands in a timed step costs that step a scan of the whole pool."""
+    if not freeze:
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def compare(
+    rounds: int, steps: int, names: list[str] | None = None, freeze_gc: bool = True
+) -> None:
     """Interleaved rounds of both sides per load; prints per-round means and the median ratio."""
     if importlib.util.find_spec("vllm") is None:
         print("vLLM is not importable: its side of the comparison is skipped.")
         return
     import vllm
 
-    print(f"vLLM {vllm.__version__}: ours vs vLLM, {steps} timed steps, {rounds} rounds")
+    heap = "frozen after start-up" if freeze_gc else "not frozen"
+    print(
+        f"vLLM {vllm.__version__}: ours vs vLLM, {steps} timed steps, {rounds} rounds, "
+        f"GC heap {heap}"
+    )
+    loads = all_loads()
     with tempfile.TemporaryDirectory() as model_dir:
-        for name, load in (("h-mixed", hybrid_mixed_load()), ("h-decode", hybrid_decode_load())):
+        for name in names or list(loads):
+            load = loads[name]()
             ratios = []
             for round_index in range(rounds):
-                our_samples, our_work = run(our_side(load.config, load.num_blocks), load, steps)
-                side = vllm_side(load.config, load.num_blocks, model_dir)
-                vllm_samples, vllm_work = run(side, load, steps)
+                with frozen_heap(freeze_gc):
+                    our_samples, our_work = run(our_side(load), load, steps)
+                with frozen_heap(freeze_gc):
+                    vllm_samples, vllm_work = run(vllm_side(load, model_dir), load, steps)
                 if round_index == 0:
                     _check_work(name, our_work, vllm_work)
                 ours_us = statistics.mean(our_samples) / 1e3
                 vllm_us = statistics.mean(vllm_samples) / 1e3
                 ratios.append(ours_us / vllm_us)
                 print(
-                    f"{name:8s} round {round_index + 1}: ours {ours_us:8.0f} us  vLLM "
-                    f"{vllm_us:8.0f} us  ours/vLLM {ratios[-1]:.2f}"
+                    f"{name:9s} round {round_index + 1}: ours {ours_us:8.0f} us  vLLM "
+                    f"{vllm_us:8.0f} us  ours/vLLM {ratios[-1]:.2f}",
+                    flush=True,
                 )
-            print(f"{name:8s} median ours/vLLM: {statistics.median(ratios):.2f}")
+            print(f"{name:9s} median ours/vLLM: {statistics.median(ratios):.2f}", flush=True)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument(
+        "--loads", default="", help=f"comma-separated, of {', '.join(all_loads())} (default: all)"
+    )
+    parser.add_argument(
+        "--no-gc-freeze", action="store_true", help="leave the start-up heap to the collector"
+    )
     args = parser.parse_args()
-    compare(args.rounds, args.steps)
+    names = [name for name in args.loads.split(",") if name] or None
+    compare(args.rounds, args.steps, names, freeze_gc=not args.no_gc_freeze)
 
 
 if __name__ == "__main__":

@@ -3,16 +3,17 @@ side run against vLLM's scheduler (`benchmarks/bench_scheduler.py`,
 `benchmarks/bench_scheduler_vllm.py`): the KV cache groups and the request streams.
 
 One full-attention group and five sliding-window groups of ten layers each (window 1,024,
-block 16); `hybrid_decode_load` starts 256 requests of 1,024-token prompts with long outputs,
-`hybrid_mixed_load` admits four new 2,048-token prompts every step (half of each a prefix
-shared with other prompts) with short outputs. Deterministic per load.
+block 16; `GroupLayout` regroups the 60 layers for other loads); `hybrid_decode_load` starts
+256 requests of 1,024-token prompts with long outputs, `hybrid_mixed_load` admits four new
+2,048-token prompts every step (half of each a prefix shared with other prompts) with short
+outputs. Deterministic per load.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache.spec import KVCacheConfig, KVCacheGroupSpec
@@ -24,17 +25,32 @@ HYBRID_NUM_BLOCKS = 60_000
 HYBRID_PROMPT = 2048
 
 
-def hybrid_kv_config(num_blocks: int = HYBRID_NUM_BLOCKS) -> KVCacheConfig:
-    """60 layers: group 0 full attention, groups 1-5 sliding window, ten layers per group."""
+NUM_LAYERS = 60
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """How the 60 layers group: group 0 full attention, the others one sliding window each."""
+
+    num_groups: int = 6
+    window: int = HYBRID_WINDOW
+
+    def layer_names(self, group: int) -> tuple[str, ...]:
+        return tuple(f"layers.{layer}.attn" for layer in range(group, NUM_LAYERS, self.num_groups))
+
+
+def hybrid_kv_config(
+    num_blocks: int = HYBRID_NUM_BLOCKS, layout: GroupLayout | None = None
+) -> KVCacheConfig:
+    """60 layers: group 0 full attention, the other groups sliding window (by default six
+    groups of ten layers)."""
+    layout = layout or GroupLayout()
     shape = AttentionShape(num_kv_heads=8, head_size=128, dtype_bytes=2)
     full = make_spec("full_attention", BLOCK_SIZE, shape=shape)
-    window = make_spec("sliding_window", BLOCK_SIZE, HYBRID_WINDOW, shape=shape)
+    window = make_spec("sliding_window", BLOCK_SIZE, layout.window, shape=shape)
     groups = tuple(
-        KVCacheGroupSpec(
-            tuple(f"layers.{layer}.attn" for layer in range(group, 60, 6)),
-            full if group == 0 else window,
-        )
-        for group in range(6)
+        KVCacheGroupSpec(layout.layer_names(group), full if group == 0 else window)
+        for group in range(layout.num_groups)
     )
     return KVCacheConfig(num_blocks=num_blocks, groups=groups, tensors=())
 
@@ -58,6 +74,7 @@ class HybridLoad:
     num_blocks: int
     warmup: int
     stream: Callable[[], Callable[[], list[StreamedRequest]]]
+    layout: GroupLayout = field(default_factory=GroupLayout)
 
 
 def hybrid_decode_load() -> HybridLoad:
