@@ -10,9 +10,10 @@ known token). Only
 `schedule()` + `update_from_output()` is timed, in CPU time, as in `bench_scheduler.py`. Rounds
 alternate the two sides; each round's ratio is ours / vLLM's mean step, and the median ratio is
 reported. Before timing, a check compares the work per step: tokens scheduled, prefix-hit tokens
-of newly admitted requests, requests finished. Each side runs with the heap it starts with
-frozen, as vLLM's engine core freezes it after start-up (`--no-gc-freeze`: not frozen; a full
-collection in a timed step then scans the whole block pool).
+of newly admitted requests, requests finished. `--gc-freeze` runs each side with the heap it
+starts with frozen, as vLLM's engine core freezes it after start-up (by default neither side's
+is: a rare full collection in a timed step then scans the whole block pool; frozen, full
+collections come often and scan what the run allocated since, the requests' token lists).
 
 vLLM is not a dependency: its side runs when `import vllm` works (for instance with a
 `pip install --no-deps --target DIR vllm` on `PYTHONPATH`) and is skipped with a note otherwise.
@@ -261,7 +262,8 @@ def frozen_heap(freeze: bool) -> Iterator[None]:
     """With `freeze`, the objects alive when a side starts (its block pool above all: hundreds
     of thousands of blocks) are moved out of the garbage collector's sight while it runs, as
     vLLM's engine core does after start-up (`freeze_gc_heap`); without, a full collection that
-    lands in a timed step costs that step a scan of the whole pool."""
+    lands in a timed step costs that step a scan of the whole pool (rare: the pool's objects
+    count as long-lived)."""
     if not freeze:
         yield
         return
@@ -274,7 +276,7 @@ def frozen_heap(freeze: bool) -> Iterator[None]:
 
 
 def compare(
-    rounds: int, steps: int, names: list[str] | None = None, freeze_gc: bool = True
+    rounds: int, steps: int, names: list[str] | None = None, freeze_gc: bool = False
 ) -> None:
     """Interleaved rounds of both sides per load; prints per-round means and the median ratio."""
     if importlib.util.find_spec("vllm") is None:
@@ -318,11 +320,11 @@ def main() -> None:
         "--loads", default="", help=f"comma-separated, of {', '.join(all_loads())} (default: all)"
     )
     parser.add_argument(
-        "--no-gc-freeze", action="store_true", help="leave the start-up heap to the collector"
+        "--gc-freeze", action="store_true", help="freeze each side's start-up heap (as vLLM's)"
     )
     args = parser.parse_args()
     names = [name for name in args.loads.split(",") if name] or None
-    compare(args.rounds, args.steps, names, freeze_gc=not args.no_gc_freeze)
+    compare(args.rounds, args.steps, names, freeze_gc=args.gc_freeze)
 
 
 if __name__ == "__main__":
