@@ -58,7 +58,8 @@ def test_split_checkpoint_loads_fused_projections_with_transformers_tokens(
     try:
         layer = decoder_layers(llm)[0]
         modules = dict(layer.named_modules())
-        assert "self_attn.qkv_proj" in modules and "mlp.gate_up_proj" in modules
+        assert "self_attn.qkv_proj" in modules
+        assert "mlp.gate_up_proj" in modules
         assert not any(name.rpartition(".")[2] in split for name in modules)
         counts = measure(llm)
         # One GEMM for q/k/v, one for gate/up, plus o_proj and down_proj.
