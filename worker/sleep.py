@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import io
 import logging
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import IO
 
 import torch
 from torch import nn
@@ -46,7 +46,7 @@ class _HostCopy:
 
     def __init__(self, device: torch.device) -> None:
         self._on_file = device.type == "cpu"
-        self._file: IO[bytes] | None = None
+        self._file: io.BufferedRandom | None = None
         self._tensors: dict[int, torch.Tensor] = {}
         self._offsets: dict[int, int] = {}
 
@@ -57,6 +57,7 @@ class _HostCopy:
             return
         if self._file is None:
             self._file = tempfile.TemporaryFile(prefix="hybridserve-sleep-")  # noqa: SIM115 (closed at wake)
+            assert isinstance(self._file, io.BufferedRandom)
         self._offsets[key] = self._file.seek(0, 2)
         self._file.write(_host_bytes(data))
 

@@ -29,7 +29,7 @@ from cluster.engine.executor import Executor, create_executor
 from cluster.engine.executor.base import PendingStep
 from cluster.engine.input_processor import check_token_ids
 from cluster.engine.kv_transfer_counters import KVTransferCounters
-from cluster.engine.lifecycle import Lifecycle
+from cluster.engine.lifecycle_state import Lifecycle
 from cluster.engine.output_processor import OutputProcessor, child_request_id, now
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest

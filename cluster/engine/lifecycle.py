@@ -21,11 +21,11 @@ requests).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
 
-import cloudpickle
+import cloudpickle  # type: ignore[import-untyped]
 
+from cluster.engine.lifecycle_state import Lifecycle
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.weight_sync import ENGINE_RPC_METHODS, engine_rpc
 from scheduler.pause import preempt_all
@@ -52,18 +52,7 @@ CONTROL_NAMES = frozenset(
 )
 """The calls `run_control` answers (and the engine actor and Serve replica forward)."""
 
-
-@dataclass
-class Lifecycle:
-    """Whether the engine steps, and which memory of its ranks is asleep."""
-
-    is_paused: bool = False
-    sleep_level: int = 0
-    asleep_tags: tuple[str, ...] = field(default_factory=tuple)
-
-    @property
-    def is_sleeping(self) -> bool:
-        return self.is_paused or bool(self.asleep_tags)
+__all__ = ["CONTROL_NAMES", "Lifecycle", "PauseMode", "run_control"]
 
 
 class ControlResult(NamedTuple):
@@ -81,7 +70,7 @@ def check_pause_mode(mode: object) -> PauseMode:
 def check_sleep_level(level: object) -> int:
     if isinstance(level, bool) or level not in (0, 1, 2):
         raise ValueError(f"sleep level must be 0, 1 or 2, got {level!r}")
-    return int(level)  # type: ignore[call-overload]
+    return int(str(level))
 
 
 def check_wake_tags(tags: Sequence[str] | None) -> tuple[str, ...]:

@@ -107,11 +107,8 @@ class DevRoutes:
         answer as vLLM's route does."""
         if not server_dev_mode_from_env():
             return _error(errors.error_response("Not Found", 404))
-        handle = self.route(model)
-        if isinstance(handle, ErrorResponse):
-            return _error(handle)
         try:
-            value = await handle.control.remote(name, *args())
+            value = await self._control(model, name, args())
         except (ValueError, TypeError) as error:
             return _error(errors.bad_request(_one_line(error)))
         except Exception as error:
@@ -119,11 +116,23 @@ class DevRoutes:
             if isinstance(cause, (ValueError, TypeError)):
                 return _error(errors.bad_request(_one_line(cause)))
             return _error(errors.error_response(_one_line(error), 500))
+        if isinstance(value, ErrorResponse):
+            return _error(value)
         if status is not None:
             return JSONResponse({"status": status})
         if answer_key is None:
             return Response(status_code=200)
         return JSONResponse({answer_key: _jsonable(value)})
+
+    async def _control(self, model: str | None, name: str, args: tuple[object, ...]) -> object:
+        """The call on the model's engine: this replica's own (one hop) or over its handle."""
+        local = getattr(self, "server", None)
+        if local is not None:
+            return await local.control(name, *args)
+        handle = self.route(model)
+        if isinstance(handle, ErrorResponse):
+            return handle
+        return await handle.control.remote(name, *args)
 
 
 def _level(level: str) -> int:
