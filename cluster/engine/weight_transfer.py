@@ -5,10 +5,10 @@ part of each tensor each rank reads (`LLM.weight_shard_plans(shapes_of(state_dic
 ranks' own loaders), the trainer cuts those parts and hands them over, and each rank fetches its
 own parts only:
 
-- `put_rank_shards` (backend "ray"): one object per rank in Ray's object store, owned by the
-  trainer actor that put it; a rank `ray.get`s its own object, within `timeout_s`. A trainer
-  that dies before the ranks have read their objects makes the update fail at once (the owner
-  is gone) and the engine keeps its weights.
+- `WeightSender` (backend "ray"), a mixin of the trainer's actor class: the actor keeps each
+  rank's parts and every rank calls it for its own, through Ray's object store, within
+  `timeout_s`. A trainer that dies mid-update makes the update fail at once (its actor is gone)
+  and the engine keeps its weights.
 - `local_rank_shards`: the parts in memory, for a sender in the engine's own process.
 - `ipc_rank_shards` (backend "ipc", CUDA only): CUDA IPC handles of the parts on the GPU the
   trainer shares with the engine; the rank maps them, nothing is copied through the host.
@@ -18,6 +18,8 @@ A checkpoint folder needs no sender: `LLM.update_weights({"weights_path": folder
 
 from __future__ import annotations
 
+import itertools
+import pickle
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,43 +53,87 @@ def cut_rank_shards(
     return shards
 
 
-@dataclass
-class ObjectStoreShards:
-    """One update's shards in Ray's object store, one object per rank (a `WeightShardSource`)."""
+class WeightSender:
+    """Mixin of a trainer's Ray actor class: `send_weights` keeps each rank's parts of an update
+    in the actor and returns the handle to pass as `update_weights({"shards": handle})`; every
+    rank then calls the actor's `weight_shard` for its own parts, which travel through Ray's
+    object store and are freed once read. `release_weights` drops them (the next send does)."""
 
-    refs: list[Any]
-    """Rank r's `ReceivedShard`, as an ObjectRef."""
+    _sent_weights: dict[int, list[ReceivedShard]]
+
+    def send_weights(
+        self,
+        named_tensors: Mapping[str, torch.Tensor],
+        plans: Sequence[ShardPlan],
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> ActorShards:
+        """Cut and keep every rank's parts; the handle the ranks fetch them through."""
+        update_id = next(_update_ids)
+        self._sent_weights = {update_id: cut_rank_shards(named_tensors, plans)}
+        actor = ray.get_runtime_context().current_actor
+        shapes = {name: tuple(t.shape) for name, t in named_tensors.items()}
+        return ActorShards(actor, update_id, shapes, timeout_s)
+
+    def weight_shard(self, update_id: int, rank: int) -> ReceivedShard:
+        """Rank `rank`'s parts of update `update_id`."""
+        sent = getattr(self, "_sent_weights", {}).get(update_id)
+        if sent is None:
+            raise WeightUpdateError(f"this sender holds no update {update_id} (released?)")
+        if rank >= len(sent):
+            raise WeightUpdateError(f"the update has {len(sent)} shards, none for rank {rank}")
+        return sent[rank]
+
+    def release_weights(self) -> None:
+        self._sent_weights = {}
+
+
+_update_ids = itertools.count(1)
+
+
+@dataclass
+class ActorShards:
+    """One update's shards held by a sender actor (`WeightSender`); a `WeightShardSource`."""
+
+    actor: Any
+    update_id: int
     shapes: dict[str, tuple[int, ...]]
     """Full checkpoint shape of every tensor sent."""
     timeout_s: float = DEFAULT_TIMEOUT_S
 
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        """The actor handle pickled by Ray's serializer, so that any pickler (the ranks'
+        channel) can carry the handle to a rank in another process."""
+        state = (self.update_id, self.shapes, self.timeout_s)
+        return _actor_shards, (ray.cloudpickle.dumps(self.actor), *state)
+
     def fetch(self, rank: int) -> ReceivedShard:
-        if rank >= len(self.refs):
-            raise WeightUpdateError(f"the update has {len(self.refs)} shards, none for rank {rank}")
         try:
-            shard: ReceivedShard = ray.get(self.refs[rank], timeout=self.timeout_s)
+            ref = self.actor.weight_shard.remote(self.update_id, rank)
+            shard: ReceivedShard = ray.get(ref, timeout=self.timeout_s)
         except ray.exceptions.GetTimeoutError:
             raise WeightUpdateError(
                 f"rank {rank}'s weight shard did not arrive within {self.timeout_s:g} s"
             ) from None
-        except ray.exceptions.RayError as exc:
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        except ray.exceptions.RayTaskError as exc:
             raise WeightUpdateError(
-                f"rank {rank}'s weight shard is lost (the sender died?): {reason}"
+                f"rank {rank}'s weight shard: {_first_line(exc.cause)}"
+            ) from None
+        except ray.exceptions.RayError as exc:
+            raise WeightUpdateError(
+                f"rank {rank}'s weight shard is lost (the sender died?): {_first_line(exc)}"
             ) from None
         return shard
 
 
-def put_rank_shards(
-    named_tensors: Mapping[str, torch.Tensor],
-    plans: Sequence[ShardPlan],
-    timeout_s: float = DEFAULT_TIMEOUT_S,
-) -> ObjectStoreShards:
-    """Put each rank's parts in the object store (owned by the caller, e.g. the trainer actor);
-    the handle to pass as `update_weights({"shards": handle})`."""
-    refs = [ray.put(shard) for shard in cut_rank_shards(named_tensors, plans)]
-    shapes = {name: tuple(t.shape) for name, t in named_tensors.items()}
-    return ObjectStoreShards(refs, shapes, timeout_s)
+def _actor_shards(
+    actor: bytes, update_id: int, shapes: dict[str, tuple[int, ...]], timeout_s: float
+) -> ActorShards:
+    return ActorShards(pickle.loads(actor), update_id, shapes, timeout_s)
+
+
+def _first_line(exc: BaseException | None) -> str:
+    text = str(exc).strip() if exc is not None else ""
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 @dataclass
