@@ -258,12 +258,14 @@ def start_worker(cluster: RayNodes, ip: str, tmp_path: Path, num_cpus: int = 1) 
     return node
 
 
-def _start_head(tmp_path: Path, temp_dir: Path, num_cpus: int) -> RayNodes:
+def _start_head(
+    tmp_path: Path, temp_dir: Path, num_cpus: int, extra_env: dict[str, str]
+) -> RayNodes:
     """`ray start --head` with a new token (not waited for yet)."""
     token = uuid.uuid4().hex
     token_file = tmp_path / "auth_token"
     token_file.write_text(token)
-    env = _node_env(token_file)
+    env = {**_node_env(token_file), **extra_env}
     gcs, dashboard, client = _free_ports(HEAD_IP, len(_HEAD_PORT_FLAGS))
     head_args = [
         "--head",
@@ -284,9 +286,11 @@ def ray_nodes(
     worker_ips: Sequence[str] = WORKER_IPS,
     head_cpus: int = 1,
     worker_cpus: int = 1,
+    extra_env: dict[str, str] | None = None,
 ) -> Iterator[RayNodes]:
-    """A head on 127.0.0.2 and one worker node per address of `worker_ips`; every node is
-    stopped (its process group signalled) on exit, whatever happened.
+    """A head on 127.0.0.2 and one worker node per address of `worker_ips` (every node's
+    environment with `extra_env` added, e.g. Serve's ingress mode); every node is stopped (its
+    process group signalled) on exit, whatever happened.
 
     The nodes keep their sessions in a temporary folder of their own, not /tmp/ray: `ray start`
     records the cluster's address there, and entry points that look for "the cluster `ray
@@ -294,7 +298,7 @@ def ray_nodes(
     Unix socket paths are limited to about 100 characters.)
     """
     temp_dir = Path(tempfile.mkdtemp(prefix="ray-", dir="/tmp"))
-    cluster = _start_head(tmp_path, temp_dir, head_cpus)
+    cluster = _start_head(tmp_path, temp_dir, head_cpus, extra_env or {})
     try:
         cluster.wait_for_ips({HEAD_IP})
         for ip in worker_ips:

@@ -5,6 +5,11 @@ The tests share the cluster and run in order: ranks of one engine on two nodes; 
 one model on two nodes; then a worker node lost under traffic (the cluster is one node short
 after it). A model replica reserves its default 1.1 CPUs (its rank 1, itself 0.1), so a node
 holds one: the replicas land on different nodes and one node is left for a replacement.
+
+The Serve tests run with either HTTP ingress (a cluster each). Serve's Python proxy relays to the
+ingress on the head. HAProxy (on the head) forwards to two ingress replicas on two nodes (one
+per node), so it reaches a replica on another node; it and the replicas listen on all
+interfaces, as `hybridserve serve` has them on a cluster.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import ray
 from ray import serve
 from ray.serve.config import HTTPOptions
 
+from cluster.cli.ingress_mode import ALL_INTERFACES, HAPROXY, PROXY, set_mode_env
 from cluster.config.engine_args import EngineArgs
 from cluster.engine.client import collect
 from cluster.engine.executor.placement import PlacementSpec
@@ -55,16 +61,26 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_served_model(tmp_path_factory.mktemp("multinode-model"))
 
 
+@pytest.fixture(scope="module", params=[PROXY, HAPROXY])
+def ingress(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RayNodes]:
+def cluster(tmp_path_factory: pytest.TempPathFactory, ingress: str) -> Iterator[RayNodes]:
     nodes_dir = tmp_path_factory.mktemp("nodes")
-    with ray_nodes(nodes_dir, head_cpus=2, worker_cpus=2) as nodes, driver(nodes):
-        yield nodes
+    env: dict[str, str] = {}
+    set_mode_env(ingress, env)
+    nodes = ray_nodes(nodes_dir, head_cpus=2, worker_cpus=2, extra_env=env)
+    with nodes as running, driver(running):
+        yield running
 
 
 def test_tp2_with_one_rank_per_node_gives_the_in_process_tokens(
-    cluster: RayNodes, model_dir: Path
+    cluster: RayNodes, model_dir: Path, ingress: str
 ) -> None:
+    if ingress == HAPROXY:
+        pytest.skip("the engine's ranks do not depend on the HTTP ingress (run with the proxy)")
     greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     in_process = LLM(str(model_dir), distributed_executor_backend="uni", **ENGINE_KWARGS)
     try:
@@ -88,21 +104,26 @@ def test_tp2_with_one_rank_per_node_gives_the_in_process_tokens(
         engine.shutdown()
 
 
-def _app_config(model_dir: Path) -> dict[str, Any]:
+def _app_config(model_dir: Path, ingress_on_two_nodes: bool = False) -> dict[str, Any]:
     """Two replicas with the default resources; the ingress on the head (so that losing a
-    worker node loses model replicas only)."""
+    worker node loses model replicas only), or on two nodes (one replica each)."""
     config = llm_config(model_dir, MODEL, worker_step_timeout_s=STEP_TIMEOUT_S)
     config["deployment_config"] = {"num_replicas": 2, "graceful_shutdown_timeout_s": 5}
-    ingress = {"resources": {"node:__internal_head__": 0.001}}
-    return {"llm_configs": [config], "ingress_deployment_config": {"ray_actor_options": ingress}}
+    if ingress_on_two_nodes:
+        spread = {"num_replicas": 2, "max_replicas_per_node": 1}
+        return {"llm_configs": [config], "ingress_deployment_config": spread}
+    head = {"resources": {"node:__internal_head__": 0.001}}
+    return {"llm_configs": [config], "ingress_deployment_config": {"ray_actor_options": head}}
 
 
 @pytest.fixture(scope="module")
-def base_url(cluster: RayNodes, model_dir: Path) -> Iterator[str]:
+def base_url(cluster: RayNodes, model_dir: Path, ingress: str) -> Iterator[str]:
     port = free_port()
-    serve.start(proxy_location="HeadOnly", http_options=HTTPOptions(host=HEAD_IP, port=port))
-    try:
-        serve.run(build_openai_app(_app_config(model_dir)), name=APP, route_prefix="/")
+    host = ALL_INTERFACES if ingress == HAPROXY else HEAD_IP
+    serve.start(proxy_location="HeadOnly", http_options=HTTPOptions(host=host, port=port))
+    try:  # serve.run returns once the proxy (HAProxy: every app has a healthy replica) serves
+        app = build_openai_app(_app_config(model_dir, ingress_on_two_nodes=ingress == HAPROXY))
+        serve.run(app, name=APP, route_prefix="/")
         yield f"http://{HEAD_IP}:{port}"
     finally:
         shutdown_serve()
@@ -130,9 +151,21 @@ async def _burst(base_url: str, count: int) -> list[Outcome]:
 
 
 def test_two_replicas_on_two_nodes_both_serve(cluster: RayNodes, base_url: str) -> None:
-    """Bursts of 16 streams until each replica has been seen handling one (Serve's router may
-    learn of the second replica a moment after the application is up), within a deadline."""
-    replicas = _replica_ips(cluster)
+    _both_serve(base_url, _replica_ips(cluster))
+
+
+def test_haproxy_reaches_ingress_replicas_on_two_nodes(
+    cluster: RayNodes, base_url: str, ingress: str
+) -> None:
+    if ingress != HAPROXY:
+        pytest.skip("Serve's proxy relays to the one ingress replica, on the head")
+    _both_serve(base_url, cluster.actor_ips("OpenAiIngress"))
+
+
+def _both_serve(base_url: str, replicas: dict[str, str]) -> None:
+    """Bursts of 16 streams until each of the two `replicas` (on two nodes) has been seen
+    handling one (a router may learn of the second a moment after the application is up),
+    within a deadline."""
     assert len(replicas) == 2
     assert len(set(replicas.values())) == 2, replicas
     busiest = dict.fromkeys(replicas, 0)
@@ -185,8 +218,11 @@ async def _kill_when_busy(cluster: RayNodes, lost_ip: str, replica: str) -> floa
 
 
 def test_lost_worker_node_fails_its_requests_and_serve_replaces_the_replica(
-    cluster: RayNodes, base_url: str
+    cluster: RayNodes, base_url: str, model_dir: Path
 ) -> None:
+    # the ingress back on the head (HAProxy's two ingress replicas become one there), so that
+    # the lost node holds model replicas only, in either ingress
+    serve.run(build_openai_app(_app_config(model_dir)), name=APP, route_prefix="/")
     replicas = _replica_ips(cluster)
     replica, lost_ip = next((n, ip) for n, ip in replicas.items() if ip in WORKER_IPS)
     stop = asyncio.Event()
