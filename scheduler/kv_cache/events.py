@@ -15,16 +15,11 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from scheduler.block_hash import SEED, BlockHash
 from scheduler.kv_cache.spec import KVCacheGroupSpec
-
-if TYPE_CHECKING:  # the pool imports this module
-    from scheduler.kv_cache.block_pool import BlockPool
-    from scheduler.request import Request
 
 
 @dataclass(frozen=True)
@@ -138,28 +133,6 @@ class EvictionOutlook:
     """Per request running then: its tokens computed and the most it may still generate.
     Decoding, it takes a block in each group from the same queue whenever it crosses a block
     boundary."""
-
-
-def pool_eviction_outlook(
-    pool: BlockPool, running: Sequence[Request], limit: int = OUTLOOK_BLOCKS
-) -> EvictionOutlook | None:
-    """The keys `pool` would evict next, in its order, with how far the `running` requests are
-    (None: events off)."""
-    if pool.event_sink is None:
-        return None
-    maps = pool.hash_maps
-    order: list[tuple[int, BlockHash] | None] = []
-    for block in pool.free_queue.eviction_order(limit):
-        block_hash = block.block_hash
-        keyed = block_hash is not None and maps[block.group_id].get(block_hash) is block
-        order.append((block.group_id, block_hash) if keyed else None)  # type: ignore[arg-type]
-    return EvictionOutlook(tuple(order), tuple(map(_decode_progress, running)))
-
-
-def _decode_progress(request: Request) -> tuple[int, int]:
-    """A running request's tokens computed and the most tokens it may still generate."""
-    left = request.sampling_params.max_tokens - request.num_output_tokens
-    return request.num_computed_tokens, left
 
 
 @dataclass(frozen=True)

@@ -15,19 +15,14 @@ from scheduler.config import OffloadConfig
 from scheduler.kv_cache.block_pool import BlockPool
 from scheduler.kv_cache.checkpoints import StateCheckpoints
 from scheduler.kv_cache.coordinator import make_coordinator
-from scheduler.kv_cache.events import (
-    OUTLOOK_BLOCKS,
-    EvictionOutlook,
-    KVEventBatch,
-    KVEventSink,
-    pool_eviction_outlook,
-)
+from scheduler.kv_cache.events import OUTLOOK_BLOCKS, EvictionOutlook, KVEventBatch, KVEventSink
 from scheduler.kv_cache.eviction import EvictionPolicy
 from scheduler.kv_cache.free_block_queue import block_ids
 from scheduler.kv_cache.mamba_manager import MambaManager
 from scheduler.kv_cache.manager_types import CacheHit, KVCacheBlocks, KVCacheStats
 from scheduler.kv_cache.miss_reasons import explain_misses
 from scheduler.kv_cache.offload import build_offload_index, count_offloaded
+from scheduler.kv_cache.outlook import pool_eviction_outlook
 from scheduler.kv_cache.spec import KVCacheConfig, MambaCacheMode, MambaSpec, manager_spec
 from scheduler.kv_cache.spec_slots import SpecStateSlots
 from scheduler.kv_cache.step_phases import ALL_PHASES, StepPhases, step_phases
