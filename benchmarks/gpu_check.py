@@ -22,6 +22,8 @@ Sections, in order (`--sections` picks some):
 - `images`: a Gemma-3-shaped image model (SigLIP-So400m at 896 px, Gemma-3-4B text, random
   weights) through `LLM`: images/s and time to first token with 1 and 8 images per request, the
   encoder's share of the step time, a step's images in one encoder call against one per call.
+- `layer_ops`: operations per decoder layer and kernel launches per decode step (8 requests)
+  with the fused layer kernels, tiny Llama, Gemma 3 and Qwen3.5 models.
 
 Every section's figures (or its error) land in OUT/gpu-check.json and OUT/gpu-check.md, with
 device, date and commit, rewritten after each section so that a run cut short keeps what it
@@ -62,11 +64,13 @@ from gpu_check_kernels import (  # noqa: E402
     quant_figures,
 )
 from gpu_check_kv_pull import kv_pull_figures  # noqa: E402
+from gpu_check_layer_ops import layer_ops_figures  # noqa: E402
 from gpu_check_lora import lora_figures  # noqa: E402
 from gpu_check_quant_e2e import quant_e2e_figures, quant_e2e_run  # noqa: E402
 
 SECTIONS = (
     "tests", "attention", "recurrent", "lora", "quant", "kv_pull", "e2e", "quant_e2e", "images",
+    "layer_ops",
 )  # fmt: skip
 Report = dict[str, object]
 
@@ -180,6 +184,7 @@ def run_sections(args: argparse.Namespace, out: Path) -> Report:
         "e2e": lambda: run_e2e(args, device),
         "quant_e2e": lambda: {"rows": quant_e2e_figures(quant_e2e_run(args.tiny, device))},
         "images": lambda: image_figures(IMAGE_SHAPES["tiny" if args.tiny else "gpu"], device),
+        "layer_ops": lambda: layer_ops_figures(device, args.tiny),
     }
     report: Report = header(args)
     sections: dict[str, Report] = {}

@@ -34,7 +34,9 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
         "e2e",
         "quant_e2e",
         "images",
+        "layer_ops",
     ]
+    assert sections["layer_ops"]["rows"][0]["ops_per_layer_per_decode_step"] > 0
     assert {row["kernel"] for row in sections["lora"]["rows"]} == {"torch"}
     quant = sections["quant"]
     assert quant["all_within_tolerance"] is True
