@@ -11,6 +11,12 @@ deployment through its handle, so one replica (as vLLM's one engine); several mo
     GET  /is_sleeping                    POST /pause?mode=abort&clear_cache=true
     POST /resume                         GET  /is_paused
     POST /reset_prefix_cache             POST /collective_rpc {method, args, kwargs, timeout}
+    POST /init_weight_transfer_engine {init_info}      POST /start_weight_update
+    POST /update_weights {update_info: {weights_path}} POST /finish_weight_update {weight_version}
+    GET  /get_weight_version
+
+Over HTTP an update comes from a checkpoint folder (`weights_path`); a trainer's in-memory
+shards take the Python calls (`cluster.engine.weight_calls`).
 
 Bad input (an unknown mode, level, tag or worker method) is a 400 whose message is one line.
 """
@@ -95,6 +101,50 @@ class DevRoutes:
 
         return await self._call(model, "collective_rpc", args, "results")
 
+    @router.post("/init_weight_transfer_engine", include_in_schema=False)
+    async def dev_init_weight_transfer_engine(
+        self, raw: Request, model: str | None = None
+    ) -> Response:
+        body = await _json_object(raw)
+        if isinstance(body, ErrorResponse):
+            return _error(body)
+        info = lambda: (_object(body.get("init_info", {}), "init_info"),)  # noqa: E731
+        return await self._call(model, "init_weight_transfer_engine", info, via="weight_call")
+
+    @router.post("/start_weight_update", include_in_schema=False)
+    async def dev_start_weight_update(self, model: str | None = None) -> Response:
+        return await self._call(model, "start_weight_update", tuple, via="weight_call")
+
+    @router.post("/update_weights", include_in_schema=False)
+    async def dev_update_weights(self, raw: Request, model: str | None = None) -> Response:
+        body = await _json_object(raw)
+        if isinstance(body, ErrorResponse):
+            return _error(body)
+
+        def args() -> tuple[object, ...]:
+            info = _object(body.get("update_info", body), "update_info")
+            if not isinstance(info.get("weights_path"), str):
+                raise ValueError("update_weights over HTTP needs update_info.weights_path")
+            return ({"weights_path": info["weights_path"]},)
+
+        return await self._call(model, "update_weights", args, "bytes_received", via="weight_call")
+
+    @router.post("/finish_weight_update", include_in_schema=False)
+    async def dev_finish_weight_update(self, raw: Request, model: str | None = None) -> Response:
+        body = await _json_object(raw)
+        if isinstance(body, ErrorResponse):
+            return _error(body)
+        version = lambda: (body.get("weight_version"),)  # noqa: E731
+        return await self._call(
+            model, "finish_weight_update", version, "weight_version", via="weight_call"
+        )
+
+    @router.get("/get_weight_version", include_in_schema=False)
+    async def dev_get_weight_version(self, model: str | None = None) -> Response:
+        return await self._call(
+            model, "get_weight_version", tuple, "weight_version", via="weight_call"
+        )
+
     async def _call(
         self,
         model: str | None,
@@ -102,13 +152,14 @@ class DevRoutes:
         args: Any,
         answer_key: str | None = None,
         status: str | None = None,
+        via: str = "control",
     ) -> Response:
         """Check the arguments (`args()`), run the control call on the model's deployment and
         answer as vLLM's route does."""
         if not server_dev_mode_from_env():
             return _error(errors.error_response("Not Found", 404))
         try:
-            value = await self._control(model, name, args())
+            value = await self._control(model, name, args(), via)
         except (ValueError, TypeError) as error:
             return _error(errors.bad_request(_one_line(error)))
         except Exception as error:
@@ -124,15 +175,24 @@ class DevRoutes:
             return Response(status_code=200)
         return JSONResponse({answer_key: _jsonable(value)})
 
-    async def _control(self, model: str | None, name: str, args: tuple[object, ...]) -> object:
-        """The call on the model's engine: this replica's own (one hop) or over its handle."""
+    async def _control(
+        self, model: str | None, name: str, args: tuple[object, ...], via: str = "control"
+    ) -> object:
+        """The call on the model's engine (`via`: control or weight_call): this replica's own
+        (one hop) or over its handle."""
         local = getattr(self, "server", None)
         if local is not None:
-            return await local.control(name, *args)
+            return await getattr(local, via)(name, *args)
         handle = self.route(model)
         if isinstance(handle, ErrorResponse):
             return handle
-        return await handle.control.remote(name, *args)
+        return await getattr(handle, via).remote(name, *args)
+
+
+def _object(value: object, what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a JSON object")
+    return value
 
 
 def _level(level: str) -> int:

@@ -39,6 +39,7 @@ from cluster.engine.mm_inputs import MultiModalConfig, load_multimodal_inputs
 from cluster.engine.outputs import OutputAccumulator, RequestOutput
 from cluster.engine.request import EngineRequest
 from cluster.engine.stream_batching import StreamBatching
+from cluster.engine.weight_sync import WEIGHT_CALLS
 from cluster.openai_api.content_parts import first_image_part
 from cluster.openai_api.protocol import (
     ChatCompletionRequest,
@@ -378,6 +379,12 @@ class LLMServer:
         if name not in CONTROL_NAMES:
             raise ValueError(f"unknown engine control call {name!r}")
         return await self.engine.control(name, *args)
+
+    async def weight_call(self, name: str, *args: object) -> object:
+        """A weight-transfer call of the development routes (`cluster.engine.weight_calls`)."""
+        if name not in WEIGHT_CALLS:
+            raise ValueError(f"unknown weight call {name!r}")
+        return await self.engine.weight_call(name, *args)
 
     async def check_health(self) -> None:
         """Serve's health check: raises when the engine or a worker is dead."""
