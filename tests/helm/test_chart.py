@@ -33,6 +33,7 @@ from cluster.config import (
     validate_engine_kwargs,
 )
 from cluster.config.pd_args import PDServingArgs
+from cluster.serve.batch_store import BATCH_DIR_ENV
 
 if sys.platform == "linux" and platform.machine() == "x86_64":
     import helm_python as helm  # a dev dependency wherever its wheel exists
@@ -58,9 +59,11 @@ BATCH = {"mode": "batch", "batch": {"replicas": 2, "extraArgs": ["--continue-on-
                                     "dataVolume": {"claimName": "batch-data"}}}  # fmt: skip
 CPU = yaml.safe_load((CHART / "values-cpu.yaml").read_text())  # the CPU preset, as `-f` gives it
 KV_OFFLOAD = {"kvOffload": {"sizeGiB": 8, "disk": {"sizeGiB": 100, "hostPath": "/mnt/kv"}}}
+BATCH_STORE = {"batchStore": {"enabled": True, "storageClass": "nfs", "mountPath": "/srv/batches"}}
 CASES = {
     "service-default": {},
     "service-kv-offload": KV_OFFLOAD,
+    "service-batch-store": BATCH_STORE,
     "service-cpu": CPU,
     "service-tp2": TP2,
     "service-full": FULL,
@@ -271,6 +274,38 @@ def test_kv_offload_values_reach_engine_kwargs_and_put_the_disk_level_on_a_volum
         assert volume["hostPath"] == {"path": "/mnt/kv", "type": "DirectoryOrCreate"}
     default = _serving_args(_render({})["RayService"]).llm_configs[0].engine_args()
     assert default.kv_offloading_size is None
+
+
+def _batch_store_mounts(values: dict[str, Any]) -> list[tuple[str | None, str | None]]:
+    """Per Ray pod: (HYBRIDSERVE_BATCH_DIR, the claim mounted there)."""
+    objects = _render(values)
+    kind = "RayService" if "RayService" in objects else "RayJob"
+    spec = objects[kind]["spec"]
+    found = []
+    for pod in _pods(spec["rayClusterConfig"] if kind == "RayService" else spec["rayClusterSpec"]):
+        (container,) = pod["containers"]
+        folder = {e["name"]: e.get("value") for e in container["env"]}.get(BATCH_DIR_ENV)
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        volume = volumes.get(mounts.get(folder or "", ""), {})
+        found.append((folder, volume.get("persistentVolumeClaim", {}).get("claimName")))
+    return found
+
+
+def test_batch_store_values_mount_a_claim_at_the_batch_folder_on_every_pod() -> None:
+    objects = _render(BATCH_STORE)
+    assert set(_batch_store_mounts(BATCH_STORE)) == {
+        ("/srv/batches", "demo-hybridserve-batch-store")
+    }
+    claim = objects["PersistentVolumeClaim/batch-store"]["spec"]
+    assert (claim["storageClassName"], claim["accessModes"]) == ("nfs", ["ReadWriteMany"])
+    existing = {"batchStore": {"enabled": True, "existingClaim": "shared-batches"}}
+    assert set(_batch_store_mounts(existing)) == {
+        ("/var/lib/hybridserve/batches", "shared-batches")
+    }
+    assert "PersistentVolumeClaim/batch-store" not in _render(existing)
+    assert set(_batch_store_mounts({})) == {(None, None)}  # Ray's object store
+    assert set(_batch_store_mounts({**BATCH_STORE, "mode": "batch"})) == {(None, None)}
 
 
 CACHE_DTYPES = {

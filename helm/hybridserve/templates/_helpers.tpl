@@ -35,6 +35,15 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 {{- end -}}
 
+{{- define "hybridserve.batchStoreClaim" -}}
+{{- default (printf "%s-batch-store" (include "hybridserve.fullname" .)) .Values.batchStore.existingClaim -}}
+{{- end -}}
+
+{{/* Whether the Files and Batch APIs' store is a volume (service mode only). */}}
+{{- define "hybridserve.batchStoreOn" -}}
+{{- if and .Values.batchStore.enabled (eq .Values.mode "service") }}true{{- end -}}
+{{- end -}}
+
 {{- define "hybridserve.modelCacheClaim" -}}
 {{- default (printf "%s-model-cache" (include "hybridserve.fullname" .)) .Values.modelCache.existingClaim -}}
 {{- end -}}
@@ -123,6 +132,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 - name: HF_HOME
   value: {{ .Values.modelCache.mountPath | quote }}
 {{- end }}
+{{- if include "hybridserve.batchStoreOn" . }}
+- name: HYBRIDSERVE_BATCH_DIR
+  value: {{ .Values.batchStore.mountPath | quote }}
+{{- end }}
 {{- end -}}
 
 {{/* Volumes and mounts of every Ray pod: /dev/shm, the model cache, a pvc:// model, batch data. */}}
@@ -140,6 +153,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if and (eq .Values.mode "batch") .Values.batch.dataVolume.claimName }}
 - name: batch-data
   persistentVolumeClaim: {claimName: {{ .Values.batch.dataVolume.claimName | quote }}}
+{{- end }}
+{{- if include "hybridserve.batchStoreOn" . }}
+- name: batch-store
+  persistentVolumeClaim: {claimName: {{ include "hybridserve.batchStoreClaim" . | quote }}}
 {{- end }}
 {{- if and .Values.kvOffload.sizeGiB .Values.kvOffload.disk.sizeGiB }}
 - name: kv-offload
@@ -161,6 +178,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- if and (eq .Values.mode "batch") .Values.batch.dataVolume.claimName }}
 - {name: batch-data, mountPath: {{ .Values.batch.dataVolume.mountPath | quote }}}
+{{- end }}
+{{- if include "hybridserve.batchStoreOn" . }}
+- {name: batch-store, mountPath: {{ .Values.batchStore.mountPath | quote }}}
 {{- end }}
 {{- if and .Values.kvOffload.sizeGiB .Values.kvOffload.disk.sizeGiB }}
 - {name: kv-offload, mountPath: {{ .Values.kvOffload.disk.mountPath | quote }}}
