@@ -238,7 +238,7 @@ class WeightUpdater:
     def apply_staged(self) -> int:
         """Copy every staged tensor into the model; the number of tensors applied."""
         staged, self._staged = self._staged, {}
-        self._apply(staged.items(), group_quantized=True)
+        self._apply(staged.items, group_quantized=True)
         return len(staged)
 
     def load_folder(self, read: Callable[[], Iterable[tuple[str, WeightSource]]]) -> None:
@@ -246,19 +246,17 @@ class WeightUpdater:
         all checked on the meta copy first, then loaded."""
         recordings = {name: recording_of(name, source) for name, source in read()}
         self._dry_run(recordings, group_quantized=False)
-        self._apply(read(), group_quantized=False)
+        self._apply(read, group_quantized=False)
 
     @torch.no_grad()
-    def _apply(self, sources: Iterable[tuple[str, WeightSource]], group_quantized: bool) -> None:
-        """Load checked sources into the model (and the MTP layer) in place."""
-        items = dict(sources) if self.mtp is not None else sources
-        mapping = items if isinstance(items, dict) else None
-        if mapping is None:
-            _load_named(self.model, self._grouped_items(items, group_quantized))
-            return
-        _load_named(self.model, self._grouped(mapping, group_quantized))
-        assert self.mtp is not None
-        _load_named(self.mtp, self._grouped(mapping, group_quantized))
+    def _apply(
+        self, read: Callable[[], Iterable[tuple[str, WeightSource]]], group_quantized: bool
+    ) -> None:
+        """Load checked sources into the model (and the MTP layer) in place; `read()` gives
+        them (once per module)."""
+        for module in (self.model, self.mtp):
+            if module is not None:
+                _load_named(module, self._grouped_items(read(), group_quantized))
 
     def _grouped_items(
         self, items: Iterable[tuple[str, WeightSource]], group_quantized: bool

@@ -68,11 +68,15 @@ class Settled(NamedTuple):
 class WeightTransferState:
     """An engine's weight-transfer set-up and the update under way."""
 
-    config: WeightTransferConfigArgs = field(default_factory=WeightTransferConfigArgs)
+    config: WeightTransferConfigArgs = field(default_factory=lambda: _default_config())
     initialized: bool = False
     update_open: bool = False
     staged_folder: str | None = None
     last_sync_seconds: float = 0.0
+
+
+def _default_config() -> WeightTransferConfigArgs:
+    return WeightTransferConfigArgs.model_validate({})
 
 
 def _state(core: EngineCore) -> WeightTransferState:
@@ -80,7 +84,7 @@ def _state(core: EngineCore) -> WeightTransferState:
     if weights.transfer is None:
         configured = weights.transfer_config
         assert configured is None or isinstance(configured, WeightTransferConfigArgs)
-        weights.transfer = WeightTransferState(configured or WeightTransferConfigArgs())
+        weights.transfer = WeightTransferState(configured or _default_config())
     assert isinstance(weights.transfer, WeightTransferState)
     return weights.transfer
 

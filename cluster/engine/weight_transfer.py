@@ -22,7 +22,7 @@ import itertools
 import pickle
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import ray
 import torch
@@ -76,7 +76,8 @@ class WeightSender:
 
     def weight_shard(self, update_id: int, rank: int) -> ReceivedShard:
         """Rank `rank`'s parts of update `update_id`."""
-        sent = getattr(self, "_sent_weights", {}).get(update_id)
+        kept: dict[int, list[ReceivedShard]] = getattr(self, "_sent_weights", {})
+        sent = kept.get(update_id)
         if sent is None:
             raise WeightUpdateError(f"this sender holds no update {update_id} (released?)")
         if rank >= len(sent):
@@ -104,12 +105,13 @@ class ActorShards:
         """The actor handle pickled by Ray's serializer, so that any pickler (the ranks'
         channel) can carry the handle to a rank in another process."""
         state = (self.update_id, self.shapes, self.timeout_s)
-        return _actor_shards, (ray.cloudpickle.dumps(self.actor), *state)
+        actor = ray.cloudpickle.dumps(self.actor)  # type: ignore[no-untyped-call]
+        return _actor_shards, (actor, *state)
 
     def fetch(self, rank: int) -> ReceivedShard:
         try:
             ref = self.actor.weight_shard.remote(self.update_id, rank)
-            shard: ReceivedShard = ray.get(ref, timeout=self.timeout_s)
+            shard: ReceivedShard = cast(ReceivedShard, ray.get(ref, timeout=self.timeout_s))
         except ray.exceptions.GetTimeoutError:
             raise WeightUpdateError(
                 f"rank {rank}'s weight shard did not arrive within {self.timeout_s:g} s"
@@ -176,7 +178,10 @@ def ipc_rank_shards(
                 raise ValueError(f"backend 'ipc' needs CUDA tensors; {name} is on {tensor.device}")
             parts = cut_shard(tensor, regions)
             keep_alive.extend(parts.values())
-            rank_handles[name] = {region: reduce_tensor(part) for region, part in parts.items()}
+            rank_handles[name] = {
+                region: reduce_tensor(part)  # type: ignore[no-untyped-call]
+                for region, part in parts.items()
+            }
         handles.append(rank_handles)
     shapes = {name: tuple(t.shape) for name, t in named_tensors.items()}
     return IpcShards(handles, shapes, keep_alive)
