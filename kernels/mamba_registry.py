@@ -1,11 +1,12 @@
 """Mamba kernel registry: the torch reference or the Triton kernels, picked once per worker.
 
 `select_mamba_kernels` follows the attention backend choice: "torch" and "reference" give the
-reference, "triton" the Triton kernels (ValueError when unavailable), "flash_attn" and "auto"
-the Triton kernels on CUDA when triton imports, else the reference. Kernel modules load only
-when chosen. The gated DeltaNet layers' delta rule kernels come along
-(`kernels.gated_delta_registry`): fla-core on CUDA when installed, unless "torch" or
-"reference" was asked.
+reference, "batch_invariant" the token-by-token scan and delta rule of the batch-invariant mode
+(`kernels.batch_invariant_recurrent`) with the reference conv, "triton" the Triton kernels
+(ValueError when unavailable), "flash_attn" and "auto" the Triton kernels on CUDA when triton
+imports, else the reference. Kernel modules load only when chosen. The gated DeltaNet layers'
+delta rule kernels come along (`kernels.gated_delta_registry`): fla-core on CUDA when
+installed, unless "torch" or "reference" was asked.
 """
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ def select_mamba_kernels(name: str, device: str | torch.device) -> MambaKernels:
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown backend {name!r}; choose one of {BACKEND_NAMES}")
     device = torch.device(device)
+    if name == "batch_invariant":
+        from kernels import batch_invariant_recurrent as invariant
+        from kernels import mamba_reference
+
+        return MambaKernels(
+            name, mamba_reference.causal_conv1d, invariant.ssd_scan, invariant.gated_delta_kernels()
+        )
     if name in ("torch", "reference"):
         return _build("torch", device, allow_fla=False)
     reason = triton_device_reason(device)

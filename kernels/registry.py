@@ -4,7 +4,9 @@
 kernel ("torch": all decodes of a step in a few gathers and batched products) on CPU, and logs
 why; on CPU it beats the per-request reference end to end in fp32 and in bf16
 (docs/benchmarks.md). "reference" is the per-request torch path, the oracle every other backend
-is tested against. Kernel modules are imported only when selected. fp8 KV pages
+is tested against. "batch_invariant" (the batch-invariant mode's; never picked by "auto") gives
+each query row the same arithmetic whatever the batch (`kernels.batch_invariant_attention`),
+on any device. Kernel modules are imported only when selected. fp8 KV pages
 (`kernels.kv_quant`) are read by every backend but flash-attn 2, which `auto` then skips.
 """
 
@@ -24,7 +26,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-BACKEND_NAMES = ("auto", "triton", "flash_attn", "torch", "reference")
+BACKEND_NAMES = ("auto", "triton", "flash_attn", "torch", "reference", "batch_invariant")
 
 
 class StoreKVCacheFn(Protocol):
@@ -146,7 +148,7 @@ def _select_auto(request: _Request) -> AttentionBackend:
 
 
 def _unavailable_reason(name: str, request: _Request) -> str | None:
-    if name in ("torch", "reference"):
+    if name in ("torch", "reference", "batch_invariant"):
         return None
     if name == "flash_attn":
         from kernels import flash_attn
@@ -204,6 +206,10 @@ def _build(name: str) -> AttentionBackend:
 
     if name == "reference":
         return AttentionBackend(name, reference.store_kv_cache, reference.paged_attention)
+    if name == "batch_invariant":
+        from kernels import batch_invariant_attention as invariant
+
+        return AttentionBackend(name, reference.store_kv_cache, invariant.paged_attention)
     if name == "torch":
         from kernels import batched_attention
 

@@ -1,0 +1,141 @@
+"""Batch-invariant matrix products: a row's result does not depend on how many rows share the
+product (the batch-invariant mode's GEMMs, entered around each step with `batch_invariant_gemms`).
+
+A CPU GEMM (MKL, oneDNN) picks its blocking, its kernel (gemv for one row) and its thread split
+from the number of rows M, so row r of `x @ W^T` changes in the last bits with the batch around
+it. Here every product against a weight runs on tiles of exactly `ROW_TILE` rows (the last tile
+padded with zeros): one fixed problem shape, so each row sees the same arithmetic whatever the
+batch, chunk or position it comes in.
+
+    x [M, K] -> pad to [ceil(M / T) * T, K] -> per tile of T rows: [T, K] @ W^T [K, N] -> [M, N]
+
+Elementwise transcendental functions (sigmoid, SiLU, softplus, ...) have the same trap on CPU:
+torch's vectorized loop leaves the elements past the last full vector (of the tensor, or of a
+thread's share) to a scalar loop, whose `exp` differs in the last bit. In the mode they run on a
+contiguous copy padded to whole vectors of every thread's share, so each element is computed by
+the vectorized code whatever the tensor's size.
+
+Products of two batched operands (attention tiles, recurrent states: `[B, m, k] @ [B, k, n]`)
+are left to torch: their per-problem shape does not depend on the batch, and each problem is
+computed alone. The mode is a `TorchFunctionMode`, so model code keeps calling `F.linear` and
+`@`; outside the context nothing changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+ROW_TILE = 16
+"""Rows of every weight product in the mode (a decode batch of up to 16 is one tile)."""
+_VECTOR_ELEMENTS = 64
+"""Elements of two AVX-512 vectors of bf16 (four of fp32): a multiple of every unroll."""
+
+
+def invariant_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` computed on fixed tiles of `ROW_TILE` rows: x `[..., K]`,
+    weight `[N, K]` -> `[..., N]`, each row's value independent of the other rows."""
+    rows = x.reshape(-1, x.shape[-1])
+    num_rows = rows.shape[0]
+    num_tiles = max(1, -(-num_rows // ROW_TILE))
+    padded = F.pad(rows, (0, 0, 0, num_tiles * ROW_TILE - num_rows))
+    # One call per tile, never one batched call: a batched product may change its algorithm
+    # with the number of tiles (MKL's does for one output column).
+    weight_t = weight.t()
+    out = torch.cat([torch.mm(tile, weight_t) for tile in padded.split(ROW_TILE)])
+    out = out[:num_rows]
+    if bias is not None:
+        out = out + bias
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a @ b` with a tiled product when `b` is a matrix (a weight); otherwise torch's."""
+    if b.dim() == 2 and a.dim() >= 2 and a.is_floating_point():
+        return invariant_linear(a, b.t())
+    return torch.matmul(a, b)
+
+
+def _linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    if weight.dim() != 2 or not x.is_floating_point():
+        return F.linear(x, weight, bias)
+    return invariant_linear(x, weight, bias)
+
+
+def _whole_vectors(func: Callable[..., Any], x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """`func(x, ...)` of an elementwise function, on a contiguous copy of `x` padded so that
+    every thread's share is whole vectors (in place when `func` is, or asks to be)."""
+    if x.device.type != "cpu" or not x.is_floating_point():
+        return func(x, *args, **kwargs)
+    step = _VECTOR_ELEMENTS * max(1, torch.get_num_threads())
+    if x.is_contiguous() and x.numel() % step == 0:
+        return func(x, *args, **kwargs)
+    flat = x.reshape(-1)
+    padded = F.pad(flat, (0, -flat.numel() % step))
+    result = func(padded, *args, **kwargs)
+    out = (padded if result is None else result)[: flat.numel()].view(x.shape)
+    if func.__name__.endswith("_") or kwargs.get("inplace"):
+        return x.copy_(out)
+    return out
+
+
+_ELEMENTWISE: tuple[Callable[..., Any], ...] = (
+    torch.sigmoid, torch.Tensor.sigmoid, torch.sigmoid_, torch.Tensor.sigmoid_,
+    F.silu, F.softplus, F.gelu, F.logsigmoid, F.mish, F.elu,
+    torch.exp, torch.Tensor.exp, torch.exp_, torch.Tensor.exp_,
+    torch.tanh, torch.Tensor.tanh, torch.tanh_, torch.Tensor.tanh_,
+    torch.log, torch.Tensor.log, torch.expm1, torch.Tensor.expm1,
+    torch.log1p, torch.Tensor.log1p, torch.erf, torch.Tensor.erf,
+)  # fmt: skip
+
+
+_OVERRIDES: dict[Callable[..., Any], Callable[..., torch.Tensor]] = {
+    F.linear: _linear,
+    torch.matmul: _matmul,
+    torch.Tensor.matmul: _matmul,
+    torch.Tensor.__matmul__: _matmul,
+    torch.mm: _matmul,
+    torch.Tensor.mm: _matmul,
+}
+
+
+_ELEMENTWISE_SET = frozenset(_ELEMENTWISE)
+
+
+class BatchInvariantGemms(TorchFunctionMode):
+    """Routes `F.linear`, `matmul`, `@` and `mm` against a weight matrix to `invariant_linear`
+    (every other torch call passes through unchanged)."""
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        override = _OVERRIDES.get(func)
+        if override is not None and not kwargs:
+            return override(*args)
+        if func in _ELEMENTWISE_SET and args and isinstance(args[0], torch.Tensor):
+            return _whole_vectors(func, *args, **kwargs)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def batch_invariant_gemms(enabled: bool = True) -> Iterator[None]:
+    """Inside: weight products are batch-invariant (`enabled=False`: nothing changes)."""
+    if not enabled:
+        yield
+        return
+    with BatchInvariantGemms():
+        yield

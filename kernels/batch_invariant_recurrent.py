@@ -1,0 +1,129 @@
+"""Batch-invariant Mamba-2 scan and gated delta rule: one token at a time, for every sequence.
+
+A chunked scan groups tokens by where the step cut the sequence (a prefill chunk, a prefix
+hit, a decode, a verified draft), so a token's arithmetic changes with the cut. Here each token
+updates its sequence's state with the decode formula, all sequences of a step together, and
+every product is an elementwise multiply and a fixed-length sum (a batched GEMM may change its
+algorithm with the batch count): a token's output and the states after it are the same whatever
+the cuts, the batch, or whether the state came from the prefix cache.
+
+    step t: sequences with more than t tokens (rows starts[s] + t)
+      Mamba-2:     h = exp(dt A) h + dt x B^T             y = h C + D x
+      delta rule:  S = exp(g) S ; S += k (beta (v - S^T k))^T   o = S^T (scale q)
+
+The conv1d before both is already per token (the reference's, a fixed sum over the kernel
+width). Called under `kernels.batch_invariant.batch_invariant_gemms`, which also keeps the
+elementwise exponentials independent of the tensor sizes.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from kernels.gated_delta_reference import (
+    DeltaRuleInputs,
+    DeltaRuleOutput,
+    compute_dtype,
+    expand_heads,
+)
+from kernels.gated_delta_registry import GatedDeltaKernels
+from kernels.mamba_reference import ScanOutput, as_host_list, discretize_dt, seq_of_positions
+
+
+@functools.cache
+def gated_delta_kernels() -> GatedDeltaKernels:
+    """The token-by-token delta rule for prefills and decodes alike."""
+    return GatedDeltaKernels("batch_invariant", gated_delta_rule, gated_delta_rule)
+
+
+class _Steps:
+    """The token loop of a step: per step t, which sequences still have a token and its row;
+    collects the state after the token before each cut position."""
+
+    def __init__(self, query_start_loc: torch.Tensor | Sequence[int], cuts: Sequence[int]):
+        self.starts = as_host_list(query_start_loc)
+        seq_of_positions(self.starts, list(cuts))  # validates the cuts
+        self.lengths = [b - a for a, b in itertools.pairwise(self.starts)]
+        self.cuts = [int(pos) for pos in cuts]
+        self._cut_after = {pos - 1 for pos in self.cuts}
+        self._cut_states: dict[int, torch.Tensor] = {}
+
+    def __iter__(self) -> Iterator[tuple[list[int], list[int]]]:
+        for step in range(max(self.lengths, default=0)):
+            seqs = [s for s, n in enumerate(self.lengths) if n > step]
+            yield seqs, [self.starts[s] + step for s in seqs]
+
+    def keep_cuts(self, rows: list[int], states: torch.Tensor) -> None:
+        """Remember the states `[len(rows), ...]` left by tokens just before a cut."""
+        for idx, row in enumerate(rows):
+            if row in self._cut_after:
+                self._cut_states[row + 1] = states[idx]
+
+    def cut_states(self, like: torch.Tensor) -> torch.Tensor:
+        if not self.cuts:
+            return like.new_zeros(0, *like.shape[1:])
+        return torch.stack([self._cut_states[pos] for pos in self.cuts])
+
+
+def ssd_scan(  # noqa: PLR0913 (the signature shared by every backend)
+    x: torch.Tensor,
+    dt: torch.Tensor,
+    A: torch.Tensor,
+    B: torch.Tensor,
+    C: torch.Tensor,
+    D: torch.Tensor | None,
+    dt_bias: torch.Tensor | None,
+    initial_states: torch.Tensor,
+    query_start_loc: torch.Tensor | Sequence[int],
+    chunk_size: int,
+    dt_limit: tuple[float, float] = (0.0, float("inf")),
+    cut_positions: Sequence[int] = (),
+) -> ScanOutput:
+    """Mamba-2 selective scan token by token (`chunk_size` unused); see
+    `kernels.mamba_reference.ssd_scan` for the arguments."""
+    del chunk_size
+    steps = _Steps(query_start_loc, cut_positions)
+    dt = discretize_dt(dt, dt_bias, dt_limit)  # [T, H]
+    per_group = x.shape[1] // B.shape[1]
+    b = B.float().repeat_interleave(per_group, dim=1)  # [T, H, N]
+    c = C.float().repeat_interleave(per_group, dim=1)
+    xf, decay = x.float(), torch.exp(dt * A.float())  # [T, H, P], [T, H]
+    states = initial_states.float().clone()  # [S, H, P, N]
+    out = torch.empty(xf.shape, device=x.device)
+    for seqs, rows in steps:
+        state = states[seqs] * decay[rows][:, :, None, None]
+        state = state + (dt[rows][:, :, None] * xf[rows])[..., None] * b[rows][:, :, None, :]
+        out[rows] = (state * c[rows][:, :, None, :]).sum(-1)
+        states[seqs] = state
+        steps.keep_cuts(rows, state)
+    if D is not None:
+        out = out + xf * D.float()[None, :, None]
+    return ScanOutput(out.to(x.dtype), states, steps.cut_states(states))
+
+
+def gated_delta_rule(
+    inputs: DeltaRuleInputs,
+    initial_states: torch.Tensor,
+    query_start_loc: torch.Tensor | Sequence[int],
+    scale: float,
+    cut_positions: Sequence[int] = (),
+) -> DeltaRuleOutput:
+    """The gated delta rule token by token; see `kernels.gated_delta_reference`."""
+    steps = _Steps(query_start_loc, cut_positions)
+    q, k, v, g, beta = expand_heads(inputs)  # [T, H, K] x2, [T, H, V], [T, H] x2
+    states = initial_states.to(compute_dtype(inputs.v)).clone()  # [S, H, K, V]
+    decay = g.exp()
+    out = torch.empty_like(v)
+    for seqs, rows in steps:
+        key = k[rows][..., None]  # [n, H, K, 1]
+        state = states[seqs] * decay[rows][:, :, None, None]
+        delta = beta[rows][..., None] * (v[rows] - (key * state).sum(-2))  # [n, H, V]
+        state = state + key * delta[:, :, None, :]
+        out[rows] = ((q[rows] * scale)[..., None] * state).sum(-2)
+        states[seqs] = state
+        steps.keep_cuts(rows, state)
+    return DeltaRuleOutput(out.to(inputs.v.dtype), states, steps.cut_states(states))
