@@ -33,7 +33,8 @@ class RunnerConfig:
     max_num_seqs: int = 256
     """Most requests in one step (rows of the block tables)."""
     attention_backend: str = "auto"
-    """One of kernels.BACKEND_NAMES (auto, triton, flash_attn, torch, reference)."""
+    """One of kernels.BACKEND_NAMES (auto, triton, flash_attn, torch, reference,
+    batch_invariant: the batch-invariant mode, see `batch_invariant`)."""
     seed: int = 0
     """Seed of the sampler's generator (requests without their own seed)."""
     kv_cache_memory_bytes: int | None = None
@@ -107,6 +108,13 @@ class RunnerConfig:
             )
         if torch.device(self.device).type not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+
+    @property
+    def batch_invariant(self) -> bool:
+        """The batch-invariant mode: its attention and recurrent kernels, and weight products on
+        fixed row tiles (`kernels.batch_invariant`), so a request's logprobs do not depend on
+        the batch, the prefill chunks, prefix hits or speculation."""
+        return self.attention_backend == "batch_invariant"
 
     def device_for_rank(self, rank: int) -> torch.device:
         """This rank's device: one GPU per rank on CUDA, the CPU otherwise."""

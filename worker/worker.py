@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kernels.batch_invariant import batch_invariant_gemms
 from scheduler.kv_cache.spec import KVCacheConfig
 from scheduler.lora import LoRARequest
 from scheduler.output import ModelRunnerOutput, OffloadOps, SchedulerOutput, TierPage
@@ -149,7 +150,8 @@ class Worker(WeightUpdateCalls):
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step; rank 0 returns the output, the other ranks None."""
-        output = self.model_runner.execute(scheduler_output)
+        with batch_invariant_gemms(self.spec.runner.batch_invariant):
+            output = self.model_runner.execute(scheduler_output)
         return output if self.rank == 0 else None
 
     def export_kv_shard(

@@ -88,6 +88,12 @@ class EngineArgs(StrictModel):
     attention_backend: str = "auto"
     """auto | triton | flash_attn | torch (batched torch; auto on CPU) | reference (per-request
     torch, the kernels' test oracle)."""
+    batch_invariant: bool = False
+    """Batch-invariant mode: a request's token logprobs are bit-identical whatever else is in
+    its batch, however its prefill is chunked, with or without a prefix hit or speculation
+    (the attention backend "batch_invariant", token-by-token recurrent kernels, weight products
+    on fixed row tiles). Costs some speed; the environment variable VLLM_BATCH_INVARIANT=1 (or
+    HYBRIDSERVE_BATCH_INVARIANT=1) turns it on too."""
     kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
     """Element type of attention KV pages: auto (the model dtype) or fp8 (e4m3; e5m2 on
     request): half the bytes per token. Recurrent state keeps `mamba_ssm_cache_dtype`."""

@@ -39,3 +39,17 @@ def server_dev_mode_from_env(environ: Mapping[str, str] | None = None) -> bool:
     """Whether the development routes are served (`SERVER_DEV_MODE_ENV`)."""
     value = (os.environ if environ is None else environ).get(SERVER_DEV_MODE_ENV, "")
     return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+BATCH_INVARIANT_ENVS = ("HYBRIDSERVE_BATCH_INVARIANT", "VLLM_BATCH_INVARIANT")
+"""Set either to 1 (or true) to run engines in the batch-invariant mode, as the engine argument
+`batch_invariant=True` does (vLLM's variable is honoured too)."""
+
+
+def batch_invariant_from_env(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a variable of `BATCH_INVARIANT_ENVS` turns the batch-invariant mode on."""
+    values = os.environ if environ is None else environ
+    return any(
+        values.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+        for name in BATCH_INVARIANT_ENVS
+    )

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from cluster.config.engine_args import EngineArgs
+from cluster.config.env import batch_invariant_from_env
 from scheduler.config import (
     OffloadConfig,
     SchedulerConfig,
@@ -78,7 +79,7 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
         device=device,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
-        attention_backend=args.attention_backend,
+        attention_backend=kernel_backend(args),
         seed=args.seed,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
@@ -118,6 +119,19 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
         args.tensor_parallel_size,
         args.disable_hybrid_kv_cache_manager,
     )
+
+
+def kernel_backend(args: EngineArgs) -> str:
+    """The workers' attention backend: "batch_invariant" in the batch-invariant mode (the
+    engine argument or `cluster.config.env.BATCH_INVARIANT_ENVS`), else `attention_backend`."""
+    if not (args.batch_invariant or batch_invariant_from_env()):
+        return args.attention_backend
+    if args.attention_backend not in ("auto", "batch_invariant"):
+        raise ValueError(
+            f"batch_invariant runs its own attention kernels; attention_backend must be 'auto', "
+            f"got {args.attention_backend!r}"
+        )
+    return "batch_invariant"
 
 
 def takes_whole_images(model: ModelConfig) -> bool:
