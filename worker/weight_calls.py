@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -24,7 +24,6 @@ from worker.weights import iterate_weights
 
 if TYPE_CHECKING:
     from worker.model_runner import ModelRunner
-    from worker.worker import WorkerSpec
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +42,8 @@ class WeightShardSource(Protocol):
 class WeightUpdateCalls:
     """Weight-update calls of a rank; needs the worker's `spec`, `rank` and `model_runner`."""
 
-    spec: WorkerSpec
+    spec: Any
+    """The worker's `WorkerSpec` (its model config and parallel layout are read)."""
     rank: int
     _weight_updater: WeightUpdater | None = None
 
