@@ -24,6 +24,10 @@ Sections, in order (`--sections` picks some):
   encoder's share of the step time, a step's images in one encoder call against one per call.
 - `layer_ops`: operations per decoder layer and kernel launches per decode step (8 requests)
   with the fused layer kernels, tiny Llama, Gemma 3 and Qwen3.5 models.
+- `graphs`: decode with CUDA graphs against `enforce_eager=True` and transformers, tokens/s as
+  fractions of the bandwidth roofline at batch 1, 8 and 64, on Llama-8B-, Qwen3.5- and
+  Gemma-3-shaped random models; kernel launches per decode step. (Graphs on against eager,
+  token for token, for every layout: the `tests` section, tests/gpu/test_cuda_graphs.py.)
 
 Every section's figures (or its error) land in OUT/gpu-check.json and OUT/gpu-check.md, with
 device, date and commit, rewritten after each section so that a run cut short keeps what it
@@ -55,6 +59,7 @@ import torch  # noqa: E402
 from bench_images import SHAPES as IMAGE_SHAPES  # noqa: E402
 from bench_images import image_figures  # noqa: E402
 from gpu_check_e2e import decode_run, e2e_figures, profile_decode  # noqa: E402
+from gpu_check_graphs import graphs_figures  # noqa: E402
 from gpu_check_kernels import (  # noqa: E402
     attention_figures,
     gated_delta_figures,
@@ -70,7 +75,7 @@ from gpu_check_quant_e2e import quant_e2e_figures, quant_e2e_run  # noqa: E402
 
 SECTIONS = (
     "tests", "attention", "recurrent", "lora", "quant", "kv_pull", "e2e", "quant_e2e", "images",
-    "layer_ops",
+    "layer_ops", "graphs",
 )  # fmt: skip
 Report = dict[str, object]
 
@@ -136,6 +141,12 @@ def run_e2e(args: argparse.Namespace, device: torch.device) -> Report:
     return {"copy_bandwidth_gbs": round(copy_gbs, 1)} | figures
 
 
+def run_graphs(args: argparse.Namespace, device: torch.device) -> Report:
+    copy_gbs = measure_copy_bandwidth(device, args.tiny)
+    rows = graphs_figures(device, args.tiny, copy_gbs)
+    return {"copy_bandwidth_gbs": round(copy_gbs, 1), "rows": rows}
+
+
 def _dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
@@ -185,6 +196,7 @@ def run_sections(args: argparse.Namespace, out: Path) -> Report:
         "quant_e2e": lambda: {"rows": quant_e2e_figures(quant_e2e_run(args.tiny, device))},
         "images": lambda: image_figures(IMAGE_SHAPES["tiny" if args.tiny else "gpu"], device),
         "layer_ops": lambda: layer_ops_figures(device, args.tiny),
+        "graphs": lambda: run_graphs(args, device),
     }
     report: Report = header(args)
     sections: dict[str, Report] = {}

@@ -162,6 +162,22 @@ class InputBatch:
         return int(self.seq_lens_np.max(initial=0))
 
 
+def scheduled_req_ids(
+    scheduler_output: SchedulerOutput, states: RequestStates, reorder_threshold: int | None
+) -> list[str]:
+    """A step's scheduled requests in batch order (reordered when a threshold is given)."""
+    num_scheduled = scheduler_output.num_scheduled_tokens
+    req_ids = [
+        req_id
+        for req_id in (
+            *(data.req_id for data in scheduler_output.scheduled_new_reqs),
+            *(data.req_id for data in scheduler_output.scheduled_cached_reqs),
+        )
+        if num_scheduled.get(req_id, 0) > 0
+    ]
+    return batch_order(req_ids, states, num_scheduled, reorder_threshold)
+
+
 def batch_order(
     req_ids: Sequence[str],
     states: RequestStates,

@@ -39,12 +39,13 @@ from worker.attention.metadata_transforms import StepRows
 from worker.block_copies import GroupTensors, copy_blocks, group_tensors, saves_by_request
 from worker.distributed import broadcast_token_lists
 from worker.grammar_mask import GrammarMask
+from worker.graphs.decode_graphs import DecodeGraphs, decode_graphs_for
 from worker.input_batch import (
     CachedRequestState,
     InputBatch,
     RequestStates,
-    batch_order,
     build_input_batch,
+    scheduled_req_ids,
 )
 from worker.kv_cache import (
     KVCaches,
@@ -151,6 +152,8 @@ class ModelRunner:
         )
         """The adapters' host copies and device slots (None: LoRA off)."""
         self.images = ImageStep(model, device) if takes_images(model) else None  # type: ignore[arg-type]
+        self.graphs: DecodeGraphs | None = None
+        """Uniform decode steps from static buffers, as CUDA graphs (after the KV cache)."""
 
     @property
     def dtype_bytes(self) -> int:
@@ -217,12 +220,19 @@ class ModelRunner:
         self._mamba_kernels = select_mamba_kernels(self.config.attention_backend, self.device)
         if self.proposer is not None:
             self.proposer.bind(self._drafter_cache())
+        self.graphs = decode_graphs_for(self, self.config.cuda_graphs)
+        self.rebuild_cuda_graphs()
         logger.info(
             "KV cache bound: %d KV cache groups, %d attention groups, kernel block sizes %s",
             len(kv_cache_config.groups),
             len(self.attention_groups),
             kernel_sizes,
         )
+
+    def rebuild_cuda_graphs(self) -> None:
+        """Drop and capture the decode graphs again (after weights or caches moved)."""
+        if self.graphs is not None:
+            self.graphs.rebuild()
 
     def _drafter_cache(self) -> DrafterCache:
         names = {layer.layer_name for layer in self.drafter_layers}
@@ -276,7 +286,7 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput(req_ids=[], sampled_token_ids=[])
         batch = build_input_batch(
-            self._batch_req_ids(scheduler_output),
+            scheduled_req_ids(scheduler_output, states, self.config.reorder_batch_threshold),
             states,
             scheduler_output.num_scheduled_tokens,
             scheduler_output.scheduled_spec_tokens,
@@ -300,7 +310,7 @@ class ModelRunner:
             layers = {name: per_group[gid] for name, gid in self._mamba_groups.items()}
             ctx = replace(ctx, mamba_metadata=layers)
         with self._lora_step(batch, scheduler_output.upcoming_loras):
-            hidden = self.model(batch.input_ids, batch.positions, ctx, **model_inputs)
+            hidden = self._forward(batch, ctx, model_inputs, prompt_rows is not None)
         if self.proposer is not None:
             self.proposer.observe(batch, ctx, hidden, saves)
         if copies_after:
@@ -318,6 +328,16 @@ class ModelRunner:
             return output
         return replace(output, prompt_logprobs=prompt_logprobs(logits[num_sampled:], prompt_rows))
 
+    def _forward(
+        self, batch: InputBatch, ctx: ForwardContext, inputs: dict[str, torch.Tensor], extra: bool
+    ) -> torch.Tensor:
+        """A uniform decode step from the static buffers (a CUDA graph's replay), any other step
+        eagerly (`inputs`: image embeddings; `extra`: prompt-logprob rows)."""
+        plan = None if self.graphs is None else self.graphs.plan(batch, ctx, bool(inputs) or extra)
+        if plan is None or self.graphs is None:
+            return self.model(batch.input_ids, batch.positions, ctx, **inputs)
+        return self.graphs.run(plan, batch, ctx)
+
     def _lora_step(
         self, batch: InputBatch, upcoming: Sequence[LoRARequest]
     ) -> contextlib.AbstractContextManager[None]:
@@ -332,21 +352,6 @@ class ModelRunner:
         segments = self.lora.segments_for(loras, num_tokens, held)
         self.lora.prefetch(upcoming)  # after segments_for: the step's slots are held
         return self.lora.active(segments)
-
-    def _batch_req_ids(self, scheduler_output: SchedulerOutput) -> list[str]:
-        """Scheduled requests in batch order (reordered when the config asks for it)."""
-        num_scheduled = scheduler_output.num_scheduled_tokens
-        req_ids = [
-            req_id
-            for req_id in (
-                *(data.req_id for data in scheduler_output.scheduled_new_reqs),
-                *(data.req_id for data in scheduler_output.scheduled_cached_reqs),
-            )
-            if num_scheduled.get(req_id, 0) > 0
-        ]
-        return batch_order(
-            req_ids, self._require_states(), num_scheduled, self.config.reorder_batch_threshold
-        )
 
     @property
     def block_tensors(self) -> tuple[GroupTensors, int]:

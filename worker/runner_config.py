@@ -6,7 +6,7 @@ it and never look at environment variables.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -14,6 +14,7 @@ from kernels import BACKEND_NAMES
 from scheduler.lora import LoRAConfig
 from scheduler.spec_config import SpeculativeConfig
 from worker.config import ModelConfig
+from worker.graphs.capture_sizes import CudaGraphConfig
 
 QUANTIZED_WEIGHT_MODES = ("auto", "kernels", "dequantize")
 """Accepted `quantized_weight_mode` values."""
@@ -73,6 +74,9 @@ class RunnerConfig:
     kernels on CUDA where the format has one, dequantized at load on CPU), "kernels" (the
     kernels on any device; on CPU they run under TRITON_INTERPRET=1, for tests) or
     "dequantize" (dequantized at load everywhere)."""
+
+    cuda_graphs: CudaGraphConfig = field(default_factory=CudaGraphConfig)
+    """Which decode steps run as CUDA graphs (`compilation_config`, `enforce_eager`; CUDA only)."""
 
     offload_load_timeout_s: float = 10.0
     """Seconds an offload-tier load may take before it counts as failed (the request then

@@ -21,6 +21,7 @@ from scheduler.output import ModelRunnerOutput, OffloadOps, SchedulerOutput, Tie
 from scheduler.spec_config import SpecMethod
 from worker.config import ModelConfig, ParallelConfig
 from worker.distributed import destroy_distributed, init_distributed
+from worker.graphs.decode_graphs import graph_memory_estimate
 from worker.kv_cache import KVCacheSpecReport, available_kv_cache_memory
 from worker.kv_io.kv_direct import (
     SEND_TIMEOUT_S,
@@ -139,9 +140,13 @@ class Worker(WeightUpdateCalls):
     def available_kv_cache_memory(self) -> int:
         """Bytes this rank can give the KV cache (measured on CUDA, configured on CPU)."""
         runner = self.spec.runner
-        return available_kv_cache_memory(
+        budget = available_kv_cache_memory(
             self.device, runner.gpu_memory_utilization, runner.kv_cache_memory_bytes
         )
+        if runner.kv_cache_memory_bytes is None:  # measured: leave room for the decode graphs
+            model = self.model_runner.model
+            budget -= graph_memory_estimate(model, runner, self.device)  # type: ignore[arg-type]
+        return budget
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         """Allocate this rank's KV buffers per the engine's plan and bind them to the layers."""

@@ -11,13 +11,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import ConfigDict, Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import ErrorDetails
 
 from cluster.config.base import StrictModel
+from cluster.config.compilation import CompilationConfigArgs, parse_compilation_config
 from cluster.config.speculative import SpeculativeConfigArgs
 from cluster.config.weight_transfer import WeightTransferConfigArgs
 from scheduler.lora import LoRAConfig
+from worker.graphs.capture_sizes import CudaGraphConfig
 
 ExecutorBackend = Literal["uni", "mp", "ray"]
 ExecutorSite = Literal["offline", "serve_replica", "batch_replica"]
@@ -150,6 +152,12 @@ class EngineArgs(StrictModel):
     """Speculative decoding, vLLM's keys: {"method": "ngram", "num_speculative_tokens": 3,
     "prompt_lookup_max": 4}; keys: method, num_speculative_tokens, prompt_lookup_min,
     prompt_lookup_max, model, disable_by_batch_size. Outputs are unchanged."""
+    compilation_config: CompilationConfigArgs | None = None
+    """CUDA graphs of decode steps, vLLM's keys (a dict, or JSON text): {"cudagraph_mode":
+    "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4, 8], "max_cudagraph_capture_size":
+    64}; default: decode and verify steps captured at vLLM's sizes on CUDA."""
+    enforce_eager: bool = False
+    """Run every step eagerly: no CUDA graphs (vLLM's flag)."""
     enable_lora: bool = False
     """Serve LoRA adapters (PEFT folders) on top of the base model, per request."""
     max_loras: int = Field(1, ge=1)
@@ -193,6 +201,15 @@ class EngineArgs(StrictModel):
     """Largest encoded image a request may send or point to, in bytes."""
     max_image_pixels: int = Field(1 << 25, ge=1)
     """Largest image a request may send, in pixels (width x height)."""
+
+    _parse_compilation_config = field_validator("compilation_config", mode="before")(
+        parse_compilation_config
+    )
+
+    def cuda_graph_config(self) -> CudaGraphConfig:
+        """The workers' CUDA graph settings (`compilation_config` with `enforce_eager`)."""
+        args = self.compilation_config or CompilationConfigArgs.model_validate({})
+        return args.to_config(self.enforce_eager)
 
     @model_validator(mode="after")
     def _check_offloading(self) -> EngineArgs:

@@ -94,6 +94,7 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
         kv_cache_dtype=args.kv_cache_dtype,
         calculate_kv_scales=args.calculate_kv_scales,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+        cuda_graphs=args.cuda_graph_config(),
     )
     batched = args.max_num_batched_tokens or max(
         DEFAULT_MAX_NUM_BATCHED_TOKENS, model.max_model_len

@@ -35,6 +35,7 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
         "quant_e2e",
         "images",
         "layer_ops",
+        "graphs",
     ]
     assert sections["layer_ops"]["rows"][0]["ops_per_layer_per_decode_step"] > 0
     assert {row["kernel"] for row in sections["lora"]["rows"]} == {"torch"}
@@ -65,6 +66,7 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     assert all(0 <= row["greedy_agreement"] <= 1 for row in quant_e2e)
     assert all("dequantized at load" in row["kernel_path"] for row in quant_e2e)  # CPU: auto
     _check_images(sections["images"])
+    _check_graphs(sections["graphs"])
     markdown = (out / "gpu-check.md").read_text()
     assert "commit c0" in markdown
     assert "## e2e" in markdown
@@ -113,3 +115,13 @@ def test_a_failing_section_is_reported_and_fails_the_run(tmp_path: Path) -> None
     sections = json.loads((out / "gpu-check.json").read_text())["sections"]
     assert sections["recurrent"]["error"].startswith("ZeroDivisionError")
     assert "rows" in sections["attention"]
+
+
+def _check_graphs(graphs: dict) -> None:
+    """Each shape's row with the three modes measured (on CPU graphs are off: the graph and
+    eager columns run the same path, so only their presence is checked)."""
+    rows = graphs["rows"]
+    assert [row["model"] for row in rows] == ["Llama-8B-shaped", "Qwen3.5-shaped", "Gemma-3-shaped"]
+    for row in rows:
+        assert row["roofline_tok_s"] > 0
+        assert all(f"{mode}_fraction" in row for mode in ("graphs", "eager", "transformers"))

@@ -30,6 +30,7 @@ from worker.layers.loading import (
 )
 from worker.layers.norm import unscaled_rms
 from worker.layers.rotary import RotaryEmbedding, rope_parameters
+from worker.models.expert_routes import expert_routes
 from worker.models.gemma_shared_kv import SharedKVAttention
 
 
@@ -137,9 +138,8 @@ class Gemma4Experts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> sum over each token's chosen experts of weight * expert(x)."""
         out = torch.zeros_like(x)
-        for expert in torch.unique(chosen).tolist():
-            tokens, slot = torch.where(chosen == expert)
+        for expert, tokens, weight in expert_routes(chosen, weights, self.gate_up_proj.shape[0]):
             gate, up = (x[tokens] @ self.gate_up_proj[expert].T).chunk(2, dim=-1)
             routed = (self.act(gate) * up) @ self.down_proj[expert].T
-            out.index_add_(0, tokens, (routed * weights[tokens, slot, None]).to(out.dtype))
+            out.index_add_(0, tokens, (routed * weight[:, None]).to(out.dtype))
         return all_reduce(out) if self.parallel.tp_size > 1 else out

@@ -38,6 +38,7 @@ from worker.models.decoder import (
     head_size_of,
     window_from_layer_types,
 )
+from worker.models.expert_routes import expert_routes
 
 if TYPE_CHECKING:
     from worker.quantization.execution import QuantizedWeights
@@ -155,9 +156,8 @@ class GptOssExperts(nn.Module):
         if self.quantized is not None:
             return self._grouped(x, weights, chosen, self.quantized)
         out = torch.zeros_like(x)
-        for expert in torch.unique(chosen).tolist():
-            tokens, slot = torch.where(chosen == expert)
-            routed = self._expert(x, tokens, expert) * weights[tokens, slot, None]
+        for expert, tokens, weight in expert_routes(chosen, weights, self.gate_up_proj.shape[0]):
+            routed = self._expert(x, tokens, expert) * weight[:, None]
             out.index_add_(0, tokens, routed.to(out.dtype))
         return all_reduce(out) if self.parallel.tp_size > 1 else out
 

@@ -30,6 +30,7 @@ from worker.layers.norm import RMSNorm
 from worker.layers.rotary import RotaryEmbedding, rope_parameters
 from worker.models.bamba import mamba_sizes
 from worker.models.decoder import DecoderOptions, LayerOptions, head_size_of
+from worker.models.expert_routes import expert_routes
 from worker.models.mamba_hybrid import (
     ATTENTION,
     HybridAttention,
@@ -97,8 +98,7 @@ class GraniteExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """Sum over each token's chosen experts e of weight_e * expert_e(x)."""
         out = torch.zeros_like(x)
-        for expert in torch.unique(chosen).tolist():
-            tokens, slot = (chosen == expert).nonzero(as_tuple=True)
+        for expert, tokens, weight in expert_routes(chosen, weights, self.input_linear.shape[0]):
             routed = x[tokens]
             gate_up = F.linear(routed, self.input_linear[expert])
             inner = self.act(
@@ -106,7 +106,7 @@ class GraniteExperts(nn.Module):
             )
             hidden = F.linear(inner, self.output_linear[expert])
             hidden = self.expert_deltas.apply("output_linear", inner, hidden, tokens, expert)
-            out.index_add_(0, tokens, hidden * weights[tokens, slot, None])
+            out.index_add_(0, tokens, hidden * weight[:, None])
         return all_reduce(out) if self.parallel.tp_size > 1 else out
 
 

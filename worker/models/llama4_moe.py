@@ -22,6 +22,7 @@ from worker.layers.linear import (
     divide,
 )
 from worker.layers.loading import ShardId, WeightSource, copy_checked, new_parameter, read_part
+from worker.models.expert_routes import expert_routes
 
 
 class Llama4MLP(nn.Module):
@@ -73,9 +74,9 @@ class Llama4Experts(nn.Module):
     def forward(self, x: torch.Tensor, scores: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
         """Sum over each token's chosen experts e of expert_e(x * scores[:, e])."""
         out = torch.zeros_like(x)
-        for expert in torch.unique(chosen).tolist():
-            tokens = (chosen == expert).any(dim=-1).nonzero().flatten()
-            routed = x[tokens] * scores[tokens, expert : expert + 1]
+        num_experts = self.gate_up_proj.shape[0]
+        for expert, tokens, score in expert_routes(chosen, scores, num_experts, per_expert=True):
+            routed = x[tokens] * score[:, None]
             gate_up = routed @ self.gate_up_proj[expert]
             gate_up = self.expert_deltas.apply("gate_up_proj", routed, gate_up, tokens, expert)
             inner = self.act(gate_up)

@@ -26,6 +26,7 @@ from worker.distributed import all_reduce
 from worker.layers.expert_deltas import ExpertDeltas, PeftExpertParameter, StackedWeight
 from worker.layers.linear import ReplicatedLinear
 from worker.layers.loading import ShardId, WeightSource, copy_checked, read_part
+from worker.models.expert_routes import expert_routes
 from worker.models.llama4_moe import Llama4MLP as GatedMLP
 
 
@@ -71,9 +72,8 @@ class QwenExperts(nn.ModuleList):
         """Sum over each token's chosen experts e of weight_e * expert_e(x) ([T, H]); this
         rank's partial sums, all-reduced once (not once per expert)."""
         out = torch.zeros_like(x)
-        for expert_id in torch.unique(chosen).tolist():
-            expert = self[expert_id]
-            tokens, slot = (chosen == expert_id).nonzero(as_tuple=True)
+        for expert_id, tokens, weight in expert_routes(chosen, weights, len(self)):
+            expert: GatedMLP = self[expert_id]  # type: ignore[assignment]
             routed = x[tokens]
             gate_up = self.expert_deltas.apply(
                 "gate_up_proj", routed, expert.gate_up_proj(routed), tokens, expert_id
@@ -81,7 +81,7 @@ class QwenExperts(nn.ModuleList):
             inner = expert.act(gate_up)
             hidden = expert.down_proj.partial_sum(inner)
             hidden = self.expert_deltas.apply("down_proj", inner, hidden, tokens, expert_id)
-            out.index_add_(0, tokens, hidden * weights[tokens, slot, None])
+            out.index_add_(0, tokens, hidden * weight[:, None])
         return all_reduce(out) if self.parallel.tp_size > 1 else out
 
 
