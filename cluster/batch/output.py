@@ -2,8 +2,8 @@
 
 Each finished row is written as one line and flushed at once, so an interrupted run leaves every
 finished row on disk (at worst a partial last line). `--resume` reads the file back: complete
-rows without `error` are kept and their IDs skipped; errored rows and a partial last line are
-dropped (rewritten atomically) and run again.
+rows without an `error` (OpenAI lines: `"error": null`) are kept and their IDs skipped; errored
+rows and a partial last line are dropped (rewritten atomically) and run again.
 """
 
 from __future__ import annotations
@@ -23,6 +23,19 @@ def _row_id_key(row: dict[str, Any]) -> str | None:
         if key in row:
             return row_key(row[key])
     return None
+
+
+def is_error_row(row: dict[str, Any]) -> bool:
+    """A column row with `error`, or an OpenAI output line whose `error` is set."""
+    return row.get("error") is not None
+
+
+def generated_tokens(row: dict[str, Any]) -> int:
+    """Tokens a successful row generated (columns, or an OpenAI line's usage)."""
+    if "num_generated_tokens" in row:
+        return int(row["num_generated_tokens"])
+    usage = (row.get("response") or {}).get("body", {}).get("usage") or {}
+    return int(usage.get("completion_tokens", 0))
 
 
 def prepare_output(path: Path, resume: bool) -> set[str]:
@@ -48,7 +61,7 @@ def prepare_output(path: Path, resume: bool) -> set[str]:
         except json.JSONDecodeError:
             continue  # the partial last line of an interrupted run
         key = _row_id_key(row) if isinstance(row, dict) else None
-        if key is None or "error" in row:
+        if key is None or is_error_row(row):
             continue
         done.add(key)
         kept.append(line)
@@ -70,11 +83,11 @@ class OutputWriter:
 
     def write(self, row_json: str) -> None:
         row = json.loads(row_json)
-        if "error" in row:
+        if is_error_row(row):
             self.errored += 1
         else:
             self.ok += 1
-            self.generated_tokens += int(row["num_generated_tokens"])
+            self.generated_tokens += generated_tokens(row)
         self._file.write(row_json + "\n")
         self._file.flush()
 

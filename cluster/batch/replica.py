@@ -5,7 +5,8 @@ in-process engine. A call gets a whole batch: every row's request is queued firs
 streams are read, so the engine schedules the rows together (continuous batching). A row that
 cannot run (its prompt too long, an empty prompt, no chat template, a bad image) becomes an `error`
 row. Prompts, images included, go through the engine's one input processor, as they do for `LLM`
-and the Serve replica.
+and the Serve replica. With `output_format="openai"` an OpenAI input line comes back as OpenAI's
+batch output line (`cluster.batch.openai_rows`), its body the one the Serve replica answers.
 """
 
 from __future__ import annotations
@@ -13,10 +14,18 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from cluster.batch.openai_rows import (
+    Formatter,
+    OutputFormat,
+    answer_line,
+    error_line,
+    writes_openai_line,
+)
 from cluster.batch.rows import (
     BatchItem,
     lora_request,
@@ -32,6 +41,7 @@ from cluster.engine.input_processor import InputProcessor, Prompt
 from cluster.engine.mm_inputs import MultiModalConfig, load_multimodal_inputs
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
+from cluster.serve.formatting import response_formatter
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +51,11 @@ Batch = dict[str, np.ndarray]
 class EngineReplica:
     """One engine; `__call__` maps a batch of `BatchItem` records to output-row records."""
 
-    def __init__(self, engine_args: EngineArgs) -> None:
+    def __init__(self, engine_args: EngineArgs, output_format: OutputFormat = "columns") -> None:
         from cluster.engine.local import InProcessEngineClient
+
+        self.output_format: OutputFormat = output_format
+        self.model_name = Path(engine_args.model).name
 
         self.client = InProcessEngineClient.from_engine_args(engine_args)
         self.info = self.client.get_info()
@@ -69,10 +82,24 @@ class EngineReplica:
                     (position, len(request.prompt_token_ids), self.client.add_request(request))
                 )
             except (TypeError, ValueError) as exc:
-                rows[position] = item.error_row(str(exc))
+                rows[position] = self._error_row(item, str(exc))
         for position, prompt_len, stream in streams:
             rows[position] = self._read(items[position], prompt_len, stream)
         return {"row": np.array([json.dumps(row) for row in rows], dtype=object)}
+
+    def _error_row(self, item: BatchItem, message: str, status: int = 400) -> dict[str, Any]:
+        if writes_openai_line(item, self.output_format):
+            return error_line(item, message, status)
+        return item.error_row(message)
+
+    def _formatter(self, item: BatchItem, prompt_text: str | None) -> Formatter:
+        """The body formatter of an OpenAI line (as the Serve replica makes it)."""
+        assert item.request is not None
+        request = openai_request(item.request["url"], item.request["body"])
+        model = request.model or self.model_name
+        return response_formatter(
+            request, f"batch-{item.index}", model, prompt_text, self.tokenizer
+        )
 
     def _read(
         self, item: BatchItem, prompt_len: int, stream: Iterator[RequestOutput]
@@ -81,7 +108,9 @@ class EngineReplica:
             output = collect(stream)
         except Exception as exc:  # the engine failed on this request: report it, keep going
             logger.exception("row %s failed in the engine", item.row_id)
-            return item.error_row(f"engine error: {exc}")
+            return self._error_row(item, f"engine error: {exc}", 500)
+        if writes_openai_line(item, self.output_format):
+            return answer_line(item, self._formatter(item, output.prompt), output)
         completion = output.outputs[0]
         row = result_row(
             item, prompt_len, list(completion.token_ids), completion.text, completion.finish_reason

@@ -55,6 +55,8 @@ class BatchItem:
     """{"prompt" | "messages" | "prompt_token_ids": ..., "sampling_params": {...}}, or an
     OpenAI line's {"url": ..., "body": {...}}."""
     error: str | None = None
+    openai: bool = False
+    """An OpenAI batch line (it has a `body`), even one that cannot run."""
 
     @property
     def key(self) -> str:
@@ -71,6 +73,7 @@ class BatchItem:
                     "row_id": self.row_id,
                     "request": self.request,
                     "error": self.error,
+                    "openai": self.openai,
                 }
             )
         }
@@ -98,15 +101,16 @@ def parse_line(index: int, line: str) -> BatchItem:
         return BatchItem(index, "id", index, None, message)
     id_key = "custom_id" if "custom_id" in data else "id"
     row_id = data.get(id_key, index)
+    openai = "body" in data
     try:
-        if "body" in data:
+        if openai:
             request = _openai_request(data)
         else:
             request = _row_request(data)
             request["sampling_params"] = dataclasses.asdict(make_sampling_params(request))
     except (TypeError, ValueError) as exc:
-        return BatchItem(index, id_key, row_id, None, str(exc))
-    return BatchItem(index, id_key, row_id, request)
+        return BatchItem(index, id_key, row_id, None, str(exc), openai)
+    return BatchItem(index, id_key, row_id, request, openai=openai)
 
 
 def _row_request(data: dict[str, Any]) -> dict[str, Any]:

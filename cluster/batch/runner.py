@@ -19,6 +19,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from cluster.batch.openai_rows import OutputFormat
 from cluster.batch.output import OutputWriter, prepare_output
 from cluster.batch.rows import BatchItem, parse_line
 from cluster.config.engine_args import EngineArgs, resolve_executor_backend
@@ -46,6 +47,9 @@ class BatchOptions:
     resume: bool = False
     address: str | None = None
     """Ray cluster to join; default RAY_ADDRESS (set inside `ray job submit`), else a local one."""
+    output_format: OutputFormat = "openai"
+    """openai: OpenAI input lines come back as OpenAI batch output lines (Ray Data LLM rows keep
+    their columns); columns: every line as Ray Data LLM columns."""
 
 
 @dataclass(frozen=True)
@@ -133,7 +137,7 @@ def _run_rows(options: BatchOptions, items: list[BatchItem]) -> Iterator[str]:
     records = ray.data.from_items([item.to_record() for item in items], override_num_blocks=blocks)
     dataset = records.map_batches(
         EngineReplica,
-        fn_constructor_kwargs={"engine_args": args},
+        fn_constructor_kwargs={"engine_args": args, "output_format": options.output_format},
         batch_size=options.batch_size,
         compute=ray.data.ActorPoolStrategy(size=options.replicas),
         num_cpus=1,

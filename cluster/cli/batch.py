@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from cluster.batch.openai_rows import OUTPUT_FORMATS
 from cluster.batch.runner import BatchFailed, BatchOptions, run_batch
 from cluster.cli.errors import EXIT_FAILED, EXIT_OK, run_reporting
 from cluster.config.engine_args import EngineArgs, validate_engine_kwargs
@@ -47,6 +48,13 @@ def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--resume", action="store_true", help="keep the output's finished rows, run the others"
+    )
+    parser.add_argument(
+        "--output-format",
+        choices=OUTPUT_FORMATS,
+        default="openai",
+        help="openai: OpenAI input lines come back as OpenAI batch output lines (Ray Data LLM "
+        "rows keep their columns); columns: Ray Data LLM columns for every line",
     )
     add_engine_arg_flags(parser, skip=("model",))
 
@@ -80,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         continue_on_error=args.continue_on_error,
         resume=args.resume,
         address=args.address,
+        output_format=args.output_format,
     )
     try:
         summary = run_batch(options)

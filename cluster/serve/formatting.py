@@ -17,6 +17,7 @@ from cluster.openai_api.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
+    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
     ChatResponseMessage,
@@ -33,7 +34,7 @@ from cluster.openai_api.protocol import (
     prompt_logprobs_body,
 )
 from cluster.openai_api.tool_output import ToolCallStream, finish_reason, tool_calls
-from cluster.openai_api.tools import ToolCallPlan
+from cluster.openai_api.tools import ToolCallPlan, tool_call_plan
 
 DONE = "data: [DONE]\n\n"
 
@@ -373,3 +374,22 @@ class ChatFormatter:
             usage=usage_of(output, completion_tokens),
             prompt_logprobs=self._take_prompt_logprobs(output),
         )
+
+
+def response_formatter(
+    request: CompletionRequest | ChatCompletionRequest,
+    request_id: str,
+    model: str,
+    prompt_text: str | None,
+    tokenizer: Any,
+    tool_call_parser: str | None = None,
+) -> CompletionFormatter | ChatFormatter:
+    """The formatter of `request`'s bodies (the Serve replica's, and batch runs' OpenAI lines);
+    `model`: the name the bodies carry."""
+    if isinstance(request, ChatCompletionRequest):
+        top = request.top_logprobs or 0
+        plan = tool_call_plan(request, tool_call_parser) if request.tools else None
+        scored = request.prompt_logprobs is not None
+        return ChatFormatter(f"chatcmpl-{request_id}", model, top, plan, scored)
+    options = completion_options(request, prompt_text, tokenizer)
+    return CompletionFormatter(f"cmpl-{request_id}", model, options)

@@ -48,14 +48,13 @@ from cluster.openai_api.protocol import (
     ModelCard,
 )
 from cluster.openai_api.sampling import UnsupportedFieldError
-from cluster.openai_api.tools import tool_call_plan
 from cluster.serve import errors
 from cluster.serve.completion_batch import batched_completion
 from cluster.serve.formatting import (
     DONE,
     ChatFormatter,
     CompletionFormatter,
-    completion_options,
+    response_formatter,
     sse,
 )
 from cluster.serve.hybrid_router import kv_events_enabled, routing_stats
@@ -314,15 +313,9 @@ class LLMServer:
             lora_request=self._lora_request(request.model),
             mm_features=prompt.mm_features,
         )
-        formatter: Formatter
-        if isinstance(request, ChatCompletionRequest):
-            top = request.top_logprobs or 0
-            plan = tool_call_plan(request, self.config.tool_call_parser) if request.tools else None
-            scored = request.prompt_logprobs is not None
-            formatter = ChatFormatter(f"chatcmpl-{request_id}", self.model_id, top, plan, scored)
-        else:
-            options = completion_options(request, text, self.tokenizer)
-            formatter = CompletionFormatter(f"cmpl-{request_id}", self.model_id, options)
+        formatter = response_formatter(
+            request, request_id, self.model_id, text, self.tokenizer, self.config.tool_call_parser
+        )
         return engine_request, formatter
 
     async def model_card(self) -> ModelCard:

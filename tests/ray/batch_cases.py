@@ -104,6 +104,9 @@ def check_output(rows: list[dict[str, Any]], expected: dict[object, list[int]]) 
     assert sorted(map(str, by_id)) == sorted(map(str, IDS))
     for key, tokens in expected.items():
         row = by_id[key]
+        if "response" in row:  # an OpenAI line comes back as an OpenAI batch output line
+            check_openai_line(row, tokens)
+            continue
         assert "error" not in row, row
         assert row["generated_tokens"] == tokens, key
         assert row["num_generated_tokens"] == len(tokens)
@@ -111,7 +114,28 @@ def check_output(rows: list[dict[str, Any]], expected: dict[object, list[int]]) 
         assert row["generated_text"] == "".join(f" t{t}" for t in tokens)
         assert row["finish_reason"] == "length"
     assert by_id["p"]["num_input_tokens"] == 5
-    assert by_id["m"]["num_input_tokens"] == by_id["oc"]["num_input_tokens"] == 5  # t1 t7 t8 t9 t2
+    assert by_id["m"]["num_input_tokens"] == input_tokens(by_id["oc"]) == 5  # t1 t7 t8 t9 t2
     assert "not valid JSON" in by_id[5]["error"]
     assert "temperature must be >= 0" in by_id["bad-params"]["error"]
     assert "prompt of 200 tokens" in by_id["too-long"]["error"]
+
+
+def check_openai_line(line: dict[str, Any], tokens: list[int]) -> None:
+    """An OpenAI batch output line that answered with `tokens` (the word tokenizer: one word a
+    token), its body as the Serve route answers it, usage included."""
+    assert set(line) == {"id", "custom_id", "response", "error"}
+    assert line["error"] is None, line
+    assert line["response"]["status_code"] == 200
+    body = line["response"]["body"]
+    (choice,) = body["choices"]
+    text = choice["message"]["content"] if "message" in choice else choice["text"]
+    assert text.split() == [f"t{token}" for token in tokens]
+    assert choice["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == len(tokens)
+
+
+def input_tokens(row: dict[str, Any]) -> int:
+    """The prompt's tokens of a column row or an OpenAI output line."""
+    if "response" in row:
+        return int(row["response"]["body"]["usage"]["prompt_tokens"])
+    return int(row["num_input_tokens"])

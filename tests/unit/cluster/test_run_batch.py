@@ -3,7 +3,8 @@
 The output is checked field by field against OpenAI's batch output format, bodies parsed with
 the `openai` client's own types, answers against the offline `LLM` (greedy, the word-level
 tokenizer: equal text is equal tokens); a run interrupted after some lines resumes without
-running them again.
+running them again. The Ray Data batch replica (`ray job submit` runs) writes the same lines
+under `--output-format openai`, and its columns under `columns`.
 """
 
 from __future__ import annotations
@@ -12,11 +13,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
+from cluster.batch.replica import EngineReplica
+from cluster.batch.rows import parse_line
 from cluster.cli.main import main
+from cluster.config import validate_engine_kwargs
 from cluster.llm import LLM
 from scheduler.request import SamplingParams
 from tests.helpers.serve_app import save_tiny_served_model
@@ -40,7 +45,12 @@ def _lines() -> list[str]:
         }
         for i, prompt in enumerate(PROMPTS)
     ]
-    chat = {"model": "tiny", "messages": [{"role": "user", "content": "t9 t10"}], "max_tokens": 4}
+    chat = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "t9 t10"}],
+        "max_tokens": 4,
+        "temperature": 0,
+    }
     lines.append(
         {"custom_id": "chat", "method": "POST", "url": "/v1/chat/completions", "body": chat}
     )
@@ -105,3 +115,46 @@ def test_an_interrupted_run_resumes_without_running_finished_lines(
     assert lines[1] == kept  # not run again
     assert [line["custom_id"] for line in lines] == ["cmpl-0", "cmpl-1", "line-3", "cmpl-2", "chat"]
     assert lines[3]["response"]["status_code"] == 200  # the torn one ran
+
+
+def _replica_rows(replica: EngineReplica, texts: list[str]) -> list[dict[str, Any]]:
+    records = [parse_line(index, text).to_record()["item"] for index, text in enumerate(texts)]
+    rows = replica({"item": np.array(records, dtype=object)})["row"]
+    return [json.loads(row) for row in rows]
+
+
+def _without_times(line: dict[str, Any]) -> dict[str, Any]:
+    """The line without its own ID and the body's creation time (the rest must agree)."""
+    response = line["response"]
+    body = {key: value for key, value in response["body"].items() if key != "created"}
+    return {**line, "id": None, "response": {**response, "body": body}}
+
+
+def test_batch_replica_writes_run_batch_lines_or_columns(model_dir: Path, tmp_path: Path) -> None:
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    texts = _lines()
+    source.write_text("\n".join(texts) + "\n")
+    _run(model_dir, source, output)
+    expected = [json.loads(line) for line in output.read_text().splitlines()]
+    kwargs = {"dtype": "float32", "block_size": 4, "kv_cache_memory_bytes": 8 << 20}
+    engine_args = validate_engine_kwargs(
+        {"model": str(model_dir), "distributed_executor_backend": "uni", **kwargs}
+    )
+    replica = EngineReplica(engine_args, output_format="openai")
+    try:
+        lines = _replica_rows(replica, texts)
+        replica.output_format = "columns"
+        columns = _replica_rows(replica, texts)
+    finally:
+        replica.__del__()
+    good = [0, 1, 3, 4]
+    for index in good:
+        _check_format(lines[index])
+        assert _without_times(lines[index]) == _without_times(expected[index])
+    assert lines[2] == columns[2]  # not JSON at all: the column format's error row in both
+    assert lines[2]["id"] == 2
+    assert "not valid JSON" in lines[2]["error"]
+    for index in good[:3]:
+        body = lines[index]["response"]["body"]
+        assert columns[index]["generated_text"] == body["choices"][0]["text"]
+        assert columns[index]["num_generated_tokens"] == body["usage"]["completion_tokens"]
