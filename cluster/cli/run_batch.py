@@ -6,8 +6,9 @@ Input lines `{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v
 (`cluster.batch.openai_run`). vLLM's flags: `-i/--input-file`, `-o/--output-file`,
 `--output-tmp-dir`, `--response-role` (assistant only), `--max-log-len`,
 `--enable-prompt-tokens-details` and `--enable-force-include-usage` (usage is always in the
-body), `--served-model-name`, `--model` and the engine flags. Exit status 0 when every line
-succeeded, 1 when a line errored.
+body), `--served-model-name`, `--model` and the engine flags; `--dynamic-lora-loading-path` serves
+LoRA adapters (`"model": "<served model>:<adapter>"`). Exit status 0 when every line succeeded,
+1 when a line errored.
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument(
         "--max-concurrency", type=int, default=DEFAULT_WINDOW, help="lines in flight at once"
     )
+    parser.add_argument(
+        "--dynamic-lora-loading-path",
+        help="a folder of PEFT adapter folders (or hf://OWNER): lines name one as "
+        '"model": "<served model>:<adapter>"',
+    )
     parser.set_defaults(stream_batching_interval_ms=None)
     add_engine_arg_flags(parser, skip=("model",))
     return parser
@@ -61,6 +67,8 @@ def run(args: argparse.Namespace) -> int:
     if kwargs.get("tensor_parallel_size", 1) == 1:
         kwargs.setdefault("distributed_executor_backend", "uni")
     config["log_engine_metrics"] = False
+    if args.dynamic_lora_loading_path:
+        config["lora_config"] = {"dynamic_lora_loading_path": args.dynamic_lora_loading_path}
     server = LLMServer(config)
     try:
         summary = run_openai_batch(
