@@ -10,8 +10,9 @@
 Serve reads the mode from its processes' environment (RAY_SERVE_ENABLE_HA_PROXY), so it is set
 here before a new local instance starts; a joined cluster runs the mode its nodes were started
 with (the Helm chart's `serve.ingress` sets it on every pod), and asking it for the other mode
-is an error. gRPC stays on Serve's Python proxy in both modes: HAProxy forwards HTTP only here
-(see `grpc_note`).
+is an error. gRPC goes through HAProxy too (HTTP/2, to each replica's own gRPC port); only
+Serve's `ListApplications` is answered by its Python proxy, which HAProxy mode keeps on the head
+as a fallback (see `grpc_note`).
 
 HAProxy reaches a replica on its own node through 127.0.0.1 and one on another node through
 that node's address, so in haproxy mode Serve listens on all interfaces, except on a new local
@@ -135,4 +136,4 @@ def grpc_note(mode: str) -> str | None:
     """The line `hybridserve serve --grpc-port` prints in haproxy mode."""
     if mode != HAPROXY:
         return None
-    return "gRPC: through Serve's Python proxy (HAProxy carries HTTP only here)"
+    return "gRPC: through HAProxy to the replicas (ListApplications: Serve's fallback proxy)"

@@ -5,7 +5,8 @@ HAProxy forwards HTTP straight to the ingress replica (Serve's direct ingress), 
 `HybridPrefixRouter` picks the model replica. The routing app and the multi-turn sessions are
 `test_serve_hybrid_routing`'s (two replicas of a tiny sliding-window model), here behind an API
 key: later turns come back to the replica that holds their session, each replica served
-sessions of its own, and a request without the key is refused with 401 by the ingress.
+sessions of its own, and a request without the key is refused with 401 by the ingress; gRPC
+goes through HAProxy as well (to the ingress replica's own gRPC port).
 """
 
 from __future__ import annotations
@@ -16,15 +17,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import grpc
 import httpx
 import psutil
 import pytest
 from ray import serve
-from ray.serve.config import HTTPOptions
+from ray.serve.config import HTTPOptions, gRPCOptions
 
 from cluster.cli.ingress_mode import LOCALHOST, set_mode_env
-from cluster.cli.serve_apps import with_api_key
+from cluster.cli.serve_apps import SERVICER, with_api_key
 from cluster.serve import build_openai_app, deployment_name
+from cluster.serve.grpc import llm_pb2, llm_pb2_grpc
 from cluster.serve.hybrid_router import KV_EVENTS_STAT
 from tests.helpers.ray_local import start_local_ray, stop_local_ray
 from tests.helpers.router_view import local_router, replica_routing_stats
@@ -47,7 +50,9 @@ API_KEY = "sk-haproxy"
 
 @dataclass
 class KeyedRouted(Routed):
-    """The routing app's chat, with the API key."""
+    """The routing app's chat, with the API key; its gRPC port."""
+
+    grpc_port: int = 0
 
     def chat(self, messages: list[dict[str, str]]) -> dict[str, Any]:
         body = {"model": MODEL, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0}
@@ -82,12 +87,13 @@ def haproxy_ray() -> Iterator[None]:
 @pytest.fixture(scope="module")
 def routed(haproxy_ray: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KeyedRouted]:
     model_dir = _save_model("gemma3", tmp_path_factory.mktemp("haproxy-routed"))
-    port = free_port()
-    serve.start(http_options=HTTPOptions(host=LOCALHOST, port=port))
+    port, grpc_port = free_port(), free_port()
+    grpc_options = gRPCOptions(port=grpc_port, grpc_servicer_functions=[SERVICER])
+    serve.start(http_options=HTTPOptions(host=LOCALHOST, port=port), grpc_options=grpc_options)
     try:  # serve.run returns once HAProxy has a healthy replica for the app
         app_args = with_api_key(_app_config(model_dir, "gemma3"), API_KEY)
         serve.run(build_openai_app(app_args), name=APP, route_prefix="/")
-        yield KeyedRouted(f"http://{LOCALHOST}:{port}", model_dir, "gemma3")
+        yield KeyedRouted(f"http://{LOCALHOST}:{port}", model_dir, "gemma3", grpc_port)
     finally:
         shutdown_serve()
 
@@ -113,6 +119,18 @@ def test_haproxy_holds_the_http_port(routed: KeyedRouted) -> None:
     port = int(routed.base_url.rsplit(":", 1)[1])
     assert _listeners(port) == {"haproxy"}
     assert httpx.get(f"{routed.base_url}/-/routes", timeout=10).json() == {"/": APP}
+
+
+def test_grpc_goes_through_haproxy(routed: KeyedRouted) -> None:
+    assert _listeners(routed.grpc_port) == {"haproxy"}
+    with grpc.insecure_channel(f"{LOCALHOST}:{routed.grpc_port}") as channel:
+        stub = llm_pb2_grpc.LLMServiceStub(channel)
+        metadata = (("application", APP), ("authorization", f"Bearer {API_KEY}"))
+        models = stub.ListModels(llm_pb2.ListModelsRequest(), metadata=metadata, timeout=60)
+        assert [model.id for model in models.models] == [MODEL]
+        request = llm_pb2.CompletionRequest(model=MODEL, prompt="t1 t2 t3", max_tokens=2)
+        chunks = list(stub.CompletionStream(request, metadata=metadata, timeout=60))
+        assert chunks
 
 
 def test_a_request_without_the_api_key_is_refused(routed: KeyedRouted) -> None:
