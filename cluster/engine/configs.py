@@ -7,6 +7,7 @@ depend on it; the executors call it where their ranks run.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
@@ -23,6 +24,7 @@ from scheduler.kv_cache.eviction import EvictionPolicy
 
 if TYPE_CHECKING:  # torch-heavy: imported where the workers run, not by callers
     from worker.config import ModelConfig
+    from worker.graphs.capture_sizes import CudaGraphConfig
     from worker.runner_config import RunnerConfig
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
@@ -94,7 +96,7 @@ def engine_configs(args: EngineArgs) -> EngineConfigs:
         kv_cache_dtype=args.kv_cache_dtype,
         calculate_kv_scales=args.calculate_kv_scales,
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
-        cuda_graphs=args.cuda_graph_config(),
+        cuda_graphs=cuda_graph_config(args),
     )
     batched = args.max_num_batched_tokens or max(
         DEFAULT_MAX_NUM_BATCHED_TOKENS, model.max_model_len
@@ -133,6 +135,15 @@ def kernel_backend(args: EngineArgs) -> str:
             f"got {args.attention_backend!r}"
         )
     return "batch_invariant"
+
+
+def cuda_graph_config(args: EngineArgs) -> CudaGraphConfig:
+    """The decode graphs; none in the batch-invariant mode (a graph replays the products it
+    captured, outside the mode's)."""
+    config = args.cuda_graph_config()
+    if kernel_backend(args) == "batch_invariant":
+        return dataclasses.replace(config, enforce_eager=True)
+    return config
 
 
 def takes_whole_images(model: ModelConfig) -> bool:
