@@ -30,10 +30,12 @@ import jsonschema
 import openai
 import pytest
 import ray
+import torch
 from google.protobuf import json_format
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ray import serve
+from safetensors.torch import load_file, save_file
 from transformers import AutoProcessor
 
 from cluster.config import API_KEY_ENV
@@ -77,6 +79,7 @@ from tests.helpers.tiny_image_processor import (
     png_bytes,
 )
 from tests.helpers.tiny_vlm import hf_greedy_with_images, random_image, save_tiny_gemma3_vlm
+from tests.helpers.weight_updates import perturbed_checkpoint
 
 pytestmark = pytest.mark.ray
 # Two model deployments (a one-CPU rank bundle each) and the ingress run at once, and the
@@ -150,7 +153,7 @@ def _app_config(
             "graceful_shutdown_wait_loop_s": 0.2,
         }
     )
-    env = {API_KEY_ENV: API_KEY, SERVER_DEV_MODE_ENV: "1"}  # dev routes: the sleep test
+    env = {API_KEY_ENV: API_KEY, SERVER_DEV_MODE_ENV: "1"}  # the development routes' tests
     ingress = {"num_cpus": 0.25, "runtime_env": {"env_vars": env}}
     configs = [config]
     if byte_model_dir is not None:
@@ -231,6 +234,60 @@ def test_completions_match_llm_generate(served: Served, reference: LLM) -> None:
             model="tiny", prompt=prompt, max_tokens=6, temperature=0, stream=True
         )
         assert "".join(chunk.choices[0].text for chunk in chunks) == want
+
+
+def test_dev_routes_update_weights_from_a_checkpoint_folder(
+    served: Served, reference: LLM, model_dir: Path, tmp_path: Path
+) -> None:
+    """vLLM's weight-update routes: new weights from a folder serve a fresh engine's tokens
+    (the prompt cached under the old ones), the version is the one given; a checkpoint of
+    other shapes is a 400 in one line and the old weights keep serving; the old weights back."""
+    new = perturbed_checkpoint(model_dir, tmp_path / "new", seed=5, scale=1.0)
+    fresh = LLM(
+        str(new), block_size=4, kv_cache_memory_bytes=8 << 20, distributed_executor_backend="uni"
+    )
+    want_new = fresh.generate(PROMPTS[:1], GREEDY)[0].outputs[0].text
+    fresh.shutdown()
+    want_old = reference.generate(PROMPTS[:1], GREEDY)[0].outputs[0].text
+    assert want_new != want_old
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def complete() -> str:
+        result = served.client.completions.create(
+            model="tiny", prompt=PROMPTS[0], max_tokens=6, temperature=0
+        )
+        return result.choices[0].text
+
+    with httpx.Client(base_url=served.base_url.removesuffix("/v1"), headers=headers) as http:
+
+        def call(method: str, path: str, status: int = 200, **kwargs: Any) -> Any:
+            response = http.request(method, path, params={"model": "tiny"}, timeout=120, **kwargs)
+            assert response.status_code == status, response.text
+            return response.json() if response.content else None
+
+        def update(folder: Path, version: str) -> None:
+            call("POST", "/start_weight_update")
+            call("POST", "/update_weights", json={"update_info": {"weights_path": str(folder)}})
+            call("POST", "/finish_weight_update", json={"weight_version": version})
+
+        assert complete() == want_old  # cached under the old weights
+        update(new, "v1")
+        assert call("GET", "/get_weight_version") == {"weight_version": "v1"}
+        assert complete() == want_new
+        wrong = perturbed_checkpoint(model_dir, tmp_path / "wrong", seed=6)
+        tensors = load_file(str(wrong / "model.safetensors"))
+        tensors["model.layers.0.mlp.up_proj.weight"] = torch.zeros(3, 5)
+        save_file(tensors, str(wrong / "model.safetensors"), metadata={"format": "pt"})
+        update_path = {"update_info": {"weights_path": str(wrong)}}
+        call("POST", "/start_weight_update")
+        call("POST", "/update_weights", json=update_path)
+        message = call("POST", "/finish_weight_update", 400, json={})["error"]["message"]
+        assert "does not fit" in message, message
+        assert "\n" not in message, message
+        assert call("GET", "/get_weight_version") == {"weight_version": "v1"}
+        assert complete() == want_new
+        update(model_dir, "v2")
+        assert complete() == want_old
 
 
 def test_dev_routes_sleep_wake_pause_and_collective_rpc(served: Served, reference: LLM) -> None:
