@@ -150,7 +150,6 @@ def _transformers_tok_s(run: GraphRun) -> float:
                                   do_sample=False)  # fmt: skip
 
     seconds = _decode_seconds(generate, run)
-    del model
     return run.batch * run.new_tokens / seconds
 
 

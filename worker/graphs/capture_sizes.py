@@ -64,7 +64,7 @@ class CudaGraphConfig:
 
 
 def default_capture_sizes(max_size: int) -> list[int]:
-    """vLLM's default sizes: 1, 2, 4, then multiples of 8 below 256, then of 16, up to `max_size`."""
+    """vLLM's default sizes up to `max_size`: 1, 2, 4, multiples of 8 below 256, then of 16."""
     sizes = [size for size in (1, 2, 4) if size <= max_size]
     sizes += list(range(8, min(max_size, 255) + 1, 8))
     sizes += list(range(256, max_size + 1, 16))

@@ -169,7 +169,7 @@ class StaticBatch:
                     ),
                 ),
                 static_kernels.STATIC_MAMBA,
-            )  # fmt: skip
+            )
             for gid, buffers in self.states.items()
         }
         mamba = {name: per_group[gid] for name, gid in state_layers.items()}

@@ -50,4 +50,5 @@ def test_cli_flags() -> None:
         ["--compilation-config", '{"max_cudagraph_capture_size": 64}', "--enforce-eager"]
     )
     config = validate_engine_kwargs(engine_kwargs_from_args(args)).cuda_graph_config()
-    assert config.max_capture_size == 64 and config.enforce_eager
+    assert config.max_capture_size == 64
+    assert config.enforce_eager

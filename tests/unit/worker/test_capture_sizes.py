@@ -25,7 +25,9 @@ def test_request_counts_are_capped_by_max_num_seqs_and_max_size() -> None:
     config = CudaGraphConfig()
     assert capture_request_counts(config, max_num_seqs=4, rows_per_req=1) == [1, 2, 4]
     counts = capture_request_counts(config, max_num_seqs=256, rows_per_req=1)
-    assert counts[-1] == 256 and 248 in counts and 264 not in counts
+    assert counts[-1] == 256
+    assert 248 in counts
+    assert 264 not in counts
     sized = CudaGraphConfig(max_capture_size=24)
     assert capture_request_counts(sized, max_num_seqs=256, rows_per_req=1) == [1, 2, 4, 8, 16, 24]
 
