@@ -16,16 +16,21 @@ import torch.nn.functional as F
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
     """[..., hidden] -> RMS-normalised rows scaled by `weight` (or `1 + weight`)."""
-    shape = [x.shape[-1]]
     if unit_offset:
         scale = weight.float() + 1.0
         if x.dtype == torch.float32:
-            return torch.ops.aten._fused_rms_norm(x, shape, scale, eps)[0]
-        return torch.ops.aten._fused_rms_norm(x.float(), shape, scale, eps)[0].to(x.dtype)
+            return _fused_rms_norm(x, scale, eps)
+        return _fused_rms_norm(x.float(), scale, eps).to(x.dtype)
     if x.dtype == weight.dtype == torch.float32:
-        return torch.ops.aten._fused_rms_norm(x, shape, weight, eps)[0]
+        return _fused_rms_norm(x, weight, eps)
     # NOTE: rows rounded to x's dtype before the scale, as transformers' Llama norm does.
-    return torch.ops.aten._fused_rms_norm(x, shape, None, eps)[0] * weight
+    return _fused_rms_norm(x, None, eps) * weight
+
+
+def _fused_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """torch's fused RMSNorm over the last dimension (one call on CPU; it also returns rstd)."""
+    normed: torch.Tensor = torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)[0]
+    return normed
 
 
 def add_rms_norm(
@@ -46,7 +51,7 @@ def rotate_in_place(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
     """
     rotary_dim = cos.shape[-1]
     rotated = x if rotary_dim == x.shape[-1] else x[..., :rotary_dim]
-    swapped = rotated.unflatten(-1, (2, rotary_dim // 2)).flip(-2).flatten(-2)
+    swapped = rotated.view(*rotated.shape[:-1], 2, rotary_dim // 2).flip(-2).flatten(-2)
     rotated.mul_(cos).addcmul_(swapped, signed_sin)
 
 

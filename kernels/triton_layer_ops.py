@@ -14,8 +14,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
-def _rms_norm_kernel(
+@triton.jit  # type: ignore[untyped-decorator]
+def _rms_norm_kernel(  # type: ignore[no-untyped-def]
     out_ptr,
     sum_ptr,
     x_ptr,
@@ -99,8 +99,8 @@ def add_rms_norm(
     return _norm(x, residual, weight, eps, unit_offset)
 
 
-@triton.jit
-def _rotary_kernel(
+@triton.jit  # type: ignore[untyped-decorator]
+def _rotary_kernel(  # type: ignore[no-untyped-def]
     x_ptr,
     cos_ptr,
     sin_ptr,
@@ -162,8 +162,8 @@ def rotate_in_place(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
     )
 
 
-@triton.jit
-def _silu_and_mul_kernel(out_ptr, x_ptr, x_row_stride, inner, BLOCK: tl.constexpr):
+@triton.jit  # type: ignore[untyped-decorator]
+def _silu_and_mul_kernel(out_ptr, x_ptr, x_row_stride, inner, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inner

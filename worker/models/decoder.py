@@ -152,13 +152,13 @@ class DecoderAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         q, k, v = self.qkv_proj.split(qkv)
         if self.q_norm is not None and self.k_norm is not None:
-            q = self.q_norm(q.unflatten(-1, (-1, head_size)))  # [T, num_heads, head_size]
-            k = self.k_norm(k.unflatten(-1, (-1, head_size)))  # [T, num_kv_heads, head_size]
+            q = self.q_norm(q.view(num_tokens, -1, head_size))  # [T, num_heads, head_size]
+            k = self.k_norm(k.view(num_tokens, -1, head_size))  # [T, num_kv_heads, head_size]
             rotate_in_place(q, rope, self.kernels)
             rotate_in_place(k, rope, self.kernels)
         else:  # queries and keys are adjacent in qkv: one rotation of both, in place
             num_qk = self.qkv_proj.num_heads + self.qkv_proj.num_kv_heads
-            rotate_in_place(qkv[:, : num_qk * head_size].unflatten(-1, (num_qk, head_size)),
+            rotate_in_place(qkv[:, : num_qk * head_size].view(num_tokens, num_qk, head_size),
                             rope, self.kernels)  # fmt: skip
         out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v, ctx, self.sinks)
         projected: torch.Tensor = self.o_proj(out)

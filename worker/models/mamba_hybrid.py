@@ -39,7 +39,7 @@ class HybridAttention(DecoderAttention):
         qkv = self.qkv_proj(hidden)
         if rope is not None:  # queries and keys are adjacent in qkv: one rotation, in place
             num_qk = self.qkv_proj.num_heads + self.qkv_proj.num_kv_heads
-            qk = qkv[:, : num_qk * head_size].unflatten(-1, (num_qk, head_size))
+            qk = qkv[:, : num_qk * head_size].view(hidden.shape[0], num_qk, head_size)
             rotate_in_place(qk, rope, self.kernels)
         q, k, v = self.qkv_proj.split(qkv)
         out: torch.Tensor = self.o_proj(self.attn(q, k, v, ctx))
@@ -101,7 +101,8 @@ class HybridLayer(nn.Module):
         if self.multiplier != 1:
             out = out * self.multiplier
         if spec.ffn_name is None or spec.ffn_norm_name is None:
-            return hidden + out
+            mixed: torch.Tensor = hidden + out
+            return mixed
         ffn_norm = getattr(self, spec.ffn_norm_name)
         if isinstance(ffn_norm, RMSNorm):
             normed, hidden = ffn_norm.add_and_norm(out, hidden)

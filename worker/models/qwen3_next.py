@@ -71,7 +71,7 @@ class GatedAttention(HybridAttention):
         q, gate = query_gate.view(num_tokens, -1, 2 * head_size).chunk(2, dim=-1)
         assert self.q_norm is not None
         assert self.k_norm is not None
-        q, k = self.q_norm(q), self.k_norm(k.unflatten(-1, (-1, head_size)))
+        q, k = self.q_norm(q), self.k_norm(k.view(num_tokens, -1, head_size))
         if rope is not None:
             rotate_in_place(q, rope, self.kernels)
             rotate_in_place(k, rope, self.kernels)
