@@ -49,7 +49,8 @@ def invariant_linear(
     # One call per tile, never one batched call: a batched product may change its algorithm
     # with the number of tiles (MKL's does for one output column).
     weight_t = weight.t()
-    out = torch.cat([torch.mm(tile, weight_t) for tile in padded.split(ROW_TILE)])
+    tiles = padded.view(num_tiles, ROW_TILE, -1).unbind(0)
+    out = torch.cat([torch.mm(tile, weight_t) for tile in tiles])
     out = out[:num_rows]
     if bias is not None:
         out = out + bias
