@@ -11,6 +11,11 @@ loaders ask for. A name no parameter takes, or a shape no parameter fits, is a o
 `WeightUpdateError` and the model keeps its weights. The same dry run tells which part of each
 tensor this rank reads (`ShardPlan`): a sender can then ship every rank its own shard only, and
 the rank serves the loaders from what it received (`ReceivedWeight`).
+
+A dry run depends only on the update's signature (names, shapes and dtypes, in order), so an
+accepted signature's regions are kept and a trainer's next update of the same layout is checked
+against them without running the loaders again (an RL loop sends the same layout every step).
+A signature that fails is not kept: it fails again, the same way, each time it is sent.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ ShardPlan = dict[str, list[Region]]
 ReceivedShard = dict[str, dict[Region, torch.Tensor]]
 """Checkpoint name -> region -> the tensor of that region, as a sender shipped it."""
 
+_ACCEPTED_SIGNATURES_KEPT = 8
+"""Accepted signatures kept per rank (the oldest dropped first)."""
 _TOLERATED_UNREAD = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 _TIED_HEAD = "lm_head.weight"
 """Sent by trainers whose state dict lists a tied head: nothing reads it, and that is fine."""
@@ -134,6 +141,9 @@ class WeightUpdater:
         self.mtp = mtp
         """The checkpoint's MTP layer when it drafts: its `mtp.*` tensors update with the rest."""
         self._meta: tuple[nn.Module, nn.Module | None] | None = None
+        self._accepted: dict[Signature, dict[str, list[Region]]] = {}
+        """Signatures whose dry run passed -> the regions each tensor's loaders read."""
+        self._quantized: bool | None = None
         self._staged: dict[str, ReceivedWeight] = {}
         self.bytes_received = 0
         """Bytes of weight shards this rank has received (all updates)."""
@@ -156,7 +166,22 @@ class WeightUpdater:
 
     def _dry_run(self, sources: Mapping[str, RecordingWeight], group_quantized: bool) -> None:
         """Every tensor through the loaders of the meta copy; WeightUpdateError when a loader
-        rejects one or no loader reads one."""
+        rejects one or no loader reads one. A signature that passed before gets its regions
+        back without the loaders running again."""
+        signature = _signature(sources, group_quantized)
+        accepted = self._accepted.get(signature)
+        if accepted is not None:
+            for name, source in sources.items():
+                source.regions.extend(accepted[name])
+            return
+        self._run_loaders_on_meta(sources, group_quantized)
+        if len(self._accepted) >= _ACCEPTED_SIGNATURES_KEPT:
+            del self._accepted[next(iter(self._accepted))]
+        self._accepted[signature] = {name: list(s.regions) for name, s in sources.items()}
+
+    def _run_loaders_on_meta(
+        self, sources: Mapping[str, RecordingWeight], group_quantized: bool
+    ) -> None:
         model, mtp = self._meta_models()
         _load_named(model, self._grouped(sources, group_quantized))
         if mtp is not None:
@@ -189,7 +214,10 @@ class WeightUpdater:
 
     @property
     def _is_quantized(self) -> bool:
-        return read_quantization_config(self.model_config.model_path) is not None
+        if self._quantized is None:
+            config = read_quantization_config(self.model_config.model_path)
+            self._quantized = config is not None
+        return self._quantized
 
     def _grouped(
         self, sources: Mapping[str, WeightSource], group_quantized: bool
@@ -264,6 +292,16 @@ class WeightUpdater:
         if group_quantized and self._is_quantized:
             return self._grouped(dict(items), group_quantized)
         return iter(items)
+
+
+Signature = tuple[bool, tuple[tuple[str, tuple[int, ...], torch.dtype, str], ...]]
+"""(quantized parts grouped, per tensor in order: name, shape, dtype, dtype name)."""
+
+
+def _signature(sources: Mapping[str, RecordingWeight], group_quantized: bool) -> Signature:
+    return group_quantized, tuple(
+        (name, source.shape, source.dtype, source.dtype_name) for name, source in sources.items()
+    )
 
 
 def recording_of(name: str, source: WeightSource) -> RecordingWeight:

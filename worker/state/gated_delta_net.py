@@ -129,15 +129,19 @@ class GatedDeltaNet(StateLayer):
         copy_checked(param.data, read_part(source, 0, self.rank * size, size))
 
     def _load_conv_rows(self, param: nn.Parameter, source: WeightSource, _: ShardId = None) -> None:
-        """[q | k | v] rows (projection or conv channels): this rank's heads of each part."""
+        """[q | k | v] rows (projection or conv channels): this rank's heads of each part, each
+        copied straight into its rows of the parameter (no concatenated temporary)."""
         full = self.cfg.shape
         full_key = full.num_k_heads * full.head_k_dim
-        parts = [
-            read_part(source, 0, self.rank * self.key_size, self.key_size),
-            read_part(source, 0, full_key + self.rank * self.key_size, self.key_size),
-            read_part(source, 0, 2 * full_key + self.rank * self.value_size, self.value_size),
+        key, value = self.key_size, self.value_size
+        parts = [  # (rows of the parameter, first row of the checkpoint tensor, rows)
+            (0, self.rank * key, key),
+            (key, full_key + self.rank * key, key),
+            (2 * key, 2 * full_key + self.rank * value, value),
         ]
-        copy_checked(param.data, torch.cat(parts))
+        for param_start, source_start, size in parts:
+            target = param.data.narrow(0, param_start, size)
+            copy_checked(target, read_part(source, 0, source_start, size))
 
     # -- forward --------------------------------------------------------------------------
 
