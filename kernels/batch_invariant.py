@@ -50,7 +50,8 @@ def invariant_linear(
     # with the number of tiles (MKL's does for one output column).
     weight_t = weight.t()
     tiles = padded.view(num_tiles, ROW_TILE, -1).unbind(0)
-    out = torch.cat([torch.mm(tile, weight_t) for tile in tiles])
+    products = [torch.mm(tile, weight_t) for tile in tiles]
+    out = products[0] if num_tiles == 1 else torch.cat(products)
     out = out[:num_rows]
     if bias is not None:
         out = out + bias

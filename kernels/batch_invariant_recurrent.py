@@ -40,6 +40,16 @@ def gated_delta_kernels() -> GatedDeltaKernels:
     return GatedDeltaKernels("batch_invariant", gated_delta_rule, gated_delta_rule)
 
 
+Index = slice | list[int]
+"""Rows or sequences of one step: a slice when they are consecutive."""
+
+
+def _as_index(values: list[int]) -> Index:
+    if values and values[-1] - values[0] == len(values) - 1:
+        return slice(values[0], values[-1] + 1)
+    return values
+
+
 class _Steps:
     """The token loop of a step: per step t, which sequences still have a token and its row;
     collects the state after the token before each cut position."""
@@ -52,14 +62,20 @@ class _Steps:
         self._cut_after = {pos - 1 for pos in self.cuts}
         self._cut_states: dict[int, torch.Tensor] = {}
 
-    def __iter__(self) -> Iterator[tuple[list[int], list[int]]]:
+    def __iter__(self) -> Iterator[tuple[Index, Index]]:
+        """Per step: the sequences and the rows of their tokens (slices where contiguous, so
+        a decode step gathers nothing; the values are the same either way)."""
         for step in range(max(self.lengths, default=0)):
             seqs = [s for s, n in enumerate(self.lengths) if n > step]
-            yield seqs, [self.starts[s] + step for s in seqs]
+            rows = [self.starts[s] + step for s in seqs]
+            yield _as_index(seqs), _as_index(rows)
 
-    def keep_cuts(self, rows: list[int], states: torch.Tensor) -> None:
+    def keep_cuts(self, rows: Index, states: torch.Tensor) -> None:
         """Remember the states `[len(rows), ...]` left by tokens just before a cut."""
-        for idx, row in enumerate(rows):
+        if not self._cut_after:
+            return
+        row_list = range(rows.start, rows.stop) if isinstance(rows, slice) else rows
+        for idx, row in enumerate(row_list):
             if row in self._cut_after:
                 self._cut_states[row + 1] = states[idx]
 
