@@ -244,8 +244,29 @@ class Worker(WeightUpdateCalls):
         self.memory.wake_up(tags, self._reload_from_checkpoint)
 
     def mark_weights_loaded(self) -> None:
-        """New weights were written into this rank's awake weight memory (weight updates)."""
+        """New weights were written into this rank's awake weight memory (weight updates). A
+        separate draft model, which updates do not reach, is read again from its own checkpoint
+        when a level-2 sleep left it empty."""
+        if self.memory.needs_weights and self._separate_draft_model():
+            self._reload_draft_model()
         self.memory.mark_weights_loaded()
+
+    def _separate_draft_model(self) -> bool:
+        runner = self.spec.runner
+        method = runner.speculative.method if runner.speculative else None
+        return self._drafter is not None and method is not SpecMethod.MTP
+
+    def _reload_draft_model(self) -> None:
+        runner = self.spec.runner
+        fresh = load_model(
+            runner.draft_model,
+            self.spec.parallel,
+            self.device,
+            runner.load_format,
+            runner.quantized_weight_mode,
+        )
+        assert isinstance(self._drafter, nn.Module)
+        copy_weights([self._drafter], [fresh])
 
     def run_rpc(self, call: RpcCall) -> object:
         """`collective_rpc` on this rank (`worker.rpc`)."""

@@ -3,13 +3,14 @@ Nemotron-H Mamba-2, gpt-oss sliding window with sinks and MoE, Gemma 3 sliding w
 prefix caching, the offload tier and speculation on: after every update the greedy tokens and
 logprobs equal, bit for bit, those of a fresh engine loaded with the same weights, although the
 prompts were cached under the old weights; requests in flight are recomputed under the new ones;
-bad names and shapes are refused in one line with the old weights kept."""
+bad names and shapes are refused in one line with the old weights kept; cycles of sleep -> wake ->
+update -> generate, as an RL loop runs them, give a fresh engine's outputs after every update."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +19,24 @@ import torch
 
 from cluster import LLM
 from cluster.engine.weight_transfer import local_rank_shards, shapes_of
-from tests.helpers.sleep_cycles import ENGINE_ARGS, PARAMS, PROMPTS, generate, save_layout
+from tests.helpers.sleep_cycles import (
+    ENGINE_ARGS,
+    PARAMS,
+    PROMPTS,
+    Outputs,
+    generate,
+    run_cycles,
+    save_layout,
+)
 from tests.helpers.weight_updates import checkpoint_tensors, perturbed_checkpoint, push_in_memory
 
 pytestmark = pytest.mark.parity
 
 FAMILIES = ["qwen3_5", "nemotron_h", "gpt_oss", "gemma3"]
+NUM_UPDATE_CYCLES = 2
+"""Sleep -> wake -> update -> generate cycles per layout in the default suite (one update each
+way); the slow test runs 100 per layout."""
+NUM_UPDATE_CYCLES_SLOW = 100
 
 
 @dataclass
@@ -35,6 +48,8 @@ class Layout:
     """The "trained" weights: the same checkpoint perturbed."""
     spec: dict[str, Any]
     engine: LLM
+    references: dict[Path, Outputs] = field(default_factory=dict)
+    """A fresh engine's outputs per checkpoint folder (built once, on first use)."""
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -65,7 +80,7 @@ def test_updates_give_a_fresh_engines_outputs_though_prompts_were_cached(layout:
     llm = layout.engine
     before = generate(llm)  # the prompts are now cached under the old weights
     assert push_in_memory(llm, checkpoint_tensors(layout.new), version=7) == "7"
-    assert generate(llm) == _fresh(layout, layout.new)
+    assert generate(llm) == _reference(layout, layout.new)
     llm.start_weight_update()
     assert llm.update_weights({"weights_path": str(layout.old)}) == []
     assert llm.finish_weight_update() == "2"
@@ -136,3 +151,49 @@ def test_bad_names_and_shapes_are_refused_and_the_old_weights_kept(layout: Layou
     assert llm.get_weight_version() == version
     assert llm.reset_prefix_cache()  # a cold prefill, as `before` was
     assert generate(llm) == before
+
+
+def _reference(layout: Layout, folder: Path) -> Outputs:
+    """A fresh engine's outputs for `folder`'s weights, built once per layout and folder."""
+    if folder not in layout.references:
+        layout.references[folder] = _fresh(layout, folder)
+    outputs: Outputs = layout.references[folder]
+    return outputs
+
+
+def _alternate_weights(layout: Layout) -> Any:
+    """`run_cycles`' update: even cycles push the new weights (each rank's shard in memory),
+    odd cycles the old ones back (a checkpoint folder); the fresh engine's outputs for them."""
+
+    def update(llm: LLM, cycle: int) -> Outputs:
+        if cycle % 2 == 0:
+            push_in_memory(llm, checkpoint_tensors(layout.new), version=f"new-{cycle}")
+            return _reference(layout, layout.new)
+        llm.start_weight_update()
+        llm.update_weights({"weights_path": str(layout.old)})
+        llm.finish_weight_update(f"old-{cycle}")
+        return _reference(layout, layout.old)
+
+    return update
+
+
+def _update_cycles(layout: Layout, num_cycles: int) -> None:
+    """Sleep (levels 1 and 2 in turn) -> wake the weights -> update -> wake the KV cache ->
+    generate, with the prompts cached under the weights before each update: every generation
+    equals, bit for bit, a fresh engine's for the weights just loaded."""
+    llm = layout.engine
+    llm.reload_weights(str(layout.old))
+    generate(llm)  # the prompts cached under the old weights
+    assert run_cycles(llm, num_cycles, update=_alternate_weights(layout)) == num_cycles
+    assert llm.get_weight_version() == f"{'new' if num_cycles % 2 else 'old'}-{num_cycles - 1}"
+    if num_cycles % 2:
+        llm.reload_weights(str(layout.old))
+
+
+def test_sleep_wake_update_generate_cycles_give_a_fresh_engines_outputs(layout: Layout) -> None:
+    _update_cycles(layout, NUM_UPDATE_CYCLES)
+
+
+@pytest.mark.slow
+def test_one_hundred_sleep_wake_update_generate_cycles(layout: Layout) -> None:
+    _update_cycles(layout, NUM_UPDATE_CYCLES_SLOW)
