@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from cluster import LLM
+from cluster.config.engine_args import EngineArgs
+from cluster.engine.configs import cuda_graph_config, kernel_backend
 from tests.helpers.batch_invariance import (
     ENGINE,
     MODELS,
@@ -43,3 +45,15 @@ def test_logprobs_differ_in_a_batch_without_the_mode(model_path: Path) -> None:
     llm.shutdown()
     assert batch_tokens == tokens
     assert not torch.equal(batched, alone)
+
+
+@pytest.mark.parametrize("variable", ["VLLM_BATCH_INVARIANT", "HYBRIDSERVE_BATCH_INVARIANT"])
+def test_environment_variable_turns_the_mode_on(
+    variable: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert kernel_backend(EngineArgs()) == "auto"
+    monkeypatch.setenv(variable, "1")
+    assert kernel_backend(EngineArgs()) == "batch_invariant"
+    assert not cuda_graph_config(EngineArgs()).is_enabled  # graphs would bypass the mode
+    with pytest.raises(ValueError, match="attention_backend must be 'auto'"):
+        kernel_backend(EngineArgs(attention_backend="torch"))
