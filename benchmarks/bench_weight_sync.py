@@ -109,7 +109,9 @@ def ray_trainer(folder: Path) -> Any:
             return self.send_weights(self.tensors, plans)
 
     actor_class: Any = ray.remote(num_cpus=0)(Sender)
-    return actor_class.remote(str(folder / "model.safetensors"))
+    trainer = actor_class.remote(str(folder / "model.safetensors"))
+    ray.get(trainer.shapes.remote())  # started (the trainer's start-up is not the sync's)
+    return trainer
 
 
 def measure(hidden: int, layers: int, vocab: int, repeats: int, use_ray: bool) -> dict[str, Any]:
@@ -139,7 +141,14 @@ def main() -> None:
     if args.ray:
         import ray
 
-        ray.init(num_cpus=2, include_dashboard=False)
+        # a local instance of its own (never one another program started on this machine)
+        ray.init(
+            address="local",
+            _node_ip_address="127.0.0.2",
+            num_cpus=2,
+            include_dashboard=False,
+            log_to_driver=False,
+        )
     backends = ["memory", "checkpoint"] + (["ray"] if args.ray else [])
     print("params  fresh LLM  " + "  ".join(f"{b:>16}" for b in backends))
     for hidden in args.hidden:
