@@ -77,6 +77,7 @@ class BatchService:
         self.runs: dict[str, asyncio.Task[None]] = {}
         self._resumed = False
         self.handles: dict[tuple[str, str], Any] = {}
+        self._watcher: asyncio.Task[None] | None = None
 
     # -- files -----------------------------------------------------------------------------------
 
@@ -93,6 +94,7 @@ class BatchService:
         return info
 
     async def files(self) -> list[FileObject]:
+        self._resume()
         return self.store.files()
 
     async def file(self, file_id: str) -> FileObject | None:
@@ -142,7 +144,7 @@ class BatchService:
         return [self.live.get(batch.id, batch) for batch in self.store.batches()]
 
     async def cancel(self, batch_id: str) -> BatchObject | ErrorResponse:
-        batch = await self.batch(batch_id)
+        batch = await self.batch(batch_id)  # (resumes first)
         if batch is None:
             return errors.error_response(f"no batch {batch_id!r}", 404)
         if batch.finished or batch.status == "cancelling":
@@ -168,10 +170,14 @@ class BatchService:
         return batch
 
     def _resume(self) -> None:
-        """Once, at the first call: run again the batches a previous service left unfinished."""
+        """Once, at the first call: run again the batches a previous service left unfinished,
+        and start watching the application (the service ends with it)."""
         if self._resumed:
             return
         self._resumed = True
+        app = next(iter(self.models.values()), ("", ""))[0]
+        if app:
+            self._watcher = asyncio.get_running_loop().create_task(_exit_when_app_is_gone(app))
         for batch in self.store.batches():
             if batch.status in RESUMABLE:
                 logger.info("resuming batch %s (%s)", batch.id, batch.status)
@@ -341,6 +347,37 @@ def _expired_line(line: BatchLine, request_id: str) -> dict[str, Any]:
     return failure_line(line.custom_id, request_id, info, 408, line.index + 1)
 
 
+APP_CHECK_INTERVAL_S = 2.0
+"""How often the service checks that its application still exists."""
+
+
+def _app_exists(app: str) -> bool:
+    """Whether Serve still runs `app` (not deleted, not being deleted)."""
+    from ray import serve
+
+    try:
+        status = serve.status().applications.get(app)
+    except Exception:  # Serve itself is gone (or unreachable): so is the app
+        logger.warning("batch service of %s: cannot reach Serve", app, exc_info=True)
+        return False
+    return status is not None and status.status != "DELETING"
+
+
+async def _exit_when_app_is_gone(app: str) -> None:
+    """End this actor once its application is deleted: the service lives as long as the app
+    (its folder store, when it has one, lets the next app of that name resume its batches)."""
+    import ray
+
+    misses = 0
+    while True:
+        await asyncio.sleep(APP_CHECK_INTERVAL_S)
+        misses = 0 if await asyncio.to_thread(_app_exists, app) else misses + 1
+        if misses >= 2:  # twice in a row: not a controller restarting
+            logger.info("application %s is gone: its batch service ends", app)
+            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+            return
+
+
 def _deployment_handle(deployment: str, app: str) -> Any:
     from ray import serve
 
@@ -374,23 +411,63 @@ def served_models() -> Models:
     return {replica.server.model_id: (context.app_name, context.deployment)}
 
 
+_services: dict[str, Any] = {}
+"""The service actor of each application, as this process found or created it."""
+
+
 def service_for_this_app() -> Any:
-    """The `batches:<app>` actor of this replica's application, created on first use
-    (detached: it outlives the replica that created it; with a folder store, a new one resumes
-    what it left)."""
-    import ray
+    """The `batches:<app>` actor of this replica's application, created on first use and then
+    kept by this process (detached: it outlives the replica that created it, and ends when the
+    application is deleted; with a folder store, a new one resumes what it left)."""
     from ray import serve
+
+    app = serve.get_replica_context().app_name
+    if app not in _services:
+        _services[app] = _get_or_create_service(app)
+    return _services[app]
+
+
+async def ask_service(method: str, *args: Any) -> Any:
+    """`method(*args)` on this application's service; once more on a new actor if the kept one
+    has ended (an application deleted and deployed again under its name)."""
+    from ray import serve
+
+    app = serve.get_replica_context().app_name
+    try:
+        return await getattr(await _service_off_loop(), method).remote(*args)
+    except RayActorError:
+        _services.pop(app, None)
+        return await getattr(await _service_off_loop(), method).remote(*args)
+
+
+async def _service_off_loop() -> Any:
+    """`service_for_this_app()`; its first lookup (a call to Ray's control store) in a thread."""
+    from ray import serve
+
+    if serve.get_replica_context().app_name in _services:
+        return service_for_this_app()
+    return await asyncio.to_thread(service_for_this_app)
+
+
+def _get_or_create_service(app: str) -> Any:
+    import ray
 
     from cluster.serve.batch_store import blobs_from_env
 
-    app = serve.get_replica_context().app_name
     window = int(os.environ.get(WINDOW_ENV, DEFAULT_WINDOW))
     actor: Any = ray.remote(BatchService)
     return actor.options(
-        name=f"batches:{app}",
+        name=service_name(app),
         namespace=SERVICE_NAMESPACE,
         lifetime="detached",
         get_if_exists=True,
         num_cpus=0,
         max_restarts=-1,
+        # Not in the creating replica's placement group (a one-hop model replica has one): the
+        # group, and every actor in it, goes away with that replica.
+        scheduling_strategy="DEFAULT",
     ).remote(served_models(), blobs_from_env(), window)
+
+
+def service_name(app: str) -> str:
+    return f"batches:{app}"

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from cluster.openai_api.batch_protocol import BatchCreateRequest, BatchList, BatchObject
 from cluster.openai_api.protocol import ErrorResponse
 from cluster.serve import errors
-from cluster.serve.batch_service import served_models, service_for_this_app
+from cluster.serve.batch_service import ask_service, served_models
 from cluster.serve.files_api import error_json
 from cluster.serve.openapi_docs import error_responses
 
@@ -31,13 +31,14 @@ def _answer(result: BatchObject | ErrorResponse | None, batch_id: str = "") -> R
 @router.post("/v1/batches", response_model=BatchObject, responses=error_responses(400, 401, 404))
 async def create_batch(request: BatchCreateRequest) -> Response:
     """Start a batch over an uploaded file; it runs in the background (poll it)."""
-    service = service_for_this_app()
-    return _answer(await service.create_batch.remote(request, served_models()))
+    return _answer(await ask_service("create_batch", request, served_models()))
 
 
 @router.get("/v1/batches", response_model=BatchList, responses=error_responses(401))
 async def list_batches() -> Response:
-    batches: list[BatchObject] = await service_for_this_app().batches.remote()
+    batches: list[BatchObject] = await ask_service(
+        "batches",
+    )
     page = BatchList(
         data=batches,
         first_id=batches[0].id if batches else None,
@@ -50,7 +51,7 @@ async def list_batches() -> Response:
     "/v1/batches/{batch_id}", response_model=BatchObject, responses=error_responses(401, 404)
 )
 async def retrieve_batch(batch_id: str) -> Response:
-    return _answer(await service_for_this_app().batch.remote(batch_id), batch_id)
+    return _answer(await ask_service("batch", batch_id), batch_id)
 
 
 @router.post(
@@ -60,4 +61,4 @@ async def retrieve_batch(batch_id: str) -> Response:
 )
 async def cancel_batch(batch_id: str) -> Response:
     """Stop a batch: lines in flight stop at once, finished ones go to its output file."""
-    return _answer(await service_for_this_app().cancel.remote(batch_id), batch_id)
+    return _answer(await ask_service("cancel", batch_id), batch_id)

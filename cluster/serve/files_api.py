@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from cluster.openai_api.batch_protocol import FileDeleted, FileList, FileObject
 from cluster.openai_api.protocol import ErrorResponse
 from cluster.serve import errors
-from cluster.serve.batch_service import service_for_this_app
+from cluster.serve.batch_service import ask_service
 from cluster.serve.openapi_docs import error_responses
 
 router = APIRouter()
@@ -82,14 +82,15 @@ async def upload_file(raw: Request) -> Response:
         message = f"purpose must be one of {', '.join(UPLOAD_PURPOSES)}, got {purpose!r}"
         return error_json(errors.bad_request(message, param="purpose"))
     filename, content = fields["file"]
-    service = service_for_this_app()
-    info = await service.create_file.remote(filename or "upload.jsonl", purpose, content)
+    info = await ask_service("create_file", filename or "upload.jsonl", purpose, content)
     return JSONResponse(info.model_dump())
 
 
 @router.get("/v1/files", response_model=FileList, responses=error_responses(401))
 async def list_files() -> Response:
-    files: list[FileObject] = await service_for_this_app().files.remote()
+    files: list[FileObject] = await ask_service(
+        "files",
+    )
     return JSONResponse(FileList(data=files).model_dump())
 
 
@@ -99,7 +100,7 @@ def _no_file(file_id: str) -> JSONResponse:
 
 @router.get("/v1/files/{file_id}", response_model=FileObject, responses=error_responses(401, 404))
 async def retrieve_file(file_id: str) -> Response:
-    info: FileObject | None = await service_for_this_app().file.remote(file_id)
+    info: FileObject | None = await ask_service("file", file_id)
     return _no_file(file_id) if info is None else JSONResponse(info.model_dump())
 
 
@@ -112,7 +113,7 @@ async def retrieve_file(file_id: str) -> Response:
     },
 )
 async def file_content(file_id: str) -> Response:
-    content: bytes | None = await service_for_this_app().content.remote(file_id)
+    content: bytes | None = await ask_service("content", file_id)
     if content is None:
         return _no_file(file_id)
     return Response(content, media_type="application/octet-stream")
@@ -122,7 +123,7 @@ async def file_content(file_id: str) -> Response:
     "/v1/files/{file_id}", response_model=FileDeleted, responses=error_responses(401, 404)
 )
 async def delete_file(file_id: str) -> Response:
-    deleted: bool = await service_for_this_app().delete_file.remote(file_id)
+    deleted: bool = await ask_service("delete_file", file_id)
     return JSONResponse(FileDeleted(id=file_id).model_dump()) if deleted else _no_file(file_id)
 
 

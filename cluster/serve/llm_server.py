@@ -49,6 +49,7 @@ from cluster.openai_api.protocol import (
 )
 from cluster.openai_api.sampling import UnsupportedFieldError
 from cluster.serve import errors
+from cluster.serve.batch_policy import batch_scheduling_policy
 from cluster.serve.completion_batch import batched_completion
 from cluster.serve.formatting import (
     DONE,
@@ -74,10 +75,14 @@ Formatter = CompletionFormatter | ChatFormatter
 
 
 def serving_engine_args(config: LLMConfig) -> EngineArgs:
-    """The replica's engine arguments: the Ray executor unless engine_kwargs names another."""
+    """The replica's engine arguments: the Ray executor unless engine_kwargs names another, and
+    the priority policy unless they choose one (the app's batch lines wait behind chats)."""
     args = config.engine_args()
     backend = resolve_executor_backend(args, "serve_replica")
-    return args.model_copy(update={"distributed_executor_backend": backend})
+    update: dict[str, Any] = {"distributed_executor_backend": backend}
+    if "scheduling_policy" not in config.engine_kwargs:
+        update["scheduling_policy"] = batch_scheduling_policy()
+    return args.model_copy(update=update)
 
 
 def rank_placement(config: LLMConfig) -> PlacementSpec:
