@@ -55,10 +55,11 @@ class EngineReplica:
         from cluster.engine.local import InProcessEngineClient
 
         self.output_format: OutputFormat = output_format
-        self.model_name = Path(engine_args.model).name
 
         self.client = InProcessEngineClient.from_engine_args(engine_args)
         self.info = self.client.get_info()
+        self.model_name = Path(self.info.model_path).name
+        """The `model` of a response body whose line names none."""
         self.tokenizer = self.client.get_tokenizer()
         multimodal = load_multimodal_inputs(
             self.info.model_path, MultiModalConfig.from_engine_args(engine_args)
