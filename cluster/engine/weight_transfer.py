@@ -8,7 +8,8 @@ own parts only:
 - `WeightSender` (backend "ray"), a mixin of the trainer's actor class: the actor keeps each
   rank's parts and every rank calls it for its own, through Ray's object store, within
   `timeout_s`. A trainer that dies mid-update makes the update fail at once (its actor is gone)
-  and the engine keeps its weights.
+  and the engine keeps its weights. Parts travel as NumPy arrays of their raw bytes: written once
+  into the store and read by the rank in place (a torch tensor is pickled, then unpickled, whole).
 - `local_rank_shards`: the parts in memory, for a sender in the engine's own process.
 - `ipc_rank_shards` (backend "ipc", CUDA only): CUDA IPC handles of the parts on the GPU the
   trainer shares with the engine; the rank maps them, nothing is copied through the host.
@@ -20,10 +21,12 @@ from __future__ import annotations
 
 import itertools
 import pickle
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
+import numpy as np
 import ray
 import torch
 
@@ -74,15 +77,18 @@ class WeightSender:
         shapes = {name: tuple(t.shape) for name, t in named_tensors.items()}
         return ActorShards(actor, update_id, shapes, timeout_s)
 
-    def weight_shard(self, update_id: int, rank: int) -> ReceivedShard:
-        """Rank `rank`'s parts of update `update_id`."""
+    def weight_shard(self, update_id: int, rank: int) -> WireShard:
+        """Rank `rank`'s parts of update `update_id`, as the object store carries them."""
         kept: dict[int, list[ReceivedShard]] = getattr(self, "_sent_weights", {})
         sent = kept.get(update_id)
         if sent is None:
             raise WeightUpdateError(f"this sender holds no update {update_id} (released?)")
         if rank >= len(sent):
             raise WeightUpdateError(f"the update has {len(sent)} shards, none for rank {rank}")
-        return sent[rank]
+        return {
+            name: {region: _to_wire(part) for region, part in parts.items()}
+            for name, parts in sent[rank].items()
+        }
 
     def release_weights(self) -> None:
         self._sent_weights = {}
@@ -111,7 +117,7 @@ class ActorShards:
     def fetch(self, rank: int) -> ReceivedShard:
         try:
             ref = self.actor.weight_shard.remote(self.update_id, rank)
-            shard: ReceivedShard = cast(ReceivedShard, ray.get(ref, timeout=self.timeout_s))
+            wire = cast(WireShard, ray.get(ref, timeout=self.timeout_s))
         except ray.exceptions.GetTimeoutError:
             raise WeightUpdateError(
                 f"rank {rank}'s weight shard did not arrive within {self.timeout_s:g} s"
@@ -124,7 +130,31 @@ class ActorShards:
             raise WeightUpdateError(
                 f"rank {rank}'s weight shard is lost (the sender died?): {_first_line(exc)}"
             ) from None
-        return shard
+        return {
+            name: {region: _from_wire(part) for region, part in parts.items()}
+            for name, parts in wire.items()
+        }
+
+
+WirePart = tuple[str, np.ndarray]
+"""A part on its way through the object store: its torch dtype's name and its raw bytes, viewed
+as a NumPy array of unsigned integers of the element's size (NumPy has no bfloat16 or float8)."""
+WireShard = dict[str, dict[tuple[int, int, int], WirePart]]
+_UINT_OF_SIZE = {1: torch.uint8, 2: torch.uint16, 4: torch.uint32, 8: torch.uint64}
+
+
+def _to_wire(part: torch.Tensor) -> WirePart:
+    raw = part.contiguous().view(_UINT_OF_SIZE[part.element_size()])
+    return str(part.dtype).removeprefix("torch."), raw.numpy()
+
+
+def _from_wire(wire: WirePart) -> torch.Tensor:
+    """The part as a tensor over the store's read-only buffer (the rank only reads it)."""
+    dtype_name, raw = wire
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        tensor = torch.from_numpy(raw)
+    return tensor.view(getattr(torch, dtype_name))
 
 
 def _actor_shards(
