@@ -50,7 +50,8 @@ def _drafting(llm: LLM) -> tuple[int, int]:
     before = llm.client.get_stats().spec_decoding
     generate(llm)
     after = llm.client.get_stats().spec_decoding
-    assert before is not None and after is not None
+    assert before is not None
+    assert after is not None
     drafted = after.num_draft_tokens - before.num_draft_tokens
     return drafted, after.num_accepted_tokens - before.num_accepted_tokens
 

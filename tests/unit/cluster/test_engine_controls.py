@@ -55,7 +55,8 @@ def test_pause_abort_ends_requests_and_resume_serves_again(llm: LLM) -> None:
     stream = llm.stream(PROMPT, PARAMS)
     next(stream)
     llm.pause_generation(mode="abort")
-    assert llm.is_paused() and llm.is_sleeping()
+    assert llm.is_paused()
+    assert llm.is_sleeping()
     *_, last = stream
     assert last.outputs[0].finish_reason == "abort"
     llm.resume_generation()
