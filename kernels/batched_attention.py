@@ -8,11 +8,18 @@ a lone request go through the reference's per-request path (fused
 
     decodes sorted by key span -> chunks under the element budget -> per chunk:
     block ids [D, B] (past a request's last block: its last) -> index_select -> [D, L, kv, size]
-    values outside each request's keys zeroed -> per KV head: bmm -> scores [D, group, L]
-    (masked) -> softmax -> bmm -> out [D, q_heads, size]
+    values outside each request's keys zeroed -> one grouped-query matmul -> scores
+    [D, kv, group, L] (masked) -> softmax -> matmul -> out [D, q_heads, size]
+
+The decode gather plan (chunks, block ids, slot positions, hidden slots) depends only on the
+step's batch, the window and the cache layout, so a caller passing `decode_plans` (a fresh dict
+per step and attention group, see `worker.attention.attention_groups`) has it made by the first
+layer and reused by the others; without it every call makes its own.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -47,36 +54,123 @@ def paged_attention(  # noqa: PLR0913 (the signature shared by every backend)
     key_from_value: KeyFromValue | None = None,
     kv_scales: KVScales | None = None,
     key_ends: torch.Tensor | None = None,
+    decode_plans: DecodePlans | None = None,
 ) -> torch.Tensor:
     """Causal attention of a mixed batch over a paged KV cache; see the reference.
 
     `key_ends` reach the prefill chunks only: a single-token query sees up to itself anyway
-    (an image of one token ends at that token's position + 1).
+    (an image of one token ends at that token's position + 1). `decode_plans`: the step's
+    gather plans, shared by calls with the same block table, query starts and sequence lengths.
     """
     check_attention_args(query, key_cache, value_cache, block_table, sliding_window, softcap, sinks)
     check_key_from_value(key_from_value, query.shape[2])
     check_key_ends(key_ends, query.shape[0])
     rule = ScoreRule(scale, sliding_window, softcap, None if sinks is None else sinks.float())
+    layout = (key_cache.shape[1], key_cache.shape[2] * key_cache.shape[3])
+    plan = _plan_for(decode_plans, block_table, query_start_loc, seq_lens, sliding_window, layout)
+    paged = PagedKV(key_cache, value_cache, block_table, key_from_value, kv_scales)
+    if not plan.prefills and len(plan.chunks) == 1 and plan.chunks[0].rows is None:
+        return _decode(query, plan.chunks[0], paged, rule)  # every row one decode, in order
+    output = torch.zeros_like(query)
+    for req_idx in plan.prefills:
+        start, end = plan.starts[req_idx], plan.starts[req_idx + 1]
+        one = PagedKV(key_cache, value_cache, block_table[req_idx], key_from_value, kv_scales)
+        ends = None if key_ends is None else key_ends[start:end]
+        output[start:end] = attend_request(query[start:end], plan.lengths[req_idx], one, rule, ends)
+    for chunk in plan.chunks:
+        rows = chunk.rows if chunk.rows is not None else slice(None)
+        output[rows] = _decode(query[rows], chunk, paged, rule)
+    return output
+
+
+@dataclass(frozen=True)
+class DecodeChunk:
+    """One gather of whole cache blocks for some single-token decodes."""
+
+    rows: torch.Tensor | None
+    """[D] query rows of the chunk; None: every row of the call, in order."""
+    block_ids: torch.Tensor
+    """[D * num_blocks] cache blocks gathered (past a request's last block: its last)."""
+    positions: torch.Tensor
+    """[D, L] key position of every gathered slot."""
+    hidden: torch.Tensor
+    """[D, L] gathered slots the request does not see (outside its keys or window)."""
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """How one step's batch is attended: per-request prefills and chunked decode gathers."""
+
+    block_table: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    starts: list[int]
+    lengths: list[int]
+    prefills: list[int]
+    chunks: list[DecodeChunk]
+
+    def serves(self, block_table: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor) -> bool:
+        """Whether the plan was made for exactly these step tensors."""
+        return (
+            self.block_table is block_table
+            and self.query_start_loc is starts
+            and self.seq_lens is lens
+        )
+
+
+DecodePlans = dict[tuple[int | None, int, int], DecodePlan]
+"""A step's gather plans by (sliding window, block size, elements of one cache slot)."""
+
+
+def _plan_for(
+    plans: DecodePlans | None,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    window: int | None,
+    layout: tuple[int, int],
+) -> DecodePlan:
+    """The plan in `plans` when it was made for these tensors, else a new one (then kept)."""
+    key = (window, *layout)
+    plan = None if plans is None else plans.get(key)
+    if plan is None or not plan.serves(block_table, query_start_loc, seq_lens):
+        plan = make_decode_plan(block_table, query_start_loc, seq_lens, window, layout)
+        if plans is not None:
+            plans[key] = plan
+    return plan
+
+
+def make_decode_plan(
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    window: int | None,
+    layout: tuple[int, int],
+) -> DecodePlan:
+    """Prefill requests and decode chunks of a step; `layout`: (block size, elements of one
+    cache slot)."""
     starts = query_start_loc.tolist()
     lengths = seq_lens.tolist()
-    output = torch.zeros_like(query)
     decodes: list[int] = []
-    for req_idx, seq_len in enumerate(lengths):
+    prefills: list[int] = []
+    for req_idx in range(len(lengths)):
         start, end = starts[req_idx], starts[req_idx + 1]
         if end - start == 1 and len(lengths) > 1:
             decodes.append(req_idx)
         elif end > start:  # prefill chunks, and a lone request (batch 1: the reference path)
-            paged = PagedKV(key_cache, value_cache, block_table[req_idx], key_from_value, kv_scales)
-            ends = None if key_ends is None else key_ends[start:end]
-            output[start:end] = attend_request(query[start:end], seq_len, paged, rule, ends)
-    if decodes:
-        paged = PagedKV(key_cache, value_cache, block_table, key_from_value, kv_scales)
-        spans = [_key_span(lengths[idx], sliding_window) for idx in decodes]
-        for chunk in _decode_chunks(decodes, spans, key_cache.shape[2] * key_cache.shape[3]):
-            rows = torch.tensor([starts[idx] for idx in chunk], device=query.device)
-            ends = torch.tensor([lengths[idx] for idx in chunk], device=query.device)
-            output[rows] = _decode(query[rows], block_table[chunk], ends, paged, rule)
-    return output
+            prefills.append(req_idx)
+    block_size, row_elements = layout
+    spans = [_key_span(lengths[idx], window) for idx in decodes]
+    cut = _decode_chunks(decodes, spans, row_elements) if decodes else []
+    in_order = not prefills and len(cut) == 1 and starts == list(range(len(lengths) + 1))
+    chunks = []
+    for chunk in [decodes] if in_order else cut:
+        rows = (
+            None if in_order else torch.tensor([starts[i] for i in chunk], device=seq_lens.device)
+        )
+        ends = torch.tensor([lengths[i] for i in chunk], device=seq_lens.device)
+        chunks.append(_chunk(rows, block_table[chunk], ends, window, block_size))
+    return DecodePlan(block_table, query_start_loc, seq_lens, starts, lengths, prefills, chunks)
 
 
 def _key_span(seq_len: int, sliding_window: int | None) -> int:
@@ -97,52 +191,45 @@ def _decode_chunks(decodes: list[int], spans: list[int], row_elements: int) -> l
 
 
 def _decode(
-    query: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    paged: PagedKV,
-    rule: ScoreRule,
+    query: torch.Tensor, chunk: DecodeChunk, paged: PagedKV, rule: ScoreRule
 ) -> torch.Tensor:
-    """Single-token decodes: `query` `[D, num_q_heads, head_size]`, request `d` at position
-    `seq_lens[d] - 1` with the block-table row `block_table[d]`."""
+    """Single-token decodes `query` `[D, num_q_heads, head_size]` of one planned chunk."""
     num_decodes, num_q_heads, head_size = query.shape
     num_kv_heads = paged.value_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    keys, values, is_visible = _gather(paged, block_table, seq_lens, rule.sliding_window)
+    keys, values = _gather(paged, chunk)
     q = query.float().view(num_decodes, num_kv_heads, group, head_size)
-    # One batched product per KV head on strided views of the gathered pages (no copies):
-    # [D, group, head_size] x [D, head_size, L] -> scores [D, num_kv_heads, group, L].
-    scores = torch.stack([torch.bmm(q[:, h], keys[:, :, h].mT) for h in range(num_kv_heads)], dim=1)
+    # One grouped-query product on strided views of the gathered pages:
+    # [D, kv, group, head_size] x [D, kv, head_size, L] -> scores [D, kv, group, L].
+    scores = torch.matmul(q, keys.permute(0, 2, 3, 1))
     scores *= rule.scale
     if rule.softcap is not None:
         scores = torch.tanh(scores / rule.softcap) * rule.softcap
-    scores.masked_fill_(~is_visible[:, None, None, :], float("-inf"))
+    scores.masked_fill_(chunk.hidden[:, None, None, :], float("-inf"))
     if rule.sinks is None:
         probs = scores.softmax(dim=-1)
     else:
         sinks = rule.sinks.to(scores.device).view(1, num_kv_heads, group, 1)
         sink_column = sinks.expand(num_decodes, num_kv_heads, group, 1)
         probs = torch.cat([scores, sink_column], dim=-1).softmax(dim=-1)[..., :-1]
-    out = torch.stack(
-        [torch.bmm(probs[:, h], values[:, :, h]) for h in range(num_kv_heads)], dim=1
-    )  # [D, num_kv_heads, group, head_size]
-    return out.view(num_decodes, num_q_heads, head_size).to(query.dtype)
+    out = torch.matmul(probs, values.transpose(1, 2))  # [D, kv, group, head_size]
+    return out.reshape(num_decodes, num_q_heads, head_size).to(query.dtype)
 
 
-def _gather(
-    paged: PagedKV, block_table: torch.Tensor, seq_lens: torch.Tensor, window: int | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """fp32 keys and values `[D, L, num_kv_heads, head_size]` of whole cache blocks (fp8 pages
-    dequantized), from the first block in each request's window, and which of the L slots each
-    request sees `[D, L]`.
+def _chunk(
+    rows: torch.Tensor | None,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    window: int | None,
+    block_size: int,
+) -> DecodeChunk:
+    """The gather of whole cache blocks from the first block in each request's window.
 
-    Block-table entries past a request's last block are replaced by its last block, and the
-    values of slots it does not see are zeroed, so nothing outside its keys reaches the output
-    (stale slots may hold anything, NaN included).
+    Block-table entries past a request's last block are replaced by its last block; slots a
+    request does not see are hidden (values zeroed, scores masked), so nothing outside its keys
+    reaches the output (stale slots may hold anything, NaN included).
     """
-    block_size = paged.value_cache.shape[1]
-    key_start = seq_lens if window is None else seq_lens - seq_lens.clamp(max=window)
-    key_start = seq_lens - seq_lens if window is None else key_start
+    key_start = seq_lens - seq_lens if window is None else seq_lens - seq_lens.clamp(max=window)
     first_block = key_start // block_size  # [D]
     last_block = (seq_lens - 1) // block_size
     num_blocks = int((last_block - first_block).max()) + 1
@@ -152,20 +239,26 @@ def _gather(
     positions = first_block[:, None] * block_size + torch.arange(
         num_blocks * block_size, device=seq_lens.device
     )  # [D, L]
-    is_visible = (positions >= key_start[:, None]) & (positions < seq_lens[:, None])
+    hidden = (positions < key_start[:, None]) | (positions >= seq_lens[:, None])
+    return DecodeChunk(rows, block_ids, positions, hidden)
 
+
+def _gather(paged: PagedKV, chunk: DecodeChunk) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 keys and values `[D, L, num_kv_heads, head_size]` of the chunk's cache blocks (fp8
+    pages dequantized), hidden slots' values zeroed."""
     key_scale, value_scale = split_scales(paged.kv_scales)
+    num_decodes = chunk.positions.shape[0]
 
     def gather(cache: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-        pages = cache.index_select(0, block_ids)  # [D * num_blocks, block_size, heads, size]
-        return dequantize(pages.view(len(seq_lens), -1, *cache.shape[2:]), scale)
+        pages = cache.index_select(0, chunk.block_ids)  # [D * blocks, block_size, heads, size]
+        return dequantize(pages.view(num_decodes, -1, *cache.shape[2:]), scale)
 
     values = gather(paged.value_cache, value_scale)
-    values.masked_fill_(~is_visible[:, :, None, None], 0.0)
+    values.masked_fill_(chunk.hidden[:, :, None, None], 0.0)
     if paged.key_from_value is None:
         keys = gather(paged.key_cache, key_scale)
     else:
         flat = values.flatten(0, 1)
-        keys = rotate_values_into_keys(flat, positions.flatten(), paged.key_from_value)
+        keys = rotate_values_into_keys(flat, chunk.positions.flatten(), paged.key_from_value)
         keys = keys.view(values.shape)
-    return keys, values, is_visible
+    return keys, values

@@ -17,12 +17,13 @@ and placed in their target's group by the KV config builder, so nothing is check
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
 
-from kernels import AttentionBackend
+from kernels import AttentionBackend, batched_attention
 from scheduler.kv_cache.spec import (
     ChunkedLocalAttentionSpec,
     KVCacheConfig,
@@ -30,7 +31,13 @@ from scheduler.kv_cache.spec import (
     MambaSpec,
     manager_spec,
 )
-from worker.attention.attention import Attention, AttentionMetadata, ForwardContext, KernelNeeds
+from worker.attention.attention import (
+    Attention,
+    AttentionMetadata,
+    ForwardContext,
+    KernelNeeds,
+    PagedAttention,
+)
 from worker.attention.block_table import choose_kernel_block_size
 from worker.attention.metadata_transforms import (
     ChunkedLocalBatches,
@@ -94,7 +101,7 @@ class MetadataBuilder:
             max_seq_len=common.max_seq_len,
             num_actual_tokens=common.num_actual_tokens,
             store_kv_cache=self.backend.store_kv_cache,
-            paged_attention=self.backend.paged_attention,
+            paged_attention=step_paged_attention(self.backend),
             key_ends=common.key_ends,
         )
         return apply_transforms(meta, self.transforms, step)
@@ -108,7 +115,23 @@ class MetadataBuilder:
         """
         if self.transforms:
             return self.build(common, step)
-        return replace(built, block_table=common.block_table, slot_mapping=common.slot_mapping)
+        return replace(
+            built,
+            block_table=common.block_table,
+            slot_mapping=common.slot_mapping,
+            paged_attention=step_paged_attention(self.backend),
+        )
+
+
+def step_paged_attention(backend: AttentionBackend) -> PagedAttention:
+    """The backend's attention kernel for one step of one attention group.
+
+    The batched CPU kernel gets a fresh store of decode gather plans, so the group's first
+    layer makes the step's plan (block ids, hidden slots) and the other layers reuse it.
+    """
+    if backend.paged_attention is batched_attention.paged_attention:
+        return functools.partial(batched_attention.paged_attention, decode_plans={})
+    return backend.paged_attention
 
 
 @dataclass(frozen=True)
