@@ -38,8 +38,8 @@ pytestmark = pytest.mark.ray
 
 APP = "batches"
 MAX_NUM_SEQS = 4
-WINDOW = 16
-"""Batch lines in flight: more than the engine runs at once, so some wait in its queue."""
+WINDOW = 64
+"""Batch lines in flight: many more than the engine runs at once, so most wait in its queue."""
 INGRESS_OPTIONS = {"num_cpus": 0.1, "runtime_env": {"env_vars": {WINDOW_ENV: str(WINDOW)}}}
 TTFT_BOUND_S = 1.0
 """A chat's first token beside a running batch comes within this of an idle server's."""
@@ -287,13 +287,14 @@ def test_a_chat_beside_a_large_batch_keeps_its_ttft(client: openai.OpenAI, tmp_p
     _ttft(client)  # the replica may be new (the test above replaced it)
     idle = statistics.median(_ttft(client) for _ in range(3))
     # Lines of 8 to 64 tokens: a running line finishes every few steps, and the engine's queue
-    # always holds WINDOW - MAX_NUM_SEQS batch lines.
+    # holds WINDOW - MAX_NUM_SEQS batch lines: under FCFS a chat would wait for all of them.
     batch = _create(client, _long_lines(400, [8 + (7 * i) % 57 for i in range(400)]), tmp_path)
     wait_batch(client, batch.id, _completed(MAX_NUM_SEQS))
     busy = [_ttft(client) for _ in range(3)]
     progress = client.batches.retrieve(batch.id)
     client.batches.cancel(batch.id)
     assert progress.status == "in_progress"  # the batch was still running beside the chats
+    print(f"TTFT idle {idle:.3f} s, beside the batch {busy}")
     assert statistics.median(busy) <= idle + TTFT_BOUND_S, (idle, busy)
     wait_batch(client, batch.id, timeout=30)
 
