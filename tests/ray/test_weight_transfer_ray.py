@@ -1,7 +1,8 @@
 """Weights pushed from a trainer Ray actor to an engine of two tensor-parallel ranks (Ray executor,
 gloo): each rank fetches only its own shard from the trainer (bytes counted per rank), and
 the outputs after a round trip of updates equal the fresh engine's bit for bit; a trainer killed
-mid-update gives one clear error within the deadline and the engine goes on with its weights."""
+mid-update gives one clear error within the deadline and the engine goes on with its weights; both
+ranks sleep and wake (levels 1 and 2, weights loaded while asleep) with their outputs kept."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 
 from cluster import LLM, SamplingParams
 from cluster.engine.weight_transfer import WeightSender, shapes_of
+from tests.helpers.sleep_cycles import run_cycles
 from tests.helpers.tiny_linear_hybrid import save_tiny_linear_hybrid
 from tests.helpers.weight_updates import checkpoint_tensors, perturbed_checkpoint
 
@@ -128,3 +130,20 @@ def test_a_trainer_killed_mid_update_fails_it_and_the_engine_keeps_its_weights(
     assert llm.get_weight_version() == version
     llm.reset_prefix_cache()
     assert _generate(llm) == before
+
+
+def test_sleep_and_wake_of_both_ranks_with_an_update_while_asleep(
+    setup: tuple[LLM, Path, Path],
+) -> None:
+    """Levels 1 then 2 on both rank actors; in the level-2 cycle the checkpoint's weights are
+    loaded into the emptied weight memory (each rank reading its shard) before the KV cache
+    wakes: every generation equals the one before the first sleep, bit for bit."""
+    llm, old, _ = setup
+
+    def update_while_asleep(engine: LLM, cycle: int) -> None:
+        if cycle == 1:  # level 2: the ranks hold no weights until these arrive
+            engine.start_weight_update()
+            engine.update_weights({"weights_path": str(old)})
+            engine.finish_weight_update()
+
+    assert run_cycles(llm, 2, update=update_while_asleep) == 2
