@@ -4,6 +4,8 @@ without a CUDA graph (CPU): the same fill, padding and slicing as a replay, opti
 
 from __future__ import annotations
 
+import torch
+
 from cluster import LLM
 from worker.graphs.capture_sizes import CudaGraphConfig
 from worker.graphs.decode_graphs import DecodeGraphs, graph_parts
@@ -16,6 +18,10 @@ def use_static_steps(llm: LLM, compile_backend: str | None = None) -> DecodeGrap
     """Make the (tp_size 1, in-process) engine run its uniform decode steps from static
     buffers from now on; returns them (their `static_steps` count what ran there)."""
     runner = llm.client.core.executor.worker.model_runner
+    if compile_backend is not None:
+        # Each test compiles another model whose layers share code objects with the last one's;
+        # without a reset their recompilations add up to dynamo's limit within one process.
+        torch._dynamo.reset()
     config = CudaGraphConfig(capture_sizes=SIZES)
     graphs = DecodeGraphs(
         graph_parts(runner), config, capture=False, compile_backend=compile_backend

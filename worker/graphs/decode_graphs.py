@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -41,10 +41,27 @@ if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
     from worker.lora.manager import LoRAManager
-    from worker.model_runner import ModelRunner
     from worker.runner_config import RunnerConfig
 
 logger = logging.getLogger(__name__)
+
+
+class GraphSource(Protocol):
+    """What the captured steps read from a model runner with a bound KV cache (the runner
+    satisfies it; named here so that this module does not import the runner)."""
+
+    device: torch.device
+    config: RunnerConfig
+    model: Any
+    attention_groups: list[AttentionGroup]
+    kv_caches: dict[str, tuple[torch.Tensor, ...]]
+    drafter_layers: Any
+    drafter_state_layers: Any
+    _mamba_groups: dict[str, int]
+    lora: LoRAManager | None
+
+    def _require_states(self) -> Any: ...
+
 
 ACTIVATION_ROWS_FACTOR = 8
 """Live activations of one row in a decode forward, in units of the widest projection output
@@ -69,7 +86,7 @@ class GraphParts:
     device: torch.device
 
 
-def decode_graphs_for(runner: ModelRunner, config: CudaGraphConfig) -> DecodeGraphs | None:
+def decode_graphs_for(runner: GraphSource, config: CudaGraphConfig) -> DecodeGraphs | None:
     """The runner's captured decode steps (None: graphs off, or not on this device; logged)."""
     if not config.is_enabled:
         logger.info("CUDA graphs off (enforce_eager or cudagraph_mode %s)", config.mode.value)
@@ -80,13 +97,13 @@ def decode_graphs_for(runner: ModelRunner, config: CudaGraphConfig) -> DecodeGra
     return DecodeGraphs(graph_parts(runner), config, capture=True)
 
 
-def graph_parts(runner: ModelRunner) -> GraphParts:
+def graph_parts(runner: GraphSource) -> GraphParts:
     """What a runner with a bound KV cache gives its captured steps."""
     states = runner._require_states()
     spec = runner.config.speculative
     drafter = {layer.layer_name for layer in (*runner.drafter_layers, *runner.drafter_state_layers)}
     return GraphParts(
-        model=runner.model,  # type: ignore[arg-type]
+        model=runner.model,
         groups=[g for g in runner.attention_groups if g.layer_names[0] not in drafter],
         kv_caches=runner.kv_caches,
         state_layers={
