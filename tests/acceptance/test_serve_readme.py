@@ -99,7 +99,7 @@ def _runs_haproxy(cli: CliProcess) -> bool:
     return any(name.startswith("haproxy[") for name in session_processes(cli.sid))
 
 
-@pytest.mark.parametrize("ingress", ["haproxy", "proxy"])
+@pytest.mark.parametrize("ingress", ["haproxy", pytest.param("proxy", marks=pytest.mark.slow)])
 def test_make_serve_answers_the_readme_examples_and_stops_on_ctrl_c(
     user_env: dict[str, str], ingress: str
 ) -> None:

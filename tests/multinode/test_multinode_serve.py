@@ -61,7 +61,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_served_model(tmp_path_factory.mktemp("multinode-model"))
 
 
-@pytest.fixture(scope="module", params=[PROXY, HAPROXY])
+@pytest.fixture(
+    scope="module",
+    # HAProxy is the default ingress (--ingress auto); Serve's proxy runs in `make test-all`.
+    params=[pytest.param(PROXY, marks=pytest.mark.slow), HAPROXY],
+)
 def ingress(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
@@ -79,8 +83,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, ingress: str) -> Iterator[
 def test_tp2_with_one_rank_per_node_gives_the_in_process_tokens(
     cluster: RayNodes, model_dir: Path, ingress: str
 ) -> None:
-    if ingress == HAPROXY:
-        pytest.skip("the engine's ranks do not depend on the HTTP ingress (run with the proxy)")
+    if ingress == PROXY:
+        pytest.skip("the engine's ranks do not depend on the HTTP ingress (run with HAProxy)")
     greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     in_process = LLM(str(model_dir), distributed_executor_backend="uni", **ENGINE_KWARGS)
     try:
