@@ -455,13 +455,19 @@ def test_named_engine_values_reach_their_engine_args_field() -> None:
         assert (got.model_dump(exclude_none=True) if name == "speculativeConfig" else got) == value
 
 
-def _sample(field_schema: dict[str, Any]) -> Any:
-    """The field's default, or a valid value of its first non-null type."""
+def _sample(field_schema: dict[str, Any], defs: dict[str, Any]) -> Any:
+    """The field's default, or a valid value of its first non-null type (a nested settings
+    model: each of its fields sampled)."""
     if field_schema.get("default") is not None:
         return field_schema["default"]
-    (option, *_) = [o for o in field_schema.get("anyOf", [field_schema]) if o["type"] != "null"]
+    (option, *_) = [o for o in field_schema.get("anyOf", [field_schema]) if o.get("type") != "null"]
+    if "$ref" in option:
+        nested = defs[option["$ref"].rsplit("/", 1)[-1]]["properties"]
+        return {name: _sample(schema, defs) for name, schema in nested.items()}
     if "enum" in option:
         return option["enum"][0]
+    if option["type"] == "array" and option.get("items", {}).get("type") == "integer":
+        return [option["items"].get("minimum", 1)]
     return {
         "string": "/x",
         "integer": option.get("minimum", 1),
@@ -473,9 +479,10 @@ def _sample(field_schema: dict[str, Any]) -> Any:
 
 def test_every_other_engine_argument_passes_through_extra_kwargs() -> None:
     named = {_snake(name) for name in NAMED_ENGINE_VALUES}
-    properties = EngineArgs.model_json_schema()["properties"]
+    schema_of_args = EngineArgs.model_json_schema()
+    properties, defs = schema_of_args["properties"], schema_of_args.get("$defs", {})
     extra = {
-        field: _sample(schema)
+        field: _sample(schema, defs)
         for field, schema in properties.items()
         if field not in named and field != "model"  # the model comes from model.source
     }
