@@ -64,6 +64,7 @@ def test_attention_over_fp8_pages_matches_reference() -> None:
 
 def test_store_writes_the_reference_fp8_bytes() -> None:
     run_interpreted("""
+        torch.manual_seed(0)  # fixed inputs: a value on a rounding midpoint may round either way
         for dtype in FP8:
             for scales in (kv_scales(), None):
                 pages = torch.full((3, 2, 4, 2, 16), float("nan")).to(dtype)  # interleaved K | V
