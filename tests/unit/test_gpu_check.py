@@ -10,33 +10,43 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+SECTIONS_WITHOUT_RAY = [
+    "tests", "attention", "recurrent", "lora", "quant", "e2e", "quant_e2e", "images", "layer_ops",
+    "graphs",
+]  # fmt: skip
+"""Every section but `kv_pull`, which starts Ray (its dry run is a `ray` test below)."""
+
+
+def _dry_run(out: Path, sections: list[str], tmp_path: Path) -> dict:
+    """`gpu_check.sh OUT --device cpu --tiny` of these sections: the report."""
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_WHEELS": str(tmp_path / "none")}
+    command = ["sh", "benchmarks/gpu_check.sh", str(out), "--device", "cpu", "--tiny",
+               "--commit", "c0", "--sections", ",".join(sections)]  # fmt: skip
+    proc = subprocess.run(
+        command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=480, check=False
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads((out / "gpu-check.json").read_text())
+
+
+@pytest.mark.ray
+def test_dry_run_of_the_kv_pull_section(tmp_path: Path) -> None:
+    sections = _dry_run(tmp_path / "out", ["kv_pull"], tmp_path)["sections"]
+    assert list(sections) == ["kv_pull"]
+    _check_kv_pull(sections["kv_pull"])
 
 
 def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    env = {**os.environ, "PYTHON": sys.executable, "GPU_CHECK_WHEELS": str(tmp_path / "none")}
-    proc = subprocess.run(
-        ["sh", "benchmarks/gpu_check.sh", str(out), "--device", "cpu", "--tiny", "--commit", "c0"],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=480, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads((out / "gpu-check.json").read_text())
+    report = _dry_run(out, SECTIONS_WITHOUT_RAY, tmp_path)
     assert report["commit"] == "c0"
     sections = report["sections"]
-    assert list(sections) == [
-        "tests",
-        "attention",
-        "recurrent",
-        "lora",
-        "quant",
-        "kv_pull",
-        "e2e",
-        "quant_e2e",
-        "images",
-        "layer_ops",
-        "graphs",
-    ]
+    assert list(sections) == SECTIONS_WITHOUT_RAY
     assert sections["layer_ops"]["rows"][0]["ops_per_layer_per_decode_step"] > 0
     assert {row["kernel"] for row in sections["lora"]["rows"]} == {"torch"}
     quant = sections["quant"]
@@ -53,7 +63,6 @@ def test_dry_run_writes_every_section(tmp_path: Path) -> None:
     assert paged64["ratio_to_sdpa_flash"] > 0
     assert {row["kernel"] for row in sections["recurrent"]["mamba2"]} == {"torch"}
     assert all(row["conv1d_vs_torch"] > 0 for row in sections["recurrent"]["mamba2"])
-    _check_kv_pull(sections["kv_pull"])
     e2e = sections["e2e"]
     assert e2e["ours_tok_s"] > 0
     assert e2e["sdpa_tok_s"] > 0
