@@ -15,7 +15,7 @@ Where ours differs from vLLM 0.33:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from cluster.engine.lifecycle import (
@@ -30,8 +30,8 @@ from cluster.engine.lifecycle import (
 class EngineControls:
     """The blocking control calls; a subclass says how a call reaches its engine (`control`)."""
 
-    def control(self, name: str, *args: object) -> Any:
-        raise NotImplementedError
+    control: Callable[..., Any]
+    """`control(name, *args)`: how a call reaches the engine (each subclass defines it)."""
 
     def sleep(self, level: int = 1, mode: PauseMode = "abort") -> None:
         """Level 0: pause scheduling; 1: also move the weights to host memory and free the KV
@@ -78,8 +78,8 @@ class EngineControls:
 class AsyncEngineControls:
     """The asyncio control calls (same meaning as `EngineControls`')."""
 
-    async def control(self, name: str, *args: object) -> Any:
-        raise NotImplementedError
+    control: Callable[..., Awaitable[Any]]
+    """`await control(name, *args)`: how a call reaches the engine (each subclass defines it)."""
 
     async def sleep(self, level: int = 1, mode: PauseMode = "abort") -> None:
         await self.control("sleep", check_sleep_level(level), check_pause_mode(mode))

@@ -15,15 +15,15 @@ their trainer engine): a sender cuts each rank's parts by them (`cluster.engine.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 
 class WeightCalls:
     """The blocking weight-transfer calls; a subclass says how a call reaches its engine."""
 
-    def weight_call(self, name: str, *args: object) -> Any:
-        raise NotImplementedError
+    weight_call: Callable[..., Any]
+    """`weight_call(name, *args)`: how a call reaches the engine (each subclass defines it)."""
 
     def init_weight_transfer_engine(self, init_info: Mapping[str, Any] | None = None) -> None:
         """Set the transfer backend up (`init_info` may override weight_transfer_config)."""
@@ -71,8 +71,9 @@ class WeightCalls:
 class AsyncWeightCalls:
     """The asyncio weight-transfer calls; a subclass says how a call reaches its engine."""
 
-    async def weight_call(self, name: str, *args: object) -> Any:
-        raise NotImplementedError
+    weight_call: Callable[..., Awaitable[Any]]
+    """`await weight_call(name, *args)`: how a call reaches the engine (each subclass defines
+    it)."""
 
     async def init_weight_transfer_engine(self, init_info: Mapping[str, Any] | None = None) -> None:
         await self.weight_call("init_weight_transfer_engine", dict(init_info or {}))

@@ -24,6 +24,7 @@ Bad input (an unknown mode, level, tag or worker method) is a 400 whose message 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
@@ -46,8 +47,8 @@ router = APIRouter()
 class DevRoutes:
     """The development routes (a part of the ingress class; `route` picks the model)."""
 
-    def route(self, model: str | None) -> DeploymentHandle[Any] | ErrorResponse:
-        raise NotImplementedError
+    route: Callable[[str | None], DeploymentHandle[Any] | ErrorResponse]
+    """The deployment serving a request's model, or the error (the ingress class defines it)."""
 
     @router.post("/sleep", include_in_schema=False)
     async def dev_sleep(
