@@ -197,13 +197,16 @@ def _wait_for_replacement(cluster: RayNodes, lost_ip: str, timeout: float) -> No
     """Until two replicas run again, none on `lost_ip`."""
     deadline = time.monotonic() + timeout
     replicas: dict[str, str] = {}
+    states: dict[str, int] = {}
     while time.monotonic() < deadline:
         replicas = _replica_ips(cluster)
         states = serve.status().applications[APP].deployments[f"LLMServer:{MODEL}"].replica_states
-        if states == {"RUNNING": 2} and len(replicas) == 2 and lost_ip not in replicas.values():
+        # the lost replica may linger as STOPPING while Serve gives up on its dead node
+        running = states.get("RUNNING", 0) == 2
+        if running and len(replicas) == 2 and lost_ip not in replicas.values():
             return
         time.sleep(1)
-    raise AssertionError(f"no replacement replica within {timeout} s: {replicas}")
+    raise AssertionError(f"no replacement replica within {timeout} s: {replicas} {states}")
 
 
 async def _kill_when_busy(cluster: RayNodes, lost_ip: str, replica: str) -> float:
