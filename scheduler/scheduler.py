@@ -19,6 +19,7 @@ from itertools import chain
 from scheduler.admission import check_chunk_limits, check_new_request, chunk_of_step
 from scheduler.config import SchedulerConfig, SchedulingPolicy
 from scheduler.kv_cache.manager import CacheHit, KVCacheBlocks, KVCacheManager
+from scheduler.kv_cache.pressure import AdmissionLimits, kv_limit_label, non_kv_limit
 from scheduler.kv_cache.spec import KVCacheConfig
 from scheduler.lora import adapter_fits, adapter_names, upcoming_adapters
 from scheduler.output import (
@@ -74,6 +75,7 @@ class Scheduler:
         self._offload_loads = (0.0, 0)
         """Summed load seconds and loaded requests (cumulative, for metrics)."""
         self.num_preemptions = 0
+        self.admission_limits = AdmissionLimits()
         self.num_scheduled_ahead = 0
         """Requests scheduled while their last sampled token was still in flight (async
         scheduling running ahead; cumulative)."""
@@ -104,7 +106,7 @@ class Scheduler:
         self.kv_cache_manager.begin_step()
         self._schedule_running(plan)
         if not plan.preempted_req_ids:
-            self._schedule_waiting(plan)
+            self.admission_limits.record(self._schedule_waiting(plan))
         return self._make_output(plan)
 
     def update_from_output(
@@ -202,6 +204,7 @@ class Scheduler:
             num_waiting_for_kv_reqs=len(self.loading),
             offload_loads=self._offload_loads,
             num_preemptions=self.num_preemptions,
+            admission_limited=self.admission_limits.snapshot(),
         )
         if self.config.max_loras is not None:
             stats = dataclasses.replace(
@@ -251,9 +254,8 @@ class Scheduler:
     def _allocate_with_drafts(
         self, request: Request, num_new: int, budget: int
     ) -> tuple[list[int], KVCacheBlocks | None]:
-        """`allocate_slots` for a running request's step; a decoding request with drafts also
-        verifies some (none when the pool has no room for them; then its draft states are given
-        back before anything is preempted). Returns (drafts, blocks)."""
+        """`allocate_slots` for a running request's step, verifying drafts when the pool has room
+        for them (else their draft states go back before any preemption): (drafts, blocks)."""
         spec = self.spec
         manager = self.kv_cache_manager
         if spec is None:
@@ -276,9 +278,8 @@ class Scheduler:
         (or, alone with tokens in flight, waits for them before it is dropped)."""
         while True:
             if len(self.running) == 1:
-                # Alone and still no room: it never will be, unless loading requests hold
-                # blocks (they run, and can be preempted, once loaded); a request with tokens
-                # in flight waits for them.
+                # Alone and still no room: it never will be, unless loading requests hold blocks
+                # (they run, and can be preempted, once loaded); one with tokens in flight waits.
                 if not request.num_output_placeholders and not self.loading:
                     self._drop_unfittable(request)
                 return None
@@ -290,8 +291,8 @@ class Scheduler:
             if blocks is not None:
                 return blocks
 
-    def _schedule_waiting(self, plan: StepPlan) -> None:
-        """Admit waiting requests in queue order while budget, seats and blocks last."""
+    def _schedule_waiting(self, plan: StepPlan) -> str | None:
+        """Admit waiting requests while budget, seats and blocks last; returns what stopped them."""
         manager = self.kv_cache_manager
         max_num_seqs = self.config.max_num_seqs
         while (
@@ -301,17 +302,17 @@ class Scheduler:
         ):
             request = self.waiting.peek()
             if self._must_wait(request):
-                return
+                return None
             hit = manager.get_computed_blocks(request)
             if manager.needs_block_aligned_prefill:
                 self._junction_tokens[request.req_id] = hit.junction_tokens
             if hit.num_offloaded_blocks:
                 if not self._start_loading(request, manager.explain_misses(request, hit)):
-                    return  # room comes back as running requests finish
+                    return kv_limit_label(manager, request, 0, hit)  # room comes back later
                 continue
             num_new = self._num_new_tokens(request, hit.num_tokens, plan, first_chunk=True)
             if num_new == 0:
-                return
+                return None
             hit = manager.explain_misses(request, hit)  # the cache as looked up (see there)
             blocks = manager.allocate_slots(request, num_new, hit.num_tokens, hit.blocks)
             if blocks is None:
@@ -319,23 +320,22 @@ class Scheduler:
             if blocks is not None:
                 self._start_running(self.waiting.pop(), hit, num_new, blocks, plan)
             elif self.running or self.loading:
-                return  # room comes back as running requests finish
+                return kv_limit_label(manager, request, num_new, hit)  # room comes back later
             else:
                 self._drop_unfittable(self.waiting.pop())  # the whole pool cannot hold it
+        return non_kv_limit(bool(self.waiting), plan.budget)
 
     def _must_wait(self, request: Request) -> bool:
-        """Whether the queue's head cannot start yet: preempted with a token in flight (it
-        resumes once the token is back), or its adapter needs a device slot running requests
-        hold."""
+        """Whether the queue's head cannot start yet: preempted with a token in flight (it resumes
+        once the token is back), or its adapter needs a device slot running requests hold."""
         if request.num_output_placeholders:
             return True
         holders = chain(self.running, (held for held, _ in self.loading.values()))  # lazy
         return not adapter_fits(request.lora_name, holders, self.config.max_loras)
 
     def _start_loading(self, request: Request, hit: CacheHit) -> bool:
-        """Admit the queue's head, whose hit is partly in the offload tier: it takes the hit's
-        blocks and waits (other requests run) until the workers report the loads. False: no
-        room now (a request that could never fit is finished instead)."""
+        """Admit the queue's head, whose hit is partly in the offload tier: it holds the hit's
+        blocks until the loads are reported. False: no room now (one never fitting is finished)."""
         manager = self.kv_cache_manager
         if manager.allocate_slots(request, 0, hit.num_tokens, hit.blocks) is None:
             if self.running or self.loading:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from scheduler.kv_cache.manager import KVCacheStats
     from scheduler.kv_cache.offload import OffloadCounters
+    from scheduler.kv_cache.pressure import GroupPressure
     from scheduler.spec_decode import SpecDecodingStats
 
 
@@ -62,6 +63,15 @@ class SchedulerStats:
     """Requests of `max_model_len` tokens the KV cache holds at once, each at its worst case
     over every group (windows and states at their most): vLLM's "Maximum concurrency". Set by
     the engine; inf for a model without KV memory."""
+    group_pressure: tuple[GroupPressure, ...] = ()
+    """Per KV cache group, in group order: blocks used, free (pool-wide) and reclaimable by
+    eviction, and the `pressure` fraction; see `scheduler.kv_cache.pressure`. Empty: no KV
+    cache groups."""
+    admission_limited: tuple[tuple[str, int], ...] = ()
+    """(label, steps) pairs, sorted by label (cumulative): steps whose admissions stopped while
+    requests still waited, by what stopped them. A KV cache group's `<group_id>:<kind>` label
+    (`GroupPressure.label`) when its block demand refused the queue's head, `max_num_seqs` when
+    no seat was left, `token_budget` when the step's tokens were spent; at most one per step."""
 
     @classmethod
     def from_kv_stats(
@@ -73,6 +83,7 @@ class SchedulerStats:
         num_preemptions: int,
         num_waiting_for_kv_reqs: int = 0,
         offload_loads: tuple[float, int] = (0.0, 0),
+        admission_limited: tuple[tuple[str, int], ...] = (),
     ) -> SchedulerStats:
         """Combine the scheduler's counts with a KV cache manager snapshot."""
         return cls(
@@ -90,4 +101,6 @@ class SchedulerStats:
             offload=kv_stats.offload,
             offload_load_seconds=offload_loads[0],
             num_offload_loads=offload_loads[1],
+            group_pressure=kv_stats.group_pressure,
+            admission_limited=admission_limited,
         )

@@ -143,14 +143,26 @@ class KVCacheCoordinator:
         total_computed: int,
     ) -> int:
         """Free blocks an allocation to `num_tokens` slots consumes, over all groups."""
+        return sum(
+            self.get_num_blocks_per_group(req_id, num_tokens, new_computed_blocks, total_computed)
+        )
+
+    def get_num_blocks_per_group(
+        self,
+        req_id: str,
+        num_tokens: int,
+        new_computed_blocks: GroupBlocks | None,
+        total_computed: int,
+    ) -> list[int]:
+        """`get_num_blocks_to_allocate` group by group, in group order."""
         if new_computed_blocks is None:
             new_computed_blocks = self._nothing_new
-        total = 0
-        for manager, slots, hits in zip(
-            self.managers, self._group_slots(num_tokens), new_computed_blocks, strict=True
-        ):
-            total += manager.get_num_blocks_to_allocate(req_id, slots, hits, total_computed)
-        return total
+        return [
+            manager.get_num_blocks_to_allocate(req_id, slots, hits, total_computed)
+            for manager, slots, hits in zip(
+                self.managers, self._group_slots(num_tokens), new_computed_blocks, strict=True
+            )
+        ]
 
     def allocate_new_computed_blocks(
         self, req_id: str, new_computed_blocks: GroupBlocks | None, num_local_computed: int

@@ -23,6 +23,7 @@ from scheduler.kv_cache.manager_types import CacheHit, KVCacheBlocks, KVCacheSta
 from scheduler.kv_cache.miss_reasons import explain_misses
 from scheduler.kv_cache.offload import build_offload_index, count_offloaded
 from scheduler.kv_cache.outlook import pool_eviction_outlook
+from scheduler.kv_cache.pressure import group_pressure
 from scheduler.kv_cache.spec import KVCacheConfig, MambaCacheMode, MambaSpec, manager_spec
 from scheduler.kv_cache.spec_slots import SpecStateSlots
 from scheduler.kv_cache.step_phases import ALL_PHASES, StepPhases, step_phases
@@ -478,6 +479,7 @@ class KVCacheManager:
             num_evictions=self.pool.num_evictions,
             group_miss_tokens=tuple(tuple(misses.items()) for misses in self._miss_tokens),
             offload=self.pool.offload.counters() if self.pool.offload is not None else None,
+            group_pressure=group_pressure(self.pool, self.coordinator.group_specs),
         )
 
     def check_invariants(self) -> None:

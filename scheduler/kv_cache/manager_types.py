@@ -10,6 +10,7 @@ from scheduler.kv_cache.block_pool import KVCacheBlock
 from scheduler.kv_cache.free_block_queue import block_ids
 from scheduler.kv_cache.miss_reasons import GroupMisses
 from scheduler.kv_cache.offload import OffloadCounters
+from scheduler.kv_cache.pressure import GroupPressure
 
 
 @dataclass(frozen=True)
@@ -79,3 +80,5 @@ class KVCacheStats:
     """Per group, tokens of admitted lookups it could not serve, by `MissReason` value."""
     offload: OffloadCounters | None = None
     """The offload tier's usage and counters (None: no tier)."""
+    group_pressure: tuple[GroupPressure, ...] = ()
+    """Per group, used / free / reclaimable blocks (`scheduler.kv_cache.pressure`)."""
