@@ -36,6 +36,7 @@ from cluster.engine.request import EngineRequest
 from cluster.engine.structured import StructuredOutputManager
 from cluster.engine.weight_version import WeightVersion
 from scheduler.kv_cache.builder import build_kv_cache_config, max_concurrency
+from scheduler.kv_cache.capacity_checks import concurrency_lines, plan_start_up_limits
 from scheduler.kv_cache.events import KVEventLog
 from scheduler.kv_cache.spec import KVCacheConfig
 from scheduler.kv_cache.transfer import transfer_fingerprint
@@ -428,8 +429,11 @@ def build_engine_core(args: EngineArgs, executor: Executor | None = None) -> Eng
     try:
         configs = executor.configs
         kv_cache_config = _plan_kv_cache(executor, args)
+        limits = plan_start_up_limits(kv_cache_config, configs.scheduler)
+        for decision in limits.decisions:
+            logger.warning("%s", decision.message)
         executor.collective_rpc("initialize_kv_cache", kv_cache_config)
-        scheduler = Scheduler(configs.scheduler, kv_cache_config)
+        scheduler = Scheduler(limits.config, kv_cache_config)
         tokenizer = executor.load_tokenizer()
     except BaseException:
         executor.shutdown()
@@ -442,12 +446,21 @@ def build_engine_core(args: EngineArgs, executor: Executor | None = None) -> Eng
         args.kv_transfer_transport,
     )
     core.weights.transfer_config = args.weight_transfer_config
+    _log_concurrency(core)
+    return core
+
+
+def _log_concurrency(core: EngineCore) -> None:
+    """vLLM's start-up line for the whole cache, then one line per group alone."""
+    config = core.scheduler.config
     logger.info(
         "Maximum concurrency for %s tokens per request: %.2fx",
-        f"{configs.scheduler.max_model_len:,}",
+        f"{config.max_model_len:,}",
         core.max_concurrency,
     )
-    return core
+    kv_config = core.scheduler.kv_cache_config
+    for line in concurrency_lines(kv_config, config.max_model_len, config.max_num_batched_tokens):
+        logger.info("%s", line)
 
 
 def _plan_kv_cache(executor: Executor, args: EngineArgs) -> KVCacheConfig:

@@ -19,6 +19,7 @@ import math
 from collections.abc import Mapping
 from typing import NamedTuple
 
+from scheduler.kv_cache.capacity_checks import blocks_per_group, check_request_fits, longest_request
 from scheduler.kv_cache.grouping import fold_to_full_attention, group_layers
 from scheduler.kv_cache.sharing import attach_sharing, validate_kv_sharing
 from scheduler.kv_cache.spec import (
@@ -28,7 +29,6 @@ from scheduler.kv_cache.spec import (
     KVCacheSpec,
     KVCacheTensor,
     UniformTypeKVCacheSpecs,
-    cdiv,
     manager_spec,
 )
 
@@ -61,7 +61,8 @@ def build_kv_cache_config(  # noqa: PLR0913 - keyword options of the one public 
         disable_hybrid: fold sliding-window / chunked-local layers into full attention so that
             the model has one group; ValueError if that is not possible.
         num_blocks_override: use this many blocks instead of what fits in `memory_bytes`.
-        max_model_len: when given, ValueError unless one request of this length fits.
+        max_model_len: when given, `KVCapacityError` (a ValueError) unless one request of this
+            length fits (`capacity_checks.check_request_fits`).
         max_num_batched_tokens: step token budget, bounds window layers' worst case; default
             `max_model_len` (a whole prompt in one step).
     """
@@ -85,7 +86,7 @@ def build_kv_cache_config(  # noqa: PLR0913 - keyword options of the one public 
     tensors = tuple(KVCacheTensor(page * num_blocks, layers) for layers, page in buffers)
     config = KVCacheConfig(num_blocks=num_blocks, groups=groups, tensors=tensors)
     if max_model_len is not None:
-        _check_request_fits(config, max_model_len, max_num_batched_tokens)
+        check_request_fits(config, max_model_len, max_num_batched_tokens)
     logger.info(
         "KV cache: %d groups (block sizes %s), %d buffers, %d blocks (%d tokens)",
         len(groups),
@@ -190,11 +191,7 @@ def request_blocks(
     config: KVCacheConfig, max_model_len: int, max_num_batched_tokens: int | None = None
 ) -> int:
     """Blocks (summed over groups) one request of `max_model_len` tokens can hold at worst."""
-    batched = max_model_len if max_num_batched_tokens is None else max_num_batched_tokens
-    return sum(
-        cdiv(group.spec.max_memory_usage_bytes(max_model_len, batched), group.spec.page_size_bytes)
-        for group in config.groups
-    )
+    return sum(blocks_per_group(config, max_model_len, max_num_batched_tokens))
 
 
 def block_bytes(config: KVCacheConfig) -> int:
@@ -216,19 +213,9 @@ def estimate_max_model_len(
     """
     if not config.groups:
         return limit
-    cost = block_bytes(config)
-
-    def fits(length: int) -> bool:
-        return request_blocks(config, length, max_num_batched_tokens) * cost <= memory_bytes
-
-    low, high = 0, limit
-    while low < high:  # invariant: fits(low) or low == 0; not fits(high + 1)
-        mid = (low + high + 1) // 2
-        if fits(mid):
-            low = mid
-        else:
-            high = mid - 1
-    return low
+    return longest_request(
+        config, memory_bytes // block_bytes(config), max_num_batched_tokens, limit
+    )
 
 
 def max_concurrency(
@@ -323,29 +310,3 @@ def _num_blocks(memory_bytes: int, bytes_per_block: int, override: int | None) -
             "(the null block and one usable block)"
         )
     return fitting
-
-
-def _check_request_fits(
-    config: KVCacheConfig, max_model_len: int, max_num_batched_tokens: int | None
-) -> None:
-    cost = block_bytes(config)
-    needed = request_blocks(config, max_model_len, max_num_batched_tokens) * cost
-    available = config.num_blocks * cost
-    if needed <= available:
-        return
-    longest = estimate_max_model_len(
-        config, available, max_num_batched_tokens=max_num_batched_tokens, limit=max_model_len
-    )
-    raise ValueError(
-        f"one request of max_model_len={max_model_len} tokens needs {_format_bytes(needed)} of "
-        f"KV cache, more than the {_format_bytes(available)} available ({config.num_blocks} "
-        f"blocks); the largest max_model_len that fits is {longest}. Lower max_model_len or "
-        "give the KV cache more memory"
-    )
-
-
-def _format_bytes(num_bytes: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if num_bytes >= 1 << shift:
-            return f"{num_bytes / (1 << shift):.2f} {unit}"
-    return f"{num_bytes} bytes"
