@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, ValidationError, field_validator
 
+from cluster.config.autoscaling import check_autoscaling_config
 from cluster.config.base import StrictModel
 from cluster.config.errors import format_validation_error, unknown_key_message
 
@@ -41,6 +42,7 @@ def check_deployment_config(options: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(MOVED_KEYS[key])
         if key not in DeploymentSchema.model_fields:
             raise ValueError(unknown_key_message(str(key), DeploymentSchema.model_fields))
+    check_autoscaling_config(options.get("autoscaling_config"), options.get("num_replicas"))
     data = {"name": "deployment", **options}  # the builder names deployments when none is given
     router = options.get("request_router_config")
     if isinstance(router, Mapping):

@@ -32,7 +32,12 @@ DEFAULT_MODEL_OPTIONS: dict[str, Any] = {
     "health_check_period_s": 10,
     "health_check_timeout_s": 10,
     "graceful_shutdown_timeout_s": 60,
+    "autoscaling_config": {"target_ongoing_requests": 1_000_000_000},
 }
+"""Ray Serve LLM's model defaults (plus a drain timeout): queueing is left to the engine, so
+`max_ongoing_requests` and `target_ongoing_requests` are unlimited unless set. The autoscaling
+default is merged key by key under the user's `autoscaling_config`, and dropped when the user
+sets `num_replicas`."""
 DEFAULT_INGRESS_OPTIONS: dict[str, Any] = {"max_ongoing_requests": 1_000_000_000}
 INGRESS_NUM_CPUS = 0.1
 """CPUs the ingress replica asks for unless its ray_actor_options say otherwise."""
@@ -62,7 +67,7 @@ def llm_deployment_options(
     config: LLMConfig, name_prefix: str | None = None, overrides: dict[str, Any] | None = None
 ) -> dict[str, Any]:
     """The `serve.deployment` options of a model: defaults, its deployment_config, overrides."""
-    options = {**DEFAULT_MODEL_OPTIONS, **config.deployment_config, **(overrides or {})}
+    options = with_model_defaults({**config.deployment_config, **(overrides or {})})
     options.setdefault("name", deployment_name(config.model_id))
     if options.get("request_router_config"):
         options["request_router_config"] = resolve_request_router(
@@ -83,9 +88,25 @@ def llm_deployment_options(
     actor_options.pop("memory", None)
     actor_options.pop("resources", None)
     options["ray_actor_options"] = actor_options
-    if "autoscaling_config" in options:
+    if "autoscaling_config" in options and options.get("num_replicas") != "auto":
         options.pop("num_replicas", None)
     return options
+
+
+def with_model_defaults(options: dict[str, Any]) -> dict[str, Any]:
+    """`options` over `DEFAULT_MODEL_OPTIONS`, nested settings merged key by key (Ray Serve
+    LLM's rule); a `num_replicas` drops the autoscaling default (a number: Serve refuses both;
+    `auto`: Serve's own autoscaling defaults apply, as under Ray Serve LLM)."""
+    defaults = dict(DEFAULT_MODEL_OPTIONS)
+    if "num_replicas" in options:
+        defaults.pop("autoscaling_config")
+    merged = dict(defaults)
+    for key, value in options.items():
+        default = defaults.get(key)
+        if isinstance(default, dict) and isinstance(value, dict):
+            value = {**default, **value}
+        merged[key] = value
+    return merged
 
 
 def build_llm_deployment(

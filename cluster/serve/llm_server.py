@@ -49,6 +49,7 @@ from cluster.openai_api.protocol import (
 )
 from cluster.openai_api.sampling import UnsupportedFieldError
 from cluster.serve import errors
+from cluster.serve.autoscaling_stats import RecentTTFT, autoscaling_stats
 from cluster.serve.batch_policy import batch_scheduling_policy
 from cluster.serve.completion_batch import batched_completion
 from cluster.serve.formatting import (
@@ -120,6 +121,7 @@ class LLMServer:
             self.tokenizer, model.vocab_size, model.max_model_len, self.config.model_id, multimodal
         )
         self.draining = False
+        self.recent_ttft = RecentTTFT()
         self.metrics: EngineMetrics | None = None
         self._stats_task: asyncio.Task[None] | None = None
         self.transfer_metrics: TransferMetrics | None = None
@@ -189,6 +191,7 @@ class LLMServer:
         try:
             async with self._tracked(stream, accumulator):
                 async for delta in stream:
+                    self._record_first_token(delta, accumulator)
                     accumulator.add(delta)
                     self._record_tokens(delta)
                     chunk = formatter.chunk(delta)
@@ -215,6 +218,7 @@ class LLMServer:
         try:
             async with self._tracked(stream, accumulator):
                 async for delta in stream:
+                    self._record_first_token(delta, accumulator)
                     accumulator.add(delta)
                     self._record_tokens(delta)
         except EngineDeadError as error:
@@ -283,6 +287,12 @@ class LLMServer:
 
     async def before_add(self, request: EngineRequest) -> None:
         """Runs before a request enters the engine (a decode replica imports its KV here)."""
+
+    def _record_first_token(self, delta: RequestOutput, accumulator: OutputAccumulator) -> None:
+        """The request's time to first token, for the autoscaler, from its first delta."""
+        ttft = delta.metrics.time_to_first_token if delta.metrics is not None else None
+        if accumulator.result is None and ttft is not None:
+            self.recent_ttft.observe(ttft)
 
     def _record_tokens(self, delta: RequestOutput) -> None:
         if self.metrics is not None:
@@ -371,6 +381,12 @@ class LLMServer:
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve polls this for the request routers: KV events and usage ({} when off)."""
         return routing_stats(self.engine.core)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve polls this while the deployment autoscales: pressure per KV cache group,
+        waiting requests and recent p90 TTFT (`cluster.serve.autoscaling_stats`)."""
+        stats = await self.engine.get_stats()
+        return autoscaling_stats(stats, group_kinds(self.engine), self.recent_ttft)
 
     async def control(self, name: str, *args: object) -> object:
         """An engine control call of the development routes (`cluster.serve.dev_routes`)."""

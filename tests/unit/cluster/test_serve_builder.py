@@ -85,7 +85,9 @@ def test_deployment_config_passes_through() -> None:
         }
     )
     options = llm_deployment_options(config)
-    assert options["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 3}
+    # Ray Serve LLM's unlimited target_ongoing_requests stays under the user's settings
+    want = {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 1_000_000_000}
+    assert options["autoscaling_config"] == want
     assert options["max_ongoing_requests"] == 7
     resolved = options["request_router_config"]
     assert resolved["request_router_kwargs"] == {"imbalanced_threshold": 3}
