@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,7 @@ from cluster.serve import errors
 from cluster.serve.autoscaling_stats import RecentTTFT, autoscaling_stats
 from cluster.serve.batch_policy import batch_scheduling_policy
 from cluster.serve.completion_batch import batched_completion
+from cluster.serve.drain_handoff import DrainHandoff, handoff_options, remembered
 from cluster.serve.formatting import (
     DONE,
     ChatFormatter,
@@ -133,6 +134,8 @@ class LLMServer:
                 self.lora_metrics = LoRAMetrics(self.model_id)
         if kv_events_enabled(self.config.deployment_config):
             self.engine.core.enable_kv_events()
+        options = handoff_options(self.config.deployment_config)
+        self.handoff = None if options is None else DrainHandoff(self.engine, options)
 
     async def generate(
         self,
@@ -163,6 +166,7 @@ class LLMServer:
             if kv_source is not None:
                 await pull_from_peer(self.engine, engine_request, kv_source)
             stream = await self.engine.add_request(engine_request)
+            stream = remembered(self.handoff, stream, engine_request)
             self._record_lora(engine_request)
         except UnsupportedFieldError as error:
             yield errors.bad_request(str(error), param=error.param)
@@ -378,6 +382,12 @@ class LLMServer:
         download_dir = self.config.engine_kwargs.get("download_dir")
         return lora.adapter_request(adapter, download_dir)
 
+    async def accept_handoff(self, source: str, token_ids: list[int], salt: str | None) -> bool:
+        """A stopped peer replica's conversation: pull its prefix from there (`drain_handoff`)."""
+        if self.handoff is None or self.draining:
+            raise RuntimeError("this replica takes no hand-offs")
+        return await self.handoff.accept(source, token_ids, salt)
+
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve polls this for the request routers: KV events and usage ({} when off)."""
         return routing_stats(self.engine.core)
@@ -438,9 +448,17 @@ class LLMServer:
             self.metrics.record_workers(alive)
             await asyncio.sleep(STATS_INTERVAL_S)
 
-    def __del__(self) -> None:
-        """Serve calls this after draining (graceful_shutdown_timeout_s): stop the engine. Also
-        runs for a replica whose `__init__` failed, which may lack any attribute."""
+    def __del__(self) -> Coroutine[Any, Any, None] | None:
+        """Serve calls this after draining (graceful_shutdown_timeout_s) and awaits what it
+        returns: the engine stopped, after a drain hand-off when one is due (on Serve's loop).
+        Also runs for a replica whose `__init__` failed, which may lack any attribute."""
+        handoff: DrainHandoff | None = getattr(self, "handoff", None)
+        if handoff is not None and handoff.is_due():
+            return handoff.run_then(self._stop)
+        self._stop()
+        return None
+
+    def _stop(self) -> None:
         self.draining = True
         stats_task = getattr(self, "_stats_task", None)
         if stats_task is not None:

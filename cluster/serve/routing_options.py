@@ -50,6 +50,10 @@ class RoutingOptions:
     """How long a replica that left routing (draining: scaled down or stopped) stays a pull
     source after it left, then is forgotten (the builder's default graceful_shutdown_timeout_s:
     the longest Serve lets it drain); 0: forgotten at once. A dead replica is forgotten at once."""
+    drain_handoff_prefixes: int = 64
+    """A replica Serve stops (scaled down) first has up to this many of its most recently used
+    cached prefixes, each longer than `pull_threshold_tokens`, pulled by its peers, so the
+    conversations continue there on their cache (0: off, they recompute)."""
     pressure_factor: float | None = 2.0
     """A conversation moves off its replica (its prefix pulled along) to the calmest allowed
     replica when its own evicts more than this multiple of that one's rate (evicted keys per
@@ -81,6 +85,10 @@ class RoutingOptions:
             raise ValueError(f"pull_timeout_s must be > 0, got {self.pull_timeout_s}")
         if self.drain_pull_s < 0:
             raise ValueError(f"drain_pull_s must be >= 0, got {self.drain_pull_s}")
+        if self.drain_handoff_prefixes < 0:
+            raise ValueError(
+                f"drain_handoff_prefixes must be >= 0 (0: off), got {self.drain_handoff_prefixes}"
+            )
         if self.pressure_factor is not None and self.pressure_factor < 1:
             raise ValueError(f"pressure_factor must be >= 1 (or null), got {self.pressure_factor}")
         if self.min_pressure < 0:
