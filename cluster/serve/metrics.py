@@ -12,6 +12,13 @@ from collections.abc import Sequence
 
 from ray.util import metrics
 
+from cluster.engine.metric_reader import (
+    ADMISSION_LIMITED,
+    GROUP_BLOCKS,
+    GROUP_PRESSURE,
+    admission_labels,
+    group_block_states,
+)
 from cluster.engine.outputs import RequestOutput
 from cluster.serve.offload_metrics import OffloadMetrics
 from cluster.serve.ray_metric_names import counter as _counter
@@ -87,6 +94,23 @@ class EngineMetrics:
             "group",
             "reason",
         )
+        self.group_blocks = _gauge(
+            GROUP_BLOCKS,
+            "KV cache blocks per group: used, free (pool-wide) or reclaimable by eviction.",
+            "group",
+            "kind",
+            "state",
+        )
+        self.group_pressure = _gauge(
+            GROUP_PRESSURE, "used / (used + free + reclaimable) per group.", "group", "kind"
+        )
+        self.admission_limited = _counter(
+            ADMISSION_LIMITED,
+            "Steps whose admissions stopped with requests waiting, by the KV cache group (or "
+            "max_num_seqs, token_budget) that stopped them.",
+            "group",
+            "kind",
+        )
         self.worker_alive = _gauge("hybridserve:worker_alive", "1 if the rank is alive.", "rank")
         self.offload: OffloadMetrics | None = None
         """The offload tier's series, made at the first snapshot that has a tier."""
@@ -120,6 +144,7 @@ class EngineMetrics:
             before = last.prefix_cache_hits[group] if last is not None else 0
             _inc(self.group_hits, hits, before, {**tags, "group": str(group)})
         self._record_misses(stats, last)
+        self._record_pressure(stats, last)
         if stats.offload is not None:
             if self.offload is None:
                 self.offload = OffloadMetrics(tags["model_name"])
@@ -135,6 +160,17 @@ class EngineMetrics:
             for reason, tokens in misses:
                 tags = {**self.tags, "group": str(group), "reason": reason}
                 _inc(self.group_misses, tokens, earlier.get(reason, 0), tags)
+
+    def _record_pressure(self, stats: SchedulerStats, last: SchedulerStats | None) -> None:
+        for group in stats.group_pressure:
+            tags = {**self.tags, "group": str(group.group_id), "kind": group.kind}
+            for state, blocks in group_block_states(group):
+                self.group_blocks.set(blocks, {**tags, "state": state})
+            self.group_pressure.set(group.pressure, tags)
+        before = dict(last.admission_limited) if last is not None else {}
+        for label, steps in stats.admission_limited:
+            tags = {**self.tags, **admission_labels(label)}
+            _inc(self.admission_limited, steps, before.get(label, 0), tags)
 
     def record_workers(self, alive: Sequence[bool]) -> None:
         for rank, up in enumerate(alive):

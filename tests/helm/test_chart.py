@@ -506,6 +506,8 @@ SERIES = [
     "ray_vllm_kv_offload_load_seconds_total", "ray_vllm_kv_offload_failed_loads_total",
     "ray_hybridserve_prefix_cache_misses_total", "ray_serve_deployment_request_counter_total",
     "ray_vllm_spec_decode_num_accepted_tokens_total", "ray_vllm_spec_decode_num_draft_tokens_total",
+    "ray_hybridserve_kv_cache_group_blocks", "ray_hybridserve_kv_cache_group_pressure",
+    "ray_hybridserve_admission_limited_total",
 ]  # fmt: skip
 
 
