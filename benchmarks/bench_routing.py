@@ -12,12 +12,13 @@ With `--drain`, only a replica drained a third into the run: of the turns that l
 tokens of their earlier history computed again, pulls off against on (same trace).
 
 With `--serve`, then a short real-Serve run (`routing_serve`): two CPU replicas of a tiny
-sliding-window hybrid, chat sessions over HTTP, per router the hit rate of the later turns.
+sliding-window hybrid, chat sessions over HTTP, per router and HTTP ingress (HAProxy and Serve's
+proxy, one Ray instance) the hit rate of the later turns.
 
     .venv/bin/python benchmarks/bench_routing.py [--quick] [--delay 10] [--load-factor 2.0]
         [--pull-threshold 64] [--pull-only] [--pressure-factor 2|off] [--seeds N]
         [--cases 8/2,32/4] [--models sliding+full] [--pressures heavy] [--drain]
-        [--serve [--serve-sessions 8]]
+        [--serve [--serve-sessions 8] [--serve-ingress both|haproxy|proxy]]
 """
 
 from __future__ import annotations
@@ -300,6 +301,12 @@ def main() -> None:
     parser.add_argument("--serve", action="store_true", help="also the short real-Serve run")
     parser.add_argument("--serve-sessions", type=int, default=8)
     parser.add_argument("--serve-kv-bytes", type=int, default=1 << 20)
+    parser.add_argument(
+        "--serve-ingress",
+        choices=("both", "haproxy", "proxy"),
+        default="both",
+        help="the HTTP ingresses of the real-Serve run (both: one Ray instance in HAProxy mode)",
+    )
     args = parser.parse_args()
     start = time.perf_counter()
     if args.drain:
@@ -326,9 +333,11 @@ def main() -> None:
     if args.serve:
         from routing_serve import run_serve
 
-        print("\n| router | sessions | turns | hit rate of later turns | wall (s) |")
-        print("|---|---|---|---|---|")
-        for row in run_serve(args.serve_sessions, 4, args.serve_kv_bytes):
+        both = ("haproxy", "proxy")
+        ingresses = both if args.serve_ingress == "both" else (args.serve_ingress,)
+        print("\n| router | ingress | sessions | turns | hit rate of later turns | wall (s) |")
+        print("|---|---|---|---|---|---|")
+        for row in run_serve(args.serve_sessions, 4, args.serve_kv_bytes, ingresses):
             print(row, flush=True)
 
 

@@ -1,10 +1,16 @@
 """The short real-Serve part of the routing benchmark: two CPU replicas of a tiny sliding-window
 hybrid (gemma3 layout) on a local loopback Ray, multi-turn chat sessions over HTTP, one app per
 router in turn; the prefix-cache hit rate is what the replicas report per response
-(`usage.prompt_tokens_details.cached_tokens`)."""
+(`usage.prompt_tokens_details.cached_tokens`).
+
+Through each HTTP ingress asked for (`haproxy`, `proxy`): with HAProxy, Ray starts in HAProxy
+mode and the proxy is the fallback proxy Serve runs beside it, so both are measured in one Ray
+instance, a fresh app (cold caches) per router and ingress. A request router keeps the two-hop
+topology, where the ingress replica runs it whatever carries the HTTP request."""
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +21,7 @@ import httpx
 from ray import serve
 from ray.serve.config import HTTPOptions
 
+from cluster.cli.ingress_mode import HAPROXY, LOCALHOST, PROXY, set_mode_env
 from cluster.serve import build_openai_app
 from tests.helpers.ray_local import NODE_IP, start_local_ray
 from tests.helpers.serve_app import free_port, save_word_tokenizer, shutdown_serve
@@ -71,29 +78,46 @@ def _session(base_url: str, number: int, num_turns: int) -> list[tuple[int, int]
     return usage
 
 
-def run_serve(num_sessions: int, num_turns: int, kv_bytes: int) -> list[str]:
-    """One table row per router: hit rate over the turns after the first, and wall time."""
+def run_serve(
+    num_sessions: int, num_turns: int, kv_bytes: int, ingresses: tuple[str, ...] = (PROXY,)
+) -> list[str]:
+    """One table row per router and ingress: hit rate over the turns after the first, and wall
+    time."""
+    if HAPROXY in ingresses:  # before Ray starts: its processes read it
+        set_mode_env(HAPROXY)
     start_local_ray()
+    port = free_port()
+    host = LOCALHOST if HAPROXY in ingresses else NODE_IP
+    serve.start(http_options=HTTPOptions(host=host, port=port))
+    bases = {HAPROXY: f"http://{host}:{port}", PROXY: f"http://{host}:{port}"}
+    if HAPROXY in ingresses:
+        bases[PROXY] = f"http://{host}:{os.environ['RAY_SERVE_FALLBACK_PROXY_HTTP_PORT']}"
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         model_dir = Path(folder)
         save_tiny_model("gemma3", model_dir, max_position_embeddings=512)
         save_word_tokenizer(model_dir)
         for name, router in SERVE_ROUTERS.items():
-            port = free_port()
-            serve.start(http_options=HTTPOptions(host=NODE_IP, port=port))
-            serve.run(_app(model_dir, router, kv_bytes), name="bench", route_prefix="/")
-            base_url = f"http://{NODE_IP}:{port}"
-            began = time.perf_counter()
-            with ThreadPoolExecutor(num_sessions) as pool:
-                runs = [pool.submit(_session, base_url, n, num_turns) for n in range(num_sessions)]
-                sessions = [run.result() for run in runs]
-            wall = time.perf_counter() - began
-            later = [turn for turns in sessions for turn in turns[1:]]
-            prompt = sum(p for p, _ in later)
-            cached = sum(c for _, c in later)
-            rows.append(
-                f"| {name} | {num_sessions} | {num_turns} | {cached / prompt:.1%} | {wall:.0f} |"
-            )
-            shutdown_serve()
+            for ingress in ingresses:
+                serve.run(_app(model_dir, router, kv_bytes), name="bench", route_prefix="/")
+                hit_rate, wall = _sessions(bases[ingress], num_sessions, num_turns)
+                rows.append(
+                    f"| {name} | {ingress} | {num_sessions} | {num_turns} | {hit_rate:.1%} "
+                    f"| {wall:.0f} |"
+                )
+                serve.delete("bench")
+    shutdown_serve()
     return rows
+
+
+def _sessions(base_url: str, num_sessions: int, num_turns: int) -> tuple[float, float]:
+    """The sessions run at once: hit rate of the turns after the first, and wall seconds."""
+    began = time.perf_counter()
+    with ThreadPoolExecutor(num_sessions) as pool:
+        runs = [pool.submit(_session, base_url, n, num_turns) for n in range(num_sessions)]
+        sessions = [run.result() for run in runs]
+    wall = time.perf_counter() - began
+    later = [turn for turns in sessions for turn in turns[1:]]
+    prompt = sum(p for p, _ in later)
+    cached = sum(c for _, c in later)
+    return cached / prompt, wall
