@@ -232,8 +232,9 @@ def check_aligned_chunks(kv_config: KVCacheConfig, config: SchedulerConfig) -> N
     ever advance."""
     aligned = [
         group_id
-        for group_id in state_group_ids(kv_config)
-        if manager_spec(kv_config.groups[group_id].spec).mamba_cache_mode is MambaCacheMode.ALIGN
+        for group_id, group in enumerate(kv_config.groups)
+        if isinstance(spec := manager_spec(group.spec), MambaSpec)
+        and spec.mamba_cache_mode is MambaCacheMode.ALIGN
     ]
     if not aligned or not config.enable_prefix_caching:
         return
@@ -256,13 +257,10 @@ def plan_start_up_limits(kv_config: KVCacheConfig, config: SchedulerConfig) -> S
     """The scheduler config the engine runs with: refusals raise KVCapacityError, clamps come
     back as decisions (to log) and are applied to the returned config."""
     check_aligned_chunks(kv_config, config)
-    decisions = [
-        decision
-        for decision in (clamp_max_num_seqs(kv_config, config.max_num_seqs),)
-        if decision is not None
-    ]
-    changes = {decision.setting: decision.used for decision in decisions}
-    return StartUpPlan(replace(config, **changes), tuple(decisions))
+    seqs = clamp_max_num_seqs(kv_config, config.max_num_seqs)
+    if seqs is None:
+        return StartUpPlan(config, ())
+    return StartUpPlan(replace(config, max_num_seqs=seqs.used), (seqs,))
 
 
 def concurrency_lines(
