@@ -1,7 +1,9 @@
 """Gated delta rule kernel choice: fla-core on CUDA when it imports, else the torch reference.
 
 Picked once per worker, with the Mamba kernels (`kernels.mamba_registry`); the reason for a
-fallback is logged. The reference is always available and is the CPU path.
+fallback is logged. The reference is always available and is the CPU path; it brings the fused
+decode step of the whole layer (`kernels.gated_delta_decode`), which kernels without one leave
+to their own conv and recurrent forms.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 DeltaRuleFn = Callable[..., object]
+DecodeStepFn = Callable[..., object]
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,9 @@ class GatedDeltaKernels:
     """Prefill form (any sequence lengths)."""
     recurrent: DeltaRuleFn
     """Decode form (meant for one-token sequences)."""
+    decode_step: DecodeStepFn | None = None
+    """A whole decode step of the layer, conv to output, in one function (signature of
+    `kernels.gated_delta_decode.gated_delta_decode_step`); None: conv and `recurrent`."""
 
 
 def fla_unavailable_reason(device: torch.device) -> str | None:
@@ -52,6 +58,10 @@ def select_gated_delta_kernels(
             fla_gated_delta.recurrent_gated_delta_rule,
         )  # fmt: skip
     logger.info("gated delta rule kernels: torch (%s)", reason)
+    from kernels import gated_delta_decode
     from kernels import gated_delta_reference as ref
 
-    return GatedDeltaKernels("torch", ref.chunked_gated_delta_rule, ref.recurrent_gated_delta_rule)
+    return GatedDeltaKernels(
+        "torch", ref.chunked_gated_delta_rule, ref.recurrent_gated_delta_rule,
+        gated_delta_decode.gated_delta_decode_step,
+    )  # fmt: skip

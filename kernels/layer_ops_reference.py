@@ -1,11 +1,13 @@
 """The decoder layer's elementwise operations in plain PyTorch, in as few torch calls as each
-allows: RMSNorm (optionally after a residual add), rotary embedding applied in place, SiLU-and-mul.
+allows: RMSNorm (optionally after a residual add), rotary embedding applied in place, SiLU-and-mul,
+and the output-gated RMSNorm of the gated DeltaNet.
 
 They are the CPU path and the oracle of the Triton kernels (`kernels.triton_layer_ops`, same
 signatures). Numerics follow transformers: RMS statistics in fp32; a Llama-style norm casts the
 normalised rows to the input dtype and then multiplies by `weight`, a Gemma-style norm
-(`unit_offset`) multiplies the fp32 rows by `1 + weight` and casts last; rotary products are in
-the activation dtype with the tables cast to it.
+(`fp32_scale`) multiplies the fp32 rows by its fp32 scale `1 + w` (folded into the weight when
+it is loaded) and casts last; rotary products are in the activation dtype with the tables cast
+to it.
 """
 
 from __future__ import annotations
@@ -14,13 +16,13 @@ import torch
 import torch.nn.functional as F
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
-    """[..., hidden] -> RMS-normalised rows scaled by `weight` (or `1 + weight`)."""
-    if unit_offset:
-        scale = weight.float() + 1.0
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fp32_scale: bool) -> torch.Tensor:
+    """[..., hidden] -> RMS-normalised rows scaled by `weight`: in fp32 before the cast back when
+    `fp32_scale` (Gemma's `1 + w`, an fp32 weight), after it otherwise (Llama's order)."""
+    if fp32_scale:
         if x.dtype == torch.float32:
-            return _fused_rms_norm(x, scale, eps)
-        return _fused_rms_norm(x.float(), scale, eps).to(x.dtype)
+            return _fused_rms_norm(x, weight, eps)
+        return _fused_rms_norm(x.float(), weight, eps).to(x.dtype)
     if x.dtype == weight.dtype == torch.float32:
         return _fused_rms_norm(x, weight, eps)
     # NOTE: rows rounded to x's dtype before the scale, as transformers' Llama norm does.
@@ -34,11 +36,11 @@ def _fused_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) ->
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, fp32_scale: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual): the pre-norm block's residual add and norm."""
     summed = x + residual
-    return rms_norm(summed, weight, eps, unit_offset), summed
+    return rms_norm(summed, weight, eps, fp32_scale), summed
 
 
 def rotate_in_place(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
@@ -59,3 +61,14 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2 * d] -> [..., d]: silu(gate) * up of a merged gate/up projection."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gated_rms_norm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """[..., d] -> weight * RMSNorm(x) (rounded to x's dtype) * silu(gate), the product in fp32
+    and cast last: the gated DeltaNet's output norm (transformers' `RMSNormGated`)."""
+    if x.dtype == weight.dtype == torch.float32:
+        return _fused_rms_norm(x, weight, eps) * F.silu(gate.float())
+    scaled = weight * _fused_rms_norm(x, None, eps)
+    return (scaled * F.silu(gate.float())).to(x.dtype)

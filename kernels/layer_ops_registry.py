@@ -1,5 +1,5 @@
-"""Layer-op registry: the fused Triton kernels of (residual add +) RMSNorm, in-place rotary and
-SiLU-and-mul, or their torch versions, picked once per device.
+"""Layer-op registry: the fused Triton kernels of (residual add +) RMSNorm, in-place rotary,
+SiLU-and-mul and the output-gated RMSNorm, or their torch versions, picked once per device.
 
 `select_layer_kernels(device)` gives the Triton kernels where Triton runs (CUDA, or CPU under
 the interpreter) and the torch versions elsewhere; `prefer_triton=False` keeps the torch
@@ -24,6 +24,7 @@ AddRmsNormFn = Callable[
 ]
 RotateFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
 SiluAndMulFn = Callable[[torch.Tensor], torch.Tensor]
+GatedRmsNormFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class LayerKernels:
     add_rms_norm: AddRmsNormFn
     rotate_in_place: RotateFn
     silu_and_mul: SiluAndMulFn
+    gated_rms_norm: GatedRmsNormFn
 
 
 def select_layer_kernels(device: str | torch.device, prefer_triton: bool = True) -> LayerKernels:
@@ -49,6 +51,7 @@ def select_layer_kernels(device: str | torch.device, prefer_triton: bool = True)
             torch_ops.add_rms_norm,
             torch_ops.rotate_in_place,
             torch_ops.silu_and_mul,
+            torch_ops.gated_rms_norm,
         )
     from kernels import triton_layer_ops
 
@@ -58,4 +61,5 @@ def select_layer_kernels(device: str | torch.device, prefer_triton: bool = True)
         triton_layer_ops.add_rms_norm,
         triton_layer_ops.rotate_in_place,
         triton_layer_ops.silu_and_mul,
+        triton_layer_ops.gated_rms_norm,
     )

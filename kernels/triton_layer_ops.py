@@ -1,10 +1,10 @@
 """Triton kernels of the decoder layer's elementwise operations: (residual add +) RMSNorm,
-rotary embedding in place, SiLU-and-mul; one launch each, signatures of
-`kernels.layer_ops_reference`.
+rotary embedding in place, SiLU-and-mul, the gated DeltaNet's output-gated RMSNorm; one launch
+each, signatures of `kernels.layer_ops_reference`.
 
-One program per row (token): the row is read once, its statistics in fp32, and written once.
-The rotary kernel rotates one token's heads in place; the SiLU kernel reads the gate and up
-halves of one row of the merged projection.
+One program per row (token, or head for the gated norm): the row is read once, its statistics in
+fp32, and written once. The rotary kernel rotates one token's heads in place; the SiLU kernel
+reads the gate and up halves of one row of the merged projection.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def _rms_norm_kernel(  # type: ignore[no-untyped-def]
     hidden,
     eps,
     HAS_RESIDUAL: tl.constexpr,
-    UNIT_OFFSET: tl.constexpr,
+    FP32_SCALE: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -43,8 +43,8 @@ def _rms_norm_kernel(  # type: ignore[no-untyped-def]
         xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / hidden + eps)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if UNIT_OFFSET:
-        out = xf * rstd * (1.0 + weight)
+    if FP32_SCALE:  # noqa: SIM108 (a constexpr branch: one of the two is compiled)
+        out = xf * rstd * weight
     else:
         out = (xf * rstd).to(dtype).to(tl.float32) * weight
     tl.store(out_ptr + row * hidden + cols, out.to(dtype), mask=mask)
@@ -55,7 +55,7 @@ def _norm(
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
-    unit_offset: bool,
+    fp32_scale: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     hidden = x.shape[-1]
     assert weight.shape == (hidden,)
@@ -81,22 +81,22 @@ def _norm(
             hidden,
             eps,
             HAS_RESIDUAL=residual is not None,
-            UNIT_OFFSET=unit_offset,
+            FP32_SCALE=fp32_scale,
             BLOCK=triton.next_power_of_2(hidden),
         )
     return out.view(x.shape), summed.view(x.shape)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool) -> torch.Tensor:
-    """[..., hidden] -> RMS-normalised rows scaled by `weight` (or `1 + weight`)."""
-    return _norm(x, None, weight, eps, unit_offset)[0]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fp32_scale: bool) -> torch.Tensor:
+    """[..., hidden] -> RMS-normalised rows scaled by `weight` (in fp32 when `fp32_scale`)."""
+    return _norm(x, None, weight, eps, fp32_scale)[0]
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, fp32_scale: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual) in one launch."""
-    return _norm(x, residual, weight, eps, unit_offset)
+    return _norm(x, residual, weight, eps, fp32_scale)
 
 
 @triton.jit  # type: ignore[untyped-decorator]
@@ -187,3 +187,38 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         grid = (rows.shape[0], triton.cdiv(inner, block))
         _silu_and_mul_kernel[grid](out, rows, rows.stride(0), inner, BLOCK=block)
     return out.view(*x.shape[:-1], inner)
+
+
+@triton.jit  # type: ignore[untyped-decorator]
+def _gated_rms_norm_kernel(  # type: ignore[no-untyped-def]
+    out_ptr, x_ptr, gate_ptr, weight_ptr, dim, eps, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < dim
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * dim + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + row * dim + cols, mask=mask, other=0.0).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / dim + eps)
+    # As torch: the normalised row rounded to x's dtype, times the weight in the weight's dtype.
+    scaled = ((x * rstd).to(dtype).to(tl.float32) * weight).to(weight_ptr.dtype.element_ty)
+    out = scaled.to(tl.float32) * (gate / (1.0 + tl.exp(-gate)))
+    tl.store(out_ptr + row * dim + cols, out.to(dtype), mask=mask)
+
+
+def gated_rms_norm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """[..., d] -> weight * RMSNorm(x) * silu(gate) in one launch (see the reference)."""
+    dim = x.shape[-1]
+    assert gate.shape == x.shape
+    assert weight.shape == (dim,)
+    assert weight.is_contiguous()
+    rows, gates = x.contiguous().view(-1, dim), gate.contiguous().view(-1, dim)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        _gated_rms_norm_kernel[(rows.shape[0],)](
+            out, rows, gates, weight, dim, eps, BLOCK=triton.next_power_of_2(dim)
+        )
+    return out.view(x.shape)

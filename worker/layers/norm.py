@@ -2,6 +2,9 @@
 
 Llama-style norms multiply by `w` after casting back to the input dtype; Gemma-style norms
 multiply the fp32 result by `(1 + w)` and cast last. Both orders are kept for bit-close parity.
+A Gemma-style norm folds the offset into its weight when the weight is loaded: the parameter
+holds `1 + w` in fp32 (what transformers multiplies by), so no step adds it again; every load
+(start-up, reload, in-place update) goes through its `weight_loader`, which folds.
 The work runs on the device's layer kernels (`kernels.layer_ops_registry`: one fused Triton
 launch on CUDA, the fewest torch calls elsewhere); `add_and_norm` fuses the residual add before
 it. `unscaled_rms` normalises without a learned scale.
@@ -13,12 +16,21 @@ import torch
 from torch import nn
 
 from kernels.layer_ops_registry import LayerKernels, select_layer_kernels
-from worker.layers.loading import default_weight_loader, new_parameter
+from worker.layers.loading import ShardId, WeightSource, default_weight_loader, new_parameter
 
 
 def layer_kernels() -> LayerKernels:
     """The layer kernels of the device the model is being built on (the default device)."""
     return select_layer_kernels(torch.get_default_device())
+
+
+def load_unit_offset_weight(
+    param: nn.Parameter, source: WeightSource, shard_id: ShardId = None
+) -> None:
+    """Loader of a Gemma-style norm: the checkpoint's `w` into the fp32 parameter as `1 + w`."""
+    default_weight_loader(param, source, shard_id)
+    with torch.no_grad():
+        param.data.add_(1.0)
 
 
 class RMSNorm(nn.Module):
@@ -28,8 +40,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.add_unit_offset = add_unit_offset
-        fill = 0.0 if add_unit_offset else 1.0
-        self.weight = new_parameter((hidden_size,), default_weight_loader, fill=fill)
+        if add_unit_offset:  # NOTE: holds 1 + w in fp32 whatever the model dtype (see module)
+            self.weight = new_parameter((hidden_size,), load_unit_offset_weight, fill=1.0)
+            self.weight.data = self.weight.data.float()
+        else:
+            self.weight = new_parameter((hidden_size,), default_weight_loader, fill=1.0)
         self.kernels = layer_kernels()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

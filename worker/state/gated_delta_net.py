@@ -6,6 +6,9 @@ conv and recurrent states in the paged KV pool (`GatedDeltaNetSpec`).
     l2-normalised q, k; gated delta rule       (recurrent state [Hv, Dk, Dv] in/out)
     RMSNorm(o) * silu(z) per value head; out_proj (row parallel)
 
+A decode step (one token per sequence) runs conv to output in one fused function when the
+step's delta-rule kernels bring one; the output-gated norm runs on the device's layer kernels.
+
 Checkpoint layouts: Qwen3.5 keeps `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`;
 Qwen3-Next fuses them per key head as `in_proj_qkvz` ([q | k | v | z] of each key head's
 group of value heads) and `in_proj_ba`. Rank r holds key heads [r * hk, (r + 1) * hk) and the
@@ -17,10 +20,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kernels.gated_delta_decode import DecodeStepInputs, DecodeStepOutput, DecodeStepWeights
 from kernels.gated_delta_reference import DeltaRuleInputs, gate_and_beta, l2_normalize
+from kernels.gated_delta_registry import DecodeStepFn
 from scheduler.kv_cache.linear_state_spec import GatedDeltaNetShape, GatedDeltaNetSpec
 from scheduler.kv_cache.spec import MambaCacheMode
 from worker.attention.attention import ForwardContext
@@ -35,7 +39,8 @@ from worker.layers.loading import (
     new_parameter,
     read_part,
 )
-from worker.state.mamba_metadata import MambaWave
+from worker.layers.norm import layer_kernels
+from worker.state.mamba_metadata import MambaMetadata, MambaWave
 from worker.state.state_layer import Rows, StateLayer, initial_states, state_waves, store_states
 
 
@@ -102,6 +107,7 @@ class GatedDeltaNet(StateLayer):
         self.norm = _Weight(new_parameter((loc.head_v_dim,), default_weight_loader, fill=1.0))
         full_values = cfg.shape.num_v_heads * cfg.shape.head_v_dim
         self.out_proj = RowParallelLinear(full_values, hidden, parallel)
+        self.kernels = layer_kernels()
 
     @property
     def layer_name(self) -> str:
@@ -177,15 +183,41 @@ class GatedDeltaNet(StateLayer):
     def forward(self, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """[T, hidden] -> [T, hidden]; reads and writes this layer's states in the pool."""
         mixed, z, b, a = self._project(hidden)
-        g, beta = gate_and_beta(a, b, self.A_log, self.dt_bias)
         meta = ctx.mamba_metadata[self.layer_name]
         caches = ctx.kv_caches[self.layer_name]
+        decode_step = meta.kernels.gated_delta.decode_step
+        if decode_step is not None and _is_decode_step(meta):
+            out = self._decode(decode_step, (mixed, a, b), meta.waves[0], caches)
+        else:
+            g, beta = gate_and_beta(a, b, self.A_log, self.dt_bias)
 
-        def run(rows: Rows, wave: MambaWave) -> torch.Tensor:
-            return self._mix((rows(mixed), rows(g), rows(beta)), wave, caches, meta.kernels)
+            def run(rows: Rows, wave: MambaWave) -> torch.Tensor:
+                return self._mix((rows(mixed), rows(g), rows(beta)), wave, caches, meta.kernels)
 
-        out = state_waves(meta, mixed, run)
+            out = state_waves(meta, mixed, run)
         return self.out_proj(self._gated_norm(out, z))  # type: ignore[no-any-return]
+
+    def _decode(
+        self,
+        step: DecodeStepFn,
+        tokens: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        wave: MambaWave,
+        caches: tuple[torch.Tensor, ...],
+    ) -> torch.Tensor:
+        """One token per sequence (conv input, a, b) through the kernels' fused decode step."""
+        conv_cache, rec_cache = caches
+        mixed, a, b = tokens
+        inputs = DecodeStepInputs(
+            mixed, a, b, initial_states(conv_cache, wave, mixed.dtype),
+            initial_states(rec_cache, wave, torch.float32),
+        )  # fmt: skip
+        weights = DecodeStepWeights(self.conv1d.weight[:, 0], self.A_log, self.dt_bias)
+        result: DecodeStepOutput = step(  # type: ignore[assignment]
+            inputs, weights, self.local.num_k_heads, self.local.head_k_dim**-0.5
+        )
+        store_states(conv_cache, wave, result.conv_states, result.conv_states[:0])
+        store_states(rec_cache, wave, result.states, result.states[:0])
+        return result.out.reshape(mixed.shape[0], self.value_size)
 
     def _mix(
         self,
@@ -227,8 +259,14 @@ class GatedDeltaNet(StateLayer):
 
     def _gated_norm(self, out: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Per value head: weight * RMSNorm(o) (cast back), times silu(z) in fp32."""
-        heads = out.view(out.shape[0], -1, self.local.head_v_dim).float()
-        normed = heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + self.cfg.norm_eps)
-        scaled = self.norm.weight * normed.to(out.dtype)
-        gated = scaled * F.silu(z.float())
-        return gated.to(out.dtype).reshape(out.shape[0], -1)
+        heads = out.view(out.shape[0], -1, self.local.head_v_dim)
+        gated = self.kernels.gated_rms_norm(heads, z, self.norm.weight, self.cfg.norm_eps)
+        return gated.reshape(out.shape[0], -1)
+
+
+def _is_decode_step(meta: MambaMetadata) -> bool:
+    """Whether the step is one wave of every row with one token per sequence (no cuts then)."""
+    if len(meta.waves) != 1 or meta.waves[0].token_index is not None:
+        return False
+    starts = meta.waves[0].query_start_loc
+    return starts[-1] == len(starts) - 1
