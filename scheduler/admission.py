@@ -1,14 +1,16 @@
 """Admission rules: which new requests can ever run, and how many tokens a request computes a step.
 
 `Scheduler.add_request` calls `check_new_request` (reject now what could never run, rather than
-leave it waiting forever); each step calls `num_new_tokens` for every prefill chunk.
+leave it waiting forever); each step calls `num_new_tokens` for every prefill chunk, and
+`kv_limit_label` when the pool refuses the queue's head (which group it is charged to).
 """
 
 from __future__ import annotations
 
 from scheduler.config import SchedulerConfig
 from scheduler.image_chunks import check_images, encoder_positions, limit_chunk
-from scheduler.kv_cache.manager import KVCacheManager
+from scheduler.kv_cache.manager import CacheHit, KVCacheManager
+from scheduler.kv_cache.pressure import group_label, responsible_group
 from scheduler.kv_cache.spec import KVCacheConfig, cdiv
 from scheduler.prefill_split import block_aligned_num_tokens
 from scheduler.request import Request, RequestStatus
@@ -204,3 +206,16 @@ def _num_new_without_images(
             junction_tokens,
         )
     return num_new
+
+
+def kv_limit_label(manager: KVCacheManager, request: Request, num_new: int, hit: CacheHit) -> str:
+    """The label of the group a refused admission is charged to (`responsible_group` of the
+    blocks each group would take to admit `request` with `num_new` tokens after `hit`)."""
+    coordinator = manager.coordinator
+    total_computed = min(request.num_computed_tokens + hit.num_tokens, manager.max_model_len)
+    num_slots = min(total_computed + num_new, manager.max_model_len)
+    demand = coordinator.get_num_blocks_per_group(
+        request.req_id, num_slots, hit.blocks.blocks, total_computed
+    )
+    group_id = responsible_group(demand, manager.pool.usage_per_group())
+    return group_label(group_id, coordinator.group_specs[group_id].kind)

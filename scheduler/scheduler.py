@@ -16,10 +16,10 @@ import logging
 from collections.abc import Iterable
 from itertools import chain
 
-from scheduler.admission import check_chunk_limits, check_new_request, chunk_of_step
+from scheduler.admission import check_chunk_limits, check_new_request, chunk_of_step, kv_limit_label
 from scheduler.config import SchedulerConfig, SchedulingPolicy
 from scheduler.kv_cache.manager import CacheHit, KVCacheBlocks, KVCacheManager
-from scheduler.kv_cache.pressure import AdmissionLimits, kv_limit_label, non_kv_limit
+from scheduler.kv_cache.pressure import AdmissionLimits, non_kv_limit
 from scheduler.kv_cache.spec import KVCacheConfig
 from scheduler.lora import adapter_fits, adapter_names, upcoming_adapters
 from scheduler.output import (
@@ -204,8 +204,8 @@ class Scheduler:
             num_waiting_for_kv_reqs=len(self.loading),
             offload_loads=self._offload_loads,
             num_preemptions=self.num_preemptions,
-            admission_limited=self.admission_limits.snapshot(),
         )
+        stats = dataclasses.replace(stats, admission_limited=self.admission_limits.snapshot())
         if self.config.max_loras is not None:
             stats = dataclasses.replace(
                 stats,

@@ -83,7 +83,6 @@ class SchedulerStats:
         num_preemptions: int,
         num_waiting_for_kv_reqs: int = 0,
         offload_loads: tuple[float, int] = (0.0, 0),
-        admission_limited: tuple[tuple[str, int], ...] = (),
     ) -> SchedulerStats:
         """Combine the scheduler's counts with a KV cache manager snapshot."""
         return cls(
@@ -102,5 +101,4 @@ class SchedulerStats:
             offload_load_seconds=offload_loads[0],
             num_offload_loads=offload_loads[1],
             group_pressure=kv_stats.group_pressure,
-            admission_limited=admission_limited,
         )

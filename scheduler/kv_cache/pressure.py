@@ -16,15 +16,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from scheduler.kv_cache.block_pool import BlockPool
 from scheduler.kv_cache.spec import KVCacheSpec
-
-if TYPE_CHECKING:
-    from scheduler.kv_cache.manager import KVCacheManager
-    from scheduler.kv_cache.manager_types import CacheHit
-    from scheduler.request import Request
 
 MAX_NUM_SEQS = "max_num_seqs"
 """`admission_limited` label: the running set had no seat left (`max_num_seqs`)."""
@@ -91,19 +85,6 @@ def responsible_group(demand: Sequence[int], used: Sequence[float]) -> int:
     """The group a refused allocation is charged to: the largest block demand; on a tie, the
     group holding the most blocks; then the lowest index."""
     return min(range(len(demand)), key=lambda group_id: (-demand[group_id], -used[group_id]))
-
-
-def kv_limit_label(manager: KVCacheManager, request: Request, num_new: int, hit: CacheHit) -> str:
-    """The label of the group a refused admission is charged to (`responsible_group` of the
-    blocks each group would take to admit `request` with `num_new` tokens after `hit`)."""
-    coordinator = manager.coordinator
-    total_computed = min(request.num_computed_tokens + hit.num_tokens, manager.max_model_len)
-    num_slots = min(total_computed + num_new, manager.max_model_len)
-    demand = coordinator.get_num_blocks_per_group(
-        request.req_id, num_slots, hit.blocks.blocks, total_computed
-    )
-    group_id = responsible_group(demand, manager.pool.usage_per_group())
-    return group_label(group_id, coordinator.group_specs[group_id].kind)
 
 
 class AdmissionLimits:
