@@ -76,7 +76,8 @@ class Decision:
 
     num_replicas: int
     signal: str
-    """The signal that asked for the most replicas (`bounds` when min/max decided)."""
+    """The signal that asked for the most replicas (`min_replicas` when none asked for as
+    many as the minimum)."""
     reason: str
     """`<signal> <observed> vs target <target>` with the group for kv_pressure."""
     wanted: Mapping[str, int]
@@ -154,9 +155,10 @@ def decide(load: DeploymentLoad, settings: HybridPolicySettings) -> Decision:
         top = _Ask("none", load.current_num_replicas, "no signal reported yet")
     else:
         top = max(asks, key=lambda ask: ask.num_replicas)  # first of equals: the floor
-    bounded = min(max(top.num_replicas, load.min_replicas), load.max_replicas)
-    if bounded != top.num_replicas:
-        bound = "max_replicas" if bounded < top.num_replicas else "min_replicas"
-        reason = f"{top.signal} asks {top.num_replicas} ({top.reason}); {bound} {bounded}"
-        return Decision(bounded, "bounds", reason, wanted)
-    return Decision(bounded, top.signal, top.reason, wanted)
+    if top.num_replicas < load.min_replicas:
+        reason = f"{top.signal} asks {top.num_replicas} ({top.reason})"
+        return Decision(load.min_replicas, "min_replicas", reason, wanted)
+    if top.num_replicas > load.max_replicas:
+        reason = f"{top.reason}; asks {top.num_replicas}, capped by max_replicas"
+        return Decision(load.max_replicas, top.signal, reason, wanted)
+    return Decision(top.num_replicas, top.signal, top.reason, wanted)

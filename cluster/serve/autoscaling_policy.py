@@ -15,8 +15,8 @@ replicas' reports (`LLMServer.record_autoscaling_stats`, averaged over `look_bac
 wraps it as it wraps every policy: the scaling factors and the up/downscale delays are applied
 to its answer (their timers live in `ctx.policy_state`), then min/max. The decision itself is
 `cluster.serve.autoscaling_decision.decide`; this module reads the context into it and logs, in
-the controller's log, what each signal asks for when that changes and which signal drove each
-change of the replica count.
+the controller's log, what the policy asks for whenever the count or the driving signal changes,
+and which signal drove each change of the replica count.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def _log(ctx: AutoscalingContext, decision: Decision, state: dict[str, Any]) -> 
             last_ask[1],
             last_ask[2],
         )
-    if ask != last_ask:
+    if last_ask is None or ask[:2] != last_ask[:2]:  # the count or the driving signal
         asked = ", ".join(f"{signal} {count}" for signal, count in decision.wanted.items())
         logger.info(
             "%s: hybrid policy asks %d replica(s) (now %d), driven by %s (%s); signals: %s",

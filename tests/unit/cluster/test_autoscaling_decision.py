@@ -75,9 +75,15 @@ def test_ongoing_requests_are_a_floor() -> None:
 def test_bounds_cap_the_answer() -> None:
     flooded = ReplicaLoad({"0:full_attention": 1.0}, 400.0, 30.0)
     decision = decide(_load(flooded, flooded), SETTINGS)
-    assert decision.num_replicas == 8
-    assert decision.signal == "bounds"
+    assert (decision.num_replicas, decision.signal) == (8, "queue_len")
     assert decision.wanted["queue_len"] == 200
+    assert "capped by max_replicas" in decision.reason
+
+
+def test_the_minimum_holds_when_no_signal_asks_for_as_many() -> None:
+    load = DeploymentLoad(3, min_replicas=2, max_replicas=8, replicas=(IDLE, IDLE, IDLE))
+    decision = decide(load, SETTINGS)
+    assert (decision.num_replicas, decision.signal) == (2, "min_replicas")
 
 
 def test_nothing_reported_keeps_the_count() -> None:
