@@ -73,7 +73,7 @@ def _linear(
     return invariant_linear(x, weight, bias)
 
 
-def _whole_vectors(func: Callable[..., Any], x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+def whole_vectors(func: Callable[..., Any], x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     """`func(x, ...)` of an elementwise function, on a contiguous copy of `x` padded so that
     every thread's share is whole vectors (in place when `func` is, or asks to be)."""
     if x.device.type != "cpu" or not x.is_floating_point():
@@ -129,8 +129,17 @@ class BatchInvariantGemms(TorchFunctionMode):
         if override is not None and not kwargs:
             return override(*args)
         if func in _ELEMENTWISE_SET and args and isinstance(args[0], torch.Tensor):
-            return _whole_vectors(func, *args, **kwargs)
+            return whole_vectors(func, *args, **kwargs)
         return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def outside_the_mode() -> Iterator[None]:
+    """Inside: torch calls go straight to torch, without the mode's Python dispatch (for the
+    mode's own kernels, invariant by construction, which call `whole_vectors` themselves
+    for their transcendental functions)."""
+    with torch._C.DisableTorchFunction():
+        yield
 
 
 @contextlib.contextmanager

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import torch
 
+from kernels.batch_invariant import outside_the_mode, whole_vectors
 from kernels.kv_quant import KVScales, dequantize, split_scales
 from kernels.reference import (
     KeyFromValue,
@@ -33,7 +34,7 @@ from kernels.reference import (
     rotate_values_into_keys,
 )
 
-TILE_KEYS = 64
+TILE_KEYS = 32
 """Keys per tile, rounded up to whole cache blocks."""
 _MAX_GATHER_ELEMENTS = 1 << 22
 """Bound on the product elements (rows x tile keys x query heads x head size) of one row chunk
@@ -60,14 +61,45 @@ def paged_attention(  # noqa: PLR0913 (the signature shared by every backend)
     check_attention_args(query, key_cache, value_cache, block_table, sliding_window, softcap, sinks)
     check_key_from_value(key_from_value, query.shape[2])
     check_key_ends(key_ends, query.shape[0])
+    with outside_the_mode():  # the products below are elementwise; exp and tanh padded here
+        return _paged_attention(
+            query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
+            _Extras(scale, sliding_window, softcap, sinks, key_from_value, kv_scales, key_ends),
+        )  # fmt: skip
+
+
+class _Extras(NamedTuple):
+    """The optional arguments of `paged_attention`, passed on as one."""
+
+    scale: float
+    sliding_window: int | None
+    softcap: float | None
+    sinks: torch.Tensor | None
+    key_from_value: KeyFromValue | None
+    kv_scales: KVScales | None
+    key_ends: torch.Tensor | None
+
+
+def _paged_attention(  # noqa: PLR0913 (the cache arguments of every backend)
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    extras: _Extras,
+) -> torch.Tensor:
+    scale, sliding_window, softcap, sinks, key_from_value, kv_scales, key_ends = extras
     rule = ScoreRule(scale, sliding_window, softcap, None if sinks is None else sinks.float())
     rows = _RowPlan.build(query_start_loc, seq_lens, key_ends, query.device)
     block_size = key_cache.shape[1]
     blocks_per_tile = max(1, -(-TILE_KEYS // block_size))
     row_elements = blocks_per_tile * block_size * query.shape[1] * query.shape[2]
     chunk = max(1, _MAX_GATHER_ELEMENTS // row_elements)
-    output = torch.empty_like(query)
     caches = _Caches(key_cache, value_cache, key_from_value, kv_scales, blocks_per_tile)
+    if query.shape[0] <= chunk:
+        return _attend_rows(query, block_table, rows, caches, rule)
+    output = torch.empty_like(query)
     for begin in range(0, query.shape[0], chunk):
         end = min(begin + chunk, query.shape[0])
         part = _RowPlan(*(t[begin:end] for t in rows))
@@ -136,7 +168,7 @@ def _attend_rows(
         # [R, kv, group, 1, size] * [R, kv, 1, tile, size] -> sum over size: [R, kv, group, tile]
         scores = (q[:, :, :, None, :] * keys.transpose(1, 2)[:, :, None]).sum(-1) * rule.scale
         if rule.softcap is not None:
-            scores = torch.tanh(scores / rule.softcap) * rule.softcap
+            scores = whole_vectors(torch.tanh, scores / rule.softcap) * rule.softcap
         scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
         state = _fold_tile(state, scores, values)
     _, total, acc = state
@@ -175,9 +207,9 @@ def _fold_tile(
     peak, total, acc = state
     new_peak = torch.maximum(peak, scores.amax(dim=-1))
     # Nothing seen yet (-inf on both sides): the old sum and accumulator are zero anyway.
-    rescale = torch.exp(peak - new_peak).nan_to_num(0.0)
+    rescale = whole_vectors(torch.exp, peak - new_peak).nan_to_num(0.0)
     safe_peak = new_peak.masked_fill(new_peak == float("-inf"), 0.0)
-    probs = torch.exp(scores - safe_peak[..., None])
+    probs = whole_vectors(torch.exp, scores - safe_peak[..., None])
     # [R, kv, group, tile, 1] * [R, kv, 1, tile, size] -> sum over the tile: [R, kv, group, size]
     weighted = (probs[..., None] * values.transpose(1, 2)[:, :, None]).sum(-2)
     total = total * rescale + probs.sum(dim=-1)
@@ -193,7 +225,8 @@ def _gather_tile(
     caches: _Caches,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each row's tile `tile[r]`: fp32 keys and values `[R, tile_keys, kv, size]` and which
-    keys the row sees `[R, tile_keys]` (values of the others zeroed)."""
+    keys the row sees `[R, tile_keys]` (values of the others zeroed, as stale slots may hold
+    NaN and a zero weight times NaN is NaN)."""
     key_end = rows.key_end
     key_cache, value_cache, key_from_value, kv_scales, blocks_per_tile = caches
     block_size = key_cache.shape[1]
@@ -217,5 +250,5 @@ def _gather_tile(
     else:
         flat = values.flatten(0, 1)
         keys = rotate_values_into_keys(flat, positions.flatten(), key_from_value).view_as(values)
-    keys = keys.masked_fill(~visible[:, :, None, None], 0.0)
+    # Keys a row does not see are left as they are: their scores are masked to -inf (NaN too).
     return keys, values, visible

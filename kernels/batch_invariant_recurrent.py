@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from kernels.batch_invariant import outside_the_mode
 from kernels.gated_delta_reference import (
     DeltaRuleInputs,
     DeltaRuleOutput,
@@ -110,12 +111,14 @@ def ssd_scan(  # noqa: PLR0913 (the signature shared by every backend)
     xf, decay = x.float(), torch.exp(dt * A.float())  # [T, H, P], [T, H]
     states = initial_states.float().clone()  # [S, H, P, N]
     out = torch.empty(xf.shape, device=x.device)
-    for seqs, rows in steps:
-        state = states[seqs] * decay[rows][:, :, None, None]
-        state = state + (dt[rows][:, :, None] * xf[rows])[..., None] * b[rows][:, :, None, :]
-        out[rows] = (state * c[rows][:, :, None, :]).sum(-1)
-        states[seqs] = state
-        steps.keep_cuts(rows, state)
+    with outside_the_mode():  # elementwise products and fixed-length sums only
+        decay, dtx = decay[:, :, None, None], dt[:, :, None] * xf  # [T, H, 1, 1], [T, H, P]
+        b, c = b[:, :, None, :], c[:, :, None, :]  # [T, H, 1, N]
+        for seqs, rows in steps:
+            state = states[seqs] * decay[rows] + dtx[rows][..., None] * b[rows]
+            out[rows] = (state * c[rows]).sum(-1)
+            states[seqs] = state
+            steps.keep_cuts(rows, state)
     if D is not None:
         out = out + xf * D.float()[None, :, None]
     return ScanOutput(out.to(x.dtype), states, steps.cut_states(states))
@@ -134,12 +137,15 @@ def gated_delta_rule(
     states = initial_states.to(compute_dtype(inputs.v)).clone()  # [S, H, K, V]
     decay = g.exp()
     out = torch.empty_like(v)
-    for seqs, rows in steps:
-        key = k[rows][..., None]  # [n, H, K, 1]
-        state = states[seqs] * decay[rows][:, :, None, None]
-        delta = beta[rows][..., None] * (v[rows] - (key * state).sum(-2))  # [n, H, V]
-        state = state + key * delta[:, :, None, :]
-        out[rows] = ((q[rows] * scale)[..., None] * state).sum(-2)
-        states[seqs] = state
-        steps.keep_cuts(rows, state)
+    with outside_the_mode():  # elementwise products and fixed-length sums only
+        keys, decay = k[..., None], decay[:, :, None, None]  # [T, H, K, 1], [T, H, 1, 1]
+        queries, beta = (q * scale)[..., None], beta[..., None]  # [T, H, K, 1], [T, H, 1]
+        for seqs, rows in steps:
+            key = keys[rows]
+            state = states[seqs] * decay[rows]
+            delta = beta[rows] * (v[rows] - (key * state).sum(-2))  # [n, H, V]
+            state = state + key * delta[:, :, None, :]
+            out[rows] = (queries[rows] * state).sum(-2)
+            states[seqs] = state
+            steps.keep_cuts(rows, state)
     return DeltaRuleOutput(out.to(inputs.v.dtype), states, steps.cut_states(states))
