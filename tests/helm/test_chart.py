@@ -32,6 +32,7 @@ from cluster.config import (
     validate_config_file,
     validate_engine_kwargs,
 )
+from cluster.config.autoscaling import HYBRID_POLICY
 from cluster.config.pd_args import PDServingArgs
 from cluster.serve.batch_store import BATCH_DIR_ENV
 
@@ -49,8 +50,8 @@ TP2 = {"engine": {"tensorParallelSize": 2, "maxModelLen": 8192}, "worker": {"gpu
 FULL = {
     "model": {"source": "pvc://weights/qwen/0.5b", "hfToken": {"secretName": "hf-token"}},
     "engine": {"extraKwargs": {"max_num_seqs": 64, "block_size": 32, "download_dir": "/w/hub"}},
-    "serve": {"grpc": {"enabled": True}, "apiKey": {"secretName": "api-key"},
-              "replicas": {"min": 1, "max": 3, "targetOngoingRequests": 16}},
+    "serve": {"grpc": {"enabled": True}, "apiKey": {"secretName": "api-key"}},
+    "autoscaling": {"minReplicas": 1, "maxReplicas": 3, "targetOngoingRequests": 16},
     "worker": {"acceleratorType": "H100", "minReplicas": 1, "maxReplicas": 3,
                "env": [{"name": "HF_HOME", "value": "/override"}]},
     "modelCache": {"enabled": True, "storageClass": "fast"},
@@ -60,8 +61,18 @@ BATCH = {"mode": "batch", "batch": {"replicas": 2, "extraArgs": ["--continue-on-
 CPU = yaml.safe_load((CHART / "values-cpu.yaml").read_text())  # the CPU preset, as `-f` gives it
 KV_OFFLOAD = {"kvOffload": {"sizeGiB": 8, "disk": {"sizeGiB": 100, "hostPath": "/mnt/kv"}}}
 BATCH_STORE = {"batchStore": {"enabled": True, "storageClass": "nfs", "mountPath": "/srv/batches"}}
+AUTOSCALED = {
+    "autoscaling": {
+        "minReplicas": 1, "maxReplicas": 4, "initialReplicas": 2, "targetOngoingRequests": 64,
+        "upscaleDelayS": 10, "downscaleDelayS": 120, "lookBackPeriodS": 15,
+        "hybridPolicy": {"enabled": True, "metrics": ["kv_pressure", "queue_len"],
+                         "targetKvPressure": 0.9, "targetQueueLen": 4, "targetTtftS": 1.5},
+    },
+    "worker": {"minReplicas": 1, "maxReplicas": 4},
+}  # fmt: skip
 CASES = {
     "service-default": {},
+    "service-autoscaled": AUTOSCALED,
     "service-kv-offload": KV_OFFLOAD,
     "service-batch-store": BATCH_STORE,
     "service-cpu": CPU,
@@ -258,6 +269,38 @@ def test_full_values_wire_secrets_volumes_grpc_and_accelerator() -> None:
     assert rayservice["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is True
 
 
+def test_autoscaling_values_render_the_hybrid_policy_into_the_serve_config() -> None:
+    (config,) = _serving_args(_render(AUTOSCALED)["RayService"]).llm_configs
+    assert config.deployment_config["autoscaling_config"] == {
+        "min_replicas": 1,
+        "max_replicas": 4,
+        "initial_replicas": 2,
+        "target_ongoing_requests": 64,
+        "upscale_delay_s": 10,
+        "downscale_delay_s": 120,
+        "look_back_period_s": 15,
+        "policy": {
+            "policy_function": HYBRID_POLICY,
+            "policy_kwargs": {
+                "metrics": ["kv_pressure", "queue_len"],
+                "target_kv_pressure": 0.9,
+                "target_queue_len": 4,
+                "target_ttft_s": 1.5,
+            },
+        },
+    }
+
+
+def test_autoscaling_off_fixes_the_replicas_and_the_hybrid_switch_picks_the_policy() -> None:
+    fixed = _render({"autoscaling": {"enabled": False, "minReplicas": 2, "maxReplicas": 2}})
+    (config,) = _serving_args(fixed["RayService"]).llm_configs
+    assert config.deployment_config["num_replicas"] == 2
+    assert "autoscaling_config" not in config.deployment_config
+    serve_default = _render({"autoscaling": {"hybridPolicy": {"enabled": False}}})
+    (config,) = _serving_args(serve_default["RayService"]).llm_configs
+    assert "policy" not in config.deployment_config["autoscaling_config"]
+
+
 def test_kv_offload_values_reach_engine_kwargs_and_put_the_disk_level_on_a_volume() -> None:
     rayservice = _render(KV_OFFLOAD)["RayService"]
     (config,) = _serving_args(rayservice).llm_configs
@@ -377,8 +420,24 @@ def test_batch_mode_renders_a_rayjob_running_the_batch_entry_point() -> None:
          "worker.gpusPerPod x worker.maxReplicas gives 1"),
         ({"engine": {"extraKwargs": {"tensor_parallel_size": 2}}},
          "engine.extraKwargs.tensor_parallel_size: set it through its own engine value"),
-        ({"serve": {"replicas": {"min": 3, "max": 2, "targetOngoingRequests": 1}}},
-         "serve.replicas.max=2 is below serve.replicas.min=3"),
+        ({"autoscaling": {"minReplicas": 3, "maxReplicas": 2}},
+         "autoscaling.maxReplicas=2 is below autoscaling.minReplicas=3"),
+        ({"autoscaling": {"maxReplicas": 2, "initialReplicas": 3}},
+         "autoscaling.initialReplicas=3 is outside autoscaling.minReplicas=1 .. "
+         "autoscaling.maxReplicas=2"),
+        ({"autoscaling": {"upscaleDelayS": -1}},
+         "at '/autoscaling/upscaleDelayS': minimum: got -1, want 0"),
+        ({"autoscaling": {"downscaleDelayS": "ten"}},
+         "at '/autoscaling/downscaleDelayS': got string, want number"),
+        ({"autoscaling": {"hybridPolicy": {"targetKvPressure": 1.5}}},
+         "at '/autoscaling/hybridPolicy/targetKvPressure': maximum: got 1.5, want 1"),
+        ({"autoscaling": {"hybridPolicy": {"targetKvPressure": 0}}},
+         "at '/autoscaling/hybridPolicy/targetKvPressure': exclusiveMinimum: got 0, want 0"),
+        ({"autoscaling": {"hybridPolicy": {"metrics": ["kv_pressure", "gpu_util"]}}},
+         "at '/autoscaling/hybridPolicy/metrics/1': value must be one of"),
+        ({"autoscaling": {"hybridPolicy": {"metrics": []}}},
+         "at '/autoscaling/hybridPolicy/metrics': minItems: got 0, want 1"),
+        ({"autoscaling": {"hybirdPolicy": {}}}, "additional properties 'hybirdPolicy' not allowed"),
     ],
 )  # fmt: skip
 def test_bad_values_fail_rendering_naming_the_value(values: dict[str, Any], message: str) -> None:

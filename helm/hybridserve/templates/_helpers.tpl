@@ -80,11 +80,30 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- toYaml $kwargs -}}
 {{- end -}}
 
+{{/* The model deployment's autoscaling_config (Serve's names) from the autoscaling values. */}}
+{{- define "hybridserve.autoscalingConfig" -}}
+{{- $values := .Values.autoscaling -}}
+{{- $config := dict "min_replicas" (int $values.minReplicas) "max_replicas" (int $values.maxReplicas) "target_ongoing_requests" $values.targetOngoingRequests "upscale_delay_s" $values.upscaleDelayS "downscale_delay_s" $values.downscaleDelayS "look_back_period_s" $values.lookBackPeriodS -}}
+{{- if not (kindIs "invalid" $values.initialReplicas) -}}
+{{- $_ := set $config "initial_replicas" (int $values.initialReplicas) -}}
+{{- end -}}
+{{- $hybrid := $values.hybridPolicy -}}
+{{- if $hybrid.enabled -}}
+{{- $kwargs := dict "metrics" $hybrid.metrics "target_kv_pressure" $hybrid.targetKvPressure "target_queue_len" $hybrid.targetQueueLen "target_ttft_s" $hybrid.targetTtftS -}}
+{{- $_ := set $config "policy" (dict "policy_function" "cluster.serve.autoscaling_policy:hybrid_autoscaling_policy" "policy_kwargs" $kwargs) -}}
+{{- end -}}
+{{- toYaml $config -}}
+{{- end -}}
+
 {{/* One LLMConfig (cluster.config.LLMConfig field names) as YAML. */}}
 {{- define "hybridserve.llmConfig" -}}
 {{- $serve := .Values.serve -}}
-{{- $autoscaling := dict "min_replicas" (int $serve.replicas.min) "max_replicas" (int $serve.replicas.max) "target_ongoing_requests" (int $serve.replicas.targetOngoingRequests) -}}
-{{- $deployment := dict "autoscaling_config" $autoscaling "max_ongoing_requests" (int $serve.maxOngoingRequests) "graceful_shutdown_timeout_s" $serve.gracefulShutdownTimeoutS -}}
+{{- $deployment := dict "max_ongoing_requests" (int $serve.maxOngoingRequests) "graceful_shutdown_timeout_s" $serve.gracefulShutdownTimeoutS -}}
+{{- if .Values.autoscaling.enabled -}}
+{{- $_ := set $deployment "autoscaling_config" (include "hybridserve.autoscalingConfig" . | fromYaml) -}}
+{{- else -}}
+{{- $_ := set $deployment "num_replicas" (int .Values.autoscaling.minReplicas) -}}
+{{- end -}}
 {{- with $serve.requestRouter.class -}}
 {{- $_ := set $deployment "request_router_config" (dict "request_router_class" . "request_router_kwargs" $serve.requestRouter.kwargs) -}}
 {{- end -}}
@@ -106,8 +125,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if and (gt (int .Values.worker.gpusPerPod) 0) (gt $tp $gpus) -}}
 {{- fail (printf "engine.tensorParallelSize=%d needs %d GPUs but worker.gpusPerPod x worker.maxReplicas gives %d" $tp $tp $gpus) -}}
 {{- end -}}
-{{- if lt (int .Values.serve.replicas.max) (int .Values.serve.replicas.min) -}}
-{{- fail (printf "serve.replicas.max=%d is below serve.replicas.min=%d" (int .Values.serve.replicas.max) (int .Values.serve.replicas.min)) -}}
+{{- $autoscaling := .Values.autoscaling -}}
+{{- if lt (int $autoscaling.maxReplicas) (int $autoscaling.minReplicas) -}}
+{{- fail (printf "autoscaling.maxReplicas=%d is below autoscaling.minReplicas=%d" (int $autoscaling.maxReplicas) (int $autoscaling.minReplicas)) -}}
+{{- end -}}
+{{- with $autoscaling.initialReplicas -}}
+{{- if or (lt (int .) (int $autoscaling.minReplicas)) (gt (int .) (int $autoscaling.maxReplicas)) -}}
+{{- fail (printf "autoscaling.initialReplicas=%d is outside autoscaling.minReplicas=%d .. autoscaling.maxReplicas=%d" (int .) (int $autoscaling.minReplicas) (int $autoscaling.maxReplicas)) -}}
+{{- end -}}
 {{- end -}}
 {{- if lt (int .Values.worker.maxReplicas) (int .Values.worker.minReplicas) -}}
 {{- fail (printf "worker.maxReplicas=%d is below worker.minReplicas=%d" (int .Values.worker.maxReplicas) (int .Values.worker.minReplicas)) -}}
