@@ -45,13 +45,15 @@ def invariant_linear(
     rows = x.reshape(-1, x.shape[-1])
     num_rows = rows.shape[0]
     num_tiles = max(1, -(-num_rows // ROW_TILE))
-    padded = F.pad(rows, (0, 0, 0, num_tiles * ROW_TILE - num_rows))
+    # A fresh (aligned) copy even when no row is added: the tiles' addresses stay the same.
+    padded = torch.constant_pad_nd(rows, (0, 0, 0, num_tiles * ROW_TILE - num_rows))
     # One call per tile, never one batched call: a batched product may change its algorithm
     # with the number of tiles (MKL's does for one output column).
     weight_t = weight.t()
-    tiles = padded.view(num_tiles, ROW_TILE, -1).unbind(0)
-    products = [torch.mm(tile, weight_t) for tile in tiles]
-    out = products[0] if num_tiles == 1 else torch.cat(products)
+    if num_tiles == 1:
+        out = torch.mm(padded, weight_t)
+    else:
+        out = torch.cat([torch.mm(tile, weight_t) for tile in padded.split(ROW_TILE)])
     out = out[:num_rows]
     if bias is not None:
         out = out + bias
@@ -82,7 +84,7 @@ def whole_vectors(func: Callable[..., Any], x: torch.Tensor, *args: Any, **kwarg
     if x.is_contiguous() and x.numel() % step == 0:
         return func(x, *args, **kwargs)
     flat = x.reshape(-1)
-    padded = F.pad(flat, (0, -flat.numel() % step))
+    padded = torch.constant_pad_nd(flat, (0, -flat.numel() % step))
     result = func(padded, *args, **kwargs)
     out = (padded if result is None else result)[: flat.numel()].view(x.shape)
     if func.__name__.endswith("_") or kwargs.get("inplace"):
