@@ -83,7 +83,12 @@ def assert_bf16_parity(family: str, path: Path, device: str, **llm_args: object)
     params = SamplingParams(temperature=0, max_tokens=NUM_NEW)
     results = llm.generate(PROMPTS, params, use_tqdm=False)
     model = llm.client.core.executor.worker.model_runner.model  # in-process, tp_size 1
-    dtypes = {name: param.dtype for name, param in model.named_parameters()}
+    folded = {  # Gemma-style norms keep their folded 1 + w in fp32, as transformers computes it
+        f"{name}.weight"
+        for name, module in model.named_modules()
+        if getattr(module, "add_unit_offset", False)
+    }
+    dtypes = {name: p.dtype for name, p in model.named_parameters() if name not in folded}
     llm.shutdown()
     assert set(dtypes.values()) == {torch.bfloat16}, dtypes
     ours = [list(result.outputs[0].token_ids) for result in results]
