@@ -12,6 +12,8 @@ import torch
 from torch import nn
 
 from worker.config import ModelConfig, ParallelConfig
+from worker.layers.loading import weight_loader_of
+from worker.layers.norm import load_unit_offset_weight
 from worker.models.decoder import DecoderForCausalLM
 from worker.models.registry import get_model_class
 from worker.quantization.execution import (
@@ -107,8 +109,12 @@ def check_parallel_layout(model_config: ModelConfig, parallel: ParallelConfig) -
 
 @torch.no_grad()
 def _fill_dummy_weights(model: nn.Module) -> None:
+    """Every parameter as a checkpoint of U(-1e-3, 1e-3) would load it: a Gemma-style norm,
+    which holds `1 + w`, gets scales near 1 (as its loader folds), not near 0."""
     for param in model.parameters():
         param.uniform_(-1e-3, 1e-3)
+        if weight_loader_of(param) is load_unit_offset_weight:
+            param.add_(1.0)
 
 
 def _check_complete(model: nn.Module, loaded: set[str], path: str) -> None:

@@ -136,3 +136,15 @@ def test_dummy_load_format_needs_only_the_config(tmp_path: Path) -> None:
         load_model(config, ParallelConfig(), "cpu")
     with pytest.raises(ValueError, match="load_format"):
         load_model(config, ParallelConfig(), "cpu", load_format="npz")
+
+
+def test_dummy_gemma_norms_scale_near_one(tmp_path: Path) -> None:
+    """A Gemma-style norm holds `1 + w`: its dummy weights are the folded U(-1e-3, 1e-3), near 1
+    (as a checkpoint of such values would load), so dummy activations keep their size."""
+    save_tiny_model("gemma3", tmp_path)
+    config = ModelConfig.from_pretrained(tmp_path)
+    model = load_model(config, ParallelConfig(), "cpu", load_format="dummy")
+    norms = [(n, p) for n, p in model.named_parameters() if "norm" in n]
+    assert norms
+    for name, param in norms:
+        assert (param - 1).abs().max() <= 1e-3, name
