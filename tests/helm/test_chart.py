@@ -35,6 +35,7 @@ from cluster.config import (
 from cluster.config.autoscaling import HYBRID_POLICY
 from cluster.config.pd_args import PDServingArgs
 from cluster.serve.batch_store import BATCH_DIR_ENV
+from tests.helpers.readme import code_block
 
 if sys.platform == "linux" and platform.machine() == "x86_64":
     import helm_python as helm  # a dev dependency wherever its wheel exists
@@ -299,6 +300,16 @@ def test_autoscaling_off_fixes_the_replicas_and_the_hybrid_switch_picks_the_poli
     serve_default = _render({"autoscaling": {"hybridPolicy": {"enabled": False}}})
     (config,) = _serving_args(serve_default["RayService"]).llm_configs
     assert "policy" not in config.deployment_config["autoscaling_config"]
+
+
+def test_the_documented_autoscaled_values_render_the_hybrid_policy() -> None:
+    values = yaml.safe_load(code_block("hybridPolicy:", "yaml", "docs/kubernetes.md"))
+    (config,) = _serving_args(_render(values)["RayService"]).llm_configs
+    autoscaling = config.deployment_config["autoscaling_config"]
+    assert (autoscaling["max_replicas"], autoscaling["policy"]["policy_function"]) == (
+        4,
+        HYBRID_POLICY,
+    )
 
 
 def test_kv_offload_values_reach_engine_kwargs_and_put_the_disk_level_on_a_volume() -> None:

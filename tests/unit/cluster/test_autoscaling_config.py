@@ -6,11 +6,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import yaml
 
-from cluster.config import LLMConfig
+from cluster.config import LLMConfig, LLMServingArgs
 from cluster.config.autoscaling import HYBRID_POLICY
 from cluster.serve import build_openai_app
 from cluster.serve.builder import llm_deployment_options
+from tests.helpers.readme import README, code_block
 
 MODEL = {"model_loading_config": {"model_id": "a", "model_source": "/m"}}
 WHERE = "llm_configs.0.deployment_config: autoscaling_config"
@@ -111,3 +113,14 @@ def test_auto_bounds_are_checked_over_serves_auto_defaults() -> None:
     _options({"num_replicas": "auto", "autoscaling_config": {"min_replicas": 5}})
     with pytest.raises(ValueError, match=r"max_replicas \(1\) must be greater"):
         _options({"autoscaling_config": {"min_replicas": 5}})
+
+
+def test_the_documented_configs_are_valid() -> None:
+    """The README's deployment_config and the autoscaling page's config file."""
+    readme = yaml.safe_load(code_block("hybrid_autoscaling_policy", "yaml", README))
+    _options(readme["deployment_config"])
+    page = yaml.safe_load(code_block("hybrid_autoscaling_policy", "yaml", "docs/autoscaling.md"))
+    (config,) = LLMServingArgs.model_validate(page).llm_configs
+    assert config.deployment_config["autoscaling_config"]["policy"]["policy_function"] == (
+        HYBRID_POLICY
+    )
