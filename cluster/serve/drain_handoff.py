@@ -51,8 +51,18 @@ SHUTDOWN_MARGIN_S = 1.0
 DEFAULT_GRACEFUL_SHUTDOWN_S = 20.0
 DEFAULT_WAIT_LOOP_S = 2.0
 
-Prefix = tuple[tuple[int, ...], str | None]
-"""A conversation's tokens so far and its cache salt."""
+
+@dataclass(frozen=True)
+class HandoffPrefix:
+    """A conversation as its latest turn left it in the cache."""
+
+    token_ids: tuple[int, ...]
+    """The turn's prompt and answer."""
+    prompt_len: int
+    """The prompt's tokens: a recurrent state is handed off at its end too (a chat template
+    may leave the generation prompt or the reasoning out of the next turn's history, which
+    then leaves the answer before its end: the state at the answer's end would not serve)."""
+    cache_salt: str | None
 
 
 @dataclass(frozen=True)
@@ -98,25 +108,24 @@ class RecentPrefixes:
     """The token IDs of a replica's most recently finished requests, least recent first."""
 
     def __init__(self, capacity: int = RECENT_CAPACITY) -> None:
-        self._entries: OrderedDict[Prefix, None] = OrderedDict()
+        self._entries: OrderedDict[HandoffPrefix, None] = OrderedDict()
         self._capacity = capacity
 
-    def record(self, token_ids: Sequence[int], cache_salt: str | None) -> None:
-        entry = (tuple(token_ids), cache_salt)
+    def record(self, entry: HandoffPrefix) -> None:
         self._entries[entry] = None
         self._entries.move_to_end(entry)
         if len(self._entries) > self._capacity:
             self._entries.popitem(last=False)
 
-    def latest(self, limit: int, block_size: int) -> list[Prefix]:
+    def latest(self, limit: int, block_size: int) -> list[HandoffPrefix]:
         """Up to `limit` prefixes, most recent first, skipping one that a more recent one
         continues (an earlier turn of the same conversation)."""
-        chosen: list[Prefix] = []
-        for tokens, salt in reversed(self._entries):
+        chosen: list[HandoffPrefix] = []
+        for entry in reversed(self._entries):
             if len(chosen) >= limit:
                 break
-            if not any(_continues(kept, tokens, block_size) for kept, _ in chosen):
-                chosen.append((tokens, salt))
+            if not any(_continues(k.token_ids, entry.token_ids, block_size) for k in chosen):
+                chosen.append(entry)
         return chosen
 
 
@@ -135,6 +144,12 @@ def cached_prefix_tokens(core: EngineCore, token_ids: Sequence[int], cache_salt:
     hashes = prompt_block_hashes(core, token_ids, cache_salt)
     manager = core.scheduler.kv_cache_manager
     return manager.coordinator.find_longest_cache_hit(hashes, len(token_ids) - 1).num_tokens
+
+
+def publish_kv_events(core: EngineCore) -> None:
+    """Put the prefix-cache keys stored since the last step in the event log the routers read
+    (the engine does so after each step)."""
+    core._record_kv_events()
 
 
 class DrainHandoff:
@@ -158,19 +173,30 @@ class DrainHandoff:
                 if delta.outputs:
                     output_ids.extend(delta.outputs[0].token_ids)
                 if delta.finished:
-                    self.recent.record((*request.prompt_token_ids, *output_ids), request.cache_salt)
+                    tokens = (*request.prompt_token_ids, *output_ids)
+                    prompt_len = len(request.prompt_token_ids)
+                    self.recent.record(HandoffPrefix(tokens, prompt_len, request.cache_salt))
                 yield delta
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
 
-    async def accept(self, source: str, token_ids: list[int], cache_salt: str | None) -> bool:
-        """A stopped peer's hand-off: pull the prefix from it (True when imported).
-        RuntimeError when this replica is handing off itself."""
+    async def accept(self, source: str, prefix: HandoffPrefix) -> bool:
+        """A stopped peer's hand-off: pull the prefix from it, to the prompt's end, then to
+        the answer's (True when both were imported). RuntimeError when this replica is handing
+        off itself."""
         if self.started:
             raise RuntimeError("this replica is being stopped too")
+        for end in sorted({prefix.prompt_len, len(prefix.token_ids)}):
+            if not await self._pull(source, prefix.token_ids[:end], prefix.cache_salt):
+                return False
+        self.recent.record(prefix)
+        await self.engine.call_core(publish_kv_events)  # an idle engine runs no step to do it
+        return True
+
+    async def _pull(self, source: str, token_ids: tuple[int, ...], cache_salt: str | None) -> bool:
         request = EngineRequest(
             request_id=f"handoff-{uuid.uuid4().hex}",
-            prompt_token_ids=tuple(token_ids),
+            prompt_token_ids=token_ids,
             sampling_params=SamplingParams(max_tokens=1),
             cache_salt=cache_salt,
         )
@@ -183,10 +209,7 @@ class DrainHandoff:
 
         label = f"hand-off from {source}"
         timeout_s = self.options.pull_timeout_s
-        result = await import_prefix(self.engine, request, export, timeout_s, label)
-        if result is not None:
-            self.recent.record(token_ids, cache_salt)
-        return result is not None
+        return await import_prefix(self.engine, request, export, timeout_s, label) is not None
 
     def is_due(self) -> bool:
         """Whether Serve's stop should hand off first (once, and on an event loop: Serve awaits
@@ -237,21 +260,22 @@ class DrainHandoff:
         logger.info("drain hand-off: %d of %d prefixes pulled by peers", num_done, len(prefixes))
         return num_done
 
-    async def _worth_pulling(self) -> list[Prefix]:
+    async def _worth_pulling(self) -> list[HandoffPrefix]:
         """The most recent prefixes whose cached hit here exceeds the pull threshold."""
         block_size = max(self.engine.core.scheduler.kv_cache_config.block_sizes)
         kept = []
-        for tokens, salt in self.recent.latest(self.options.max_prefixes, block_size):
-            hit = await self.engine.call_core(cached_prefix_tokens, tokens, salt)
+        for entry in self.recent.latest(self.options.max_prefixes, block_size):
+            hit = await self.engine.call_core(
+                cached_prefix_tokens, entry.token_ids, entry.cache_salt
+            )
             if hit > self.options.min_tokens:
-                kept.append((tokens, salt))
+                kept.append(entry)
         return kept
 
-    async def _ask(self, peer: ReplicaID, prefix: Prefix) -> bool:
-        tokens, salt = prefix
+    async def _ask(self, peer: ReplicaID, prefix: HandoffPrefix) -> bool:
         source = serve.get_replica_context().replica_id.unique_id
         try:
-            call = call_replica(peer, "accept_handoff", source, list(tokens), salt)
+            call = call_replica(peer, "accept_handoff", source, prefix)
             return bool(await asyncio.wait_for(_result(call), 2 * self.options.pull_timeout_s))
         except (asyncio.TimeoutError, ray.exceptions.RayError, ValueError, RuntimeError) as exc:
             logger.info("drain hand-off to %s refused: %s", peer.unique_id, exc)

@@ -57,6 +57,8 @@ DEFAULT_STATS_PERIOD_S = 0.5
 MAX_TRACKED_REQUESTS = 1 << 14
 """Prompts kept between choosing a replica and hearing the request was routed there."""
 _NO_LIMIT = 1 << 62
+LIVENESS_CHECK_S = 1.0
+"""How often the router asks whether a replica that left routing (draining) still lives."""
 
 
 def kv_events_enabled(deployment_config: Mapping[str, Any]) -> bool:
@@ -139,6 +141,8 @@ class HybridPrefixRouter(FIFOMixin, RequestRouter):
         self._prompts: dict[str, PromptKeys | None] = {}
         self.last_choice: RoutingChoice | None = None
         """The latest request's routing (None before the first)."""
+        self._draining: dict[ReplicaID, float] = {}
+        """Replicas that left routing, kept as pull sources: when each was last seen alive."""
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -152,8 +156,21 @@ class HybridPrefixRouter(FIFOMixin, RequestRouter):
                 self.policy.replay(replica.replica_id, window, usage, adapters, now)
         routable = [replica.replica_id for replica in replicas]
         for replica_id in self.policy.keep_routable(routable, now):
-            if not replica_is_alive(replica_id):  # died, not draining: nothing to pull
-                self.policy.forget(replica_id)
+            self._draining[replica_id] = now - LIVENESS_CHECK_S
+        self._forget_the_dead(set(routable), now)
+
+    def _forget_the_dead(self, routable: set[ReplicaID], now: float) -> None:
+        """Forget each replica that left routing once its actor is gone (it died, or its drain
+        ended: its conversations' prefixes are then cached by the peers it handed them to)."""
+        for replica_id, seen_at in list(self._draining.items()):
+            if replica_id in routable:
+                del self._draining[replica_id]
+            elif now - seen_at >= LIVENESS_CHECK_S:
+                if replica_is_alive(replica_id):
+                    self._draining[replica_id] = now
+                else:
+                    del self._draining[replica_id]
+                    self.policy.forget(replica_id)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

@@ -52,7 +52,12 @@ from cluster.serve import errors
 from cluster.serve.autoscaling_stats import RecentTTFT, autoscaling_stats
 from cluster.serve.batch_policy import batch_scheduling_policy
 from cluster.serve.completion_batch import batched_completion
-from cluster.serve.drain_handoff import DrainHandoff, handoff_options, remembered
+from cluster.serve.drain_handoff import (
+    DrainHandoff,
+    HandoffPrefix,
+    handoff_options,
+    remembered,
+)
 from cluster.serve.formatting import (
     DONE,
     ChatFormatter,
@@ -382,11 +387,11 @@ class LLMServer:
         download_dir = self.config.engine_kwargs.get("download_dir")
         return lora.adapter_request(adapter, download_dir)
 
-    async def accept_handoff(self, source: str, token_ids: list[int], salt: str | None) -> bool:
+    async def accept_handoff(self, source: str, prefix: HandoffPrefix) -> bool:
         """A stopped peer replica's conversation: pull its prefix from there (`drain_handoff`)."""
         if self.handoff is None or self.draining:
             raise RuntimeError("this replica takes no hand-offs")
-        return await self.handoff.accept(source, token_ids, salt)
+        return await self.handoff.accept(source, prefix)
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Serve polls this for the request routers: KV events and usage ({} when off)."""
