@@ -4,7 +4,8 @@ Serve polls the replica, keeps each number as a time series and averages it over
 deployment's `look_back_period_s`; the hybrid policy reads them under the names of
 `cluster.serve.autoscaling_decision`:
 
-- `kv_pressure:<index>:<kind>`: how full each KV cache group is, in [0, 1];
+- `kv_pressure:<index>:<kind>`: each KV cache group's pressure (`SchedulerStats.group_pressure`:
+  the blocks the group holds against those it holds or can still take), in [0, 1];
 - `num_waiting`: requests waiting for admission;
 - `ttft_p90_s`: p90 time to first token of the requests whose first token came in the last
   `TTFT_WINDOW_S` seconds (0 when none did, so an idle replica asks for nothing).
@@ -18,6 +19,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from cluster.serve.autoscaling_decision import KV_PRESSURE_PREFIX, NUM_WAITING, TTFT_P90
+from scheduler.kv_cache.pressure import group_label
 from scheduler.stats import SchedulerStats
 
 TTFT_WINDOW_S = 10.0
@@ -47,25 +49,27 @@ class RecentTTFT:
         return values[max(0, math.ceil(q * len(values)) - 1)]
 
 
-def group_pressures(stats: SchedulerStats) -> tuple[float, ...]:
-    """Each KV cache group's pressure in [0, 1]: the blocks its tables hold against those it
-    holds or could still take from the shared pool (1 when the pool is full and the group holds
-    any of it; whichever group reaches 1 first stops admission)."""
+def group_pressures(stats: SchedulerStats, group_kinds: Sequence[str]) -> dict[str, float]:
+    """Each KV cache group's pressure in [0, 1], keyed `<index>:<kind>`: the scheduler's
+    `group_pressure` (blocks the group holds against those it holds or can take), or, from a
+    scheduler without it, the same ratio from the usage shares (free counted pool-wide)."""
+    if stats.group_pressure:
+        return {group.label: group.pressure for group in stats.group_pressure}
     free = 1.0 - stats.kv_cache_usage
-    return tuple(
-        share / (share + free) if share + free > 0 else 0.0
-        for share in stats.kv_cache_usage_per_group
-    )
+    shares = zip(group_kinds, stats.kv_cache_usage_per_group, strict=True)
+    return {
+        group_label(index, kind): share / (share + free) if share + free > 0 else 0.0
+        for index, (kind, share) in enumerate(shares)
+    }
 
 
 def autoscaling_stats(
     stats: SchedulerStats, group_kinds: Sequence[str], ttft: RecentTTFT
 ) -> dict[str, float]:
     """The replica's report: pressure per KV cache group, waiting requests, recent p90 TTFT."""
-    pressures = zip(group_kinds, group_pressures(stats), strict=True)
     report = {
-        f"{KV_PRESSURE_PREFIX}{index}:{kind}": pressure
-        for index, (kind, pressure) in enumerate(pressures)
+        f"{KV_PRESSURE_PREFIX}{label}": pressure
+        for label, pressure in group_pressures(stats, group_kinds).items()
     }
     report[NUM_WAITING] = float(stats.num_waiting_reqs)
     report[TTFT_P90] = ttft.quantile()

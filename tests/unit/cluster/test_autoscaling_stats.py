@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from cluster.serve.autoscaling_decision import ReplicaLoad
 from cluster.serve.autoscaling_stats import RecentTTFT, autoscaling_stats, group_pressures
+from scheduler.kv_cache.pressure import GroupPressure
 from scheduler.stats import SchedulerStats
 
 
@@ -21,14 +24,23 @@ def _stats(per_group: tuple[float, ...], num_waiting: int = 0) -> SchedulerStats
     )
 
 
-def test_a_full_pool_puts_every_holding_group_at_full_pressure() -> None:
-    assert group_pressures(_stats((0.1, 0.9))) == (1.0, 1.0)
-    assert group_pressures(_stats((0.0, 1.0)))[0] == 0.0
+KINDS = ("full_attention", "mamba")
 
 
-def test_the_group_holding_more_of_the_pool_is_under_more_pressure() -> None:
-    attention, state = group_pressures(_stats((0.1, 0.5)))
-    assert 0 < attention < state < 1
+def test_the_schedulers_group_pressure_is_reported_by_label() -> None:
+    groups = (GroupPressure(0, "full_attention", 2, 6, 2), GroupPressure(1, "mamba", 7, 6, 0))
+    stats = replace(_stats((0.2, 0.7)), group_pressure=groups)
+    assert group_pressures(stats, KINDS) == {g.label: g.pressure for g in groups}
+
+
+def test_without_it_a_full_pool_puts_every_holding_group_at_full_pressure() -> None:
+    assert group_pressures(_stats((0.1, 0.9)), KINDS) == {"0:full_attention": 1.0, "1:mamba": 1.0}
+    assert group_pressures(_stats((0.0, 1.0)), KINDS)["0:full_attention"] == 0.0
+
+
+def test_without_it_the_group_holding_more_of_the_pool_is_under_more_pressure() -> None:
+    pressures = group_pressures(_stats((0.1, 0.5)), KINDS)
+    assert 0 < pressures["0:full_attention"] < pressures["1:mamba"] < 1
 
 
 def test_recent_ttft_p90_forgets_old_requests() -> None:
@@ -42,7 +54,7 @@ def test_recent_ttft_p90_forgets_old_requests() -> None:
 def test_the_report_reads_back_as_the_replicas_load() -> None:
     ttft = RecentTTFT()
     ttft.observe(0.25)
-    report = autoscaling_stats(_stats((0.2, 0.3), num_waiting=7), ["full_attention", "mamba"], ttft)
+    report = autoscaling_stats(_stats((0.2, 0.3), num_waiting=7), KINDS, ttft)
     load = ReplicaLoad.from_metrics(report)
     assert set(load.group_pressure) == {"0:full_attention", "1:mamba"}
     assert (load.num_waiting, load.ttft_p90_s) == (7.0, 0.25)
