@@ -1,0 +1,182 @@
+"""A replica scaled down hands its conversations to its peer on real Ray Serve: two replicas of
+a tiny Mamba hybrid behind `HybridPrefixRouter`, several conversations on each, a request in
+flight on each; scaled down to one replica, the stopped one's in-flight request finishes, its
+recent prefixes are pulled by the one left before it exits (that replica's pull counter moves),
+the router sees them there and forgets the stopped replica, and every next turn is served from
+the cache with the offline engine's greedy tokens."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ray import serve
+from ray.serve import Application
+from ray.serve import api as serve_api
+from ray.serve.request_router import ReplicaID
+
+from cluster.llm import LLM
+from cluster.serve import build_llm_deployment, deployment_name
+from scheduler.request import SamplingParams
+from tests.helpers.serve_app import deployed, save_word_tokenizer
+from tests.helpers.tiny_hybrid import save_tiny_hybrid
+from tests.helpers.waiting import wait_until
+from tests.ray.test_serve_peer_pull import (
+    ENGINE,
+    MODEL,
+    answer,
+    chat,
+    conversation,
+    direct,
+    held_by,
+    holders_by_events,
+    is_gone,
+    next_turn,
+    prompt_ids,
+    reference_texts,
+)
+
+pytestmark = pytest.mark.ray
+RAY_CPUS = 4
+
+APP = "handoff"
+ROUTER = {
+    "request_router_class": "cluster.serve.routing:HybridPrefixRouter",
+    "request_routing_stats_period_s": 0.2,
+    "request_router_kwargs": {
+        "min_in_flight_bound": 1,
+        "load_factor": 1.0,
+        "pull_threshold_tokens": 8,
+        "pull_timeout_s": 30,
+        "drain_handoff_prefixes": 64,
+    },
+}
+NUM_CONVERSATIONS = 6
+IN_FLIGHT_TOKENS = 60
+"""Tokens of each request in flight while Serve scales down (no early end of sequence)."""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("handoff-bamba")
+    save_tiny_hybrid("bamba", path)
+    return save_word_tokenizer(path)
+
+
+def model_app(model_dir: Path, num_replicas: int) -> Application:
+    """The model's deployment; a fixed version makes a change of `num_replicas` a scale."""
+    config = {
+        "model_loading_config": {"model_id": MODEL, "model_source": str(model_dir)},
+        "engine_kwargs": {
+            **ENGINE,
+            "device": "cpu",
+            "distributed_executor_backend": "uni",
+            "kv_cache_memory_bytes": 2 << 20,
+        },
+        "placement_group_config": {"bundles": [{"CPU": 0.25}]},
+        "deployment_config": {
+            "num_replicas": num_replicas,
+            "graceful_shutdown_wait_loop_s": 0.5,
+            "ray_actor_options": {"num_cpus": 0.1},
+            "request_router_config": ROUTER,
+        },
+    }
+    app = build_llm_deployment(config)
+    app._bound_deployment._version = "1"  # Serve's code version (no public option sets it)
+    return app
+
+
+@pytest.fixture(scope="module")
+def handle(ray_cluster: None, model_dir: Path) -> Iterator[Any]:
+    with deployed(model_app(model_dir, 2), APP, route_prefix=None):
+        yield serve.get_deployment_handle(deployment_name(MODEL), app_name=APP)
+
+
+def in_flight_on_each(handle: Any, router: Any, pool: ThreadPoolExecutor) -> list[Any]:
+    """One long request running on each replica (the in-flight bound is one request): the
+    futures of their streamed chunks, and their conversations."""
+    futures = []
+    conversations = []
+    for index in range(2):
+        first = conversation(NUM_CONVERSATIONS + index)
+        stream = chat(handle, first, f"in-flight-{index}", IN_FLIGHT_TOKENS, ignore_eos=True)
+        futures.append(pool.submit(list, stream))
+        conversations.append(first)
+        wait_until(
+            lambda n=index + 1: sum(router.policy.in_flight(r) for r in router.curr_replicas) == n,
+            "the request is routed",
+        )
+    assert all(router.policy.in_flight(r) == 1 for r in router.curr_replicas)
+    return [futures, conversations]
+
+
+def scale_down(handle: Any, model_dir: Path) -> tuple[ReplicaID, ReplicaID]:
+    """Scale to one replica: (the one Serve stops, the one left)."""
+    router = handle._router._asyncio_router.request_router
+    replicas = list(router.curr_replicas)
+    serve_api._run(model_app(model_dir, 1), _blocking=False, name=APP, route_prefix=None)
+    wait_until(lambda: len(router.curr_replicas) == 1, "a replica leaves routing")
+    [kept] = router.curr_replicas
+    [stopped] = [replica for replica in replicas if replica != kept]
+    return stopped, kept
+
+
+def test_a_scaled_down_replica_hands_its_conversations_to_its_peer(
+    handle: Any, model_dir: Path
+) -> None:
+    firsts = [conversation(index) for index in range(NUM_CONVERSATIONS)]
+    turns = [
+        next_turn(first, answer(list(chat(handle, first, f"first-{index}", 4)))[0])
+        for index, first in enumerate(firsts)
+    ]
+    router = handle._router._asyncio_router.request_router  # made by the first request
+    prompts = prompt_ids(model_dir, turns)
+    for ids in prompts:  # the replicas' KV events reach the router
+        wait_until(lambda ids=ids: holders_by_events(router, ids), "a turn's events")
+    before = {replica: direct(replica, "transfer_stats") for replica in router.curr_replicas}
+    now = time.monotonic()
+    holders = {replica: held_by(router, replica, prompts, now) for replica in before}
+    with ThreadPoolExecutor(2) as pool:
+        futures, long_firsts = in_flight_on_each(handle, router, pool)
+        stopped, kept = scale_down(handle, model_dir)
+        started = time.monotonic()
+        in_flight = [answer(future.result(timeout=60)) for future in futures]
+    wait_until(lambda: is_gone(stopped), "the stopped replica exits", timeout_s=30)
+    drain_s = time.monotonic() - started
+    assert holders[stopped]  # the stopped replica held some of the conversations
+    after = direct(kept, "transfer_stats")
+    assert after["pulls"] > before[kept]["pulls"], (before, after)  # the hand-off's pulls
+    assert after["recomputes"] == before[kept]["recomputes"], (before, after)
+    wait_until(lambda: stopped not in router.policy._replicas, "the router forgets it")
+    wait_until(
+        lambda: len(held_by(router, kept, prompts, time.monotonic())) == NUM_CONVERSATIONS,
+        "the router sees every conversation on the replica left",
+    )
+    long_turns = [
+        next_turn(first, text) for first, (text, _) in zip(long_firsts, in_flight, strict=True)
+    ]
+    answers = [
+        answer(list(chat(handle, messages, f"next-{index}", 4)))
+        for index, messages in enumerate([*turns, *long_turns])
+    ]
+    print(f"drain and hand-off {drain_s:.2f} s; cached {[cached for _, cached in answers]}")
+    assert all(cached >= 24 for _, cached in answers), answers
+    assert direct(kept, "transfer_stats")["pulls"] == after["pulls"]  # no pull left to do
+    assert [text for text, _ in in_flight] == reference_texts_of(model_dir, long_firsts, 60)
+    texts = [text for text, _ in answers]
+    assert texts == reference_texts(model_dir, [*turns, *long_turns])
+
+
+def reference_texts_of(model_dir: Path, conversations: list[Any], max_tokens: int) -> list[str]:
+    """Greedy answers of `max_tokens` (no end of sequence) of the offline engine."""
+    llm = LLM(str(model_dir), **ENGINE, kv_cache_memory_bytes=2 << 20, enable_prefix_caching=False)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        outputs = llm.chat(conversations, params)
+    finally:
+        llm.shutdown()
+    return [out.outputs[0].text for out in outputs]
