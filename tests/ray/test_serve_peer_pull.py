@@ -43,6 +43,7 @@ ROUTER = {
         "load_factor": 1.0,
         "pull_threshold_tokens": 8,
         "pull_timeout_s": 60,
+        "drain_handoff_prefixes": 0,  # pulls while a replica drains; hand-offs: their own test
     },
 }
 DRAIN_S = 6.0
