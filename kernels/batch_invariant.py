@@ -53,7 +53,8 @@ def invariant_linear(
     if num_tiles == 1:
         out = torch.mm(padded, weight_t)
     else:
-        out = torch.cat([torch.mm(tile, weight_t) for tile in padded.split(ROW_TILE)])
+        tiles = padded.view(num_tiles, ROW_TILE, -1).unbind(0)
+        out = torch.cat([torch.mm(tile, weight_t) for tile in tiles])
     out = out[:num_rows]
     if bias is not None:
         out = out + bias
