@@ -134,6 +134,12 @@ def _running_replicas() -> int:
     return int(status.replica_states.get("RUNNING", 0))
 
 
+def _replica_report() -> dict[str, float]:
+    """What the (one) replica reports to the autoscaler now."""
+    handle = serve.get_deployment_handle(deployment_name(MODEL), app_name=APP)
+    return dict(handle.record_autoscaling_stats.remote().result())
+
+
 def _controller_log() -> str:
     logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path()) / "serve"
     return "".join(path.read_text() for path in logs.glob("controller_*.log"))
@@ -168,12 +174,16 @@ def _greedy_answers(model_dir: Path) -> dict[str, str]:
 def test_scales_up_under_load_and_down_when_idle(served: Served) -> None:
     assert _running_replicas() == 1
     with Load(served.base_url) as load:
-        wait_until(lambda: _running_replicas() == 2, "a second replica under load", 40)
+        wait_until(lambda: load.answers, "a first answer")
+        report = _replica_report()
+        wait_until(lambda: _running_replicas() == 2, "a second replica under load", 60)
         served_before = len(load.answers)
         wait_until(lambda: len(load.answers) >= served_before + NUM_CLIENTS, "answers on two")
     wait_until(lambda: _running_replicas() == 1, "back to one replica when idle", 30)
     assert "replicas 1 -> 2, driven by queue_len" in _controller_log()
     assert load.errors == []
+    assert set(report) == {"kv_pressure:0:full_attention", "num_waiting", "ttft_p90_s"}
+    assert report["ttft_p90_s"] > 0
     want = _greedy_answers(served.model_dir)
     for answer in load.answers:
         assert answer.finish_reason in ("length", "stop"), answer
