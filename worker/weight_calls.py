@@ -1,12 +1,13 @@
 """The weight-update calls one rank answers (a mixin of `worker.Worker`).
 
 The engine drives every rank through them together: `weight_shard_plan` (which part of each
-checkpoint tensor this rank reads), `receive_weight_shard` (fetch this rank's shard from a
-sender and check it; nothing changes yet), `apply_staged_weights` (copy the received tensors into
-the model in place), `discard_staged_weights`, and `reload_weights` (a checkpoint folder, read
-lazily: this rank reads only its shard). After weights change, outputs cached on the rank (image
-encoder outputs) are dropped. The fetch itself is the sender's (`WeightShardSource`): this
-package imports no transport.
+checkpoint tensor this rank reads), `join_weight_transfer_group` (backends gloo and nccl, see
+`worker.weight_group`), `receive_weight_shard` (fetch this rank's shard from a sender, or receive
+it over the group, and check it; nothing changes yet), `apply_staged_weights` (copy the received
+tensors into the model in place), `discard_staged_weights`, and `reload_weights` (a checkpoint
+folder, read lazily: this rank reads only its shard). After weights change, outputs cached on the
+rank (image encoder outputs) are dropped. The fetch itself is the sender's (`WeightShardSource`)
+or a receive over torch.distributed: this package imports no other transport.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import nn
 
+from worker.weight_group import CollectiveShards, WeightGroupInfo, join_weight_group
 from worker.weight_update import ReceivedShard, ShardPlan, WeightUpdateError, WeightUpdater
 from worker.weights import iterate_weights
 
@@ -45,7 +47,10 @@ class WeightUpdateCalls:
     spec: Any
     """The worker's `WorkerSpec` (its model config and parallel layout are read)."""
     rank: int
+    device: torch.device
     _weight_updater: WeightUpdater | None = None
+    _weight_group: tuple[Any, WeightGroupInfo] | None = None
+    """The weight-transfer group this rank joined (backends gloo, nccl) and how."""
 
     @property
     def model_runner(self) -> ModelRunner:  # provided by the worker
@@ -74,13 +79,32 @@ class WeightUpdateCalls:
         received. On any error nothing is kept of this update."""
         updater = self.weight_updater
         try:
-            shard = source.fetch(self.rank)
+            shard = self._fetch_shard(source)
             before = updater.bytes_received
             updater.stage(shard, source.shapes)
         except Exception:
             updater.discard_staged()
             raise
         return updater.bytes_received - before
+
+    def join_weight_transfer_group(self, info: WeightGroupInfo) -> None:
+        """Join a trainer's weight-transfer group as group rank `rank_offset + rank` (any
+        earlier group is left); blocks until every member has joined."""
+        self._weight_group = None
+        group = join_weight_group(info, info.rank_offset + self.rank)
+        self._weight_group = (group, info)
+
+    def _fetch_shard(self, source: WeightShardSource) -> ReceivedShard:
+        if not isinstance(source, CollectiveShards):
+            return source.fetch(self.rank)
+        if self._weight_group is None:
+            raise WeightUpdateError(
+                "this rank is in no weight-transfer group: call init_weight_transfer_engine "
+                "with the trainer's master_address and master_port first"
+            )
+        group, info = self._weight_group
+        device = self.device if info.backend == "nccl" else torch.device("cpu")
+        return source.receive(group, self.rank, device)
 
     def apply_staged_weights(self) -> int:
         """Copy the staged tensors into the model; the number of tensors applied."""

@@ -1,6 +1,7 @@
 """Weights updated in place, vLLM's weight-transfer calls: the engine's side.
 
-    init_weight_transfer_engine(init_info)   the backend (weight_transfer_config or init_info)
+    init_weight_transfer_engine(init_info)   the backend (weight_transfer_config or init_info;
+                                             gloo / nccl: the ranks join the trainer's group)
     weight_shard_plans(shapes)               which part of each tensor each rank reads
     start_weight_update()                    a new update: nothing staged
     update_weights(update_info)              each rank fetches and checks its shard (staged)
@@ -34,6 +35,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from cluster.config.weight_transfer import WeightTransferBackend, WeightTransferConfigArgs
 from cluster.engine.outputs import RequestOutput
 from scheduler.weight_version import move_to_weights_root
+from worker.weight_group import COLLECTIVE_BACKENDS, WeightGroupInfo
 from worker.weight_update import WeightUpdateError
 
 if TYPE_CHECKING:
@@ -103,9 +105,39 @@ def init_weight_transfer_engine(core: EngineCore, init_info: dict[str, Any] | No
     if init_info:
         merged = {**state.config.model_dump(), **init_info}
         state.config = WeightTransferConfigArgs.model_validate(merged)
-    if state.config.backend == "ipc" and core.executor.configs.runner.device != "cuda":
-        raise ValueError("weight_transfer_config backend 'ipc' needs the engine on CUDA")
+    device = core.executor.configs.runner.device
+    if state.config.backend in ("ipc", "nccl") and device != "cuda":
+        raise ValueError(
+            f"weight_transfer_config backend {state.config.backend!r} needs the engine on CUDA"
+        )
+    if state.config.backend in COLLECTIVE_BACKENDS:
+        info = _group_info(state.config, core.executor.configs.tensor_parallel_size)
+        wait_s = state.config.timeout_s + 30  # the ranks' own join deadline comes first
+        core.executor.collective_rpc("join_weight_transfer_group", info, timeout_s=wait_s)
     state.initialized = True
+
+
+def _group_info(config: WeightTransferConfigArgs, tp_size: int) -> WeightGroupInfo:
+    """The ranks' side of a gloo / nccl group, from the config and `init_info` (vLLM's keys)."""
+    if config.master_address is None or config.master_port is None:
+        raise ValueError(
+            f"weight_transfer_config backend {config.backend!r}: init_weight_transfer_engine "
+            "needs the trainer's master_address and master_port"
+        )
+    world_size = config.world_size or config.rank_offset + tp_size
+    if world_size < config.rank_offset + tp_size:
+        raise ValueError(
+            f"world_size {world_size} has no room for this engine's {tp_size} ranks from "
+            f"rank_offset {config.rank_offset}"
+        )
+    return WeightGroupInfo(
+        config.master_address,
+        config.master_port,
+        world_size,
+        config.rank_offset,
+        config.backend,
+        config.timeout_s,
+    )
 
 
 def backend(core: EngineCore) -> WeightTransferBackend:

@@ -2,7 +2,10 @@
 gloo): each rank fetches only its own shard from the trainer (bytes counted per rank), and
 the outputs after a round trip of updates equal the fresh engine's bit for bit; a trainer killed
 mid-update gives one clear error within the deadline and the engine goes on with its weights; both
-ranks sleep and wake (levels 1 and 2, weights loaded while asleep) with their outputs kept."""
+ranks sleep and wake (levels 1 and 2, weights loaded while asleep) with their outputs kept. The
+collective backend "gloo" (trainer and ranks in one torch.distributed group, each rank receiving
+its own shard point to point) gives the outputs of the same weights loaded from their checkpoint,
+and a trainer killed before its sends fails the update within the deadline."""
 
 from __future__ import annotations
 
@@ -16,10 +19,12 @@ import ray
 import torch
 
 from cluster import LLM, SamplingParams
+from cluster.engine.weight_collective import CollectiveWeightSender
 from cluster.engine.weight_transfer import WeightSender, shapes_of
 from tests.helpers.sleep_cycles import run_cycles
 from tests.helpers.tiny_linear_hybrid import save_tiny_linear_hybrid
 from tests.helpers.weight_updates import checkpoint_tensors, perturbed_checkpoint
+from worker.weight_group import collective_shards
 
 pytestmark = pytest.mark.ray
 
@@ -49,6 +54,17 @@ class Trainer(WeightSender):
 
     def push(self, plans: list[dict[str, Any]]) -> Any:
         return self.send_weights(self.tensors, plans, timeout_s=20)
+
+
+@ray.remote(num_cpus=0)
+class GroupTrainer(CollectiveWeightSender):
+    """A stand-in trainer in a gloo weight-transfer group with the engine's two ranks."""
+
+    def __init__(self, folder: str) -> None:
+        self.tensors = checkpoint_tensors(Path(folder))
+
+    def push(self, plans: list[dict[str, Any]]) -> Any:
+        return self.send_weights(self.tensors, plans)
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +163,56 @@ def test_sleep_and_wake_of_both_ranks_with_an_update_while_asleep(
             engine.finish_weight_update()
 
     assert run_cycles(llm, 2, update=update_while_asleep) == 2
+
+
+def _join_group(llm: LLM, trainer: Any) -> None:
+    """The trainer (group rank 0) and the engine's ranks (1, 2) in one gloo group."""
+    info = ray.get(trainer.weight_group_address.remote(world_size=3, timeout_s=20))
+    joined = trainer.join_weight_transfer_group.remote(info)
+    llm.init_weight_transfer_engine(info)
+    ray.get(joined)
+
+
+def test_gloo_group_update_equals_the_checkpoint_load_of_the_same_weights(
+    setup: tuple[LLM, Path, Path],
+) -> None:
+    llm, old, new = setup
+    llm.reload_weights(str(old))
+    before = _generate(llm)
+    trainer = GroupTrainer.remote(str(new))
+    _join_group(llm, trainer)
+    new_tensors = checkpoint_tensors(new)
+    plans = llm.weight_shard_plans(shapes_of(new_tensors))
+    handle = ray.get(trainer.push.remote(plans))
+    llm.start_weight_update()
+    received = llm.update_weights({"shards": handle})
+    llm.finish_weight_update()
+    ray.get(trainer.wait_weights_sent.remote())
+    assert received == [_part_bytes(plan, new_tensors) for plan in plans]
+    pushed = _generate(llm)
+    llm.reload_weights(str(new))
+    assert pushed == _generate(llm)
+    assert pushed != before
+    llm.reload_weights(str(old))
+
+
+def test_gloo_trainer_killed_mid_update_fails_it_and_the_engine_keeps_its_weights(
+    setup: tuple[LLM, Path, Path],
+) -> None:
+    llm, _, new = setup
+    llm.reset_prefix_cache()
+    before, version = _generate(llm), llm.get_weight_version()
+    trainer = GroupTrainer.remote(str(new))
+    _join_group(llm, trainer)
+    new_tensors = checkpoint_tensors(new)
+    handle = collective_shards(new_tensors, llm.weight_shard_plans(shapes_of(new_tensors)))
+    llm.start_weight_update()
+    ray.kill(trainer, no_restart=True)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"weight shard is lost \(the sender died\?\)") as err:
+        llm.update_weights({"shards": handle})
+    assert time.monotonic() - start < 20
+    assert "\n" not in str(err.value)
+    assert llm.get_weight_version() == version
+    llm.reset_prefix_cache()
+    assert _generate(llm) == before
