@@ -27,10 +27,12 @@ def layer_kernels() -> LayerKernels:
 def load_unit_offset_weight(
     param: nn.Parameter, source: WeightSource, shard_id: ShardId = None
 ) -> None:
-    """Loader of a Gemma-style norm: the checkpoint's `w` into the fp32 parameter as `1 + w`."""
+    """Loader of a Gemma-style norm: the checkpoint's `w` into the fp32 parameter as `1 + w`,
+    `w` first rounded to the model dtype (transformers holds it there and adds 1 in fp32)."""
     default_weight_loader(param, source, shard_id)
     with torch.no_grad():
-        param.data.add_(1.0)
+        rounded = param.data.to(param.model_dtype)  # type: ignore[attr-defined]
+        param.data.copy_(rounded.float()).add_(1.0)
 
 
 class RMSNorm(nn.Module):
@@ -42,6 +44,7 @@ class RMSNorm(nn.Module):
         self.add_unit_offset = add_unit_offset
         if add_unit_offset:  # NOTE: holds 1 + w in fp32 whatever the model dtype (see module)
             self.weight = new_parameter((hidden_size,), load_unit_offset_weight, fill=1.0)
+            self.weight.model_dtype = self.weight.dtype  # type: ignore[attr-defined]
             self.weight.data = self.weight.data.float()
         else:
             self.weight = new_parameter((hidden_size,), default_weight_loader, fill=1.0)

@@ -40,13 +40,17 @@ def test_rms_norm_matches_transformers_bitwise(dtype: torch.dtype, is_gemma: boo
     x = (torch.randn(5, 32) * 3).to(dtype)
     weight = torch.randn(32) * 0.5
     reference = Gemma2RMSNorm(32, eps=1e-6) if is_gemma else LlamaRMSNorm(32, eps=1e-6)
-    ours = RMSNorm(32, eps=1e-6, add_unit_offset=is_gemma)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # built in the model dtype, as the loader builds models
+    try:
+        ours = RMSNorm(32, eps=1e-6, add_unit_offset=is_gemma)
+    finally:
+        torch.set_default_dtype(previous)
     with torch.no_grad():
         reference.weight.copy_(weight)
     reference = reference.to(dtype)
-    if not is_gemma:  # a Gemma norm keeps its folded 1 + w in fp32 in every model dtype
-        ours = ours.to(dtype)
-    weight_loader_of(ours.weight)(ours.weight, weight.to(dtype), None)
+    # an fp32 checkpoint: a Gemma norm folds 1 + w in fp32, w rounded to the model dtype first
+    weight_loader_of(ours.weight)(ours.weight, weight, None)
     assert torch.equal(ours(x), reference(x))
 
 
