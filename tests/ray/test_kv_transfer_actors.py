@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,12 @@ def start(model: Path, **overrides: object) -> RayEngineClient:
     return RayEngineClient.start(args, placement=PlacementSpec(({"CPU": 0.1},)))
 
 
+def start_together(model: Path, *overrides: dict[str, object]) -> list[RayEngineClient]:
+    """One engine actor per overrides, started at once (their processes import in parallel)."""
+    with ThreadPoolExecutor(len(overrides)) as pool:
+        return list(pool.map(lambda extra: start(model, **extra), overrides))
+
+
 @pytest.fixture(scope="module")
 def expected(ray_cluster: None, model: Path) -> list[int]:
     """The prompt's greedy tokens on one engine with no cache."""
@@ -59,7 +66,7 @@ def expected(ray_cluster: None, model: Path) -> list[int]:
 
 
 def test_transfer_between_engine_actors_and_its_faults(model: Path, expected: list[int]) -> None:
-    sender, receiver = start(model), start(model)
+    sender, receiver = start_together(model, {}, {})
     try:
         prefill_all_but_last(sender)
         result = pull_prefix(sender.actor, receiver.actor, PROMPT, timeout_s=DEADLINE_S)
@@ -94,7 +101,7 @@ def test_transfer_between_engine_actors_and_its_faults(model: Path, expected: li
 def test_a_killed_receiver_leaves_the_sender_holding_nothing(
     ray_cluster: None, model: Path
 ) -> None:
-    sender, receiver = start(model), start(model)
+    sender, receiver = start_together(model, {}, {})
     try:
         prefill_all_but_last(sender)
         ray.kill(receiver.actor, no_restart=True)
@@ -153,8 +160,7 @@ def test_direct_transfers_between_engine_actors_and_their_faults(
     stopped (SIGSTOP) after its offer fails the import at the deadline, one killed fails it at
     once (a closed connection), with nothing reserved; an offer whose receiver died is dropped
     at its deadline."""
-    sender = start(model, kv_transfer_transport="direct")
-    receiver, victim = start(model), start(model)
+    sender, receiver, victim = start_together(model, {"kv_transfer_transport": "direct"}, {}, {})
     stopped: int | None = None
     try:
         prefill_all_but_last(sender)
