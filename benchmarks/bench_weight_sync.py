@@ -8,6 +8,8 @@ width, saved as checkpoints. Backends, each timed from `start_weight_update` to 
   memory      a sender in the engine's process (`local_rank_shards`): plan, check, copy
   checkpoint  `update_weights({"weights_path": folder})`: each rank reads its shard from disk
   ray         a trainer Ray actor (`WeightSender`), every rank fetching its own shard (--ray)
+  gloo        a trainer Ray actor in a gloo group with the ranks (`CollectiveWeightSender`),
+              every rank receiving its own shard point to point (--ray)
 
     .venv/bin/python -m benchmarks.bench_weight_sync                 # CPU, fp32
     .venv/bin/python -m benchmarks.bench_weight_sync --ray --hidden 256 512
@@ -114,6 +116,41 @@ def ray_trainer(folder: Path) -> Any:
     return trainer
 
 
+def sync_gloo(llm: LLM, trainer: Any) -> None:
+    import ray
+
+    plans = llm.weight_shard_plans(ray.get(trainer.shapes.remote()))
+    llm.start_weight_update()
+    llm.update_weights({"shards": ray.get(trainer.push.remote(plans))})
+    llm.finish_weight_update()
+    ray.get(trainer.wait_weights_sent.remote())
+
+
+def gloo_trainer(folder: Path, llm: LLM) -> Any:
+    """A trainer actor in a gloo weight-transfer group with the engine's rank."""
+    import ray
+
+    from cluster.engine.weight_collective import CollectiveWeightSender
+
+    class GroupSender(CollectiveWeightSender):
+        def __init__(self, path: str) -> None:
+            self.tensors = load_file(path)
+
+        def shapes(self) -> dict[str, Any]:
+            return shapes_of(self.tensors)
+
+        def push(self, plans: list[dict[str, Any]]) -> Any:
+            return self.send_weights(self.tensors, plans)
+
+    actor_class: Any = ray.remote(num_cpus=0)(GroupSender)
+    trainer = actor_class.remote(str(folder / "model.safetensors"))
+    info = ray.get(trainer.weight_group_address.remote(world_size=2, backend="gloo"))
+    joined = trainer.join_weight_transfer_group.remote(info)
+    llm.init_weight_transfer_engine(info)
+    ray.get(joined)
+    return trainer
+
+
 def measure(hidden: int, layers: int, vocab: int, repeats: int, use_ray: bool) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="bench-weight-sync-"))
     params = save_model(root / "model", hidden, layers, vocab)
@@ -126,6 +163,8 @@ def measure(hidden: int, layers: int, vocab: int, repeats: int, use_ray: bool) -
     if use_ray:
         trainer = ray_trainer(root / "model")
         row["ray_s"] = timed(lambda: sync_ray(llm, trainer), repeats)
+        group_trainer = gloo_trainer(root / "model", llm)
+        row["gloo_s"] = timed(lambda: sync_gloo(llm, group_trainer), repeats)
     llm.shutdown()
     return row
 
@@ -136,7 +175,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--ray", action="store_true", help="also the trainer-actor backend")
+    parser.add_argument("--ray", action="store_true", help="also the trainer-actor backends")
     args = parser.parse_args()
     if args.ray:
         import ray
@@ -149,7 +188,7 @@ def main() -> None:
             include_dashboard=False,
             log_to_driver=False,
         )
-    backends = ["memory", "checkpoint"] + (["ray"] if args.ray else [])
+    backends = ["memory", "checkpoint"] + (["ray", "gloo"] if args.ray else [])
     print("params  fresh LLM  " + "  ".join(f"{b:>16}" for b in backends))
     for hidden in args.hidden:
         row = measure(hidden, args.layers, args.vocab, args.repeats, args.ray)
