@@ -127,7 +127,7 @@ def shared_history(ramp: Ramp, messages: list[dict[str, str]], previous: list[in
     their common prefix in whole blocks, short of the prompt's last token."""
     if ramp.tokenizer is None or not previous:
         return 0
-    prompt = ramp.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    prompt = prompt_token_ids(ramp.tokenizer, messages)
     common = 0
     for a, b in zip(prompt, previous, strict=False):
         if a != b:
@@ -170,11 +170,19 @@ async def one_turn(
     return outcome, text, _tokens(ramp, messages, text)
 
 
+def prompt_token_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """The chat prompt's token IDs as the replicas make them (generation prompt added)."""
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    return [int(token) for token in ids]
+
+
 def _tokens(ramp: Ramp, messages: list[dict[str, str]], answer: str) -> list[int]:
     """A turn's prompt and answer as the replica held them."""
     if ramp.tokenizer is None:
         return []
-    prompt = ramp.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    prompt = prompt_token_ids(ramp.tokenizer, messages)
     return [*prompt, *ramp.tokenizer.encode(answer, add_special_tokens=False)]
 
 
