@@ -37,7 +37,6 @@ from tests.ray.test_serve_peer_pull import (
     is_gone,
     next_turn,
     prompt_ids,
-    reference_texts,
 )
 
 pytestmark = pytest.mark.ray
@@ -166,17 +165,21 @@ def test_a_scaled_down_replica_hands_its_conversations_to_its_peer(
     print(f"drain and hand-off {drain_s:.2f} s; cached {[cached for _, cached in answers]}")
     assert all(cached >= 24 for _, cached in answers), answers
     assert direct(kept, "transfer_stats")["pulls"] == after["pulls"]  # no pull left to do
-    assert [text for text, _ in in_flight] == reference_texts_of(model_dir, long_firsts, 60)
-    texts = [text for text, _ in answers]
-    assert texts == reference_texts(model_dir, [*turns, *long_turns])
+    long_expected, expected = reference_texts(model_dir, long_firsts, [*turns, *long_turns])
+    assert [text for text, _ in in_flight] == long_expected
+    assert [text for text, _ in answers] == expected
 
 
-def reference_texts_of(model_dir: Path, conversations: list[Any], max_tokens: int) -> list[str]:
-    """Greedy answers of `max_tokens` (no end of sequence) of the offline engine."""
+def reference_texts(
+    model_dir: Path, long_firsts: list[Any], next_turns: list[Any]
+) -> tuple[list[str], list[str]]:
+    """Greedy answers of the offline engine (no prefix cache): the requests in flight
+    (IN_FLIGHT_TOKENS, no end of sequence), the next turns (4 tokens)."""
     llm = LLM(str(model_dir), **ENGINE, kv_cache_memory_bytes=2 << 20, enable_prefix_caching=False)
     try:
-        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-        outputs = llm.chat(conversations, params)
+        long_params = SamplingParams(temperature=0, max_tokens=IN_FLIGHT_TOKENS, ignore_eos=True)
+        long_outputs = llm.chat(long_firsts, long_params)
+        outputs = llm.chat(next_turns, SamplingParams(temperature=0, max_tokens=4))
     finally:
         llm.shutdown()
-    return [out.outputs[0].text for out in outputs]
+    return [o.outputs[0].text for o in long_outputs], [o.outputs[0].text for o in outputs]
