@@ -1,5 +1,6 @@
-"""Batch-invariant matrix products: a row's result does not depend on how many rows share the
-product (the batch-invariant mode's GEMMs, entered around each step with `batch_invariant_gemms`).
+"""Batch-invariant operations: a row's result does not depend on how many rows share the call
+(the batch-invariant mode's weight products and pointwise functions, installed on the layers at
+model build as `INVARIANT_MATH`; `TORCH_MATH` is torch's own).
 
 A CPU GEMM (MKL, oneDNN) picks its blocking, its kernel (gemv for one row) and its thread split
 from the number of rows M, so row r of `x @ W^T` changes in the last bits with the batch around
@@ -17,19 +18,19 @@ the vectorized code whatever the tensor's size.
 
 Products of two batched operands (attention tiles, recurrent states: `[B, m, k] @ [B, k, n]`)
 are left to torch: their per-problem shape does not depend on the batch, and each problem is
-computed alone. The mode is a `TorchFunctionMode`, so model code keeps calling `F.linear` and
-`@`; outside the context nothing changes.
+computed alone. Layers call their `LayerMath` (`math.linear`, `math.matmul`, `math.pointwise`),
+so the step runs with no Python dispatch of its own; `WEIGHT_PRODUCTS` and `POINTWISE` name
+the torch calls a layer must route through it (a test's detecting mode checks none escapes).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 ROW_TILE = 16
 """Rows of every weight product in the mode (a decode batch of up to 16 is one tile)."""
@@ -42,6 +43,8 @@ def invariant_linear(
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` computed on fixed tiles of `ROW_TILE` rows: x `[..., K]`,
     weight `[N, K]` -> `[..., N]`, each row's value independent of the other rows."""
+    if weight.dim() != 2 or not x.is_floating_point():
+        return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     num_rows = rows.shape[0]
     num_tiles = max(1, -(-num_rows // ROW_TILE))
@@ -61,19 +64,11 @@ def invariant_linear(
     return out.view(*x.shape[:-1], weight.shape[0])
 
 
-def _matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def invariant_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """`a @ b` with a tiled product when `b` is a matrix (a weight); otherwise torch's."""
     if b.dim() == 2 and a.dim() >= 2 and a.is_floating_point():
         return invariant_linear(a, b.t())
     return torch.matmul(a, b)
-
-
-def _linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    if weight.dim() != 2 or not x.is_floating_point():
-        return F.linear(x, weight, bias)
-    return invariant_linear(x, weight, bias)
 
 
 def whole_vectors(func: Callable[..., Any], x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -93,63 +88,47 @@ def whole_vectors(func: Callable[..., Any], x: torch.Tensor, *args: Any, **kwarg
     return out
 
 
-_ELEMENTWISE: tuple[Callable[..., Any], ...] = (
+def direct(func: Callable[..., Any], x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """`func(x, ...)` as torch computes it (the normal mode's `pointwise`)."""
+    return func(x, *args, **kwargs)
+
+
+LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+MatmulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+PointwiseFn = Callable[..., Any]
+"""`pointwise(func, x, *args, **kwargs)`: the elementwise function `func` applied to `x`."""
+
+
+@dataclass(frozen=True)
+class LayerMath:
+    """The operations of a layer whose rounding may depend on the number of rows: products
+    against a weight and elementwise transcendental functions."""
+
+    name: str
+    linear: LinearFn
+    """`F.linear(x, weight, bias)`."""
+    matmul: MatmulFn
+    """`x @ weight` (weight `[K, N]`)."""
+    pointwise: PointwiseFn
+
+
+TORCH_MATH = LayerMath("torch", F.linear, torch.matmul, direct)
+"""Torch's own calls (the default)."""
+INVARIANT_MATH = LayerMath("batch_invariant", invariant_linear, invariant_matmul, whole_vectors)
+"""The batch-invariant mode's: tiled weight products, pointwise functions on whole vectors."""
+
+
+WEIGHT_PRODUCTS: frozenset[Callable[..., Any]] = frozenset({
+    F.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm,
+    torch.Tensor.mm, torch.addmm, torch.Tensor.addmm,
+})  # fmt: skip
+"""Torch calls that multiply by a weight matrix (batch-dependent when given one)."""
+POINTWISE: frozenset[Callable[..., Any]] = frozenset({
     torch.sigmoid, torch.Tensor.sigmoid, torch.sigmoid_, torch.Tensor.sigmoid_,
     F.silu, F.softplus, F.gelu, F.logsigmoid, F.mish, F.elu,
     torch.exp, torch.Tensor.exp, torch.exp_, torch.Tensor.exp_,
     torch.tanh, torch.Tensor.tanh, torch.tanh_, torch.Tensor.tanh_,
     torch.log, torch.Tensor.log, torch.expm1, torch.Tensor.expm1,
     torch.log1p, torch.Tensor.log1p, torch.erf, torch.Tensor.erf,
-)  # fmt: skip
-
-
-_OVERRIDES: dict[Callable[..., Any], Callable[..., torch.Tensor]] = {
-    F.linear: _linear,
-    torch.matmul: _matmul,
-    torch.Tensor.matmul: _matmul,
-    torch.Tensor.__matmul__: _matmul,
-    torch.mm: _matmul,
-    torch.Tensor.mm: _matmul,
-}
-
-
-_ELEMENTWISE_SET = frozenset(_ELEMENTWISE)
-
-
-class BatchInvariantGemms(TorchFunctionMode):
-    """Routes `F.linear`, `matmul`, `@` and `mm` against a weight matrix to `invariant_linear`
-    (every other torch call passes through unchanged)."""
-
-    def __torch_function__(
-        self,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        override = _OVERRIDES.get(func)
-        if override is not None and not kwargs:
-            return override(*args)
-        if func in _ELEMENTWISE_SET and args and isinstance(args[0], torch.Tensor):
-            return whole_vectors(func, *args, **kwargs)
-        return func(*args, **kwargs)
-
-
-@contextlib.contextmanager
-def outside_the_mode() -> Iterator[None]:
-    """Inside: torch calls go straight to torch, without the mode's Python dispatch (for the
-    mode's own kernels, invariant by construction, which call `whole_vectors` themselves
-    for their transcendental functions)."""
-    with torch._C.DisableTorchFunction():
-        yield
-
-
-@contextlib.contextmanager
-def batch_invariant_gemms(enabled: bool = True) -> Iterator[None]:
-    """Inside: weight products are batch-invariant (`enabled=False`: nothing changes)."""
-    if not enabled:
-        yield
-        return
-    with BatchInvariantGemms():
-        yield
+})  # fmt: skip
+"""Elementwise transcendental functions (batch-dependent in their last vector's bits)."""

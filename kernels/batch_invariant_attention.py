@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from kernels.batch_invariant import outside_the_mode, whole_vectors
+from kernels.batch_invariant import whole_vectors
 from kernels.kv_quant import KVScales, dequantize, split_scales
 from kernels.reference import (
     KeyFromValue,
@@ -61,11 +61,11 @@ def paged_attention(  # noqa: PLR0913 (the signature shared by every backend)
     check_attention_args(query, key_cache, value_cache, block_table, sliding_window, softcap, sinks)
     check_key_from_value(key_from_value, query.shape[2])
     check_key_ends(key_ends, query.shape[0])
-    with outside_the_mode():  # the products below are elementwise; exp and tanh padded here
-        return _paged_attention(
-            query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
-            _Extras(scale, sliding_window, softcap, sinks, key_from_value, kv_scales, key_ends),
-        )  # fmt: skip
+    # The products below are elementwise; exp and tanh are padded to whole vectors here.
+    return _paged_attention(
+        query, key_cache, value_cache, block_table, query_start_loc, seq_lens,
+        _Extras(scale, sliding_window, softcap, sinks, key_from_value, kv_scales, key_ends),
+    )  # fmt: skip
 
 
 class _Extras(NamedTuple):

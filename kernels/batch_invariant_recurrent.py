@@ -12,8 +12,8 @@ the cuts, the batch, or whether the state came from the prefix cache.
       delta rule:  S = exp(g) S ; S += k (beta (v - S^T k))^T   o = S^T (scale q)
 
 The conv1d before both is already per token (the reference's, a fixed sum over the kernel
-width). Called under `kernels.batch_invariant.batch_invariant_gemms`, which also keeps the
-elementwise exponentials independent of the tensor sizes.
+width, its SiLU on whole vectors: `causal_conv1d`); exponentials and softplus run on whole
+vectors too (`kernels.batch_invariant.whole_vectors`), independent of the tensor sizes.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ import itertools
 from collections.abc import Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
 
-from kernels.batch_invariant import outside_the_mode
+from kernels.batch_invariant import whole_vectors
 from kernels.gated_delta_reference import (
     DeltaRuleInputs,
     DeltaRuleOutput,
@@ -32,7 +33,13 @@ from kernels.gated_delta_reference import (
     expand_heads,
 )
 from kernels.gated_delta_registry import GatedDeltaKernels
-from kernels.mamba_reference import ScanOutput, as_host_list, discretize_dt, seq_of_positions
+from kernels.mamba_reference import (
+    ConvOutput,
+    ScanOutput,
+    as_host_list,
+    seq_of_positions,
+)
+from kernels.mamba_reference import causal_conv1d as reference_conv1d
 
 
 @functools.cache
@@ -86,6 +93,35 @@ class _Steps:
         return torch.stack([self._cut_states[pos] for pos in self.cuts])
 
 
+def causal_conv1d(  # noqa: PLR0913 (the signature shared by every backend)
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    initial_states: torch.Tensor,
+    query_start_loc: torch.Tensor | Sequence[int],
+    activation: str | None = "silu",
+    cut_positions: Sequence[int] = (),
+) -> ConvOutput:
+    """The reference conv (a fixed sum per token) with its SiLU on whole vectors."""
+    return reference_conv1d(
+        x, weight, bias, initial_states, query_start_loc, activation, cut_positions, _silu
+    )
+
+
+def _silu(x: torch.Tensor) -> torch.Tensor:
+    return whole_vectors(F.silu, x)  # type: ignore[no-any-return]
+
+
+def _discretize_dt(
+    dt: torch.Tensor, dt_bias: torch.Tensor | None, dt_limit: tuple[float, float]
+) -> torch.Tensor:
+    """`kernels.mamba_reference.discretize_dt` with its softplus on whole vectors."""
+    dt = dt.float()
+    if dt_bias is not None:
+        dt = dt + dt_bias.float()
+    return whole_vectors(F.softplus, dt).clamp(min=dt_limit[0], max=dt_limit[1])
+
+
 def ssd_scan(  # noqa: PLR0913 (the signature shared by every backend)
     x: torch.Tensor,
     dt: torch.Tensor,
@@ -104,21 +140,21 @@ def ssd_scan(  # noqa: PLR0913 (the signature shared by every backend)
     `kernels.mamba_reference.ssd_scan` for the arguments."""
     del chunk_size
     steps = _Steps(query_start_loc, cut_positions)
-    dt = discretize_dt(dt, dt_bias, dt_limit)  # [T, H]
+    dt = _discretize_dt(dt, dt_bias, dt_limit)  # [T, H]
     per_group = x.shape[1] // B.shape[1]
     b = B.float().repeat_interleave(per_group, dim=1)  # [T, H, N]
     c = C.float().repeat_interleave(per_group, dim=1)
-    xf, decay = x.float(), torch.exp(dt * A.float())  # [T, H, P], [T, H]
+    xf, decay = x.float(), whole_vectors(torch.exp, dt * A.float())  # [T, H, P], [T, H]
     states = initial_states.float().clone()  # [S, H, P, N]
     out = torch.empty(xf.shape, device=x.device)
-    with outside_the_mode():  # elementwise products and fixed-length sums only
-        decay, dtx = decay[:, :, None, None], dt[:, :, None] * xf  # [T, H, 1, 1], [T, H, P]
-        b, c = b[:, :, None, :], c[:, :, None, :]  # [T, H, 1, N]
-        for seqs, rows in steps:
-            state = states[seqs] * decay[rows] + dtx[rows][..., None] * b[rows]
-            out[rows] = (state * c[rows]).sum(-1)
-            states[seqs] = state
-            steps.keep_cuts(rows, state)
+    # Elementwise products and fixed-length sums only.
+    decay, dtx = decay[:, :, None, None], dt[:, :, None] * xf  # [T, H, 1, 1], [T, H, P]
+    b, c = b[:, :, None, :], c[:, :, None, :]  # [T, H, 1, N]
+    for seqs, rows in steps:
+        state = states[seqs] * decay[rows] + dtx[rows][..., None] * b[rows]
+        out[rows] = (state * c[rows]).sum(-1)
+        states[seqs] = state
+        steps.keep_cuts(rows, state)
     if D is not None:
         out = out + xf * D.float()[None, :, None]
     return ScanOutput(out.to(x.dtype), states, steps.cut_states(states))
@@ -135,17 +171,17 @@ def gated_delta_rule(
     steps = _Steps(query_start_loc, cut_positions)
     q, k, v, g, beta = expand_heads(inputs)  # [T, H, K] x2, [T, H, V], [T, H] x2
     states = initial_states.to(compute_dtype(inputs.v)).clone()  # [S, H, K, V]
-    decay = g.exp()
+    decay = whole_vectors(torch.exp, g)
     out = torch.empty_like(v)
-    with outside_the_mode():  # elementwise products and fixed-length sums only
-        keys, decay = k[..., None], decay[:, :, None, None]  # [T, H, K, 1], [T, H, 1, 1]
-        queries, beta = (q * scale)[..., None], beta[..., None]  # [T, H, K, 1], [T, H, 1]
-        for seqs, rows in steps:
-            key = keys[rows]
-            state = states[seqs] * decay[rows]
-            delta = beta[rows] * (v[rows] - (key * state).sum(-2))  # [n, H, V]
-            state = state + key * delta[:, :, None, :]
-            out[rows] = (queries[rows] * state).sum(-2)
-            states[seqs] = state
-            steps.keep_cuts(rows, state)
+    # Elementwise products and fixed-length sums only.
+    keys, decay = k[..., None], decay[:, :, None, None]  # [T, H, K, 1], [T, H, 1, 1]
+    queries, beta = (q * scale)[..., None], beta[..., None]  # [T, H, K, 1], [T, H, 1]
+    for seqs, rows in steps:
+        key = keys[rows]
+        state = states[seqs] * decay[rows]
+        delta = beta[rows] * (v[rows] - (key * state).sum(-2))  # [n, H, V]
+        state = state + key * delta[:, :, None, :]
+        out[rows] = (queries[rows] * state).sum(-2)
+        states[seqs] = state
+        steps.keep_cuts(rows, state)
     return DeltaRuleOutput(out.to(inputs.v.dtype), states, steps.cut_states(states))

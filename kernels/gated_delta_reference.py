@@ -25,6 +25,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from kernels.batch_invariant import PointwiseFn, direct
 from kernels.mamba_reference import as_host_list, seq_of_positions
 
 
@@ -246,8 +247,13 @@ def naive_gated_delta_rule(
 
 
 def gate_and_beta(
-    a: torch.Tensor, b: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+    a: torch.Tensor,
+    b: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    pointwise: PointwiseFn = direct,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The models' log decay g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b)."""
-    g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
-    return g, b.sigmoid()
+    """The models' log decay g = -exp(A_log) * softplus(a + dt_bias) and beta = sigmoid(b)
+    (`pointwise` applies softplus and sigmoid: the layer's `LayerMath.pointwise`)."""
+    g = -a_log.float().exp() * pointwise(F.softplus, a.float() + dt_bias)
+    return g, pointwise(torch.sigmoid, b)

@@ -16,7 +16,7 @@ them. Chunks are cut at sequence starts, every `chunk_size` tokens, and at `cut_
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -123,8 +123,10 @@ def causal_conv1d(  # noqa: PLR0913 (the signature shared by every backend)
     query_start_loc: torch.Tensor | Sequence[int],
     activation: str | None = "silu",
     cut_positions: Sequence[int] = (),
+    silu: Callable[[torch.Tensor], torch.Tensor] = F.silu,
 ) -> ConvOutput:
-    """Depthwise causal conv1d of each sequence, continuing from its conv state.
+    """Depthwise causal conv1d of each sequence, continuing from its conv state (`silu`: the
+    activation's function, the batch-invariant mode's on whole vectors).
 
     Args:
         x: `[num_tokens, dim]`.
@@ -141,7 +143,7 @@ def causal_conv1d(  # noqa: PLR0913 (the signature shared by every backend)
     if bias is not None:
         out = out + bias.float()
     if activation == "silu":
-        out = F.silu(out)
+        out = silu(out)
     elif activation is not None:
         raise ValueError(f"unsupported conv activation {activation!r}")
     final, cut = collect_conv_states(x, initial_states, starts, cut_positions)

@@ -44,10 +44,9 @@ def select_mamba_kernels(name: str, device: str | torch.device) -> MambaKernels:
     device = torch.device(device)
     if name == "batch_invariant":
         from kernels import batch_invariant_recurrent as invariant
-        from kernels import mamba_reference
 
         return MambaKernels(
-            name, mamba_reference.causal_conv1d, invariant.ssd_scan, invariant.gated_delta_kernels()
+            name, invariant.causal_conv1d, invariant.ssd_scan, invariant.gated_delta_kernels()
         )
     if name in ("torch", "reference"):
         return _build("torch", device, allow_fla=False)

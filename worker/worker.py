@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kernels.batch_invariant import batch_invariant_gemms
 from scheduler.kv_cache.spec import KVCacheConfig
 from scheduler.lora import LoRARequest
 from scheduler.output import ModelRunnerOutput, OffloadOps, SchedulerOutput, TierPage
 from scheduler.spec_config import SpecMethod
+from worker.batch_invariant import install_batch_invariant
 from worker.config import ModelConfig, ParallelConfig
 from worker.distributed import destroy_distributed, init_distributed
 from worker.graphs.decode_graphs import graph_memory_estimate
@@ -109,6 +109,10 @@ class Worker(WeightUpdateCalls):
             eos_token_ids=spec.model_config.eos_token_ids,
         )
         self._drafter = self._load_drafter(model)
+        if runner.batch_invariant:
+            for module in (model, self._drafter):
+                if module is not None:
+                    install_batch_invariant(module)
         self._model_runner = ModelRunner(
             model, settings, spec.runner, self.device, self.rank == 0, self._drafter
         )
@@ -155,8 +159,7 @@ class Worker(WeightUpdateCalls):
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Run one step; rank 0 returns the output, the other ranks None."""
-        with batch_invariant_gemms(self.spec.runner.batch_invariant):
-            output = self.model_runner.execute(scheduler_output)
+        output = self.model_runner.execute(scheduler_output)
         return output if self.rank == 0 else None
 
     def export_kv_shard(

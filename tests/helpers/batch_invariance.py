@@ -8,11 +8,17 @@ Qwen3-Next (gated DeltaNet, MoE) and LFM2 (short convolution); each has full att
 
 from __future__ import annotations
 
+import sys
+from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from cluster import LLM, SamplingParams
+from kernels.batch_invariant import POINTWISE, WEIGHT_PRODUCTS
 from tests.helpers.drafters import ScriptedProposer, install_proposer
 from tests.helpers.engine_probe import engine_stats
 from tests.helpers.tiny_gemma4_gpt_oss import GPT_OSS, save_gemma4_or_gpt_oss
@@ -73,3 +79,60 @@ def invariance_cases(path: Path, **engine: object) -> tuple[torch.Tensor, dict[s
     assert after is not None
     assert after.num_accepted_tokens > drafted.num_accepted_tokens  # the drafts were verified
     return alone, cases
+
+
+_INVARIANT_OPS = ("invariant_linear", "whole_vectors")
+"""The batch-invariant operations (`kernels.batch_invariant`), whose own torch calls are fine."""
+
+
+class EscapeDetector(TorchFunctionMode):
+    """Counts the batch-dependent torch calls made outside the batch-invariant operations: a
+    product against a weight matrix, or a transcendental pointwise function of a per-token
+    tensor (two or more dimensions), by the file and line that made them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.escapes: Counter[str] = Counter()
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if _is_batch_dependent(func, args):
+            caller = _caller()
+            if not _in_invariant_op(caller):
+                where = f"{caller.f_code.co_filename}:{caller.f_lineno}"
+                self.escapes[f"{func.__name__} at {where}"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _is_batch_dependent(func: Callable[..., Any], args: tuple[Any, ...]) -> bool:
+    tensors = [arg for arg in args[:2] if isinstance(arg, torch.Tensor)]
+    if not tensors or not tensors[0].is_floating_point():
+        return False
+    if func in WEIGHT_PRODUCTS:
+        return len(tensors) == 2 and tensors[0].dim() >= 2 and 2 in (t.dim() for t in tensors)
+    return func in POINTWISE and tensors[0].dim() >= 2
+
+
+def _in_invariant_op(frame: Any) -> bool:
+    """Whether `frame` runs in one of the invariant operations (or a comprehension in one)."""
+    filename = frame.f_code.co_filename
+    while frame is not None and frame.f_code.co_filename == filename:
+        if frame.f_code.co_name in _INVARIANT_OPS:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _caller() -> Any:
+    """The first frame outside torch and this module (the code that made the call)."""
+    frame = sys._getframe(2)
+    while frame.f_back is not None and (
+        "/torch/" in frame.f_code.co_filename or frame.f_code.co_filename == __file__
+    ):
+        frame = frame.f_back
+    return frame

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.batch_invariant import TORCH_MATH, LayerMath
 from worker.config import ParallelConfig
 from worker.distributed import all_gather, all_reduce
 from worker.layers.loading import ShardId, WeightSource, copy_checked, new_parameter, read_part
@@ -21,6 +22,9 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, parallel: ParallelConfig) -> None:
         super().__init__()
+        self.math: LayerMath = TORCH_MATH
+        """Products against weights and pointwise functions (the batch-invariant mode's once
+        installed)."""
         self.parallel = parallel
         self.num_embeddings = num_embeddings
         self.rows_per_rank = -(-num_embeddings // parallel.tp_size)
@@ -65,7 +69,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] in the model dtype, full vocabulary on every rank."""
-        logits = F.linear(hidden, self.weight)
+        logits = self.math.linear(hidden, self.weight, None)
         if self.parallel.tp_size > 1:
             logits = all_gather(logits, dim=-1)
         return logits[..., : self.num_embeddings]

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kernels.batch_invariant import TORCH_MATH, LayerMath
 from worker.config import ParallelConfig
 from worker.distributed import all_gather, all_reduce
 from worker.layers.loading import (
@@ -40,11 +40,14 @@ class _Projection(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.quantized: QuantizedWeights | None = None
+        self.math: LayerMath = TORCH_MATH
+        """Products against weights and pointwise functions (the batch-invariant mode's once
+        installed)."""
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T + bias, on the quantized kernel when the weight has one."""
         if self.quantized is None:
-            return F.linear(x, self.weight, bias)
+            return self.math.linear(x, self.weight, bias)
         return self.quantized.linear(x, bias)
 
     def offer_quantized(
@@ -84,9 +87,12 @@ class ProjectionWeights(nn.Module):
         super().__init__()
         self.weight = weight
         self.bias = bias
+        self.math: LayerMath = TORCH_MATH
+        """Products against weights and pointwise functions (the batch-invariant mode's once
+        installed)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.math.linear(x, self.weight, self.bias)
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:

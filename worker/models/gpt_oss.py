@@ -15,10 +15,10 @@ import itertools
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
+from kernels.batch_invariant import TORCH_MATH, LayerMath
 from worker.config import ParallelConfig
 from worker.distributed import all_reduce
 from worker.layers.expert_deltas import ExpertDeltas, PeftExpertParameter
@@ -53,6 +53,9 @@ class GptOssExperts(nn.Module):
 
     def __init__(self, hf_config: PretrainedConfig, parallel: ParallelConfig) -> None:
         super().__init__()
+        self.math: LayerMath = TORCH_MATH
+        """Products against weights and pointwise functions (the batch-invariant mode's once
+        installed)."""
         num, hidden = hf_config.num_local_experts, hf_config.hidden_size
         inner = divide(hf_config.intermediate_size, parallel.tp_size, "intermediate_size")
         self.inner_per_rank, self.parallel = inner, parallel
@@ -97,11 +100,12 @@ class GptOssExperts(nn.Module):
     def _expert(self, x: torch.Tensor, tokens: torch.Tensor, expert: int) -> torch.Tensor:
         """Expert `expert` on the batch rows `tokens` of x."""
         routed = x[tokens]
-        gate_up = routed @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert]
+        math = self.math
+        gate_up = math.matmul(routed, self.gate_up_proj[expert]) + self.gate_up_proj_bias[expert]
         gate_up = self.expert_deltas.apply("gate_up_proj", routed, gate_up, tokens, expert)
         inner = self._activation(gate_up)
         out = self.expert_deltas.apply(
-            "down_proj", inner, inner @ self.down_proj[expert], tokens, expert
+            "down_proj", inner, math.matmul(inner, self.down_proj[expert]), tokens, expert
         )
         if self.parallel.rank == 0:  # the bias once, before the sum over ranks
             out = out + self.down_proj_bias[expert]
@@ -110,7 +114,7 @@ class GptOssExperts(nn.Module):
     def _activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         gate = gate_up[..., ::2].clamp(max=self.limit)
         up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
-        return (up + 1) * gate * torch.sigmoid(gate * self.alpha)
+        return (up + 1) * gate * self.math.pointwise(torch.sigmoid, gate * self.alpha)
 
     def _grouped(
         self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, kernel: QuantizedWeights
@@ -167,13 +171,16 @@ class GptOssRouter(nn.Module):
 
     def __init__(self, hf_config: PretrainedConfig) -> None:
         super().__init__()
+        self.math: LayerMath = TORCH_MATH
+        """Products against weights and pointwise functions (the batch-invariant mode's once
+        installed)."""
         num, hidden = hf_config.num_local_experts, hf_config.hidden_size
         self.top_k = hf_config.num_experts_per_tok
         self.weight = new_parameter((num, hidden), default_weight_loader)
         self.bias = new_parameter((num,), default_weight_loader)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight, self.bias)  # [T, E]
+        logits = self.math.linear(x, self.weight, self.bias)  # [T, E]
         top, chosen = torch.topk(logits, self.top_k, dim=-1)
         return torch.softmax(top, dim=1), chosen
 

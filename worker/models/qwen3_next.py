@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from kernels.batch_invariant import TORCH_MATH, LayerMath
 from scheduler.kv_cache.linear_state_spec import GatedDeltaNetShape
 from worker.attention.attention import ForwardContext
 from worker.config import ParallelConfig
@@ -51,6 +52,9 @@ class GatedAttention(HybridAttention):
         parallel: ParallelConfig,
     ) -> None:
         super().__init__(hf_config, options, LayerOptions(), layer_idx, parallel)
+        self.math: LayerMath = TORCH_MATH
+        """Products against weights and pointwise functions (the batch-invariant mode's once
+        installed)."""
         heads = hf_config.num_attention_heads
         kv_heads = hf_config.num_key_value_heads
         # q_proj rows per head: [query (D) | gate (D)], so 2H "heads" of size D split evenly.
@@ -76,7 +80,7 @@ class GatedAttention(HybridAttention):
             rotate_in_place(q, rope, self.kernels)
             rotate_in_place(k, rope, self.kernels)
         out = self.attn(q.reshape(num_tokens, -1), k.reshape(num_tokens, -1), v, ctx)
-        gated = out * torch.sigmoid(gate.reshape(num_tokens, -1))
+        gated = out * self.math.pointwise(torch.sigmoid, gate.reshape(num_tokens, -1))
         projected: torch.Tensor = self.o_proj(gated)
         return projected
 

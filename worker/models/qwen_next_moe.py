@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from kernels.batch_invariant import TORCH_MATH, LayerMath
 from worker.config import ParallelConfig
 from worker.distributed import all_reduce
 from worker.layers.expert_deltas import ExpertDeltas, PeftExpertParameter, StackedWeight
@@ -92,6 +93,9 @@ class QwenSparseMoE(nn.Module):
         self, hf_config: PretrainedConfig, parallel: ParallelConfig, norm_topk_prob: bool
     ) -> None:
         super().__init__()
+        self.math: LayerMath = TORCH_MATH
+        """Products against weights and pointwise functions (the batch-invariant mode's once
+        installed)."""
         hidden = hf_config.hidden_size
         self.top_k = hf_config.num_experts_per_tok
         self.norm_topk_prob = norm_topk_prob
@@ -109,7 +113,8 @@ class QwenSparseMoE(nn.Module):
         if self.norm_topk_prob:
             top = top / top.sum(dim=-1, keepdim=True)
         routed = self.experts(x, top.to(logits.dtype), chosen)
-        shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        shared_gate = self.math.pointwise(torch.sigmoid, self.shared_expert_gate(x))
+        shared = shared_gate * self.shared_expert(x)
         out: torch.Tensor = routed + shared
         return out
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kernels.batch_invariant import TORCH_MATH, LayerMath
 from kernels.gated_delta_decode import DecodeStepInputs, DecodeStepOutput, DecodeStepWeights
 from kernels.gated_delta_reference import DeltaRuleInputs, gate_and_beta, l2_normalize
 from kernels.gated_delta_registry import DecodeStepFn
@@ -73,6 +74,9 @@ class GatedDeltaNet(StateLayer):
     def __init__(self, cfg: GatedDeltaNetConfig, parallel: ParallelConfig) -> None:
         super().__init__()
         self.cfg, self.rank = cfg, parallel.rank
+        self.math: LayerMath = TORCH_MATH
+        """Products against weights and pointwise functions (the batch-invariant mode's once
+        installed)."""
         self.local = cfg.shape.per_rank(parallel.tp_size)
         loc, hidden = self.local, cfg.hidden_size
         self.key_size, self.value_size = (
@@ -189,7 +193,7 @@ class GatedDeltaNet(StateLayer):
         if decode_step is not None and _is_decode_step(meta):
             out = self._decode(decode_step, (mixed, a, b), meta.waves[0], caches)
         else:
-            g, beta = gate_and_beta(a, b, self.A_log, self.dt_bias)
+            g, beta = gate_and_beta(a, b, self.A_log, self.dt_bias, self.math.pointwise)
 
             def run(rows: Rows, wave: MambaWave) -> torch.Tensor:
                 return self._mix((rows(mixed), rows(g), rows(beta)), wave, caches, meta.kernels)

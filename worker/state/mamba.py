@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.batch_invariant import TORCH_MATH, LayerMath
 from scheduler.kv_cache.spec import MambaCacheMode, MambaSpec
 from worker.attention.attention import ForwardContext
 from worker.config import ParallelConfig
@@ -102,6 +103,9 @@ class MambaMixer2(StateLayer):
     def __init__(self, cfg: MambaConfig, parallel: ParallelConfig) -> None:
         super().__init__()
         self.cfg = cfg
+        self.math: LayerMath = TORCH_MATH
+        """Products against weights and pointwise functions (the batch-invariant mode's once
+        installed)."""
         self.layout = _layout(cfg, parallel)
         lay, n = self.layout, cfg.state_size
         self.inner = lay.heads * cfg.head_dim
@@ -244,7 +248,7 @@ class MambaMixer2(StateLayer):
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """RMSNorm of y * silu(z) over each B/C group's features, in fp32, then the weight."""
-        gated = y.float() * F.silu(z.float())
+        gated = y.float() * self.math.pointwise(F.silu, z.float())
         lay = self.layout
         if lay.norm_spans_ranks:
             total = all_reduce(gated.pow(2).sum(-1, keepdim=True))

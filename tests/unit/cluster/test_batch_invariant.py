@@ -1,7 +1,8 @@
 """Batch-invariant mode: one prompt's token logprobs are bit-identical alone, in a batch of 7
 others, after a prefix hit, with its prefill cut into chunks and with speculation (every draft
-accepted), on every group type; without the mode a batch changes them (CPU fp32, tiny random
-models, the offline `LLM`; cases and models in `tests.helpers.batch_invariance`).
+accepted), on every group type, with no batch-dependent torch call left outside the mode's
+invariant operations; without the mode a batch changes them (CPU fp32, tiny random models, the
+offline `LLM`; cases and models in `tests.helpers.batch_invariance`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from tests.helpers.batch_invariance import (
     ENGINE,
     MODELS,
     PROMPT,
+    EscapeDetector,
     generate,
     in_batch,
     invariance_cases,
@@ -36,6 +38,14 @@ def test_logprobs_bit_identical_in_batch_invariant_mode(model_path: Path) -> Non
     alone, cases = invariance_cases(model_path, batch_invariant=True)
     for case, logprobs in cases.items():
         assert torch.equal(logprobs, alone), f"{case}: {(logprobs - alone).tolist()}"
+
+
+def test_no_batch_dependent_call_outside_the_invariant_operations(model_path: Path) -> None:
+    """Every product against a weight and every transcendental pointwise function of the
+    cases' steps goes through the mode's invariant operations (steps in this thread)."""
+    with EscapeDetector() as detector:
+        invariance_cases(model_path, batch_invariant=True, async_scheduling=False)
+    assert not detector.escapes, f"batch-dependent calls outside the mode: {detector.escapes}"
 
 
 def test_logprobs_differ_in_a_batch_without_the_mode(model_path: Path) -> None:
