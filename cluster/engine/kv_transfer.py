@@ -85,11 +85,11 @@ class KVImportResult:
     """The sender's hit: the prefix the receiver can now hit (when nothing was evicted)."""
 
 
-def prompt_block_hashes(
+def prompt_probe(
     core: EngineCore, prompt_token_ids: Sequence[int], cache_salt: str | None = None
-) -> list[BlockHash]:
-    """The prompt's block hashes as this engine's prefix cache keys them."""
-    probe = Request(
+) -> Request:
+    """A request of the prompt as this engine's scheduler would look it up (never run)."""
+    return Request(
         req_id="kv-transfer",
         prompt_token_ids=list(prompt_token_ids),
         sampling_params=SamplingParams(),
@@ -97,7 +97,13 @@ def prompt_block_hashes(
         cache_salt=cache_salt,
         hash_root=core.weights.root,
     )
-    return probe.block_hashes
+
+
+def prompt_block_hashes(
+    core: EngineCore, prompt_token_ids: Sequence[int], cache_salt: str | None = None
+) -> list[BlockHash]:
+    """The prompt's block hashes as this engine's prefix cache keys them."""
+    return prompt_probe(core, prompt_token_ids, cache_salt).block_hashes
 
 
 def kv_held_keys(
@@ -117,16 +123,18 @@ def kv_export(
     timeout_s: float = SEND_TIMEOUT_S,
 ) -> KVTransfer:
     """Sender: the blocks of this engine's longest hit on the prompt (never its last token, its
-    offload tier included: no recompute) that the receiver does not hold, each rank's shard in
+    offload tier and state checkpoints included: the hit its own scheduler would resume from,
+    no recompute) that the receiver does not hold, each rank's shard in
     host memory (with the direct transport, offered by each rank for `timeout_s`); with
     `demote` (the conversation moved to the receiver) those blocks are then evicted here
     first."""
     started = time.perf_counter()
-    hashes = prompt_block_hashes(core, prompt_token_ids, cache_salt)
+    probe = prompt_probe(core, prompt_token_ids, cache_salt)
     manager = core.scheduler.kv_cache_manager
     max_length = len(prompt_token_ids) - 1
     _run_tier_copies(core)  # every tier entry the plan may read is in place
-    plan = find_export(manager, hashes, max_length, held, core.kv_transfer_fingerprint)
+    fingerprint = core.kv_transfer_fingerprint
+    plan = find_export(manager, probe.block_hashes, max_length, held, fingerprint, probe)
     offer = core.kv_transfer_transport == "direct" and plan.keys.num_blocks > 0
     offer_timeout_s = timeout_s if offer else None
     shards = core.executor.collective_rpc(

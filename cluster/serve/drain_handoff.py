@@ -33,7 +33,7 @@ from ray.serve.request_router import ReplicaID
 
 from cluster.engine.async_engine import AsyncEngine
 from cluster.engine.core import EngineCore
-from cluster.engine.kv_transfer import prompt_block_hashes
+from cluster.engine.kv_transfer import prompt_probe
 from cluster.engine.outputs import RequestOutput
 from cluster.engine.request import EngineRequest
 from cluster.serve.hybrid_router import kv_events_enabled
@@ -140,10 +140,10 @@ def _continues(later: Sequence[int], earlier: Sequence[int], block_size: int) ->
 
 
 def cached_prefix_tokens(core: EngineCore, token_ids: Sequence[int], cache_salt: str | None) -> int:
-    """This engine's prefix-cache hit on the tokens (never the last one)."""
-    hashes = prompt_block_hashes(core, token_ids, cache_salt)
-    manager = core.scheduler.kv_cache_manager
-    return manager.coordinator.find_longest_cache_hit(hashes, len(token_ids) - 1).num_tokens
+    """This engine's prefix-cache hit on the tokens (never the last one), state checkpoints
+    included: what its scheduler would resume from, and what an export sends."""
+    probe = prompt_probe(core, token_ids, cache_salt)
+    return core.scheduler.kv_cache_manager.get_computed_blocks(probe).num_tokens
 
 
 def publish_kv_events(core: EngineCore) -> None:

@@ -433,11 +433,15 @@ class StateCheckpoints:
             self.pool.cache_full_blocks([key], [block], [0], group_id, 1)
             if self.pool.offload is not None:  # found by `find` on the device only
                 self.pool.offload.keep_on_device(group_id, key)
-        self._remember_end(grid_key, position, key)
+        self.remember_end(grid_key, position, key)
         resumed = self._resumed.get(req_id, ())
         self.pool.demote([b.block_id for b, was in resumed if b.block_hash == was])
 
-    def _remember_end(self, grid_key: BlockHash, position: int, key: BlockHash) -> None:
+    def is_answer_end(self, key: BlockHash) -> bool:
+        """Whether `key` names an answer-end checkpoint (else a unit-grid one)."""
+        return key in self._end_keys
+
+    def remember_end(self, grid_key: BlockHash, position: int, key: BlockHash) -> None:
         """Index an answer end; past twice the pool's blocks, drop the evicted ones first (at
         most one end per pool block is registered at a time)."""
         if len(self._end_keys) >= 2 * self.pool.num_blocks:

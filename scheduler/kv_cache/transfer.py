@@ -3,11 +3,14 @@ of them the receiver already holds, and the receiver's adoption of the rest.
 
 The set sent is the hybrid minimum a prefix hit reads, found by the coordinator's own fixed point
 on the sender: every full-attention block, only the window / chunk blocks the hit reaches, one
-recurrent state at the hit's aligned end; KV-sharing layers own no blocks. Keys are per group,
-(group id, block hash), as in the pool and the offload tier, so both engines must hash alike
-(same model, block sizes and layout: `transfer_fingerprint`, which leaves out the per-rank sizes
-tensor parallelism divides: the receiver's workers reshard). The sender's hit reaches into its
-offload tier: blocks only the tier holds are sent from there (`TierPage`), never recomputed.
+recurrent state at the hit's aligned end; KV-sharing layers own no blocks. Where the sender's
+own lookup of the prompt resumes further, at a state checkpoint (a prompt or answer end on the
+prefix-match grid), that checkpoint's blocks travel too, under its key, so the receiver's lookup
+resumes there as well. Keys are per group, (group id, block hash), as in the pool and the
+offload tier, so both engines must hash alike (same model, block sizes and layout:
+`transfer_fingerprint`, which leaves out the per-rank sizes tensor parallelism divides: the
+receiver's workers reshard). The sender's hit reaches into its offload tier: blocks only the tier
+holds are sent from there (`TierPage`), never recomputed.
 
     receiver  held_keys(prompt)            ─► HeldKeys (per group: hashes it has)
     sender    find_export(prompt, held)    ─► TransferKeys + sender block ids (workers export)
@@ -23,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from scheduler.block_hash import BlockHash
+from scheduler.kv_cache.checkpoints import checkpoint_keys
 from scheduler.kv_cache.free_block_queue import KVCacheBlock
 from scheduler.kv_cache.manager import KVCacheManager
 from scheduler.kv_cache.offload_levels import (
@@ -41,6 +45,7 @@ from scheduler.kv_cache.spec import (
     manager_spec,
 )
 from scheduler.output import TierPage
+from scheduler.request import Request
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,18 @@ class HeldKeys:
     fingerprint: str
     """The receiver's model and KV layout (`transfer_fingerprint`): the sender's must equal it."""
     groups: tuple[frozenset[BlockHash], ...]
+
+
+@dataclass(frozen=True)
+class CheckpointKey:
+    """A state checkpoint a transfer carries past the block grid (the sender's hit ends there)."""
+
+    num_tokens: int
+    """Its position: the tokens before it."""
+    key: BlockHash
+    """Its blocks' key in every group holding one (the state, a partial attention block)."""
+    grid_key: BlockHash | None = None
+    """An answer end's: the unit-grid key the receiver indexes it under (None: a grid one)."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +81,8 @@ class TransferKeys:
     """Blocks of the hit the receiver already held (not sent)."""
     num_tier_blocks: int = 0
     """Blocks sent from the sender's offload tier (host memory or disk)."""
+    checkpoint: CheckpointKey | None = None
+    """The checkpoint the hit ends at (last in each of its groups' keys); None: a block end."""
 
     @property
     def num_blocks(self) -> int:
@@ -137,10 +156,12 @@ def find_export(
     max_length: int,
     held: HeldKeys,
     fingerprint: str,
+    request: Request | None = None,
 ) -> ExportPlan:
     """The sender's longest prefix hit (at most `max_length` tokens) on its device pool and
-    offload tier, less the blocks the receiver holds. ValueError when the two engines' layouts
-    differ."""
+    offload tier, less the blocks the receiver holds. With the prompt's `request` (of
+    `max_length` + 1 tokens), the hit reaches the state checkpoints the sender's own lookup
+    resumes from. ValueError when the two engines' layouts differ."""
     if held.fingerprint != fingerprint:
         raise ValueError(
             "kv transfer: the engines differ in model, KV layout or cache dtypes "
@@ -149,12 +170,12 @@ def find_export(
     if not manager.enable_caching:
         raise ValueError("kv transfer needs enable_prefix_caching on the sending engine")
     pool = manager.pool
-    found = manager.coordinator.find_longest_cache_hit(block_hashes, max_length)
+    hit_blocks, num_hit, checkpoint = _longest_hit(manager, block_hashes, max_length, request)
     keys: list[tuple[BlockHash, ...]] = []
     block_ids: list[tuple[int, ...]] = []
     tier_pages: list[tuple[TierPage, ...]] = []
     num_held = 0
-    for group_id, blocks in enumerate(found.blocks):
+    for group_id, blocks in enumerate(hit_blocks):
         real = [b for b in blocks if b is not pool.null_block and b.block_hash is not None]
         sent = [b for b in real if b.block_hash not in held.groups[group_id]]
         num_held += len(real) - len(sent)
@@ -162,8 +183,40 @@ def find_export(
         block_ids.append(tuple(b.block_id for b in sent if not isinstance(b, OffloadedBlock)))
         tier_pages.append(_tier_pages(sent))
     num_tier = sum(len(pages) for pages in tier_pages)
-    transfer = TransferKeys(fingerprint, found.num_tokens, tuple(keys), num_held, num_tier)
+    transfer = TransferKeys(fingerprint, num_hit, tuple(keys), num_held, num_tier, checkpoint)
     return ExportPlan(transfer, tuple(block_ids), tuple(tier_pages))
+
+
+def _longest_hit(
+    manager: KVCacheManager,
+    block_hashes: Sequence[BlockHash],
+    max_length: int,
+    request: Request | None,
+) -> tuple[list[list[KVCacheBlock]], int, CheckpointKey | None]:
+    """Per group the blocks of the sender's longest hit, its tokens, and the checkpoint it ends
+    at: the lookup the sender's scheduler makes (`KVCacheManager.get_computed_blocks`), whose
+    checkpoint hit appends the checkpoint's block to each group that has one."""
+    found = manager.coordinator.find_longest_cache_hit(block_hashes, max_length)
+    checkpoints = manager.checkpoints
+    on_grid = [list(blocks) for blocks in found.blocks]
+    if request is None or checkpoints is None:
+        return on_grid, found.num_tokens, None
+    assert request.num_tokens == max_length + 1, (request.num_tokens, max_length)
+    fine = checkpoints.find(request, block_hashes, found.num_tokens)
+    if fine is None:
+        return on_grid, found.num_tokens, None
+    blocks = [
+        [*grid_blocks, source] if source is not None else list(grid_blocks)
+        for grid_blocks, source in zip(fine.blocks, fine.sources, strict=True)
+    ]
+    (key,) = {source.block_hash for source in fine.sources if source is not None}
+    assert key is not None
+    grid_key = None
+    if checkpoints.is_answer_end(key):
+        unit = checkpoints.unit
+        grid_tokens = request.cache_token_ids[: fine.num_tokens // unit * unit]
+        grid_key = checkpoint_keys(grid_tokens, unit, request.hash_salt, request.hash_root)[-1]
+    return blocks, fine.num_tokens, CheckpointKey(fine.num_tokens, key, grid_key)
 
 
 def _tier_pages(sent: Sequence[KVCacheBlock]) -> tuple[TierPage, ...]:
@@ -211,6 +264,21 @@ def commit_import(manager: KVCacheManager, reservation: ImportReservation) -> No
             if keys[index] not in pool.hash_maps[group_id]:
                 pool.register_block(block, keys[index])
         pool.free_blocks(blocks)
+    _adopt_checkpoint(manager, reservation.keys.checkpoint)
+
+
+def _adopt_checkpoint(manager: KVCacheManager, checkpoint: CheckpointKey | None) -> None:
+    """An imported checkpoint is found as on the sender: a grid one by its key alone, an answer
+    end through the index of its grid key; its blocks stay out of the offload tier (device
+    lookups alone read them)."""
+    if checkpoint is None:
+        return
+    pool = manager.pool
+    for group_id, hash_map in enumerate(pool.hash_maps):
+        if pool.offload is not None and checkpoint.key in hash_map:
+            pool.offload.keep_on_device(group_id, checkpoint.key)
+    if checkpoint.grid_key is not None and manager.checkpoints is not None:
+        manager.checkpoints.remember_end(checkpoint.grid_key, checkpoint.num_tokens, checkpoint.key)
 
 
 def abort_import(manager: KVCacheManager, reservation: ImportReservation) -> None:
@@ -220,13 +288,16 @@ def abort_import(manager: KVCacheManager, reservation: ImportReservation) -> Non
 
 
 def needed_blocks(spec: KVCacheSpec, num_tokens: int) -> int:
-    """Blocks of one group a hit of `num_tokens` tokens reads (the hybrid lower bound's rule)."""
+    """Blocks of one group a hit of `num_tokens` tokens reads (the hybrid lower bound's rule).
+    A hit off the group's block grid (at a state checkpoint) also reads the partial block there."""
     spec = manager_spec(spec)
-    if isinstance(spec, SlidingWindowSpec):
-        return min(cdiv(spec.sliding_window - 1, spec.block_size), num_tokens // spec.block_size)
     if isinstance(spec, MambaSpec):
         return 1 if num_tokens else 0
-    return num_tokens // spec.block_size
+    partial = 1 if num_tokens % spec.block_size else 0
+    if isinstance(spec, SlidingWindowSpec):
+        window = cdiv(spec.sliding_window - 1, spec.block_size)
+        return min(window, num_tokens // spec.block_size) + partial
+    return num_tokens // spec.block_size + partial
 
 
 def hit_lower_bound_bytes(config: KVCacheConfig, num_tokens: int) -> int:
@@ -240,6 +311,7 @@ def hit_lower_bound_bytes(config: KVCacheConfig, num_tokens: int) -> int:
 
 
 __all__ = [
+    "CheckpointKey",
     "ExportPlan",
     "HeldKeys",
     "ImportReservation",

@@ -16,7 +16,13 @@ import pytest
 
 from cluster import LLM, SamplingParams
 from cluster.engine.core import EngineCore
-from cluster.engine.kv_transfer import kv_export, kv_held_keys, kv_import, transfer_prefix
+from cluster.engine.kv_transfer import (
+    kv_export,
+    kv_held_keys,
+    kv_import,
+    prompt_probe,
+    transfer_prefix,
+)
 from scheduler.kv_cache.transfer import hit_lower_bound_bytes
 from tests.helpers.tiny_gemma3n import save_tiny_gemma3n
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
@@ -201,3 +207,40 @@ def test_tensor_parallel_ranks_send_their_own_shards(tmp_path: Path) -> None:
     finally:
         sender.shutdown()
         receiver.shutdown()
+
+
+def lookup_hit(llm: LLM, prompt: list[int]) -> int:
+    """The prefix-cache hit the engine's scheduler would give the prompt now (nothing run)."""
+    core = core_of(llm)
+    return core.scheduler.kv_cache_manager.get_computed_blocks(
+        prompt_probe(core, prompt)
+    ).num_tokens
+
+
+@pytest.mark.parametrize("family", ["bamba"], indirect=True)
+def test_a_pulled_conversation_resumes_where_its_sender_would(family: Path) -> None:
+    """A conversation pulled as the drain hand-off pulls it (to its prompt's end, then to its
+    answer's) resumes on the receiver where it would on the sender: at the sender's state
+    checkpoints (prompt end and answer end, off the 12-token hybrid block grid), not a block
+    earlier; and the next turn's tokens equal one engine's with no cache."""
+    sender, receiver = LLM(str(family), **LLM_ARGS), LLM(str(family), **LLM_ARGS)
+    cold = LLM(str(family), **LLM_ARGS, enable_prefix_caching=False)
+    try:
+        prompt = PROMPT[:35]
+        turn = [*prompt, *generate(sender, prompt, SamplingParams(temperature=0, max_tokens=8))]
+        for end in (len(prompt), len(turn)):
+            transfer_prefix(core_of(sender), core_of(receiver), turn[:end])
+        regenerated, next_turn = [*prompt, 5, 6], [*turn, 11, 12, 13, 14, 15, 16, 17]
+        alignment = core_of(sender).scheduler.kv_cache_manager.alignment_tokens
+        for follow_up in (regenerated, next_turn):
+            own_hit = lookup_hit(sender, follow_up)
+            assert own_hit % alignment, own_hit  # the sender resumes at a checkpoint
+            assert lookup_hit(receiver, follow_up) == own_hit
+        before = core_of(receiver).get_stats().prefix_cache_hit_tokens
+        tokens = generate(receiver, next_turn, PARAMS["greedy"])
+        assert core_of(receiver).get_stats().prefix_cache_hit_tokens - before == own_hit
+        assert tokens == generate(cold, next_turn, PARAMS["greedy"])
+    finally:
+        sender.shutdown()
+        receiver.shutdown()
+        cold.shutdown()
