@@ -47,21 +47,17 @@ def invariant_linear(
         return F.linear(x, weight, bias)
     rows = x.reshape(-1, x.shape[-1])
     num_rows = rows.shape[0]
-    num_tiles = max(1, -(-num_rows // ROW_TILE))
     # A fresh (aligned) copy even when no row is added: the tiles' addresses stay the same.
-    padded = torch.constant_pad_nd(rows, (0, 0, 0, num_tiles * ROW_TILE - num_rows))
-    # One call per tile, never one batched call: a batched product may change its algorithm
-    # with the number of tiles (MKL's does for one output column).
-    weight_t = weight.t()
-    if num_tiles == 1:
-        out = torch.mm(padded, weight_t)
+    num_padding = -num_rows % ROW_TILE if num_rows else ROW_TILE
+    padded = torch.constant_pad_nd(rows, (0, 0, 0, num_padding))
+    # One call per tile (the bias added by the product), never one batched call: a batched
+    # product may change its algorithm with the number of tiles (MKL's does for one column).
+    if padded.shape[0] == ROW_TILE:
+        out = F.linear(padded, weight, bias)
     else:
-        tiles = padded.view(num_tiles, ROW_TILE, -1).unbind(0)
-        out = torch.cat([torch.mm(tile, weight_t) for tile in tiles])
+        out = torch.cat([F.linear(tile, weight, bias) for tile in padded.split(ROW_TILE)])
     out = out[:num_rows]
-    if bias is not None:
-        out = out + bias
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.shape[0])
 
 
 def invariant_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
