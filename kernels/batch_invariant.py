@@ -6,7 +6,10 @@ A CPU GEMM (MKL, oneDNN) picks its blocking, its kernel (gemv for one row) and i
 from the number of rows M, so row r of `x @ W^T` changes in the last bits with the batch around
 it. Here every product against a weight runs on tiles of exactly `ROW_TILE` rows (the last tile
 padded with zeros): one fixed problem shape, so each row sees the same arithmetic whatever the
-batch, chunk or position it comes in.
+batch, chunk or position it comes in. The tiles go through one batched product
+(`baddbmm`), whose problems are computed alike whatever their count, except for a single
+output column (N = 1), where MKL's batched product changes its algorithm with the count:
+there each tile is its own call.
 
     x [M, K] -> pad to [ceil(M / T) * T, K] -> per tile of T rows: [T, K] @ W^T [K, N] -> [M, N]
 
@@ -50,14 +53,22 @@ def invariant_linear(
     # A fresh (aligned) copy even when no row is added: the tiles' addresses stay the same.
     num_padding = -num_rows % ROW_TILE if num_rows else ROW_TILE
     padded = torch.constant_pad_nd(rows, (0, 0, 0, num_padding))
-    # One call per tile (the bias added by the product), never one batched call: a batched
-    # product may change its algorithm with the number of tiles (MKL's does for one column).
-    if padded.shape[0] == ROW_TILE:
-        out = F.linear(padded, weight, bias)
-    else:
+    if weight.shape[0] == 1:  # one output column: one call per tile, never a batched call
         out = torch.cat([F.linear(tile, weight, bias) for tile in padded.split(ROW_TILE)])
+    else:
+        out = _tile_products(padded.view(-1, ROW_TILE, rows.shape[1]), weight, bias)
     out = out[:num_rows]
     return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _tile_products(
+    tiles: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`[T, ROW_TILE, K]` tiles times `weight^T` (+ bias) as one batched product of T
+    problems of one shape -> `[T * ROW_TILE, N]`."""
+    weight_t = weight.t().expand(tiles.shape[0], *weight.t().shape)
+    out = torch.bmm(tiles, weight_t) if bias is None else torch.baddbmm(bias, tiles, weight_t)
+    return out.view(-1, weight.shape[0])
 
 
 def invariant_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
