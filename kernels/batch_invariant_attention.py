@@ -8,8 +8,9 @@ rows of the step, the chunk it was cut into, or whether its prefix came from the
 
     row r (request i, position p): tiles first(r) .. last(r) of request i, in order
     per tile: gather [R, tile, kv, size] -> scores [R, kv, group, tile] (masked; softcap)
-              (products as elementwise multiplies and fixed-length sums: a batched GEMM may
-              change its algorithm with the batch count)
+              (products as batched GEMMs of one problem shape per row and kv head: each
+              problem is computed alike whatever the number of rows; a GEMM of all rows at
+              once would pick its algorithm from that number)
               -> m' = max(m, tile max), l = l e^(m - m') + sum e^(s - m'), acc likewise + P V
 
 Tiles past a row's last are fully masked: they add exact zeros and leave its max, so rows of
@@ -165,8 +166,8 @@ def _attend_rows(
     for step in range(num_tiles):
         tile = first_tile + step
         keys, values, visible = _gather_tile(block_table, tile, rows, key_start, caches)
-        # [R, kv, group, 1, size] * [R, kv, 1, tile, size] -> sum over size: [R, kv, group, tile]
-        scores = (q[:, :, :, None, :] * keys.transpose(1, 2)[:, :, None]).sum(-1) * rule.scale
+        # [R, kv, group, size] @ [R, kv, size, tile] -> [R, kv, group, tile]
+        scores = torch.matmul(q, keys.permute(0, 2, 3, 1)) * rule.scale
         if rule.softcap is not None:
             scores = whole_vectors(torch.tanh, scores / rule.softcap) * rule.softcap
         scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
@@ -210,8 +211,8 @@ def _fold_tile(
     rescale = whole_vectors(torch.exp, peak - new_peak).nan_to_num(0.0)
     safe_peak = new_peak.masked_fill(new_peak == float("-inf"), 0.0)
     probs = whole_vectors(torch.exp, scores - safe_peak[..., None])
-    # [R, kv, group, tile, 1] * [R, kv, 1, tile, size] -> sum over the tile: [R, kv, group, size]
-    weighted = (probs[..., None] * values.transpose(1, 2)[:, :, None]).sum(-2)
+    # [R, kv, group, tile] @ [R, kv, tile, size] -> [R, kv, group, size]
+    weighted = torch.matmul(probs, values.transpose(1, 2))
     total = total * rescale + probs.sum(dim=-1)
     acc = acc * rescale[..., None] + weighted
     return new_peak, total, acc
