@@ -205,9 +205,11 @@ def _longest_hit(
     fine = checkpoints.find(request, block_hashes, found.num_tokens)
     if fine is None:
         return on_grid, found.num_tokens, None
+    null = manager.pool.null_block
     blocks = [
-        [*grid_blocks, source] if source is not None else list(grid_blocks)
-        for grid_blocks, source in zip(fine.blocks, fine.sources, strict=True)
+        _with_grid_blocks(list(grid), list(at_checkpoint), null)
+        + ([source] if source is not None else [])
+        for grid, at_checkpoint, source in zip(found.blocks, fine.blocks, fine.sources, strict=True)
     ]
     (key,) = {source.block_hash for source in fine.sources if source is not None}
     assert key is not None
@@ -217,6 +219,19 @@ def _longest_hit(
         grid_tokens = request.cache_token_ids[: fine.num_tokens // unit * unit]
         grid_key = checkpoint_keys(grid_tokens, unit, request.hash_salt, request.hash_root)[-1]
     return blocks, fine.num_tokens, CheckpointKey(fine.num_tokens, key, grid_key)
+
+
+def _with_grid_blocks(
+    grid: list[KVCacheBlock], at_checkpoint: list[KVCacheBlock], null: KVCacheBlock
+) -> list[KVCacheBlock]:
+    """A group's checkpoint-hit table with the block-grid hit's blocks in its null entries (a
+    recurrent group's state at the grid hit's end): lookups on the block grid, such as a
+    router's index of the receiver's KV events, then see the prefix there too."""
+    merged = [
+        grid[index] if block is null and index < len(grid) else block
+        for index, block in enumerate(at_checkpoint)
+    ]
+    return merged + grid[len(merged) :]
 
 
 def _tier_pages(sent: Sequence[KVCacheBlock]) -> tuple[TierPage, ...]:
@@ -289,11 +304,13 @@ def abort_import(manager: KVCacheManager, reservation: ImportReservation) -> Non
 
 def needed_blocks(spec: KVCacheSpec, num_tokens: int) -> int:
     """Blocks of one group a hit of `num_tokens` tokens reads (the hybrid lower bound's rule).
-    A hit off the group's block grid (at a state checkpoint) also reads the partial block there."""
+    A hit off the group's block grid (at a state checkpoint) also reads the partial block there,
+    and a transfer of it carries a recurrent group's state at the block grid's end before it
+    too (what block-grid lookups read)."""
     spec = manager_spec(spec)
-    if isinstance(spec, MambaSpec):
-        return 1 if num_tokens else 0
     partial = 1 if num_tokens % spec.block_size else 0
+    if isinstance(spec, MambaSpec):
+        return (1 if num_tokens >= spec.block_size else 0) + partial
     if isinstance(spec, SlidingWindowSpec):
         window = cdiv(spec.sliding_window - 1, spec.block_size)
         return min(window, num_tokens // spec.block_size) + partial

@@ -209,12 +209,14 @@ def test_tensor_parallel_ranks_send_their_own_shards(tmp_path: Path) -> None:
         receiver.shutdown()
 
 
-def lookup_hit(llm: LLM, prompt: list[int]) -> int:
-    """The prefix-cache hit the engine's scheduler would give the prompt now (nothing run)."""
+def lookup_hits(llm: LLM, prompt: list[int]) -> tuple[int, int]:
+    """The prefix-cache hit the engine's scheduler would give the prompt now (nothing run), and
+    the one on the block grid alone (what a router's index of its KV events predicts)."""
     core = core_of(llm)
-    return core.scheduler.kv_cache_manager.get_computed_blocks(
-        prompt_probe(core, prompt)
-    ).num_tokens
+    probe = prompt_probe(core, prompt)
+    manager = core.scheduler.kv_cache_manager
+    grid = manager.coordinator.find_longest_cache_hit(probe.block_hashes, len(prompt) - 1)
+    return manager.get_computed_blocks(probe).num_tokens, grid.num_tokens
 
 
 @pytest.mark.parametrize("family", ["bamba"], indirect=True)
@@ -222,7 +224,8 @@ def test_a_pulled_conversation_resumes_where_its_sender_would(family: Path) -> N
     """A conversation pulled as the drain hand-off pulls it (to its prompt's end, then to its
     answer's) resumes on the receiver where it would on the sender: at the sender's state
     checkpoints (prompt end and answer end, off the 12-token hybrid block grid), not a block
-    earlier; and the next turn's tokens equal one engine's with no cache."""
+    earlier; its block-grid hit (a router's prediction) is the sender's too; and the next
+    turn's tokens equal one engine's with no cache."""
     sender, receiver = LLM(str(family), **LLM_ARGS), LLM(str(family), **LLM_ARGS)
     cold = LLM(str(family), **LLM_ARGS, enable_prefix_caching=False)
     try:
@@ -233,9 +236,9 @@ def test_a_pulled_conversation_resumes_where_its_sender_would(family: Path) -> N
         regenerated, next_turn = [*prompt, 5, 6], [*turn, 11, 12, 13, 14, 15, 16, 17]
         alignment = core_of(sender).scheduler.kv_cache_manager.alignment_tokens
         for follow_up in (regenerated, next_turn):
-            own_hit = lookup_hit(sender, follow_up)
+            own_hit, own_grid_hit = lookup_hits(sender, follow_up)
             assert own_hit % alignment, own_hit  # the sender resumes at a checkpoint
-            assert lookup_hit(receiver, follow_up) == own_hit
+            assert lookup_hits(receiver, follow_up) == (own_hit, own_grid_hit)
         before = core_of(receiver).get_stats().prefix_cache_hit_tokens
         tokens = generate(receiver, next_turn, PARAMS["greedy"])
         assert core_of(receiver).get_stats().prefix_cache_hit_tokens - before == own_hit
