@@ -54,7 +54,8 @@ def invariant_linear(
     num_padding = -num_rows % ROW_TILE if num_rows else ROW_TILE
     padded = torch.constant_pad_nd(rows, (0, 0, 0, num_padding))
     if weight.shape[0] == 1:  # one output column: one call per tile, never a batched call
-        out = torch.cat([F.linear(tile, weight, bias) for tile in padded.split(ROW_TILE)])
+        tiles = padded.view(-1, ROW_TILE, rows.shape[1]).unbind(0)
+        out = torch.cat([F.linear(tile, weight, bias) for tile in tiles])
     else:
         out = _tile_products(padded.view(-1, ROW_TILE, rows.shape[1]), weight, bias)
     out = out[:num_rows]
@@ -78,31 +79,34 @@ def invariant_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.matmul(a, b)
 
 
-def whole_vectors(func: Callable[..., Any], x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+def whole_vectors(
+    func: Callable[..., Any], x: torch.Tensor, *args: Any, **kwargs: Any
+) -> torch.Tensor:
     """`func(x, ...)` of an elementwise function, on a contiguous copy of `x` padded so that
     every thread's share is whole vectors (in place when `func` is, or asks to be)."""
-    if x.device.type != "cpu" or not x.is_floating_point():
-        return func(x, *args, **kwargs)
     step = _VECTOR_ELEMENTS * max(1, torch.get_num_threads())
+    if x.device.type != "cpu" or not x.is_floating_point():
+        return direct(func, x, *args, **kwargs)
     if x.is_contiguous() and x.numel() % step == 0:
-        return func(x, *args, **kwargs)
+        return direct(func, x, *args, **kwargs)
     flat = x.reshape(-1)
     padded = torch.constant_pad_nd(flat, (0, -flat.numel() % step))
     result = func(padded, *args, **kwargs)
-    out = (padded if result is None else result)[: flat.numel()].view(x.shape)
+    out: torch.Tensor = (padded if result is None else result)[: flat.numel()].view(x.shape)
     if func.__name__.endswith("_") or kwargs.get("inplace"):
         return x.copy_(out)
     return out
 
 
-def direct(func: Callable[..., Any], x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+def direct(func: Callable[..., Any], x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """`func(x, ...)` as torch computes it (the normal mode's `pointwise`)."""
-    return func(x, *args, **kwargs)
+    out: torch.Tensor = func(x, *args, **kwargs)
+    return out
 
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 MatmulFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-PointwiseFn = Callable[..., Any]
+PointwiseFn = Callable[..., torch.Tensor]
 """`pointwise(func, x, *args, **kwargs)`: the elementwise function `func` applied to `x`."""
 
 

@@ -20,7 +20,7 @@ from kernels.layer_ops_registry import LayerKernels
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """`kernels.layer_ops_reference.silu_and_mul` with its SiLU on whole vectors."""
     gate, up = x.chunk(2, dim=-1)
-    return whole_vectors(F.silu, gate) * up  # type: ignore[no-any-return]
+    return whole_vectors(F.silu, gate) * up
 
 
 def gated_rms_norm(
@@ -29,9 +29,9 @@ def gated_rms_norm(
     """`kernels.layer_ops_reference.gated_rms_norm` with its SiLU on whole vectors."""
     silu = whole_vectors(F.silu, gate.float())
     if x.dtype == weight.dtype == torch.float32:
-        return _fused_rms_norm(x, weight, eps) * silu  # type: ignore[no-any-return]
+        return _fused_rms_norm(x, weight, eps) * silu
     scaled = weight * _fused_rms_norm(x, None, eps)
-    return (scaled * silu).to(x.dtype)  # type: ignore[no-any-return]
+    return (scaled * silu).to(x.dtype)
 
 
 def invariant_layer_kernels(kernels: LayerKernels) -> LayerKernels:

@@ -109,7 +109,7 @@ def causal_conv1d(  # noqa: PLR0913 (the signature shared by every backend)
 
 
 def _silu(x: torch.Tensor) -> torch.Tensor:
-    return whole_vectors(F.silu, x)  # type: ignore[no-any-return]
+    return whole_vectors(F.silu, x)
 
 
 def _discretize_dt(

@@ -17,7 +17,7 @@ def install_batch_invariant(model: nn.Module) -> None:
     """Give every layer of `model` the batch-invariant operations (in place)."""
     for module in model.modules():
         if isinstance(getattr(module, "math", None), LayerMath):
-            module.math = INVARIANT_MATH
+            setattr(module, "math", INVARIANT_MATH)  # noqa: B010 (not a declared attribute)
         kernels = getattr(module, "kernels", None)
         if isinstance(kernels, LayerKernels):
-            module.kernels = invariant_layer_kernels(kernels)
+            setattr(module, "kernels", invariant_layer_kernels(kernels))  # noqa: B010
