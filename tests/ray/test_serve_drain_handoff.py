@@ -16,11 +16,9 @@ from typing import Any
 import pytest
 from ray import serve
 from ray.serve import Application
-from ray.serve import api as serve_api
-from ray.serve.request_router import ReplicaID
 
 from cluster.llm import LLM
-from cluster.serve import build_llm_deployment, deployment_name
+from cluster.serve import deployment_name
 from scheduler.request import SamplingParams
 from tests.helpers.serve_app import deployed, save_word_tokenizer
 from tests.helpers.tiny_hybrid import save_tiny_hybrid
@@ -37,7 +35,9 @@ from tests.ray.test_serve_peer_pull import (
     is_gone,
     next_turn,
     prompt_ids,
+    scale_down,
 )
+from tests.ray.test_serve_peer_pull import model_app as pull_model_app
 
 pytestmark = pytest.mark.ray
 RAY_CPUS = 4
@@ -67,26 +67,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def model_app(model_dir: Path, num_replicas: int) -> Application:
-    """The model's deployment; a fixed version makes a change of `num_replicas` a scale."""
-    config = {
-        "model_loading_config": {"model_id": MODEL, "model_source": str(model_dir)},
-        "engine_kwargs": {
-            **ENGINE,
-            "device": "cpu",
-            "distributed_executor_backend": "uni",
-            "kv_cache_memory_bytes": 2 << 20,
-        },
-        "placement_group_config": {"bundles": [{"CPU": 0.25}]},
-        "deployment_config": {
-            "num_replicas": num_replicas,
-            "graceful_shutdown_wait_loop_s": 0.5,
-            "ray_actor_options": {"num_cpus": 0.1},
-            "request_router_config": ROUTER,
-        },
-    }
-    app = build_llm_deployment(config)
-    app._bound_deployment._version = "1"  # Serve's code version (no public option sets it)
-    return app
+    """The peer-pull test's deployment with the hand-off on and a short drain loop."""
+    return pull_model_app(model_dir, num_replicas, ROUTER, drain_loop_s=0.5)
 
 
 @pytest.fixture(scope="module")
@@ -113,17 +95,6 @@ def in_flight_on_each(handle: Any, router: Any, pool: ThreadPoolExecutor) -> lis
     return [futures, conversations]
 
 
-def scale_down(handle: Any, model_dir: Path) -> tuple[ReplicaID, ReplicaID]:
-    """Scale to one replica: (the one Serve stops, the one left)."""
-    router = handle._router._asyncio_router.request_router
-    replicas = list(router.curr_replicas)
-    serve_api._run(model_app(model_dir, 1), _blocking=False, name=APP, route_prefix=None)
-    wait_until(lambda: len(router.curr_replicas) == 1, "a replica leaves routing")
-    [kept] = router.curr_replicas
-    [stopped] = [replica for replica in replicas if replica != kept]
-    return stopped, kept
-
-
 def test_a_scaled_down_replica_hands_its_conversations_to_its_peer(
     handle: Any, model_dir: Path
 ) -> None:
@@ -141,7 +112,7 @@ def test_a_scaled_down_replica_hands_its_conversations_to_its_peer(
     holders = {replica: held_by(router, replica, prompts, now) for replica in before}
     with ThreadPoolExecutor(2) as pool:
         futures, long_firsts = in_flight_on_each(handle, router, pool)
-        stopped, kept = scale_down(handle, model_dir)
+        stopped, kept = scale_down(handle, model_app(model_dir, 1), APP)
         started = time.monotonic()
         in_flight = [answer(future.result(timeout=60)) for future in futures]
     wait_until(lambda: is_gone(stopped), "the stopped replica exits", timeout_s=30)

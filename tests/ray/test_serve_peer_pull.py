@@ -61,9 +61,15 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_word_tokenizer(path)
 
 
-def model_app(model_dir: Path, num_replicas: int) -> Application:
-    """The model's deployment; a fixed version makes a change of `num_replicas` a scale (no
-    restart). A replica scaled down drains for DRAIN_S at least before Serve stops it."""
+def model_app(
+    model_dir: Path,
+    num_replicas: int,
+    router: dict[str, Any] | None = None,
+    drain_loop_s: float = DRAIN_S,
+) -> Application:
+    """The model's deployment behind `router` (default ROUTER); a fixed version makes a change
+    of `num_replicas` a scale (no restart). A replica scaled down drains for `drain_loop_s` at
+    least before Serve stops it."""
     config = {
         "model_loading_config": {"model_id": MODEL, "model_source": str(model_dir)},
         "engine_kwargs": {
@@ -75,9 +81,9 @@ def model_app(model_dir: Path, num_replicas: int) -> Application:
         "placement_group_config": {"bundles": [{"CPU": 0.25}]},
         "deployment_config": {
             "num_replicas": num_replicas,
-            "graceful_shutdown_wait_loop_s": DRAIN_S,
+            "graceful_shutdown_wait_loop_s": drain_loop_s,
             "ray_actor_options": {"num_cpus": 0.1},
-            "request_router_config": ROUTER,
+            "request_router_config": ROUTER if router is None else router,
         },
     }
     app = build_llm_deployment(config)
@@ -199,11 +205,12 @@ def holders_by_events(router: Any, token_ids: list[int]) -> list[ReplicaID]:
     return [r for r in router.curr_replicas if held_by(router, r, [token_ids], after_guesses)]
 
 
-def scale_down(handle: Any, model_dir: Path) -> tuple[ReplicaID, ReplicaID]:
-    """Scale to one replica: (the one Serve drains, the one left)."""
+def scale_down(handle: Any, app: Application, app_name: str) -> tuple[ReplicaID, ReplicaID]:
+    """Redeploy `app` (the deployment at one replica): (the replica Serve drains, the one
+    left)."""
     router = handle._router._asyncio_router.request_router
     replicas = list(router.curr_replicas)
-    serve_api._run(model_app(model_dir, 1), _blocking=False, name=APP, route_prefix=None)
+    serve_api._run(app, _blocking=False, name=app_name, route_prefix=None)
     wait_until(lambda: len(router.curr_replicas) == 1, "a replica leaves routing")
     [kept] = router.curr_replicas
     [drained] = [replica for replica in replicas if replica != kept]
@@ -225,7 +232,7 @@ def test_a_draining_replica_is_pulled_from_and_once_gone_its_turns_recompute(
     before = {replica: direct(replica, "transfer_stats") for replica in router.curr_replicas}
     now = time.monotonic()
     holders = {replica: held_by(router, replica, prompts, now) for replica in before}
-    drained, kept = scale_down(handle, model_dir)
+    drained, kept = scale_down(handle, model_app(model_dir, 1), APP)
     live, gone = holders[drained][:2]
     live_text, live_cached = answer(list(chat(handle, turns[live], "live", 4)))
     sent = direct(drained, "transfer_stats")["blocks_sent"] - before[drained]["blocks_sent"]
