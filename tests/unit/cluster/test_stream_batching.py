@@ -209,4 +209,6 @@ def test_the_replica_adapts_the_interval_to_the_number_of_streams(tmp_path: Path
         if _max_tokens(index) < longest:
             assert final.step <= _max_tokens(index) + 1, chunks  # its last token's step
         middle_sizes += [chunk.num_tokens for chunk in middle]
-    assert sum(middle_sizes) / len(middle_sizes) >= 3, middle_sizes
+    # several tokens per chunk on average (one without batching); the interval is in time, so
+    # on a loaded machine (slower steps) fewer steps fit in it than on a quiet one
+    assert sum(middle_sizes) / len(middle_sizes) >= 2, middle_sizes
