@@ -13,6 +13,7 @@ or a receive over torch.distributed: this package imports no other transport.
 from __future__ import annotations
 
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -41,7 +42,7 @@ class WeightShardSource(Protocol):
         ...
 
 
-class WeightUpdateCalls:
+class WeightUpdateCalls(ABC):
     """Weight-update calls of a rank; needs the worker's `spec`, `rank` and `model_runner`."""
 
     spec: Any
@@ -53,8 +54,9 @@ class WeightUpdateCalls:
     """The weight-transfer group this rank joined (backends gloo, nccl) and how."""
 
     @property
-    def model_runner(self) -> ModelRunner:  # provided by the worker
-        raise NotImplementedError
+    @abstractmethod
+    def model_runner(self) -> ModelRunner:
+        """The worker's model runner (the worker defines it)."""
 
     @property
     def weight_updater(self) -> WeightUpdater:
