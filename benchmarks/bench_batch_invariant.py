@@ -30,9 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from cluster import LLM, SamplingParams
-from tests.helpers.tiny_gemma4_gpt_oss import GPT_OSS, save_gemma4_or_gpt_oss
-from tests.helpers.tiny_hybrid import save_tiny_hybrid
-from tests.helpers.tiny_linear_hybrid import save_tiny_linear_hybrid
+from tests.helpers.batch_invariance import save_model
 
 FAMILIES = ("gpt_oss", "nemotron_h", "qwen3_next", "lfm2")
 ENGINE = {
@@ -53,16 +51,6 @@ WORKLOADS: dict[str, tuple[list[list[int]], SamplingParams]] = {
     ),
 }
 GOAL = 1.3
-
-
-def save_family(family: str, path: Path) -> None:
-    """The tests' tiny random checkpoint of `family`, in `path`."""
-    if family == "gpt_oss":
-        save_gemma4_or_gpt_oss("GptOssConfig", "GptOssForCausalLM", GPT_OSS, path)
-    elif family == "nemotron_h":
-        save_tiny_hybrid(family, path)
-    else:
-        save_tiny_linear_hybrid(family, path)
 
 
 def forward_counter(llm: LLM) -> Callable[[], int]:
@@ -94,7 +82,7 @@ Medians = tuple[float, float, float, float]
 def measure_family(family: str, reps: int) -> dict[str, Medians]:
     """Per workload: the median step times of both engines."""
     with tempfile.TemporaryDirectory() as folder:
-        save_family(family, Path(folder))
+        save_model(family, Path(folder))
         engines = {mode: LLM(folder, batch_invariant=mode, **ENGINE) for mode in (True, False)}
         counters = {mode: forward_counter(llm) for mode, llm in engines.items()}
         results = {}
