@@ -13,7 +13,6 @@ import functools
 import json
 import os
 import platform
-import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,7 +25,6 @@ import yaml
 from cluster.config import (
     API_KEY_ENV,
     PVC_MOUNT_ROOT,
-    EngineArgs,
     LLMConfig,
     LLMServingArgs,
     validate_config_file,
@@ -461,146 +459,6 @@ def test_misspelt_engine_kwarg_renders_but_fails_our_validation() -> None:
     rayservice = _render({"engine": {"extraKwargs": {"max_num_seq": 8}}})["RayService"]
     with pytest.raises(ValueError, match=r"did you mean 'max_num_seqs'\?"):
         _serving_args(rayservice)
-
-
-def _engine_values_schema() -> dict[str, Any]:
-    schema = json.loads((CHART / "values.schema.json").read_text())
-    return schema["properties"]["engine"]["properties"]  # type: ignore[no-any-return]
-
-
-def _snake(camel: str) -> str:
-    return re.sub(r"(?<!^)([A-Z])", r"_\1", camel).lower()
-
-
-def _as_values_schema(field_schema: dict[str, Any]) -> dict[str, Any]:
-    """An `EngineArgs` field's JSON schema in the values schema's shape (one type list; a
-    nested config's keys inline)."""
-    options = field_schema.get("anyOf", [field_schema])
-    ref = next((option["$ref"] for option in options if "$ref" in option), None)
-    if ref is not None:
-        nested = EngineArgs.model_json_schema()["$defs"][ref.rsplit("/", 1)[-1]]
-        return {
-            "type": ["object", "null"],
-            "description": " ".join(field_schema["description"].split()),
-            "properties": {k: _as_values_schema(v) for k, v in nested["properties"].items()},
-            "additionalProperties": False,
-            "required": nested["required"],
-        }
-    types = [option["type"] for option in options]
-    constraints = {
-        key: value
-        for option in options
-        for key, value in option.items()
-        if key not in ("default", "title", "anyOf")
-    }
-    return {
-        **constraints,
-        "type": types[0] if len(types) == 1 else types,
-        "description": " ".join(field_schema["description"].split()),
-    }
-
-
-NAMED_ENGINE_VALUES = [name for name in _engine_values_schema() if name != "extraKwargs"]
-
-
-@pytest.mark.parametrize("name", NAMED_ENGINE_VALUES)
-def test_named_engine_values_mirror_their_engine_args_field(name: str) -> None:
-    field = _snake(name)
-    assert field in EngineArgs.model_fields, f"engine.{name} is no EngineArgs field"
-    properties = EngineArgs.model_json_schema()["properties"]
-    assert _engine_values_schema()[name] == _as_values_schema(properties[field])
-    default = yaml.safe_load((CHART / "values.yaml").read_text())["engine"][name]
-    assert default == EngineArgs.model_fields[field].default
-
-
-def test_named_engine_values_reach_their_engine_args_field() -> None:
-    values = {"tensorParallelSize": 2, "maxModelLen": 77, "gpuMemoryUtilization": 0.5,
-              "enablePrefixCaching": False,
-              "speculativeConfig": {"method": "ngram", "num_speculative_tokens": 3}}  # fmt: skip
-    assert set(values) == set(NAMED_ENGINE_VALUES)
-    rayservice = _render({"engine": values, "worker": {"gpusPerPod": 2}})["RayService"]
-    args = _serving_args(rayservice).llm_configs[0].engine_args()
-    for name, value in values.items():
-        got = getattr(args, _snake(name))
-        assert (got.model_dump(exclude_none=True) if name == "speculativeConfig" else got) == value
-
-
-def _sample(field_schema: dict[str, Any], defs: dict[str, Any]) -> Any:
-    """The field's default, or a valid value of its first non-null type (a nested settings
-    model: each of its fields sampled)."""
-    if field_schema.get("default") is not None:
-        return field_schema["default"]
-    (option, *_) = [o for o in field_schema.get("anyOf", [field_schema]) if o.get("type") != "null"]
-    if "$ref" in option:
-        nested = defs[option["$ref"].rsplit("/", 1)[-1]]["properties"]
-        return {name: _sample(schema, defs) for name, schema in nested.items()}
-    if "enum" in option:
-        return option["enum"][0]
-    if option["type"] == "array" and option.get("items", {}).get("type") == "integer":
-        return [option["items"].get("minimum", 1)]
-    return {
-        "string": "/x",
-        "integer": option.get("minimum", 1),
-        "number": option.get("minimum", 1),
-        "object": {"image": 1},
-        "array": ["x"],
-    }[option["type"]]
-
-
-def test_every_other_engine_argument_passes_through_extra_kwargs() -> None:
-    named = {_snake(name) for name in NAMED_ENGINE_VALUES}
-    schema_of_args = EngineArgs.model_json_schema()
-    properties, defs = schema_of_args["properties"], schema_of_args.get("$defs", {})
-    extra = {
-        field: _sample(schema, defs)
-        for field, schema in properties.items()
-        if field not in named and field != "model"  # the model comes from model.source
-    }
-    rayservice = _render({"engine": {"extraKwargs": extra}})["RayService"]
-    (config,) = _serving_args(rayservice).llm_configs
-    assert config.engine_args().model_dump(include=set(extra)) == extra
-
-
-SERIES = [
-    "ray_vllm_num_requests_running", "ray_vllm_num_requests_waiting",
-    "ray_vllm_kv_cache_usage_perc",
-    "ray_vllm_prefix_cache_queries_total", "ray_vllm_prefix_cache_hits_total",
-    "ray_vllm_time_to_first_token_seconds_bucket", "ray_vllm_inter_token_latency_seconds_bucket",
-    "ray_vllm_e2e_request_latency_seconds_bucket", "ray_vllm_request_queue_time_seconds_bucket",
-    "ray_vllm_prompt_tokens_total", "ray_vllm_generation_tokens_total",
-    "ray_vllm_num_preemptions_total", "ray_vllm_request_success_total",
-    "ray_hybridserve_kv_cache_group_usage_perc", "ray_hybridserve_prefix_cache_group_hits",
-    "ray_hybridserve_worker_alive",
-    "ray_vllm_kv_offload_usage_perc", "ray_vllm_kv_offload_bytes_total",
-    "ray_hybridserve_kv_offload_group_hit_tokens", "ray_vllm_num_requests_waiting_for_kvs",
-    "ray_vllm_kv_offload_load_seconds_total", "ray_vllm_kv_offload_failed_loads_total",
-    "ray_hybridserve_prefix_cache_misses_total", "ray_serve_deployment_request_counter_total",
-    "ray_vllm_spec_decode_num_accepted_tokens_total", "ray_vllm_spec_decode_num_draft_tokens_total",
-    "ray_hybridserve_kv_cache_group_blocks", "ray_hybridserve_kv_cache_group_pressure",
-    "ray_hybridserve_admission_limited_total",
-]  # fmt: skip
-
-
-def test_dashboard_charts_every_series_per_model_and_ships_in_the_chart() -> None:
-    text = (CHART / "dashboards" / "hybridserve.json").read_text()
-    dashboard = json.loads(text)
-    exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
-    for series in SERIES:
-        assert any(series in expr for expr in exprs), f"{series} is not charted"
-    for expr in exprs:  # every engine series is filtered by model (Ray Serve's have no model)
-        selectors = len(re.findall(r"\bray_(?:vllm|hybridserve)_\w+\{", expr))
-        selectors += expr.count("{__name__")
-        assert expr.count('model_name=~"$model_name"') == selectors, expr
-    ids = [p["id"] for p in dashboard["panels"]]
-    assert len(ids) == len(set(ids))
-    shipped = _render({})["ConfigMap/dashboard"]["data"]["hybridserve.json"]
-    assert json.loads(shipped) == dashboard
-
-
-def test_dashboard_config_map_is_labelled_for_the_grafana_sidecar_and_can_be_turned_off() -> None:
-    labels = _render({})["ConfigMap/dashboard"]["metadata"]["labels"]
-    assert labels["grafana_dashboard"] == "1"
-    assert "ConfigMap/dashboard" not in _render({"metrics": {"dashboard": {"enabled": False}}})
 
 
 def test_request_router_values_reach_the_model_deployment() -> None:
