@@ -95,12 +95,10 @@ def sync_ray(llm: LLM, trainer: Any) -> None:
     llm.finish_weight_update()
 
 
-def ray_trainer(folder: Path) -> Any:
-    import ray
+def file_sender(base: type) -> type:
+    """A trainer class on `base` (a weight sender) holding a checkpoint file's tensors."""
 
-    from cluster.engine.weight_transfer import WeightSender
-
-    class Sender(WeightSender):
+    class FileSender(base):  # type: ignore[valid-type,misc]
         def __init__(self, path: str) -> None:
             self.tensors = load_file(path)
 
@@ -110,7 +108,15 @@ def ray_trainer(folder: Path) -> Any:
         def push(self, plans: list[dict[str, Any]]) -> Any:
             return self.send_weights(self.tensors, plans)
 
-    actor_class: Any = ray.remote(num_cpus=0)(Sender)
+    return FileSender
+
+
+def ray_trainer(folder: Path) -> Any:
+    import ray
+
+    from cluster.engine.weight_transfer import WeightSender
+
+    actor_class: Any = ray.remote(num_cpus=0)(file_sender(WeightSender))
     trainer = actor_class.remote(str(folder / "model.safetensors"))
     ray.get(trainer.shapes.remote())  # started (the trainer's start-up is not the sync's)
     return trainer
@@ -132,17 +138,7 @@ def gloo_trainer(folder: Path, llm: LLM) -> Any:
 
     from cluster.engine.weight_collective import CollectiveWeightSender
 
-    class GroupSender(CollectiveWeightSender):
-        def __init__(self, path: str) -> None:
-            self.tensors = load_file(path)
-
-        def shapes(self) -> dict[str, Any]:
-            return shapes_of(self.tensors)
-
-        def push(self, plans: list[dict[str, Any]]) -> Any:
-            return self.send_weights(self.tensors, plans)
-
-    actor_class: Any = ray.remote(num_cpus=0)(GroupSender)
+    actor_class: Any = ray.remote(num_cpus=0)(file_sender(CollectiveWeightSender))
     trainer = actor_class.remote(str(folder / "model.safetensors"))
     info = ray.get(trainer.weight_group_address.remote(world_size=2, backend="gloo"))
     joined = trainer.join_weight_transfer_group.remote(info)

@@ -138,14 +138,7 @@ def test_a_trainer_killed_mid_update_fails_it_and_the_engine_keeps_its_weights(
     handle = ray.get(trainer.push.remote(plans))  # the trainer holds the shards
     ray.kill(trainer, no_restart=True)
     llm.start_weight_update()
-    start = time.monotonic()
-    with pytest.raises(ValueError, match=r"weight shard is lost \(the sender died\?\)") as err:
-        llm.update_weights({"shards": handle})
-    assert time.monotonic() - start < 20
-    assert "\n" not in str(err.value)
-    assert llm.get_weight_version() == version
-    llm.reset_prefix_cache()
-    assert _generate(llm) == before
+    _assert_the_lost_sender_fails_the_update(llm, handle, before, version)
 
 
 def test_sleep_and_wake_of_both_ranks_with_an_update_while_asleep(
@@ -208,6 +201,14 @@ def test_gloo_trainer_killed_mid_update_fails_it_and_the_engine_keeps_its_weight
     handle = collective_shards(new_tensors, llm.weight_shard_plans(shapes_of(new_tensors)))
     llm.start_weight_update()
     ray.kill(trainer, no_restart=True)
+    _assert_the_lost_sender_fails_the_update(llm, handle, before, version)
+
+
+def _assert_the_lost_sender_fails_the_update(
+    llm: LLM, handle: Any, before: list[Any], version: Any
+) -> None:
+    """The update with a dead sender's `handle` fails within its deadline in one line; the old
+    weights (their version and outputs) stay."""
     start = time.monotonic()
     with pytest.raises(ValueError, match=r"weight shard is lost \(the sender died\?\)") as err:
         llm.update_weights({"shards": handle})
