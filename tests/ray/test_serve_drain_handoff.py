@@ -37,19 +37,17 @@ from tests.ray.test_serve_peer_pull import (
     prompt_ids,
     scale_down,
 )
+from tests.ray.test_serve_peer_pull import ROUTER as PULL_ROUTER
 from tests.ray.test_serve_peer_pull import model_app as pull_model_app
 
 pytestmark = pytest.mark.ray
 RAY_CPUS = 4
 
 APP = "handoff"
-ROUTER = {
-    "request_router_class": "cluster.serve.routing:HybridPrefixRouter",
-    "request_routing_stats_period_s": 0.2,
+ROUTER = {  # the peer-pull test's router with the hand-off on
+    **PULL_ROUTER,
     "request_router_kwargs": {
-        "min_in_flight_bound": 1,
-        "load_factor": 1.0,
-        "pull_threshold_tokens": 8,
+        **PULL_ROUTER["request_router_kwargs"],
         "pull_timeout_s": 30,
         "drain_handoff_prefixes": 64,
     },
